@@ -1,0 +1,197 @@
+"""The `nxdt-launch` command.
+
+    nxdt-launch                                        # the embedded default: demo data + tiny GPT, locally
+    nxdt-launch stages=[training] training=llama/tiny  # Hydra overrides, as NeMo-Launcher takes them
+    nxdt-launch stages=[training] training=gpt3/tiny cluster_type=slurm --dry-run
+    nxdt-launch status [RUN]    nxdt-launch logs RUN [STAGE] [-f]    nxdt-launch cancel RUN
+
+Only click and rich are imported at start; Hydra and Jinja load when a launch needs them, and torch never.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from launcher.errors import UserError
+from launcher.paths import CONFIG_GROUPS, group_choices
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _groups_help() -> str:
+    lines = ["Config groups (choose with GROUP=CHOICE):"]
+    for group in CONFIG_GROUPS:
+        lines.append(f"  {group}: {', '.join(group_choices(group))}")
+    return "\n".join(lines)
+
+
+class _LaunchGroup(click.Group):
+    """Arguments that are not a command name are Hydra overrides for a launch."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands:
+            return "launch", self.commands["launch"], args
+        return super().resolve_command(ctx, args)
+
+    def format_epilog(self, ctx, formatter):
+        formatter.write("\n")
+        for line in _groups_help().splitlines():
+            formatter.write(line + "\n")
+
+
+@click.group(cls=_LaunchGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--dry-run", is_flag=True, help="Render every script and submit nothing (same as dry_run=true).")
+@click.pass_context
+def cli(ctx: click.Context, dry_run: bool) -> None:
+    """Compose, validate, render and submit the configured stages (default command), or inspect runs."""
+    ctx.obj = {"dry_run": dry_run}
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(launch, overrides=(), dry_run=dry_run)
+
+
+@cli.command(hidden=True, context_settings={"ignore_unknown_options": True})
+@click.option("--dry-run", is_flag=True)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> None:
+    from launcher import launch as steps
+    from launcher.slurm import SlurmError
+
+    dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)
+    produced_by = "nxdt-launch " + shlex.join(sys.argv[1:])
+    plan = steps.make_plan(list(overrides), dry_run=dry_run, produced_by=produced_by)
+    console = _console()
+    from rich.markup import escape
+
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    scripts = steps.write(plan)
+    record = steps.new_record(plan, scripts)
+    code = 0
+    if plan.dry_run:
+        for entry in record["stages"]:
+            entry["job_id"] = "dry-run"
+    elif plan.executor == "slurm":
+        try:
+            steps.submit_slurm(plan, scripts, record)
+        except SlurmError as e:
+            raise UserError(str(e)) from None
+    _print_plan(console, plan, record)
+    if not plan.dry_run and plan.executor == "local":
+        code = steps.run_local(plan, scripts, record, console)
+    ctx.exit(code)
+
+
+def _print_plan(console, plan, record) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    title = escape(f"run {plan.cfg['run_name']} · {plan.executor} executor ({plan.executor_reason})")
+    table = Table(title=title, title_justify="left")
+    for column in ("stage", "job id", "nodes × tasks", "dependency", "script"):
+        table.add_column(column, overflow="fold")
+    for job, entry in zip(plan.jobs, record["stages"]):
+        array = f" (array of {job.array_size})" if job.array_size else ""
+        table.add_row(job.stage, str(entry["job_id"] or "-"), f"{job.nodes} × {job.nproc_per_node}{array}",
+                      entry["dependency"] or "-", escape(entry["script"]))
+    console.print(table)
+
+
+_results_dir = click.option("--results-dir", type=click.Path(path_type=Path), default=Path("results"),
+                            show_default=True, help="The base_results_dir the runs were launched with.")
+
+
+@cli.command()
+@click.argument("run", required=False)
+@_results_dir
+def status(run: str | None, results_dir: Path) -> None:
+    """The state of each stage of RUN, or a list of recorded runs."""
+    from rich.table import Table
+
+    from launcher import records, runs
+
+    console = _console()
+    if run is None:
+        table = Table(title=f"runs under {results_dir}", title_justify="left")
+        for column in ("run", "executor", "created", "stages"):
+            table.add_column(column)
+        for run_dir in records.all_runs(results_dir):
+            record = records.load(run_dir)
+            table.add_row(run_dir.name, record["executor"], record["created"],
+                          ", ".join(e["stage"] for e in record["stages"]))
+        console.print(table)
+        return
+    record = records.load(runs.require_run(run, results_dir))
+    table = Table(title=f"run {record['run_name']} ({record['executor']}, launched {record['created']})",
+                  title_justify="left")
+    for column in ("stage", "job id", "state", "log dir"):
+        table.add_column(column, overflow="fold")
+    for entry, state in runs.stage_states(record):
+        table.add_row(entry["stage"], str(entry["job_id"]), str(state), entry["log_dir"])
+    console.print(table)
+
+
+@cli.command()
+@click.argument("run")
+@click.argument("stage", required=False)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing as the logs grow (tail -F).")
+@_results_dir
+def logs(run: str, stage: str | None, follow: bool, results_dir: Path) -> None:
+    """Print the logs of RUN (one STAGE, or all)."""
+    import os
+
+    from launcher import records, runs
+
+    record = records.load(runs.require_run(run, results_dir))
+    files = runs.log_files(record, stage)
+    if not files:
+        raise UserError(f"run {run!r}: no logs yet for {stage or 'any stage'} (is it still pending?)")
+    if follow:
+        os.execvp("tail", ["tail", "-n", "+1", "-F", *map(str, files)])
+    for path in files:
+        click.echo(f"==> {path} <==")
+        click.echo(path.read_text(errors="replace"), nl=False)
+
+
+@cli.command()
+@click.argument("run")
+@_results_dir
+def cancel(run: str, results_dir: Path) -> None:
+    """Cancel every stage of RUN that has not finished."""
+    from launcher import records, runs
+    from launcher.slurm import SlurmError
+
+    record = records.load(runs.require_run(run, results_dir))
+    try:
+        click.echo(runs.cancel(record))
+    except SlurmError as e:
+        raise UserError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = cli.main(args=argv, prog_name="nxdt-launch", standalone_mode=False)
+    except UserError as e:
+        for problem in e.problems:
+            click.echo(f"error: {problem}", err=True)
+        sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

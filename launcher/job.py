@@ -1,0 +1,36 @@
+"""A Job: what one stage asks of an executor. Stages build them from config; executors render and run them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    stage: str                    # data_preparation | training | conversion | evaluation
+    run_name: str
+    results_dir: Path
+    nodes: int
+    nproc_per_node: int           # worker processes on each node (torchrun's --nproc_per_node, or 1)
+    distributed: bool             # run the program under torchrun across `nodes`
+    program: tuple[str, ...]      # argv after the Python interpreter, e.g. ('-m', 'runtime.train', '--config', F)
+    time_limit: str
+    dependency: str               # how this job waits for the previous one: afterok | afterany | singleton
+    stage_config: dict[str, Any] = field(repr=False)  # the resolved stage subtree, written as config_path
+    array_size: int | None = None     # Slurm array tasks; each gets --task-index I --num-tasks N
+    array_parallel: int | None = None  # at most this many array tasks at once (%N)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.results_dir / f"{self.stage}_config.yaml"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.results_dir / "logs"
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.nproc_per_node

@@ -1,0 +1,97 @@
+"""The thin side of the Slurm executor: sbatch, job state, scancel. Everything here is a subprocess call;
+what the scripts contain is decided in render.py. Works when Slurm accounting is off: the state of a job
+that has left the queue then comes from `scontrol show job` while slurmctld remembers it, and after that
+from the exit file the job script writes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# States after which a job will not run again.
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED"}
+
+
+class SlurmError(RuntimeError):
+    """Slurm refused or failed a request; the message is Slurm's own first line."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    state: str            # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ... or UNKNOWN
+    reason: str = ""      # Slurm's reason (DependencyNeverSatisfied, NonZeroExitCode, ...) or the exit code
+
+    def __str__(self) -> str:
+        return f"{self.state} ({self.reason})" if self.reason and self.reason != "None" else self.state
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise SlurmError(f"{cmd[0]} not found on PATH: is this a Slurm login node?") from None
+
+
+def dependency_flag(kind: str, after: str | None) -> list[str]:
+    """afterok/afterany wait for the previous stage; singleton also keeps one job of this name at a time.
+    A job whose dependency can never be met is cancelled (not left pending forever)."""
+    if after is None:
+        return ["--dependency=singleton"] if kind == "singleton" else []
+    condition = f"afterok:{after},singleton" if kind == "singleton" else f"{kind}:{after}"
+    return [f"--dependency={condition}", "--kill-on-invalid-dep=yes"]
+
+
+def submit(script: Path, *, dependency: str, after: str | None) -> str:
+    result = _run(["sbatch", "--parsable", *dependency_flag(dependency, after), str(script)])
+    if result.returncode != 0:
+        message = (result.stderr.strip() or result.stdout.strip()).splitlines()
+        raise SlurmError(f"sbatch {script.name}: {message[-1] if message else f'exit {result.returncode}'}")
+    return result.stdout.strip().split(";")[0]  # "<id>;<cluster>" on multi-cluster setups
+
+
+def cancel(job_ids: list[str]) -> None:
+    if job_ids:
+        result = _run(["scancel", *job_ids])
+        if result.returncode != 0:
+            raise SlurmError(f"scancel: {result.stderr.strip()}")
+
+
+def _parse_scontrol(text: str) -> list[dict[str, str]]:
+    records = []
+    for block in re.split(r"\n\s*\n", text.strip()):
+        fields = dict(re.findall(r"(\w+)=(\S*)", block))
+        if "JobState" in fields:
+            records.append(fields)
+    return records
+
+
+def _combine(states: list[JobState]) -> JobState:
+    """One state for an array's tasks: the worst finished one, else whatever is still going."""
+    for state in ("FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "CANCELLED", "RUNNING", "PENDING"):
+        for s in states:
+            if s.state == state:
+                return s
+    return states[0]
+
+
+def state(job_id: str, exit_files: list[Path]) -> JobState:
+    found = _run(["scontrol", "show", "job", job_id])
+    records = _parse_scontrol(found.stdout) if found.returncode == 0 else []
+    if records:
+        return _combine([JobState(r["JobState"], r.get("Reason", "")) for r in records])
+    accounted = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
+    rows = [line.split("|") for line in accounted.stdout.splitlines() if line.strip()]
+    if accounted.returncode == 0 and rows:
+        return _combine([JobState(row[0].split()[0], f"exit {row[1]}") for row in rows])
+    return from_exit_files(exit_files)
+
+
+def from_exit_files(exit_files: list[Path]) -> JobState:
+    codes = [f.read_text().strip() for f in exit_files]
+    if not codes:
+        return JobState("UNKNOWN", "not in the queue, no accounting, no exit file")
+    failed = [c for c in codes if c != "0"]
+    return JobState("FAILED", f"exit {failed[0]}") if failed else JobState("COMPLETED")

@@ -1,0 +1,79 @@
+"""Stages turn their part of the resolved config into a Job. Pure: no I/O beyond what a stage must look at
+on disk to size itself (data preparation counts its input shards; nothing is fetched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from launcher.job import Job
+
+STAGES = ("data_preparation", "training", "conversion", "evaluation")
+
+
+def _job(cfg: dict[str, Any], stage: str, module: str, **sizing: Any) -> Job:
+    stage_cfg = cfg[stage]
+    run = stage_cfg["run"]
+    results_dir = Path(run["results_dir"])
+    return Job(
+        stage=stage,
+        run_name=cfg["run_name"],
+        results_dir=results_dir,
+        program=("-m", module, "--config", str(results_dir / f"{stage}_config.yaml")),
+        time_limit=str(run["time_limit"]),
+        dependency=run.get("dependency") or "afterok",
+        stage_config=stage_cfg,
+        **sizing,
+    )
+
+
+def data_preparation(cfg: dict[str, Any]) -> Job:
+    from runtime.data_prep.plan import count_tasks  # torch-free by contract (docs/architecture.md)
+
+    stage_cfg = cfg["data_preparation"]
+    tasks = count_tasks(stage_cfg)
+    return _job(
+        cfg, "data_preparation", "runtime.data_prep",
+        nodes=1, nproc_per_node=1, distributed=False,
+        array_size=tasks, array_parallel=min(tasks, int(stage_cfg["run"].get("node_array_size") or tasks)),
+    )
+
+
+def training(cfg: dict[str, Any]) -> Job:
+    trainer = cfg["training"]["trainer"]
+    return _job(
+        cfg, "training", "runtime.train",
+        nodes=int(trainer["num_nodes"]), nproc_per_node=int(trainer["devices"]), distributed=True,
+    )
+
+
+def conversion(cfg: dict[str, Any]) -> Job:
+    return _job(cfg, "conversion", "runtime.convert", nodes=1, nproc_per_node=1, distributed=False)
+
+
+def evaluation(cfg: dict[str, Any]) -> Job:
+    trainer = cfg["evaluation"]["trainer"]
+    return _job(
+        cfg, "evaluation", "runtime.evaluate",
+        nodes=int(trainer["num_nodes"]), nproc_per_node=int(trainer["devices"]), distributed=True,
+    )
+
+
+BUILDERS: dict[str, Callable[[dict[str, Any]], Job]] = {
+    "data_preparation": data_preparation,
+    "training": training,
+    "conversion": conversion,
+    "evaluation": evaluation,
+}
+
+# The program each stage runs; a stage whose program is not in this checkout yet cannot be launched.
+PROGRAMS = {
+    "data_preparation": "runtime.data_prep",
+    "training": "runtime.train",
+    "conversion": "runtime.convert",
+    "evaluation": "runtime.evaluate",
+}
+
+
+def build_jobs(cfg: dict[str, Any]) -> list[Job]:
+    return [BUILDERS[stage](cfg) for stage in cfg["stages"]]

@@ -1,0 +1,58 @@
+"""Every template is checked against a stored golden file. The golden files change only on purpose:
+NXDT_UPDATE_GOLDEN=1 python -m pytest tests/launcher/test_render.py rewrites them; review the diff."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launcher.render import render
+from launcher.stages import BUILDERS
+
+from .helpers import REPO, resolved
+
+GOLDEN = REPO / "tests" / "golden"
+CASES = [
+    # (stage, executor, overrides)
+    ("data_preparation", "local", []),
+    ("data_preparation", "slurm", []),
+    ("training", "local", []),
+    ("training", "slurm", ["training.trainer.num_nodes=2", "cluster.partition=compute",
+                           "cluster.exclude=[node7,node9]", "cluster.setup=['source /fsx/venv/bin/activate']",
+                           "env_vars.NCCL_DEBUG=INFO"]),
+    ("training", "slurm_container", ["container=nvcr.io/nvidia/pytorch:24.01-py3",
+                                     "container_mounts=[/fsx:/fsx]", "cluster.exclusive=false"]),
+    ("training", "pcluster_trn1", ["cluster=pcluster_trn1", "training.trainer.num_nodes=4",
+                                   "training.trainer.devices=32", "training.trainer.accelerator=neuron"]),
+    ("conversion", "local", []),
+    ("conversion", "slurm", []),
+    ("evaluation", "local", []),
+    ("evaluation", "slurm", []),
+]
+
+
+@pytest.mark.parametrize("stage,variant,overrides", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_script_matches_golden(stage, variant, overrides):
+    cfg = resolved(*overrides)
+    job = BUILDERS[stage](cfg)
+    executor = "local" if variant == "local" else "slurm"
+    text = render(job, cfg, executor=executor, produced_by=f"nxdt-launch {' '.join(overrides)}".rstrip())
+    golden = GOLDEN / f"{stage}.{variant}.sh"
+    if os.environ.get("NXDT_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), f"no golden file {golden.name}: run with NXDT_UPDATE_GOLDEN=1 and review it"
+    assert text.splitlines() == golden.read_text().splitlines()
+
+
+@pytest.mark.parametrize("golden", sorted(GOLDEN.glob("*.sh")), ids=lambda p: p.name)
+def test_golden_scripts_are_valid_bash(golden):
+    result = subprocess.run(["bash", "-n", str(golden)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_template_has_a_golden_file():
+    rendered = {"local" if v == "local" else "slurm" for _, v, _ in CASES}
+    templates = {p.name.split(".")[0] for p in (REPO / "templates").glob("*.j2") if not p.name.startswith("_")}
+    assert templates == {"sbatch", "local"} and rendered == {"local", "slurm"}
+    assert {c[0] for c in CASES} == set(BUILDERS)
