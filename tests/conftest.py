@@ -1,0 +1,3 @@
+"""Fixtures shared by every test directory."""
+
+pytest_plugins = ["tests.slurm_cluster"]
