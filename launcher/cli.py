@@ -23,7 +23,8 @@ from launcher.paths import CONFIG_GROUPS, group_choices
 def _console():
     from rich.console import Console
 
-    return Console(highlight=False)
+    # Logs and pipes are read later, often in an editor: don't fold paths at rich's default 80 columns.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def _groups_help() -> str:
@@ -47,11 +48,18 @@ class _LaunchGroup(click.Group):
             formatter.write(line + "\n")
 
 
-@click.group(cls=_LaunchGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_LaunchGroup, invoke_without_command=True, subcommand_metavar="[OVERRIDES]... | COMMAND [ARGS]...",
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dry-run", is_flag=True, help="Render every script and submit nothing (same as dry_run=true).")
 @click.pass_context
 def cli(ctx: click.Context, dry_run: bool) -> None:
-    """Compose, validate, render and submit the configured stages (default command), or inspect runs."""
+    """Compose, validate, render and submit the configured stages, or inspect recorded runs.
+
+    \b
+    nxdt-launch                                         the embedded default, locally
+    nxdt-launch stages=[training] training=llama/tiny   Hydra overrides, as NeMo-Launcher takes them
+    nxdt-launch training=gpt3/175b cluster_type=slurm --dry-run
+    """
     ctx.obj = {"dry_run": dry_run}
     if ctx.invoked_subcommand is None:
         ctx.invoke(launch, overrides=(), dry_run=dry_run)

@@ -7,7 +7,6 @@ import difflib
 import math
 import os
 import re
-import sys
 from typing import Any
 
 from launcher.errors import UserError
@@ -29,7 +28,6 @@ def register_resolvers() -> None:
         "divide_ceil": _divide_ceil,
         "divide_floor": lambda a, b: int(a) // int(b),
         "cwd": os.getcwd,
-        "python_executable": lambda: sys.executable,
     }
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

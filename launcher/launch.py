@@ -73,7 +73,8 @@ def write(plan: Plan) -> list[Path]:
     scripts = []
     for job in plan.jobs:
         text = render(job, plan.cfg, executor=plan.executor, produced_by=plan.produced_by)
-        job.results_dir.mkdir(parents=True, exist_ok=True)
+        # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
+        job.log_dir.mkdir(parents=True, exist_ok=True)
         job.config_path.write_text(yaml.safe_dump(job.stage_config, sort_keys=False))
         path = script_path(job, plan.executor)
         path.write_text(text)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 from functools import lru_cache
 from typing import Any
 
@@ -88,5 +89,5 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         srun_args=srun_args(cfg),
         setup=[str(line) for line in cluster.get("setup") or []],
         env=job_env(cfg),
-        python=cfg["python"],
+        python=cfg.get("python") or ("python3" if cfg.get("container") else sys.executable),
     )

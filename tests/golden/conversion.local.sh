@@ -1,0 +1,17 @@
+#!/bin/bash
+# nxdt-launch: stage conversion of run gpt3_tiny (local executor).
+# Produced by: nxdt-launch
+# Resolved stage config: /results/gpt3_tiny/conversion/conversion_config.yaml
+set -euo pipefail
+export NXDT_STAGE=conversion
+export NXDT_RUN_DIR=/results/gpt3_tiny
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_tiny/conversion/logs
+mkdir -p "$LOG_DIR"
+
+# Everything below also goes to the stage's log; `nxdt-launch logs` reads it.
+exec > >(tee -a "$LOG_DIR/conversion_local.log") 2>&1
+# `nxdt-launch status` reads the exit code from here.
+trap 'echo $? > "$LOG_DIR/conversion_local.exit"' EXIT
+
+"$PYTHON" -m runtime.convert --config /results/gpt3_tiny/conversion/conversion_config.yaml

@@ -1,0 +1,19 @@
+#!/bin/bash
+# nxdt-launch: stage evaluation of run gpt3_tiny (local executor).
+# Produced by: nxdt-launch
+# Resolved stage config: /results/gpt3_tiny/evaluation/evaluation_config.yaml
+set -euo pipefail
+export NXDT_STAGE=evaluation
+export NXDT_RUN_DIR=/results/gpt3_tiny
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_tiny/evaluation/logs
+mkdir -p "$LOG_DIR"
+
+# Everything below also goes to the stage's log; `nxdt-launch logs` reads it.
+exec > >(tee -a "$LOG_DIR/evaluation_local.log") 2>&1
+# `nxdt-launch status` reads the exit code from here.
+trap 'echo $? > "$LOG_DIR/evaluation_local.exit"' EXIT
+
+# All 1 workers of the stage's 1 node(s) run on this machine.
+"$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 1 \
+  -m runtime.evaluate --config /results/gpt3_tiny/evaluation/evaluation_config.yaml

@@ -1,0 +1,43 @@
+#!/bin/bash
+# nxdt-launch: stage evaluation of run gpt3_tiny (slurm executor).
+# Produced by: nxdt-launch
+# Resolved stage config: /results/gpt3_tiny/evaluation/evaluation_config.yaml
+#SBATCH --job-name=nxdt:gpt3_tiny:evaluation
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=1:00:00
+#SBATCH --output=/results/gpt3_tiny/evaluation/logs/evaluation_%j.out
+#SBATCH --open-mode=append
+#SBATCH --exclusive
+set -euo pipefail
+export NXDT_STAGE=evaluation
+export NXDT_RUN_DIR=/results/gpt3_tiny
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_tiny/evaluation/logs
+mkdir -p "$LOG_DIR"
+
+# Which array task or job this is, and how often Slurm has requeued it: every log name carries both.
+JOB_TAG="${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID:-0}"
+RESTART="${SLURM_RESTART_COUNT:-0}"
+# `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue.
+trap 'echo $? > "$LOG_DIR/evaluation_${JOB_TAG}.exit"' EXIT
+
+# Rendezvous on the allocation's first node, at the address slurmd itself is reached at.
+MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+export MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
+export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+
+# What each node runs: one torchrun that starts this node's 1 workers.
+node_main() {
+  exec "$PYTHON" -m torch.distributed.run \
+    --nnodes 1 --node_rank "$SLURM_NODEID" --nproc_per_node 1 \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    -m runtime.evaluate --config /results/gpt3_tiny/evaluation/evaluation_config.yaml
+}
+export -f node_main
+
+echo "nxdt: evaluation job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
+srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  --output="$LOG_DIR/evaluation_${JOB_TAG}_restart${RESTART}_node%n.log" \
+  bash -c node_main

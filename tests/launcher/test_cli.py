@@ -1,0 +1,53 @@
+"""The CLI as a user meets it: help, the 175B dry run the issue names, and a dry run that never imports torch."""
+
+import subprocess
+import sys
+
+import yaml
+
+from .helpers import REPO, nxdt
+
+
+def test_help_lists_commands_and_every_group_with_its_choices():
+    result = nxdt("--help")
+    assert result.returncode == 0
+    for command in ("status", "logs", "cancel"):
+        assert command in result.stdout
+    assert "training: gpt3/175b, gpt3/tiny, llama/tiny" in result.stdout
+    assert "cluster: local, pcluster_trn1, slurm" in result.stdout
+
+
+def test_175b_dry_run_writes_a_valid_sbatch_that_matches_the_recipe(tmp_path):
+    result = nxdt("stages=[training]", "training=gpt3/175b", "cluster_type=slurm", "--dry-run",
+                  f"base_results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "gpt3_175b" / "training" / "training.sbatch"
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "#SBATCH --nodes=128\n" in text
+    assert "#SBATCH --ntasks-per-node=1\n" in text
+    assert '--nnodes 128 --node_rank "$SLURM_NODEID" --nproc_per_node 8' in text
+    assert f"-m runtime.train --config {script.parent / 'training_config.yaml'}" in text
+    stage = yaml.safe_load((script.parent / "training_config.yaml").read_text())
+    assert stage["model"]["tensor_model_parallel_size"] == 8
+    assert stage["model"]["pipeline_model_parallel_size"] == 16
+    assert stage["model"]["ffn_hidden_size"] == 4 * 12288  # interpolations arrive resolved
+    # The plan table: stage, job id, nodes × tasks, dependency, script.
+    assert "training" in result.stdout and "dry-run" in result.stdout and "128 × 8" in result.stdout
+    assert not (tmp_path / "gpt3_175b" / "launch.json").exists(), "a dry run records no launch"
+
+
+def test_dry_run_imports_no_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from launcher.cli import main\n"
+        "try:\n"
+        f"    main(['stages=[training]', 'training=gpt3/175b', 'cluster_type=slurm', '--dry-run', "
+        f"'base_results_dir={tmp_path}'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "heavy = [m for m in ('torch', 'boto3', 'paramiko', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
