@@ -76,13 +76,14 @@ def compose(overrides: list[str]):
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     register_resolvers()
+    typed = list(overrides)
     overrides = [_with_open_map_prefix(o) for o in overrides]
     try:
         with initialize_config_dir(str(conf_dir()), version_base=None, job_name="nxdt_launch"):
             return hydra_compose("config", overrides=overrides)
     except OverrideParseException as e:
-        bad = _first_unparsable(overrides)
-        first_line = str(e).splitlines()[0]
+        bad = typed[overrides.index(_first_unparsable(overrides))] if overrides else ""
+        first_line = str(e).splitlines()[0].replace(f"'{_with_open_map_prefix(bad)}'", f"'{bad}'")
         raise UserError(
             f"override {bad!r} is not valid Hydra syntax ({first_line}); "
             "quote values with spaces or shell characters: key='value'"
@@ -108,7 +109,7 @@ def _first_unparsable(overrides: list[str]) -> str:
             parser.parse_override(override)
         except Exception:
             return override
-    return " ".join(overrides)
+    return overrides[-1]
 
 
 def resolve(cfg) -> dict[str, Any]:

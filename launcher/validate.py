@@ -181,6 +181,13 @@ def training(stage: dict[str, Any]) -> list[str]:
         )
     if vpp and pp == 1:
         errors.append(f"{m}virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1, or null")
+    sched = (model.get("optim") or {}).get("sched") or {}
+    warmup, constant = int(sched.get("warmup_steps") or 0), int(sched.get("constant_steps") or 0)
+    if warmup + constant > trainer["max_steps"]:
+        errors.append(
+            f"{m}optim.sched.warmup_steps: warmup_steps {warmup} + constant_steps {constant} exceeds "
+            f"trainer.max_steps {trainer['max_steps']}; shorten the warmup or train longer"
+        )
     errors += _choice(model.get("architecture"), ARCHITECTURES, f"{m}architecture")
     errors += _choice(trainer.get("accelerator"), ACCELERATORS, "training.trainer.accelerator")
     errors += _choice((stage.get("precision") or {}).get("type"), PRECISIONS, "training.precision.type")

@@ -1,0 +1,20 @@
+#!/bin/bash
+# nxdt-launch: stage data_preparation of run gpt3_tiny (local executor).
+# Produced by: nxdt-launch
+# Resolved stage config: /results/gpt3_tiny/data_preparation/data_preparation_config.yaml
+set -euo pipefail
+export NXDT_STAGE=data_preparation
+export NXDT_RUN_DIR=/results/gpt3_tiny
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_tiny/data_preparation/logs
+mkdir -p "$LOG_DIR"
+
+# Everything below also goes to the stage's log; `nxdt-launch logs` reads it.
+exec > >(tee -a "$LOG_DIR/data_preparation_local.log") 2>&1
+# `nxdt-launch status` reads the exit code from here.
+trap 'echo $? > "$LOG_DIR/data_preparation_local.exit"' EXIT
+
+# The 2 array tasks a Slurm cluster would run in parallel, one after another.
+for TASK in $(seq 0 1); do
+  "$PYTHON" -m runtime.data_prep --config /results/gpt3_tiny/data_preparation/data_preparation_config.yaml --task-index "$TASK" --num-tasks 2
+done

@@ -1,0 +1,73 @@
+"""The whole product, end to end, with the real programs: the embedded default pipeline on this machine
+(what the README's first command runs), and the same pipeline on the real 2-node Slurm cluster with
+training at tp=2 x dp=2 across both nodes."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.helpers import nxdt
+
+
+def _metrics(results: Path) -> list[dict]:
+    path = results / "gpt3_tiny" / "training" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _check_training_outputs(results: Path, steps: int) -> list[dict]:
+    rows = [r for r in _metrics(results) if "loss" in r]
+    assert rows and rows[-1]["step"] == steps
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert key in rows[-1], key
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert list((results / "gpt3_tiny" / "training" / "tensorboard").rglob("events.out.tfevents.*"))
+    return rows
+
+
+def test_default_pipeline_runs_locally(tmp_path):
+    steps = 40
+    result = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = tmp_path / "results"
+    record = json.loads((results / "gpt3_tiny" / "launch.json").read_text())
+    assert [(s["stage"], s["exit_code"]) for s in record["stages"]] == [("data_preparation", 0), ("training", 0)]
+    assert (tmp_path / "data" / "demo" / "blend.txt").exists()
+    assert (tmp_path / "data" / "demo" / "tokenizer.json").exists()
+    rows = _check_training_outputs(results, steps)
+    vocab = json.loads((tmp_path / "data" / "demo" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert rows[0]["loss"] > math.log(len(vocab)) - 0.5, "training should start near ln(vocab)"
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, "the tiny model should learn in 40 steps"
+
+    status = nxdt("status", "gpt3_tiny", cwd=tmp_path)
+    assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2, status.stdout
+    logs = nxdt("logs", "gpt3_tiny", "training", cwd=tmp_path)
+    assert "step 40" in logs.stdout
+
+
+@pytest.mark.slurm
+def test_pipeline_on_two_slurm_nodes_with_tp2_dp2(slurm_cluster, tmp_path):
+    steps = 10
+    results = tmp_path / "results"
+    result = nxdt(
+        "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",
+        f"data_dir={tmp_path}/data", "training.trainer.num_nodes=2", "training.trainer.devices=2",
+        "training.model.tensor_model_parallel_size=2", f"training.trainer.max_steps={steps}",
+        "training.trainer.val_check_interval=5", "training.model.optim.sched.warmup_steps=2", cwd=tmp_path, env=slurm_cluster.env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads((results / "gpt3_tiny" / "launch.json").read_text())
+    states = [slurm_cluster.wait_job(str(s["job_id"]), 600) for s in record["stages"]]
+    logs = nxdt("logs", "gpt3_tiny", "--results-dir", str(results), env=slurm_cluster.env).stdout
+    assert states == ["COMPLETED", "COMPLETED"], logs[-4000:]
+
+    # The data-preparation array ran its two tasks on both nodes, then training spanned both nodes.
+    prep_logs = sorted((results / "gpt3_tiny" / "data_preparation" / "logs").glob("*_node0.log"))
+    assert len(prep_logs) == 2
+    prep_nodes = {info.get("NodeList") for info in slurm_cluster.job_info(str(record["stages"][0]["job_id"]))}
+    assert prep_nodes == {"node1", "node2"}, prep_nodes
+    train_logs = sorted((results / "gpt3_tiny" / "training" / "logs").glob("*_node*.log"))
+    assert len(train_logs) == 2, train_logs
+    assert "tp=0/2, dp=0/2" in logs or "tp=0/2" in logs, logs[-3000:]
+    _check_training_outputs(results, steps)
