@@ -34,11 +34,48 @@ def _groups_help() -> str:
     return "\n".join(lines)
 
 
+# Commands that live in their own modules, imported only when invoked: "name": ("module", "help line").
+# Each module defines a click command called `command`.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "cluster-validate": ("launcher.commands.cluster_validate", "Node health and collective tests that name bad nodes."),
+    "cluster-config": ("launcher.commands.cluster_config", "Render an AWS ParallelCluster 3 cluster config."),
+    "estimate": ("launcher.commands.estimate", "Memory per device and time to train for a recipe."),
+    "autoconfig": ("launcher.commands.autoconfig", "Recommend a model size and search parallel layouts by launching short runs."),
+}
+
+
+def _available_lazy_commands() -> dict[str, tuple[str, str]]:
+    import importlib.util
+
+    return {name: entry for name, entry in LAZY_COMMANDS.items() if importlib.util.find_spec(entry[0])}
+
+
 class _LaunchGroup(click.Group):
     """Arguments that are not a command name are Hydra overrides for a launch."""
 
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), *_available_lazy_commands()])
+
+    def get_command(self, ctx, name):
+        if name in self.commands:
+            return self.commands[name]
+        entry = _available_lazy_commands().get(name)
+        if entry is None:
+            return None
+        import importlib
+
+        return importlib.import_module(entry[0]).command
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, self.commands[name].get_short_help_str(limit=100)) for name in super().list_commands(ctx)
+                if not self.commands[name].hidden]
+        rows += [(name, entry[1]) for name, entry in _available_lazy_commands().items()]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(sorted(rows))
+
     def resolve_command(self, ctx, args):
-        if args and args[0] not in self.commands:
+        if args and self.get_command(ctx, args[0]) is None:
             return "launch", self.commands["launch"], args
         return super().resolve_command(ctx, args)
 
