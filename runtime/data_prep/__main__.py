@@ -1,0 +1,74 @@
+"""python -m runtime.data_prep: one array task of the data_preparation stage.
+
+    # what the launcher's job script runs, once per array task I of N
+    python -m runtime.data_prep --config results/gpt3_tiny/data_preparation/data_preparation_config.yaml \\
+        --task-index 0 --num-tasks 2
+    # everything in one process, or just check the inputs
+    python -m runtime.data_prep --config stage.yaml
+    python -m runtime.data_prep --config stage.yaml --check
+
+Exit codes: 0 this task's shards are complete; 2 a config or input mistake (one line on stderr, before any
+work); 1 a failure while running (bad data under on_bad_line: fail, nothing tokenized, a download or worker
+that failed). Rerunning after any failure resumes: finished shards are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.data_prep.config import DataError, UserError
+
+
+def _load(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UserError(f"--config {path!r}: no such file") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"--config {path!r}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path!r}: expected a mapping of keys at the top")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.data_prep",
+                                     description="Tokenize a corpus into Megatron-LM indexed datasets.")
+    parser.add_argument("--config", required=True, help="the resolved data_preparation stage YAML")
+    parser.add_argument("--task-index", type=int, default=0, help="this array task, 0-based (default 0)")
+    parser.add_argument("--num-tasks", type=int, default=1, help="array tasks in the stage (default 1)")
+    parser.add_argument("--check", action="store_true", help="only check the config and inputs, then exit")
+    args = parser.parse_args(argv)
+    try:
+        from runtime.data_prep.config import parse_config
+        from runtime.data_prep.plan import check_inputs
+
+        data = _load(args.config)
+        errors = check_inputs(data)
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
+        if errors:
+            return 2
+        if args.check:
+            print("data_preparation config and inputs look fine")
+            return 0
+        from runtime.data_prep.run import run_task
+
+        run_task(parse_config(data), args.task_index, args.num_tasks)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; rerun to resume (finished shards are kept)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

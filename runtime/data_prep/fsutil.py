@@ -1,0 +1,95 @@
+"""File publishing that stays correct when array tasks on several nodes share one filesystem.
+
+Nothing is ever written in place: outputs go to a name unique to this process, then appear under their final
+name in one atomic step. `publish_first` keeps whichever copy landed first, so two tasks that produced the
+same file (a tokenizer, say) can never swap it under a third task that already started using it.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+
+def temp_name(path: str | os.PathLike) -> Path:
+    """A sibling name no other process uses; `is_temp` recognizes it for cleanup."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def is_temp(name: str) -> bool:
+    return ".tmp-" in name
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Readers see the old file or the new one, never half of one (rename is atomic within a filesystem)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def publish_first(tmp: str | os.PathLike, final: str | os.PathLike) -> bool:
+    """Moves `tmp` to `final` unless `final` exists. True when ours became `final`.
+
+    A hard link fails when the target exists, which makes "create if absent" atomic; on filesystems without
+    hard links we fall back to check-then-rename, whose window only matters if two tasks finish together.
+    """
+    tmp, final = Path(tmp), Path(final)
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        tmp.unlink()
+        return False
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if final.exists():
+            tmp.unlink()
+            return False
+        os.replace(tmp, final)
+        return True
+    tmp.unlink()
+    return True
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_json(path: str | os.PathLike) -> Any | None:
+    """The parsed file, or None when it is missing or unreadable (a crash never leaves half of one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def remove_temps(directory: str | os.PathLike, stem: str) -> list[str]:
+    """Deletes leftovers of killed writers (`<stem>*.tmp-*`). Only the task that owns `stem` calls this."""
+    removed = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        if entry.name.startswith(stem) and is_temp(entry.name):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed

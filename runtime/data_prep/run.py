@@ -1,0 +1,83 @@
+"""One array task of the data_preparation stage, start to finish.
+
+    shards = every shard of the stage (plan.build_shards), in one fixed order
+    mine   = shards[task_index::num_tasks]
+    tokenizer ready in output_dir (trained once, see tokenizer.py) -> for each of mine not already done:
+    tokenize it with workers_per_node processes -> try to finalize (blend.txt, summary.json)
+"""
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from runtime.data_prep import plan
+from runtime.data_prep.config import StageConfig, UserError
+from runtime.data_prep.encode import EncoderSpec, init_worker
+from runtime.data_prep.finalize import try_finalize
+from runtime.data_prep.fsutil import sha256_file
+from runtime.data_prep.progress import Reporter
+from runtime.data_prep.shard import done_summary, ensure_input, fingerprint, process_shard
+from runtime.data_prep.tokenizer import encoder_spec, prepare_tokenizer
+
+
+def run_task(cfg: StageConfig, task_index: int = 0, num_tasks: int = 1, reporter: Reporter | None = None) -> bool:
+    """Processes this task's shards; returns True when this task also finalized the stage."""
+    if not 0 <= task_index < num_tasks:
+        raise UserError(f"--task-index {task_index} with --num-tasks {num_tasks}: the index must be in "
+                        f"0..{num_tasks - 1}")
+    reporter = reporter or Reporter(f"data_prep task {task_index}/{num_tasks}", cfg.log_interval_s)
+    try:
+        return _run(cfg, task_index, num_tasks, reporter)
+    finally:
+        reporter.close()
+
+
+def _tokenizer_files_exist(cfg: StageConfig) -> bool:
+    names = ["tokenizer.json"] + (["tokenizer.model"] if cfg.tokenizer.library == "sentencepiece" else [])
+    return all((Path(cfg.output_dir) / n).exists() for n in names)
+
+
+def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) -> bool:
+    shards = plan.build_shards(cfg)
+    mine = plan.shards_for_task(shards, task_index, num_tasks)
+    reporter.log(f"{len(mine)} of {len(shards)} shards: {', '.join(s.name for s in mine[:8])}"
+                 f"{' ...' if len(mine) > 8 else ''} -> {cfg.output_dir}")
+    if mine:
+        spec = prepare_tokenizer(cfg, shards, reporter.log)
+    elif _tokenizer_files_exist(cfg):
+        spec = encoder_spec(cfg)        # nothing to tokenize here, but this task may still finalize
+    else:
+        reporter.log("no shards for this task and no tokenizer yet; the other tasks will finalize")
+        return False
+    tokenizer_sha = sha256_file(spec.path)
+    reporter.log(f"tokenizer {spec.path}: vocab {spec.vocab_size}, eod id {spec.eod_id}, {spec.dtype} ids, "
+                 f"encoded by {spec.engine}")
+
+    def expected(shard: plan.Shard) -> dict:
+        return fingerprint(cfg, shard, spec, tokenizer_sha)
+
+    todo = []
+    for shard in mine:
+        if cfg.input.source == "demo":
+            ensure_input(cfg, shard, reporter.log)    # its size is part of the fingerprint
+        if done_summary(cfg, shard, expected(shard)):
+            reporter.log(f"{shard.name}: already complete, skipping")
+        else:
+            todo.append(shard)
+    if todo:
+        _tokenize(cfg, todo, spec, expected, reporter)
+    return try_finalize(cfg, shards, expected, reporter.log)
+
+
+def _tokenize(cfg: StageConfig, todo: list[plan.Shard], spec: EncoderSpec, expected, reporter: Reporter) -> None:
+    workers = cfg.workers_per_node
+    # spawn, not fork: the parent may hold tokenizer thread pools and rich's refresh thread, which a fork
+    # would copy in an unknown state.
+    executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=init_worker, initargs=(spec,))
+    try:
+        for shard in todo:
+            process_shard(cfg, shard, spec, expected(shard), executor, workers, reporter)
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
