@@ -175,6 +175,7 @@ def status(run: str | None, results_dir: Path) -> None:
         console.print(table)
         return
     record = records.load(runs.require_run(run, results_dir))
+    runs.use_record(record)
     table = Table(title=f"run {record['run_name']} ({record['executor']}, launched {record['created']})",
                   title_justify="left")
     for column in ("stage", "job id", "state", "log dir"):
@@ -191,19 +192,19 @@ def status(run: str | None, results_dir: Path) -> None:
 @_results_dir
 def logs(run: str, stage: str | None, follow: bool, results_dir: Path) -> None:
     """Print the logs of RUN (one STAGE, or all)."""
-    import os
-
     from launcher import records, runs
 
     record = records.load(runs.require_run(run, results_dir))
+    runner = runs.use_record(record)  # the head node over SSH for a remote run
     files = runs.log_files(record, stage)
     if not files:
         raise UserError(f"run {run!r}: no logs yet for {stage or 'any stage'} (is it still pending?)")
     if follow:
-        os.execvp("tail", ["tail", "-n", "+1", "-F", *map(str, files)])
+        runner.follow(["tail", "-n", "+1", "-F", *map(str, files)])
+        return
     for path in files:
         click.echo(f"==> {path} <==")
-        click.echo(path.read_text(errors="replace"), nl=False)
+        click.echo(runner.read_text(str(path)), nl=False)
 
 
 @cli.command()
@@ -215,6 +216,7 @@ def cancel(run: str, results_dir: Path) -> None:
     from launcher.slurm import SlurmError
 
     record = records.load(runs.require_run(run, results_dir))
+    runs.use_record(record)
     try:
         click.echo(runs.cancel(record))
     except SlurmError as e:

@@ -1,6 +1,9 @@
 """A launch, in three steps that the CLI calls in order: plan (compose + validate + build jobs; pure apart
 from reading conf/), write (stage configs and scripts; the only files a dry run leaves), and submit or run
-(the side effect). Nothing is written unless the plan is valid."""
+(the side effect). Nothing is written unless the plan is valid.
+
+A remote launch (cluster.remote.host) renders the same files into a local mirror of the head node's paths
+(remote.state_dir()/remote/<host>/...), copies them there over SFTP, and submits over SSH."""
 
 from __future__ import annotations
 
@@ -11,17 +14,16 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import records, slurm, validate
+from launcher import neuron, records, remote, slurm, stages, staging, validate
 from launcher.compose import compose, resolve
 from launcher.errors import UserError
 from launcher.job import Job
 from launcher.render import render
-from launcher.stages import build_jobs
 
 
 @dataclass
@@ -33,13 +35,23 @@ class Plan:
     warnings: list[str]
     produced_by: str
     dry_run: bool
+    remote: dict[str, Any] | None = None   # cluster.remote of a remote launch
+    files: list[tuple[Path, Path, int]] = field(default_factory=list)  # written: (here, on the cluster, mode)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.cfg["base_results_dir"]) / self.cfg["run_name"]
 
+    def local_path(self, path: Path) -> Path:
+        """Where this machine writes a file that lives at `path` on the cluster."""
+        if self.remote is None:
+            return path
+        return remote.state_dir() / "remote" / str(self.remote["host"]) / path.relative_to(path.anchor)
 
-def choose_executor(cluster_type: str) -> tuple[str, str]:
+
+def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[str, str]:
+    if remote_host and cluster_type in ("auto", "slurm", "bcm"):
+        return "slurm", f"cluster_type={cluster_type}: sbatch on {remote_host} over SSH"
     if cluster_type in ("slurm", "bcm"):
         return "slurm", f"cluster_type={cluster_type}"
     if cluster_type == "local":
@@ -53,14 +65,35 @@ def choose_executor(cluster_type: str) -> tuple[str, str]:
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     cfg = resolve(compose(overrides))
     dry_run = dry_run or bool(cfg.get("dry_run"))
-    errors, warnings = validate.problems(cfg, dry_run=dry_run)
-    executor, reason = choose_executor(str(cfg.get("cluster_type")))
+    remote_settings = remote.settings(cfg)
+    # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
+    errors, warnings = validate.problems(cfg, dry_run=dry_run or remote_settings is not None)
+    errors += neuron.problems(cfg) + remote.problems(cfg) + staging.problems(cfg)
+    executor, reason = choose_executor(str(cfg.get("cluster_type")), (remote_settings or {}).get("host"))
     if executor == "local" and cfg.get("container"):
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")
     if errors:
         raise UserError(*errors)
-    return Plan(cfg, executor, reason, build_jobs(cfg), warnings, produced_by, dry_run)
+    if remote_settings:
+        reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
+    return Plan(cfg, executor, reason, build(cfg), warnings, produced_by, dry_run, remote_settings)
+
+
+def build(cfg: dict[str, Any]) -> list[Job]:
+    """One Job per stage. Stage configs read S3 data at its mirror on the shared file system (staging.py)."""
+    local = staging.localize(cfg)
+    jobs = []
+    for stage in cfg["stages"]:
+        if stage == "data_preparation" and staging.has_s3_inputs(cfg[stage]):
+            # Its inputs are not here to count: the array has one task per file the config names.
+            tasks = staging.count_input_files(cfg[stage])
+            parallel = min(tasks, int(cfg[stage]["run"].get("node_array_size") or tasks))
+            jobs.append(stages._job(local, stage, stages.PROGRAMS[stage], nodes=1, nproc_per_node=1,
+                                    distributed=False, array_size=tasks, array_parallel=parallel))
+        else:
+            jobs.append(stages.BUILDERS[stage](local))
+    return jobs
 
 
 def script_path(job: Job, executor: str) -> Path:
@@ -68,19 +101,42 @@ def script_path(job: Job, executor: str) -> Path:
 
 
 def write(plan: Plan) -> list[Path]:
+    """Stage configs, compile-step configs, staging manifests and scripts. Returns the scripts' paths on the
+    cluster (the same as here unless the launch is remote)."""
     import yaml
+
+    def put(path: Path, text: str, mode: int = 0o644) -> None:
+        here = plan.local_path(path)
+        here.parent.mkdir(parents=True, exist_ok=True)
+        here.write_text(text)
+        here.chmod(mode)
+        plan.files.append((here, path, mode))
 
     scripts = []
     for job in plan.jobs:
         text = render(job, plan.cfg, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
-        job.log_dir.mkdir(parents=True, exist_ok=True)
-        job.config_path.write_text(yaml.safe_dump(job.stage_config, sort_keys=False))
+        plan.local_path(job.log_dir).mkdir(parents=True, exist_ok=True)
+        put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
+        neuron_script = neuron.script(job, plan.cfg)
+        if neuron_script and neuron_script.compile:
+            put(neuron_script.compile.config_path, yaml.safe_dump(neuron_script.compile.config, sort_keys=False))
+        stage_plan = staging.for_job(job, plan.cfg)
+        if stage_plan:
+            put(stage_plan.manifest_path, json.dumps(stage_plan.manifest(), indent=2) + "\n")
         path = script_path(job, plan.executor)
-        path.write_text(text)
-        path.chmod(0o755)
+        put(path, text, 0o755)
         scripts.append(path)
     return scripts
+
+
+def upload(plan: Plan) -> None:
+    """Copy what write() rendered to the head node, and create the log directories Slurm writes into."""
+    runner = remote.current()
+    for job in plan.jobs:
+        runner.makedirs(PurePosixPath(job.log_dir))
+    for here, there, mode in plan.files:
+        runner.put(here, str(there), mode)
 
 
 def config_hash(cfg: dict[str, Any]) -> str:
@@ -114,7 +170,10 @@ def new_record(plan: Plan, scripts: list[Path]) -> dict[str, Any]:
 
 def submit_slurm(plan: Plan, scripts: list[Path], record: dict[str, Any]) -> None:
     """sbatch each stage after the previous one. If Slurm refuses a stage, the stages already submitted are
-    cancelled, so a half-submitted pipeline never runs."""
+    cancelled, so a half-submitted pipeline never runs. A remote launch first copies its files over."""
+    remote.use(plan.remote)
+    if plan.remote:
+        upload(plan)
     submitted: list[str] = []
     try:
         for job, script, entry in zip(plan.jobs, scripts, record["stages"]):
@@ -124,8 +183,28 @@ def submit_slurm(plan: Plan, scripts: list[Path], record: dict[str, Any]) -> Non
     except slurm.SlurmError:
         slurm.cancel(submitted)
         raise
-    records.archive_previous(plan.run_dir)
-    records.write(plan.run_dir, record)
+    if plan.remote is None:
+        records.archive_previous(plan.run_dir)
+        records.write(plan.run_dir, record)
+        return
+    # On the head node, a plain Slurm record (status works there too); here, one that names the remote.
+    _archive_remote_record(plan.run_dir)
+    remote_copy = plan.local_path(plan.run_dir)
+    records.write(remote_copy, record)
+    remote.current().put(remote_copy / records.RECORD, str(plan.run_dir / records.RECORD))
+    here = records.remote_runs_dir() / plan.cfg["run_name"]
+    records.archive_previous(here)
+    records.write(here, {**record, "remote": plan.remote})
+
+
+def _archive_remote_record(run_dir: Path) -> None:
+    runner = remote.current()
+    path = str(run_dir / records.RECORD)
+    try:
+        created = json.loads(runner.read_text(path)).get("created", "old").replace(":", "")
+    except (OSError, ValueError):
+        return
+    runner.rename(path, str(run_dir / f"launch.{created}.json"))
 
 
 def run_local(plan: Plan, scripts: list[Path], record: dict[str, Any], console) -> int:

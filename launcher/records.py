@@ -1,5 +1,9 @@
 """The record of a launch, `<base_results_dir>/<run_name>/launch.json`, which `status`, `logs` and `cancel`
-read. A relaunch of the same run keeps the previous record as launch.<time>.json."""
+read. A relaunch of the same run keeps the previous record as launch.<time>.json.
+
+A run launched on a remote head node (cluster.remote) has its record twice: on the head node, in its run
+directory, as a plain Slurm record, and on this machine under remote.state_dir()/runs/<run_name>/, with the
+`remote` it was launched on, so that status, logs and cancel work from here."""
 
 from __future__ import annotations
 
@@ -31,13 +35,21 @@ def load(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / RECORD).read_text())
 
 
+def remote_runs_dir() -> Path:
+    from launcher.remote import state_dir
+
+    return state_dir() / "runs"
+
+
 def find_run(target: str, results_dir: Path) -> Path | None:
-    """A run named by its directory, or by its name under the results directory."""
-    for candidate in (Path(target), results_dir / target):
+    """A run named by its directory, by its name under the results directory, or a remote run by its name."""
+    for candidate in (Path(target), results_dir / target, remote_runs_dir() / target):
         if (candidate / RECORD).exists():
             return candidate.resolve()
     return None
 
 
 def all_runs(results_dir: Path) -> list[Path]:
-    return sorted(p.parent for p in results_dir.glob(f"*/{RECORD}"))
+    here = sorted(p.parent for p in results_dir.glob(f"*/{RECORD}"))
+    names = {p.name for p in here}
+    return here + sorted(p.parent for p in remote_runs_dir().glob(f"*/{RECORD}") if p.parent.name not in names)

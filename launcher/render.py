@@ -10,6 +10,7 @@ import sys
 from functools import lru_cache
 from typing import Any
 
+from launcher import neuron, remote, staging
 from launcher.job import Job
 from launcher.paths import templates_dir
 from launcher.validate import SBATCH_KEYS
@@ -78,10 +79,24 @@ def srun_args(cfg: dict[str, Any]) -> list[str]:
     return args
 
 
+def python(cfg: dict[str, Any]) -> str:
+    """The interpreter the scripts run: the configured one, else `python3` where this machine's cannot be seen
+    (in a container, on a remote head node), else the one running nxdt-launch."""
+    if cfg.get("python"):
+        return str(cfg["python"])
+    return "python3" if cfg.get("container") or remote.settings(cfg) else sys.executable
+
+
 def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) -> str:
+    """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build."""
     cluster = cfg.get("cluster") or {}
     template = _environment().get_template(TEMPLATES[executor])
     return template.render(
+        neuron=neuron.script(job, cfg),
+        master_port_base=neuron.MASTER_PORT_BASE,
+        master_port_span=neuron.MASTER_PORT_SPAN,
+        compile_summary=neuron.COMPILE_SUMMARY,
+        staging=staging.for_job(job, cfg),
         job=job,
         produced_by=produced_by,
         job_name=job_name(cfg, job),
@@ -89,5 +104,5 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         srun_args=srun_args(cfg),
         setup=[str(line) for line in cluster.get("setup") or []],
         env=job_env(cfg),
-        python=cfg.get("python") or ("python3" if cfg.get("container") else sys.executable),
+        python=python(cfg),
     )

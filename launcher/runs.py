@@ -1,5 +1,6 @@
 """`status`, `logs` and `cancel` over recorded launches (records.py). Slurm runs ask Slurm; local runs read
-what the local executor recorded."""
+what the local executor recorded. A run launched on a remote head node is asked over SSH: `use_record`
+picks the runner its record names, and every Slurm command and log read here goes through it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from launcher import records, slurm
+from launcher import records, remote, slurm
 from launcher.errors import UserError
 
 
@@ -22,8 +23,13 @@ def _pid_alive(pid: int | None) -> bool:
     return True
 
 
+def use_record(record: dict[str, Any]):
+    """The runner for this recorded run: SSH to the head node it was launched on, or this machine."""
+    return remote.use(record.get("remote"))
+
+
 def _exit_files(entry: dict[str, Any]) -> list[Path]:
-    return sorted(Path(entry["log_dir"]).glob(f"{entry['stage']}_{entry['job_id']}_*.exit"))
+    return [Path(p) for p in remote.current().glob(entry["log_dir"], f"{entry['stage']}_{entry['job_id']}_*.exit")]
 
 
 def stage_states(record: dict[str, Any]) -> list[tuple[dict[str, Any], slurm.JobState]]:
@@ -67,11 +73,11 @@ def log_files(record: dict[str, Any], stage: str | None) -> list[Path]:
     for entry in entries:
         log_dir = Path(entry["log_dir"])
         if record["executor"] == "local":
-            files += [log_dir / f"{entry['stage']}_local.log"]
-        else:
-            files += sorted(p for p in log_dir.glob(f"{entry['stage']}_{entry['job_id']}_*")
-                            if p.suffix in (".out", ".log"))
-    return [f for f in files if f.exists()]
+            files += [p for p in [log_dir / f"{entry['stage']}_local.log"] if p.exists()]
+        else:  # listed by the runner: the directory may be on the remote head node
+            found = remote.current().glob(str(log_dir), f"{entry['stage']}_{entry['job_id']}_*")
+            files += [Path(p) for p in found if p.endswith((".out", ".log"))]
+    return files
 
 
 def cancel(record: dict[str, Any]) -> str:

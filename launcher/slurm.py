@@ -1,5 +1,6 @@
-"""The thin side of the Slurm executor: sbatch, job state, scancel. Everything here is a subprocess call;
-what the scripts contain is decided in render.py. Works when Slurm accounting is off: the state of a job
+"""The thin side of the Slurm executor: sbatch, job state, scancel. Every command goes through the runner of
+this invocation (remote.py: a subprocess here, or SSH to a head node); what the scripts contain is decided
+in render.py. Works when Slurm accounting is off: the state of a job
 that has left the queue then comes from `scontrol show job` while slurmctld remembers it, and after that
 from the exit file the job script writes."""
 
@@ -9,6 +10,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from launcher import remote
 
 # States after which a job will not run again.
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -29,10 +32,11 @@ class JobState:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise SlurmError(f"{cmd[0]} not found on PATH: is this a Slurm login node?") from None
+    runner = remote.current()
+    result = runner.run(cmd, timeout=60)
+    if result.returncode == 127 and "not found" in result.stderr:
+        raise SlurmError(f"{cmd[0]} not found on PATH on {runner.where}: is it a Slurm login node?")
+    return result
 
 
 def dependency_flag(kind: str, after: str | None) -> list[str]:
@@ -90,7 +94,7 @@ def state(job_id: str, exit_files: list[Path]) -> JobState:
 
 
 def from_exit_files(exit_files: list[Path]) -> JobState:
-    codes = [f.read_text().strip() for f in exit_files]
+    codes = [remote.current().read_text(str(f)).strip() for f in exit_files]
     if not codes:
         return JobState("UNKNOWN", "not in the queue, no accounting, no exit file")
     failed = [c for c in codes if c != "0"]

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from launcher import staging
 from launcher.stages import PROGRAMS, STAGES
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
@@ -19,7 +20,8 @@ CHECKPOINT_GRANULARITIES = (None, "full", "selective")
 
 # Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
 SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
-OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node")
+OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node",
+                      "neuron", "remote", "staging")  # checked by neuron.py, remote.py, staging.py
 
 # Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
@@ -43,7 +45,8 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         missing = training_paths(cfg["training"], prepared_in_this_run="data_preparation" in stages)
         # A dry run often renders on a laptop for a cluster whose file system it cannot see.
         (warnings if dry_run else errors).extend(missing)
-    if "data_preparation" in stages:
+    # Inputs on S3 are staged inside the job; staging.problems checks their names, the job the rest.
+    if "data_preparation" in stages and not staging.s3_values(cfg["data_preparation"]):
         errors += _data_preparation(cfg["data_preparation"])
     errors += cluster(cfg.get("cluster") or {})
     return errors, warnings
@@ -75,6 +78,8 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
         )
     for key in ("base_results_dir", "data_dir"):
         value = str(cfg.get(key) or "")
+        if key == "data_dir" and value.startswith("s3://"):
+            continue  # staged to cluster.staging.local_dir; staging.problems checks it
         if not value.startswith("/") or _PATH_UNSAFE.search(value) or not value.isprintable():
             errors.append(
                 f"{key}: {value!r} must be an absolute path without spaces, quotes or backslashes; "
@@ -212,21 +217,21 @@ def training_paths(stage: dict[str, Any], *, prepared_in_this_run: bool) -> list
     model = stage["model"]
     missing = []
     tokenizer = (model.get("tokenizer") or {}).get("model")
-    if tokenizer and not Path(tokenizer).exists():
+    if tokenizer and not staging.is_s3(tokenizer) and not Path(tokenizer).exists():
         missing.append(
             f"training.model.tokenizer.model: {tokenizer} does not exist; run stages=[data_preparation,training] "
             "or point it at a tokenizer.json"
         )
     prefix = (model.get("data") or {}).get("data_prefix")
     if isinstance(prefix, str):
-        if not Path(prefix).exists():
+        if not staging.is_s3(prefix) and not Path(prefix).exists():
             missing.append(
                 f"training.model.data.data_prefix: blend file {prefix} does not exist; "
                 "run the data_preparation stage first or give [weight, prefix, ...]"
             )
     elif isinstance(prefix, list):
         for path in prefix[1::2]:
-            if not Path(f"{path}.idx").exists():
+            if not staging.is_s3(path) and not Path(f"{path}.idx").exists():
                 missing.append(f"training.model.data.data_prefix: {path}.idx does not exist")
     return missing
 

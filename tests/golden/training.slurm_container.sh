@@ -21,10 +21,14 @@ RESTART="${SLURM_RESTART_COUNT:-0}"
 # `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue.
 trap 'echo $? > "$LOG_DIR/training_${JOB_TAG}.exit"' EXIT
 
-# Rendezvous on the allocation's first node, at the address slurmd itself is reached at.
-MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# Rendezvous on the allocation's first node, at the address slurmd itself is reached at. (sed, not head: head
+# would exit before scontrol finished writing, and pipefail would end the job on scontrol's SIGPIPE.)
+MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
-export MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
+MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
+# One IPv4 address: a multi-NIC node's name may resolve to several, and every node must dial the same one.
+MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR == 1 { print $1 }' || true)
+export MASTER_ADDR="${MASTER_IP:-$MASTER_ADDR}"
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 
 # What each node runs: one torchrun that starts this node's 2 workers.

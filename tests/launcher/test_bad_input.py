@@ -22,7 +22,7 @@ CASES = [
     (["training.model.tensor_model_paralel_size=2"],
      "unknown key 'training.model.tensor_model_paralel_size': did you mean 'training.model.tensor_model_parallel_size'?"),
     (["training=gpt3/tny"], "training=gpt3/tny: no such choice; did you mean 'gpt3/tiny'? valid choices: "),
-    (["cluster=pcluster_trn"], "cluster=pcluster_trn: no such choice; did you mean 'pcluster_trn1'?"),
+    (["cluster=pcluster_trn"], "cluster=pcluster_trn: no such choice; did you mean 'pcluster_trn"),
     (["cluster.partiton=x"], "unknown key 'cluster.partiton': did you mean 'cluster.partition'? valid keys under cluster: account,"),
     (["+cluster.constraint=a100"], "cluster.constraint: unknown key; valid keys: partition, account, exclusive"),
     (["cluster.partition='a b'"], "cluster.partition: 'a b' is not a Slurm value"),

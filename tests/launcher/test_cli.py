@@ -14,7 +14,7 @@ def test_help_lists_commands_and_every_group_with_its_choices():
     for command in ("status", "logs", "cancel"):
         assert command in result.stdout
     assert "training: gpt3/175b, gpt3/tiny, llama/tiny" in result.stdout
-    assert "cluster: local, pcluster_trn1, slurm" in result.stdout
+    assert "cluster: local, pcluster_trn1, pcluster_trn1n, pcluster_trn2, slurm" in result.stdout
 
 
 def test_175b_dry_run_writes_a_valid_sbatch_that_matches_the_recipe(tmp_path):

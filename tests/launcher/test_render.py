@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.launch import build
 from launcher.render import render
 from launcher.stages import BUILDERS
 
@@ -25,6 +26,23 @@ CASES = [
                                      "container_mounts=[/fsx:/fsx]", "cluster.exclusive=false"]),
     ("training", "pcluster_trn1", ["cluster=pcluster_trn1", "training.trainer.num_nodes=4",
                                    "training.trainer.devices=32", "training.trainer.accelerator=neuron"]),
+    *[("training", f"{cluster}_{precision}", [f"cluster={cluster}", "training.trainer.num_nodes=2",
+                                             f"training.trainer.devices={workers}", "training.trainer.accelerator=neuron",
+                                             f"training.precision.type={precision}"])
+      for cluster, workers in (("pcluster_trn1", 32), ("pcluster_trn2", 64))
+      for precision in ("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast")],
+    # trn1n, without the compile step and with the compile cache on S3.
+    ("training", "pcluster_trn1n_nocompile", ["cluster=pcluster_trn1n", "training.trainer.devices=32",
+                                              "training.trainer.accelerator=neuron", "training.precision.type=bf16SR",
+                                              "cluster.neuron.compile.enabled=false",
+                                              "cluster.neuron.compile.cache=s3://bucket/neuron-cache"]),
+    # data on S3: staged to the shared file system inside the job.
+    ("training", "slurm_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging"]),
+    ("training", "local_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging"]),
+    ("data_preparation", "slurm_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging",
+                                      "data_preparation=custom_dataset",
+                                      "data_preparation.input.files=['s3://bucket/raw/{:02d}.jsonl']",
+                                      "data_preparation.input.file_numbers='0-2'"]),
     ("conversion", "local", []),
     ("conversion", "slurm", []),
     ("evaluation", "local", []),
@@ -35,8 +53,8 @@ CASES = [
 @pytest.mark.parametrize("stage,variant,overrides", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_script_matches_golden(stage, variant, overrides):
     cfg = resolved(*overrides)
-    job = BUILDERS[stage](cfg)
-    executor = "local" if variant == "local" else "slurm"
+    job = next(j for j in build({**cfg, "stages": [stage]}) if j.stage == stage)
+    executor = "local" if variant.startswith("local") else "slurm"
     text = render(job, cfg, executor=executor, produced_by=f"nxdt-launch {' '.join(overrides)}".rstrip())
     golden = GOLDEN / f"{stage}.{variant}.sh"
     if os.environ.get("NXDT_UPDATE_GOLDEN") == "1":
@@ -52,7 +70,8 @@ def test_golden_scripts_are_valid_bash(golden):
 
 
 def test_every_template_has_a_golden_file():
-    rendered = {"local" if v == "local" else "slurm" for _, v, _ in CASES}
+    # templates/pcluster/ (the cluster config's node script) has its golden files in tests/pcluster.
+    rendered = {"local" if v.startswith("local") else "slurm" for _, v, _ in CASES}
     templates = {p.name.split(".")[0] for p in (REPO / "templates").glob("*.j2") if not p.name.startswith("_")}
     assert templates == {"sbatch", "local"} and rendered == {"local", "slurm"}
     assert {c[0] for c in CASES} == set(BUILDERS)

@@ -1,0 +1,152 @@
+# The layout grid of an autoconfig search: every combination of tensor, pipeline and virtual pipeline sizes,
+# micro-batch size and activation checkpointing, kept when the launcher's own layout arithmetic accepts it
+# (launcher.validate.training), the runtime's extra rules hold, and the memory estimate fits the device; ranked
+# by the estimator's step time. Pure functions of the base training config and the search settings.
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from launcher import validate
+from launcher.errors import UserError
+from launcher.estimator import Estimate, estimate
+
+RECOMPUTE = {None: (None, []), "selective": ("selective", ["core_attention"]),
+             "selective_mlp": ("selective", ["core_attention", "mlp"]), "full": ("full", [])}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    tp: int
+    pp: int
+    vpp: int | None
+    micro_batch_size: int
+    recompute: str | None        # a key of RECOMPUTE
+    sequence_parallel: bool
+    zero1: bool
+
+    @property
+    def tag(self) -> str:
+        """Short and filesystem-safe: names the candidate's run."""
+        vpp = f"_vpp{self.vpp}" if self.vpp else ""
+        return f"tp{self.tp}_pp{self.pp}{vpp}_mbs{self.micro_batch_size}_{self.recompute or 'norecompute'}"
+
+    def settings(self) -> dict[str, Any]:
+        """The candidate's keys under `training.`."""
+        granularity, modules = RECOMPUTE[self.recompute]
+        return {
+            "model.tensor_model_parallel_size": self.tp,
+            "model.pipeline_model_parallel_size": self.pp,
+            "model.virtual_pipeline_model_parallel_size": self.vpp,
+            "model.micro_batch_size": self.micro_batch_size,
+            "model.sequence_parallel": self.sequence_parallel,
+            "model.zero1": self.zero1,
+            "model.activations_checkpoint_granularity": granularity,
+            "model.activations_checkpoint_recompute": modules,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    candidate: Candidate
+    estimate: Estimate | None
+    rejected: str | None = None  # why it is not launched: the layout is invalid, or the estimate does not fit
+
+    @property
+    def step_seconds(self) -> float:
+        return self.estimate.step.total_s if self.estimate else float("inf")
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    values, value = [], 1
+    while value <= limit:
+        values.append(value)
+        value *= 2
+    return values
+
+
+def axis_values(search: dict[str, Any], key: str, auto: list) -> list:
+    """A search axis: a list as given, or `auto`."""
+    value = search.get(key, "auto")
+    if value == "auto" or value is None:
+        return auto
+    if not isinstance(value, list) or not value:
+        raise UserError(f"search_config.search.{key}: {value!r} must be a non-empty list or auto, "
+                        f"e.g. search_config.search.{key}=[1,2]")
+    return value
+
+
+def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layers: int,
+         zero1_default: bool) -> list[Candidate]:
+    """Every combination the search names. `auto`: tp in powers of two up to the devices per node, pp up to
+    the layers (and the world), micro-batch 1..8, no virtual pipeline, each recompute mode."""
+    world = nodes * devices_per_node
+    tps = axis_values(search, "tensor_parallel_sizes", _powers_of_two(devices_per_node))
+    pps = axis_values(search, "pipeline_parallel_sizes", [p for p in _powers_of_two(min(world, num_layers))])
+    vpps = axis_values(search, "virtual_pipeline_sizes", [None])
+    mbss = axis_values(search, "micro_batch_sizes", [1, 2, 4, 8])
+    recomputes = axis_values(search, "activations_checkpoint", [None, "selective", "full"])
+    for mode in recomputes:
+        if mode not in RECOMPUTE:
+            raise UserError(f"search_config.search.activations_checkpoint: {mode!r} is not one of "
+                            f"{', '.join('null' if m is None else m for m in RECOMPUTE)}")
+    sequence_parallel = search.get("sequence_parallel", "auto")
+    zero1 = search.get("zero1", "auto")
+    return [
+        Candidate(tp=int(tp), pp=int(pp), vpp=int(vpp) if vpp else None, micro_batch_size=int(mbs), recompute=mode,
+                  sequence_parallel=tp > 1 if sequence_parallel == "auto" else bool(sequence_parallel) and tp > 1,
+                  zero1=zero1_default if zero1 == "auto" else bool(zero1))
+        for tp in tps for pp in pps for vpp in vpps for mbs in mbss for mode in recomputes
+    ]
+
+
+def apply(training: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a resolved training config with dotted `settings` set."""
+    result = copy.deepcopy(training)
+    for dotted, value in settings.items():
+        node = result
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return result
+
+
+def runtime_problems(training: dict[str, Any], vocab: int) -> list[str]:
+    """What the runtime refuses at load time beyond the launcher's checks (runtime/config.py, parallel/dims.py)."""
+    model, tp = training["model"], training["model"]["tensor_model_parallel_size"]
+    problems = []
+    if training["trainer"]["devices"] % tp:
+        problems.append(f"tp {tp} does not divide the {training['trainer']['devices']} devices per node")
+    if model["ffn_hidden_size"] % tp:
+        problems.append(f"tp {tp} does not divide ffn_hidden_size {model['ffn_hidden_size']}")
+    if vocab % tp:
+        problems.append(f"tp {tp} does not divide the padded vocabulary {vocab}")
+    return problems
+
+
+def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | None, mfu: float | None,
+         vocab_size: int | None, neuron_hardware: str | None = None,
+         node_memory_bytes: float | None = None) -> list[Ranked]:
+    """Launchable candidates first, fastest estimated step first; then the rejected ones with their reason."""
+    ranked = []
+    for candidate in candidates:
+        training = apply(base, candidate.settings())
+        errors = validate.training(training)
+        if errors:
+            ranked.append(Ranked(candidate, None, "invalid: " + errors[0].split(": ", 1)[-1]))
+            continue
+        result = estimate(training, device=device, mfu=mfu, vocab_size=vocab_size, neuron_hardware=neuron_hardware,
+                          node_memory_bytes=node_memory_bytes)
+        problems = runtime_problems(training, result.shape.vocab_size)
+        if problems:
+            ranked.append(Ranked(candidate, result, "invalid: " + problems[0]))
+        elif not result.fits:
+            ranked.append(Ranked(candidate, result, f"estimated {result.memory.total / 2**30:.1f} GiB > "
+                                                    f"{result.hardware.usable_bytes / 2**30:.1f} GiB usable"))
+        else:
+            ranked.append(Ranked(candidate, result))
+    # Ties (equal estimates) go to the layout with fewer model-parallel ranks, then the larger micro-batch.
+    return sorted(ranked, key=lambda r: (r.rejected is not None, r.step_seconds, r.candidate.tp * r.candidate.pp,
+                                         -r.candidate.micro_batch_size))

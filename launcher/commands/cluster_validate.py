@@ -1,0 +1,260 @@
+"""`nxdt-launch cluster-validate [OVERRIDES...]`: node health and collective tests that name bad nodes.
+
+    nxdt-launch cluster-validate                                   # every idle node of cluster.partition
+    nxdt-launch cluster-validate cluster.nodelist=[node1,node2] devices=32 accelerator=neuron
+    nxdt-launch cluster-validate cluster_type=local devices=2      # this machine alone
+    nxdt-launch cluster-validate --show                            # print the last report again
+
+Overrides are Hydra's, composed with the launch config; keys of the `cluster_validation` group may be given
+without their prefix (`devices=2` is `cluster_validation.devices=2`). One job runs the agent on every node
+(csp_tools/cluster_validate); this command waits for it, prints the report and exits 1 when a node failed,
+after writing `cluster.exclude=[...]` to exclude_override.txt for later launches.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from launcher.errors import UserError
+
+STAGE = "cluster_validation"
+_TOP_LEVEL = ("stages", "cluster_type", "dry_run", "run_name", "base_results_dir", "data_dir", "launcher_scripts_path",
+              "env_vars", "container", "container_mounts", "python", "cluster", "data_preparation", "training",
+              "conversion", "evaluation", STAGE)
+_GROUP_KEYS = ("run", "nodes", "accelerator", "devices", "instance_type", "port", "register_timeout_s",
+               "task_timeout_s", "health", "collectives", "sweep", "nccom_test", "expected", "thresholds")
+
+
+def with_group_prefix(override: str) -> str:
+    """`devices=2` -> `cluster_validation.devices=2`; anything else unchanged."""
+    match = re.match(r"^([+~]{0,2})([A-Za-z_][\w]*)(.*)$", override)
+    if match and match.group(2) in _GROUP_KEYS and match.group(2) not in _TOP_LEVEL:
+        return f"{match.group(1)}{STAGE}.{match.group(2)}{match.group(3)}"
+    return override
+
+
+def expand_hostlist(expression: str) -> list[str]:
+    """Slurm's hostlist syntax: `node[1-3,7],gpu[01-02]` -> node1 node2 node3 node7 gpu01 gpu02."""
+    names: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", expression):
+        match = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", part)
+        if not match:
+            names.append(part)
+            continue
+        prefix, ranges, rest = match.groups()
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            width = len(low)
+            for number in range(int(low), int(high or low) + 1):
+                names += [f"{prefix}{number:0{width}d}{tail}" for tail in expand_hostlist(rest) or [""]]
+    return names
+
+
+def slurm_seconds(limit: str) -> int:
+    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds; UNLIMITED as a week."""
+    if limit.upper() in ("UNLIMITED", "INFINITE"):
+        return 7 * 86400
+    days = 0
+    if "-" in limit:
+        day_text, limit = limit.split("-", 1)
+        days = int(day_text)
+        h, m, s = ([int(p) for p in limit.split(":")] + [0, 0])[:3]   # H[:M[:S]]
+    else:
+        parts = [int(p) for p in limit.split(":")]
+        h, m, s = {1: (0, parts[0], 0), 2: (0, *parts[:2])}.get(len(parts), tuple(parts[-3:]))
+    return days * 86400 + h * 3600 + m * 60 + s
+
+
+def idle_nodes(partition: str | None) -> list[str]:
+    argv = ["sinfo", "-h", "-N", "-t", "idle", "-o", "%N"] + (["-p", partition] if partition else [])
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise UserError(f"{STAGE}.nodes: null asks Slurm for the idle nodes, but sinfo failed ({error}); "
+                        f"set {STAGE}.nodes=N or cluster.nodelist=[...]") from None
+    if done.returncode != 0:
+        raise UserError(f"sinfo: {done.stderr.strip()}; set {STAGE}.nodes=N or cluster.nodelist=[...]")
+    return list(dict.fromkeys(done.stdout.split()))
+
+
+def choose_nodes(cfg: dict, executor: str) -> tuple[int, list[str], list[str]]:
+    """(node count, nodelist to render, errors): cluster.nodelist, else a count, else every idle node."""
+    cluster = cfg.get("cluster") or {}
+    wanted = cfg[STAGE].get("nodes")
+    if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
+        return 1, [], [f"{STAGE}.nodes: {wanted!r} must be a positive integer or null (every idle node)"]
+    if executor == "local":
+        if wanted not in (None, 1):
+            return 1, [], [f"{STAGE}.nodes: {wanted}: a local run validates this machine only; use "
+                           f"{STAGE}.nodes=1 or cluster_type=slurm"]
+        return 1, [], []
+    listed = [n for item in cluster.get("nodelist") or [] for n in expand_hostlist(str(item))]
+    if listed:
+        return (wanted or len(listed)), list(cluster.get("nodelist")), []
+    if wanted:
+        return wanted, [], []
+    excluded = {n for item in cluster.get("exclude") or [] for n in expand_hostlist(str(item))}
+    idle = [n for n in idle_nodes(cluster.get("partition")) if n not in excluded]
+    if not idle:
+        where = f"partition {cluster.get('partition')}" if cluster.get("partition") else "the default partition"
+        return 1, [], [f"{STAGE}.nodes: no idle node in {where}; set {STAGE}.nodes=N or cluster.nodelist=[...]"]
+    return len(idle), idle, []
+
+
+def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
+    from launcher import launch, validate
+    from launcher.compose import compose, resolve
+    from launcher.job import Job
+
+    from csp_tools.cluster_validate import config as cv_config
+
+    cfg = resolve(compose([with_group_prefix(o) for o in overrides]))
+    dry_run = dry_run or bool(cfg.get("dry_run"))
+    cluster = dict(cfg.get("cluster") or {})
+    errors = validate.cluster(cluster)
+    try:
+        cv_config.parse(cfg[STAGE], cluster_exclude=cluster.get("exclude") or [])
+    except cv_config.ConfigError as error:
+        errors += error.problems
+    run = cfg[STAGE].get("run") or {}
+    name = str(run.get("name") or "")
+    if not re.match(r"^[A-Za-z0-9_.+-]+$", name):
+        errors.append(f"{STAGE}.run.name: {name!r} must be letters, digits and _.+- (it names a directory)")
+    try:
+        time_limit = slurm_seconds(str(run.get("time_limit")))
+    except ValueError:
+        errors.append(f"{STAGE}.run.time_limit: {run.get('time_limit')!r} is not a Slurm time; use H:MM:SS")
+        time_limit = 0
+    if cfg.get("cluster_type") not in validate.CLUSTER_TYPES:
+        errors.append(f"cluster_type: {cfg.get('cluster_type')!r} is not one of {', '.join(validate.CLUSTER_TYPES)}")
+    remote_host = ((cluster.get("remote") or {}).get("host"))
+    if remote_host:
+        errors.append(f"cluster.remote.host: cluster-validate runs on the cluster itself; log in to {remote_host} "
+                      "and run it there, or set cluster.remote.host=null")
+    executor, reason = launch.choose_executor(str(cfg.get("cluster_type")))
+    if executor == "local" and cfg.get("container"):
+        errors.append("container: the local executor runs this machine's Python; set container=null")
+    if errors:
+        raise UserError(*errors)
+    nodes, nodelist, errors = choose_nodes(cfg, executor)
+    if errors:
+        raise UserError(*errors)
+    cluster["nodelist"] = nodelist
+    results_dir = Path(run["results_dir"])
+    job = Job(
+        stage=STAGE, run_name=name, results_dir=results_dir, nodes=nodes, nproc_per_node=1, distributed=False,
+        program=("-m", "csp_tools.cluster_validate", "--config", str(results_dir / f"{STAGE}_config.yaml")),
+        time_limit=str(run["time_limit"]), dependency="afterok",
+        stage_config={**cfg[STAGE], "launch": {"cluster_exclude": list(cluster.get("exclude") or []),
+                                               "nodes": nodes, "executor": executor}},
+    )
+    plan_cfg = {**cfg, "run_name": name, "cluster": cluster}
+    return launch.Plan(plan_cfg, executor, reason, [job], [], produced_by, dry_run), time_limit
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _load_report(results_dir: Path, wait_s: float) -> dict | None:
+    from csp_tools.cluster_validate import report
+
+    deadline = time.monotonic() + wait_s
+    while True:  # a shared file system may show the job's file a little after the job ended
+        try:
+            return report.load(results_dir)
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(1)
+
+
+def _show(console, job_results: Path, log_dir: Path, wait_s: float) -> int:
+    from csp_tools.cluster_validate import report
+
+    data = _load_report(job_results, wait_s)
+    if data is None:
+        console.print(f"[red]error:[/] no {report.REPORT_FILE} in {job_results}; the job's logs: {log_dir}")
+        return 1
+    report.print_rich(console, data, job_results / report.REPORT_FILE)
+    return 0 if data["passed"] else 1
+
+
+def _wait_for_job(console, job_id: str, log_dir: Path, timeout_s: float) -> str:
+    from launcher import slurm
+
+    deadline = time.monotonic() + timeout_s
+    with console.status(f"cluster validation job {job_id} running"):
+        while True:
+            try:
+                state = slurm.state(job_id, sorted(log_dir.glob(f"{STAGE}_{job_id}_*.exit")))
+            except slurm.SlurmError as error:
+                raise UserError(str(error)) from None
+            if state.state in slurm.FINISHED:
+                return str(state)
+            if time.monotonic() > deadline:
+                return f"still {state} after {timeout_s:.0f}s"
+            time.sleep(2)
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
+@click.option("--dry-run", is_flag=True, help="Render the job script and submit nothing.")
+@click.option("--no-wait", is_flag=True, help="Submit and return; print the report later with --show.")
+@click.option("--show", is_flag=True, help="Print the report of the last validation, run nothing.")
+@click.option("--timeout", type=float, default=None, help="Seconds to wait for the job (default: its time "
+                                                          "limit plus two minutes).")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool, no_wait: bool, show: bool,
+            timeout: float | None) -> None:
+    """Node health and collective tests over Slurm nodes (or this machine) that name bad nodes."""
+    from launcher import launch
+    from launcher.slurm import SlurmError
+
+    dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)
+    console = _console()
+    produced_by = "nxdt-launch " + shlex.join(sys.argv[1:])
+    if show:
+        from launcher.compose import compose, resolve
+
+        cfg = resolve(compose([with_group_prefix(o) for o in overrides]))
+        results = Path(cfg[STAGE]["run"]["results_dir"])
+        ctx.exit(_show(console, results, results / "logs", 0))
+    plan, time_limit = make_plan(list(overrides), dry_run=dry_run, produced_by=produced_by)
+    job = plan.jobs[0]
+    scripts = launch.write(plan)
+    record = launch.new_record(plan, scripts)
+    where = f"{job.nodes} node(s)" + (f" ({','.join(plan.cfg['cluster']['nodelist'])})"
+                                      if plan.cfg["cluster"]["nodelist"] else "")
+    console.print(f"cluster validation on {where} · {plan.executor} executor ({plan.executor_reason})")
+    console.print(f"script: {scripts[0]}")
+    if plan.dry_run:
+        ctx.exit(0)
+    if plan.executor == "local":
+        code = launch.run_local(plan, scripts, record, console)
+        ctx.exit(_show(console, job.results_dir, job.log_dir, 5) or (1 if code else 0))
+    try:
+        launch.submit_slurm(plan, scripts, record)
+    except SlurmError as error:
+        raise UserError(str(error)) from None
+    job_id = str(record["stages"][0]["job_id"])
+    console.print(f"job {job_id}; logs: {job.log_dir}")
+    if no_wait:
+        console.print(f"print the report when it is done: nxdt-launch cluster-validate --show "
+                      f"{shlex.join(list(overrides))}".rstrip())
+        ctx.exit(0)
+    state = _wait_for_job(console, job_id, job.log_dir, timeout if timeout is not None else time_limit + 120)
+    console.print(f"job {job_id}: {state}")
+    if state.startswith("still"):
+        console.print("print the report when it is done: nxdt-launch cluster-validate --show (same overrides)")
+        ctx.exit(1)
+    ctx.exit(_show(console, job.results_dir, job.log_dir, 15))

@@ -1,0 +1,148 @@
+"""`nxdt-launch estimate [OVERRIDES]`: memory per device and time to train for a recipe, before launching it.
+
+    nxdt-launch estimate training=llama3/8b
+    nxdt-launch estimate training=gpt3/175b --device h200 --tokens 300e9 --mfu 0.45
+    nxdt-launch estimate training=llama3/70b training.model.micro_batch_size=2
+
+The overrides are the launch's own (Hydra syntax, composed the same way); nothing is written or submitted.
+"""
+from __future__ import annotations
+
+import click
+
+from launcher.errors import UserError
+
+GIB = 2**30
+
+
+def _tokens(value: str | None) -> float | None:
+    """300e9, 300000000000, 300B, 1.2T."""
+    if value is None:
+        return None
+    text = value.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:], 1.0)
+    try:
+        tokens = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise UserError(f"--tokens {value!r} is not a number; e.g. --tokens 300e9 or --tokens 300B") from None
+    if tokens <= 0:
+        raise UserError(f"--tokens {value!r} must be positive")
+    return tokens
+
+
+def compose_checked(overrides: list[str]) -> dict:
+    """The resolved launch config for these overrides, with the training layout's arithmetic checked."""
+    from launcher import validate
+    from launcher.compose import compose, resolve
+
+    cfg = resolve(compose(overrides))
+    errors = validate.training(cfg["training"])
+    if errors:
+        raise UserError(*errors)
+    return cfg
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:,.2f}"
+
+
+def _count(value: float) -> str:
+    for unit, size in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:,.1f} hours"
+    if seconds >= 120:
+        return f"{seconds / 60:,.1f} minutes"
+    return f"{seconds:,.3g} s"
+
+
+def render(result, recipe: str):
+    """The estimate as rich renderables: a title line and two tables."""
+    from rich.table import Table
+
+    from launcher.estimator.memory import PRECISION_BYTES
+
+    shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
+    vpp = f" (virtual {layout.vpp})" if layout.vpp > 1 else ""
+    title = (f"{recipe}: {_count(result.parameters.total)} parameters on {layout.num_nodes} × "
+             f"{layout.devices_per_node} {hw.description} · tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp} · "
+             f"micro-batch {layout.micro_batch_size} × {layout.num_micro_batches} · global batch "
+             f"{layout.global_batch_size} × seq {shape.seq_length}")
+    bytes_ = PRECISION_BYTES[layout.precision]
+    dtype = {2: "bf16", 4: "fp32"}
+    sharded = f", ÷ dp {layout.dp} (ZeRO-1)" if layout.zero1 and layout.dp > 1 else ""
+    recompute = layout.recompute or "no"
+    if layout.recompute == "selective":
+        recompute += " (" + ", ".join(layout.recompute_modules) + ")"
+    memory = Table(title=f"memory per device ({mem.stage} pipeline stage, {_count(mem.parameters)} parameters)",
+                   title_justify="left")
+    memory.add_column("part")
+    memory.add_column("GiB", justify="right")
+    memory.add_row(f"weights ({dtype[bytes_.param]})", _gib(mem.weights))
+    memory.add_row("gradients (fp32 accumulation buffer)", _gib(mem.gradients))
+    memory.add_row(f"optimizer (Adam moments{' + fp32 master' if bytes_.master else ''}{sharded})",
+                   _gib(mem.optimizer))
+    if mem.buffers:
+        memory.add_row("buffers (RoPE tables)", _gib(mem.buffers))
+    memory.add_row(f"activations ({mem.in_flight:g} micro-batch(es) in flight, {recompute} recompute, "
+                   f"sequence parallel {'on' if layout.sequence_parallel else 'off'})", _gib(mem.activations))
+    peak_part = "logits and loss" if mem.logits >= mem.backward else "one layer's backward"
+    memory.add_row(f"peak working set ({peak_part})", _gib(max(mem.logits, mem.backward)))
+    verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
+    memory.add_row(f"[bold]total[/] vs {_gib(hw.usable_bytes)} usable of {_gib(hw.memory_bytes)}: {verdict}",
+                   f"[bold]{_gib(mem.total)}[/]")
+
+    time = Table(title=f"time (assumed MFU {result.mfu:.0%} of {hw.peak_tflops:g} TFLOP/s per device)",
+                 title_justify="left")
+    time.add_column("quantity")
+    time.add_column("value", justify="right")
+    step = result.step
+    time.add_row("model FLOPs per token (6·N + 12·L·h·s)", _count(result.flops_per_token))
+    time.add_row("model FLOPs per step", _count(result.flops_per_step))
+    time.add_row("step time at the assumed MFU", _duration(result.step_seconds_at_mfu))
+    time.add_row("layout model: compute + bubble + tp + dp + pp comms",
+                 f"{step.compute_s:.3g} + {step.bubble_s:.3g} + {step.tensor_parallel_s:.3g} + "
+                 f"{step.data_parallel_s:.3g} + {step.pipeline_s:.3g} = {_duration(step.total_s)}")
+    time.add_row("tokens", _count(result.tokens))
+    time.add_row("[bold]time to train[/]", f"[bold]{_duration(result.days * 86400)}[/]")
+    return title, memory, time
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--device", type=click.Choice(["trn1", "trn2", "h100", "h200", "cpu"]), default=None,
+              help="Target device; default: cluster.neuron.hardware for a neuron recipe, else from "
+                   "trainer.accelerator and trainer.devices (neuron: trn2 with 64 per node, else trn1; gpu: h100).")
+@click.option("--tokens", default=None, help="Token budget (300e9, 300B); default max_steps × global batch × seq.")
+@click.option("--mfu", type=click.FloatRange(0.01, 1.0), default=None, help="Assumed model-FLOPs utilization.")
+@click.option("--vocab-size", type=click.IntRange(1), default=None,
+              help="Tokenizer vocabulary, when the tokenizer file is not on this machine.")
+@click.option("--node-memory-gib", type=click.FloatRange(1), default=None,
+              help="cpu only: host memory per node (default: this machine's).")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None:
+    """Memory per device and time to train for a recipe (Hydra overrides as for a launch)."""
+    import sys
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from launcher.estimator import estimate
+
+    cfg = compose_checked(list(overrides))
+    neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    result = estimate(cfg["training"], device=device, tokens=_tokens(tokens), mfu=mfu, vocab_size=vocab_size,
+                      node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None, neuron_hardware=neuron)
+    recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
+    title, memory, time = render(result, recipe)
+    # Pipes and logs are read later: do not fold at rich's default 80 columns there (as the launch table).
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+    console.print(escape(title), soft_wrap=True)
+    console.print(memory)
+    console.print(time)

@@ -1,0 +1,74 @@
+# Memory per device and time to train for a training config, from arithmetic alone (no torch, nothing run).
+#
+#     from launcher.estimator import estimate
+#     result = estimate(cfg["training"])          # the resolved training subtree, as nxdt-launch composes it
+#     result.memory.total, result.fits, result.days
+#
+# Modules: hardware (devices), shapes (model/layout from the config, parameter counts), memory (per device),
+# compute (FLOPs, step time, time to train). `nxdt-launch estimate` prints it; autoconfig ranks layouts with it.
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from launcher.estimator.compute import StepTime, days_to_train, flops_per_token, step_time
+from launcher.estimator.hardware import Hardware, detect, hardware_for
+from launcher.estimator.memory import Kernels, StageMemory, peak_memory
+from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count_parameters, layout_from_training,
+                                       shape_from_training, vocab_size_for)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    shape: ModelShape
+    layout: Layout
+    hardware: Hardware
+    parameters: ParameterCount
+    memory: StageMemory          # the device with the most memory
+    mfu: float
+    tokens: float                # the token budget the time is for
+    flops_per_token: float
+    step: StepTime               # the layout-aware step-time model
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hardware.usable_bytes
+
+    @property
+    def flops_per_step(self) -> float:
+        return self.flops_per_token * self.layout.global_batch_size * self.shape.seq_length
+
+    @property
+    def step_seconds_at_mfu(self) -> float:
+        return self.flops_per_step / (self.layout.world_size * self.hardware.peak_tflops * 1e12 * self.mfu)
+
+    @property
+    def days(self) -> float:
+        return days_to_train(self.shape, self.tokens, self.layout.world_size, self.hardware, self.mfu)
+
+
+def estimate(training: dict[str, Any], *, device: str | None = None, tokens: float | None = None,
+             mfu: float | None = None, vocab_size: int | None = None, node_memory_bytes: float | None = None,
+             neuron_hardware: str | None = None) -> Estimate:
+    """Estimate a resolved training config. The device is `device`, else the cluster's neuron.hardware (trn1 |
+    trn2) for a neuron recipe, else detected from trainer.accelerator and trainer.devices. `tokens` defaults to
+    the run's own budget, max_steps x global_batch_size x seq_length."""
+    shape = shape_from_training(training, vocab_size_for(training, vocab_size))
+    layout = layout_from_training(training)
+    accelerator = str(training["trainer"].get("accelerator") or "cpu")
+    if device is None and accelerator == "neuron" and neuron_hardware in ("trn1", "trn2"):
+        device = neuron_hardware
+    hardware = hardware_for(device or detect(accelerator, layout.devices_per_node), layout.devices_per_node,
+                            node_memory_bytes)
+    mfu = float(mfu if mfu is not None else hardware.default_mfu)
+    if tokens is None:
+        tokens = float(training["trainer"]["max_steps"]) * layout.global_batch_size * shape.seq_length
+    kernels = Kernels.for_accelerator(shape, "cpu" if hardware.name == "cpu" else accelerator)
+    return Estimate(shape=shape, layout=layout, hardware=hardware, parameters=count_parameters(shape),
+                    memory=peak_memory(shape, layout, kernels), mfu=mfu, tokens=float(tokens),
+                    flops_per_token=flops_per_token(shape), step=step_time(shape, layout, hardware, mfu))
+
+
+__all__ = ["Estimate", "Hardware", "Kernels", "Layout", "ModelShape", "ParameterCount", "StageMemory", "StepTime",
+           "count_parameters", "estimate", "flops_per_token", "layout_from_training", "peak_memory",
+           "shape_from_training", "step_time"]

@@ -1,0 +1,118 @@
+# FLOPs and time: model FLOPs per token (the runtime's MFU convention), the step time a layout should reach (used
+# to rank autoconfig candidates), and the days a token budget takes at an assumed MFU.
+from __future__ import annotations
+
+import dataclasses
+
+from launcher.estimator.hardware import Hardware
+from launcher.estimator.memory import PRECISION_BYTES
+from launcher.estimator.shapes import Layout, ModelShape, count_parameters
+
+SECONDS_PER_DAY = 86400.0
+
+
+def matmul_weights(shape: ModelShape) -> int:
+    """Weights that take part in a matrix multiply per token: every layer's projections and MLP, and the output
+    layer (the input embedding is a lookup). Biases and norms are left out, as in runtime/metrics.py."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    attention = h * (h + 2 * shape.num_query_groups * d) + h * h
+    mlp = (3 if shape.gated_mlp else 2) * h * f
+    return shape.num_layers * (attention + mlp) + h * shape.vocab_size
+
+
+def flops_per_token(shape: ModelShape) -> float:
+    """Training FLOPs per token, forward + backward: 6 per matmul weight plus attention's 12 * L * h * s (QK^T and
+    the weighted sum of V, full non-causal count as PaLM). Identical to runtime.metrics.flops_per_token."""
+    return 6.0 * matmul_weights(shape) + 12.0 * shape.num_layers * shape.hidden_size * shape.seq_length
+
+
+def recompute_flops_per_token(shape: ModelShape, layout: Layout) -> float:
+    """Extra forward FLOPs that activation recomputation spends per token (not counted in MFU)."""
+    h, s, L = shape.hidden_size, shape.seq_length, shape.num_layers
+    attention_forward = 4.0 * L * h * s
+    if layout.recompute == "full":
+        return (flops_per_token(shape) - 6.0 * h * shape.vocab_size) / 3.0  # one more forward of every layer
+    if layout.recompute == "selective":
+        extra = attention_forward if "core_attention" in layout.recompute_modules else 0.0
+        if "mlp" in layout.recompute_modules:
+            extra += 2.0 * L * (3 if shape.gated_mlp else 2) * h * shape.ffn_hidden_size
+        return extra
+    return 0.0
+
+
+def training_flops(shape: ModelShape, tokens: float) -> float:
+    return flops_per_token(shape) * tokens
+
+
+def days_to_train(shape: ModelShape, tokens: float, devices: int, hardware: Hardware, mfu: float) -> float:
+    """Wall-clock days for `tokens` at an assumed model-FLOPs utilization (recompute and bubbles included in it)."""
+    return training_flops(shape, tokens) / (devices * hardware.peak_tflops * 1e12 * mfu) / SECONDS_PER_DAY
+
+
+def six_n_t_parameters(budget_flops: float, tokens: float) -> float:
+    """The Chinchilla-style 6·N·T rule, solved for N: the parameters a compute budget trains on `tokens`."""
+    return budget_flops / (6.0 * tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    compute_s: float            # forward + backward (+ recompute) at the assumed efficiency
+    bubble_s: float             # pipeline fill and drain
+    tensor_parallel_s: float    # activations all-reduced (or gathered/scattered) inside each layer
+    data_parallel_s: float      # gradient reduction (+ ZeRO-1 parameter all-gather) after backward
+    pipeline_s: float           # activations sent between stages
+    model_flops: float          # per step, all devices
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.tensor_parallel_s + self.data_parallel_s + self.pipeline_s
+
+
+def _ring_seconds(bytes_: float, ranks: int, gbps: float, *, all_reduce: bool) -> float:
+    if ranks <= 1:
+        return 0.0
+    factor = 2.0 * (ranks - 1) / ranks if all_reduce else (ranks - 1) / ranks
+    return factor * bytes_ / (gbps * 1e9)
+
+
+def gemm_efficiency(shape: ModelShape, layout: Layout) -> float:
+    """A heuristic for how far small matrix multiplies fall short of peak: each device's GEMMs have
+    micro_batch x seq rows and hidden / tp columns; at 2^20 elements they reach half of the assumed efficiency."""
+    size = layout.micro_batch_size * shape.seq_length * shape.hidden_size / layout.tp
+    return size / (size + 2**20 / 8)
+
+
+def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float) -> StepTime:
+    """What one optimizer step should take with this layout: a model for ranking layouts before measuring them.
+    Communication is counted as exposed (the runtime does not overlap it with compute)."""
+    c = PRECISION_BYTES[layout.precision].compute
+    tokens = layout.global_batch_size * shape.seq_length
+    model_flops = flops_per_token(shape) * tokens
+    device_flops = (model_flops + recompute_flops_per_token(shape, layout) * tokens) / layout.world_size
+    compute = device_flops / (hardware.peak_tflops * 1e12 * mfu * gemm_efficiency(shape, layout))
+    m, p, v = layout.num_micro_batches, layout.pp, layout.vpp
+    bubble = compute * (p - 1) / (m * v) if p > 1 else 0.0
+
+    micro_activation = layout.micro_batch_size * shape.seq_length * shape.hidden_size * c
+    layers = shape.num_layers // p
+    collectives_per_layer = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, 2 recomputed
+    tensor_parallel = m * layers * collectives_per_layer * _ring_seconds(
+        micro_activation, layout.tp, hardware.intra_node_gbps, all_reduce=True)
+
+    params = count_parameters(shape).total / (layout.tp * p)
+    crosses_nodes = layout.tp * layout.dp > layout.devices_per_node
+    dp_gbps = hardware.inter_node_gbps if crosses_nodes else hardware.intra_node_gbps
+    if layout.zero1:
+        data_parallel = (_ring_seconds(4 * params, layout.dp, dp_gbps, all_reduce=False)
+                         + _ring_seconds(PRECISION_BYTES[layout.precision].param * params, layout.dp, dp_gbps,
+                                         all_reduce=False))
+    else:
+        data_parallel = _ring_seconds(4 * params, layout.dp, dp_gbps, all_reduce=True)
+
+    pipeline = 0.0
+    if p > 1:
+        stage_gbps = hardware.inter_node_gbps if layout.tp * layout.dp * p > layout.devices_per_node else \
+            hardware.intra_node_gbps
+        shard = layout.tp if layout.sequence_parallel else 1
+        pipeline = 2 * m * v * micro_activation / shard / (stage_gbps * 1e9)
+    return StepTime(compute, bubble, tensor_parallel, data_parallel, pipeline, model_flops)

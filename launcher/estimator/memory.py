@@ -1,0 +1,221 @@
+# Memory per device for a training config, as pure arithmetic over the model shape and the parallel layout.
+#
+# The accounting follows what runtime/ actually holds, so it can be checked against a measurement on CPU:
+#   weights      param dtype (fp32, or bf16 for bf16SR / mixed_precision*), every parameter of this device's stage
+#   gradients    fp32 always: the DistributedOptimizer accumulates micro-batch gradients in an fp32 buffer
+#   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by dp under ZeRO-1
+#   activations  what autograd keeps per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
+#                Activation Recomputation in Large Transformer Models"), times the micro-batches in flight
+#   logits/loss  the output layer's (b, s, V/tp) logits and the cross entropy's fp32 working set, on the last stage
+#
+# Per-layer activations, in elements of E = micro_batch x seq x hidden (the paper's 34·sbh bytes is the fp16 case
+# with dropout masks): two norm inputs, the QKV and MLP-in matmul inputs, Q/K/V, the attention output and the
+# projection input, and the MLP intermediates (GELU: 2 x ffn, SwiGLU: 4 x ffn). Flash attention (what SDPA uses on
+# GPU and CPU without attention dropout, and NxD Training's NKI kernel) stores no s x s matrix, only the output and
+# its log-sum-exp; the unfused path stores softmax output, dropout mask and dropout output: (2c + 1)·a·s²·b bytes.
+# Sequence parallelism divides the norm/dropout regions by tp. Where this runtime differs from Megatron it is
+# counted as the runtime does it: a column-parallel linear under sequence parallelism saves its all-gathered
+# (full-sequence) input rather than the shard, and an RMSNorm saves the fp32 copy it normalizes.
+# Recompute: `selective` drops what core attention (and the MLP, if listed) would keep; `full` keeps only each
+# layer's input and rebuilds one layer at a time in backward.
+from __future__ import annotations
+
+import dataclasses
+
+from launcher.estimator.shapes import Layout, ModelShape, kv_heads_per_rank, layer_parameters, stage_parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionBytes:
+    param: int          # weights as the model holds them
+    master: int         # the optimizer's fp32 copy of the weights (0: the weights are their own master)
+    compute: int        # matmul inputs and outputs
+    residual: int       # the residual stream and norm inputs (the param dtype)
+    weight_copies: bool  # autocast keeps a bf16 copy of every weight it multiplies until backward
+
+
+PRECISION_BYTES = {
+    "fp32": PrecisionBytes(4, 0, 4, 4, False),
+    "bf16SR": PrecisionBytes(2, 0, 2, 2, False),
+    "mixed_precision": PrecisionBytes(2, 4, 2, 2, False),
+    "mixed_precisionSR": PrecisionBytes(2, 4, 2, 2, False),
+    "autocast": PrecisionBytes(4, 0, 2, 4, True),
+}
+GRAD_BYTES = 4                  # fp32 gradient buffer (main_grad)
+MOMENT_BYTES = 8                # Adam exp_avg + exp_avg_sq, fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one device of one pipeline stage at its peak (the start of the first micro-batch's backward)."""
+    stage: str
+    parameters: int
+    weights: float
+    gradients: float
+    optimizer: float
+    buffers: float               # RoPE tables
+    activations: float           # saved for backward, all micro-batches in flight
+    logits: float                # output layer + loss working set (last stage), at the start of backward
+    backward: float              # one layer's backward: its gradients, and under full recompute its activations
+    in_flight: float             # micro-batches whose activations this stage holds at once
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.buffers
+
+    @property
+    def total(self) -> float:
+        # The loss's working set is gone by the time backward reaches the last layer.
+        return self.static + self.activations + max(self.logits, self.backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """What the accelerator's kernels keep, where that differs: SDPA uses a fused (flash) kernel that stores no
+    s x s matrix except on CPU with attention dropout (the math path); dropout keeps a 1-byte mask on GPU and XLA
+    (native_dropout) but a noise tensor of the activation dtype on CPU."""
+    flash: bool = True
+    mask_as_activation: bool = False
+
+    @classmethod
+    def for_accelerator(cls, shape: ModelShape, accelerator: str) -> "Kernels":
+        on_cpu = accelerator == "cpu"
+        return cls(flash=not (on_cpu and shape.attention_dropout > 0), mask_as_activation=on_cpu)
+
+
+def in_flight_micro_batches(layout: Layout) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak. 1F1B: min(pp, micro-batches);
+    the interleaved schedule holds (1 + (pp - 1) / (pp * vpp)) times more (Korthikanti et al., section 4.2.3)."""
+    if layout.pp == 1:
+        return 1.0
+    held = float(min(layout.pp, layout.num_micro_batches))
+    if layout.vpp > 1:
+        held *= 1.0 + (layout.pp - 1) / (layout.pp * layout.vpp)
+    return held
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels(),
+                           recompute: str | None = "layout") -> float:
+    """Bytes autograd keeps for one transformer layer and one micro-batch on one device."""
+    recompute = layout.recompute if recompute == "layout" else recompute
+    bytes_ = PRECISION_BYTES[layout.precision]
+    c, r = bytes_.compute, bytes_.residual
+    b, s, h, t = layout.micro_batch_size, shape.seq_length, shape.hidden_size, layout.tp
+    E = b * s * h
+    shard = 1.0 / t if layout.sequence_parallel else 1.0
+    if recompute == "full":
+        return r * E * shard  # the layer's input; everything else is rebuilt in backward
+
+    selective = recompute == "selective"
+    attn_recomputed = selective and "core_attention" in layout.recompute_modules
+    mlp_recomputed = selective and "mlp" in layout.recompute_modules
+    norm_input = _norm_bytes(shape, r)
+    mask = c if kernels.mask_as_activation else 1
+    heads, kv = shape.num_attention_heads // t, kv_heads_per_rank(shape, t)
+
+    def width(columns: float, dtype: int = c) -> float:      # a (b, s, columns * head_dim) tensor
+        return dtype * b * s * columns * shape.head_dim
+
+    total = 2 * norm_input * E * shard        # attention and MLP norm inputs
+    total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
+    qkv = heads + 2 * kv
+    if shape.architecture == "gpt":
+        total += width(qkv)                    # q, k, v are views of the QKV output
+    elif attn_recomputed or kv == heads:
+        total += width(heads + kv) + width(qkv)  # rotated q, k; the QKV output lives on through v's view
+    else:
+        total += width(3 * heads)              # rotated q, and k, v repeated to every query head (GQA)
+    # The attention output, which the projection saves as its input: fused kernels return it in (b, s, heads, d)
+    # memory order, so the reshape back to (b, s, h) is a view of what the kernel itself keeps for backward.
+    total += width(heads)
+    if not attn_recomputed:
+        if kernels.flash:
+            total += 4 * b * heads * s         # log-sum-exp
+        else:
+            dropout = mask + c if shape.attention_dropout > 0 else 0
+            total += width(2 * heads) + (c + dropout) * b * heads * s * s  # scaled q, k; softmax (+ mask, dropout)
+    ffn = shape.ffn_hidden_size // t
+    if mlp_recomputed:
+        total += r * E * shard                 # the recomputed MLP's input
+    else:
+        total += c * E + c * b * s * ffn * (4 if shape.gated_mlp else 2)
+    if shape.hidden_dropout > 0:
+        total += 2 * mask * E * shard          # two dropout masks
+    if bytes_.weight_copies:
+        total += c * layer_parameters(shape, t)
+    if shape.num_query_groups % t:             # KV heads replicated: the concatenated QKV weight is saved per call
+        total += (c if bytes_.weight_copies else bytes_.param) * (heads + 2) * shape.head_dim * h
+    return total
+
+
+def _norm_bytes(shape: ModelShape, residual: int) -> int:
+    """Bytes a norm keeps per element: LayerNorm its input; the runtime's RMSNorm runs in fp32 on an upcast copy
+    and keeps that copy and the normalized fp32 tensor (for the weight's gradient)."""
+    return 8 if shape.architecture == "llama" else residual
+
+
+def backward_working_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Gradients alive while backward runs through one layer: the residual stream's and two MLP-wide ones."""
+    c = PRECISION_BYTES[layout.precision].compute
+    b, s = layout.micro_batch_size, shape.seq_length
+    return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp)
+
+
+def loss_bytes(shape: ModelShape, layout: Layout) -> float:
+    """The last stage's output layer and loss for one micro-batch at their peak: the final norm's and the output
+    layer's saved inputs, the (b, s, V/tp) logits, and the loss's fp32 buffer. The runtime's cross entropy works in
+    place (the logits become exp(z - max) in forward and the gradient in backward), so bf16 logits cost their
+    own 2 bytes plus the 4-byte fp32 copy, and fp32 logits 4 bytes, per token and vocabulary entry. The output
+    layer's backward then holds the logits' gradient with its own weight gradient."""
+    bytes_ = PRECISION_BYTES[layout.precision]
+    c, r = bytes_.compute, bytes_.residual
+    b, s, t = layout.micro_batch_size, shape.seq_length, layout.tp
+    E = b * s * shape.hidden_size
+    shard = 1.0 / t if layout.sequence_parallel else 1.0
+    tokens_by_vocab = b * s * shape.vocab_size / t
+    loss = tokens_by_vocab * (c + (4 if c != 4 else 0))
+    output_weights = shape.vocab_size / t * shape.hidden_size
+    output_backward = tokens_by_vocab * c + bytes_.param * output_weights + c * E
+    copies = c * output_weights if bytes_.weight_copies else 0.0  # autocast's bf16 copy of the output weight
+    return _norm_bytes(shape, r) * E * shard + c * E + copies + max(loss, output_backward)
+
+
+def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
+                 kernels: Kernels = Kernels()) -> StageMemory:
+    bytes_ = PRECISION_BYTES[layout.precision]
+    params = stage_parameters(shape, layout, first=first, last=last)
+    sharding = layout.dp if layout.zero1 else 1
+    layers = shape.num_layers // layout.pp
+    buffers = 0.0
+    if shape.architecture == "llama":  # each layer keeps its own fp32 cos and sin tables
+        buffers += layers * shape.max_position_embeddings * shape.head_dim * 2 * 4
+    in_flight = in_flight_micro_batches(layout) if first else 1.0
+    activations = layers * in_flight * layer_activation_bytes(shape, layout, kernels)
+    if first and shape.hidden_dropout > 0 and shape.architecture == "gpt":  # the embedding's dropout mask
+        mask = bytes_.compute if kernels.mask_as_activation else 1
+        activations += in_flight * mask * layout.micro_batch_size * shape.seq_length * shape.hidden_size
+    recompute = backward_working_bytes(shape, layout)
+    if layout.recompute == "full":  # backward rebuilds one layer's activations at a time
+        recompute += layer_activation_bytes(shape, layout, kernels, recompute=None)
+    name = "only" if first and last else "first" if first else "last"
+    return StageMemory(
+        stage=name,
+        parameters=params,
+        weights=params * bytes_.param,
+        gradients=params * GRAD_BYTES,
+        optimizer=params * (MOMENT_BYTES + bytes_.master) / sharding,
+        buffers=buffers,
+        activations=activations,
+        logits=loss_bytes(shape, layout) if last else 0.0,
+        backward=recompute,
+        in_flight=in_flight,
+    )
+
+
+def peak_memory(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels()) -> StageMemory:
+    """The device with the most memory: the first stage (most micro-batches in flight) or the last (logits)."""
+    if layout.pp == 1:
+        return stage_memory(shape, layout, first=True, last=True, kernels=kernels)
+    stages = [stage_memory(shape, layout, first=True, last=False, kernels=kernels),
+              stage_memory(shape, layout, first=False, last=True, kernels=kernels)]
+    return max(stages, key=lambda stage: stage.total)

@@ -1,0 +1,212 @@
+# The model shape and the parallel layout the estimator works from, read from a resolved training config (the
+# Seam 2 keys), and the parameter count of the runtime's models (runtime/models) as pure arithmetic.
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import UserError
+
+# Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
+# tokenizer file (a laptop planning a cluster run). Matched against the tokenizer path; the file wins if present.
+KNOWN_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    architecture: str            # gpt | llama
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int        # key/value heads (= num_attention_heads without GQA)
+    vocab_size: int              # padded
+    seq_length: int
+    max_position_embeddings: int
+    tied_embeddings: bool
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two
+        return self.architecture == "llama"
+
+    @property
+    def has_bias(self) -> bool:       # GPT's linears and LayerNorms carry biases
+        return self.architecture == "gpt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    num_nodes: int
+    devices_per_node: int
+    tp: int
+    pp: int
+    vpp: int                     # virtual pipeline chunks per pipeline rank (1 = not interleaved)
+    micro_batch_size: int
+    global_batch_size: int
+    sequence_parallel: bool
+    zero1: bool
+    recompute: str | None        # None | full | selective
+    recompute_modules: tuple[str, ...]
+    precision: str
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step (gradient accumulation)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+def padded_vocab(vocab: int, divisible_by: int) -> int:
+    """As runtime/models/config.py pads: up to a multiple of make_vocab_size_divisible_by, whatever the layout."""
+    return math.ceil(vocab / divisible_by) * divisible_by
+
+
+def tokenizer_vocab_size(path: str) -> int | None:
+    """Vocabulary of a Hugging Face tokenizer.json read as JSON (no tokenizers import): the largest token id + 1
+    over the model's vocabulary and the added tokens. None when the file is not here."""
+    file = Path(path)
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # BPE dict / Unigram list
+        ids += [token["id"] for token in data.get("added_tokens") or []]
+        return max(ids) + 1
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int:
+    """The unpadded vocabulary: --vocab-size, else the tokenizer file, else a known tokenizer named in its path."""
+    if override:
+        return int(override)
+    path = str((training["model"].get("tokenizer") or {}).get("model") or "")
+    size = tokenizer_vocab_size(path) if path else None
+    if size is not None:
+        return size
+    for key, known in KNOWN_VOCABULARIES.items():
+        if key in path:
+            return known
+    raise UserError(f"training.model.tokenizer.model: {path or None!r} is not on this machine and names no known "
+                    f"tokenizer ({', '.join(KNOWN_VOCABULARIES)}); pass --vocab-size N")
+
+
+def shape_from_training(training: dict[str, Any], vocab: int) -> ModelShape:
+    model = training["model"]
+    heads = int(model["num_attention_heads"])
+    seq = int(model["encoder_seq_length"])
+    return ModelShape(
+        architecture=str(model["architecture"]),
+        num_layers=int(model["num_layers"]),
+        hidden_size=int(model["hidden_size"]),
+        ffn_hidden_size=int(model["ffn_hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(model.get("num_query_groups") or heads),
+        vocab_size=padded_vocab(vocab, int(model.get("make_vocab_size_divisible_by") or 128)),
+        seq_length=seq,
+        max_position_embeddings=int(model.get("max_position_embeddings") or seq),
+        tied_embeddings=bool(model.get("share_embeddings_and_output_weights", model["architecture"] == "gpt")),
+        hidden_dropout=float(model.get("hidden_dropout") or 0.0),
+        attention_dropout=float(model.get("attention_dropout") or 0.0),
+    )
+
+
+def layout_from_training(training: dict[str, Any]) -> Layout:
+    trainer, model = training["trainer"], training["model"]
+    return Layout(
+        num_nodes=int(trainer["num_nodes"]),
+        devices_per_node=int(trainer["devices"]),
+        tp=int(model["tensor_model_parallel_size"]),
+        pp=int(model["pipeline_model_parallel_size"]),
+        vpp=int(model.get("virtual_pipeline_model_parallel_size") or 1),
+        micro_batch_size=int(model["micro_batch_size"]),
+        global_batch_size=int(model["global_batch_size"]),
+        sequence_parallel=bool(model.get("sequence_parallel")),
+        zero1=bool(model.get("zero1")),
+        recompute=model.get("activations_checkpoint_granularity"),
+        recompute_modules=tuple(model.get("activations_checkpoint_recompute") or ()),
+        precision=str((training.get("precision") or {}).get("type") or "fp32"),
+    )
+
+
+# ---- parameter counts ---------------------------------------------------------------------------------------
+
+def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
+    """KV heads one tensor-parallel rank holds: split when tp divides them, one replicated head otherwise."""
+    groups = shape.num_query_groups
+    return groups // tp if groups % tp == 0 else 1
+
+
+def layer_parameters(shape: ModelShape, tp: int = 1) -> int:
+    """Parameters of one transformer layer held by one tensor-parallel rank (tp=1: the whole layer)."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    q_rows = shape.num_attention_heads // tp * d
+    kv_rows = 2 * kv_heads_per_rank(shape, tp) * d
+    qkv = h * (q_rows + kv_rows) + (q_rows + kv_rows if shape.has_bias else 0)
+    proj = (shape.num_attention_heads // tp * d) * h + (h if shape.has_bias else 0)  # row-parallel: bias replicated
+    if shape.gated_mlp:
+        mlp = h * 2 * (f // tp) + (f // tp) * h
+    else:
+        mlp = h * (f // tp) + (f // tp if shape.has_bias else 0) + (f // tp) * h + (h if shape.has_bias else 0)
+    norms = 2 * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
+    return qkv + proj + mlp + norms
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCount:
+    embedding: int               # token embedding (V x h)
+    positions: int               # learned absolute positions (GPT)
+    layers: int                  # all transformer layers
+    final_norm: int
+    output: int                  # output head; 0 when tied to the embedding
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.positions + self.layers + self.final_norm + self.output
+
+    @property
+    def non_embedding(self) -> int:
+        return self.layers + self.final_norm
+
+
+def count_parameters(shape: ModelShape) -> ParameterCount:
+    h = shape.hidden_size
+    return ParameterCount(
+        embedding=shape.vocab_size * h,
+        positions=shape.max_position_embeddings * h if shape.architecture == "gpt" else 0,
+        layers=shape.num_layers * layer_parameters(shape, 1),
+        final_norm=h * (2 if shape.has_bias else 1),
+        output=0 if shape.tied_embeddings else shape.vocab_size * h,
+    )
+
+
+def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bool) -> int:
+    """Parameters one device of a pipeline stage holds. Positions and norms are replicated over TP; with pipeline
+    parallelism a tied output head is a separate copy on the last stage (Megatron's layout)."""
+    h, t = shape.hidden_size, layout.tp
+    params = layer_parameters(shape, t) * (shape.num_layers // layout.pp)
+    if first:
+        params += shape.vocab_size // t * h
+        params += shape.max_position_embeddings * h if shape.architecture == "gpt" else 0
+    if last:
+        params += h * (2 if shape.has_bias else 1)
+        if not shape.tied_embeddings or not first:
+            params += shape.vocab_size // t * h
+    return params

@@ -1,0 +1,208 @@
+"""What a job script needs to run a stage on Trainium: the environment NxD Training derives from the config,
+the worker count per node, and the optional neuron_parallel_compile step. Pure functions of the resolved config;
+render.py puts the results into the script and launch.py writes the compile step's config file.
+
+Precision -> environment, as NxD Training's training.py (process_config) sets it; NEURON_CC_FLAGS gets the
+cluster's compiler flags first, then the hardware target, then the precision's flags, in that order:
+
+| precision.type    | XLA_USE_BF16 | XLA_DOWNCAST_BF16 | NEURON_RT_STOCHASTIC_ROUNDING_EN | NEURON_CC_FLAGS adds                                  |
+| ----------------- | ------------ | ----------------- | -------------------------------- | ----------------------------------------------------- |
+| fp32              | 0            | 0                 | (not set)                        | --auto-cast none                                      |
+| bf16SR            | 1            | 0                 | 1                                | --enable-mixed-precision-accumulation                 |
+| mixed_precision   | 0            | 1                 | 0                                | --enable-mixed-precision-accumulation                 |
+| mixed_precisionSR | 0            | 1                 | 1                                | --enable-mixed-precision-accumulation                 |
+| autocast          | 0            | 0                 | 0                                | --enable-mixed-precision-accumulation --auto-cast none |
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher.job import Job
+
+PRECISION_ENV: dict[str, tuple[dict[str, str], str]] = {
+    "fp32": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0"}, "--auto-cast none"),
+    "bf16SR": ({"XLA_USE_BF16": "1", "XLA_DOWNCAST_BF16": "0", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+               "--enable-mixed-precision-accumulation"),
+    "mixed_precision": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
+                        "--enable-mixed-precision-accumulation"),
+    "mixed_precisionSR": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "1", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"},
+                          "--enable-mixed-precision-accumulation"),
+    "autocast": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0"},
+                 "--enable-mixed-precision-accumulation --auto-cast none"),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    workers_per_node: int   # one worker per (logical) NeuronCore
+    logical_cores: int      # LNC: physical NeuronCores per logical one
+    target: str             # neuronx-cc --target
+
+
+# trn1n.32xlarge is trn1 silicon with twice the EFA bandwidth: same workers, same compiler target.
+HARDWARE = {
+    "trn1": Hardware(workers_per_node=32, logical_cores=1, target="trn1"),
+    "trn2": Hardware(workers_per_node=64, logical_cores=2, target="trn2"),
+}
+
+# torchrun's rendezvous port on Neuron clusters: 44000 + job id % 1000, inside the range the ParallelCluster
+# node script reserves (net.ipv4.ip_local_reserved_ports), so no outgoing connection can take it first.
+MASTER_PORT_BASE = 44000
+MASTER_PORT_SPAN = 1000
+# What neuron_parallel_compile prints once per node when every graph compiled; training starts only after it.
+COMPILE_SUMMARY = "Total failed compilations: 0"
+
+DEFAULTS: dict[str, Any] = {
+    "hardware": "trn1",
+    "efa": True,
+    "compiler_flags": "--model-type=transformer --distribution-strategy=llm-training",
+    "async_exec_max_inflight_requests": 3,
+    "malloc_arena_max": 64,
+    "open_files": 65535,
+    "compile": {"enabled": True, "steps": 10, "cache": "/var/tmp/neuron-compile-cache"},
+}
+NEURON_KEYS = tuple(DEFAULTS)
+COMPILE_KEYS = tuple(DEFAULTS["compile"])
+
+
+@dataclass(frozen=True)
+class CompileStep:
+    config: dict[str, Any]      # the stage config it runs: the training config, cut to `steps` steps
+    config_path: Path
+    log_suffix: str = "compile"
+
+
+@dataclass(frozen=True)
+class NeuronScript:
+    """Everything the templates render for a Neuron stage."""
+
+    hardware: str
+    env: dict[str, str]             # exported once, before the cluster's and the launch's own env_vars
+    efa_fork_safe_check: bool       # export FI_EFA_FORK_SAFE=1 on kernels that need it (decided on the node)
+    open_files: int
+    cache_url: str                  # NEURON_COMPILE_CACHE_URL without the node part
+    cache_per_node: bool            # a local/shared-FS cache gets one directory per node; S3 is shared
+    compile: CompileStep | None
+
+
+def settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """cluster.neuron with every missing key filled from DEFAULTS."""
+    given = (cfg.get("cluster") or {}).get("neuron") or {}
+    merged = {**DEFAULTS, **{k: v for k, v in given.items() if k != "compile"}}
+    merged["compile"] = {**DEFAULTS["compile"], **(given.get("compile") or {})}
+    return merged
+
+
+def runs_on_neuron(job: Job) -> bool:
+    return job.distributed and ((job.stage_config.get("trainer") or {}).get("accelerator") == "neuron")
+
+
+def model_key(stage_config: dict[str, Any]) -> str:
+    """Names the compile cache of one model: its architecture and a hash of what shapes its graphs (the model
+    section without its data and tokenizer paths, the precision). Data-only changes reuse the cache."""
+    model = {k: v for k, v in (stage_config.get("model") or {}).items() if k not in ("data", "tokenizer")}
+    shaping = {"model": model, "precision": stage_config.get("precision")}
+    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{model.get('architecture', 'model')}-{digest}"
+
+
+def compile_config(job: Job, steps: int) -> dict[str, Any]:
+    """The training config, cut to `steps` steps, writing its metrics where they cannot mix with the real
+    run's. Validation is kept inside those steps so that its graph is compiled too."""
+    stage = copy.deepcopy(job.stage_config)
+    trainer = stage.setdefault("trainer", {})
+    trainer["max_steps"] = int(steps)
+    if int(trainer.get("val_check_interval") or 0) > steps:
+        trainer["val_check_interval"] = int(steps)
+    stage.setdefault("run", {})["results_dir"] = str(job.results_dir / "compile")
+    exp_manager = stage.setdefault("exp_manager", {})
+    exp_manager["create_tensorboard_logger"] = False
+    exp_manager["resume_if_exists"] = False
+    sched = ((stage.get("model") or {}).get("optim") or {}).get("sched")
+    if isinstance(sched, dict):  # a warmup longer than the compile run is refused by the trainer
+        sched["warmup_steps"] = min(int(sched.get("warmup_steps") or 0), int(steps))
+        sched["constant_steps"] = min(int(sched.get("constant_steps") or 0), int(steps) - sched["warmup_steps"])
+    return stage
+
+
+def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
+    """The Neuron parts of this job's script, or None when the stage does not run on Neuron."""
+    if not runs_on_neuron(job):
+        return None
+    neuron = settings(cfg)
+    hardware = HARDWARE[neuron["hardware"]]
+    precision = str((job.stage_config.get("precision") or {}).get("type") or "fp32")
+    precision_env, precision_flags = PRECISION_ENV[precision]
+
+    flags = [str(neuron["compiler_flags"] or "").strip(), f"--target={hardware.target}"]
+    if hardware.logical_cores > 1:
+        flags.append(f"--logical-nc-config={hardware.logical_cores}")
+    flags.append(precision_flags)
+
+    env: dict[str, str] = {}
+    if neuron["efa"]:
+        env.update(FI_PROVIDER="efa", FI_EFA_USE_DEVICE_RDMA="1")
+    env["MALLOC_ARENA_MAX"] = str(neuron["malloc_arena_max"])
+    env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = str(neuron["async_exec_max_inflight_requests"])
+    if hardware.logical_cores > 1:
+        env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.logical_cores)
+    env["NEURON_FUSE_SOFTMAX"] = "1"
+    env.update(precision_env)
+    env["NEURON_CC_FLAGS"] = " ".join(f for f in flags if f)
+    env["NXDT_NEURON_HARDWARE"] = neuron["hardware"]  # runtime/device.py reports peak FLOPs by it
+
+    cache = str(neuron["compile"]["cache"]).rstrip("/")
+    compile_step = None
+    if neuron["compile"]["enabled"] and job.stage == "training":
+        steps = int(neuron["compile"]["steps"])
+        compile_step = CompileStep(compile_config(job, steps), job.results_dir / f"{job.stage}_compile_config.yaml")
+    return NeuronScript(
+        hardware=neuron["hardware"],
+        env=env,
+        efa_fork_safe_check=bool(neuron["efa"]),
+        open_files=int(neuron["open_files"]),
+        cache_url=f"{cache}/{model_key(job.stage_config)}",
+        cache_per_node=not cache.startswith("s3://"),
+        compile=compile_step,
+    )
+
+
+def problems(cfg: dict[str, Any]) -> list[str]:
+    """Mistakes in cluster.neuron, and a training stage whose worker count does not fill the Neuron nodes."""
+    given = (cfg.get("cluster") or {}).get("neuron")
+    if given is None:
+        return []
+    if not isinstance(given, dict):
+        return ["cluster.neuron: must be a mapping (see conf/cluster/pcluster_trn1.yaml)"]
+    errors = [f"cluster.neuron.{k}: unknown key; valid keys: {', '.join(NEURON_KEYS)}" for k in given
+              if k not in NEURON_KEYS]
+    errors += [f"cluster.neuron.compile.{k}: unknown key; valid keys: {', '.join(COMPILE_KEYS)}"
+               for k in (given.get("compile") or {}) if k not in COMPILE_KEYS]
+    neuron = settings(cfg)
+    if neuron["hardware"] not in HARDWARE:
+        return errors + [f"cluster.neuron.hardware: {neuron['hardware']!r} is not one of {', '.join(HARDWARE)}"]
+    steps = neuron["compile"]["steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        errors.append(f"cluster.neuron.compile.steps: {steps!r} must be a positive integer, e.g. 10")
+    for key in ("open_files", "malloc_arena_max", "async_exec_max_inflight_requests"):
+        value = neuron[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            errors.append(f"cluster.neuron.{key}: {value!r} must be a positive integer")
+    if "\n" in str(neuron["compiler_flags"] or ""):
+        errors.append("cluster.neuron.compiler_flags: must be one line of neuronx-cc flags")
+    trainer = ((cfg.get("training") or {}).get("trainer")) or {}
+    workers = HARDWARE[neuron["hardware"]].workers_per_node
+    if "training" in (cfg.get("stages") or []) and trainer.get("accelerator") == "neuron" \
+            and trainer.get("devices") != workers:
+        lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""
+        errors.append(
+            f"training.trainer.devices: {trainer.get('devices')!r} workers per node, but {neuron['hardware']}"
+            f"{lnc} nodes have {workers} NeuronCores, one worker each; set training.trainer.devices={workers}"
+        )
+    return errors

@@ -1,0 +1,228 @@
+"""S3 data: `data_dir` (and the data-preparation inputs) may be s3:// URLs. The launcher rewrites each such URL in
+the stage configs to its mirror on the shared file system, `<cluster.staging.local_dir>/<bucket>/<key>`, and
+writes a manifest next to the stage config; the job script then runs `python -m launcher.staging pull` before
+the program and `push` after it succeeds. Nothing is fetched when the launcher renders (a dry run stays
+offline): this module plans, launcher/s3sync.py transfers, on the node.
+
+Which keys move data, per stage (anything else that is s3:// is refused, naming these):
+
+| stage            | pulled before the program                                  | pushed after it | mirrored only (scratch) |
+| ---------------- | ---------------------------------------------------------- | --------------- | ----------------------- |
+| data_preparation | input.files, tokenizer.{model,vocab_file,merge_file}, tokenizer.train.files | output_dir | download.dir |
+| training         | model.tokenizer.model, model.data.data_prefix (blend file or prefixes) | -   | model.data.index_mapping_dir |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# kinds of pull: one object; a Megatron prefix (<url>.bin + <url>.idx); a blend file whose s3:// prefixes are
+# pulled too and rewritten to their mirrors.
+OBJECT, INDEXED, BLEND = "object", "indexed", "blend"
+PUSH_TREE = "tree"
+
+DEFAULTS: dict[str, Any] = {
+    "local_dir": None,          # the mirror root on the shared file system, e.g. /fsx/staging
+    "endpoint_url": None,       # null: AWS's own S3 endpoint for the region
+    "max_concurrency": 8,       # parts in flight per file (boto3 TransferConfig)
+    "multipart_chunk_mb": 64,   # part size; files above it are sent and fetched in parallel parts
+    "retries": 5,               # per request (botocore) and per file (integrity check failures)
+}
+_GLOB = re.compile(r"[*?\[]")
+
+
+def is_s3(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("s3://")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**DEFAULTS, **((cfg.get("cluster") or {}).get("staging") or {})}
+
+
+def mirror(url: str, local_dir: str) -> str:
+    bucket, key = split_url(url)
+    return str(Path(local_dir) / bucket / key) if key else str(Path(local_dir) / bucket)
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+# (dotted key in the stage config, kind); list values yield one entry per element.
+PULLS = {
+    "data_preparation": [("input.files", OBJECT), ("tokenizer.model", OBJECT), ("tokenizer.vocab_file", OBJECT),
+                         ("tokenizer.merge_file", OBJECT), ("tokenizer.train.files", OBJECT)],
+    "training": [("model.tokenizer.model", OBJECT), ("model.data.data_prefix", None)],
+}
+PUSHES = {"data_preparation": ["output_dir"]}
+SCRATCH = {"data_preparation": ["download.dir"], "training": ["model.data.index_mapping_dir"]}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one stage's job moves between S3 and the shared file system."""
+
+    manifest_path: Path
+    pulls: list[dict[str, str]] = field(default_factory=list)
+    pushes: list[dict[str, str]] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def manifest(self) -> dict[str, Any]:
+        return {"settings": self.options, "pulls": self.pulls, "pushes": self.pushes}
+
+
+def s3_values(node: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Every (dotted key, value) under node whose value is an s3:// string."""
+    found = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found += s3_values(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += s3_values(v, f"{prefix}[{i}]")
+    elif is_s3(node):
+        found.append((prefix, node))
+    return found
+
+
+def _pull_entries(key: str, kind: str | None, value: Any, local_dir: str) -> list[dict[str, str]]:
+    values = value if isinstance(value, list) else [value]
+    if key == "model.data.data_prefix":
+        if isinstance(value, str):  # the path of a blend file
+            return [{"key": key, "url": value, "local": mirror(value, local_dir), "kind": BLEND}] if is_s3(value) else []
+        values = value[1::2]        # [weight, prefix, weight, prefix, ...]
+        kind = INDEXED
+    return [{"key": key, "url": v, "local": mirror(v, local_dir), "kind": kind} for v in values if is_s3(v)]
+
+
+def stage_plan(stage: str, cfg: dict[str, Any], manifest_path: Path) -> StagePlan | None:
+    """The transfers of one stage of the resolved (not yet localized) config; None when it has none."""
+    stage_cfg = cfg.get(stage) or {}
+    if not s3_values(stage_cfg):
+        return None
+    options = settings(cfg)
+    local_dir = str(options["local_dir"])
+    pulls = [entry for key, kind in PULLS.get(stage, [])
+             for entry in _pull_entries(key, kind, input_files(stage_cfg) if key == "input.files" else
+                                        _get(stage_cfg, key), local_dir)]
+    pushes = [{"key": key, "local": mirror(_get(stage_cfg, key), local_dir), "url": _get(stage_cfg, key),
+               "kind": PUSH_TREE} for key in PUSHES.get(stage, []) if is_s3(_get(stage_cfg, key))]
+    return StagePlan(manifest_path, pulls, pushes, options)
+
+
+def for_job(job, cfg: dict[str, Any]) -> StagePlan | None:
+    """The plan of a Job's stage, its manifest written next to the stage config."""
+    return stage_plan(job.stage, cfg, job.results_dir / f"{job.stage}_staging.json")
+
+
+def localize(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config with every s3:// URL replaced by its mirror under cluster.staging.local_dir: what the
+    programs read. Unchanged when nothing is on S3."""
+    local_dir = settings(cfg)["local_dir"]
+    if not local_dir:
+        return cfg
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return mirror(node, local_dir) if is_s3(node) else node
+
+    return walk(cfg)
+
+
+def has_s3_inputs(stage_cfg: dict[str, Any]) -> bool:
+    """Data preparation reads its input files from S3: they can only be checked (and counted) by name."""
+    return any(is_s3(f) for f in (_get(stage_cfg, "input.files") or []))
+
+
+def input_files(stage_cfg: dict[str, Any]) -> list[str]:
+    """data_preparation's input.files as the runtime's planner orders them, from the config alone (nothing is
+    listed): {} patterns filled from input.file_numbers, or the numbered entries picked; duplicates dropped."""
+    from runtime.data_prep.plan import parse_file_numbers  # torch-free by contract
+
+    files = [str(f) for f in _get(stage_cfg, "input.files") or []]
+    spec = _get(stage_cfg, "input.file_numbers")
+    numbers = parse_file_numbers(spec) if spec is not None else []
+    if any("{" in f for f in files):
+        files = [g for f in files for g in ([f.format(n) for n in numbers] if "{" in f else [f])]
+    elif spec is not None:
+        files = [files[n] for n in numbers if n < len(files)]
+    return list(dict.fromkeys(files))
+
+
+def count_input_files(stage_cfg: dict[str, Any]) -> int:
+    """The array size of a data preparation whose inputs are on S3: one task per file, as the runtime counts."""
+    limit = int(stage_cfg.get("max_array_tasks") or 1000)
+    return max(1, min(len(input_files(stage_cfg)), limit))
+
+
+def problems(cfg: dict[str, Any]) -> list[str]:
+    """s3:// values the launcher cannot stage, one line each. Pure: nothing is contacted."""
+    options = settings(cfg)
+    errors = [f"cluster.staging.{k}: unknown key; valid keys: {', '.join(DEFAULTS)}" for k in options
+              if k not in DEFAULTS]
+    stages = [s for s in cfg.get("stages") or [] if isinstance(cfg.get(s), dict)]
+    found = [("data_dir", cfg.get("data_dir"))] if is_s3(cfg.get("data_dir")) else []
+    found += [(f"{s}.{k}", v) for s in stages for k, v in s3_values(cfg[s])]
+    if not found:
+        return errors
+    local_dir = options["local_dir"]
+    if not local_dir or not str(local_dir).startswith("/"):
+        errors.append(f"cluster.staging.local_dir: {local_dir!r}; {found[0][0]} is on S3 ({found[0][1]}), so give "
+                      "the absolute directory on the shared file system it is copied to, e.g. "
+                      "cluster.staging.local_dir=/fsx/staging")
+    for stage in stages:
+        known = {k for k, _ in PULLS.get(stage, [])} | set(PUSHES.get(stage, [])) | set(SCRATCH.get(stage, []))
+        for key, value in s3_values(cfg[stage]):
+            base = re.sub(r"\[\d+\]$", "", key)
+            if base not in known:
+                where = ", ".join(sorted(known)) or "none"
+                errors.append(f"{stage}.{key}: {value} is on S3, but this stage stages only {where}; "
+                              "use a path on the shared file system")
+            elif _GLOB.search(value) or "{" in value and base != "input.files":
+                errors.append(f"{stage}.{key}: {value}: S3 URLs cannot hold wildcards (nothing is listed at "
+                              "launch); name each object, or use a {:02d} pattern with input.file_numbers")
+            elif not split_url(value)[1]:
+                errors.append(f"{stage}.{key}: {value} names a bucket without a key; add the object's path")
+    return errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m launcher.staging pull|push MANIFEST`, run by the job script on the node."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m launcher.staging", description=main.__doc__)
+    parser.add_argument("direction", choices=("pull", "push"))
+    parser.add_argument("manifest", type=Path)
+    args = parser.parse_args(argv)
+    from launcher import s3sync
+
+    manifest = json.loads(args.manifest.read_text())
+    try:
+        moved = (s3sync.pull if args.direction == "pull" else s3sync.push)(manifest, log=print)
+    except s3sync.StagingError as e:
+        print(f"error: staging {args.direction}: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"nxdt: staging {args.direction}: {moved} file(s) transferred", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+# From config to the micro-batches one data-parallel rank trains on.
+#
+# A global batch is the `global_batch_size` consecutive samples starting at `consumed_samples`, identical for
+# every layout. Data-parallel rank r takes the r-th contiguous slice of it (global_batch_size / dp samples) and
+# cuts that into micro-batches, so the union over ranks is exactly what the single-process run reads at the
+# same step. The position (`consumed_samples`) is the only state, and it is part of a checkpoint.
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from runtime.data.blend import BlendedDataset, blend_index, parse_data_prefix
+from runtime.data.gpt_dataset import GPTDataset, split_document_ranges
+from runtime.data.indexed import IndexedDataset
+
+
+def build_split_dataset(
+    data_prefix,
+    splits_string: str,
+    split: str,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    index_mapping_dir: str | os.PathLike | None = None,
+    is_builder: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> BlendedDataset:
+    """`num_samples` samples of one split ('train', 'valid' or 'test') of the (possibly blended) data."""
+    entries = parse_data_prefix(data_prefix)
+    dataset_index, dataset_sample_index = blend_index([e.weight for e in entries], num_samples)
+    # Each dataset only needs as many samples as the mix draws from it.
+    needed = np.bincount(dataset_index, minlength=len(entries))
+    datasets = []
+    for entry, count in zip(entries, needed):
+        indexed = IndexedDataset(entry.prefix)
+        document_range = split_document_ranges(indexed.num_documents, splits_string)[split]
+        datasets.append(
+            GPTDataset(
+                indexed,
+                split,
+                document_range,
+                max(int(count), 1),
+                seq_length,
+                seed,
+                cache_dir=index_mapping_dir,
+                is_builder=is_builder,
+                barrier=barrier,
+            )
+        )
+    return BlendedDataset(datasets, dataset_index, dataset_sample_index)
+
+
+def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
+    if global_batch_size % (micro_batch_size * dp_size):
+        raise ValueError(
+            f"model.global_batch_size {global_batch_size} is not divisible by model.micro_batch_size "
+            f"{micro_batch_size} x data parallel size {dp_size} = {micro_batch_size * dp_size}"
+        )
+
+
+class DataParallelBatches:
+    """This rank's micro-batches of successive global batches, and the position within the dataset."""
+
+    def __init__(
+        self,
+        dataset: Sequence,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        consumed_samples: int = 0,
+    ):
+        _check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
+        assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
+        self.dataset = dataset
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = consumed_samples
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def rank_sample_indices(self, batch_start: int) -> np.ndarray:
+        """Dataset indices this rank reads from the global batch that starts at sample `batch_start`."""
+        per_rank = self.global_batch_size // self.dp_size
+        first = batch_start + self.dp_rank * per_rank
+        return np.arange(first, first + per_rank)
+
+    def batch_at(self, batch_start: int) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
+        """(input_ids, labels, loss_mask) micro-batches: ids and labels (micro_batch_size, seq_length) int64.
+
+        loss_mask is None (every token counts): samples run across document boundaries, as in Megatron's
+        default GPT pretraining, so there is no padding to mask.
+        """
+        if batch_start + self.global_batch_size > len(self.dataset):
+            raise IndexError(
+                f"global batch at sample {batch_start} runs past the {len(self.dataset)} samples built "
+                f"for this split"
+            )
+        samples = np.stack([self.dataset[int(i)] for i in self.rank_sample_indices(batch_start)])
+        tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
+        micro = tokens.split(self.micro_batch_size)
+        return [(m[:, :-1].contiguous(), m[:, 1:].contiguous(), None) for m in micro]
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
+        batch = self.batch_at(self.consumed_samples)
+        self.consumed_samples += self.global_batch_size
+        return batch
+
+    # The checkpoint issue saves and restores this with the model and optimizer.
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])

@@ -1,0 +1,153 @@
+# The one module that knows which accelerator it runs on: cpu (gloo), cuda (nccl) or xla (torch-xla PJRT,
+# i.e. Trainium NeuronCores). Everything else asks the Device object instead of branching on the kind.
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# trainer.accelerator (NeMo's names) -> the torch device kind it runs on.
+ACCELERATOR_KINDS = {"cpu": "cpu", "gpu": "cuda", "neuron": "xla"}
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
+
+
+@dataclass
+class Device:
+    kind: str  # cpu | cuda | xla
+    torch_device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    hardware: str  # a key of metrics.PEAK_TFLOPS when known ("trn1", "H100", "H200"), else a description
+    _xla: dict = field(default_factory=dict, repr=False)  # lazily imported torch_xla modules
+    _store_file: str | None = field(default=None, repr=False)  # the single-process group's rendezvous file
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def step_boundary(self) -> None:
+        """Call once per training step: XLA traces lazily and only compiles/executes the graph here."""
+        if self.kind == "xla":
+            torch_xla = self._xla["torch_xla"]
+            sync = getattr(torch_xla, "sync", None)
+            sync() if sync is not None else self._xla["xm"].mark_step()
+
+    def synchronize(self) -> None:
+        """Wait until queued device work is done, so a wall-clock timing covers it."""
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+        elif self.kind == "xla":
+            self._xla["xm"].wait_device_ops()
+
+    def barrier(self) -> None:
+        if self.world_size == 1:
+            return
+        if self.kind == "xla":
+            self._xla["xm"].rendezvous("nxdt_barrier")
+        elif self.kind == "cuda":
+            dist.barrier(device_ids=[self.torch_device.index])
+        else:
+            dist.barrier()
+
+    def memory_gib(self) -> float:
+        """Peak memory of this process: device memory on CUDA, host resident set elsewhere."""
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.torch_device) / 2**30
+        # ru_maxrss is in KiB on Linux.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        if self.kind == "xla":
+            self._xla["xm"].set_rng_state(seed)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _cuda_hardware(index: int) -> str:
+    name = torch.cuda.get_device_name(index)
+    for known in ("H200", "H100"):
+        if known in name:
+            return known
+    return name
+
+
+def init_device(accelerator: str) -> Device:
+    """Pick the device for `trainer.accelerator` and join the process group torchrun describes.
+
+    Without torchrun's environment (RANK/WORLD_SIZE unset) this is a one-process group, so the same code path
+    (and the same Topology) serves `python -m runtime.train` on a laptop.
+    """
+    if accelerator not in ACCELERATOR_KINDS:
+        raise ValueError(f"trainer.accelerator {accelerator!r} is unknown; valid: {', '.join(ACCELERATOR_KINDS)}")
+    kind = ACCELERATOR_KINDS[accelerator]
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    xla: dict = {}
+    store_file = None
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.accelerator 'gpu' was requested but torch sees no CUDA device")
+        torch.cuda.set_device(local_rank)
+        torch_device, hardware = torch.device("cuda", local_rank), _cuda_hardware(local_rank)
+    elif kind == "xla":
+        try:  # torch-xla lives in its own environment; import it only when asked for
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process-group backend
+            import torch_xla.runtime as xr
+        except ImportError as error:
+            raise ValueError(
+                f"trainer.accelerator 'neuron' needs torch-xla (pip install torch-neuronx): {error}"
+            ) from None
+        xla = {"torch_xla": torch_xla, "xm": xm, "xr": xr}
+        torch_device = torch_xla.device() if hasattr(torch_xla, "device") else xm.xla_device()
+        hardware = os.environ.get("NXDT_NEURON_HARDWARE", "trn1")
+    else:
+        torch_device, hardware = torch.device("cpu"), "cpu"
+
+    # NXDT_XLA_COLLECTIVES=gloo computes on the XLA device but communicates through gloo on host copies: the
+    # only way several XLA:CPU processes can talk (PJRT's CPU client has no cross-process transport). Neuron
+    # runs keep the xla backend.
+    host_collectives = kind == "xla" and os.environ.get("NXDT_XLA_COLLECTIVES") == "gloo"
+    if not dist.is_initialized():
+        backend = "gloo" if host_collectives else _BACKENDS[kind]
+        if kind == "xla" and not host_collectives:
+            # PJRT knows the ranks (from torchrun's environment when there is one); xla:// asks it.
+            dist.init_process_group(backend, init_method="xla://")
+        elif "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            # device_id binds NCCL's communicator to this rank's GPU up front.
+            extra = {"device_id": torch_device} if kind == "cuda" else {}
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **extra)
+        else:
+            # A private file store: no port to collide with anything else on the machine.
+            store_file = tempfile.NamedTemporaryFile(prefix="nxdt_pg_", delete=False).name
+            dist.init_process_group(backend, init_method=f"file://{store_file}", rank=0, world_size=1)
+            rank, world_size, local_rank = 0, 1, 0
+
+    if kind == "xla" and not host_collectives:
+        xla_world = xla["xr"].world_size()
+        if xla_world != dist.get_world_size():
+            raise RuntimeError(
+                f"torch-xla reports world size {xla_world} but torch.distributed has {dist.get_world_size()}; "
+                f"launch with torchrun --nproc_per_node equal to the NeuronCores to use (trainer.devices)"
+            )
+    return Device(kind, torch_device, dist.get_rank(), dist.get_world_size(), local_rank, hardware, xla, store_file)
+
+
+def shutdown(device: Device | None = None) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if device is not None and device._store_file:
+        with contextlib.suppress(OSError):
+            os.unlink(device._store_file)

@@ -1,0 +1,183 @@
+# Training metrics: what a step cost (FLOPs, throughput, MFU) and where it is written (stdout, metrics.jsonl,
+# TensorBoard, optionally W&B). Only the main rank writes; every rank may call these methods.
+#
+# FLOPs per token (model FLOPs, the convention behind MFU in the PaLM and Megatron papers):
+#     6 * N  +  12 * L * h * T
+# N counts the weights that take part in a matrix multiply per token: per layer the attention projections
+# (h*(h + 2*kv) for q,k,v with kv = query_groups * head_dim, plus h*h for the output) and the MLP (2*h*ffn, or
+# 3*h*ffn for a gated SwiGLU MLP), plus the output layer h*vocab; the input embedding is a lookup and is left
+# out. Each such weight costs 2 FLOPs per token forward and 4 backward, hence 6N. The attention term: per
+# layer and token, QK^T and the weighted sum of V are 2*T*h multiply-adds each = 4*T*h FLOPs forward, times
+# 3 for forward + backward = 12*L*h*T (full, non-causal count, as PaLM does). Recomputation under activation
+# checkpointing is not counted: MFU measures useful work.
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense BF16 peak TFLOP/s per device (one torch device: a NeuronCore, a GPU).
+PEAK_TFLOPS = {
+    "trn1": 95.0,  # Trainium1 NeuronCore-v2 (190 per chip of two cores)
+    "H100": 989.0,  # H100 SXM
+    "H200": 989.0,
+}
+
+
+def flops_per_token(
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    vocab_size: int,
+    seq_length: int,
+    gated_mlp: bool,
+) -> float:
+    """Training FLOPs (forward + backward) per token; see the formula at the top of this file."""
+    head_dim = hidden_size // num_attention_heads
+    kv_dim = num_query_groups * head_dim
+    attention = hidden_size * (hidden_size + 2 * kv_dim) + hidden_size * hidden_size
+    mlp = (3 if gated_mlp else 2) * hidden_size * ffn_hidden_size
+    matmul_weights = num_layers * (attention + mlp) + hidden_size * vocab_size
+    return 6.0 * matmul_weights + 12.0 * num_layers * hidden_size * seq_length
+
+
+def measure_matmul_tflops(device: torch.device, size: int = 1024, dtype=torch.float32, seconds: float = 0.3) -> float:
+    """Achieved TFLOP/s of a square matmul on `device`: the practical peak where no table entry exists (CPU)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):  # warm up caches, thread pools, kernels
+        a @ b
+    count, start = 0, time.perf_counter()
+    while True:
+        c = a @ b
+        count += 1
+        _ = c[0, 0].item()  # forces completion on asynchronous devices
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and count >= 3:
+            return 2.0 * size**3 * count / elapsed / 1e12
+
+
+def peak_tflops(hardware: str, device: torch.device) -> tuple[float, str]:
+    """(peak TFLOP/s, where it came from): the table for known accelerators, a measured matmul otherwise."""
+    if hardware in PEAK_TFLOPS:
+        return PEAK_TFLOPS[hardware], f"table:{hardware}"
+    return measure_matmul_tflops(device), f"measured fp32 matmul on {hardware}"
+
+
+class MetricsLogger:
+    """Accumulates per-step timings and writes one record every `log_every_n_steps` steps."""
+
+    def __init__(
+        self,
+        results_dir: str | os.PathLike,
+        *,
+        is_main: bool,
+        log_every_n_steps: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        num_devices: int,
+        peak_tflops: float | None,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        run_name: str = "run",
+        config: dict | None = None,
+    ):
+        self.is_main, self.every = is_main, max(int(log_every_n_steps), 1)
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.num_devices, self.peak = num_devices, peak_tflops
+        self._window_time, self._window_steps = 0.0, 0
+        self._jsonl = self._tensorboard = self._wandb = None
+        if not is_main:
+            return
+        results = Path(results_dir)
+        results.mkdir(parents=True, exist_ok=True)
+        if wandb:  # first: the one sink that can fail on a user's setup
+            self._wandb = _start_wandb(results, run_name, config or {})
+        self._jsonl = open(results / "metrics.jsonl", "a", buffering=1)  # line-buffered: readable while running
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(results / "tensorboard"))
+
+    def should_log(self, step: int) -> bool:
+        """Steps are counted from 1 (updates done); step 1 is logged too, as the starting point of the curve."""
+        return step == 1 or step % self.every == 0
+
+    def record_step(
+        self, step: int, *, loss: float, lr: float, grad_norm: float, step_time_s: float, memory_gib: float
+    ) -> dict | None:
+        """Add one step's timing; returns (and writes) the record when this step is logged."""
+        self._window_time += step_time_s
+        self._window_steps += 1
+        if not self.should_log(step):
+            return None
+        mean_step = self._window_time / self._window_steps
+        tokens_per_s = self.tokens_per_step / mean_step if mean_step > 0 else 0.0
+        tflops = self.flops_per_token * tokens_per_s / self.num_devices / 1e12
+        record = {
+            "step": step,
+            "loss": float(loss),
+            "lr": float(lr),
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": mean_step,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "memory_gib": memory_gib,
+        }
+        self._window_time, self._window_steps = 0.0, 0
+        if self.is_main:
+            mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+            print(
+                f"step {step} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
+                f"{tokens_per_s:,.0f} tok/s | {mean_step:.3f} s/step | {tflops:.3f} TFLOP/s/dev | mfu {mfu} | "
+                f"mem {memory_gib:.2f} GiB",
+                flush=True,
+            )
+            self._write(record)
+        return record
+
+    def record_validation(self, step: int, val_loss: float) -> None:
+        if self.is_main:
+            print(f"step {step} | val_loss {val_loss:.4f}", flush=True)
+            self._write({"step": step, "val_loss": float(val_loss)})
+
+    def _write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        step = record["step"]
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(f"train/{name}" if name != "val_loss" else "val/loss", value, step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(results: Path, run_name: str, config: dict):
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(
+            "exp_manager.create_wandb_logger is true but wandb is not installed; pip install wandb, "
+            "or set exp_manager.create_wandb_logger=false"
+        ) from None
+    # Without credentials, write an offline run that `wandb sync` can upload later.
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    print(f"wandb: logging {mode} under {results / 'wandb'}", file=sys.stderr)
+    return wandb.init(project="nxdt-launch", name=run_name, dir=str(results), mode=mode, config=config)

@@ -1,0 +1,211 @@
+# Building blocks shared by the GPT and Llama models: norms, rotary embeddings, attention, MLPs, the loss.
+# Plain modules on purpose: runtime/parallel swaps the Linear/Embedding leaves for tensor-parallel ones afterwards,
+# so every forward here reads its sizes from the tensors or from attributes that parallelize_model updates.
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 so bf16 activations keep their precision."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables in the 'rotate half' layout (Megatron/NeMo/HF): dims [0, d/2) pair with [d/2, d)."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float):
+        super().__init__()
+        self.head_dim, self.max_positions, self.base = head_dim, max_positions, base
+        # Non-persistent: derived from the config, so checkpoints need not carry them.
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)  # (P, d/2)
+        angles = torch.cat([angles, angles], dim=-1)                                             # (P, d)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q, k: (B, T, heads, d); tables broadcast over batch and heads.
+        T = q.shape[1]
+        cos = self.cos[:T, None, :].to(q.dtype)  # (T, 1, d)
+        sin = self.sin[:T, None, :].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half(x)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal) v. Its own module so selective activation checkpointing can target it."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (B, nh, T, d); k, v: (B, ng, T, d) with nh a multiple of ng (GQA).
+        if k.shape[1] != q.shape[1]:
+            # Expanding here keeps SDPA on its fastest kernel; enable_gqa is not fused on every backend.
+            repeat = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeat, dim=1)  # (B, nh, T, d)
+            v = v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with one fused QKV projection laid out [Q (nh*d) | K (ng*d) | V (ng*d)].
+
+    `num_heads` / `num_kv_heads` are the heads this module computes; tensor parallelism lowers them to the
+    rank's share after slicing `qkv` and `proj`.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, bias: bool, dropout: float,
+                 rotary: RotaryEmbedding | None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden // num_heads
+        self.qkv = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)
+        self.core_attention = CoreAttention(dropout)
+        self.proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # (B, T, (nh + 2 ng) d); T is the full sequence even when x is a sequence shard
+        B, T = qkv.shape[:2]
+        nh, ng, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split([nh * d, ng * d, ng * d], dim=-1)
+        q, k, v = q.view(B, T, nh, d), k.view(B, T, ng, d), v.view(B, T, ng, d)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+        y = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, d)
+        y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
+        return self.proj(y)
+
+
+class GeluMLP(nn.Module):
+    """GPT-3 MLP: fc2(gelu(fc1(x)))."""
+
+    def __init__(self, hidden: int, ffn: int, *, bias: bool):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn, bias=bias)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # tanh approximation as in GPT-2/3; one fused kernel rather than the formula spelled out.
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul laid out [gate | up]."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each; the local share under TP
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """loss_n = log(sum_v exp(z_nv)) - z_n,label, computed in place on the logits, softmax kept for backward.
+
+    F.cross_entropy allocates log-probabilities, a zero-filled gradient and a log-softmax gradient, each as big as
+    the logits (T x V: the largest activations of the model). Here the logits buffer itself becomes exp(z - max)
+    in forward and the gradient in backward: dz = softmax(z) * dloss - onehot(label) * dloss.
+
+    `reduce` lets tensor parallelism reuse this with the vocabulary split over ranks: it supplies this shard's
+    first vocabulary index and the all-reduces (max, then sum) that combine the per-shard statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, reduce):
+        # fp32 logits are overwritten (like Megatron's vocab-parallel CE): nothing else reads them, and autograd
+        # saved only the matmul's inputs. Other dtypes get a fresh fp32 copy.
+        z = logits.detach().float() if logits.dtype != torch.float32 else logits.detach()  # (N, V)
+        local_vocab = z.shape[-1]
+        local_labels = labels - reduce.vocab_start
+        outside = (local_labels < 0) | (local_labels >= local_vocab)
+        local_labels = local_labels.masked_fill(outside, 0)
+        m = reduce.max(z.max(dim=-1).values)                                           # (N,)
+        label_logit = z.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = z.sub_(m.unsqueeze(-1)).exp_()                                           # exp(z - m), in place
+        sums = reduce.sum(torch.stack([exp.sum(dim=-1), label_logit]))               # (2, N)
+        sum_exp, label_logit = sums[0], sums[1] - m
+        ctx.save_for_backward(exp, sum_exp, local_labels, outside)
+        ctx.logits_dtype = logits.dtype
+        return sum_exp.log() - label_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        exp, sum_exp, local_labels, outside = ctx.saved_tensors
+        grad = exp.mul_((grad_loss / sum_exp).unsqueeze(-1))  # softmax * dloss, reusing the saved buffer
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_labels] -= grad_loss.masked_fill(outside, 0.0)
+        return grad.to(ctx.logits_dtype), None, None
+
+
+class _WholeVocabulary:
+    """The `reduce` of an unsharded vocabulary: nothing to combine."""
+
+    vocab_start = 0
+
+    @staticmethod
+    def max(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def sum(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduce=_WholeVocabulary) -> torch.Tensor:
+    """(..., V) logits and (...) labels -> (...) per-token loss in fp32; equals F.cross_entropy(reduction='none').
+
+    Overwrites fp32 logits (see _CrossEntropy): pass a clone if you still need them.
+    """
+    loss = _CrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), reduce)
+    return loss.view(labels.shape)
+
+
+class TokenCrossEntropy(nn.Module):
+    """Per-token cross entropy (B, T, V) x (B, T) -> (B, T), in fp32, without shifting or copying the logits.
+
+    Tensor parallelism replaces this with a vocab-parallel version that works on (B, T, V/tp) shards.
+    """
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, labels)

@@ -1,0 +1,208 @@
+# Collectives over torch.distributed only (gloo, nccl and xla all implement these), and Megatron-style
+# mappings: each collective paired with its adjoint as a tiny autograd.Function.
+#
+# Notation: a TP group of size t; X is replicated on every rank, X_i is rank i's part. For sequence parallelism
+# activations are (B, T, H) and rank i holds the sequence shard X[:, i*T/t:(i+1)*T/t].
+# Every helper is a no-op on a group of size 1, so the single-process path pays nothing.
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runtime.parallel.topology import AxisGroup
+
+SEQUENCE_DIM = 1  # activations are (B, T, H)
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older torch (and torch-xla's pin) has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **kwargs) -> None:
+    """Run `collective(out[, inp], group=...)`, through host copies when the group's backend cannot address the
+    tensors' device: gloo over XLA tensors, as the XLA:CPU tests run (see runtime/device.py). A capability check,
+    not a device switch: on gloo with CPU tensors, nccl and xla, this is a plain call."""
+    if out.device.type in ("cpu", "cuda") or dist.get_backend(group) != "gloo":
+        collective(*(t for t in (out, inp) if t is not None), group=group, **kwargs)
+        return
+    host_out = out.cpu()
+    host_in = None if inp is None else inp.cpu()
+    collective(*(t for t in (host_out, host_in) if t is not None), group=group, **kwargs)
+    out.copy_(host_out.to(out.device))
+
+
+def all_reduce(x: torch.Tensor, axis: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place; returns x."""
+    if axis.size > 1:
+        _on_host(dist.all_reduce, x, None, axis.group, op=op)
+    return x
+
+
+def all_reduce_world(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place over every rank; returns x."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _on_host(dist.all_reduce, x, None, None, op=op)
+    return x
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: AxisGroup) -> None:
+    """out (size * n,) <- concatenation of every rank's shard (n,)."""
+    assert out.numel() == shard.numel() * axis.size, (out.shape, shard.shape, axis.size)
+    if axis.size == 1:
+        out.copy_(shard)
+    else:
+        _on_host(_all_gather_single, out, shard.contiguous(), axis.group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: AxisGroup) -> None:
+    """out (n,) <- sum over ranks of this rank's slice full[rank * n:(rank + 1) * n]."""
+    assert full.numel() == out.numel() * axis.size, (full.shape, out.shape, axis.size)
+    if axis.size == 1:
+        out.copy_(full)
+    else:
+        _on_host(_reduce_scatter_single, out, full.contiguous(), axis.group)
+
+
+def gather_along(x: torch.Tensor, dim: int, axis: AxisGroup) -> torch.Tensor:
+    """Concatenate every rank's x along `dim`."""
+    if axis.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((axis.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _on_host(_all_gather_single, out, x, axis.group)          # concatenated along dim 0
+    out = out.view(axis.size, *x.shape)                        # (t, *x.shape)
+    if dim % x.dim() == 0:
+        return out.flatten(0, 1)
+    return torch.cat(out.unbind(0), dim=dim)                    # one copy to put the shards side by side
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, axis: AxisGroup) -> torch.Tensor:
+    """Sum x over ranks and keep this rank's chunk along `dim`."""
+    if axis.size == 1:
+        return x
+    assert x.shape[dim] % axis.size == 0, f"dim {dim} of {tuple(x.shape)} is not divisible by {axis.size}"
+    # Bring the chunks into rank order in memory: (t, *chunk_shape).
+    stacked = torch.stack(x.chunk(axis.size, dim=dim)) if dim % x.dim() else x.contiguous()
+    chunk_shape = list(x.shape)
+    chunk_shape[dim] //= axis.size
+    out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
+    _on_host(_reduce_scatter_single, out, stacked.view(-1, *chunk_shape[1:]), axis.group)  # (t * c0, ...)
+    return out
+
+
+def split_along(x: torch.Tensor, dim: int, axis: AxisGroup) -> torch.Tensor:
+    """This rank's chunk of x along `dim` (no communication)."""
+    if axis.size == 1:
+        return x
+    assert x.shape[dim] % axis.size == 0, f"dim {dim} of {tuple(x.shape)} is not divisible by {axis.size}"
+    return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+
+class CopyToRegion(torch.autograd.Function):
+    """Enter a tensor-parallel region with a replicated X: forward Y = X; backward dX = sum_i dY_i (all-reduce).
+
+    Each rank's partial dY_i covers only its slice of the weights that consume X, so the true gradient is the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.axis), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """Leave a tensor-parallel region: forward Y = sum_i X_i (all-reduce); backward dX_i = dY (identity)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        # In place on the partial sums (nothing else holds them), declared to autograd with mark_dirty.
+        ctx.mark_dirty(x)
+        return all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Replicated X -> sequence shard: forward Y_i = X[:, shard i]; backward dX = concat_i dY_i (all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return split_along(x, SEQUENCE_DIM, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along(grad, SEQUENCE_DIM, ctx.axis), None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """Sequence shards -> full sequence entering a TP region: forward Y = concat_i X_i (all-gather);
+    backward dX_i = (sum_j dY_j)[:, shard i] (reduce-scatter), since each rank's dY_j is a partial gradient
+    from its slice of the weights that consume Y (the sequence-parallel counterpart of CopyToRegion)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return gather_along(x, SEQUENCE_DIM, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along(grad, SEQUENCE_DIM, ctx.axis), None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Partial sums -> sequence shard leaving a TP region: forward Y_i = (sum_j X_j)[:, shard i]
+    (reduce-scatter); backward dX_j = concat_i dY_i (all-gather). The sequence-parallel ReduceFromRegion."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return reduce_scatter_along(x, SEQUENCE_DIM, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along(grad, SEQUENCE_DIM, ctx.axis), None
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """Column shards -> full last dim: forward Y = concat_i X_i (all-gather on the last dim);
+    backward dX_i = dY[..., shard i] (split), since every rank holds the same full dY."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return gather_along(x, -1, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, -1, ctx.axis), None
+
+
+def copy_to_region(x, axis):
+    return CopyToRegion.apply(x, axis) if axis.size > 1 else x
+
+
+def reduce_from_region(x, axis):
+    return ReduceFromRegion.apply(x, axis) if axis.size > 1 else x
+
+
+def scatter_to_sequence(x, axis):
+    return ScatterToSequence.apply(x, axis) if axis.size > 1 else x
+
+
+def gather_from_sequence(x, axis):
+    return GatherFromSequence.apply(x, axis) if axis.size > 1 else x
+
+
+def reduce_scatter_to_sequence(x, axis):
+    return ReduceScatterToSequence.apply(x, axis) if axis.size > 1 else x
+
+
+def gather_from_region(x, axis):
+    return GatherFromRegion.apply(x, axis) if axis.size > 1 else x

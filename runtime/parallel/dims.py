@@ -1,0 +1,79 @@
+# The parallel layout (tp x dp x pp) and the pure rank arithmetic behind it: which global ranks form each
+# tensor-, data- and pipeline-parallel group. No torch.distributed here, so it is testable for any world size.
+#
+# Rank order is tp fastest, then dp, then pp (Megatron's default 'tp-dp-pp'):
+#     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+# Tensor-parallel groups are therefore runs of consecutive ranks. torchrun numbers ranks node by node, so as long
+# as tp divides the devices per node, every TP group (the chattiest one: collectives inside every layer) stays
+# inside one node; DP groups stride by tp and PP groups by tp*dp, crossing nodes where needed.
+from __future__ import annotations
+
+import dataclasses
+
+AXES = ("tp", "dp", "pp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+    devices_per_node: int | None = None  # when given, TP groups are checked to stay inside a node
+
+    def __post_init__(self) -> None:
+        for axis in ("tp", "pp", "dp", "world_size"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise ValueError(
+                f"tp * pp * dp must equal the world size: tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = "
+                f"{self.tp * self.pp * self.dp} != world_size({self.world_size}); world_size is "
+                f"trainer.num_nodes * trainer.devices, tp is model.tensor_model_parallel_size, "
+                f"pp is model.pipeline_model_parallel_size")
+        if self.devices_per_node is not None and self.devices_per_node % self.tp:
+            raise ValueError(
+                f"model.tensor_model_parallel_size={self.tp} must divide trainer.devices={self.devices_per_node} "
+                f"so every tensor-parallel group stays inside one node")
+
+    @classmethod
+    def infer_dp(cls, tp: int, pp: int, world_size: int, devices_per_node: int | None = None) -> "ParallelDims":
+        """The usual case: data parallelism takes whatever tp and pp leave of the world."""
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise ValueError(f"world_size({world_size}) is not divisible by tp({tp}) * pp({pp}) = {tp * pp}; "
+                             f"choose model.tensor_model_parallel_size and model.pipeline_model_parallel_size "
+                             f"whose product divides trainer.num_nodes * trainer.devices")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
+                   devices_per_node=devices_per_node)
+
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+
+
+def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
+    """Global rank -> its index along each axis: {'tp': .., 'dp': .., 'pp': ..}."""
+    assert 0 <= rank < dims.world_size, (rank, dims)
+    return {"tp": rank % dims.tp, "dp": (rank // dims.tp) % dims.dp, "pp": rank // (dims.tp * dims.dp)}
+
+
+def coords_to_rank(tp: int, dp: int, pp: int, dims: ParallelDims) -> int:
+    return tp + dims.tp * (dp + dims.dp * pp)
+
+
+def rank_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
+    """All groups along `axis`: each is the ranks that differ only in that axis' coordinate, in axis order.
+
+    Every rank appears in exactly one group per axis; groups are listed in a fixed order so every process
+    creates them identically (dist.new_group must be called by all ranks in the same order).
+    """
+    if axis not in AXES:
+        raise ValueError(f"axis {axis!r} is not one of {list(AXES)}")
+    sizes = dims.sizes()
+    others = [a for a in AXES if a != axis]
+    groups = []
+    # Iterate the other two axes slowest-first so the group list is ordered by its lowest rank.
+    for outer in range(sizes[others[1]]):
+        for inner in range(sizes[others[0]]):
+            fixed = {others[1]: outer, others[0]: inner}
+            groups.append([coords_to_rank(**{**fixed, axis: i}, dims=dims) for i in range(sizes[axis])])
+    return sorted(groups)

@@ -1,0 +1,229 @@
+# Tensor-parallel replacements for the model's leaves, each built FROM the full, already initialized module by
+# slicing, so a sharded model starts from exactly the weights of the unsharded one.
+#
+# Parameter attributes the optimizer reads:
+#   tp_duplicates      how many TP ranks hold identical values (1 = sharded; absent = replicated on all tp ranks)
+#   sequence_parallel  replicated, but each rank's grad only covers its sequence shard: all-reduce over TP
+# and the ones runtime/parallel/state.py reads to reassemble full weights:
+#   tp_shard = (dim, index, full_size, full_name): this shard is full.index_select(dim, index) of the module's
+#   parameter `full_name` in the unsharded model
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.models.layers import cross_entropy
+from runtime.parallel import collectives as C
+from runtime.parallel.topology import AxisGroup
+
+
+def mark_sharded(param: nn.Parameter, duplicates: int = 1) -> nn.Parameter:
+    param.tp_duplicates = duplicates
+    return param
+
+
+def shard_rows(sizes: Sequence[int], rank: int, size: int) -> torch.Tensor:
+    """Row indices of rank's share of a fused weight made of consecutive segments of `sizes` rows.
+
+    E.g. SwiGLU's [gate | up]: rank r takes its chunk of gate and its chunk of up, so the local weight is again
+    laid out [gate_r | up_r] and the module's forward (which splits in two) works unchanged.
+    """
+    rows, start = [], 0
+    for n in sizes:
+        assert n % size == 0, (sizes, size)
+        chunk = n // size
+        rows.append(torch.arange(start + rank * chunk, start + (rank + 1) * chunk))
+        start += n
+    return torch.cat(rows)
+
+
+def _param_from(full: torch.Tensor, index: torch.Tensor, dim: int, full_name: str | None = None) -> nn.Parameter:
+    param = nn.Parameter(full.detach().index_select(dim, index).contiguous())
+    param.tp_shard = (dim, index, full.shape[dim], full_name)
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by output rows: rank i computes Y_i = X A_i^T + b_i (its output columns).
+
+    Input: replicated X (copy_to_region), or a sequence shard under sequence parallelism (all-gathered first).
+    Output: this rank's columns, (B, T, out/t), which feed a RowParallelLinear or the vocab-parallel loss.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: AxisGroup, sequence_parallel: bool):
+        super().__init__()
+        self.weight, self.bias = mark_sharded(weight), bias
+        if bias is not None:
+            mark_sharded(bias)
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, axis: AxisGroup, *, sequence_parallel: bool,
+                    rows: torch.Tensor | None = None) -> "ColumnParallelLinear":
+        if rows is None:
+            rows = shard_rows([linear.out_features], axis.rank, axis.size)
+        bias = _param_from(linear.bias, rows, 0) if linear.bias is not None else None
+        return cls(_param_from(linear.weight, rows, 0), bias, axis, sequence_parallel)
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return C.gather_from_sequence(x, self.axis)  # (B, T/t, H) -> (B, T, H)
+        return C.copy_to_region(x, self.axis)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._input(x), self.weight, self.bias)
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """Forward W = W; backward dW = sum of dW over the TP ranks that hold the same replica.
+
+    Ranks sharing a KV head each see only the gradient from their own query heads. Instead of a process group per
+    replica set, every rank drops its dW into slot `slot` of a zero buffer with one slot per distinct replica,
+    all-reduces that over TP and reads its slot back: slot s then holds the sum over exactly the ranks in set s.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, axis, slot, num_slots):
+        ctx.axis, ctx.slot, ctx.num_slots = axis, slot, num_slots
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buffer = grad.new_zeros((ctx.num_slots, *grad.shape))  # (slots, rows, H)
+        buffer[ctx.slot] = grad
+        C.all_reduce(buffer, ctx.axis)
+        return buffer[ctx.slot], None, None, None
+
+
+class ReplicatedKVColumnParallelLinear(ColumnParallelLinear):
+    """Fused QKV when tp exceeds the number of KV heads (like NxD's kv_replicator).
+
+    Queries are split as usual (nh/t heads per rank); each rank keeps a copy of the one KV head its queries use,
+    so tp/ng ranks hold the same K/V rows. Those rows live in their own parameter (`kv_weight`) because they are
+    replicated, not sharded: their gradients are summed over the replica set and counted once in the grad norm.
+    """
+
+    def __init__(self, linear: nn.Linear, axis: AxisGroup, *, sequence_parallel: bool, num_heads: int,
+                 num_kv_heads: int, head_dim: int):
+        assert axis.size % num_kv_heads == 0 and num_heads % axis.size == 0, (num_heads, num_kv_heads, axis.size)
+        q_rows = shard_rows([num_heads * head_dim], axis.rank, axis.size)
+        kv_slot = axis.rank * num_kv_heads // axis.size  # the KV head this rank's query heads attend with
+        k_start = num_heads * head_dim + kv_slot * head_dim
+        v_start = k_start + num_kv_heads * head_dim
+        kv_rows = torch.cat([torch.arange(k_start, k_start + head_dim), torch.arange(v_start, v_start + head_dim)])
+        bias = _param_from(linear.bias, q_rows, 0) if linear.bias is not None else None
+        super().__init__(_param_from(linear.weight, q_rows, 0), bias, axis, sequence_parallel)
+        self.kv_slot, self.num_kv_slots = kv_slot, num_kv_heads
+        replicas = axis.size // num_kv_heads
+        self.kv_weight = mark_sharded(_param_from(linear.weight, kv_rows, 0, "weight"), replicas)
+        self.kv_bias = (mark_sharded(_param_from(linear.bias, kv_rows, 0, "bias"), replicas)
+                        if linear.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sync = lambda w: _SumOverReplicas.apply(w, self.axis, self.kv_slot, self.num_kv_slots)
+        weight = torch.cat([self.weight, sync(self.kv_weight)])  # rows [q_r | k_g | v_g]
+        bias = torch.cat([self.bias, sync(self.kv_bias)]) if self.bias is not None else None
+        return F.linear(self._input(x), weight, bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by input columns: rank i holds A_i and the matching input columns X_i;
+    Y = sum_i X_i A_i^T (all-reduce, or reduce-scatter onto sequence shards), then + b once.
+
+    Under sequence parallelism the replicated bias is added to a sequence shard, so its gradient is partial.
+    """
+
+    def __init__(self, linear: nn.Linear, axis: AxisGroup, *, sequence_parallel: bool):
+        super().__init__()
+        cols = shard_rows([linear.in_features], axis.rank, axis.size)
+        self.weight = mark_sharded(_param_from(linear.weight, cols, 1))
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (B, T, out), a partial sum
+        if self.sequence_parallel:
+            y = C.reduce_scatter_to_sequence(partial, self.axis)  # (B, T/t, out)
+        else:
+            y = C.reduce_from_region(partial, self.axis)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary: rank i owns ids [i*V/t, (i+1)*V/t), looks those up, writes zeros for
+    the rest, and the all-reduce assembles the full (replicated) embedding."""
+
+    def __init__(self, embedding: nn.Embedding, axis: AxisGroup):
+        super().__init__()
+        rows = shard_rows([embedding.num_embeddings], axis.rank, axis.size)
+        self.weight = mark_sharded(_param_from(embedding.weight, rows, 0))
+        self.vocab_start = axis.rank * self.weight.shape[0]
+        self.axis = axis
+        self.sparse = False  # like nn.Embedding.sparse; the DistributedOptimizer turns it on
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight, sparse=self.sparse)  # (B, T, H)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return C.reduce_from_region(h, self.axis)
+
+
+class _ShardedVocabulary:
+    """The `reduce` for runtime.models.layers.cross_entropy when the vocabulary is split over TP ranks.
+
+    With z's vocabulary split: the global max m is an all-reduce MAX of the shard maxima, and sum_v exp(z - m)
+    and z_label (non-zero on the one rank owning the label) are all-reduce SUMs, done as one (2, N) collective.
+    The backward needs no communication: each rank's slice of softmax - onehot is local.
+    """
+
+    def __init__(self, axis: AxisGroup, vocab_start: int):
+        self.axis, self.vocab_start = axis, vocab_start
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        return C.all_reduce(x, self.axis, op=torch.distributed.ReduceOp.MAX)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return C.all_reduce(x, self.axis)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """(..., V/t) local logits and (...) labels -> (...) per-token loss, equal to F.cross_entropy on the full V.
+
+    Like the unsharded version it overwrites fp32 logits in place.
+    """
+    return cross_entropy(logits, labels, _ShardedVocabulary(axis, axis.rank * logits.shape[-1]))
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    def __init__(self, axis: AxisGroup):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.axis)
+
+
+class GatherFromRegion(nn.Module):
+    """(B, T, V/t) logits shards -> full (B, T, V) on every rank, for callers that want real logits."""
+
+    def __init__(self, axis: AxisGroup):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return C.gather_from_region(x, self.axis)
+
+
+class ScatterToSequence(nn.Module):
+    def __init__(self, axis: AxisGroup):
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return C.scatter_to_sequence(x, self.axis)

@@ -1,0 +1,137 @@
+# Apply parallelism to a plain model from runtime/models, in place and in a fixed order (torchtitan style):
+# tensor parallelism (+ sequence parallelism), then activation checkpointing. Data parallelism is not a model
+# transformation here: the DistributedOptimizer owns gradient reduction.
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from runtime.models.layers import Block, GeluMLP, SwiGLU
+from runtime.models.transformer import CausalLM
+from runtime.parallel import collectives as C
+from runtime.parallel import layers as L
+from runtime.parallel.topology import AxisGroup, Topology
+
+CHECKPOINT_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_MODULES = ("core_attention", "mlp")
+
+
+def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: bool = False,
+                      activation_checkpointing: str | None = None,
+                      recompute_modules: Sequence[str] = ("core_attention",)) -> CausalLM:
+    """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it.
+
+    sequence_parallel: Megatron's sequence parallelism (only meaningful with tp > 1).
+    activation_checkpointing: None, 'full' (recompute every transformer layer) or 'selective' (recompute the
+    `recompute_modules` of every layer: 'core_attention' and/or 'mlp'; empty means ['core_attention']).
+    """
+    if activation_checkpointing not in CHECKPOINT_GRANULARITIES:
+        raise ValueError(f"model.activations_checkpoint_granularity={activation_checkpointing!r} is not one of "
+                         f"{list(CHECKPOINT_GRANULARITIES)}")
+    unknown = sorted(set(recompute_modules) - set(RECOMPUTE_MODULES))
+    if activation_checkpointing == "selective" and unknown:
+        raise ValueError(f"model.activations_checkpoint_recompute has {unknown}; valid modules are "
+                         f"{list(RECOMPUTE_MODULES)}")
+    if topo.pp.size > 1:
+        raise ValueError(f"model.pipeline_model_parallel_size={topo.pp.size} is not supported yet; use 1")
+    if topo.tp.size > 1:
+        apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
+    if activation_checkpointing == "full":
+        for block in model.layers:
+            checkpoint_module(block)
+    elif activation_checkpointing == "selective":
+        for block in model.layers:
+            for name in recompute_modules or ("core_attention",):
+                checkpoint_module(block.attn.core_attention if name == "core_attention" else block.mlp)
+    return model
+
+
+def check_tensor_parallel(cfg, tp: int) -> None:
+    """The ValueErrors a user can hit for a given tensor_model_parallel_size (also usable before building)."""
+    key = "model.tensor_model_parallel_size"
+    checks = [("model.num_attention_heads", cfg.num_attention_heads), ("model.ffn_hidden_size", cfg.ffn_hidden_size),
+              ("padded vocab size (model.make_vocab_size_divisible_by)", cfg.vocab_size)]
+    for name, value in checks:
+        if value % tp:
+            raise ValueError(f"{key}={tp} must divide {name}={value}")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        raise ValueError(f"{key}={tp} and model.num_query_groups={cfg.kv_heads} must divide one another "
+                         f"(KV heads are split when tp divides them and replicated when they divide tp)")
+
+
+def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel: bool) -> None:
+    """Megatron layout: QKV and MLP-in column-parallel, attention-out and MLP-out row-parallel, embedding and
+    output head split by vocabulary, loss vocab-parallel. Sequence parallelism keeps the norm/dropout/residual
+    regions split along the sequence between a block's row-parallel output and the next column-parallel input."""
+    cfg = model.cfg
+    check_tensor_parallel(cfg, axis.size)
+    sp = sequence_parallel
+
+    model.embed.word = L.VocabParallelEmbedding(model.embed.word, axis)
+    if sp:
+        # Positions and dropout act on the full replicated sequence; the blocks then see only this rank's shard.
+        model.embed.register_forward_hook(lambda _module, _args, out: C.scatter_to_sequence(out, axis))
+
+    for block in model.layers:
+        _parallelize_block(block, axis, sp)
+
+    if cfg.share_embeddings_and_output_weights:
+        # Same vocabulary rows as the embedding shard, so the tied weight stays one parameter.
+        model.output = L.ColumnParallelLinear(model.embed.word.weight, None, axis, sp)
+    else:
+        model.output = L.ColumnParallelLinear.from_linear(model.output, axis, sequence_parallel=sp)
+    model.loss_fn = L.VocabParallelCrossEntropy(axis)
+    model.gather_vocab = L.GatherFromRegion(axis)
+    if sp:
+        _mark_sequence_parallel(model.final_norm)
+
+
+def _parallelize_block(block: Block, axis: AxisGroup, sp: bool) -> None:
+    attn, t = block.attn, axis.size
+    nh, ng, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if ng % t == 0:
+        rows = L.shard_rows([nh * d, ng * d, ng * d], axis.rank, t)  # rank keeps [q_r | k_r | v_r]
+        attn.qkv = L.ColumnParallelLinear.from_linear(attn.qkv, axis, sequence_parallel=sp, rows=rows)
+    else:
+        attn.qkv = L.ReplicatedKVColumnParallelLinear(attn.qkv, axis, sequence_parallel=sp, num_heads=nh,
+                                                      num_kv_heads=ng, head_dim=d)
+    attn.proj = L.RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
+    attn.num_heads, attn.num_kv_heads = nh // t, max(ng // t, 1)
+
+    mlp = block.mlp
+    if isinstance(mlp, GeluMLP):
+        mlp.fc1 = L.ColumnParallelLinear.from_linear(mlp.fc1, axis, sequence_parallel=sp)
+        mlp.fc2 = L.RowParallelLinear(mlp.fc2, axis, sequence_parallel=sp)
+    elif isinstance(mlp, SwiGLU):
+        ffn = mlp.down.in_features
+        rows = L.shard_rows([ffn, ffn], axis.rank, t)  # rank keeps [gate_r | up_r]
+        mlp.gate_up = L.ColumnParallelLinear.from_linear(mlp.gate_up, axis, sequence_parallel=sp, rows=rows)
+        mlp.down = L.RowParallelLinear(mlp.down, axis, sequence_parallel=sp)
+    else:
+        raise AssertionError(f"no tensor-parallel plan for {type(mlp).__name__}")
+    if sp:
+        _mark_sequence_parallel(block.attn_norm)
+        _mark_sequence_parallel(block.mlp_norm)
+
+
+def _mark_sequence_parallel(norm: nn.Module) -> None:
+    # Replicated weights applied to a sequence shard: each rank's grad covers only its tokens.
+    for param in norm.parameters():
+        param.sequence_parallel = True
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Recompute `module`'s forward during backward instead of keeping its activations.
+
+    Patches the instance's forward rather than wrapping the module, so parameter names (and therefore
+    checkpoints) are the same with and without activation checkpointing.
+    """
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        # Non-reentrant: works with inputs that do not require grad and keeps RNG state for dropout replay.
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward

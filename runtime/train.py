@@ -1,0 +1,214 @@
+"""The training stage: `python -m runtime.train --config <training_config.yaml>`, one process per device.
+
+What the launcher's job script runs (Seam 1), e.g. two CPU processes on one node:
+
+    torchrun --nproc_per_node 2 -m runtime.train --config results/gpt3_tiny/training/training_config.yaml
+
+and, for a quick look on a laptop, a single process without torchrun:
+
+    python -m runtime.train --config training_config.yaml
+
+Order of work: device and process group -> topology (tp x dp x pp) -> model built whole, then parallelized ->
+distributed optimizer -> data (sample indices built once, by local rank 0) -> the step loop with the learning
+rate schedule, periodic validation and metrics. A mistake in the config ends the run with one
+`error: ...` line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from runtime.config import TrainingConfig, load_training_config
+from runtime.data import DataParallelBatches, build_split_dataset
+from runtime.device import Device, init_device, shutdown
+from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
+from runtime.models import build_model
+from runtime.optim_schedule import LRSchedule
+from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model
+from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
+from runtime.step import eval_step, train_step
+
+USER_ERROR_EXIT_CODE = 2
+
+
+def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
+    expected_world = cfg.trainer.num_nodes * cfg.trainer.devices
+    if device.world_size != expected_world and device.is_main:
+        print(
+            f"warning: {device.world_size} processes were started but trainer.num_nodes * trainer.devices = "
+            f"{expected_world}; training with {device.world_size}",
+            file=sys.stderr,
+        )
+    devices_per_node = cfg.trainer.devices if device.world_size == expected_world else None
+    dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node)
+    return Topology.build(dims)
+
+
+def build_data(
+    cfg: TrainingConfig, topo: Topology, device: Device
+) -> tuple[DataParallelBatches, DataParallelBatches | None]:
+    """Train batches sized for max_steps, and the fixed validation batches (the same ones at every check)."""
+    data, trainer = cfg.data, cfg.trainer
+    common = dict(
+        data_prefix=data.data_prefix,
+        splits_string=data.splits_string,
+        seq_length=data.seq_length,
+        seed=cfg.seed,
+        index_mapping_dir=data.index_mapping_dir,
+        # One builder per node: the index directory may be node-local; on a shared one the writes are atomic.
+        is_builder=device.local_rank == 0,
+        barrier=device.barrier,
+    )
+    train_set = build_split_dataset(split="train", num_samples=trainer.max_steps * data.global_batch_size, **common)
+    batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
+                   dp_rank=topo.dp.rank, dp_size=topo.dp.size)
+    train = DataParallelBatches(train_set, **batches)
+    valid = None
+    if trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
+        valid_set = build_split_dataset(
+            split="valid", num_samples=trainer.limit_val_batches * data.global_batch_size, **common
+        )
+        valid = DataParallelBatches(valid_set, **batches)
+    return train, valid
+
+
+def _to_device(micro_batches, device: Device):
+    def move(t):
+        return None if t is None else t.to(device.torch_device, non_blocking=True)
+
+    return [tuple(move(t) for t in micro_batch) for micro_batch in micro_batches]
+
+
+def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, topo: Topology, device: Device) -> float:
+    """Mean per-token loss over the first `num_batches` validation global batches (the same ones every time, so
+    successive values are comparable), over every data-parallel rank."""
+    micro_batches = []
+    for index in range(num_batches):
+        micro_batches += _to_device(valid.batch_at(index * valid.global_batch_size), device)
+    loss = eval_step(model, micro_batches, topo, optimizer)
+    device.step_boundary()
+    return loss
+
+
+def train(cfg: TrainingConfig, device: Device) -> None:
+    topo = build_topology(cfg, device)
+    device.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    model = parallelize_model(
+        model,
+        topo,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        recompute_modules=cfg.parallel.recompute_modules,
+    ).to(device.torch_device)
+    # Moving to an XLA device makes new Parameters module by module, silently untying a shared embedding.
+    model.tie_weights()
+    optimizer = DistributedOptimizer(model, topo, cfg.optim, precision=cfg.precision.type, zero1=cfg.parallel.zero1,
+                                     seed=cfg.seed)
+    train_batches, valid_batches = build_data(cfg, topo, device)
+    sched = cfg.optim.sched
+    schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
+                          sched.min_lr)
+
+    model_cfg, data = cfg.model, cfg.data
+    peak, peak_source = peak_tflops(device.hardware, device.torch_device)
+    metrics = MetricsLogger(
+        cfg.results_dir,
+        is_main=device.is_main,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        tokens_per_step=data.global_batch_size * data.seq_length,
+        flops_per_token=flops_per_token(
+            model_cfg.num_layers, model_cfg.hidden_size, model_cfg.ffn_hidden_size, model_cfg.num_attention_heads,
+            model_cfg.kv_heads, model_cfg.vocab_size, data.seq_length, gated_mlp=model_cfg.architecture == "llama",
+        ),
+        num_devices=device.world_size,
+        peak_tflops=peak,
+        tensorboard=cfg.tensorboard,
+        wandb=cfg.wandb,
+        run_name=cfg.run_name,
+        config=cfg.raw,
+    )
+    if device.is_main:
+        print(f"training {cfg.run_name}: {topo!r} world {device.world_size} on {device.hardware}; "
+              f"peak {peak:.3f} TFLOP/s ({peak_source}); results in {cfg.results_dir}", flush=True)
+
+    start_step = 0
+    # --- CHECKPOINT HOOK (resume; the checkpoint issue) --------------------------------------------------------
+    # When cfg.resume_if_exists and <results_dir>/checkpoints holds a complete checkpoint: restore the model and
+    # optimizer shards, set start_step to the saved step and call train_batches.load_state_dict(saved) so the
+    # data continues at the saved consumed_samples. Nothing else in the loop needs to change.
+    # -----------------------------------------------------------------------------------------------------------
+
+    try:
+        for step in range(start_step, cfg.trainer.max_steps):
+            started = time.perf_counter()
+            lr = schedule(step)
+            micro_batches = _to_device(train_batches.next_batch(), device)
+            result = train_step(model, optimizer, micro_batches, topo, lr=lr, clip=cfg.trainer.gradient_clip_val)
+            device.step_boundary()
+            loss, grad_norm = float(result.loss), float(result.grad_norm)  # .item() waits for the step to finish
+            device.synchronize()
+            elapsed = time.perf_counter() - started
+            if not math.isfinite(loss):
+                raise RuntimeError(f"loss became {loss} at step {step + 1}; lower model.optim.lr or check the data")
+            done = step + 1
+            metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
+                                memory_gib=device.memory_gib())
+            if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
+                                              or done == cfg.trainer.max_steps):
+                val_loss = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo, device)
+                metrics.record_validation(done, val_loss)
+            # --- CHECKPOINT HOOK (save; the checkpoint issue) ---------------------------------------------------
+            # Every exp_manager.checkpoint_callback_params.every_n_train_steps (and at the end): save the model
+            # and optimizer shards, `done`, and train_batches.state_dict() (the consumed_samples position).
+            # ----------------------------------------------------------------------------------------------------
+    finally:
+        metrics.close()
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
+    parser.add_argument("--check", action="store_true",
+                        help="only load and check the config, tokenizer and data files, then exit (0 ok, 2 error); "
+                             "a job script can run this before torchrun to turn mistakes into one clean line")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    try:
+        cfg = load_training_config(args.config)
+    except ValueError as error:
+        # Every rank reads the same file and fails the same way: one line is enough.
+        if rank == 0:
+            print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    if args.check:
+        print(f"{args.config}: ok ({cfg.model.architecture}, padded vocabulary {cfg.model.vocab_size})")
+        return 0
+    device = None
+    try:
+        device = init_device(cfg.trainer.accelerator)
+        if cfg.trainer.preflight and device.world_size > 1:
+            preflight(device, timeout_s=cfg.trainer.preflight_timeout_s)
+        train(cfg, device)
+    except PreflightError as error:
+        print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+        return PREFLIGHT_EXIT_CODE
+    except ValueError as error:
+        prefix = "error" if rank == 0 else f"error (rank {rank})"
+        print(f"{prefix}: {_one_line(error)}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    finally:
+        if device is not None:
+            shutdown(device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

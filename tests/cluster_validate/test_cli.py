@@ -1,0 +1,49 @@
+"""`nxdt-launch cluster-validate` as a user runs it (no Slurm needed): mistakes are one line and exit 2, a dry
+run renders one job over the requested nodes, and a local run validates this machine."""
+
+import json
+
+from tests.launcher.helpers import nxdt
+
+
+def test_mistakes_are_one_line_each_and_exit_2(tmp_path):
+    result = nxdt("cluster-validate", "devices=0", "collectives.operations=[all_reduce,allreduce]",
+                  "cluster.exclude=node3", f"base_results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert "Traceback" not in result.stderr and all(line.startswith("error: ") for line in lines)
+    assert any("cluster_validation.devices: 0 must be an integer >= 1" in line for line in lines)
+    assert any("unknown operation 'allreduce'" in line for line in lines)
+    assert any(line.startswith("error: cluster.exclude: must be a list") for line in lines)
+    typo = nxdt("cluster-validate", "collectives.max_byts=1M", cwd=tmp_path)
+    assert typo.returncode == 2 and "did you mean 'cluster_validation.collectives.max_bytes'" in typo.stderr
+
+
+def test_dry_run_renders_one_job_over_the_node_list(tmp_path):
+    result = nxdt("cluster-validate", "cluster_type=slurm", "cluster.nodelist=['node[1-3]']", "cluster.partition=trn1",
+                  f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}", "devices=32",
+                  "accelerator=neuron", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    job_dir = tmp_path / "results/cluster_validation/cluster_validation"
+    sbatch = (job_dir / "cluster_validation.sbatch").read_text()
+    for line in ("#SBATCH --nodes=3", "#SBATCH --nodelist=node[1-3]", "#SBATCH --partition=trn1",
+                 "#SBATCH --ntasks-per-node=1"):
+        assert line + "\n" in sbatch, line
+    assert f"-m csp_tools.cluster_validate --config {job_dir}/cluster_validation_config.yaml" in sbatch
+    assert "torch.distributed.run" not in sbatch, "one agent per node; it starts the workers itself"
+    assert not (job_dir / "cluster_validation.json").exists()
+
+
+def test_local_run_validates_this_machine_and_show_prints_it_again(tmp_path):
+    (tmp_path / "data").mkdir()
+    args = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/data",
+            "devices=2", "collectives.max_bytes=16K", "collectives.iters=3", "collectives.warmup_iters=1"]
+    result = nxdt("cluster-validate", *args, cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    report = json.loads((tmp_path / "results/cluster_validation/cluster_validation/cluster_validation.json")
+                        .read_text())
+    assert report["passed"] and len(report["verdicts"]) == 1
+    (test,) = report["tests"]
+    assert test["phase"] == "intra_node" and test["ranks"] == 2 and all(r["wrong"] == 0 for r in test["rows"])
+    shown = nxdt("cluster-validate", "--show", *args, cwd=tmp_path)
+    assert shown.returncode == 0 and "all 1 node(s) passed" in shown.stdout and "busbw(GB/s)" in shown.stdout

@@ -1,0 +1,22 @@
+#!/bin/bash
+# nxdt-launch: stage training of run gpt3_tiny (local executor).
+# Produced by: nxdt-launch data_dir=s3://bucket/datasets cluster.staging.local_dir=/fsx/staging
+# Resolved stage config: /results/gpt3_tiny/training/training_config.yaml
+set -euo pipefail
+export NXDT_STAGE=training
+export NXDT_RUN_DIR=/results/gpt3_tiny
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_tiny/training/logs
+mkdir -p "$LOG_DIR"
+
+# Everything below also goes to the stage's log; `nxdt-launch logs` reads it.
+exec > >(tee -a "$LOG_DIR/training_local.log") 2>&1
+# `nxdt-launch status` reads the exit code from here.
+trap 'echo $? > "$LOG_DIR/training_local.exit"' EXIT
+
+# Inputs on S3, copied to the shared file system before the program starts (docs/parallelcluster.md).
+"$PYTHON" -m launcher.staging pull /results/gpt3_tiny/training/training_staging.json
+
+# All 2 workers of the stage's 1 node(s) run on this machine.
+"$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2 \
+  -m runtime.train --config /results/gpt3_tiny/training/training_config.yaml

@@ -1,0 +1,89 @@
+#!/bin/bash
+# nxdt-launch: stage training of run gpt3_tiny (slurm executor).
+# Produced by: nxdt-launch cluster=pcluster_trn2 training.trainer.num_nodes=2 training.trainer.devices=64 training.trainer.accelerator=neuron training.precision.type=fp32
+# Resolved stage config: /results/gpt3_tiny/training/training_config.yaml
+#SBATCH --job-name=nxdt:gpt3_tiny:training
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=0:30:00
+#SBATCH --output=/results/gpt3_tiny/training/logs/training_%j.out
+#SBATCH --open-mode=append
+#SBATCH --partition=trn2
+#SBATCH --exclusive
+set -euo pipefail
+# Cluster setup lines, run as written.
+source /opt/nxdt/venv/bin/activate
+# Trainium (trn2): EFA, runtime and compiler settings derived from training.precision.type
+# as NxD Training derives them (docs/parallelcluster.md). The cluster's and the launch's env_vars below win.
+export FI_PROVIDER=efa
+export FI_EFA_USE_DEVICE_RDMA=1
+export MALLOC_ARENA_MAX=64
+export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
+export NEURON_LOGICAL_NC_CONFIG=2
+export NEURON_FUSE_SOFTMAX=1
+export XLA_USE_BF16=0
+export XLA_DOWNCAST_BF16=0
+export NEURON_CC_FLAGS='--model-type=transformer --distribution-strategy=llm-training --target=trn2 --logical-nc-config=2 --auto-cast none'
+export NXDT_NEURON_HARDWARE=trn2
+# libfabric must be told to be fork-safe on kernels older than 5.13 (no copy-on-fork for pinned memory).
+if [ "$(printf '%s\n' 5.13 "$(uname -r)" | sort -V | sed -n 1p)" != 5.13 ]; then export FI_EFA_FORK_SAFE=1; fi
+# Each NeuronCore worker holds many sockets and files open.
+ulimit -n 65535 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+export NXDT_STAGE=training
+export NXDT_RUN_DIR=/results/gpt3_tiny
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_tiny/training/logs
+mkdir -p "$LOG_DIR"
+
+# Which array task or job this is, and how often Slurm has requeued it: every log name carries both.
+JOB_TAG="${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID:-0}"
+RESTART="${SLURM_RESTART_COUNT:-0}"
+# `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue.
+trap 'echo $? > "$LOG_DIR/training_${JOB_TAG}.exit"' EXIT
+
+# Rendezvous on the allocation's first node, at the address slurmd itself is reached at. (sed, not head: head
+# would exit before scontrol finished writing, and pipefail would end the job on scontrol's SIGPIPE.)
+MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
+# One IPv4 address: a multi-NIC node's name may resolve to several, and every node must dial the same one.
+MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR == 1 { print $1 }' || true)
+export MASTER_ADDR="${MASTER_IP:-$MASTER_ADDR}"
+export MASTER_PORT=$(( 44000 + SLURM_JOB_ID % 1000 ))
+
+# What each node runs: one torchrun that starts this node's 64 workers. The compile step and
+# training both call this one function, so their flags and environment cannot drift apart; only the
+# stage config ($STAGE_CONFIG) and the neuron_parallel_compile wrapper ($NXDT_COMPILE=1) differ.
+export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
+node_main() {
+  # Compiled graphs of this model, one cache per node: nodes never contend for a cache lock.
+  export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache/gpt-ceb7f2de8331/"$(hostname -s)"
+  local wrapper=()
+  if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
+  exec "${wrapper[@]}" "$PYTHON" -m torch.distributed.run \
+    --nnodes 2 --node_rank "$SLURM_NODEID" --nproc_per_node 64 \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    -m runtime.train --config "$STAGE_CONFIG"
+}
+export -f node_main
+
+# Compile first: the same command under neuron_parallel_compile for 10 steps (training_compile_config.yaml).
+echo "nxdt: training job $JOB_TAG restart $RESTART: neuron_parallel_compile on $SLURM_JOB_NODELIST"
+STAGE_CONFIG=/results/gpt3_tiny/training/training_compile_config.yaml NXDT_COMPILE=1 \
+srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node%n.log" \
+  bash -c node_main
+# Every node must report that no graph failed to compile before training starts.
+for NODE in $(seq 0 1); do
+  COMPILE_LOG="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node${NODE}.log"
+  SUMMARY=$(grep -o 'Total failed compilations: [0-9]*' "$COMPILE_LOG" 2>/dev/null | tail -n 1 || true)
+  if [ "$SUMMARY" != 'Total failed compilations: 0' ]; then
+    echo "nxdt: compile step on node $NODE: ${SUMMARY:-no summary line} in $COMPILE_LOG; not starting training" >&2
+    exit 1
+  fi
+done
+
+echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
+srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_node%n.log" \
+  bash -c node_main

@@ -1,0 +1,175 @@
+"""Trainium job scripts: the environment NxD Training derives from training.precision.type, the worker counts,
+and the compile step. The scripts run here under bash with FAKE srun, scontrol and neuron_parallel_compile
+(the real ones need Trainium nodes): they do only what the real ones do to the command line and the logs,
+so these tests check the order of the steps, that compile and training get the very same flags, and that
+training never starts after a failed compile. Golden files: tests/launcher/test_render.py."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import neuron
+from launcher.launch import build
+from tests.launcher.helpers import nxdt, resolved
+
+NXDT_TRAINING_TABLE = {  # NxD Training's process_config, by precision.type
+    "fp32": ("0", "0", None, "--auto-cast none"),
+    "bf16SR": ("1", "0", "1", "--enable-mixed-precision-accumulation"),
+    "mixed_precision": ("0", "1", "0", "--enable-mixed-precision-accumulation"),
+    "mixed_precisionSR": ("0", "1", "1", "--enable-mixed-precision-accumulation"),
+    "autocast": ("0", "0", "0", "--enable-mixed-precision-accumulation --auto-cast none"),
+}
+
+
+def _job(*overrides, cluster="pcluster_trn1", devices=32):
+    cfg = resolved(f"cluster={cluster}", "training.trainer.accelerator=neuron", f"training.trainer.devices={devices}",
+                   "stages=[training]", *overrides)
+    return cfg, build(cfg)[0]
+
+
+@pytest.mark.parametrize("precision", sorted(NXDT_TRAINING_TABLE))
+@pytest.mark.parametrize("cluster,devices,hardware", [("pcluster_trn1", 32, "trn1"), ("pcluster_trn1n", 32, "trn1"),
+                                                      ("pcluster_trn2", 64, "trn2")])
+def test_precision_sets_the_environment_as_nxd_training_does(precision, cluster, devices, hardware):
+    cfg, job = _job(f"training.precision.type={precision}", cluster=cluster, devices=devices)
+    env = neuron.script(job, cfg).env
+    use_bf16, downcast, rounding, flags = NXDT_TRAINING_TABLE[precision]
+    assert env["XLA_USE_BF16"] == use_bf16 and env["XLA_DOWNCAST_BF16"] == downcast
+    assert env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == rounding
+    assert env["NEURON_CC_FLAGS"].endswith(" " + flags)
+    assert f"--target={hardware}" in env["NEURON_CC_FLAGS"]
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["MALLOC_ARENA_MAX"] == "64"
+    if hardware == "trn2":
+        assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and "--logical-nc-config=2" in env["NEURON_CC_FLAGS"]
+    else:
+        assert "NEURON_LOGICAL_NC_CONFIG" not in env
+    assert job.nproc_per_node == devices == neuron.HARDWARE[hardware].workers_per_node
+
+
+def test_cpu_stages_on_a_trainium_cluster_get_no_neuron_settings():
+    cfg = resolved("cluster=pcluster_trn1", "stages=[training]")
+    assert neuron.script(build(cfg)[0], cfg) is None
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["cluster=pcluster_trn2", "training.trainer.devices=32"],
+     "training.trainer.devices: 32 workers per node, but trn2 (LNC=2) nodes have 64 NeuronCores, one worker each; "
+     "set training.trainer.devices=64"),
+    (["cluster=pcluster_trn1", "training.trainer.devices=32", "cluster.neuron.hardware=trn3"],
+     "cluster.neuron.hardware: 'trn3' is not one of trn1, trn2"),
+    (["cluster=pcluster_trn1", "training.trainer.devices=32", "cluster.neuron.compile.steps=0"],
+     "cluster.neuron.compile.steps: 0 must be a positive integer"),
+])
+def test_neuron_mistakes_are_one_line_each(tmp_path, overrides, expected):
+    result = nxdt(f"base_results_dir={tmp_path}/results", "stages=[training]", "training.trainer.accelerator=neuron",
+                  "training.model.global_batch_size=256", "--dry-run", *overrides, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), result.stderr
+
+
+FAKE_SRUN = """#!/bin/bash
+# FAKE srun: runs the command once per node, here, one after the other, with srun's --output pattern.
+nodes=1; output=/dev/stdout
+while [[ "$1" == -* ]]; do
+  case "$1" in --nodes=*) nodes="${1#--nodes=}" ;; --output=*) output="${1#--output=}" ;; esac
+  shift
+done
+for ((n = 0; n < nodes; n++)); do SLURM_NODEID=$n "$@" > "${output//%n/$n}" 2>&1 || exit $?; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+# FAKE scontrol: two nodes, the first at 127.0.0.1.
+case "$1 $2" in
+  "show hostnames") printf 'trn-1\\ntrn-2\\n' ;;
+  "show node") echo "NodeName=trn-1 NodeAddr=127.0.0.1 NodeHostName=trn-1" ;;
+esac
+"""
+FAKE_COMPILE = """#!/bin/bash
+# FAKE neuron_parallel_compile: records what it was asked to compile, runs the command, prints its summary.
+echo "compile $SLURM_NODEID" >> "$RECORD_DIR/order"
+"$@"
+echo "2025-01-01 00:00:00.000000:  1  INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: ${FAILED:-0}"
+"""
+STAND_IN = """#!/bin/bash
+# Stand-in interpreter: records the arguments, where the cache is and the compiler flags, per node.
+echo "run $SLURM_NODEID ${NXDT_COMPILE:-0}" >> "$RECORD_DIR/order"
+{ printf '%s\\n' "$@"; echo "CACHE=$NEURON_COMPILE_CACHE_URL"; echo "FLAGS=$NEURON_CC_FLAGS";
+  echo "MASTER=$MASTER_ADDR:$MASTER_PORT"; } > "$RECORD_DIR/argv.${NXDT_COMPILE:-0}.$SLURM_NODEID"
+"""
+
+
+def _tool(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _tool(bin_dir / "srun", FAKE_SRUN)
+    _tool(bin_dir / "scontrol", FAKE_SCONTROL)
+    _tool(bin_dir / "neuron_parallel_compile", FAKE_COMPILE)
+    python = tmp_path / "py $(touch CANARY)" / "python"
+    python.parent.mkdir()
+    _tool(python, STAND_IN)
+    return tmp_path, bin_dir, python
+
+
+def _run_script(sandbox, *overrides, env=None):
+    tmp_path, bin_dir, python = sandbox
+    cfg, job = _job(f"base_results_dir={tmp_path}/results", f"python='{python}'", "training.trainer.num_nodes=2",
+                    *overrides)
+    cfg = {**cfg, "cluster": {**cfg["cluster"], "setup": []}}  # no venv to activate here
+    from launcher.launch import Plan, write
+
+    plan = Plan(cfg, "slurm", "test", [job], [], "test", False)
+    (script,) = write(plan)
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD_DIR": str(tmp_path),
+                                 "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "trn-[1-2]", **(env or {})})
+    assert not list(tmp_path.rglob("CANARY")), "a configured value was executed"
+    return result, job, tmp_path
+
+
+def test_compile_runs_first_with_the_same_flags_then_training(sandbox):
+    hostile = "--model-type=transformer $(touch CANARY) 'quoted'"
+    result, job, tmp = _run_script(sandbox, "training.precision.type=bf16SR", f"cluster.neuron.compiler_flags=\"{hostile}\"",
+                                   "cluster.neuron.compile.steps=3", "cluster.neuron.compile.cache='/var/tmp/c a c h e'")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp / "order").read_text().split("\n")[:-1] == ["compile 0", "run 0 1", "compile 1", "run 1 1",
+                                                             "run 0 0", "run 1 0"]
+    for node in (0, 1):
+        compiled = (tmp / f"argv.1.{node}").read_text().splitlines()
+        trained = (tmp / f"argv.0.{node}").read_text().splitlines()
+        config = compiled.index("--config") + 1
+        assert compiled[config] == str(job.results_dir / "training_compile_config.yaml")
+        assert trained[config] == str(job.config_path)
+        # Everything else, flags and environment included, is identical.
+        assert compiled[:config] + compiled[config + 1:] == trained[:config] + trained[config + 1:]
+        assert f"FLAGS={hostile} --target=trn1 --enable-mixed-precision-accumulation" in trained
+        assert any(line.startswith("CACHE=/var/tmp/c a c h e/gpt-") for line in trained)
+        assert "MASTER=127.0.0.1:44242" in trained and "--nproc_per_node" in trained
+    compile_config = yaml.safe_load((job.results_dir / "training_compile_config.yaml").read_text())
+    assert compile_config["trainer"]["max_steps"] == 3
+    assert compile_config["run"]["results_dir"] == str(job.results_dir / "compile")
+    assert compile_config["model"] == {**job.stage_config["model"], "optim": compile_config["model"]["optim"]}
+    logs = sorted(p.name for p in job.log_dir.iterdir())
+    assert "training_4242_0_restart0_compile_node1.log" in logs and "training_4242_0_restart0_node1.log" in logs
+
+
+def test_training_never_starts_after_a_failed_compile(sandbox):
+    result, job, tmp = _run_script(sandbox, env={"FAILED": "2"})
+    assert result.returncode == 1
+    assert "compile step on node 0: Total failed compilations: 2" in result.stderr
+    assert "run 0 0" not in (tmp / "order").read_text()
+    assert (job.log_dir / "training_4242_0.exit").read_text().strip() == "1"
+
+
+def test_without_the_compile_step_training_runs_alone(sandbox):
+    result, _, tmp = _run_script(sandbox, "cluster.neuron.compile.enabled=false")
+    assert result.returncode == 0, result.stderr
+    assert (tmp / "order").read_text().split() == ["run", "0", "0", "run", "1", "0"]

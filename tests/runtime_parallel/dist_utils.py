@@ -1,0 +1,44 @@
+"""Run a function in N real torch.distributed processes on this machine (gloo, CPU) and collect what each returns.
+
+Reusable from any test directory:
+
+    from tests.runtime_parallel.dist_utils import run_distributed
+    results = run_distributed(my_module_level_fn, world_size=2, args=(cfg,))   # [rank0 result, rank1 result]
+
+`fn(*args)` runs after dist.init_process_group in every process, so it can build groups and use collectives;
+it must be defined at module level (spawned processes import it by name). The rendezvous is a file in a fresh
+temporary directory, so concurrent test runs never fight over a TCP port. An exception in any rank fails the
+call with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
+                    backend: str = "gloo", timeout_s: float = 180.0) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
+        mp.spawn(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s), nprocs=world_size,
+                 join=True)
+        return [torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
+
+
+def _worker(rank: int, world_size: int, backend: str, tmp: str, fn, args, timeout_s: float) -> None:
+    # One intra-op thread per process: the ranks share the machine's cores, and oversubscription only slows
+    # every rank down (and makes collectives wait on the slowest).
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import datetime
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

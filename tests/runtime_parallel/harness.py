@@ -1,0 +1,136 @@
+"""Tiny models and a training loop shared by the single-process references and the distributed ranks."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from runtime.models import ModelConfig, build_model
+from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, gather_full_state_dict, parallelize_model
+from runtime.step import eval_step, train_step
+
+SEQ = 16
+GLOBAL_BATCH = 8
+MICRO_BATCH = 2
+# eps 1e-6 rather than 1e-8: some gradients are mathematically zero (a GPT key bias shifts every score of a row
+# equally, which softmax ignores), so they are pure float noise, and Adam divides noise by noise. A larger eps
+# bounds that amplification so parameter comparisons measure the sharding, not rounding.
+OPTIM = {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-6}
+
+TINY = {
+    "gpt": dict(architecture="gpt", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
+                ffn_hidden_size=64, max_position_embeddings=SEQ, share_embeddings_and_output_weights=True),
+    "llama": dict(architecture="llama", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
+                  num_query_groups=2, ffn_hidden_size=48, max_position_embeddings=SEQ, rotary_base=10000.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    zero1: bool = False
+    activation_checkpointing: str | None = None
+    recompute_modules: tuple[str, ...] = ("core_attention",)
+    precision: str = "fp32"
+
+
+def tiny_config(arch: str, **overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY[arch], **overrides})
+
+
+def global_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fresh (GLOBAL_BATCH, SEQ) batch per step of learnable sequences (each token is a fixed function of the
+    previous one, from a random start); the mask drops a different number of tokens per sample so micro-batches
+    carry unequal token counts (which is what makes loss normalization matter)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=gen)
+    tokens = (start * 5 ** torch.arange(SEQ + 1) + 3 * torch.arange(SEQ + 1)) % vocab  # (GLOBAL_BATCH, SEQ + 1)
+    mask = torch.ones(GLOBAL_BATCH, SEQ)
+    for row in range(GLOBAL_BATCH):
+        mask[row, SEQ - row:] = 0.0  # row r loses its last r tokens
+    return tokens[:, :-1], tokens[:, 1:], mask
+
+
+def micro_batches_for(step: int, vocab: int, topo: Topology):
+    """This DP rank's share of the step's global batch, cut into micro-batches."""
+    input_ids, labels, mask = global_batch(vocab, step)
+    per_rank = GLOBAL_BATCH // topo.dp.size
+    rows = slice(topo.dp.rank * per_rank, (topo.dp.rank + 1) * per_rank)
+    input_ids, labels, mask = input_ids[rows], labels[rows], mask[rows]
+    return [(input_ids[i:i + MICRO_BATCH], labels[i:i + MICRO_BATCH], mask[i:i + MICRO_BATCH])
+            for i in range(0, per_rank, MICRO_BATCH)]
+
+
+def make_topology(layout: Layout) -> Topology:
+    world = layout.tp * layout.dp
+    return Topology.build(ParallelDims(tp=layout.tp, pp=1, dp=layout.dp, world_size=world))
+
+
+def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) -> dict:
+    """Train `steps` steps; returns per-step losses and grad norms, the final eval loss and the full weights."""
+    topo = make_topology(layout)
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
+                              activation_checkpointing=layout.activation_checkpointing,
+                              recompute_modules=layout.recompute_modules)
+    optimizer = DistributedOptimizer(model, topo, OPTIM, layout.precision, layout.zero1)
+    losses, norms = [], []
+    for step in range(steps):
+        result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo), topo,
+                            lr=OPTIM["lr"], clip=clip)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo), topo)
+    state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state}
+
+
+def run_suite(jobs: dict[str, tuple[str, dict, Layout]], checks: tuple[str, ...] = ()) -> dict:
+    """Inside each distributed process: train every job (name -> (arch, config overrides, layout)) and run the
+    named extra checks; one spawn serves a whole test module. Every rank returns its own view."""
+    out = {name: train(tiny_config(arch, **overrides), layout) for name, (arch, overrides, layout) in jobs.items()}
+    for check in checks:
+        out[check] = CHECKS[check]()
+    return out
+
+
+def check_vocab_parallel_cross_entropy() -> dict:
+    """Local-shard CE on deterministic logits; the parent compares it with F.cross_entropy on the full vocab."""
+    import torch.distributed as dist
+
+    from runtime.parallel.layers import vocab_parallel_cross_entropy
+    world = dist.get_world_size()
+    topo = Topology.build(ParallelDims(tp=world, pp=1, dp=1, world_size=world))
+    logits, labels, upstream = cross_entropy_inputs()
+    local = logits.chunk(world, dim=-1)[topo.tp.rank].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, labels, topo.tp)
+    (loss * upstream).sum().backward()
+    return {"loss": loss.detach(), "grad": local.grad, "tp_rank": topo.tp.rank}
+
+
+def cross_entropy_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 5, 64, generator=gen) * 4  # (B, T, V), large enough that the max shift matters
+    labels = torch.randint(0, 64, (3, 5), generator=gen)
+    labels[0, 0], labels[0, 1] = 0, 63  # the first and last vocabulary entries
+    upstream = torch.rand(3, 5, generator=gen)
+    return logits, labels, upstream
+
+
+def check_topology() -> dict:
+    """Which global ranks each axis group actually sums over (all-reduce of 1 << rank)."""
+    import torch.distributed as dist
+
+    from runtime.parallel import collectives as C
+    world = dist.get_world_size()
+    topo = Topology.build(ParallelDims(tp=2, pp=1, dp=world // 2, world_size=world))
+    seen = {}
+    for axis in ("tp", "dp", "pp"):
+        value = torch.tensor([1 << topo.rank], dtype=torch.int64)
+        C.all_reduce(value, getattr(topo, axis))
+        seen[axis] = sorted(r for r in range(world) if value.item() >> r & 1)
+    return {"rank": topo.rank, "groups": seen, "ranks": {a: list(getattr(topo, a).ranks) for a in seen}}
+
+
+CHECKS = {"vocab_ce": check_vocab_parallel_cross_entropy, "topology": check_topology}

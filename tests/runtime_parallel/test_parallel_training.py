@@ -1,0 +1,118 @@
+"""Distributed training equals single-process training: gloo processes on CPU, fp32, tiny GPT and Llama models.
+
+For each layout, loss at each of 10 steps matches the single-process run within 1e-5 relative and the full
+(TP-gathered) parameters after 10 steps within 1e-5. Two spawns serve the whole module (one of 2 ranks, one of 4).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.runtime_parallel import harness as H
+from tests.runtime_parallel.dist_utils import run_distributed
+
+L = H.Layout
+TWO_RANK_JOBS = {
+    f"{arch}-{name}": (arch, {}, layout)
+    for arch in ("gpt", "llama")
+    for name, layout in [("tp2", L(tp=2)), ("tp2-sp", L(tp=2, sequence_parallel=True)), ("dp2", L(dp=2)),
+                         ("dp2-zero1", L(dp=2, zero1=True))]
+}
+TWO_RANK_JOBS.update({
+    # GQA with tp (2) > KV heads (1): each rank keeps a replica of the single KV head.
+    "llama-kv1-tp2-sp": ("llama", {"num_query_groups": 1}, L(tp=2, sequence_parallel=True)),
+    # Activation checkpointing, with recomputed forwards that themselves contain TP collectives.
+    "gpt-tp2-sp-full-ckpt": ("gpt", {}, L(tp=2, sequence_parallel=True, activation_checkpointing="full")),
+    "llama-tp2-selective-ckpt": ("llama", {}, L(tp=2, activation_checkpointing="selective",
+                                               recompute_modules=("core_attention", "mlp"))),
+})
+FOUR_RANK_JOBS = {
+    "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),
+    "llama-tp2-dp2": ("llama", {}, L(tp=2, dp=2)),
+    "gpt-tp2-dp2-sp-zero1": ("gpt", {}, L(tp=2, dp=2, sequence_parallel=True, zero1=True)),
+    "llama-tp2-dp2-sp-zero1": ("llama", {}, L(tp=2, dp=2, sequence_parallel=True, zero1=True)),
+    # tp (4) > KV heads (2): pairs of ranks share a KV head.
+    "llama-tp4-sp": ("llama", {}, L(tp=4, sequence_parallel=True)),
+}
+ALL_JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(H.run_suite, 2, args=(TWO_RANK_JOBS, ("vocab_ce", "topology")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(H.run_suite, 4, args=(FOUR_RANK_JOBS, ("topology",)))
+
+
+@functools.cache
+def reference(arch: str, overrides: tuple) -> dict:
+    torch.set_num_threads(1)
+    return H.train(H.tiny_config(arch, **dict(overrides)), H.Layout())
+
+
+def _results(name, two_ranks_results, four_ranks_results):
+    return (two_ranks_results if name in TWO_RANK_JOBS else four_ranks_results)
+
+
+@pytest.fixture
+def results(request):
+    name = request.param
+    ranks = request.getfixturevalue("two_ranks" if name in TWO_RANK_JOBS else "four_ranks")
+    arch, overrides, _ = ALL_JOBS[name]
+    return [r[name] for r in ranks], reference(arch, tuple(sorted(overrides.items())))
+
+
+@pytest.mark.parametrize("results", list(ALL_JOBS), indirect=True)
+def test_losses_match_single_process(results):
+    ranks, ref = results
+    for rank in ranks:
+        assert rank["losses"] == ranks[0]["losses"], "every rank reports the same loss"
+        torch.testing.assert_close(torch.tensor(rank["losses"], dtype=torch.float64),
+                                   torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                                   rtol=1e-5, atol=0)
+        assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    assert ref["losses"][-1] < ref["losses"][0], "the reference run learns something"
+
+
+@pytest.mark.parametrize("results", list(ALL_JOBS), indirect=True)
+def test_parameters_match_single_process(results):
+    ranks, ref = results
+    for rank in ranks[1:]:
+        for name, value in rank["state"].items():
+            # Replicas (DP copies, TP-replicated norms and biases, shared KV heads) must not drift apart at all.
+            assert torch.equal(value, ranks[0]["state"][name]), f"{name} differs between ranks"
+    for rank in ranks:
+        assert rank["state"].keys() == ref["state"].keys()
+        for name, expected in ref["state"].items():
+            torch.testing.assert_close(rank["state"][name], expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_vocab_parallel_cross_entropy_equals_cross_entropy(two_ranks):
+    logits, labels, upstream = H.cross_entropy_inputs()
+    full = logits.clone().requires_grad_(True)
+    expected = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    (expected * upstream).sum().backward()
+    shards = sorted((r["vocab_ce"] for r in two_ranks), key=lambda r: r["tp_rank"])
+    for shard in shards:
+        torch.testing.assert_close(shard["loss"], expected.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([s["grad"] for s in shards], dim=-1), full.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_topology_groups_sum_over_the_computed_ranks(world, two_ranks, four_ranks):
+    ranks = two_ranks if world == 2 else four_ranks
+    for r in ranks:
+        check = r["topology"]
+        for axis, members in check["groups"].items():
+            assert members == check["ranks"][axis], (axis, check)
+            assert check["rank"] in members
+        # tp fastest: a TP group is consecutive ranks.
+        tp = check["groups"]["tp"]
+        assert tp == list(range(tp[0], tp[0] + 2))

@@ -1,0 +1,72 @@
+# FLOPs accounting and the metric sinks (metrics.jsonl, TensorBoard, stdout).
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.metrics import MetricsLogger, flops_per_token, measure_matmul_tflops, peak_tflops
+from runtime.models import ModelConfig, build_model
+
+
+@pytest.mark.parametrize("architecture, groups", [("gpt", None), ("llama", 2)])
+def test_flops_formula_counts_every_matmul_weight(architecture, groups):
+    cfg = ModelConfig(architecture=architecture, vocab_size=256, hidden_size=64, num_layers=3, num_attention_heads=4,
+                      ffn_hidden_size=96, max_position_embeddings=32, num_query_groups=groups,
+                      share_embeddings_and_output_weights=architecture == "gpt")
+    model = build_model(cfg)
+    # Every Linear's weight, the output head included even when it shares the embedding's storage.
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    seq = 32
+    flops = flops_per_token(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
+                            cfg.kv_heads, cfg.vocab_size, seq, gated_mlp=architecture == "llama")
+    assert flops == 6 * matmul_weights + 12 * cfg.num_layers * cfg.hidden_size * seq
+
+
+def test_peak_table_and_measurement():
+    assert peak_tflops("H100", torch.device("cpu")) == (989.0, "table:H100")
+    measured = measure_matmul_tflops(torch.device("cpu"), size=256, seconds=0.05)
+    assert 0 < measured < 100
+
+
+def test_logger_writes_jsonl_tensorboard_and_stdout(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, is_main=True, log_every_n_steps=2, tokens_per_step=1000,
+                           flops_per_token=1e6, num_devices=2, peak_tflops=0.01)
+    for step in range(1, 5):
+        logger.record_step(step, loss=5.0 - step, lr=1e-3, grad_norm=0.5, step_time_s=0.5, memory_gib=1.0)
+    logger.record_validation(4, 1.25)
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4, 4]
+    last = records[2]
+    assert last["tokens_per_s"] == pytest.approx(2000.0)  # 1000 tokens per 0.5 s step (window of steps 3, 4)
+    assert last["tflops_per_device"] == pytest.approx(1e6 * 2000 / 2 / 1e12)
+    assert last["mfu"] == pytest.approx(last["tflops_per_device"] / 0.01)
+    assert records[3] == {"step": 4, "val_loss": 1.25}
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step 1 | loss 4.0000 | lr 1.000e-03") and out[-1] == "step 4 | val_loss 1.2500"
+
+
+def test_other_ranks_write_nothing(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path / "r", is_main=False, log_every_n_steps=1, tokens_per_step=1,
+                           flops_per_token=1.0, num_devices=1, peak_tflops=None)
+    assert logger.record_step(1, loss=1, lr=1, grad_norm=1, step_time_s=1, memory_gib=0)["mfu"] is None
+    logger.close()
+    assert not (tmp_path / "r").exists() and capsys.readouterr().out == ""
+
+
+def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ValueError, match="exp_manager.create_wandb_logger is true but wandb is not installed"):
+        MetricsLogger(tmp_path, is_main=True, log_every_n_steps=1, tokens_per_step=1, flops_per_token=1.0,
+                      num_devices=1, peak_tflops=None, tensorboard=False, wandb=True)
