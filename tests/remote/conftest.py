@@ -11,13 +11,13 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from csp_tools.local_slurm import DEFAULT_ROOT, LocalSlurm
+from tests.servers import wait_for_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -101,15 +101,7 @@ def sshd(tmp_path_factory):
     proc = subprocess.Popen([SSHD, "-D", "-f", str(root / "sshd_config"), "-E", str(log)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"sshd did not start: {log.read_text()[-2000:]}", pytrace=False)
-                time.sleep(0.1)
+        wait_for_port(port, proc, log, "sshd", timeout=15)
         yield Sshd("127.0.0.1", port, root / "client_ed25519", known_hosts, host_public_key, log)
     finally:
         proc.terminate()

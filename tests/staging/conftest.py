@@ -9,10 +9,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import pytest
+
+from tests.servers import wait_for_port
 
 
 @dataclass
@@ -46,15 +47,7 @@ def s3(tmp_path_factory):
         proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not start: {log.read_text()[-2000:]}", pytrace=False)
-                time.sleep(0.2)
+        wait_for_port(port, proc, log, "moto_server", timeout=30)
         env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
                "AWS_CONFIG_FILE": "/dev/null"}

@@ -1,0 +1,23 @@
+"""Shared by the fixtures that start real servers on loopback (sshd, moto_server)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, log: Path, name: str, timeout: float) -> None:
+    """Return once 127.0.0.1:port accepts connections; fail with the server's log if it dies or never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{name} did not start: {log.read_text()[-2000:]}", pytrace=False)
+            time.sleep(0.1)
