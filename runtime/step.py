@@ -10,6 +10,9 @@
 # backward, each micro-batch backpropagates its own sum(loss * mask) / global_count, and the DP reduction sums
 # gradients. That is the same function of the same tokens however the global batch is split into micro-batches
 # and DP ranks (gradient accumulation = global_batch / (micro_batch * dp) micro-batches per rank).
+#
+# With pipeline parallelism (pp > 1, the model a PipelineStageModel) the micro-batch loop becomes a pipeline
+# schedule (runtime/parallel/pipeline): 1F1B, or interleaved 1F1B with virtual stages, forward-only for eval.
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from runtime.parallel import collectives as C
+from runtime.parallel import pipeline
 from runtime.parallel.optimizer import DistributedOptimizer
 from runtime.parallel.topology import Topology
 
@@ -33,21 +37,28 @@ class StepResult:
 
 
 def train_step(model: nn.Module, optimizer: DistributedOptimizer, micro_batches: Sequence[MicroBatch],
-               topo: Topology, *, lr: float, clip: float | None) -> StepResult:
-    """Forward/backward every micro-batch, reduce gradients over DP, clip by the global norm, step AdamW."""
+               topo: Topology, *, lr: float, clip: float | None, schedule: str | None = None) -> StepResult:
+    """Forward/backward every micro-batch, reduce gradients over DP, clip by the global norm, step AdamW.
+
+    schedule (pp > 1 only): one of pipeline.SCHEDULES; None picks 1F1B, or interleaved with virtual stages.
+    """
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
     model.train()
     batches = [_unpack(mb) for mb in micro_batches]
     total_tokens = _global_token_count(batches, topo)
     optimizer.zero_grad()
-    loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)  # summed on device: one sync
-    for input_ids, labels, mask in batches:
-        with _autocast(optimizer, input_ids.device):
-            per_token = model(input_ids, labels)  # (B, T) fp32
-        local = (per_token * mask).sum()
-        (local / total_tokens).backward()
-        loss_sum += local.detach()
+    if topo.pp.size > 1:
+        loss_sum = pipeline.run_pipeline(model, batches, topo, total_tokens, forward_only=False, schedule=schedule,
+                                         autocast=lambda: _autocast(optimizer, batches[0][0].device))
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)  # summed on device: one sync
+        for input_ids, labels, mask in batches:
+            with _autocast(optimizer, input_ids.device):
+                per_token = model(input_ids, labels)  # (B, T) fp32
+            local = (per_token * mask).sum()
+            (local / total_tokens).backward()
+            loss_sum += local.detach()
     optimizer.reduce_gradients()
     grad_norm = optimizer.clip_grad_norm(clip)
     optimizer.step(lr)
@@ -64,6 +75,10 @@ def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topol
     model.eval()
     batches = [_unpack(mb) for mb in micro_batches]
     total_tokens = _global_token_count(batches, topo)
+    if topo.pp.size > 1:
+        loss_sum = pipeline.run_pipeline(model, batches, topo, total_tokens, forward_only=True,
+                                         autocast=lambda: _autocast(optimizer, batches[0][0].device))
+        return _global_mean(loss_sum, total_tokens, topo)
     loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
     for input_ids, labels, mask in batches:
         with _autocast(optimizer, input_ids.device):

@@ -103,6 +103,7 @@ def train(cfg: TrainingConfig, device: Device) -> None:
         sequence_parallel=cfg.parallel.sequence_parallel,
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         recompute_modules=cfg.parallel.recompute_modules,
+        virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
     ).to(device.torch_device)
     # Moving to an XLA device makes new Parameters module by module, silently untying a shared embedding.
     model.tie_weights()

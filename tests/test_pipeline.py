@@ -46,15 +46,24 @@ def test_default_pipeline_runs_locally(tmp_path):
     assert "step 40" in logs.stdout
 
 
+LAYOUTS = {
+    # 2 nodes x 2 processes: tensor parallel inside each node, data parallel across the two.
+    "tp2_dp2": ["training.trainer.devices=2", "training.model.tensor_model_parallel_size=2"],
+    # 2 nodes x 1 process: one pipeline stage per node, activations crossing between the nodes.
+    "pp2": ["training.trainer.devices=1", "training.model.pipeline_model_parallel_size=2"],
+}
+
+
 @pytest.mark.slurm
-def test_pipeline_on_two_slurm_nodes_with_tp2_dp2(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     steps = 10
     results = tmp_path / "results"
     result = nxdt(
         "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",
-        f"data_dir={tmp_path}/data", "training.trainer.num_nodes=2", "training.trainer.devices=2",
-        "training.model.tensor_model_parallel_size=2", f"training.trainer.max_steps={steps}",
-        "training.trainer.val_check_interval=5", "training.model.optim.sched.warmup_steps=2", cwd=tmp_path, env=slurm_cluster.env,
+        f"data_dir={tmp_path}/data", "training.trainer.num_nodes=2", *LAYOUTS[layout],
+        f"training.trainer.max_steps={steps}", "training.trainer.val_check_interval=5",
+        "training.model.optim.sched.warmup_steps=2", cwd=tmp_path, env=slurm_cluster.env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads((results / "gpt3_tiny" / "launch.json").read_text())
@@ -69,5 +78,6 @@ def test_pipeline_on_two_slurm_nodes_with_tp2_dp2(slurm_cluster, tmp_path):
     assert prep_nodes == {"node1", "node2"}, prep_nodes
     train_logs = sorted((results / "gpt3_tiny" / "training" / "logs").glob("*_node*.log"))
     assert len(train_logs) == 2, train_logs
-    assert "tp=0/2, dp=0/2" in logs or "tp=0/2" in logs, logs[-3000:]
+    topology = {"tp2_dp2": "tp=0/2, dp=0/2, pp=0/1", "pp2": "tp=0/1, dp=0/1, pp=0/2"}[layout]
+    assert topology in logs, logs[-3000:]
     _check_training_outputs(results, steps)

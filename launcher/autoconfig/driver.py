@@ -2,6 +2,7 @@
 # layout grid, launch the best-ranked candidates as short runs, measure them, and write the results.
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from launcher.autoconfig import report, runner, search, sizing
 from launcher.compose import compose, resolve
 from launcher.errors import UserError
-from launcher.estimator.hardware import detect, hardware_for
+from launcher.estimator.hardware import DEVICE_NAMES, Hardware, detect, hardware_for
 from launcher.estimator.shapes import padded_vocab, vocab_size_for
 
 DEFAULT_SEARCH = "gpt3/tiny"
@@ -48,6 +49,36 @@ def split_overrides(overrides: list[str]) -> tuple[str, list[str], list[str]]:
     return choice, own, launch_overrides
 
 
+def _compose_search(choice: str, own: list[str], launch_overrides: list[str]) -> dict[str, Any]:
+    from launcher.paths import conf_dir
+
+    if not (conf_dir() / "search_config" / f"{choice}.yaml").exists():
+        known = sorted(str(p.relative_to(conf_dir() / "search_config").with_suffix(""))
+                       for p in (conf_dir() / "search_config").rglob("*.yaml"))
+        raise UserError(f"search_config={choice}: no such choice; valid choices: {', '.join(known)}")
+    return resolve(compose([f"+search_config={choice}", *own, *launch_overrides]))["search_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """train_settings, with every null filled from the base recipe."""
+    nodes: int
+    devices: int
+    seq_length: int
+    global_batch_size: int
+    tokens: float
+    days: float
+    model_size: float | None     # parameters, when the search names one
+    vocab: int                   # the tokenizer's, unpadded
+    device: str
+    hardware: Hardware
+    mfu: float
+    max_steps: int               # per trial
+    minutes: int                 # per trial
+    limit: int                   # trials
+    top_n: int
+
+
 def _positive(settings: dict[str, Any], key: str, *, number: type = int, optional: bool = False) -> Any:
     value = settings.get(key)
     if value is None and optional:
@@ -60,14 +91,46 @@ def _positive(settings: dict[str, Any], key: str, *, number: type = int, optiona
     return number(value)
 
 
-def _compose_search(choice: str, own: list[str], launch_overrides: list[str]) -> dict[str, Any]:
-    from launcher.paths import conf_dir
+def read_budget(train: dict[str, Any], composed: dict[str, Any]) -> Budget:
+    unknown = sorted(set(train) - set(TRAIN_SETTINGS))
+    if unknown:
+        raise UserError(f"search_config.train_settings.{unknown[0]}: unknown key; valid: {', '.join(TRAIN_SETTINGS)}")
+    base = composed["training"]
+    trainer, model = base["trainer"], base["model"]
+    numbers = {key: _positive(train, key, optional=True) for key in
+               ("num_nodes", "devices_per_node", "seq_length", "global_batch_size", "vocab_size")}
+    numbers |= {key: _positive(train, key, number=float, optional=True) for key in
+                ("tokens_in_billions", "model_size_in_b", "assumed_mfu")}
+    numbers |= {key: _positive(train, key) for key in
+                ("max_steps_per_run", "max_minutes_per_run", "limit_search_runs", "top_n")}
+    days = _positive(train, "days", number=float)
+    if (numbers["assumed_mfu"] or 0) > 1:
+        raise UserError(f"search_config.train_settings.assumed_mfu: {numbers['assumed_mfu']} must be at most 1")
+    device = train.get("device")
+    if device is not None and device not in DEVICE_NAMES:
+        raise UserError(f"search_config.train_settings.device: {device!r} is not one of {', '.join(DEVICE_NAMES)}")
+    try:
+        vocab = vocab_size_for(base, numbers["vocab_size"])
+    except UserError:
+        raise UserError(f"training.model.tokenizer.model: {model['tokenizer']['model']} does not exist; prepare "
+                        "the data first (e.g. nxdt-launch stages=[data_preparation]) or set "
+                        "search_config.train_settings.vocab_size") from None
 
-    if not (conf_dir() / "search_config" / f"{choice}.yaml").exists():
-        known = sorted(str(p.relative_to(conf_dir() / "search_config").with_suffix(""))
-                       for p in (conf_dir() / "search_config").rglob("*.yaml"))
-        raise UserError(f"search_config={choice}: no such choice; valid choices: {', '.join(known)}")
-    return resolve(compose([f"+search_config={choice}", *own, *launch_overrides]))["search_config"]
+    devices = numbers["devices_per_node"] or int(trainer["devices"])
+    neuron = ((composed.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    if device is None:
+        device = neuron if trainer["accelerator"] == "neuron" and neuron else detect(trainer["accelerator"], devices)
+    hardware = hardware_for(device, devices)
+    seq = numbers["seq_length"] or int(model["encoder_seq_length"])
+    gbs = numbers["global_batch_size"] or int(model["global_batch_size"])
+    billions, size = numbers["tokens_in_billions"], numbers["model_size_in_b"]
+    return Budget(
+        nodes=numbers["num_nodes"] or int(trainer["num_nodes"]), devices=devices, seq_length=seq,
+        global_batch_size=gbs, tokens=billions * 1e9 if billions else float(trainer["max_steps"]) * gbs * seq,
+        days=days, model_size=size * 1e9 if size else None, vocab=vocab, device=device, hardware=hardware,
+        mfu=numbers["assumed_mfu"] or hardware.default_mfu, max_steps=numbers["max_steps_per_run"],
+        minutes=numbers["max_minutes_per_run"], limit=numbers["limit_search_runs"], top_n=numbers["top_n"],
+    )
 
 
 def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> int:
@@ -75,79 +138,54 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
 
     choice, own, launch_overrides = split_overrides(overrides)
     settings = _compose_search(choice, own, launch_overrides)
-    train = settings["train_settings"]
-    unknown = sorted(set(train) - set(TRAIN_SETTINGS))
-    if unknown:
-        raise UserError(f"search_config.train_settings.{unknown[0]}: unknown key; valid: {', '.join(TRAIN_SETTINGS)}")
     name, recipe, results_dir = str(settings["name"]), str(settings["base_recipe"]), Path(settings["results_dir"])
     recipe_overrides = [f"training={recipe}", *launch_overrides]
     composed = resolve(compose(recipe_overrides))
-    base = composed["training"]
+    budget = read_budget(settings["train_settings"], composed)
+    architecture = str(composed["training"]["model"]["architecture"])
+    divisible = int(composed["training"]["model"].get("make_vocab_size_divisible_by") or 128)
 
-    nodes = _positive(train, "num_nodes", optional=True) or int(base["trainer"]["num_nodes"])
-    devices = _positive(train, "devices_per_node", optional=True) or int(base["trainer"]["devices"])
-    seq = _positive(train, "seq_length", optional=True) or int(base["model"]["encoder_seq_length"])
-    gbs = _positive(train, "global_batch_size", optional=True) or int(base["model"]["global_batch_size"])
-    billions = _positive(train, "tokens_in_billions", number=float, optional=True)
-    tokens = billions * 1e9 if billions else float(base["trainer"]["max_steps"]) * gbs * seq
-    days = _positive(train, "days", number=float)
-    size = _positive(train, "model_size_in_b", number=float, optional=True)
-    max_steps, minutes = _positive(train, "max_steps_per_run"), _positive(train, "max_minutes_per_run")
-    limit, top_n = _positive(train, "limit_search_runs"), _positive(train, "top_n")
-
-    vocab = _positive(train, "vocab_size", optional=True)
-    try:
-        vocab = vocab_size_for(base, vocab)
-    except UserError:
-        raise UserError(f"training.model.tokenizer.model: {base['model']['tokenizer']['model']} does not exist; "
-                        "prepare the data first (e.g. nxdt-launch stages=[data_preparation]) or set "
-                        "search_config.train_settings.vocab_size") from None
-    architecture = str(base["model"]["architecture"])
-    divisible = int(base["model"].get("make_vocab_size_divisible_by") or 128)
-    neuron = ((composed.get("cluster") or {}).get("neuron") or {}).get("hardware")
-    accelerator = str(base["trainer"]["accelerator"])
-    device = train.get("device") or (neuron if accelerator == "neuron" and neuron else None) \
-        or detect(accelerator, devices)
-    hardware = hardware_for(device, devices)
-    mfu = float(train.get("assumed_mfu") or hardware.default_mfu)
-    advice = sizing.recommend_model_size(architecture=architecture, vocab=padded_vocab(vocab, divisible),
-                                         seq_length=seq, tokens=tokens, days=days, devices=nodes * devices,
-                                         hardware=hardware, mfu=mfu, model_size=size * 1e9 if size else None)
+    # 1. The model the budget trains, and the full-run config for it.
+    advice = sizing.recommend_model_size(
+        architecture=architecture, vocab=padded_vocab(budget.vocab, divisible), seq_length=budget.seq_length,
+        tokens=budget.tokens, days=budget.days, devices=budget.nodes * budget.devices, hardware=budget.hardware,
+        mfu=budget.mfu, model_size=budget.model_size)
     spec = advice.spec
     console.print(
-        f"search {escape(name)}: {nodes} × {devices} {escape(hardware.description)}, {tokens:,.0f} tokens in "
-        f"{days:g} days at MFU {mfu:.0%} = {advice.budget_flops:.3g} FLOPs; 6·N·T gives N = "
-        f"{advice.six_n_t_parameters:,.0f}. Model: {spec.num_layers} layers, hidden {spec.hidden_size}, "
-        f"{spec.num_attention_heads} heads ({advice.parameters:,} parameters, {advice.days:.3g} days)"
-        + ("" if advice.fits_budget else " [yellow]: more than the budget[/]"),
+        f"search {escape(name)}: {budget.nodes} × {budget.devices} {escape(budget.hardware.description)}, "
+        f"{budget.tokens:,.0f} tokens in {budget.days:g} days at MFU {budget.mfu:.0%} = {advice.budget_flops:.3g} "
+        f"FLOPs; 6·N·T gives N = {advice.six_n_t_parameters:,.0f}. Model: {spec.num_layers} layers, hidden "
+        f"{spec.hidden_size}, {spec.num_attention_heads} heads ({advice.parameters:,} parameters, "
+        f"{advice.days:.3g} days)" + ("" if advice.fits_budget else " [yellow]: more than the budget[/]"),
         soft_wrap=True)
-
-    base_settings = sizing.base_settings(spec, architecture=architecture, seq_length=seq, global_batch_size=gbs,
-                                         tokens=tokens, num_nodes=nodes, devices_per_node=devices)
-    base_overrides = [override(f"training.{key}", value) for key, value in base_settings.items()]
+    base_overrides = [override(f"training.{key}", value) for key, value in sizing.base_settings(
+        spec, architecture=architecture, seq_length=budget.seq_length, global_batch_size=budget.global_batch_size,
+        tokens=budget.tokens, num_nodes=budget.nodes, devices_per_node=budget.devices).items()]
     base_training = resolve(compose([*recipe_overrides, *base_overrides]))["training"]
-    ranked = search.rank(base_training, search.grid(settings["search"], nodes=nodes, devices_per_node=devices,
-                                                    num_layers=spec.num_layers,
-                                                    zero1_default=bool(base_training["model"].get("zero1"))),
-                         device=device, mfu=mfu, vocab_size=vocab)
+
+    # 2. The layouts, filtered and ranked by the estimator.
+    candidates = search.grid(settings["search"], nodes=budget.nodes, devices_per_node=budget.devices,
+                             num_layers=spec.num_layers, zero1_default=bool(base_training["model"].get("zero1")))
+    ranked = search.rank(base_training, candidates, device=budget.device, mfu=budget.mfu, vocab_size=budget.vocab)
     launchable = [r for r in ranked if r.rejected is None]
-    console.print(report.candidates_table(ranked, max(limit, top_n) + 3,
+    console.print(report.candidates_table(ranked, max(budget.limit, budget.top_n) + 3,
                                           f"{len(ranked)} layouts, {len(launchable)} valid and within memory; "
-                                          f"the first {min(limit, len(launchable))} are launched"))
+                                          f"the first {min(budget.limit, len(launchable))} are launched"))
     if not launchable:
         raise UserError(f"search_config.search: none of the {len(ranked)} layouts is valid and fits the device; "
                         "widen the grid (e.g. search_config.search.tensor_parallel_sizes=auto) or add nodes")
     if dry_run:
         return 0
 
+    # 3. Short runs of the best-ranked layouts, through the launcher's executors.
     runs_dir = results_dir / "runs"
-    short_run = [override("training.trainer.max_steps", max_steps), "training.trainer.val_check_interval=0",
+    short_run = [override("training.trainer.max_steps", budget.max_steps), "training.trainer.val_check_interval=0",
                  "training.trainer.log_every_n_steps=1", "training.model.optim.sched.warmup_steps=0",
-                 "training.model.optim.sched.constant_steps=0", f"training.run.time_limit={minutes}",
+                 "training.model.optim.sched.constant_steps=0", f"training.run.time_limit={budget.minutes}",
                  "training.exp_manager.create_tensorboard_logger=false",
                  "training.exp_manager.resume_if_exists=false", "stages=[training]", f"base_results_dir={runs_dir}"]
     trials = []
-    for index, item in enumerate(launchable[:limit], start=1):
+    for index, item in enumerate(launchable[:budget.limit], start=1):
         run_name = f"{name}_{index:02d}_{item.candidate.tag}"
         layout = [override(f"training.{key}", value) for key, value in item.candidate.settings().items()]
         trials.append(runner.Trial(item, run_name, [*recipe_overrides, *base_overrides, *layout, *short_run,
@@ -156,27 +194,28 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
     executor = trials[0].plan.executor
     console.print(f"launched {len(trials)} candidate runs ({executor} executor) under {escape(str(runs_dir))}")
     if executor == "slurm":
-        runner.wait_slurm(trials, deadline_s=len(trials) * (minutes + 5) * 60)
+        runner.wait_slurm(trials, deadline_s=len(trials) * (budget.minutes + 5) * 60)
     else:
         for trial in trials:
-            runner.run_local(trial, timeout_s=minutes * 60)
+            runner.run_local(trial, timeout_s=budget.minutes * 60)
     measurements = [runner.measure(trial) for trial in trials]
 
+    # 4. The CSV, the table, and the fastest layout as a training config.
     csv_path = report.write_csv(results_dir / "results.csv", measurements)
-    console.print(report.results_table(measurements, top_n, f"measured ({max_steps} steps each, medians after "
-                                                            "step 1), fastest first"))
+    console.print(report.results_table(measurements, budget.top_n, f"measured ({budget.max_steps} steps each, "
+                                                                   "medians after step 1), fastest first"))
     console.print(f"results: {escape(str(csv_path))}")
     good = report.ordered([m for m in measurements if m.ok])
     if not good:
         console.print("[red]no candidate finished[/]; see the reasons above and the runs' logs")
         return 1
-    best = good[0]
     conf_root = results_dir / "conf"
-    best_path = write_best_config(best, name=name, conf_root=conf_root, recipe_overrides=recipe_overrides,
+    best_path = write_best_config(good[0], name=name, conf_root=conf_root, recipe_overrides=recipe_overrides,
                                   base_overrides=base_overrides, tried=len(measurements), command=produced_by)
-    extra = [o for o in launch_overrides if not o.startswith(("training.", "+training.", "~training."))]
+    # The launch overrides the search ran with, less the training ones the config now holds.
+    extra = [o for o in launch_overrides if not o.lstrip("+~").startswith(("training.", "stages="))]
     usage = shlex.join(["nxdt-launch", f"hydra.searchpath=[file://{conf_root}]", f"training=autoconfig/{name}",
-                        *extra])
+                        "stages=[training]", *extra])
     console.print(f"best config: {escape(str(best_path))}\ntrain it:    {escape(usage)}", soft_wrap=True)
     return 0
 
@@ -195,4 +234,3 @@ def write_best_config(best: runner.Measurement, *, name: str, conf_root: Path, r
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-

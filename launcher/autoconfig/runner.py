@@ -18,6 +18,7 @@ from launcher.autoconfig.search import Ranked
 from launcher.errors import UserError
 
 # Log lines that mean the device (or host) ran out of memory: CUDA, torch-xla/Neuron, Linux.
+_RUNTIME_ERROR = re.compile(r"^error( \(rank \d+\))?: ")
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception): ")
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "resource_exhausted", "cannot allocate memory", "oom-kill",
                "oom_kill", "failed to allocate")
@@ -147,9 +148,9 @@ def failure_reason(state: str, detail: str, log: str) -> str:
     if state == "TIMEOUT":
         return f"time limit ({detail})" if detail and detail != "None" else "time limit"
     lines = [line.strip() for line in log.splitlines()]
-    errors = [line for line in lines if line.startswith("error")]  # the runtime's one-line user errors
-    if errors:
-        return errors[-1][:300]
+    errors = [line for line in lines if _RUNTIME_ERROR.match(line)]  # the runtime's one-line user errors
+    if errors:  # rank 0 says it without "(rank N)"
+        return next((line for line in errors if line.startswith("error: ")), errors[0])[:300]
     # A worker's traceback ends in `SomeError: message`; torchrun's own ChildFailedError only says a worker died.
     raised = [line for line in lines if _EXCEPTION.match(line) and "ChildFailedError" not in line]
     if raised:

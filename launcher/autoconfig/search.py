@@ -135,7 +135,7 @@ def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | Non
         training = apply(base, candidate.settings())
         errors = validate.training(training)
         if errors:
-            ranked.append(Ranked(candidate, None, "invalid: " + errors[0].split(": ", 1)[-1]))
+            ranked.append(Ranked(candidate, None, "invalid: " + errors[0]))
             continue
         result = estimate(training, device=device, mfu=mfu, vocab_size=vocab_size, neuron_hardware=neuron_hardware,
                           node_memory_bytes=node_memory_bytes)

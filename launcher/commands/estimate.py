@@ -8,6 +8,9 @@ The overrides are the launch's own (Hydra syntax, composed the same way); nothin
 """
 from __future__ import annotations
 
+import math
+import re
+
 import click
 
 from launcher.errors import UserError
@@ -63,7 +66,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds:,.3g} s"
 
 
-def render(result, recipe: str):
+def slurm_seconds(limit: str) -> float | None:
+    """Seconds in a Slurm time (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None for UNLIMITED or anything else."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", limit.strip())
+    if not match:
+        return None
+    days, first, second, third = match.groups()
+    if days is not None:          # D-H[:M[:S]]
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+    elif third is not None:       # H:M:S
+        hours, minutes, seconds = int(first), int(second), int(third)
+    else:                         # M[:S]
+        hours, minutes, seconds = 0, int(first), int(second or 0)
+    return float(((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def render(result, recipe: str, time_limit: str | None = None):
     """The estimate as rich renderables: a title line and two tables."""
     from rich.table import Table
 
@@ -112,6 +130,11 @@ def render(result, recipe: str):
                  f"{step.data_parallel_s:.3g} + {step.pipeline_s:.3g} = {_duration(step.total_s)}")
     time.add_row("tokens", _count(result.tokens))
     time.add_row("[bold]time to train[/]", f"[bold]{_duration(result.days * 86400)}[/]")
+    limit = slurm_seconds(str(time_limit)) if time_limit else None
+    if limit:
+        jobs = math.ceil(result.days * 86400 / limit)
+        time.add_row(f"run.time_limit {time_limit}", "enough" if jobs <= 1 else
+                     f"{jobs} jobs (resubmit; exp_manager.resume_if_exists continues)")
     return title, memory, time
 
 
@@ -140,7 +163,7 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
     result = estimate(cfg["training"], device=device, tokens=_tokens(tokens), mfu=mfu, vocab_size=vocab_size,
                       node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None, neuron_hardware=neuron)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
-    title, memory, time = render(result, recipe)
+    title, memory, time = render(result, recipe, cfg["training"]["run"].get("time_limit"))
     # Pipes and logs are read later: do not fold at rich's default 80 columns there (as the launch table).
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
     console.print(escape(title), soft_wrap=True)

@@ -85,5 +85,5 @@ def hardware_for(name: str, devices_per_node: int, node_memory_bytes: float | No
     if name == "cpu":
         return cpu_hardware(devices_per_node, node_memory_bytes)
     if name not in HARDWARE:
-        raise UserError(f"--device {name!r} is unknown; valid devices: {', '.join(DEVICE_NAMES)}")
+        raise UserError(f"device {name!r} is unknown; valid devices: {', '.join(DEVICE_NAMES)}")
     return HARDWARE[name]

@@ -94,10 +94,9 @@ def in_flight_micro_batches(layout: Layout) -> float:
     return held
 
 
-def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels(),
-                           recompute: str | None = "layout") -> float:
+def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels()) -> float:
     """Bytes autograd keeps for one transformer layer and one micro-batch on one device."""
-    recompute = layout.recompute if recompute == "layout" else recompute
+    recompute = layout.recompute
     bytes_ = PRECISION_BYTES[layout.precision]
     c, r = bytes_.compute, bytes_.residual
     b, s, h, t = layout.micro_batch_size, shape.seq_length, shape.hidden_size, layout.tp
@@ -113,8 +112,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     mask = c if kernels.mask_as_activation else 1
     heads, kv = shape.num_attention_heads // t, kv_heads_per_rank(shape, t)
 
-    def width(columns: float, dtype: int = c) -> float:      # a (b, s, columns * head_dim) tensor
-        return dtype * b * s * columns * shape.head_dim
+    def width(columns: float) -> float:        # a (b, s, columns * head_dim) tensor
+        return c * b * s * columns * shape.head_dim
 
     total = 2 * norm_input * E * shard        # attention and MLP norm inputs
     total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
@@ -194,9 +193,9 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     if first and shape.hidden_dropout > 0 and shape.architecture == "gpt":  # the embedding's dropout mask
         mask = bytes_.compute if kernels.mask_as_activation else 1
         activations += in_flight * mask * layout.micro_batch_size * shape.seq_length * shape.hidden_size
-    recompute = backward_working_bytes(shape, layout)
+    backward = backward_working_bytes(shape, layout)
     if layout.recompute == "full":  # backward rebuilds one layer's activations at a time
-        recompute += layer_activation_bytes(shape, layout, kernels, recompute=None)
+        backward += layer_activation_bytes(shape, dataclasses.replace(layout, recompute=None), kernels)
     name = "only" if first and last else "first" if first else "last"
     return StageMemory(
         stage=name,
@@ -207,7 +206,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
         buffers=buffers,
         activations=activations,
         logits=loss_bytes(shape, layout) if last else 0.0,
-        backward=recompute,
+        backward=backward,
         in_flight=in_flight,
     )
 

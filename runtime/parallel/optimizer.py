@@ -118,6 +118,8 @@ class DistributedOptimizer:
         self._flat_grads = topo.dp.size > 1 or self.precision.param_dtype != torch.float32
         self._fused = _fused_adamw_works(device)
         self._sp_params = [p for p in self._params if getattr(p, "sequence_parallel", False)]
+        # A tied embedding split by the pipeline: one copy on the first stage, one on the last (stages.py).
+        self._pipeline_tied = [p for p in self._params if getattr(p, "pipeline_tied", False)]
         # Megatron's groups: no weight decay for biases and norm weights (every 1-D parameter).
         decay = [p for p in self._params if p.dim() > 1]
         no_decay = [p for p in self._params if p.dim() <= 1]
@@ -152,6 +154,8 @@ class DistributedOptimizer:
             lo, hi = max(offset, shard.start), min(offset + n, shard.stop)
             if lo < hi:
                 copies = getattr(p, "tp_duplicates", self.topo.tp.size) * dp_copies
+                if getattr(p, "pipeline_tied", False):
+                    copies *= 2  # the same summed gradient sits on the first and the last stage
                 segments.append(_Segment(p, slice(lo - offset, hi - offset), slice(lo - shard.start, hi - shard.start),
                                          1.0 / copies))
             offset += n
@@ -181,7 +185,8 @@ class DistributedOptimizer:
 
     def reduce_gradients(self) -> None:
         """Finish the gradients: zeros for parameters no backward reached, sequence-parallel grads summed over
-        TP, then the sum over DP (per bucket)."""
+        TP, a pipeline-split tied embedding's grads summed over its first and last stage, then the sum over DP
+        (per bucket)."""
         for p in self._params:
             if not p.main_grad_written:
                 p.main_grad = p.main_grad_buffer if p.main_grad_buffer is not None else torch.empty(
@@ -195,6 +200,10 @@ class DistributedOptimizer:
             for p in self._sp_params:
                 p.main_grad.copy_(flat[offset:offset + p.numel()].view(p.shape))
                 offset += p.numel()
+        if self._pipeline_tied and self.topo.embedding is not None:
+            # Both pipeline copies of a tied embedding take the sum of their gradients, so they stay equal.
+            for p in self._pipeline_tied:
+                C.all_reduce(p.main_grad, self.topo.embedding)
         dp = self.topo.dp
         if dp.size == 1:
             return

@@ -20,12 +20,15 @@ RECOMPUTE_MODULES = ("core_attention", "mlp")
 
 def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: bool = False,
                       activation_checkpointing: str | None = None,
-                      recompute_modules: Sequence[str] = ("core_attention",)) -> CausalLM:
+                      recompute_modules: Sequence[str] = ("core_attention",),
+                      virtual_pp: int | None = None) -> CausalLM:
     """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it.
 
     sequence_parallel: Megatron's sequence parallelism (only meaningful with tp > 1).
     activation_checkpointing: None, 'full' (recompute every transformer layer) or 'selective' (recompute the
     `recompute_modules` of every layer: 'core_attention' and/or 'mlp'; empty means ['core_attention']).
+    With pp > 1 the result is this rank's PipelineStageModel (runtime/parallel/pipeline), holding `virtual_pp`
+    model chunks (None or 1: one), run by train_step/eval_step through a pipeline schedule.
     """
     if activation_checkpointing not in CHECKPOINT_GRANULARITIES:
         raise ValueError(f"model.activations_checkpoint_granularity={activation_checkpointing!r} is not one of "
@@ -34,8 +37,6 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if activation_checkpointing == "selective" and unknown:
         raise ValueError(f"model.activations_checkpoint_recompute has {unknown}; valid modules are "
                          f"{list(RECOMPUTE_MODULES)}")
-    if topo.pp.size > 1:
-        raise ValueError(f"model.pipeline_model_parallel_size={topo.pp.size} is not supported yet; use 1")
     if topo.tp.size > 1:
         apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
     if activation_checkpointing == "full":
@@ -45,6 +46,9 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
         for block in model.layers:
             for name in recompute_modules or ("core_attention",):
                 checkpoint_module(block.attn.core_attention if name == "core_attention" else block.mlp)
+    if topo.pp.size > 1:
+        from runtime.parallel.pipeline.stages import split_into_stages  # deferred: an import cycle via runtime.parallel
+        return split_into_stages(model, topo, virtual_pp=virtual_pp, sequence_parallel=sequence_parallel)
     return model
 
 

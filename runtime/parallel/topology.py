@@ -27,6 +27,8 @@ class Topology:
     tp: AxisGroup
     dp: AxisGroup
     pp: AxisGroup
+    # First and last pipeline stage of this rank's pp group, which both hold a tied embedding (None unless pp > 1).
+    embedding: AxisGroup | None = None
 
     @classmethod
     def build(cls, dims: ParallelDims) -> "Topology":
@@ -49,6 +51,12 @@ class Topology:
                 group = dist.new_group(ranks) if len(ranks) < dims.world_size else dist.group.WORLD
                 if rank in ranks:
                     mine[axis] = AxisGroup(rank=coords[axis], size=len(ranks), ranks=tuple(ranks), group=group)
+        if dims.pp > 1:
+            for ranks in rank_groups(dims, "pp"):
+                ends = [ranks[0], ranks[-1]]
+                group = dist.new_group(ends) if len(ends) < dims.world_size else dist.group.WORLD
+                if rank in ends:
+                    mine["embedding"] = AxisGroup(rank=ends.index(rank), size=2, ranks=tuple(ends), group=group)
         return cls(dims=dims, rank=rank, **mine)
 
     @property
@@ -62,6 +70,16 @@ class Topology:
     @property
     def is_last_stage(self) -> bool:
         return self.pp.rank == self.pp.size - 1
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """Global rank of the previous pipeline stage (the last one for the first stage: virtual stages wrap)."""
+        return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
+
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank of the next pipeline stage (the first one for the last stage: virtual stages wrap)."""
+        return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
 
     @property
     def is_distributed(self) -> bool:

@@ -13,7 +13,9 @@ def test_help_lists_commands_and_every_group_with_its_choices():
     assert result.returncode == 0
     for command in ("status", "logs", "cancel"):
         assert command in result.stdout
-    assert "training: gpt3/175b, gpt3/tiny, llama/tiny" in result.stdout
+    training = next(line for line in result.stdout.splitlines() if line.strip().startswith("training:"))
+    assert all(recipe in training for recipe in ("gpt3/tiny", "llama/tiny", "gpt3/175b", "llama3/8b", "llama3_1/70b"))
+    assert "autoconfig" in result.stdout and "cluster-validate" in result.stdout
     assert "cluster: local, pcluster_trn1, pcluster_trn1n, pcluster_trn2, slurm" in result.stdout
 
 
@@ -29,8 +31,10 @@ def test_175b_dry_run_writes_a_valid_sbatch_that_matches_the_recipe(tmp_path):
     assert '--nnodes 128 --node_rank "$SLURM_NODEID" --nproc_per_node 8' in text
     assert f"-m runtime.train --config {script.parent / 'training_config.yaml'}" in text
     stage = yaml.safe_load((script.parent / "training_config.yaml").read_text())
-    assert stage["model"]["tensor_model_parallel_size"] == 8
-    assert stage["model"]["pipeline_model_parallel_size"] == 16
+    # NeMo-Launcher's published layout: TP 4 x PP 8 with 12 virtual stages per pipeline rank.
+    assert stage["model"]["tensor_model_parallel_size"] == 4
+    assert stage["model"]["pipeline_model_parallel_size"] == 8
+    assert stage["model"]["virtual_pipeline_model_parallel_size"] == 12
     assert stage["model"]["ffn_hidden_size"] == 4 * 12288  # interpolations arrive resolved
     # The plan table: stage, job id, nodes × tasks, dependency, script.
     assert "training" in result.stdout and "dry-run" in result.stdout and "128 × 8" in result.stdout

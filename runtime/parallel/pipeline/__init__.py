@@ -1,0 +1,63 @@
+# Pipeline parallelism: a model split into stages by layers (stages.py), schedules that order each rank's forward
+# and backward passes (one file each), point-to-point exchange between neighbouring stages (p2p.py), and the
+# executor that runs a schedule (executor.py). runtime/step.py calls run_pipeline when pp > 1.
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+from runtime.parallel import collectives as C
+from runtime.parallel.pipeline.actions import Action
+from runtime.parallel.pipeline.all_forward_all_backward import all_forward_all_backward
+from runtime.parallel.pipeline.executor import ScheduleRun
+from runtime.parallel.pipeline.forward_only import forward_only as forward_only_schedule
+from runtime.parallel.pipeline.interleaved import check_interleaved, interleaved_one_f_one_b
+from runtime.parallel.pipeline.one_f_one_b import one_f_one_b
+from runtime.parallel.pipeline.p2p import P2P
+from runtime.parallel.pipeline.stages import PipelineStageModel, split_into_stages, split_layers
+from runtime.parallel.topology import Topology
+
+SCHEDULES = ("1f1b", "interleaved", "all_forward_all_backward")
+
+
+def schedule_actions(stage: PipelineStageModel, num_micro_batches: int, *, forward_only: bool = False,
+                     schedule: str | None = None) -> list[Action]:
+    """This rank's actions. Default: 1F1B, or interleaved 1F1B with virtual stages."""
+    pp, rank, vpp = stage.pp_size, stage.pp_rank, stage.virtual_pp
+    if forward_only:
+        return forward_only_schedule(pp, rank, num_micro_batches, vpp)
+    schedule = schedule or ("interleaved" if vpp > 1 else "1f1b")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {list(SCHEDULES)}")
+    if schedule == "interleaved":
+        return interleaved_one_f_one_b(pp, rank, num_micro_batches, vpp)
+    if vpp > 1:
+        raise ValueError(f"the {schedule} schedule runs one chunk per rank; "
+                         f"model.virtual_pipeline_model_parallel_size={vpp} needs the interleaved schedule")
+    if schedule == "1f1b":
+        return one_f_one_b(pp, rank, num_micro_batches)
+    return all_forward_all_backward(pp, rank, num_micro_batches)
+
+
+def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology, total_tokens: float, *,
+                 forward_only: bool,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 schedule: str | None = None, timeline: list | None = None) -> torch.Tensor:
+    """Run this rank's schedule over `batches`; returns sum(loss * mask) over them, the same on every pp rank."""
+    if not isinstance(stage, PipelineStageModel):
+        raise TypeError(f"pp > 1 needs the model parallelize_model split into stages, got {type(stage).__name__}")
+    p2p = P2P(prev_rank=topo.prev_stage_rank, next_rank=topo.next_stage_rank)
+    run = ScheduleRun(stage, p2p, batches, total_tokens, forward_only=forward_only, autocast=autocast,
+                      timeline=timeline)
+    actions = schedule_actions(stage, len(batches), forward_only=forward_only, schedule=schedule)
+    loss_sum = run.run(actions).reshape(1)
+    C.all_reduce(loss_sum, topo.pp)  # only the last stage holds a non-zero sum
+    stage.peak_in_flight = run.peak_in_flight  # for benchmarks/pipeline.py
+    return loss_sum.reshape(())
+
+
+__all__ = ["Action", "P2P", "PipelineStageModel", "SCHEDULES", "ScheduleRun", "all_forward_all_backward",
+           "check_interleaved", "forward_only_schedule", "interleaved_one_f_one_b", "one_f_one_b", "run_pipeline",
+           "schedule_actions", "split_into_stages", "split_layers"]

@@ -1,0 +1,93 @@
+# Run one rank's schedule (a list of Actions): forward and backward passes of its model chunks, with activations
+# received from the previous stage and sent to the next, and their gradients the other way.
+#
+# Loss normalization is train_step's: the last stage backpropagates sum(loss * mask) / total_tokens of each
+# micro-batch (total_tokens counted over the global batch before any backward), so gradients match the
+# single-process run however the batch is split. The loss sum stays on the last stage; the caller reduces it.
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from runtime.parallel.pipeline.actions import Action
+from runtime.parallel.pipeline.p2p import P2P
+from runtime.parallel.pipeline.stages import PipelineStageModel
+
+
+class ScheduleRun:
+    """State of one schedule run on one rank; `run()` returns this rank's summed sum(loss * mask) (0 off the
+    last stage)."""
+
+    def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[tuple], total_tokens: float, *,
+                 forward_only: bool, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 timeline: list | None = None):
+        self.stage, self.p2p, self.batches = stage, p2p, batches
+        self.total_tokens, self.forward_only, self.autocast = total_tokens, forward_only, autocast
+        self.timeline = timeline  # when a list: (kind, start, end) of each pass's compute, receives excluded
+        first = next(stage.parameters())
+        self.dtype, self.device = first.dtype, first.device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, mb) -> (in, out)
+        self.peak_in_flight = 0  # most micro-batch activations held at once (all chunks)
+
+    def activation_shape(self, input_ids: torch.Tensor) -> tuple[int, int, int]:
+        batch, seq = input_ids.shape
+        if self.stage.sequence_parallel:
+            seq //= self.stage.tp_size
+        return batch, seq, self.stage.cfg.hidden_size  # (B, T[/tp], H)
+
+    def run(self, actions: Sequence[Action]) -> torch.Tensor:
+        try:
+            for action in actions:
+                if action.kind == "F":
+                    self._forward(action.chunk, action.micro_batch)
+                else:
+                    self._backward(action.chunk, action.micro_batch)
+        finally:
+            self.p2p.finish()
+        assert not self._saved, f"schedule left activations behind: {sorted(self._saved)}"
+        return self.loss_sum
+
+    def _forward(self, chunk_index: int, micro_batch: int) -> None:
+        chunk = self.stage.chunks[chunk_index]
+        input_ids, labels, mask = self.batches[micro_batch]
+        if chunk.is_first:
+            x = input_ids
+        else:
+            x = self.p2p.recv_activation(self.activation_shape(input_ids), self.dtype, self.device)
+            x.requires_grad_(not self.forward_only)
+        started = time.perf_counter()
+        with self.autocast():
+            out = chunk(x, labels if chunk.is_last else None)
+        if chunk.is_last:
+            local = (out * mask).sum()
+            self.loss_sum += local.detach()
+            out = local / self.total_tokens
+        else:
+            expected = self.activation_shape(input_ids)
+            assert tuple(out.shape) == expected and out.dtype == self.dtype, (
+                f"stage {chunk.stage} produced {tuple(out.shape)} {out.dtype}; the next stage expects "
+                f"{expected} {self.dtype}")
+        self._record("F", started)
+        if not chunk.is_last:
+            self.p2p.send_activation(out)
+        if not self.forward_only:
+            self._saved[(chunk_index, micro_batch)] = (None if chunk.is_first else x, out)
+            self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
+
+    def _backward(self, chunk_index: int, micro_batch: int) -> None:
+        chunk = self.stage.chunks[chunk_index]
+        x, out = self._saved.pop((chunk_index, micro_batch))
+        grad = None if chunk.is_last else self.p2p.recv_gradient(out.shape, out.dtype, out.device)
+        started = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        self._record("B", started)
+        if x is not None:
+            self.p2p.send_gradient(x.grad)
+
+    def _record(self, kind: str, started: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((kind, started, time.perf_counter()))

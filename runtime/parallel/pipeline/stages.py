@@ -1,0 +1,118 @@
+# Split a (tensor-parallelized) CausalLM into pipeline stages by layers: the embedding on the first stage, the final
+# norm, output head and loss on the last. With virtual stages (interleaved schedule) each rank holds `vpp` model
+# chunks; chunk v of pp rank r is global stage v * pp + r, so the stages visit the ranks round-robin.
+#
+# The full model is built (and initialized) first and sliced afterwards, so every layout starts from the same
+# weights. Parameter names stay those of the full model (`layers.3.attn.qkv.weight`), so checkpoints and the
+# tests compare stage by stage against the single-process model by name.
+from __future__ import annotations
+
+from torch import nn
+
+from runtime.models.transformer import CausalLM
+from runtime.parallel.topology import Topology
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Layer index ranges, one per global stage, in stage order. Uneven splits give the extra layers to the
+    earliest stages (the last stage already carries the output head and the loss)."""
+    if num_layers < num_stages:
+        raise ValueError(f"model.num_layers={num_layers} is fewer than the pipeline stages "
+                         f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {num_stages}); "
+                         f"every stage needs at least one layer")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        count = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+class PipelineChunk(nn.Module):
+    """One global stage: [embed] -> layers -> [final norm -> head -> per-token loss]. Views of the full model's
+    modules (no copies), owned for naming and the optimizer by the rank's PipelineStageModel."""
+
+    def __init__(self, model: CausalLM, stage: int, num_stages: int, layer_ids: range):
+        super().__init__()
+        self.stage, self.is_first, self.is_last = stage, stage == 0, stage == num_stages - 1
+        self.embed = model.embed if self.is_first else None
+        self.layers = nn.ModuleList(model.layers[i] for i in layer_ids)
+        if self.is_last:
+            self.final_norm, self.output = model.final_norm, model.output
+            self.loss_fn, self.gather_vocab = model.loss_fn, model.gather_vocab
+
+    def forward(self, x, labels=None):
+        """First stage: input_ids (B, T); otherwise the previous stage's hidden states (B, T[/tp], H).
+        Last stage: per-token loss (B, T) with labels, logits without; otherwise hidden states for the next."""
+        h = self.embed(x) if self.is_first else x
+        for layer in self.layers:
+            h = layer(h)
+        if not self.is_last:
+            return h
+        logits = self.output(self.final_norm(h))
+        return self.gather_vocab(logits) if labels is None else self.loss_fn(logits, labels)
+
+
+class PipelineStageModel(nn.Module):
+    """What one pp rank holds: its model chunks, with parameters registered under the full model's names.
+
+    `chunks[v]` is global stage v * pp + pp_rank. Only the canonical attributes (embed, layers.<i>, final_norm,
+    output) register modules; the chunks are a plain list of views, so nothing is listed twice.
+    """
+
+    def __init__(self, model: CausalLM, topo: Topology, virtual_pp: int, sequence_parallel: bool):
+        super().__init__()
+        pp, rank = topo.pp.size, topo.pp.rank
+        num_stages = pp * virtual_pp
+        ranges = split_layers(model.cfg.num_layers, num_stages)
+        self.cfg = model.cfg
+        self.pp_size, self.pp_rank, self.virtual_pp = pp, rank, virtual_pp
+        self.sequence_parallel = sequence_parallel
+        self.tp_size = topo.tp.size
+        stages = [v * pp + rank for v in range(virtual_pp)]
+        tied = model.cfg.share_embeddings_and_output_weights
+        if stages[0] == 0:
+            self.embed = model.embed
+            if tied:
+                model.embed.word.weight.pipeline_tied = True
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for s in stages for i in ranges[s]})
+        if stages[-1] == num_stages - 1:
+            self.final_norm = model.final_norm
+            if tied:
+                _untie_output(model)
+            self.output = model.output
+        chunks = [PipelineChunk(model, s, num_stages, ranges[s]) for s in stages]
+        object.__setattr__(self, "chunks", chunks)  # not registered: views of the modules above
+        self.layer_ranges = [ranges[s] for s in stages]
+
+    @property
+    def has_tied_embedding(self) -> bool:
+        return self.cfg.share_embeddings_and_output_weights
+
+    def tie_weights(self) -> None:
+        """Nothing to re-tie inside one stage: a tied embedding lives on the first and last stages, kept equal by
+        summing their gradients (DistributedOptimizer) rather than by sharing storage."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage runs through a schedule (runtime.step.train_step / eval_step), "
+                           "not by calling it")
+
+
+def _untie_output(model: CausalLM) -> None:
+    # The last stage gets its own copy of the shared embedding (equal values: the full model was built first).
+    # Both copies are marked, so the optimizer sums their gradients over the embedding group and counts the
+    # gradient once in the global norm.
+    old = model.output.weight
+    new = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    new.pipeline_tied = True
+    model.output.weight = new
+
+
+def split_into_stages(model: CausalLM, topo: Topology, *, virtual_pp: int | None,
+                      sequence_parallel: bool) -> PipelineStageModel:
+    vpp = virtual_pp or 1
+    if vpp < 1:
+        raise ValueError(f"model.virtual_pipeline_model_parallel_size must be >= 1, got {virtual_pp}")
+    return PipelineStageModel(model, topo, vpp, sequence_parallel and topo.tp.size > 1)

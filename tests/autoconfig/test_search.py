@@ -1,0 +1,188 @@
+"""The AutoConfigurator's pure parts: model sizing, the layout grid and its filters, ranking, failure reasons,
+the CSV's numeric order, and the CLI's dry run and user errors."""
+
+import csv
+import json
+import types
+
+import pytest
+
+from launcher.autoconfig import driver, report, runner, search, sizing
+from launcher.errors import UserError
+from launcher.estimator.compute import flops_per_token
+from launcher.estimator.hardware import HARDWARE
+from tests.launcher.helpers import nxdt, resolved
+
+GIB = 2**30
+
+
+def test_model_size_is_the_largest_shape_the_budget_trains():
+    # 1024 H100s for 30 days at 40% MFU, 300B tokens: the budget and its 6·N·T parameter count.
+    advice = sizing.recommend_model_size(architecture="gpt", vocab=50304, seq_length=2048, tokens=300e9, days=30,
+                                         devices=1024, hardware=HARDWARE["h100"], mfu=0.4)
+    budget = 1024 * 989e12 * 0.4 * 30 * 86400
+    assert advice.budget_flops == pytest.approx(budget)
+    assert advice.six_n_t_parameters == pytest.approx(budget / (6 * 300e9))
+    assert (advice.spec.num_layers, advice.spec.hidden_size) == (96, 12288)  # GPT-3 175B fits in 30 days
+    assert advice.fits_budget and advice.days <= 30
+    # A third of the budget no longer trains 175B: the next shape down (NeMo's 40B) is chosen.
+    smaller = sizing.recommend_model_size(architecture="gpt", vocab=50304, seq_length=2048, tokens=300e9, days=5,
+                                          devices=1024, hardware=HARDWARE["h100"], mfu=0.4)
+    assert (smaller.spec.num_layers, smaller.spec.hidden_size) == (48, 8192)
+    shape = sizing.shape_of(smaller.spec, "gpt", 50304, 2048)
+    assert flops_per_token(shape) * 300e9 <= smaller.budget_flops  # attention included in the check
+
+
+def test_explicit_model_size_picks_the_nearest_shape():
+    advice = sizing.recommend_model_size(architecture="llama", vocab=128256, seq_length=8192, tokens=1e12, days=1,
+                                         devices=128, hardware=HARDWARE["trn1"], mfu=0.4, model_size=8e9)
+    assert (advice.spec.hidden_size, advice.spec.ffn_hidden_size, advice.spec.num_query_groups) == (4096, 14336, 8)
+    assert not advice.fits_budget  # 1T tokens of 8B in a day on 4 nodes: reported, not hidden
+
+
+def test_base_settings_consume_the_token_budget():
+    spec = sizing.LADDERS["gpt"][1]
+    settings = sizing.base_settings(spec, architecture="gpt", seq_length=128, global_batch_size=16, tokens=1e6,
+                                    num_nodes=2, devices_per_node=2)
+    assert settings["trainer.max_steps"] == 489  # ceil(1e6 / (16 * 128))
+    assert settings["model.optim.sched.warmup_steps"] == 5 and settings["model.optim.sched.constant_steps"] == 0
+
+
+def _tiny_base(**trainer):
+    training = resolved("training=gpt3/tiny")["training"]
+    training["trainer"].update(trainer)
+    return training
+
+
+def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
+    base = _tiny_base(num_nodes=4, devices=2)
+    base["model"]["global_batch_size"] = 64
+    candidates = search.grid({"tensor_parallel_sizes": [1, 2, 3, 4], "pipeline_parallel_sizes": [1],
+                              "micro_batch_sizes": [4, 16], "activations_checkpoint": [None]},
+                             nodes=4, devices_per_node=2, num_layers=4, zero1_default=False)
+    assert len(candidates) == 8
+    ranked = search.rank(base, candidates, device="cpu", mfu=None, vocab_size=4096, node_memory_bytes=64 * GIB)
+    reasons = {(r.candidate.tp, r.candidate.micro_batch_size): r.rejected for r in ranked}
+    assert "not divisible" in reasons[(3, 4)]                         # the launcher's own layout arithmetic
+    assert "global_batch_size" in reasons[(1, 16)]                    # 16 x dp 8 does not divide 64
+    assert "devices per node" in reasons[(4, 4)]                      # a runtime rule the launcher leaves out
+    assert reasons[(1, 4)] is None and reasons[(2, 4)] is None and reasons[(2, 16)] is None
+    launchable = [r for r in ranked if r.rejected is None]
+    assert ranked[:len(launchable)] == launchable                     # launchable first ...
+    steps = [r.step_seconds for r in launchable]
+    assert steps == sorted(steps)                                     # ... fastest estimate first
+    # Memory: on a device too small for the model every layout is rejected with the estimate.
+    tight = search.rank(base, candidates[:1], device="cpu", mfu=None, vocab_size=4096,
+                        node_memory_bytes=0.9 * GIB)  # 0.45 GiB per worker, 0.4 of it the process itself
+    assert tight[0].rejected.startswith("estimated")
+
+
+def test_bad_search_axes_are_user_errors():
+    with pytest.raises(UserError, match="activations_checkpoint"):
+        search.grid({"activations_checkpoint": ["sometimes"]}, nodes=1, devices_per_node=2, num_layers=4,
+                    zero1_default=False)
+    with pytest.raises(UserError, match="tensor_parallel_sizes"):
+        search.grid({"tensor_parallel_sizes": 2}, nodes=1, devices_per_node=2, num_layers=4, zero1_default=False)
+    with pytest.raises(UserError, match="search_config.base_recipe"):
+        driver.split_overrides(["training=llama3/8b"])
+
+
+@pytest.mark.parametrize("state, detail, log, reason", [
+    ("FAILED", "exit 1", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", "OOM"),
+    ("FAILED", "exit 1", "RESOURCE_EXHAUSTED: Failed to allocate 2.1GiB on device", "OOM"),
+    ("OUT_OF_MEMORY", "", "", "OOM"),
+    ("TIMEOUT", "", "step 1 | loss 8.3", "time limit"),
+    ("FAILED", "exit 2", "noise\nerror: model.pipeline_model_parallel_size=2 is not supported yet; use 1\n",
+     "error: model.pipeline_model_parallel_size=2 is not supported yet; use 1"),
+    ("FAILED", "exit 1", "Traceback\nRuntimeError: loss became nan at step 3\n"
+                         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: worker died",
+     "RuntimeError: loss became nan at step 3"),
+    ("FAILED", "exit 137", "", "FAILED (exit 137)"),
+])
+def test_failure_reasons(state, detail, log, reason):
+    assert runner.failure_reason(state, detail, log) == reason
+
+
+def _measurement(name, tokens_per_s, ok=True):
+    candidate = search.Candidate(1, 1, None, 2, None, False, False)
+    trial = runner.Trial(search.Ranked(candidate, None), name, [])
+    return runner.Measurement(trial, ok, "" if ok else "OOM", 3, 1.0, tokens_per_s, 0.1, 0.5)
+
+
+def test_csv_is_sorted_by_measured_throughput_as_numbers(tmp_path):
+    rows = [_measurement("a", 9.5), _measurement("b", 100.0), _measurement("c", None, ok=False),
+            _measurement("d", 10.0)]
+    path = report.write_csv(tmp_path / "results.csv", rows)
+    with path.open() as handle:
+        written = list(csv.DictReader(handle))
+    assert [r["run_name"] for r in written] == ["b", "d", "a", "c"]  # a string sort would put 9.5 first
+    assert [r["rank"] for r in written] == ["1", "2", "3", ""]
+    assert written[-1]["status"] == "failed" and written[-1]["reason"] == "OOM"
+
+
+def test_overrides_are_hydra_syntax():
+    assert driver.override("training.model.activations_checkpoint_recompute", ["core_attention", "mlp"]) == \
+        "training.model.activations_checkpoint_recompute=[core_attention,mlp]"
+    assert driver.override("training.model.virtual_pipeline_model_parallel_size", None).endswith("=null")
+    assert driver.override("training.model.sequence_parallel", True).endswith("=true")
+    assert driver.override("training.model.optim.lr", 3e-05).endswith("=3e-05")
+
+
+def test_failed_candidate_is_measured_with_its_reason(autoconfig_data_dir, tmp_path):
+    """A real local run that the runtime refuses at start (no GPU here) comes back with the runtime's reason."""
+    candidate = search.Candidate(1, 1, None, 4, None, False, False)
+    trial = runner.Trial(search.Ranked(candidate, None), "failing", [
+        "training=gpt3/tiny", "stages=[training]", "cluster_type=local", f"data_dir={autoconfig_data_dir}",
+        f"base_results_dir={tmp_path}", "run_name=failing", "training.trainer.accelerator=gpu",
+        "training.trainer.max_steps=2", "training.model.optim.sched.warmup_steps=0"])
+    runner.submit([trial], produced_by="test")
+    runner.run_local(trial, timeout_s=120)
+    result = runner.measure(trial)
+    assert not result.ok and result.tokens_per_s is None
+    assert result.reason.startswith("error:") and "CUDA" in result.reason
+    record = json.loads((tmp_path / "failing" / "launch.json").read_text())
+    assert record["stages"][0]["exit_code"] not in (0, None)  # torchrun reports the failed worker
+
+
+def test_local_trial_is_stopped_at_its_time_limit(tmp_path):
+    script = tmp_path / "training.local.sh"
+    script.write_text("#!/bin/bash\nsleep 60\n")
+    log_dir = tmp_path / "run" / "training" / "logs"
+    log_dir.mkdir(parents=True)
+    trial = runner.Trial(search.Ranked(search.Candidate(1, 1, None, 1, None, False, False), None), "slow", [])
+    trial.plan = types.SimpleNamespace(run_dir=tmp_path / "run", executor="local",
+                                       cfg={"training": {"run": {"results_dir": str(tmp_path / "run" / "training")}}})
+    trial.record = {"executor": "local", "stages": [{"stage": "training", "job_id": None, "exit_code": None,
+                                                     "log_dir": str(log_dir)}], "scripts": [str(script)]}
+    runner.run_local(trial, timeout_s=1)
+    assert trial.state == "TIMEOUT"
+    assert runner.measure(trial).reason.startswith("time limit")
+
+
+def test_dry_run_ranks_without_launching(tmp_path):
+    result = nxdt("autoconfig", "--dry-run", "search_config.train_settings.vocab_size=4096",
+                  f"base_results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "4 layers, hidden 128" in result.stdout and "valid and within memory" in result.stdout
+    assert not (tmp_path / "autoconfig").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["search_config=nope"], "search_config=nope: no such choice"),
+    (["search_config.train_settings.limit_search_runs=0"], "limit_search_runs"),
+    (["search_config.train_settings.speed=9"], "search_config.train_settings.speed"),
+    (["search_config.search.activations_checkpoint=[sometimes]", "search_config.train_settings.vocab_size=4096"],
+     "activations_checkpoint"),
+])
+def test_cli_user_errors_are_one_line(args, message, tmp_path):
+    result = nxdt("autoconfig", "--dry-run", *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_search_configs_compose():
+    for choice in ("gpt3/tiny", "gpt3/5b", "llama3/8b"):
+        settings = driver._compose_search(choice, [], ["base_results_dir=/r"])
+        assert set(settings["train_settings"]) <= set(driver.TRAIN_SETTINGS)
+        assert settings["results_dir"] == f"/r/autoconfig/{settings['name']}"

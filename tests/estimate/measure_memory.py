@@ -1,0 +1,72 @@
+"""Peak memory of real training runs on CPU, as torch's allocator sees it: run with `python measure_memory.py
+CONFIG...` (resolved training-stage YAMLs, world size 1); prints one JSON line per config.
+
+What is measured: the runtime's own `train()` (the function `python -m runtime.train` runs) under torch.profiler
+with memory profiling, which records every CPU tensor allocation and free. Replaying those events gives the bytes
+of live tensors at every moment; the peak is taken over training steps 2 and later (step 1 also builds lazily
+allocated state). That is the quantity the estimator predicts. The process's resident set (what metrics.jsonl
+reports as memory_gib) is larger by the Python + torch baseline and allocator caching, so it is reported beside it
+but not compared.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import runtime.train as train_module
+from runtime.config import load_training_config
+from runtime.device import init_device, shutdown
+
+STEP_MARK = "nxdt_measured_step"
+
+
+def peak_live_bytes(events, first_step: int = 2) -> int:
+    """Replay the profiler's [memory] events in time order; the largest total during the marked steps."""
+    steps = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == STEP_MARK)
+    windows = steps[first_step - 1:] or steps
+    allocations = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for when, nbytes in allocations:
+        live += nbytes
+        if any(start <= when <= end for start, end in windows):
+            peak = max(peak, live)
+    return peak
+
+
+def measure(path: str, device) -> dict:
+    cfg = load_training_config(path)
+    original = train_module.train_step
+
+    def marked_step(*args, **kwargs):
+        with record_function(STEP_MARK):
+            return original(*args, **kwargs)
+
+    train_module.train_step = marked_step
+    started = time.perf_counter()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            train_module.train(cfg, device)
+    finally:
+        train_module.train_step = original
+    peak = peak_live_bytes(prof.profiler.kineto_results.events())
+    return {"config": path, "peak_bytes": peak, "seconds": time.perf_counter() - started,
+            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main(paths: list[str]) -> None:
+    torch.set_num_threads(1)  # steadier on a shared 2-core machine; memory does not depend on it
+    device = init_device("cpu")
+    try:
+        for path in paths:
+            print(json.dumps(measure(path, device)), flush=True)
+    finally:
+        shutdown(device)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,66 @@
+"""The estimator against peak memory measured from the real runtime on CPU, for small models.
+
+Each config is composed by the launcher (as a launch would), written as the training stage's YAML, and trained
+for a few steps by runtime.train's own train() in one process (gloo, world size 1) under torch.profiler; see
+measure_memory.py for what exactly is measured: the peak of live tensor bytes during the steps, which excludes
+the Python/torch baseline of the process that its resident-set size would include. The estimate compared is the
+same quantity (StageMemory.total: weights + gradients + optimizer + activations + loss working set), without
+the per-process overhead the fit check adds on CPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher import launch
+from launcher.estimator import estimate
+
+HERE = Path(__file__).parent
+SHORT_RUN = ["stages=[training]", "cluster_type=local", "training.trainer.num_nodes=1", "training.trainer.devices=1",
+             "training.trainer.max_steps=3", "training.trainer.log_every_n_steps=1",
+             "training.trainer.val_check_interval=0", "training.model.optim.sched.warmup_steps=1",
+             "training.exp_manager.create_tensorboard_logger=false"]
+
+# (name, overrides): both architectures, every precision family, each recompute mode, batch and width changes.
+CASES = [
+    ("gpt fp32", ["training=gpt3/tiny"]),
+    ("llama mixed_precision", ["training=llama/tiny", "training.precision.type=mixed_precision"]),
+    ("llama bf16SR, selective attention+mlp", ["training=llama/tiny", "training.precision.type=bf16SR",
+                                               "training.model.activations_checkpoint_granularity=selective",
+                                               "training.model.activations_checkpoint_recompute=[core_attention,mlp]"]),
+    ("gpt autocast, full recompute, wider", ["training=gpt3/tiny", "training.precision.type=autocast",
+                                             "training.model.activations_checkpoint_granularity=full",
+                                             "training.model.hidden_size=256", "training.model.num_attention_heads=8"]),
+    ("gpt fp32, dropout, micro-batch 8", ["training=gpt3/tiny", "training.model.hidden_dropout=0.1",
+                                          "training.model.attention_dropout=0.1",
+                                          "training.model.micro_batch_size=8"]),
+]
+
+
+def test_estimated_peak_memory_is_within_15_percent_of_measured(demo_data_dir, tmp_path):
+    configs, expected = [], {}
+    for index, (name, overrides) in enumerate(CASES):
+        plan = launch.make_plan([*overrides, *SHORT_RUN, f"data_dir={demo_data_dir}",
+                                 f"base_results_dir={tmp_path}", f"run_name=case{index}"],
+                                dry_run=True, produced_by="test")
+        launch.write(plan)
+        path = str(plan.jobs[0].config_path)
+        configs.append(path)
+        expected[path] = (name, estimate(plan.cfg["training"], device="cpu"))
+
+    result = subprocess.run([sys.executable, str(HERE / "measure_memory.py"), *configs], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(CASES), result.stdout[-2000:]
+    report = []
+    for row in rows:
+        name, est = expected[row["config"]]
+        measured, estimated = row["peak_bytes"], est.memory.total
+        report.append(f"{name}: measured {measured / 2**20:.1f} MiB, estimated {estimated / 2**20:.1f} MiB "
+                      f"({(estimated - measured) / measured:+.1%}); process RSS {row['rss_peak_bytes'] / 2**20:.0f} MiB")
+        assert measured > 0
+    print("\n".join(report))
+    for line, row in zip(report, rows):
+        name, est = expected[row["config"]]
+        assert abs(est.memory.total - row["peak_bytes"]) <= 0.15 * row["peak_bytes"], line

@@ -1,0 +1,34 @@
+"""A data directory holding what every recipe's training stage reads, so that the runtime's own config loader
+(runtime.config) can check each recipe: tokenizer.json files with the real vocabulary sizes (the padded vocabulary
+must divide by tp) and blend files whose token files exist (empty: nothing is read)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Directory under data_dir (as the recipes name it) -> vocabulary size of the real tokenizer.
+TOKENIZERS = {"demo": 4096, "the_pile_gpt2": 50257, "llama2": 32000, "llama3": 128256}
+
+
+def write_tokenizer(path: Path, vocab: int) -> None:
+    """A valid Hugging Face tokenizer.json (BPE, no merges) with `vocab` tokens."""
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+             "vocab": {f"t{i}": i for i in range(vocab)}, "merges": []}
+    path.write_text(json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                                "normalizer": None, "pre_tokenizer": None, "post_processor": None,
+                                "decoder": None, "model": model}))
+
+
+@pytest.fixture(scope="session")
+def recipe_data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("recipe_data")
+    for name, vocab in TOKENIZERS.items():
+        folder = root / name
+        folder.mkdir()
+        write_tokenizer(folder / "tokenizer.json", vocab)
+        for suffix in (".idx", ".bin"):
+            (folder / f"corpus{suffix}").write_bytes(b"")
+        (folder / "blend.txt").write_text("1.0 corpus\n")
+    return root

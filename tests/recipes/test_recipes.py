@@ -1,0 +1,106 @@
+"""Every training recipe composes, passes the launcher's validation and the runtime's own config checks, fits
+memory by the estimator on its intended device, and renders a job script for its intended cluster (dry run)."""
+
+import pytest
+
+from launcher import launch
+from launcher.estimator import estimate
+from launcher.paths import group_choices
+from runtime.config import load_training_config
+
+GIB = 2**30
+
+# recipe -> (the cluster config it is meant for, the device the estimator should pick for it)
+INTENDED = {
+    "gpt3/tiny": ("slurm", "cpu"),
+    "llama/tiny": ("slurm", "cpu"),
+    "gpt3/126m": ("slurm", "h100"),
+    "gpt3/126m_cpu": ("slurm", "cpu"),
+    "gpt3/400m": ("slurm", "h100"),
+    "gpt3/1b": ("slurm", "h100"),
+    "gpt3/5b": ("slurm", "h100"),
+    "gpt3/5b_trn1": ("pcluster_trn1", "trn1"),
+    "gpt3/7b": ("slurm", "h100"),
+    "gpt3/20b": ("slurm", "h100"),
+    "gpt3/40b": ("slurm", "h100"),
+    "gpt3/175b": ("slurm", "h100"),
+    "llama2/7b": ("pcluster_trn1", "trn1"),
+    "llama2/7b_gpu": ("slurm", "h100"),
+    "llama2/13b": ("pcluster_trn1", "trn1"),
+    "llama2/13b_gpu": ("slurm", "h100"),
+    "llama2/70b": ("pcluster_trn1", "trn1"),
+    "llama2/70b_gpu": ("slurm", "h100"),
+    "llama3/8b": ("pcluster_trn1", "trn1"),
+    "llama3/8b_trn2": ("pcluster_trn2", "trn2"),
+    "llama3/8b_gpu": ("slurm", "h100"),
+    "llama3/70b": ("pcluster_trn1", "trn1"),
+    "llama3/70b_trn2": ("pcluster_trn2", "trn2"),
+    "llama3/70b_gpu": ("slurm", "h100"),
+    "llama3_1/8b": ("pcluster_trn1", "trn1"),
+    "llama3_1/8b_gpu": ("slurm", "h100"),
+    "llama3_1/70b": ("pcluster_trn1", "trn1"),
+    "llama3_1/70b_gpu": ("slurm", "h100"),
+}
+
+
+def test_every_recipe_is_listed():
+    assert sorted(INTENDED) == group_choices("training")
+
+
+@pytest.mark.parametrize("recipe", sorted(INTENDED))
+def test_recipe_validates_fits_and_renders(recipe, recipe_data_dir, tmp_path):
+    cluster, device = INTENDED[recipe]
+    plan = launch.make_plan(
+        [f"training={recipe}", f"cluster={cluster}", "stages=[training]", "cluster_type=slurm",
+         f"base_results_dir={tmp_path}", f"data_dir={recipe_data_dir}"],
+        dry_run=True, produced_by="test",
+    )
+    assert plan.warnings == []  # every input path resolved into the data directory
+    training = plan.cfg["training"]
+    trainer = training["trainer"]
+
+    # The runtime reads the stage config the launcher wrote and applies its own checks (tp divides the padded
+    # vocabulary, the FFN and the devices per node; known keys and values).
+    (script,) = launch.write(plan)
+    runtime_cfg = load_training_config(plan.jobs[0].config_path)
+    assert runtime_cfg.parallel.tp == training["model"]["tensor_model_parallel_size"]
+    text = script.read_text()
+    assert f"#SBATCH --nodes={trainer['num_nodes']}" in text
+    assert f"--nproc_per_node {trainer['devices']}" in text
+
+    neuron = ((plan.cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB)
+    assert result.hardware.name == device
+    assert result.fits, (f"{recipe}: {result.memory.total / GIB:.1f} GiB per device > "
+                         f"{result.hardware.usable_bytes / GIB:.1f} GiB usable on {device}")
+    # Warmup and constant phases fit in the run (the launcher checks this too; the schedules must make sense).
+    sched = training["model"]["optim"]["sched"]
+    assert sched["warmup_steps"] + sched["constant_steps"] <= trainer["max_steps"]
+
+
+# The shapes and layouts the issue names, as NeMo-Launcher and NxD Training publish them.
+PUBLISHED = {
+    "gpt3/126m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, encoder_seq_length=2048),
+    "gpt3/5b": dict(num_layers=24, hidden_size=4096, num_attention_heads=32),
+    "gpt3/20b": dict(num_layers=44, hidden_size=6144, num_attention_heads=48),
+    "gpt3/40b": dict(num_layers=48, hidden_size=8192, num_attention_heads=64),
+    "gpt3/175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, encoder_seq_length=2048,
+                      tensor_model_parallel_size=4, pipeline_model_parallel_size=8),
+    "llama3/8b": dict(num_nodes=4, tensor_model_parallel_size=32, pipeline_model_parallel_size=1,
+                      global_batch_size=1024, micro_batch_size=1, encoder_seq_length=8192, zero1=True,
+                      sequence_parallel=True, activations_checkpoint_granularity="selective",
+                      num_query_groups=8, ffn_hidden_size=14336),
+    "llama3/70b": dict(num_nodes=16, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
+    "llama3_1/70b": dict(num_nodes=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
+    "llama3/8b_trn2": dict(num_nodes=1, devices=64, tensor_model_parallel_size=16),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(PUBLISHED))
+def test_published_shapes_and_layouts(recipe):
+    from tests.launcher.helpers import resolved
+
+    training = resolved(f"training={recipe}")["training"]
+    flat = {**training["trainer"], **training["model"]}
+    for key, value in PUBLISHED[recipe].items():
+        assert flat[key] == value, (recipe, key, flat[key], value)

@@ -1,0 +1,52 @@
+"""Pipeline-parallel training runs inside the gloo processes, on the tiny models and batches of
+tests/runtime_parallel/harness.py (the single-process reference is that module's `train`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+
+from runtime.models import build_model
+from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, gather_full_state_dict, parallelize_model
+from runtime.step import eval_step, train_step
+from tests.runtime_parallel import harness as H
+
+NUM_LAYERS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    pp: int
+    tp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    zero1: bool = False
+    schedule: str | None = None  # None: 1F1B, or interleaved with vpp
+
+
+def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, clip: float = 1.0) -> dict:
+    cfg = H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides})
+    topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size()))
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
+                              virtual_pp=layout.vpp)
+    optimizer = DistributedOptimizer(model, topo, H.OPTIM, "fp32", layout.zero1)
+    losses, norms = [], []
+    for step in range(steps):
+        result = train_step(model, optimizer, H.micro_batches_for(step, cfg.vocab_size, topo), topo,
+                            lr=H.OPTIM["lr"], clip=clip, schedule=layout.schedule)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    eval_loss = eval_step(model, H.micro_batches_for(steps, cfg.vocab_size, topo), topo)
+    state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state,
+            "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "tp_rank": topo.tp.rank}
+
+
+def run_suite(jobs: dict) -> dict:
+    """name -> (arch, config overrides, PipelineLayout); every rank returns its own results."""
+    return {name: train(arch, overrides, layout) for name, (arch, overrides, layout) in jobs.items()}
+
+
+def reference(arch: str, overrides: dict) -> dict:
+    return H.train(H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides}), H.Layout())

@@ -1,0 +1,103 @@
+"""Pipeline-parallel training equals single-process training: gloo processes on CPU, fp32, tiny 4-layer GPT (tied
+embeddings) and Llama models. Per layout: the loss and grad norm of each of 10 steps within 1e-5 relative, the
+validation loss (forward-only schedule) within 1e-5, every rank reporting the same loss, and the parameters
+after 10 steps, gathered stage by stage, equal to the single-process model's by name. One spawn per world size.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.runtime_pipeline import harness as P
+from tests.runtime_parallel.dist_utils import run_distributed
+
+L = P.PipelineLayout
+TWO_RANK_JOBS = {
+    "gpt-pp2": ("gpt", {}, L(pp=2)),
+    "llama-pp2": ("llama", {}, L(pp=2)),
+    "gpt-pp2-vpp2": ("gpt", {}, L(pp=2, vpp=2)),
+    "llama-pp2-vpp2": ("llama", {}, L(pp=2, vpp=2)),
+    "gpt-pp2-uneven": ("gpt", {"num_layers": 3}, L(pp=2)),  # layers 0-1 | 2
+    "llama-pp2-afab": ("llama", {}, L(pp=2, schedule="all_forward_all_backward")),
+}
+FOUR_RANK_JOBS = {
+    "gpt-pp4": ("gpt", {}, L(pp=4)),
+    "llama-pp4": ("llama", {}, L(pp=4)),
+    "gpt-pp2-tp2-sp": ("gpt", {}, L(pp=2, tp=2, sequence_parallel=True)),
+    "llama-pp2-tp2": ("llama", {}, L(pp=2, tp=2)),
+    "gpt-pp2-dp2-zero1": ("gpt", {}, L(pp=2, dp=2, zero1=True)),
+    "llama-pp2-dp2-zero1": ("llama", {}, L(pp=2, dp=2, zero1=True)),
+}
+ALL_JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(P.run_suite, 2, args=(TWO_RANK_JOBS,))
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(P.run_suite, 4, args=(FOUR_RANK_JOBS,))
+
+
+@functools.cache
+def reference(arch: str, overrides: tuple) -> dict:
+    torch.set_num_threads(1)
+    return P.reference(arch, dict(overrides))
+
+
+@pytest.fixture
+def results(request):
+    name = request.param
+    ranks = request.getfixturevalue("two_ranks" if name in TWO_RANK_JOBS else "four_ranks")
+    arch, overrides, _ = ALL_JOBS[name]
+    return [r[name] for r in ranks], reference(arch, tuple(sorted(overrides.items())))
+
+
+@pytest.mark.parametrize("results", list(ALL_JOBS), indirect=True)
+def test_losses_match_single_process(results):
+    ranks, ref = results
+    for rank in ranks:
+        assert rank["losses"] == ranks[0]["losses"], "every rank reports the same loss"
+        assert rank["grad_norms"] == ranks[0]["grad_norms"], "every rank reports the same grad norm"
+        torch.testing.assert_close(torch.tensor(rank["losses"], dtype=torch.float64),
+                                   torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                                   rtol=1e-5, atol=0)
+        assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    assert ref["losses"][-1] < ref["losses"][0], "the reference run learns something"
+
+
+@pytest.mark.parametrize("results", list(ALL_JOBS), indirect=True)
+def test_parameters_match_single_process(results):
+    ranks, ref = results
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        for name, value in rank["state"].items():
+            # Replicas (DP, TP-replicated, and a tied embedding's first- and last-stage copies) stay identical.
+            if name in merged:
+                assert torch.equal(value, merged[name]), f"{name} differs between ranks"
+            merged[name] = value
+    assert merged.keys() == ref["state"].keys()
+    for name, expected in ref["state"].items():
+        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt-pp2-vpp2", "gpt-pp4"])
+def test_each_stage_holds_only_its_layers(name, two_ranks, four_ranks):
+    ranks = [r[name] for r in (two_ranks if name in TWO_RANK_JOBS else four_ranks)]
+    owners: dict[str, set[int]] = {}
+    for rank in ranks:
+        for key in rank["state"]:
+            module = ".".join(key.split(".")[:2]) if key.startswith("layers.") else key
+            owners.setdefault(module, set()).add(rank["pp_rank"])
+    layer_owner = {k: v for k, v in owners.items() if k.startswith("layers.")}
+    if name == "gpt-pp2-vpp2":  # stages 0..3 = rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
+        assert layer_owner == {"layers.0": {0}, "layers.1": {1}, "layers.2": {0}, "layers.3": {1}}
+    else:
+        assert layer_owner == {f"layers.{i}": {i} for i in range(4)}
+    assert owners["embed.word.weight"] == {0}
+    assert owners["output.weight"] == {max(r["pp_rank"] for r in ranks)}
