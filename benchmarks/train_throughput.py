@@ -38,13 +38,15 @@ def our_runner(architecture: str, args):
         share_embeddings_and_output_weights=architecture == "gpt",
     )
     model = build_model(cfg)
+    # Counted before the optimizer gives a tied embedding its alias Parameter (which parameters() lists too).
+    params = model.num_params()
     topo = Topology.build(ParallelDims(tp=1, pp=1, dp=1, world_size=1))  # no process group: a single process
     optimizer = DistributedOptimizer(model, topo, AdamWConfig(lr=LR, weight_decay=0.1, betas=(0.9, 0.95)))
 
     def step(input_ids, labels):
         return train_step(model, optimizer, [(input_ids, labels, None)], topo, lr=LR, clip=CLIP).loss
 
-    return step, sum(p.numel() for p in model.parameters())
+    return step, params
 
 
 def hf_runner(architecture: str, args):

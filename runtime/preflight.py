@@ -26,6 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Through the collectives module, as every collective of the runtime: it stages gloo over XLA tensors on host.
+from runtime.parallel.collectives import all_reduce_world
+
 PREFLIGHT_EXIT_CODE = 3
 _KEY = "nxdt_preflight"
 _ADVICE = "run `nxdt-launch cluster-validate` on these nodes to find the bad one"
@@ -107,7 +110,7 @@ def preflight(device=None, *, timeout_s: float = 60.0, nbytes: int = 8 << 20, it
     with _Watchdog(timeout_s, rank, world, exit) as watchdog:
         watchdog.step = "an all_reduce of the rank numbers"
         ranks = torch.tensor([float(rank)], device=torch_device)
-        dist.all_reduce(ranks)
+        all_reduce_world(ranks)
         finish()
         if int(ranks.item()) != world * (world - 1) // 2:
             raise PreflightError(f"preflight: all_reduce of the rank numbers gave {ranks.item():g} on rank {rank}, "
@@ -115,11 +118,11 @@ def preflight(device=None, *, timeout_s: float = 60.0, nbytes: int = 8 << 20, it
 
         watchdog.step = f"a {nbytes / 2**20:g} MiB all_reduce"
         buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=torch_device)
-        dist.all_reduce(buffer)  # warm-up: connections and algorithm choice are made here
+        all_reduce_world(buffer)  # warm-up: connections and algorithm choice are made here
         finish()
         t0 = time.perf_counter()
         for _ in range(iters):
-            dist.all_reduce(buffer)
+            all_reduce_world(buffer)
             if device is not None:
                 device.step_boundary()
         finish()
