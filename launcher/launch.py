@@ -87,10 +87,7 @@ def build(cfg: dict[str, Any]) -> list[Job]:
     for stage in cfg["stages"]:
         if stage == "data_preparation" and staging.has_s3_inputs(cfg[stage]):
             # Its inputs are not here to count: the array has one task per file the config names.
-            tasks = staging.count_input_files(cfg[stage])
-            parallel = min(tasks, int(cfg[stage]["run"].get("node_array_size") or tasks))
-            jobs.append(stages._job(local, stage, stages.PROGRAMS[stage], nodes=1, nproc_per_node=1,
-                                    distributed=False, array_size=tasks, array_parallel=parallel))
+            jobs.append(stages.data_preparation(local, tasks=staging.count_input_files(cfg[stage])))
         else:
             jobs.append(stages.BUILDERS[stage](local))
     return jobs

@@ -27,11 +27,12 @@ def _job(cfg: dict[str, Any], stage: str, module: str, **sizing: Any) -> Job:
     )
 
 
-def data_preparation(cfg: dict[str, Any]) -> Job:
+def data_preparation(cfg: dict[str, Any], *, tasks: int | None = None) -> Job:
+    """One array task per input shard. `tasks` is for inputs that are not on disk to count (S3: staging.py)."""
     from runtime.data_prep.plan import count_tasks  # torch-free by contract (docs/architecture.md)
 
     stage_cfg = cfg["data_preparation"]
-    tasks = count_tasks(stage_cfg)
+    tasks = tasks if tasks is not None else count_tasks(stage_cfg)
     return _job(
         cfg, "data_preparation", "runtime.data_prep",
         nodes=1, nproc_per_node=1, distributed=False,

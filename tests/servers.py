@@ -21,3 +21,13 @@ def wait_for_port(port: int, proc: subprocess.Popen, log: Path, name: str, timeo
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"{name} did not start: {log.read_text()[-2000:]}", pytrace=False)
             time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a server, and kill it if it has not gone within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from csp_tools.local_slurm import DEFAULT_ROOT, LocalSlurm
-from tests.servers import wait_for_port
+from tests.servers import stop, wait_for_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -104,9 +104,4 @@ def sshd(tmp_path_factory):
         wait_for_port(port, proc, log, "sshd", timeout=15)
         yield Sshd("127.0.0.1", port, root / "client_ed25519", known_hosts, host_public_key, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

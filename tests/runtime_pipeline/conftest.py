@@ -1,12 +1,2 @@
-"""Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning OpenMP threads slow
-every test down many times over: run this directory single-threaded."""
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+"""Single-threaded, as tests/runtime_parallel (the reason is there)."""
+from tests.runtime_parallel.conftest import _single_thread  # noqa: F401  an autouse fixture, shared

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.servers import wait_for_port
+from tests.servers import stop, wait_for_port
 
 
 @dataclass
@@ -53,12 +53,7 @@ def s3(tmp_path_factory):
                "AWS_CONFIG_FILE": "/dev/null"}
         yield FakeS3(f"http://127.0.0.1:{port}", env)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.fixture
