@@ -69,6 +69,14 @@ PULLS = {
 }
 PUSHES = {"data_preparation": ["output_dir"]}
 SCRATCH = {"data_preparation": ["download.dir"], "training": ["model.data.index_mapping_dir"]}
+# Keys whose program reads and writes S3 itself (runtime/checkpoint/storage.py): never staged or localized.
+NATIVE = {"training": ["exp_manager.checkpoint_callback_params.dirpath", "exp_manager.resume_from_checkpoint"],
+          "conversion": ["checkpoint_dir", "hf_checkpoint_dir"], "evaluation": ["checkpoint_dir"]}
+
+
+def _staged_s3_values(stage: str, stage_cfg: dict[str, Any]) -> list[tuple[str, str]]:
+    native = set(NATIVE.get(stage, []))
+    return [(k, v) for k, v in s3_values(stage_cfg) if k not in native]
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ def _pull_entries(key: str, kind: str | None, value: Any, local_dir: str) -> lis
 def stage_plan(stage: str, cfg: dict[str, Any], manifest_path: Path) -> StagePlan | None:
     """The transfers of one stage of the resolved (not yet localized) config; None when it has none."""
     stage_cfg = cfg.get(stage) or {}
-    if not s3_values(stage_cfg):
+    if not _staged_s3_values(stage, stage_cfg):
         return None
     options = settings(cfg)
     local_dir = str(options["local_dir"])
@@ -135,14 +143,16 @@ def localize(cfg: dict[str, Any]) -> dict[str, Any]:
     if not local_dir:
         return cfg
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return mirror(node, local_dir) if is_s3(node) else node
+    native = {f"{stage}.{key}" for stage, keys in NATIVE.items() for key in keys}
 
-    return walk(cfg)
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, path) for v in node]
+        return mirror(node, local_dir) if is_s3(node) and path not in native else node
+
+    return walk(cfg, "")
 
 
 def has_s3_inputs(stage_cfg: dict[str, Any]) -> bool:
@@ -178,7 +188,7 @@ def problems(cfg: dict[str, Any]) -> list[str]:
               if k not in DEFAULTS]
     stages = [s for s in cfg.get("stages") or [] if isinstance(cfg.get(s), dict)]
     found = [("data_dir", cfg.get("data_dir"))] if is_s3(cfg.get("data_dir")) else []
-    found += [(f"{s}.{k}", v) for s in stages for k, v in s3_values(cfg[s])]
+    found += [(f"{s}.{k}", v) for s in stages for k, v in _staged_s3_values(s, cfg[s])]
     if not found:
         return errors
     local_dir = options["local_dir"]
@@ -188,7 +198,7 @@ def problems(cfg: dict[str, Any]) -> list[str]:
                       "cluster.staging.local_dir=/fsx/staging")
     for stage in stages:
         known = {k for k, _ in PULLS.get(stage, [])} | set(PUSHES.get(stage, [])) | set(SCRATCH.get(stage, []))
-        for key, value in s3_values(cfg[stage]):
+        for key, value in _staged_s3_values(stage, cfg[stage]):
             base = re.sub(r"\[\d+\]$", "", key)
             if base not in known:
                 where = ", ".join(sorted(known)) or "none"

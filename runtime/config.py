@@ -145,6 +145,22 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """exp_manager's checkpoint keys (NeMo names where NeMo has one; docs/checkpoints.md)."""
+
+    enabled: bool                    # exp_manager.create_checkpoint_callback
+    dirpath: str                     # checkpoint_callback_params.dirpath: a path or s3://bucket/prefix
+    every_n_train_steps: int         # 0: only at the end and on a signal
+    save_top_k: int                  # keep the newest K complete checkpoints; -1: keep all
+    save_last: bool                  # save when training ends
+    async_save: bool                 # write in the background while training goes on
+    load_on_one_replica: bool        # read on data-parallel replica 0 and broadcast to the others
+    resume_if_exists: bool
+    resume_from_checkpoint: str | None
+    save_on_signal: bool             # exp_manager.create_preemption_callback: SIGUSR1/SIGTERM save and exit
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     run_name: str
     results_dir: Path
@@ -160,6 +176,7 @@ class TrainingConfig:
     tensorboard: bool
     wandb: bool
     resume_if_exists: bool
+    checkpoint: CheckpointConfig
     raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config
 
 
@@ -281,6 +298,13 @@ def _model_keys(model: _Section, seq_length: int) -> dict:
     return keys
 
 
+def parse_model_config(model_section: Any, tokenizer_path: str) -> ModelConfig:
+    """Only the model's shape from a `model:` section (what conversion and evaluation rebuild from a checkpoint)."""
+    model = _Section(model_section, "model")
+    seq_length = model.int("encoder_seq_length", model.data.get("max_position_embeddings") or _REQUIRED, minimum=1)
+    return ModelConfig.from_model_section(_model_keys(model, seq_length), tokenizer_vocab_size(tokenizer_path))
+
+
 def tokenizer_vocab_size(path: str) -> int:
     """Vocabulary size of a Hugging Face tokenizer.json, added tokens included."""
     if not Path(path).is_file():
@@ -291,6 +315,27 @@ def tokenizer_vocab_size(path: str) -> int:
         return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     except Exception as error:  # the tokenizers library raises a bare Exception on malformed files
         raise ValueError(f"model.tokenizer.model {path!r} is not a readable tokenizer.json: {error}") from None
+
+
+def _checkpoint(exp: _Section, results_dir: Path) -> CheckpointConfig:
+    params = exp.section("checkpoint_callback_params", required=False)
+    resume_from = exp._raw("resume_from_checkpoint", None)
+    top_k = params.int("save_top_k", -1)
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"exp_manager.checkpoint_callback_params.save_top_k {top_k} is invalid; use a positive "
+                         f"count of checkpoints to keep, or -1 to keep all")
+    return CheckpointConfig(
+        enabled=exp.bool("create_checkpoint_callback", True),
+        dirpath=str(params._raw("dirpath", results_dir / "checkpoints")),
+        every_n_train_steps=params.int("every_n_train_steps", 0, minimum=0),
+        save_top_k=top_k,
+        save_last=params.bool("save_last", True),
+        async_save=params.bool("async_save", True),
+        load_on_one_replica=params.bool("load_on_one_replica", True),
+        resume_if_exists=exp.bool("resume_if_exists", False),
+        resume_from_checkpoint=None if resume_from is None else str(resume_from),
+        save_on_signal=exp.bool("create_preemption_callback", True),
+    )
 
 
 def load_training_config(path: str | os.PathLike) -> TrainingConfig:
@@ -342,5 +387,6 @@ def parse_training_config(raw: Any) -> TrainingConfig:
         tensorboard=exp.bool("create_tensorboard_logger", True),
         wandb=exp.bool("create_wandb_logger", False),
         resume_if_exists=exp.bool("resume_if_exists", False),
+        checkpoint=_checkpoint(exp, Path(str(run._raw("results_dir", _REQUIRED)))),
         raw=raw,
     )

@@ -9,8 +9,8 @@ and, for a quick look on a laptop, a single process without torchrun:
     python -m runtime.train --config training_config.yaml
 
 Order of work: device and process group -> topology (tp x dp x pp) -> model built whole, then parallelized ->
-distributed optimizer -> data (sample indices built once, by local rank 0) -> the step loop with the learning
-rate schedule, periodic validation and metrics. A mistake in the config ends the run with one
+distributed optimizer -> data (sample indices built once, by local rank 0) -> resume from the newest complete
+checkpoint -> the step loop with the learning rate schedule, periodic validation, metrics and checkpoints. A mistake in the config ends the run with one
 `error: ...` line and exit code 2.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import Device, init_device, shutdown
@@ -28,6 +29,7 @@ from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
 from runtime.models import build_model
 from runtime.optim_schedule import LRSchedule
 from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model
+from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
 from runtime.step import eval_step, train_step
 
@@ -136,12 +138,10 @@ def train(cfg: TrainingConfig, device: Device) -> None:
         print(f"training {cfg.run_name}: {topo!r} world {device.world_size} on {device.hardware}; "
               f"peak {peak:.3f} TFLOP/s ({peak_source}); results in {cfg.results_dir}", flush=True)
 
-    start_step = 0
-    # --- CHECKPOINT HOOK (resume; the checkpoint issue) --------------------------------------------------------
-    # When cfg.resume_if_exists and <results_dir>/checkpoints holds a complete checkpoint: restore the model and
-    # optimizer shards, set start_step to the saved step and call train_batches.load_state_dict(saved) so the
-    # data continues at the saved consumed_samples. Nothing else in the loop needs to change.
-    # -----------------------------------------------------------------------------------------------------------
+    checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
+                                      cfg.trainer.max_steps)
+    start_step = checkpoints.resume()
+    watch = SignalWatch(device.torch_device) if cfg.checkpoint.save_on_signal and cfg.checkpoint.enabled else None
 
     try:
         for step in range(start_step, cfg.trainer.max_steps):
@@ -162,11 +162,20 @@ def train(cfg: TrainingConfig, device: Device) -> None:
                                               or done == cfg.trainer.max_steps):
                 val_loss = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo, device)
                 metrics.record_validation(done, val_loss)
-            # --- CHECKPOINT HOOK (save; the checkpoint issue) ---------------------------------------------------
-            # Every exp_manager.checkpoint_callback_params.every_n_train_steps (and at the end): save the model
-            # and optimizer shards, `done`, and train_batches.state_dict() (the consumed_samples position).
-            # ----------------------------------------------------------------------------------------------------
+            checkpoints.after_step(done)
+            signum = watch.agreed() if watch is not None else None
+            if signum is not None and done < cfg.trainer.max_steps:
+                checkpoints.save_and_wait(done)
+                device.barrier()  # nobody exits (and has torchrun stop the others) before rank 0 committed
+                raise Preempted(done, signum)
+        checkpoints.wait()
+        # Rank 0 may still have been committing: leave together, since a gloo peer that tears down while
+        # another still holds its connections can abort that process.
+        device.barrier()
     finally:
+        checkpoints.wait_quietly()
+        if watch is not None:
+            watch.close()
         metrics.close()
 
 
@@ -198,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.trainer.preflight and device.world_size > 1:
             preflight(device, timeout_s=cfg.trainer.preflight_timeout_s)
         train(cfg, device)
+    except Preempted as stop:
+        if device.is_main:
+            print(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued", file=sys.stderr,
+                  flush=True)
+        return PREEMPTED_EXIT_CODE
     except PreflightError as error:
         print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
         return PREFLIGHT_EXIT_CODE

@@ -45,6 +45,13 @@ def all_reduce_world(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def broadcast(x: torch.Tensor, axis: AxisGroup, src_index: int = 0) -> torch.Tensor:
+    """In place, from the group's member number `src_index` to the others; returns x."""
+    if axis.size > 1:
+        _on_host(dist.broadcast, x, None, axis.group, src=axis.ranks[src_index])
+    return x
+
+
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: AxisGroup) -> None:
     """out (size * n,) <- concatenation of every rank's shard (n,)."""
     assert out.numel() == shard.numel() * axis.size, (out.shape, shard.shape, axis.size)

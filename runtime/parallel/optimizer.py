@@ -107,6 +107,7 @@ class DistributedOptimizer:
         self.precision, self.zero1 = get_precision(precision), bool(zero1)
         self.step_count = 0
         self._clip_coef = 1.0
+        self._pre_step_hooks: list = []
         aliases = _split_tied_lookups(model, sparse=_sparse_grads_work(next(model.parameters()).device))
         self._params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "grad_owner")]
         if not self._params:
@@ -233,6 +234,9 @@ class DistributedOptimizer:
         """One AdamW step on this rank's shards (decoupled weight decay, as torch.optim.AdamW), then write the
         weights back: cast to the param dtype (rounding per the precision) and, under ZeRO-1, all-gather."""
         lr = self.cfg.lr if lr is None else lr
+        hooks, self._pre_step_hooks = self._pre_step_hooks, []
+        for hook in hooks:  # e.g. an async checkpoint still copying the weights this update is about to change
+            hook()
         self.step_count += 1
         for bucket in self.buckets:
             if not bucket.segments:
@@ -283,11 +287,22 @@ class DistributedOptimizer:
 
     # ---- checkpointing hooks ----------------------------------------------------------------------------
 
+    def add_pre_step_hook(self, hook) -> None:
+        """Call `hook()` once, at the start of the next step(), before any weight or moment changes."""
+        self._pre_step_hooks.append(hook)
+
+    def sr_generator_state(self) -> torch.Tensor | None:
+        return self._sr_generator.get_state() if self._sr_generator is not None else None
+
+    def load_sr_generator_state(self, state: torch.Tensor | None) -> None:
+        if self._sr_generator is not None and state is not None:
+            self._sr_generator.set_state(state)
+
     def state_dict(self) -> dict:
         """This rank's optimizer state: per bucket its shard of moments (and master weights), plus the step.
 
-        Shards are laid out by the bucket plan, which depends on the model and the layout: a checkpoint reloads
-        into the same tp/dp/zero1 layout (resharding is the checkpoint issue's job).
+        Shards are laid out by the bucket plan, which depends on the model and the layout: this reloads only into
+        the same tp/dp/zero1 layout. Checkpoints use runtime/checkpoint instead, which reshards.
         """
         return {
             "step": self.step_count,

@@ -23,7 +23,7 @@ class ScheduleRun:
 
     def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[tuple], total_tokens: float, *,
                  forward_only: bool, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 timeline: list | None = None):
+                 timeline: list | None = None, collect: Callable | None = None):
         self.stage, self.p2p, self.batches = stage, p2p, batches
         self.total_tokens, self.forward_only, self.autocast = total_tokens, forward_only, autocast
         self.timeline = timeline  # when a list: (kind, start, end) of each pass's compute, receives excluded
@@ -32,6 +32,9 @@ class ScheduleRun:
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, mb) -> (in, out)
         self.peak_in_flight = 0  # most micro-batch activations held at once (all chunks)
+        # Forward-only scoring: the last stage hands collect(logits, labels) each micro-batch's full-vocabulary
+        # logits instead of computing the loss, and keeps what it returns (evaluation's per-token scores).
+        self.collect, self.collected = collect, {}
 
     def activation_shape(self, input_ids: torch.Tensor) -> tuple[int, int, int]:
         batch, seq = input_ids.shape
@@ -61,7 +64,11 @@ class ScheduleRun:
             x.requires_grad_(not self.forward_only)
         started = time.perf_counter()
         with self.autocast():
-            out = chunk(x, labels if chunk.is_last else None)
+            out = chunk(x, labels if chunk.is_last and self.collect is None else None)
+        if chunk.is_last and self.collect is not None:
+            self.collected[micro_batch] = self.collect(out, labels)
+            self._record("F", started)
+            return
         if chunk.is_last:
             local = (out * mask).sum()
             self.loss_sum += local.detach()

@@ -1,0 +1,331 @@
+# Saving, committing, finding and loading checkpoints (the layout is described in docs/checkpoints.md).
+#
+#   <dirpath>/step_00000010.3f9c2a1b/      one directory per save: step, then a token unique to the launch,
+#       rank_00000.pt ...                  so a relaunch that saves the same step again never writes into the
+#       rank_00000.done ...                files of an earlier attempt
+#       config.yaml                        the resolved training config (rank 0)
+#       COMMIT                             JSON metadata, written last by rank 0 once every rank's .done exists
+#
+# Every rank writes its own file and then its .done marker; rank 0 waits (polling the storage, not a collective:
+# the wait runs on a background thread while training goes on) for all of them and writes COMMIT. Only a
+# directory with COMMIT is ever loaded or counted; retention runs only after a commit, and deletes the oldest
+# committed directories beyond keep_last plus any uncommitted leftovers of crashed saves.
+#
+# Async saves: the state is copied to host memory and written by a background thread. On CPU the copy itself is
+# deferred too: it runs in the background while the next step's forward and backward read (never write) the
+# weights, and the optimizer's next update waits for it (a pre-step hook). One save in flight at a time, so host
+# memory is bounded by one copy of this rank's shards, which is reported.
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from runtime.checkpoint.shards import FullTensors, host_copy, load_into, rank_pieces, tensor_bytes
+from runtime.checkpoint.storage import Storage, open_storage
+
+FORMAT = 1
+COMMIT = "COMMIT"
+_DIR = re.compile(r"^step_(\d{8})\.([0-9a-f]+)$")
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+@dataclass(frozen=True)
+class Committed:
+    name: str       # directory name under the checkpoint location
+    step: int
+    meta: dict
+
+
+def committed_checkpoints(storage: Storage) -> list[Committed]:
+    """Every complete checkpoint, oldest first (by step, then commit time)."""
+    found = []
+    for name in storage.list_dirs():
+        match = _DIR.match(name)
+        if not match or not storage.exists(f"{name}/{COMMIT}"):
+            continue
+        meta = json.loads(storage.get_bytes(f"{name}/{COMMIT}"))
+        found.append(Committed(name, int(match.group(1)), meta))
+    return sorted(found, key=lambda c: (c.step, c.meta.get("committed_at", 0.0)))
+
+
+def resolve_checkpoint(location: str) -> tuple[Storage, Committed]:
+    """A checkpoint given by the user: a step directory, or a checkpoint directory (its newest complete one)."""
+    location = str(location).rstrip("/")
+    parent, _, leaf = location.rpartition("/")
+    if _DIR.match(leaf):
+        storage = open_storage(parent or ".")
+        if not storage.exists(f"{leaf}/{COMMIT}"):
+            raise ValueError(f"checkpoint {location} is incomplete (no {COMMIT} marker): it cannot be loaded")
+        return storage, Committed(leaf, int(_DIR.match(leaf).group(1)),
+                                  json.loads(storage.get_bytes(f"{leaf}/{COMMIT}")))
+    storage = open_storage(location)
+    found = committed_checkpoints(storage)
+    if not found:
+        raise ValueError(f"{location} holds no complete checkpoint (a step_* directory with a {COMMIT} marker)")
+    return storage, found[-1]
+
+
+def _torch_save(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+class Checkpointer:
+    """One per training process. `token` must be the same on every rank (rank 0 draws it; see train.py)."""
+
+    def __init__(self, location: str, *, rank: int, world_size: int, token: str, keep_last: int | None = None,
+                 async_save: bool = True, deferred_copy: bool = False, commit_timeout_s: float = 3600.0,
+                 log: Callable[[str], None] | None = None):
+        self.storage = open_storage(location)
+        self.location = str(location)
+        self.rank, self.world_size, self.token = rank, world_size, token
+        self.keep_last = keep_last if keep_last and keep_last > 0 else None
+        self.async_save, self.deferred_copy = async_save, deferred_copy
+        self.commit_timeout_s = commit_timeout_s
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._error: BaseException | None = None
+        self.last_host_bytes = 0
+        self.last_timings: dict[str, float] = {}
+
+    # ---- saving ------------------------------------------------------------------------------------------
+
+    def save(self, step: int, model, optimizer, topo, *, extra: dict, config: dict | None,
+             sync: bool = False) -> None:
+        """Save this rank's shards for `step`. Async unless sync (or async_save is off): returns once the state
+        is safe to change, or, with the deferred CPU copy, right away (the optimizer waits for the copy)."""
+        self.wait()  # one save in flight: bounds host memory, keeps commits in order
+        started = time.perf_counter()
+        name = f"step_{step:08d}.{self.token}"
+        model_pieces, optim_pieces = rank_pieces(model, optimizer, topo)
+        header = {
+            "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
+            "layout": {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "tp_rank": topo.tp.rank,
+                       "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "zero1": optimizer.zero1},
+            "optim_scalars": {"step": optimizer.step_count, "sr_generator": optimizer.sr_generator_state()},
+            "extra": host_copy(extra),
+        }
+        meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "layout": {
+            "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "zero1": optimizer.zero1}}
+        live = {"model": model_pieces, "optim": optim_pieces}
+        run_async = self.async_save and not sync
+        if not (run_async and self.deferred_copy):
+            live = host_copy(live)  # device -> host now; the background thread only writes
+        self.last_timings = {"snapshot_s": time.perf_counter() - started}
+        self._copied.clear()
+        self._error = None
+        args = (name, header, live, run_async and self.deferred_copy, meta, config, started)
+        if run_async:
+            self._thread = threading.Thread(target=self._write, args=args, name="nxdt-checkpoint", daemon=True)
+            self._thread.start()
+            if self.deferred_copy:
+                optimizer.add_pre_step_hook(self.wait_for_copy)
+            else:
+                self._copied.wait()
+        else:
+            self._write(*args)
+            self._raise()
+
+    def wait_for_copy(self) -> None:
+        """Block until the background thread has its copy of the state (the optimizer calls this)."""
+        self._copied.wait()
+        self._raise()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written (and, on rank 0, committed)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint save failed: {error}") from error
+
+    def _write(self, name: str, header: dict, live: dict, needs_copy: bool, meta: dict, config: dict | None,
+               started: float) -> None:
+        try:
+            state = host_copy(live) if needs_copy else live
+            self.last_host_bytes = tensor_bytes(state)
+            self._copied.set()
+            copied = time.perf_counter()
+            key = f"{name}/{_rank_file(self.rank)}"
+            spool = self.storage.spool_path(key)
+            try:
+                _torch_save({**header, **state}, spool)
+                self.storage.put_file(key, spool)
+            finally:
+                if os.path.exists(spool):
+                    os.unlink(spool)
+            if self.rank == 0 and config is not None:
+                import yaml
+
+                self.storage.put_bytes(f"{name}/config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+            self.storage.put_bytes(f"{name}/rank_{self.rank:05d}.done", b"")
+            written = time.perf_counter()
+            if self.rank == 0:
+                self._commit(name, meta)
+            self.last_timings.update({"copy_s": copied - started, "write_s": written - copied,
+                                      "total_s": time.perf_counter() - started})
+            if self.rank == 0:
+                self.log(f"checkpoint {self.location}/{name} committed: {self.last_host_bytes / 2**30:.3f} GiB "
+                         f"host copy on rank 0, written in {self.last_timings['total_s']:.2f} s")
+        except BaseException as error:  # surfaced on the training thread by wait()/wait_for_copy()
+            self._error = error
+        finally:
+            self._copied.set()
+
+    def _commit(self, name: str, meta: dict) -> None:
+        deadline, delay = time.monotonic() + self.commit_timeout_s, 0.02
+        want = {f"{name}/rank_{r:05d}.done" for r in range(self.world_size)}
+        while True:
+            missing = want - set(self.storage.list(name))
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(missing)} ranks did not finish writing {name} within "
+                                   f"{self.commit_timeout_s:.0f} s; it stays uncommitted and will never be loaded")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+        meta = {**meta, "committed_at": time.time()}
+        self.storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
+        self._retain(name)
+
+    def _retain(self, newest: str) -> None:
+        committed = committed_checkpoints(self.storage)
+        keep = {c.name for c in committed}
+        if self.keep_last is not None:
+            keep = {c.name for c in committed[-self.keep_last:]} | {newest}
+        newest_step = int(_DIR.match(newest).group(1))
+        for dirname in self.storage.list_dirs():
+            match = _DIR.match(dirname)
+            if not match or dirname in keep:
+                continue
+            committed_dir = any(c.name == dirname for c in committed)
+            # Uncommitted: a crashed save of an earlier launch (another token), or of this launch at an earlier
+            # step. A later step of this launch is the next save, which other ranks may already be writing.
+            in_flight = match.group(2) == self.token and int(match.group(1)) > newest_step
+            if committed_dir or not in_flight:
+                self.storage.delete_prefix(dirname)
+
+    # ---- loading -----------------------------------------------------------------------------------------
+
+    def latest(self) -> Committed | None:
+        found = committed_checkpoints(self.storage)
+        return found[-1] if found else None
+
+
+def read_rank_files(storage: Storage, name: str) -> list[dict]:
+    """Every rank file of checkpoint `name`, memory-mapped where the storage is a file system (S3 objects are
+    downloaded to a temporary directory first, removed once loading is done by the caller's `cleanup`)."""
+    keys = [k for k in storage.list(name) if re.search(r"/rank_\d{5}\.pt$", k)]
+    files = []
+    for key in keys:
+        path = storage.local_path(key)
+        if path is None:
+            scratch = tempfile.mkdtemp(prefix="nxdt_ckpt_load_")
+            path = os.path.join(scratch, os.path.basename(key))
+            storage.get_file(key, path)
+            data = torch.load(path, mmap=True, weights_only=True)
+            shutil.rmtree(scratch, ignore_errors=True)  # the mapping keeps the bytes alive
+        else:
+            data = torch.load(path, mmap=True, weights_only=True)
+        files.append(data)
+    if not files:
+        raise ValueError(f"checkpoint {storage.root}/{name} has no rank files")
+    return files
+
+
+def full_tensors(files: list[dict]) -> FullTensors:
+    return FullTensors(((n, p) for f in files for n, ps in f["model"].items() for p in ps),
+                       ((n, p) for f in files for n, ps in f["optim"].items() for p in ps))
+
+
+def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, topo, *, rank: int,
+                    broadcast: Callable[[torch.Tensor], None] | None = None, reader: bool = True,
+                    with_optimizer: bool = True) -> dict:
+    """Load `checkpoint` into this rank's model and optimizer, resharding from whatever layout saved it.
+    Returns this rank's saved `extra` (or rank 0's when the world size changed) and the optimizer scalars."""
+    files = read_rank_files(storage, checkpoint.name) if reader else None
+    full = full_tensors(files) if files is not None else None
+    load_into(model, optimizer, full, broadcast=broadcast, with_optimizer=with_optimizer)
+    same_world = checkpoint.meta.get("world_size") == topo.dims.world_size
+    if files is None:
+        files = _headers(storage, checkpoint.name, rank if same_world else 0)
+    by_rank = {f["rank"]: f for f in files}
+    own = by_rank.get(rank) if same_world else None
+    source = own or by_rank.get(0) or files[0]
+    scalars = source["optim_scalars"]
+    if with_optimizer:
+        optimizer.step_count = int(scalars["step"])
+        optimizer.load_sr_generator_state(scalars["sr_generator"])
+    return {"extra": source["extra"], "same_world": same_world}
+
+
+def _headers(storage: Storage, name: str, rank: int) -> list[dict]:
+    """The one rank file a rank that did not read the weights still needs, for the step, data position and RNG
+    state: its own when the world size is unchanged, rank 0's otherwise."""
+    key = f"{name}/{_rank_file(rank)}"
+    path = storage.local_path(key)
+    if path is not None:
+        return [torch.load(path, mmap=True, weights_only=True)]
+    return [torch.load(io.BytesIO(storage.get_bytes(key)), weights_only=True)]
+
+
+def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict,
+                          token: str = "import") -> str:
+    """A one-file checkpoint of unsharded weights (no optimizer state), e.g. imported from Hugging Face: any
+    layout resumes from it, with a fresh optimizer. Returns the checkpoint's location."""
+    storage = open_storage(location)
+    name = f"step_{step:08d}.{token}" if token.isalnum() else None
+    if name is None or not _DIR.match(name):
+        name = f"step_{step:08d}.{secrets.token_hex(4)}"
+    pieces = {n: [{"dim": None, "index": None, "full_shape": tuple(t.shape), "shard_shape": tuple(t.shape),
+                   "start": 0, "value": t.detach().cpu().contiguous()}] for n, t in full_state.items()}
+    header = {"format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": {"tp": 1, "pp": 1, "dp": 1},
+              "optim_scalars": {"step": 0, "sr_generator": None},
+              "extra": {"step": step, "data": {"consumed_samples": 0}}, "model": pieces, "optim": {}}
+    key = f"{name}/{_rank_file(0)}"
+    spool = storage.spool_path(key)
+    try:
+        _torch_save(header, spool)
+        storage.put_file(key, spool)
+    finally:
+        if os.path.exists(spool):
+            os.unlink(spool)
+    import yaml
+
+    storage.put_bytes(f"{name}/config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+    storage.put_bytes(f"{name}/rank_00000.done", b"")
+    meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False},
+            "committed_at": time.time(), "source": "import"}
+    storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
+    return f"{storage.root}/{name}"
+
+
+def read_config(storage: Storage, checkpoint: Committed) -> dict:
+    """The resolved training config saved with a checkpoint."""
+    import yaml
+
+    key = f"{checkpoint.name}/config.yaml"
+    if not storage.exists(key):
+        raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} has no config.yaml")
+    return yaml.safe_load(storage.get_bytes(key))

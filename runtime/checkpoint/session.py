@@ -1,0 +1,121 @@
+# The trainer's side of checkpointing: when to save, what to resume from, and the state beyond weights and
+# optimizer shards (step, data position, RNG). train.py calls resume() once and after_step() every step.
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+
+import torch
+
+from runtime.checkpoint.manager import Checkpointer, Committed, load_checkpoint, resolve_checkpoint
+from runtime.config import CheckpointConfig
+from runtime.parallel import collectives as C
+
+
+def _shared_token(device) -> str:
+    """A random token drawn by rank 0 and agreed by all ranks: names this launch's checkpoint directories."""
+    value = torch.tensor([secrets.randbits(31) if device.is_main else 0], dtype=torch.int64,
+                         device=device.torch_device)
+    C.all_reduce_world(value)
+    return f"{int(value.item()):08x}"
+
+
+class TrainingCheckpoints:
+    def __init__(self, cfg: CheckpointConfig, device, topo, model, optimizer, train_batches, raw_config: dict,
+                 max_steps: int):
+        self.cfg, self.device, self.topo = cfg, device, topo
+        self.model, self.optimizer, self.batches = model, optimizer, train_batches
+        self.raw_config, self.max_steps = raw_config, max_steps
+        self.last_saved: int | None = None
+        self.checkpointer = None
+        if cfg.enabled:
+            self.checkpointer = Checkpointer(
+                cfg.dirpath, rank=device.rank, world_size=device.world_size, token=_shared_token(device),
+                keep_last=cfg.save_top_k if cfg.save_top_k > 0 else None, async_save=cfg.async_save,
+                # Only host tensors can be copied on a background thread while the next step runs.
+                deferred_copy=device.kind == "cpu", log=self._log)
+
+    def _log(self, message: str) -> None:
+        if self.device.is_main:
+            print(f"nxdt: {message}", file=sys.stderr, flush=True)
+
+    # ---- resume ------------------------------------------------------------------------------------------
+
+    def _find(self) -> tuple[object, Committed] | None:
+        if self.cfg.resume_from_checkpoint:
+            return resolve_checkpoint(self.cfg.resume_from_checkpoint)
+        if self.cfg.resume_if_exists and self.checkpointer is not None:
+            latest = self.checkpointer.latest()
+            if latest is not None:
+                return self.checkpointer.storage, latest
+        return None
+
+    def resume(self) -> int:
+        """Load the checkpoint to resume from, if any; returns the step to continue from (0: from scratch)."""
+        found = self._find()
+        if found is None:
+            return 0
+        storage, checkpoint = found
+        started = time.perf_counter()
+        dp = self.topo.dp
+        share = self.cfg.load_on_one_replica and dp.size > 1
+        device = self.device.torch_device
+
+        def broadcast(tensor: torch.Tensor) -> None:
+            on_device = tensor.to(device)
+            C.broadcast(on_device, dp)
+            tensor.copy_(on_device.cpu())
+
+        info = load_checkpoint(storage, checkpoint, self.model, self.optimizer, self.topo, rank=self.device.rank,
+                               broadcast=broadcast if share else None, reader=not share or dp.rank == 0)
+        extra = info["extra"]
+        self.batches.load_state_dict(extra["data"])
+        if info["same_world"] and "rng" in extra:
+            torch.set_rng_state(extra["rng"]["torch"])
+            if extra["rng"].get("cuda") is not None and self.device.kind == "cuda":
+                torch.cuda.set_rng_state(extra["rng"]["cuda"], self.device.torch_device)
+        self.last_saved = int(extra["step"])
+        layout = checkpoint.meta.get("layout", {})
+        self._log(f"resumed from {storage.root}/{checkpoint.name} (step {extra['step']}, saved at tp "
+                  f"{layout.get('tp')} pp {layout.get('pp')} dp {layout.get('dp')} zero1 {layout.get('zero1')}) "
+                  f"in {time.perf_counter() - started:.2f} s")
+        return int(extra["step"])
+
+    # ---- save --------------------------------------------------------------------------------------------
+
+    def _extra(self, step: int) -> dict:
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.kind == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device.torch_device)
+        return {"step": step, "data": self.batches.state_dict(), "rng": rng}
+
+    def save(self, step: int, *, sync: bool = False) -> None:
+        if self.checkpointer is None or self.last_saved == step:
+            return
+        self.checkpointer.save(step, self.model, self.optimizer, self.topo, extra=self._extra(step),
+                               config=self.raw_config, sync=sync)
+        self.last_saved = step
+
+    def after_step(self, done: int) -> None:
+        every = self.cfg.every_n_train_steps
+        if every and done % every == 0 and done < self.max_steps:
+            self.save(done)
+        elif done == self.max_steps and self.cfg.save_last:
+            self.save(done, sync=True)
+
+    def save_and_wait(self, step: int) -> None:
+        """A save that is committed when this returns on rank 0 (signal, end of training)."""
+        self.save(step, sync=True)
+        self.wait()
+
+    def wait(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def wait_quietly(self) -> None:
+        """On the way out after an error: let a save in flight finish, but do not hide the first error."""
+        try:
+            self.wait()
+        except RuntimeError as error:
+            print(f"nxdt: {error}", file=sys.stderr, flush=True)

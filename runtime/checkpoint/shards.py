@@ -1,0 +1,221 @@
+# What one rank contributes to a checkpoint, in coordinates of the unsharded model, and the reverse: filling a
+# rank's parameters and optimizer shards, under any layout, from every saved rank's contributions.
+#
+# A piece is part of one full parameter (by its single-process name, e.g. `layers.3.attn.qkv.weight`):
+#   dim, index     the rows of the full tensor along `dim` that the saving rank's TP shard held (None: all)
+#   shard_shape    that TP shard's shape
+#   start          where the piece begins in the shard, flattened (ZeRO-1 cuts a shard at any element)
+# and its values: `value` for weights (always whole shards), `exp_avg`/`exp_avg_sq`/`master` for optimizer state.
+# Pieces are written once per distinct value: weights by the first DP replica, TP-replicated tensors by TP rank
+# 0, optimizer state by every DP rank under ZeRO-1 (each holds different elements) and by the first otherwise.
+#
+# Loading reassembles one full tensor at a time from every file's pieces (files are memory-mapped: only the
+# pages needed are read) and cuts out what this rank now holds. That is the reshard: nothing in the format
+# depends on the saving layout. torch.distributed.checkpoint reshards too, but only rectangular chunks of
+# DTensors; a fused QKV row set or a replicated KV head is not one, and a ZeRO-1 shard is a range of a
+# flattened bucket, so the format is our own.
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whichever name a rank holds
+
+
+def _full_name(name: str, param: nn.Parameter) -> str:
+    shard = getattr(param, "tp_shard", None)
+    if shard is not None and shard[3] is not None:
+        return name.rsplit(".", 1)[0] + "." + shard[3]  # a replicated-KV projection's kv_weight
+    return name
+
+
+def _geometry(param: nn.Parameter) -> dict:
+    shard = getattr(param, "tp_shard", None)
+    if shard is None:
+        return {"dim": None, "index": None, "full_shape": tuple(param.shape), "shard_shape": tuple(param.shape)}
+    dim, index, full_size, _ = shard
+    full_shape = list(param.shape)
+    full_shape[dim] = full_size
+    return {"dim": dim, "index": index.cpu(), "full_shape": tuple(full_shape), "shard_shape": tuple(param.shape)}
+
+
+def owned_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(full name, parameter) for every parameter the optimizer owns: aliases of a tied embedding are skipped
+    (they share the owner's storage)."""
+    seen, out = set(), []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or hasattr(param, "grad_owner"):
+            continue
+        seen.add(id(param))
+        out.append((_full_name(name, param), param))
+    return out
+
+
+def _tp_replicated(param: nn.Parameter) -> bool:
+    return getattr(param, "tp_shard", None) is None
+
+
+def rank_pieces(model: nn.Module, optimizer, topo) -> tuple[dict, dict]:
+    """This rank's pieces as views of live tensors (copy them before training goes on): (model, optim), each
+    {full name: [piece, ...]}."""
+    names = {id(p): n for n, p in owned_parameters(model)}
+    model_pieces: dict[str, list] = {}
+    optim_pieces: dict[str, list] = {}
+    first_tp, first_dp = topo.tp.rank == 0, topo.dp.rank == 0
+    for name, param in owned_parameters(model):
+        if first_dp and (first_tp or not _tp_replicated(param)):
+            model_pieces.setdefault(name, []).append({**_geometry(param), "start": 0, "value": param.detach()})
+    writes_optim = first_dp or optimizer.zero1
+    for bucket in optimizer.buckets:
+        for seg in bucket.segments:
+            param = seg.param
+            if not writes_optim or (_tp_replicated(param) and not first_tp):
+                continue
+            piece = {**_geometry(param), "start": seg.in_param.start,
+                     "exp_avg": bucket.exp_avg[seg.in_shard], "exp_avg_sq": bucket.exp_avg_sq[seg.in_shard],
+                     "master": bucket.master[seg.in_shard] if bucket.master is not None else None}
+            optim_pieces.setdefault(names[id(param)], []).append(piece)
+    return model_pieces, optim_pieces
+
+
+def host_copy(tree, *, pin: bool = False):
+    """A copy of every tensor in a nested dict/list on the host (device tensors are moved, host ones cloned)."""
+    if isinstance(tree, torch.Tensor):
+        out = tree.detach().to("cpu", copy=True)
+        return out.pin_memory() if pin and out.numel() else out
+    if isinstance(tree, dict):
+        return {k: host_copy(v, pin=pin) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(host_copy(v, pin=pin) for v in tree)
+    return tree
+
+
+def tensor_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
+
+
+class FullTensors:
+    """Reassembles full tensors from every saved rank's pieces: `get(name, key)` with key value | exp_avg |
+    exp_avg_sq | master, or None when the checkpoint has no such state (e.g. no optimizer state)."""
+
+    def __init__(self, model_pieces: Iterable[tuple[str, dict]], optim_pieces: Iterable[tuple[str, dict]]):
+        self._pieces: dict[tuple[str, str], list[dict]] = {}
+        for name, piece in model_pieces:
+            self._pieces.setdefault((name, "value"), []).append(piece)
+        for name, piece in optim_pieces:
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if piece.get(key) is not None:
+                    self._pieces.setdefault((name, key), []).append(piece)
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self._pieces}
+
+    def _resolve(self, name: str, key: str) -> str:
+        if (name, key) not in self._pieces and name in TIED:
+            other = TIED[1 - TIED.index(name)]
+            if (other, key) in self._pieces:
+                return other
+        return name
+
+    def has(self, name: str, key: str) -> bool:
+        return (self._resolve(name, key), key) in self._pieces
+
+    def get(self, name: str, key: str) -> torch.Tensor | None:
+        pieces = self._pieces.get((self._resolve(name, key), key))
+        if not pieces:
+            return None
+        first = pieces[0]
+        full = torch.empty(first["full_shape"], dtype=first[key].dtype)
+        covered = torch.zeros(first["full_shape"], dtype=torch.bool)
+        # Pieces of one TP shard (from different ZeRO-1 ranks) are stitched in the shard's flat order first.
+        shards: dict[tuple, tuple[dict, torch.Tensor, torch.Tensor]] = {}
+        for piece in pieces:
+            index = piece["index"]
+            shard_id = (piece["dim"], None if index is None else tuple(index.tolist()), tuple(piece["shard_shape"]))
+            if shard_id not in shards:
+                numel = int(torch.Size(piece["shard_shape"]).numel())
+                shards[shard_id] = (piece, torch.empty(numel, dtype=full.dtype), torch.zeros(numel, dtype=torch.bool))
+            _, flat, seen = shards[shard_id]
+            data = piece[key].reshape(-1)
+            flat[piece["start"]:piece["start"] + data.numel()] = data
+            seen[piece["start"]:piece["start"] + data.numel()] = True
+        for piece, flat, seen in shards.values():
+            shape = piece["shard_shape"]
+            if piece["dim"] is None:
+                full.view(-1).copy_(flat)
+                covered.view(-1).logical_or_(seen)
+            else:
+                full.index_copy_(piece["dim"], piece["index"], flat.view(shape))
+                covered.index_copy_(piece["dim"], piece["index"],
+                                    seen.view(shape) | covered.index_select(piece["dim"], piece["index"]))
+        if not bool(covered.all()):
+            raise ValueError(f"checkpoint is incomplete: {key} of {name} is missing "
+                             f"{int((~covered).sum())} of {covered.numel()} elements")
+        return full
+
+
+def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """What `param` (a TP shard or a replicated tensor) holds of the full tensor."""
+    shard = getattr(param, "tp_shard", None)
+    if shard is None:
+        return full
+    dim, index, _, _ = shard
+    return full.index_select(dim, index.cpu())
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, optimizer, full: FullTensors | None, *, broadcast: Callable | None = None,
+              with_optimizer: bool = True) -> None:
+    """Fill this rank's parameters and optimizer shards from `full` (None on ranks that only receive).
+
+    broadcast(tensor) is called on every filled tensor in the same order on every rank of a DP group: the
+    reader (DP rank 0) sends, the others receive. Without it every rank reads for itself.
+    """
+    names = {id(p): n for n, p in owned_parameters(model)}
+    for bucket in optimizer.buckets:
+        device = bucket.param_buffer.device
+        # Whole-bucket (unsharded) state, as a DP rank without ZeRO-1 would hold it; each rank keeps its shard.
+        padded = bucket.param_buffer.numel()
+        values = torch.zeros(padded, dtype=bucket.param_buffer.dtype)
+        state = {key: torch.zeros(padded, dtype=torch.float32) for key in ("exp_avg", "exp_avg_sq", "master")}
+        have = torch.zeros(3, dtype=torch.float32)  # which optimizer states the checkpoint has
+        if full is not None:
+            offset = 0
+            for param in bucket.params:
+                name, n = names[id(param)], param.numel()
+                value = full.get(name, "value")
+                if value is None:
+                    raise ValueError(f"checkpoint has no weights for {name}: it was saved from a different model")
+                expected = _geometry(param)["full_shape"]
+                if tuple(value.shape) != tuple(expected):
+                    raise ValueError(f"checkpoint holds {name} with shape {tuple(value.shape)} but this model's is "
+                                     f"{tuple(expected)}: the checkpoint was saved from a different model config")
+                values[offset:offset + n] = local_slice(value, param).reshape(-1).to(values.dtype)
+                for i, key in enumerate(("exp_avg", "exp_avg_sq", "master")):
+                    if with_optimizer and full.has(name, key):
+                        state[key][offset:offset + n] = local_slice(full.get(name, key), param).reshape(-1)
+                        have[i] = 1
+                    elif key == "master":  # fp32 weights serve as the master copy of a bf16 run
+                        state[key][offset:offset + n] = local_slice(value, param).reshape(-1).float()
+                offset += n
+        if broadcast is not None:
+            for tensor in (values, have, *state.values()):
+                broadcast(tensor)
+        bucket.param_buffer.copy_(values.to(device))
+        shard = bucket.shard
+        if have[0] and have[1]:
+            bucket.exp_avg.copy_(state["exp_avg"][shard].to(device))
+            bucket.exp_avg_sq.copy_(state["exp_avg_sq"][shard].to(device))
+        else:
+            bucket.exp_avg.zero_()
+            bucket.exp_avg_sq.zero_()
+        if bucket.master is not None:
+            bucket.master.copy_(state["master"][shard].to(device))

@@ -1,0 +1,195 @@
+# Where checkpoints live: a local (or shared) directory, or s3://bucket/prefix. The checkpoint code only needs
+# a handful of whole-object operations, so both are small classes with the same methods rather than an
+# fsspec-style file system: objects are written whole from a local file and read back whole into a local file
+# (torch.load then maps it), which is also the shape S3 is good at.
+#
+# Local writes go to a temporary name, are fsynced and renamed into place: a reader (or a crash) never sees half
+# an object. S3 PUTs are atomic per object already; boto3's managed transfer splits large ones into parallel
+# multipart parts, and botocore retries each request (adaptive mode) on throttling and connection errors.
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+MiB = 1024 * 1024
+
+
+class Storage(Protocol):
+    root: str
+
+    def put_file(self, key: str, local_path: str) -> None: ...
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def get_file(self, key: str, local_path: str) -> None: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> list[str]: ...       # keys under prefix (recursive), relative to root
+    def list_dirs(self) -> list[str]: ...                # names directly under root
+    def delete_prefix(self, prefix: str) -> None: ...
+    def local_path(self, key: str) -> str | None: ...    # a path torch.load can map directly, when there is one
+
+
+def open_storage(location: str | os.PathLike) -> Storage:
+    location = str(location)
+    if location.startswith("s3://"):
+        return S3Storage(location)
+    if "://" in location:
+        raise ValueError(f"checkpoint directory {location!r}: only local paths and s3://bucket/prefix are supported")
+    return LocalStorage(location)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    def __init__(self, root: str):
+        self.root = str(root)
+        self._root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self._root / key
+
+    def put_file(self, key: str, local_path: str) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if Path(local_path).parent != dest.parent:
+            tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+            shutil.copyfile(local_path, tmp)
+            local_path = str(tmp)
+        with open(local_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(local_path, dest)
+        _fsync_dir(dest.parent)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+
+    def spool_path(self, key: str) -> str:
+        """Where to serialize an object before put_file: next to its final name, so the rename is atomic and
+        nothing is copied twice."""
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        return str(dest.with_name(f".{dest.name}.tmp{os.getpid()}"))
+
+    def get_file(self, key: str, local_path: str) -> None:
+        shutil.copyfile(self._path(key), local_path)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix)
+        if not base.is_dir():
+            return []
+        return sorted(p.relative_to(self._root).as_posix() for p in base.rglob("*") if p.is_file())
+
+    def list_dirs(self) -> list[str]:
+        if not self._root.is_dir():
+            return []
+        return sorted(p.name for p in self._root.iterdir() if p.is_dir())
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def local_path(self, key: str) -> str | None:
+        return str(self._path(key))
+
+
+class S3Storage:
+    """s3://bucket/prefix through boto3. The endpoint comes from boto3's own settings (AWS_ENDPOINT_URL_S3 or
+    AWS_ENDPOINT_URL, profiles), which is how the tests point it at a moto server on loopback."""
+
+    def __init__(self, url: str, *, part_size: int = 64 * MiB, concurrency: int = 8):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        rest = url[len("s3://"):]
+        self.bucket, _, prefix = rest.partition("/")
+        if not self.bucket:
+            raise ValueError(f"checkpoint directory {url!r} names no bucket; use s3://bucket/prefix")
+        self.prefix = prefix.strip("/")
+        self.root = url.rstrip("/")
+        self.s3 = boto3.client("s3", config=Config(retries={"max_attempts": 10, "mode": "adaptive"},
+                                                   max_pool_connections=max(10, concurrency * 2)))
+        self.transfer = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
+                                       max_concurrency=concurrency, use_threads=True)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put_file(self, key: str, local_path: str) -> None:
+        self.s3.upload_file(local_path, self.bucket, self._key(key), Config=self.transfer)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def spool_path(self, key: str) -> str:
+        fd, path = tempfile.mkstemp(prefix="nxdt_ckpt_", suffix=".pt")
+        os.close(fd)
+        return path
+
+    def get_file(self, key: str, local_path: str) -> None:
+        self.s3.download_file(self.bucket, self._key(key), local_path, Config=self.transfer)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.s3.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def _keys(self, prefix: str, delimiter: str | None = None):
+        paginator = self.s3.get_paginator("list_objects_v2")
+        full = self._key(prefix)
+        kwargs = {"Bucket": self.bucket, "Prefix": full}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        for page in paginator.paginate(**kwargs):
+            yield page
+
+    def list(self, prefix: str) -> list[str]:
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        prefix = prefix.rstrip("/") + "/"
+        return sorted(obj["Key"][strip:] for page in self._keys(prefix) for obj in page.get("Contents", []))
+
+    def list_dirs(self) -> list[str]:
+        names = []
+        for page in self._keys("", delimiter="/"):
+            for common in page.get("CommonPrefixes", []):
+                names.append(common["Prefix"].rstrip("/").rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = [self._key(k) for k in self.list(prefix)]
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            self.s3.delete_objects(Bucket=self.bucket,
+                                   Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True})
+
+    def local_path(self, key: str) -> str | None:
+        return None

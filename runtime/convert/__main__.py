@@ -1,0 +1,113 @@
+"""The conversion stage: `python -m runtime.convert --config <conversion_config.yaml>`.
+
+mode: export   merge a runtime checkpoint saved under any tp x pp x dp (x ZeRO-1) layout into a Hugging Face
+               model directory (config.json, safetensors, tokenizer files; optionally the Adam moments under
+               HF names in optimizer/), which transformers' from_pretrained loads.
+mode: import   read a Hugging Face GPT-2 or Llama directory and write a runtime checkpoint (weights only) that
+               training resumes from under any layout (training.exp_manager.resume_from_checkpoint=<it>).
+
+Mistakes end with one `error: ...` line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint, write_full_checkpoint
+from runtime.checkpoint.shards import TIED
+from runtime.config import parse_model_config, tokenizer_vocab_size
+from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
+from runtime.models import ModelConfig
+
+MODES = ("export", "import")
+
+
+def _checkpoint_location(cfg: dict) -> str:
+    name = cfg.get("checkpoint_name") or "latest"
+    base = str(cfg["checkpoint_dir"]).rstrip("/")
+    return base if name == "latest" else f"{base}/{name}"
+
+
+def export(cfg: dict) -> Path:
+    storage, checkpoint = resolve_checkpoint(_checkpoint_location(cfg))
+    training = read_config(storage, checkpoint)
+    tokenizer = cfg.get("tokenizer_model") or training["model"]["tokenizer"]["model"]
+    model_cfg = parse_model_config(training["model"], str(tokenizer))
+    full = full_tensors(read_rank_files(storage, checkpoint.name))
+    names = set(state_shapes(model_cfg))
+    state = {name: full.get(name, "value") for name in names
+             if full.has(name, "value") or not (model_cfg.share_embeddings_and_output_weights and name in TIED)}
+    missing = sorted(n for n, t in state.items() if t is None)
+    if missing:
+        raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} lacks {', '.join(missing[:3])}: it was saved "
+                         f"from a different model")
+    out = save_hf_directory(cfg["output_dir"], state, model_cfg, str(tokenizer), overwrite=bool(cfg.get("overwrite")))
+    if cfg.get("include_optimizer"):
+        _export_moments(full, names, model_cfg, out)
+    print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at "
+          f"{_layout(checkpoint.meta)}) to {out}")
+    return out
+
+
+def _export_moments(full, names: set[str], model_cfg: ModelConfig, out: Path) -> None:
+    """Adam moments under the HF parameter names: the same mapping as the weights (same shapes)."""
+    from safetensors.torch import save_file
+
+    (out / "optimizer").mkdir(exist_ok=True)
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = {n: full.get(n, key) for n in names if full.has(n, key)}
+        if not moments:
+            print("the checkpoint has no optimizer state; exported the weights only", file=sys.stderr)
+            return
+        hf_moments, _ = to_hf(moments, model_cfg)
+        save_file(hf_moments, str(out / "optimizer" / f"{key}.safetensors"))
+
+
+def _layout(meta: dict) -> str:
+    layout = meta.get("layout", {})
+    return f"tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')}" + (
+        " with ZeRO-1" if layout.get("zero1") else "")
+
+
+def import_hf(cfg: dict) -> str:
+    source = cfg.get("hf_checkpoint_dir")
+    if not source:
+        raise ValueError("hf_checkpoint_dir is missing: give the Hugging Face model directory to import")
+    state, keys, tokenizer = load_hf_directory(source)
+    vocab = tokenizer_vocab_size(tokenizer) if tokenizer else None
+    # The model section a training recipe needs to continue from these weights.
+    model = {**keys, "tokenizer": {"library": "huggingface", "model": tokenizer}}
+    if vocab:
+        ModelConfig.from_model_section(keys, vocab)  # the padded vocabulary must come out at HF's size
+    location = write_full_checkpoint(str(cfg["checkpoint_dir"]), 0, state,
+                                     config={"model": model, "imported_from": str(source)})
+    overrides = " ".join(f"training.model.{k}={v}" for k, v in keys.items() if v is not None)
+    print(f"imported {source} to {location}\ncontinue training from it with "
+          f"training.exp_manager.resume_from_checkpoint={location} and the model keys: {overrides}")
+    return location
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.convert", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the resolved conversion-stage YAML the launcher wrote")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        cfg = yaml.safe_load(Path(args.config).read_text())
+        mode = cfg.get("mode", "export")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is invalid; valid: {', '.join(MODES)}")
+        export(cfg) if mode == "export" else import_hf(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return 2
+    print(f"conversion done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

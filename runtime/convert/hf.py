@@ -1,0 +1,415 @@
+# Conversion between the runtime's full (unsharded) state dict and Hugging Face GPT2LMHeadModel /
+# LlamaForCausalLM checkpoints: export a trained model to HF tools, or start training from an HF model.
+# Only renames, transposes, splits and concatenations touch the tensors (no arithmetic, no dtype change), so a
+# round trip is bitwise lossless. transformers is deliberately not imported: only its file format is needed.
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.models.config import ModelConfig
+from runtime.models.gpt import GPTModel
+from runtime.models.llama import LlamaModel
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+# Our GeluMLP uses the tanh approximation; HF spells that two ways with identical math.
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """One of our tensors and the HF tensor(s) holding the same values."""
+
+    ours: str
+    hf: tuple[str, ...]           # several names: our fused weight is their row-wise concatenation, in order
+    rows: tuple[int, ...] = ()    # the parts' row counts when len(hf) > 1
+    transpose: bool = False       # GPT-2's Conv1D stores (in, out), the transpose of nn.Linear
+
+
+def _rules(cfg: ModelConfig) -> list[_Rule]:
+    tied = cfg.share_embeddings_and_output_weights
+    if cfg.architecture == "gpt":
+        rules = [_Rule("embed.word.weight", ("transformer.wte.weight",)),
+                 _Rule("embed.position.weight", ("transformer.wpe.weight",))]
+        for i in range(cfg.num_layers):
+            o, h = f"layers.{i}.", f"transformer.h.{i}."
+            for ours, hf, linear in [("attn_norm", "ln_1", False), ("mlp_norm", "ln_2", False),
+                                     ("attn.qkv", "attn.c_attn", True), ("attn.proj", "attn.c_proj", True),
+                                     ("mlp.fc1", "mlp.c_fc", True), ("mlp.fc2", "mlp.c_proj", True)]:
+                rules += [_Rule(o + ours + ".weight", (h + hf + ".weight",), transpose=linear),
+                          _Rule(o + ours + ".bias", (h + hf + ".bias",))]
+        rules += [_Rule("final_norm.weight", ("transformer.ln_f.weight",)),
+                  _Rule("final_norm.bias", ("transformer.ln_f.bias",))]
+    else:
+        # Our qkv rows are [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and both sides
+        # apply RoPE in the rotate-half layout, so q/k need no permutation.
+        qkv_rows = (cfg.num_attention_heads * cfg.head_dim,) + (cfg.kv_heads * cfg.head_dim,) * 2
+        rules = [_Rule("embed.word.weight", ("model.embed_tokens.weight",))]
+        for i in range(cfg.num_layers):
+            o, h = f"layers.{i}.", f"model.layers.{i}."
+            rules += [
+                _Rule(o + "attn_norm.weight", (h + "input_layernorm.weight",)),
+                _Rule(o + "attn.qkv.weight", tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), qkv_rows),
+                _Rule(o + "attn.proj.weight", (h + "self_attn.o_proj.weight",)),
+                _Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",)),
+                _Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                      (cfg.ffn_hidden_size,) * 2),
+                _Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
+        rules.append(_Rule("final_norm.weight", ("model.norm.weight",)))
+    if not tied:
+        rules.append(_Rule("output.weight", ("lm_head.weight",)))
+    return rules
+
+
+def state_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Every full-state name and shape, from a model on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        model = {"gpt": GPTModel, "llama": LlamaModel}[cfg.architecture](cfg)
+    return {name: tensor.shape for name, tensor in model.state_dict().items()}
+
+
+def _hf_shapes(rule: _Rule, shape: torch.Size) -> list[torch.Size]:
+    shape = torch.Size(reversed(shape)) if rule.transpose else shape
+    return [torch.Size((rows, *shape[1:])) for rows in rule.rows] if rule.rows else [shape]
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """Contiguous and alone in its storage: safetensors refuses tensors that share memory (split views)."""
+    exclusive = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if tensor.is_contiguous() and exclusive else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """Our full state -> (HF state dict, config.json dict). Tied models store the embedding once."""
+    if cfg.architecture == "gpt" and cfg.kv_heads != cfg.num_attention_heads:
+        raise ValueError(f"model.num_query_groups={cfg.num_query_groups}: GPT2LMHeadModel has no grouped-query "
+                         f"attention; only num_query_groups = num_attention_heads ({cfg.num_attention_heads}) "
+                         "or null can be exported")
+    shapes, state = state_shapes(cfg), dict(full_state)
+    tied = cfg.share_embeddings_and_output_weights
+    output = state.pop("output.weight", None) if tied else None  # a tied model may list it or not
+    if tied:
+        del shapes["output.weight"]
+    _check_names(state, shapes, "full state")
+    for name, shape in shapes.items():
+        if state[name].shape != shape:
+            raise ValueError(f"full state {name} has shape {tuple(state[name].shape)}; the model config implies "
+                             f"{tuple(shape)}")
+    embedding = state["embed.word.weight"]
+    if output is not None and output is not embedding and not torch.equal(output, embedding):
+        raise ValueError("full state output.weight differs from embed.word.weight although "
+                         "model.share_embeddings_and_output_weights is true")
+    hf: dict[str, torch.Tensor] = {}
+    for rule in _rules(cfg):
+        tensor = state[rule.ours].t() if rule.transpose else state[rule.ours]
+        parts = tensor.split(list(rule.rows)) if rule.rows else (tensor,)
+        hf.update({name: _own(part) for name, part in zip(rule.hf, parts)})
+    return hf, _hf_config(cfg, embedding.dtype)
+
+
+def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    common = {"vocab_size": cfg.vocab_size,  # the padded size: the logits must keep their shape
+              "tie_word_embeddings": cfg.share_embeddings_and_output_weights, "initializer_range": cfg.init_method_std,
+              "bos_token_id": None, "eos_token_id": None,  # save_hf_directory fills these from the tokenizer
+              "torch_dtype": str(dtype).removeprefix("torch.")}
+    if cfg.architecture == "gpt":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.hidden_size,
+                "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
+                "n_positions": cfg.max_position_embeddings, "layer_norm_epsilon": cfg.layernorm_epsilon,
+                "activation_function": "gelu_new", "resid_pdrop": cfg.hidden_dropout,
+                "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base, "attention_bias": False,
+            "mlp_bias": False, "attention_dropout": cfg.attention_dropout, **common}
+
+
+def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,
+            tokenizer_vocab_size: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """HF state dict + config.json dict -> (our full state, the `model:` keys that rebuild the model).
+
+    The keys give `ModelConfig.from_model_section(keys, tokenizer_vocab_size)` exactly HF's vocab_size: their
+    make_vocab_size_divisible_by pads the tokenizer's size (when known; else HF's vocab_size) up to it.
+    """
+    keys = model_keys(hf_config, tokenizer_vocab_size)
+    vocab = int(hf_config["vocab_size"])
+    cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size or vocab)
+    assert cfg.vocab_size == vocab, (cfg.vocab_size, vocab)
+    state = _normalized_hf_state(hf_state, hf_config["model_type"], cfg.share_embeddings_and_output_weights)
+    rules, shapes = _rules(cfg), state_shapes(cfg)
+    _check_names(state, {name: None for rule in rules for name in rule.hf}, "HF state")
+    ours: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        for name, shape in zip(rule.hf, _hf_shapes(rule, shapes[rule.ours])):
+            if state[name].shape != shape:
+                raise ValueError(f"HF tensor {name} has shape {tuple(state[name].shape)}; config.json implies "
+                                 f"{tuple(shape)}")
+        parts = [state[name] for name in rule.hf]
+        tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+        ours[rule.ours] = tensor.t().contiguous() if rule.transpose else tensor
+    if cfg.share_embeddings_and_output_weights:
+        ours["output.weight"] = ours["embed.word.weight"]  # as build_model(cfg).state_dict() names it
+    return ours, keys
+
+
+def model_keys(hf_config: dict, tokenizer_vocab_size: int | None = None) -> dict[str, Any]:
+    """config.json -> our `model:` keys, refusing what our models do not compute the same way."""
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: "
+                         f"{list(SUPPORTED_MODEL_TYPES)}")
+    get = functools.partial(_config_value, hf_config)
+    vocab = int(get("vocab_size"))
+    if model_type == "gpt2":
+        _require(hf_config, "activation_function", _TANH_GELUS, "gelu_new")
+        _require(hf_config, "scale_attn_weights", (True,), True)
+        _require(hf_config, "scale_attn_by_inverse_layer_idx", (False,), False)
+        _require(hf_config, "add_cross_attention", (False,), False)
+        hidden, positions = int(get("n_embd")), int(get("n_positions"))
+        keys = {"architecture": "gpt", "hidden_size": hidden, "num_layers": int(get("n_layer")),
+                "num_attention_heads": int(get("n_head")), "num_query_groups": None,
+                "ffn_hidden_size": int(get("n_inner", None) or 4 * hidden),
+                "layernorm_epsilon": float(get("layer_norm_epsilon", 1e-5))}
+    else:
+        _require(hf_config, "hidden_act", ("silu",), "silu")
+        _require(hf_config, "attention_bias", (False,), False)
+        _require(hf_config, "mlp_bias", (False,), False)
+        _require(hf_config, "rope_scaling", (None,), None)
+        rope = get("rope_parameters", None) or {}
+        if set(rope) - {"rope_theta", "rope_type"} or rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json rope_parameters={rope!r} is not supported; supported: plain RoPE "
+                             "({'rope_type': 'default', 'rope_theta': ...}), no scaling")
+        hidden, heads, positions = int(get("hidden_size")), int(get("num_attention_heads")), int(get(
+            "max_position_embeddings"))
+        _require(hf_config, "head_dim", (None, hidden // heads), None)
+        keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": int(get("num_hidden_layers")),
+                "num_attention_heads": heads, "num_query_groups": int(get("num_key_value_heads", None) or heads),
+                "ffn_hidden_size": int(get("intermediate_size")), "layernorm_epsilon": float(get("rms_norm_eps", 1e-6)),
+                "rotary_base": float(rope.get("rope_theta", get("rope_theta", 10000.0)))}
+    keys.update({"max_position_embeddings": positions, "encoder_seq_length": positions,
+                 "share_embeddings_and_output_weights": bool(get("tie_word_embeddings", model_type == "gpt2")),
+                 "make_vocab_size_divisible_by": _divisible_by(vocab, tokenizer_vocab_size)})
+    return keys
+
+
+def _config_value(hf_config: dict, key: str, default: Any = _REQUIRED) -> Any:
+    if hf_config.get(key) is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json has no {key!r}, which model_type={hf_config.get('model_type')!r} needs")
+        return default
+    return hf_config[key]
+
+
+def _require(hf_config: dict, key: str, supported: tuple, default: Any) -> None:
+    value = hf_config.get(key, default)
+    if value not in supported:
+        raise ValueError(f"config.json {key}={value!r} is not supported; supported: "
+                         f"{' or '.join(repr(v) for v in supported)}")
+
+
+def _divisible_by(vocab: int, tokenizer_vocab: int | None) -> int:
+    """A make_vocab_size_divisible_by that pads the tokenizer's size to exactly `vocab`, a power of two if one
+    does (e.g. 128 for 50304 and GPT-2's 50257 tokens); HF's own vocab_size always does."""
+    if tokenizer_vocab is None:
+        return vocab
+    if tokenizer_vocab > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but config.json vocab_size is {vocab}")
+    power = vocab & -vocab  # the largest power of two dividing vocab
+    return power if vocab - tokenizer_vocab < power else vocab
+
+
+def _normalized_hf_state(hf_state: dict[str, torch.Tensor], model_type: str, tied: bool) -> dict[str, torch.Tensor]:
+    """Names as transformers 4.x/5.x save them: drops non-parameter buffers and a tied lm_head copy."""
+    state = dict(hf_state)
+    if model_type == "gpt2":
+        if "transformer.wte.weight" not in state:  # OpenAI's original GPT-2 files lack the prefix
+            state = {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in state.items()}
+        buffer = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)$")  # old causal-mask buffers
+    else:
+        buffer = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+    state = {k: v for k, v in state.items() if not buffer.match(k)}
+    embedding = state.get("transformer.wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight")
+    if tied and "lm_head.weight" in state and embedding is not None:
+        if not torch.equal(state.pop("lm_head.weight"), embedding):
+            raise ValueError("lm_head.weight differs from the token embedding although config.json "
+                             "tie_word_embeddings is true")
+    return state
+
+
+def _check_names(state: dict, expected: dict, what: str) -> None:
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match the model config: missing {missing[:5]} "
+                         f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)")
+
+
+# ---- Directories: config.json, safetensors (sharded like transformers), tokenizer files ----
+
+_SPECIAL_TOKENS = {  # the first of each that the tokenizer has; GPT-2 uses <|endoftext|> for bos and eos
+    "bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>"),
+    "eos_token": ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>"),
+    "unk_token": ("<unk>",),
+    "pad_token": ("<pad>", "<|pad|>"),
+}
+
+
+def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Tensor], cfg: ModelConfig,
+                      tokenizer_path: str | None, *, overwrite: bool = False,
+                      max_shard_bytes: int = _SHARD_BYTES) -> Path:
+    """Write a directory `from_pretrained` loads. It appears whole or not at all (written beside, then renamed)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"out_dir {str(out)!r} is not empty; pass overwrite=True to replace it")
+    hf_state, config = to_hf(full_state, cfg)
+    tokenizer = _read_json(Path(tokenizer_path), "tokenizer_path") if tokenizer_path else None
+    specials = _special_tokens(tokenizer) if tokenizer else {}
+    for key, token in specials.items():
+        if key in ("bos_token", "eos_token", "pad_token"):
+            config[key + "_id"] = _token_id(tokenizer, token)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from everyone else on a shared filesystem
+        _write_json(tmp / "config.json", config)
+        _write_weights(tmp, hf_state, max_shard_bytes)
+        if tokenizer_path:
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            _write_json(tmp / "tokenizer_config.json", {
+                "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings,
+                "clean_up_tokenization_spaces": False, **specials})
+            ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+            if ids:
+                _write_json(tmp / "generation_config.json", ids)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Replace out by tmp; an old non-empty out (overwrite=True) is moved aside first and deleted after.
+
+    A crash between the two renames leaves the old model under .<name>.old-*, never a mix of old and new.
+    """
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)  # rename(2) may replace an empty directory
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _write_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    metadata = {"format": "pt"}  # transformers checks for it
+    if len(shards) == 1:
+        save_file(shards[0], directory / "model.safetensors", metadata=metadata)
+        return
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                             "weight_map": weight_map})
+
+
+def _special_tokens(tokenizer: dict) -> dict[str, str]:
+    known = {entry["content"] for entry in tokenizer.get("added_tokens", [])}
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+    known |= set(vocab) if isinstance(vocab, dict) else {piece for piece, _ in vocab}  # Unigram: [piece, score]
+    found = {key: next((t for t in names if t in known), None) for key, names in _SPECIAL_TOKENS.items()}
+    return {key: token for key, token in found.items() if token is not None}
+
+
+def _token_id(tokenizer: dict, token: str) -> int:
+    for entry in tokenizer.get("added_tokens", []):
+        if entry["content"] == token:
+            return int(entry["id"])
+    vocab = tokenizer["model"]["vocab"]
+    return int(vocab[token]) if isinstance(vocab, dict) else [piece for piece, _ in vocab].index(token)
+
+
+def load_hf_directory(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, str | None]:
+    """An HF model directory -> (our full state, our `model:` keys, its tokenizer.json or None)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{str(directory)!r} is not a directory (expected a Hugging Face model directory)")
+    config = _read_json(directory / "config.json", "config.json")
+    tokenizer = directory / "tokenizer.json"
+    tokenizer_vocab = _tokenizer_vocab_size(tokenizer) if tokenizer.is_file() else None
+    state, keys = from_hf(_read_weights(directory), config, tokenizer_vocab_size=tokenizer_vocab)
+    return state, keys, str(tokenizer) if tokenizer.is_file() else None
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, a sharded safetensors index, or the older pytorch_model.bin (single or sharded)."""
+    def torch_load(file: Path) -> dict[str, torch.Tensor]:
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+    for single, index, load in [("model.safetensors", "model.safetensors.index.json", load_file),
+                                ("pytorch_model.bin", "pytorch_model.bin.index.json", torch_load)]:
+        if (directory / single).is_file():
+            return load(directory / single)
+        if (directory / index).is_file():
+            weight_map = _read_json(directory / index, index).get("weight_map", {})
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(set(weight_map.values())):
+                state.update(load(directory / file))
+            return state
+    raise ValueError(f"{str(directory)!r} has no weights: expected model.safetensors, "
+                     "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
+
+
+def _tokenizer_vocab_size(path: Path) -> int:
+    """As the training stage counts it (runtime/config.py): added tokens included."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as error:  # the tokenizers library raises a bare Exception on malformed files
+        raise ValueError(f"{str(path)!r} is not a readable tokenizer.json: {error}") from None
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what}: {str(path)!r} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{what}: {str(path)!r} is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: {str(path)!r} does not hold a JSON object")
+    return data
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,77 @@
+# The model side of evaluation: a checkpoint loaded under the evaluation's own tp x pp (x vpp) layout, whatever
+# layout trained it (runtime/checkpoint reshards on load), and the two things the tasks need from it: per-token
+# scores for zero-shot tasks (scoring.LogprobFn) and the mean loss over an indexed dataset.
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.checkpoint import load_checkpoint, read_config, resolve_checkpoint
+from runtime.config import parse_model_config
+from runtime.models import ModelConfig, build_model
+from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model
+from runtime.parallel.pipeline import collect_pipeline
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    optimizer: DistributedOptimizer   # owns the flat weight buffers the checkpoint is loaded into
+    topo: Topology
+    cfg: ModelConfig
+    training: dict                    # the training config saved with the checkpoint
+    location: str                     # where the checkpoint was
+    step: int
+    saved_layout: dict
+
+
+def load_model(location: str, *, tp: int, pp: int, vpp: int | None, device, tokenizer_path: str | None = None
+               ) -> LoadedModel:
+    storage, checkpoint = resolve_checkpoint(location)
+    training = read_config(storage, checkpoint)
+    tokenizer = tokenizer_path or training["model"]["tokenizer"]["model"]
+    cfg = parse_model_config(training["model"], str(tokenizer))
+    dims = ParallelDims.infer_dp(tp, pp, device.world_size, None)
+    topo = Topology.build(dims)
+    device.manual_seed(cfg.seed)
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, virtual_pp=vpp)
+    model = model.to(device.torch_device)
+    model.tie_weights()
+    # The optimizer is only the owner of the flat buffers load_checkpoint fills; its moments are not read.
+    optimizer = DistributedOptimizer(model, topo, {"lr": 0.0}, "fp32")
+    load_checkpoint(storage, checkpoint, model, optimizer, topo, rank=device.rank, with_optimizer=False)
+    model.eval()
+    return LoadedModel(model, optimizer, topo, cfg, training, f"{storage.root}/{checkpoint.name}",
+                       checkpoint.step, checkpoint.meta.get("layout", {}))
+
+
+def _scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) full-vocabulary logits -> (B, T, 2): log-prob of each target and whether it is the argmax."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    greedy = (logprobs.argmax(dim=-1) == targets).float()
+    return torch.stack([target, greedy], dim=-1)
+
+
+def forward_logprobs_fn(loaded: LoadedModel, device):
+    """scoring.LogprobFn over the (possibly tensor- and pipeline-parallel) model: every rank calls it with the
+    same batch and gets the same answer. With pp > 1 it runs the pipeline's forward-only schedule."""
+    model, topo = loaded.model, loaded.topo
+
+    @torch.no_grad()
+    def forward_logprobs(input_ids: torch.Tensor, targets: torch.Tensor):
+        input_ids, targets = input_ids.to(device.torch_device), targets.to(device.torch_device)
+        if topo.pp.size > 1:
+            # One micro-batch per row keeps every stage busy on different rows (the schedule's whole point).
+            rows = [(input_ids[i:i + 1], targets[i:i + 1], None) for i in range(input_ids.shape[0])]
+            parts = collect_pipeline(model, rows, topo, _scores,
+                                     out_shape=lambda ids: (*ids.shape, 2))
+            scores = torch.cat(parts)
+        else:
+            scores = _scores(model(input_ids), targets)
+        device.step_boundary()
+        scores = scores.cpu()
+        return scores[..., 0], scores[..., 1].bool()
+
+    return forward_logprobs

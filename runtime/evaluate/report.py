@@ -1,0 +1,57 @@
+"""Evaluation results: one JSON file for machines, one rich table for people.
+
+A result is the dict `tasks.evaluate_task` returns: {"task", "type", "num_examples", <metric>: float,
+<metric>_stderr: float | None, ...}. Every other number in it is shown as a metric, so results from other
+sources (a validation-loss pass, say) render the same way.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from runtime.data_prep.fsutil import atomic_write_json
+
+_IDENTITY_KEYS = ("task", "type", "num_examples")
+
+
+def write_results(results: list[dict[str, Any]], path: str | os.PathLike, *, checkpoint: str | None,
+                  step: int | None) -> None:
+    """{"checkpoint", "step", "tasks": results} as JSON, written atomically (readers never see half)."""
+    atomic_write_json(path, {"checkpoint": checkpoint, "step": step, "tasks": results})
+
+
+def _metrics(result: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """(name, value, stderr) for every numeric entry that is neither an identity key nor a stderr."""
+    rows = []
+    for key, value in result.items():
+        if key in _IDENTITY_KEYS or key.endswith("_stderr"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            rows.append((key, float(value), result.get(f"{key}_stderr")))
+    return rows
+
+
+def render_table(results: list[dict[str, Any]]) -> Table:
+    """One row per (task, metric), lm-eval style: value and standard error to 4 digits."""
+    table = Table(title="Evaluation")
+    for column in ("Task", "Type", "N"):
+        table.add_column(column)
+    table.add_column("Metric")
+    table.add_column("Value", justify="right")
+    table.add_column("Stderr", justify="right")
+    for result in results:
+        identity = (str(result.get("task", "")), str(result.get("type", "")), str(result.get("num_examples", "")))
+        metrics = _metrics(result)
+        if not metrics:
+            table.add_row(*identity, "", "", "")
+        for name, value, stderr in metrics:
+            table.add_row(*identity, name, f"{value:.4f}", "" if stderr is None else f"± {stderr:.4f}")
+            identity = ("", "", "")  # the task's name once, on its first metric row
+    return table
+
+
+def print_table(results: list[dict[str, Any]], console: Console | None = None) -> None:
+    (console or Console()).print(render_table(results))

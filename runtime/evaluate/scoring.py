@@ -1,0 +1,72 @@
+"""Log-likelihood of continuations given contexts, batched through one narrow seam to the model.
+
+The model is reached only through a `LogprobFn`, so this file never knows how (or how parallel) it runs:
+
+    forward_logprobs(input_ids (B, T), targets (B, T)) -> (logprobs (B, T) float32, is_argmax (B, T) bool)
+
+Position t scores targets[b, t] given input_ids[b, :t+1]. For a request (context, continuation) the token
+row is context + continuation, inputs = row[:-1] and targets = row[1:], so the continuation occupies the last
+len(continuation) target positions. Rows are right-padded with 0: a causal model never lets padding at the
+end influence earlier positions, and those positions are never read back.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+LogprobFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+_PAD_ID = 0
+
+
+def _window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
+    """context + continuation, left-truncated to max_length + 1 tokens (max_length predictions)."""
+    if not continuation:
+        raise ValueError("loglikelihood: a request has an empty continuation; there is nothing to score")
+    if not context:
+        raise ValueError("loglikelihood: a request has an empty context; the first continuation token needs "
+                         "at least one token before it (e.g. an end-of-text token)")
+    if len(continuation) > max_length:
+        raise ValueError(f"loglikelihood: a continuation of {len(continuation)} tokens does not fit "
+                         f"max_length={max_length} (at least one context token must precede it)")
+    return (list(context) + list(continuation))[-(max_length + 1):]
+
+
+def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs: LogprobFn, *,
+                  max_length: int, batch_size: int) -> list[tuple[float, bool]]:
+    """For each (context, continuation): (sum of log p(continuation | context), every token greedy).
+
+    Deterministic for a deterministic model: requests are sorted longest first (ties by position) so that
+    each batch pads little, and results come back in the order of `requests`.
+    """
+    if max_length < 1:
+        raise ValueError(f"loglikelihood: max_length must be >= 1, got {max_length}")
+    if batch_size < 1:
+        raise ValueError(f"loglikelihood: batch_size must be >= 1, got {batch_size}")
+    rows = [_window(context, continuation, max_length) for context, continuation in requests]
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]), i))
+    results: list[tuple[float, bool] | None] = [None] * len(rows)
+
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = len(rows[chunk[0]]) - 1  # longest first, so the first row sets the width
+        inputs = torch.full((len(chunk), width), _PAD_ID, dtype=torch.long)  # (B, T)
+        targets = torch.full((len(chunk), width), _PAD_ID, dtype=torch.long)  # (B, T)
+        for b, i in enumerate(chunk):
+            row = torch.tensor(rows[i], dtype=torch.long)
+            inputs[b, :len(row) - 1] = row[:-1]
+            targets[b, :len(row) - 1] = row[1:]
+
+        logprobs, is_argmax = forward_logprobs(inputs, targets)
+        if tuple(logprobs.shape) != (len(chunk), width) or tuple(is_argmax.shape) != (len(chunk), width):
+            raise ValueError(f"loglikelihood: forward_logprobs returned shapes {tuple(logprobs.shape)} and "
+                             f"{tuple(is_argmax.shape)} for inputs of shape {(len(chunk), width)}")
+        # Summing in float64 keeps a long continuation's total independent of how it was batched.
+        logprobs = logprobs.detach().to("cpu", torch.float64)
+        is_argmax = is_argmax.detach().to("cpu", torch.bool)
+        for b, i in enumerate(chunk):
+            end = len(rows[i]) - 1
+            span = slice(end - len(requests[i][1]), end)
+            results[i] = (float(logprobs[b, span].sum()), bool(is_argmax[b, span].all()))
+    return results  # type: ignore[return-value]  # every slot was filled above

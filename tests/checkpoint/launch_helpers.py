@@ -1,0 +1,59 @@
+"""A small counting corpus on disk and the launcher overrides that train on it, for the checkpoint tests that
+run the real CLI (local executor or the 2-node Slurm cluster)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runtime.checkpoint import committed_checkpoints, full_tensors, open_storage, read_rank_files
+from tests.runtime_train.helpers import build_tokenizer, write_mmidx
+
+NUM_WORDS = 64
+
+
+def counting_corpus(directory: Path) -> Path:
+    """Documents where token[t+1] = token[t] + stride (mod 64): learnable, so losses move step to step."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(directory / "tokenizer.json", [f"w{i}" for i in range(NUM_WORDS)])
+    rng = np.random.default_rng(0)
+    docs = []
+    for _ in range(400):
+        start, stride, length = rng.integers(NUM_WORDS), rng.choice((1, 2, 3)), rng.integers(60, 200)
+        docs.append((start + stride * np.arange(length)) % NUM_WORDS + 1)
+    write_mmidx(directory / "count", docs)
+    return directory
+
+
+def training_overrides(data: Path, results: Path, *, steps: int, every: int, hidden: int = 128,
+                       extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "stages=[training]", f"base_results_dir={results}", f"data_dir={data}",
+        f"training.model.data.data_prefix=[1,{data}/count]", f"training.model.tokenizer.model={data}/tokenizer.json",
+        f"training.trainer.max_steps={steps}", "training.trainer.log_every_n_steps=1",
+        "training.trainer.val_check_interval=0", "training.trainer.preflight=false",
+        "training.model.encoder_seq_length=64", f"training.model.hidden_size={hidden}", "training.model.num_layers=2",
+        "training.model.make_vocab_size_divisible_by=16", "training.model.global_batch_size=8",
+        "training.model.micro_batch_size=2", "training.model.optim.sched.warmup_steps=2",
+        f"training.exp_manager.checkpoint_callback_params.every_n_train_steps={every}",
+        "training.exp_manager.checkpoint_callback_params.save_top_k=-1",
+        f"training.model.data.index_mapping_dir={results}/index", *extra,
+    ]
+
+
+def losses(training_dir: Path) -> dict[int, float]:
+    """step -> loss, the last record of each step (a resumed run appends to the same file)."""
+    out = {}
+    for line in (training_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def final_weights(checkpoint_dir: str) -> dict:
+    storage = open_storage(checkpoint_dir)
+    newest = committed_checkpoints(storage)[-1]
+    full = full_tensors(read_rank_files(storage, newest.name))
+    return newest.step, {name: full.get(name, "value") for name in sorted(full.names())}

@@ -1,0 +1,73 @@
+# The kill test: a run whose rank 1 is killed with SIGKILL after the step-10 checkpoint, relaunched through the
+# launcher, ends bitwise equal to a run that was never interrupted (fp32, CPU, 2 processes, local executor).
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.checkpoint import committed_checkpoints, open_storage
+from tests.checkpoint.launch_helpers import counting_corpus, final_weights, losses, training_overrides
+from tests.launcher.helpers import REPO, nxdt
+import subprocess
+import sys
+
+STEPS, EVERY = 20, 10
+
+
+def _worker_pid(config: Path, rank: int) -> int | None:
+    """The runtime.train process with RANK=rank started for this config."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runtime.train" in cmdline and str(config).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
+    data = counting_corpus(tmp_path / "data")
+    # Wide enough that a step takes a noticeable time: the kill must land between the checkpoints.
+    straight = training_overrides(data, tmp_path / "straight", steps=STEPS, every=EVERY, hidden=256)
+    result = nxdt("cluster_type=local", *straight, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    killed = training_overrides(data, tmp_path / "killed", steps=STEPS, every=EVERY, hidden=256)
+    run_dir = tmp_path / "killed" / "gpt3_tiny" / "training"
+    config = run_dir / "training_config.yaml"
+    checkpoints = open_storage(run_dir / "checkpoints")
+    launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "cluster_type=local", *killed], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim, deadline = None, time.monotonic() + 300
+    while victim is None and time.monotonic() < deadline and launcher.poll() is None:
+        if any(c.step == EVERY for c in committed_checkpoints(checkpoints)):
+            victim = _worker_pid(config, rank=1)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+                break
+        time.sleep(0.01)
+    output, _ = launcher.communicate(timeout=300)
+    assert victim is not None, output[-3000:]
+    assert launcher.returncode != 0, "the killed run should fail"
+    seen = losses(run_dir)
+    assert EVERY in seen and STEPS not in seen, f"the kill should land between steps {EVERY} and {STEPS}: {sorted(seen)}"
+    assert [c.step for c in committed_checkpoints(checkpoints)] == [EVERY]
+
+    result = nxdt("cluster_type=local", *killed, cwd=tmp_path, timeout=600)  # the same command again
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from" in result.stdout + result.stderr
+
+    expected, got = losses(tmp_path / "straight" / "gpt3_tiny" / "training"), losses(run_dir)
+    assert [got[s] for s in range(EVERY + 1, STEPS + 1)] == [expected[s] for s in range(EVERY + 1, STEPS + 1)]
+    step_a, weights_a = final_weights(str(tmp_path / "straight" / "gpt3_tiny" / "training" / "checkpoints"))
+    step_b, weights_b = final_weights(str(run_dir / "checkpoints"))
+    assert step_a == step_b == STEPS and weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        assert weights_a[name].dtype == weights_b[name].dtype and (weights_a[name] == weights_b[name]).all(), name

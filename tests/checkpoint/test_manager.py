@@ -1,0 +1,95 @@
+# The checkpoint manager's guarantees: an async save writes exactly what a sync save writes; only committed
+# checkpoints are loaded, counted or kept; a crash in the middle of a write leaves the previous one as latest.
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from runtime.checkpoint import Checkpointer, committed_checkpoints, full_tensors, open_storage, read_rank_files
+from runtime.checkpoint import resolve_checkpoint
+from tests.checkpoint import harness as CH
+from tests.launcher.helpers import REPO
+from tests.runtime_parallel.dist_utils import run_distributed
+
+
+def _async_vs_sync(directory: str) -> dict:
+    cfg, topo, model, optimizer = CH.build("llama", CH.L(tp=1, zero1=True), seed=3)
+    for i in range(2):
+        CH.step(cfg, topo, model, optimizer, i)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sync = Checkpointer(f"{directory}/sync", rank=rank, world_size=world, token="0", async_save=False)
+    sync.save(2, model, optimizer, topo, extra={"step": 2}, config={})
+    deferred = Checkpointer(f"{directory}/async", rank=rank, world_size=world, token="0", async_save=True,
+                            deferred_copy=True)
+    deferred.save(2, model, optimizer, topo, extra={"step": 2}, config={})
+    # Training goes on at once: the next update waits for the background copy, and changes the live weights.
+    CH.step(cfg, topo, model, optimizer, 2)
+    deferred.wait()
+    dist.barrier()
+    return {"host_bytes": deferred.last_host_bytes}
+
+
+def test_async_save_with_deferred_copy_writes_what_a_sync_save_writes(tmp_path):
+    ranks = run_distributed(_async_vs_sync, world_size=2, args=(str(tmp_path),))
+    assert all(r["host_bytes"] > 0 for r in ranks)  # reported host memory of the copy
+    a = full_tensors(read_rank_files(open_storage(tmp_path / "sync"), "step_00000002.0"))
+    b = full_tensors(read_rank_files(open_storage(tmp_path / "async"), "step_00000002.0"))
+    assert a.names() == b.names() and a.names()
+    for name in a.names():
+        for key in ("value", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.get(name, key), b.get(name, key)), (name, key)
+
+
+def _save_steps(directory: str, steps: list[int], keep: int | None, token: str) -> None:
+    cfg, topo, model, optimizer = CH.build("gpt", CH.L(), seed=1)
+    ckpt = Checkpointer(directory, rank=dist.get_rank(), world_size=dist.get_world_size(), token=token,
+                        keep_last=keep, async_save=True)
+    for s in steps:
+        ckpt.save(s, model, optimizer, topo, extra={"step": s}, config={})
+    ckpt.wait()
+
+
+def test_uncommitted_is_never_latest_and_retention_keeps_the_newest(tmp_path):
+    run_distributed(_save_steps, world_size=1, args=(str(tmp_path), [1, 2], None, "a"))
+    storage = open_storage(tmp_path)
+    # A crashed save of a later launch: its files are there, its COMMIT is not.
+    crashed = tmp_path / "step_00000003.b"
+    crashed.mkdir()
+    (crashed / "rank_00000.pt").hardlink_to(tmp_path / "step_00000002.a" / "rank_00000.pt")
+    assert [c.step for c in committed_checkpoints(storage)] == [1, 2]
+    assert resolve_checkpoint(str(tmp_path))[1].name == "step_00000002.a"
+    with pytest.raises(ValueError, match="incomplete"):
+        resolve_checkpoint(str(crashed))
+    # The next launch keeps the newest 2 once its first save is committed, and sweeps the crashed leftover.
+    run_distributed(_save_steps, world_size=1, args=(str(tmp_path), [4, 5], 2, "c"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004.c", "step_00000005.c"]
+
+
+@pytest.mark.slow
+def test_kill_during_write_leaves_previous_checkpoint_latest(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint.crash_writer", str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == "committed step 1"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the spool file of step 2 exists and is being written
+            spools = [p for p in tmp_path.glob("step_00000002.0/.rank_00000.pt.tmp*") if p.stat().st_size > 0]
+            if spools:
+                break
+            time.sleep(0.002)
+        assert spools, "the step-2 write was never seen in progress"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    storage = open_storage(tmp_path)
+    assert [c.step for c in committed_checkpoints(storage)] == [1]
+    _, latest = resolve_checkpoint(str(tmp_path))
+    full = full_tensors(read_rank_files(storage, latest.name))
+    assert latest.step == 1 and full.get("layers.0.mlp.fc1.weight", "value").abs().max() < 1.0  # step 1's weights
