@@ -26,13 +26,27 @@ def _check_training_outputs(results: Path, steps: int) -> list[dict]:
     return rows
 
 
+STAGES = ["data_preparation", "training", "conversion", "evaluation"]
+
+
+def _demo_accuracy(results: Path) -> float:
+    tasks = json.loads((results / "gpt3_tiny" / "evaluation" / "results.json").read_text())["tasks"]
+    return next(t for t in tasks if t["task"] == "demo_code_lines")["acc"]
+
+
 def test_default_pipeline_runs_locally(tmp_path):
     steps = 40
-    result = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", cwd=tmp_path, timeout=900)
+    checkpoints = ["training.exp_manager.checkpoint_callback_params.every_n_train_steps=5",
+                   "training.exp_manager.checkpoint_callback_params.save_top_k=-1"]
+    result = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", *checkpoints, cwd=tmp_path,
+                  timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = tmp_path / "results"
     record = json.loads((results / "gpt3_tiny" / "launch.json").read_text())
-    assert [(s["stage"], s["exit_code"]) for s in record["stages"]] == [("data_preparation", 0), ("training", 0)]
+    assert [(s["stage"], s["exit_code"]) for s in record["stages"]] == [(s, 0) for s in STAGES]
+    # It ends with the evaluation table, and a Hugging Face export beside it.
+    assert "demo_code_lines" in result.stdout and "validation_loss" in result.stdout
+    assert (results / "gpt3_tiny" / "conversion" / "hf_model" / "model.safetensors").exists()
     assert (tmp_path / "data" / "demo" / "blend.txt").exists()
     assert (tmp_path / "data" / "demo" / "tokenizer.json").exists()
     rows = _check_training_outputs(results, steps)
@@ -41,9 +55,17 @@ def test_default_pipeline_runs_locally(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, "the tiny model should learn in 40 steps"
 
     status = nxdt("status", "gpt3_tiny", cwd=tmp_path)
-    assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2, status.stdout
+    assert status.returncode == 0 and status.stdout.count("COMPLETED") == 4, status.stdout
     logs = nxdt("logs", "gpt3_tiny", "training", cwd=tmp_path)
     assert "step 40" in logs.stdout
+
+    # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower.
+    trained = _demo_accuracy(results)
+    early = sorted((results / "gpt3_tiny" / "training" / "checkpoints").glob("step_00000005.*"))[0].name
+    result = nxdt("cluster_type=local", "stages=[evaluation]", f"evaluation.checkpoint_name={early}", cwd=tmp_path,
+                  timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert trained > _demo_accuracy(results) + 0.1, (trained, _demo_accuracy(results))
 
 
 LAYOUTS = {

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.checkpoint.shards import FullTensors, host_copy, load_into, rank_pieces, tensor_bytes
+from runtime.checkpoint.shards import FullTensors, HostStaging, host_copy, load_into, rank_pieces
 from runtime.checkpoint.storage import Storage, open_storage
 
 FORMAT = 1
@@ -89,7 +89,8 @@ class Checkpointer:
     """One per training process. `token` must be the same on every rank (rank 0 draws it; see train.py)."""
 
     def __init__(self, location: str, *, rank: int, world_size: int, token: str, keep_last: int | None = None,
-                 async_save: bool = True, deferred_copy: bool = False, commit_timeout_s: float = 3600.0,
+                 async_save: bool = True, deferred_copy: bool = False, pin_memory: bool = False,
+                 commit_timeout_s: float = 3600.0,
                  log: Callable[[str], None] | None = None):
         self.storage = open_storage(location)
         self.location = str(location)
@@ -104,6 +105,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_host_bytes = 0
         self.last_timings: dict[str, float] = {}
+        self._staging = HostStaging(pin=pin_memory)
 
     # ---- saving ------------------------------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class Checkpointer:
         live = {"model": model_pieces, "optim": optim_pieces}
         run_async = self.async_save and not sync
         if not (run_async and self.deferred_copy):
-            live = host_copy(live)  # device -> host now; the background thread only writes
+            live = self._staging.copy(live)  # device -> host now; the background thread only writes
         self.last_timings = {"snapshot_s": time.perf_counter() - started}
         self._copied.clear()
         self._error = None
@@ -162,9 +164,16 @@ class Checkpointer:
 
     def _write(self, name: str, header: dict, live: dict, needs_copy: bool, meta: dict, config: dict | None,
                started: float) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # Background writes yield the CPU to training: on a host whose cores also compute (CPU training,
+            # or the input pipeline of an accelerator), the write should fill idle time, not take turns.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
         try:
-            state = host_copy(live) if needs_copy else live
-            self.last_host_bytes = tensor_bytes(state)
+            state = self._staging.copy(live) if needs_copy else live
+            self.last_host_bytes = self._staging.nbytes
             self._copied.set()
             copied = time.perf_counter()
             key = f"{name}/{_rank_file(self.rank)}"

@@ -34,7 +34,7 @@ class TrainingCheckpoints:
                 cfg.dirpath, rank=device.rank, world_size=device.world_size, token=_shared_token(device),
                 keep_last=cfg.save_top_k if cfg.save_top_k > 0 else None, async_save=cfg.async_save,
                 # Only host tensors can be copied on a background thread while the next step runs.
-                deferred_copy=device.kind == "cpu", log=self._log)
+                deferred_copy=device.kind == "cpu", pin_memory=device.kind == "cuda", log=self._log)
 
     def _log(self, message: str) -> None:
         if self.device.is_main:

@@ -80,26 +80,75 @@ def rank_pieces(model: nn.Module, optimizer, topo) -> tuple[dict, dict]:
     return model_pieces, optim_pieces
 
 
-def host_copy(tree, *, pin: bool = False):
+def host_copy(tree):
     """A copy of every tensor in a nested dict/list on the host (device tensors are moved, host ones cloned)."""
     if isinstance(tree, torch.Tensor):
-        out = tree.detach().to("cpu", copy=True)
-        return out.pin_memory() if pin and out.numel() else out
+        return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):
-        return {k: host_copy(v, pin=pin) for k, v in tree.items()}
+        return {k: host_copy(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(host_copy(v, pin=pin) for v in tree)
+        return type(tree)(host_copy(v) for v in tree)
     return tree
 
 
-def tensor_bytes(tree) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tree)
-    return 0
+class HostStaging:
+    """Reusable host buffers for checkpoint copies: one flat buffer per dtype, kept between saves.
+
+    Copying into memory that is already mapped runs at memory bandwidth; a fresh allocation of the same size
+    pays a page fault per page on first touch, several times slower, and the copy is what training waits for.
+    The buffers stay allocated for the run (their size is what rank 0 reports with each commit); a save
+    whose tensors differ in number or shape from the last one gets new buffers.
+    """
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self._signature: list | None = None
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    @staticmethod
+    def _tensors(tree, out: list) -> list:
+        if isinstance(tree, torch.Tensor):
+            out.append(tree)
+        elif isinstance(tree, dict):
+            for v in tree.values():
+                HostStaging._tensors(v, out)
+        elif isinstance(tree, (list, tuple)):
+            for v in tree:
+                HostStaging._tensors(v, out)
+        return out
+
+    def copy(self, tree):
+        """A copy of `tree` whose float tensors are views of the staging buffers (others are cloned)."""
+        tensors = [t for t in self._tensors(tree, []) if t.is_floating_point()]
+        signature = [(t.dtype, tuple(t.shape)) for t in tensors]
+        if signature != self._signature:
+            sizes: dict[torch.dtype, int] = {}
+            for t in tensors:
+                sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+            self._buffers = {dtype: torch.empty(n, dtype=dtype, pin_memory=self.pin) for dtype, n in sizes.items()}
+            self._signature = signature
+        offsets = {dtype: 0 for dtype in self._buffers}
+
+        def walk(node):
+            if isinstance(node, torch.Tensor):
+                if not node.is_floating_point():
+                    return node.detach().to("cpu", copy=True)
+                start = offsets[node.dtype]
+                offsets[node.dtype] = start + node.numel()
+                view = self._buffers[node.dtype][start:start + node.numel()].view(node.shape)
+                view.copy_(node.detach())
+                return view
+            if isinstance(node, dict):
+                return {k: walk(v) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return type(node)(walk(v) for v in node)
+            return node
+
+        return walk(tree)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 class FullTensors:

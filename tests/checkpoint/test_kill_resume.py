@@ -71,3 +71,37 @@ def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
     assert step_a == step_b == STEPS and weights_a.keys() == weights_b.keys()
     for name in weights_a:
         assert weights_a[name].dtype == weights_b[name].dtype and (weights_a[name] == weights_b[name]).all(), name
+
+
+@pytest.mark.slow
+def test_torchrun_restart_in_place_resumes_and_finishes(tmp_path):
+    """Within one allocation: torchrun --max-restarts brings the workers back after a SIGKILL; they rendezvous
+    again (torchrun gives every attempt a fresh store) and resume from the newest checkpoint."""
+    import yaml
+
+    data = counting_corpus(tmp_path / "data")
+    straight = training_overrides(data, tmp_path / "straight", steps=STEPS, every=EVERY, hidden=256)
+    result = nxdt("cluster_type=local", *straight, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    raw = yaml.safe_load((tmp_path / "straight" / "gpt3_tiny" / "training" / "training_config.yaml").read_text())
+    run_dir = tmp_path / "restarted"
+    raw["run"]["results_dir"] = str(run_dir)
+    config = tmp_path / "restarted.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    checkpoints = open_storage(run_dir / "checkpoints")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "--max-restarts", "1", "-m", "runtime.train", "--config", str(config)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    victim, deadline = None, time.monotonic() + 300
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
+        if any(c.step == EVERY for c in committed_checkpoints(checkpoints)):
+            victim = _worker_pid(config, rank=0)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+        time.sleep(0.01)
+    output, _ = proc.communicate(timeout=300)
+    assert victim is not None and proc.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    expected, got = losses(tmp_path / "straight" / "gpt3_tiny" / "training"), losses(run_dir)
+    assert [got[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]

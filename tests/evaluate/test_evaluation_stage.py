@@ -1,0 +1,53 @@
+# The evaluation stage through the launcher: a checkpoint trained at tp=2 x pp=2 evaluates to the same loss and
+# the same zero-shot scores at tp=1 x pp=1 and under the interleaved forward-only schedule (pp=2 x vpp=2).
+import json
+
+import pytest
+
+from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
+from tests.launcher.helpers import nxdt
+
+EVAL_LAYOUTS = {
+    "tp2_pp2": ["evaluation.trainer.devices=4", "evaluation.model.tensor_model_parallel_size=2",
+                "evaluation.model.pipeline_model_parallel_size=2"],
+    "tp1_pp1": ["evaluation.trainer.devices=1"],
+    "pp2_vpp2": ["evaluation.trainer.devices=2", "evaluation.model.pipeline_model_parallel_size=2",
+                 "evaluation.model.virtual_pipeline_model_parallel_size=2"],
+}
+
+
+def _choice_file(path):
+    """Counting sequences: the gold continuation keeps counting, the others break the pattern."""
+    lines = []
+    for start in range(8):
+        context = " ".join(f"w{(start + i) % 64}" for i in range(12))
+        good = f"w{(start + 12) % 64}"
+        lines.append(json.dumps({"context": context, "choices": [f"w{(start + 40) % 64}", good, "w0"], "gold": 1}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path):
+    data = counting_corpus(tmp_path / "data")
+    tasks = _choice_file(tmp_path / "choices.jsonl")
+    train = training_overrides(data, tmp_path / "results", steps=6, every=0,
+                               extra=("training.trainer.devices=4", "training.model.tensor_model_parallel_size=2",
+                                      "training.model.pipeline_model_parallel_size=2", "training.model.num_layers=4"))
+    result = nxdt("cluster_type=local", *train, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    scores = {}
+    for name, layout in EVAL_LAYOUTS.items():
+        evaluate = [o.replace("stages=[training]", "stages=[evaluation]") for o in train] + layout + [
+            f"evaluation.run.results_dir={tmp_path / name}", "evaluation.limit_batches=2",
+            f"evaluation.tasks=[validation_loss,{{name: count, type: multiple_choice, path: {tasks}}}]"]
+        result = nxdt("cluster_type=local", *evaluate, cwd=tmp_path, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "trained at tp 2 pp 2" in result.stdout
+        scores[name] = json.loads((tmp_path / name / "results.json").read_text())["tasks"]
+
+    reference = scores.pop("tp1_pp1")
+    for name, tasks_out in scores.items():
+        assert tasks_out[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-5), name
+        assert tasks_out[1]["acc"] == reference[1]["acc"] and tasks_out[1]["acc_norm"] == reference[1]["acc_norm"]
