@@ -22,6 +22,11 @@ class Job:
     array_size: int | None = None     # Slurm array tasks; each gets --task-index I --num-tasks N
     array_parallel: int | None = None  # at most this many array tasks at once (%N)
     env: dict[str, str] = field(default_factory=dict)
+    # Preemption on Slurm (docs/launcher.md): Slurm sends the job script SIGUSR1 this many seconds before
+    # time_limit (None: no signal); the script passes it to the workers, which save and stop, and then requeues
+    # the job while $SLURM_RESTART_COUNT < max_restarts. Both unset: the script handles no signals.
+    preemption_signal_s: int | None = None
+    max_restarts: int = 0
 
     @property
     def config_path(self) -> Path:
@@ -34,3 +39,13 @@ class Job:
     @property
     def tasks(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    @property
+    def preemptible(self) -> bool:
+        return bool(self.preemption_signal_s or self.max_restarts)
+
+    @property
+    def shutdown_timeout_s(self) -> int:
+        """How long torchrun waits for its signalled workers to save and exit before it kills them: the time the
+        warning leaves before the limit, and never less than a minute."""
+        return max(self.preemption_signal_s or 0, 60)

@@ -41,10 +41,13 @@ def data_preparation(cfg: dict[str, Any], *, tasks: int | None = None) -> Job:
 
 
 def training(cfg: dict[str, Any]) -> Job:
-    trainer = cfg["training"]["trainer"]
+    trainer, run = cfg["training"]["trainer"], cfg["training"]["run"]
+    # A recipe without the preemption keys gets a script that handles no signals (validate.py checks values).
     return _job(
         cfg, "training", "runtime.train",
         nodes=int(trainer["num_nodes"]), nproc_per_node=int(trainer["devices"]), distributed=True,
+        preemption_signal_s=int(run.get("preemption_signal_s") or 0) or None,
+        max_restarts=int(run.get("max_restarts") or 0),
     )
 
 

@@ -42,6 +42,7 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         errors += _stage_run(cfg[stage]["run"], stage)
     if "training" in stages:
         errors += training(cfg["training"])
+        errors += preemption(cfg["training"]["run"])
         missing = training_paths(cfg["training"], prepared_in_this_run="data_preparation" in stages)
         # A dry run often renders on a laptop for a cluster whose file system it cannot see.
         (warnings if dry_run else errors).extend(missing)
@@ -114,6 +115,40 @@ def _stage_run(run: dict[str, Any], stage: str) -> list[str]:
                       "quotes or backslashes (it appears in #SBATCH lines)")
     if (run.get("dependency") or "afterok") not in DEPENDENCIES:
         errors.append(f"{stage}.run.dependency: {run.get('dependency')!r} is not one of {', '.join(DEPENDENCIES)}")
+    return errors
+
+
+def _time_limit_s(text: str) -> int | None:
+    """Seconds in a Slurm time (one _TIME accepts); None for UNLIMITED/INFINITE."""
+    if text in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        parts += [0] * (3 - len(parts))                 # D-H, D-H:M, D-H:M:S
+    elif len(parts) < 3:
+        parts = [0, *parts] + [0] * (2 - len(parts))    # M, M:S
+    hours, minutes, seconds = parts
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def preemption(run: dict[str, Any]) -> list[str]:
+    """training.run.preemption_signal_s and max_restarts: what the job script does before the time limit."""
+    errors = []
+    signal_s, restarts = run.get("preemption_signal_s"), run.get("max_restarts")
+    if signal_s is not None and (not isinstance(signal_s, int) or isinstance(signal_s, bool)
+                                 or not 0 <= signal_s <= 65535):
+        errors.append(f"training.run.preemption_signal_s: {signal_s!r} must be whole seconds from 0 to 65535 "
+                      "(how long before run.time_limit Slurm signals the job; 0 or null: no signal)")
+    elif signal_s and _TIME.match(str(run.get("time_limit"))):
+        limit_s = _time_limit_s(str(run["time_limit"]))
+        if limit_s is not None and signal_s >= limit_s:
+            errors.append(f"training.run.preemption_signal_s: {signal_s} s is not shorter than run.time_limit "
+                          f"{run['time_limit']} ({limit_s} s): every run would be signalled as it starts; "
+                          "use fewer seconds")
+    if restarts is not None and (not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0):
+        errors.append(f"training.run.max_restarts: {restarts!r} must be a non-negative integer "
+                      "(how often the job may requeue itself; 0: never)")
     return errors
 
 

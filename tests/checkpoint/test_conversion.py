@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from runtime.checkpoint import full_tensors, open_storage, read_config, read_rank_files, resolve_checkpoint
+from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint
 from runtime.config import parse_model_config
 from runtime.models import build_model
 from tests.checkpoint.launch_helpers import counting_corpus, training_overrides

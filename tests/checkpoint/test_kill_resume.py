@@ -2,6 +2,8 @@
 # launcher, ends bitwise equal to a run that was never interrupted (fp32, CPU, 2 processes, local executor).
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,8 +12,6 @@ import pytest
 from runtime.checkpoint import committed_checkpoints, open_storage
 from tests.checkpoint.launch_helpers import counting_corpus, final_weights, losses, training_overrides
 from tests.launcher.helpers import REPO, nxdt
-import subprocess
-import sys
 
 STEPS, EVERY = 20, 10
 
@@ -31,6 +31,19 @@ def _worker_pid(config: Path, rank: int) -> int | None:
     return None
 
 
+def _kill_after_checkpoint(proc: subprocess.Popen, checkpoints, config: Path, rank: int) -> int | None:
+    """SIGKILL the worker `rank` as soon as the step-EVERY checkpoint is committed; its pid, or None."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(c.step == EVERY for c in committed_checkpoints(checkpoints)):
+            victim = _worker_pid(config, rank=rank)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+                return victim
+        time.sleep(0.01)
+    return None
+
+
 @pytest.mark.slow
 def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
     data = counting_corpus(tmp_path / "data")
@@ -45,14 +58,7 @@ def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
     checkpoints = open_storage(run_dir / "checkpoints")
     launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "cluster_type=local", *killed], cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    victim, deadline = None, time.monotonic() + 300
-    while victim is None and time.monotonic() < deadline and launcher.poll() is None:
-        if any(c.step == EVERY for c in committed_checkpoints(checkpoints)):
-            victim = _worker_pid(config, rank=1)
-            if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-                break
-        time.sleep(0.01)
+    victim = _kill_after_checkpoint(launcher, checkpoints, config, rank=1)
     output, _ = launcher.communicate(timeout=300)
     assert victim is not None, output[-3000:]
     assert launcher.returncode != 0, "the killed run should fail"
@@ -93,13 +99,7 @@ def test_torchrun_restart_in_place_resumes_and_finishes(tmp_path):
                              "--max-restarts", "1", "-m", "runtime.train", "--config", str(config)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    victim, deadline = None, time.monotonic() + 300
-    while victim is None and time.monotonic() < deadline and proc.poll() is None:
-        if any(c.step == EVERY for c in committed_checkpoints(checkpoints)):
-            victim = _worker_pid(config, rank=0)
-            if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-        time.sleep(0.01)
+    victim = _kill_after_checkpoint(proc, checkpoints, config, rank=0)
     output, _ = proc.communicate(timeout=300)
     assert victim is not None and proc.returncode == 0, output[-4000:]
     assert "resumed from" in output

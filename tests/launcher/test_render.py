@@ -43,6 +43,9 @@ CASES = [
                                       "data_preparation=custom_dataset",
                                       "data_preparation.input.files=['s3://bucket/raw/{:02d}.jsonl']",
                                       "data_preparation.input.file_numbers='0-2'"]),
+    # preemption: requeue on USR1 without asking Slurm for the signal; and no signal handling at all.
+    ("training", "slurm_requeue_only", ["training.run.preemption_signal_s=0", "training.run.max_restarts=5"]),
+    ("training", "slurm_no_preemption", ["training.run.preemption_signal_s=null", "training.run.max_restarts=0"]),
     ("conversion", "local", []),
     ("conversion", "slurm", []),
     ("evaluation", "local", []),
