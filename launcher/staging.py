@@ -66,17 +66,23 @@ PULLS = {
     "data_preparation": [("input.files", OBJECT), ("tokenizer.model", OBJECT), ("tokenizer.vocab_file", OBJECT),
                          ("tokenizer.merge_file", OBJECT), ("tokenizer.train.files", OBJECT)],
     "training": [("model.tokenizer.model", OBJECT), ("model.data.data_prefix", None)],
+    "conversion": [("tokenizer_model", OBJECT)],
+    "evaluation": [("tokenizer_model", OBJECT)],
 }
 PUSHES = {"data_preparation": ["output_dir"]}
 SCRATCH = {"data_preparation": ["download.dir"], "training": ["model.data.index_mapping_dir"]}
-# Keys whose program reads and writes S3 itself (runtime/checkpoint/storage.py): never staged or localized.
+# Keys (and everything under them) whose program reads S3 itself, or reports it cannot: never staged or localized.
+# Checkpoints go to S3 directly (runtime/checkpoint/storage.py); evaluation task files are local by contract.
 NATIVE = {"training": ["exp_manager.checkpoint_callback_params.dirpath", "exp_manager.resume_from_checkpoint"],
-          "conversion": ["checkpoint_dir", "hf_checkpoint_dir"], "evaluation": ["checkpoint_dir"]}
+          "conversion": ["checkpoint_dir", "hf_checkpoint_dir"], "evaluation": ["checkpoint_dir", "tasks"]}
+
+
+def _is_native(stage: str, key: str) -> bool:
+    return any(key == n or key.startswith((n + ".", n + "[")) for n in NATIVE.get(stage, []))
 
 
 def _staged_s3_values(stage: str, stage_cfg: dict[str, Any]) -> list[tuple[str, str]]:
-    native = set(NATIVE.get(stage, []))
-    return [(k, v) for k, v in s3_values(stage_cfg) if k not in native]
+    return [(k, v) for k, v in s3_values(stage_cfg) if not _is_native(stage, k)]
 
 
 @dataclass(frozen=True)
@@ -143,14 +149,13 @@ def localize(cfg: dict[str, Any]) -> dict[str, Any]:
     if not local_dir:
         return cfg
 
-    native = {f"{stage}.{key}" for stage, keys in NATIVE.items() for key in keys}
-
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, dict):
             return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
         if isinstance(node, list):
             return [walk(v, path) for v in node]
-        return mirror(node, local_dir) if is_s3(node) and path not in native else node
+        stage, _, key = path.partition(".")
+        return mirror(node, local_dir) if is_s3(node) and not _is_native(stage, key) else node
 
     return walk(cfg, "")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import resource
 import tempfile
@@ -81,6 +82,22 @@ def _cuda_hardware(index: int) -> str:
     return name
 
 
+def _attempt_store(rank: int, world_size: int):
+    """Under torchrun, the rendezvous store with a prefix per restart attempt (None elsewhere).
+
+    torchrun's workers share the agent's TCPStore, which outlives a restart (--max-restarts): without a prefix,
+    restarted workers can read the previous attempt's keys, such as gloo's peer addresses, and dial processes
+    that are gone. TORCHELASTIC_RESTART_COUNT names the attempt."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=datetime.timedelta(minutes=30),
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"nxdt/attempt_{attempt}", store)
+
+
 def init_device(accelerator: str) -> Device:
     """Pick the device for `trainer.accelerator` and join the process group torchrun describes.
 
@@ -128,7 +145,11 @@ def init_device(accelerator: str) -> Device:
         elif "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             # device_id binds NCCL's communicator to this rank's GPU up front.
             extra = {"device_id": torch_device} if kind == "cuda" else {}
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **extra)
+            store = _attempt_store(rank, world_size)
+            if store is not None:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
+            else:
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **extra)
         else:
             # A private file store: no port to collide with anything else on the machine.
             store_file = tempfile.NamedTemporaryFile(prefix="nxdt_pg_", delete=False).name
