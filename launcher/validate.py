@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import staging
+from launcher.slurm import slurm_seconds
 from launcher.stages import PROGRAMS, STAGES
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
@@ -118,20 +119,6 @@ def _stage_run(run: dict[str, Any], stage: str) -> list[str]:
     return errors
 
 
-def _time_limit_s(text: str) -> int | None:
-    """Seconds in a Slurm time (one _TIME accepts); None for UNLIMITED/INFINITE."""
-    if text in ("UNLIMITED", "INFINITE"):
-        return None
-    days, _, clock = text.rpartition("-")
-    parts = [int(p) for p in clock.split(":")]
-    if days:
-        parts += [0] * (3 - len(parts))                 # D-H, D-H:M, D-H:M:S
-    elif len(parts) < 3:
-        parts = [0, *parts] + [0] * (2 - len(parts))    # M, M:S
-    hours, minutes, seconds = parts
-    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
-
-
 def preemption(run: dict[str, Any]) -> list[str]:
     """training.run.preemption_signal_s and max_restarts: what the job script does before the time limit."""
     errors = []
@@ -141,7 +128,7 @@ def preemption(run: dict[str, Any]) -> list[str]:
         errors.append(f"training.run.preemption_signal_s: {signal_s!r} must be whole seconds from 0 to 65535 "
                       "(how long before run.time_limit Slurm signals the job; 0 or null: no signal)")
     elif signal_s and _TIME.match(str(run.get("time_limit"))):
-        limit_s = _time_limit_s(str(run["time_limit"]))
+        limit_s = slurm_seconds(str(run["time_limit"]))
         if limit_s is not None and signal_s >= limit_s:
             errors.append(f"training.run.preemption_signal_s: {signal_s} s is not shorter than run.time_limit "
                           f"{run['time_limit']} ({limit_s} s): every run would be signalled as it starts; "

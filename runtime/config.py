@@ -175,7 +175,6 @@ class TrainingConfig:
     seed: int
     tensorboard: bool
     wandb: bool
-    resume_if_exists: bool
     checkpoint: CheckpointConfig
     raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config
 
@@ -386,7 +385,6 @@ def parse_training_config(raw: Any) -> TrainingConfig:
         seed=model.int("seed", 1234),
         tensorboard=exp.bool("create_tensorboard_logger", True),
         wandb=exp.bool("create_wandb_logger", False),
-        resume_if_exists=exp.bool("resume_if_exists", False),
         checkpoint=_checkpoint(exp, Path(str(run._raw("results_dir", _REQUIRED)))),
         raw=raw,
     )

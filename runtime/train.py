@@ -10,8 +10,8 @@ and, for a quick look on a laptop, a single process without torchrun:
 
 Order of work: device and process group -> topology (tp x dp x pp) -> model built whole, then parallelized ->
 distributed optimizer -> data (sample indices built once, by local rank 0) -> resume from the newest complete
-checkpoint -> the step loop with the learning rate schedule, periodic validation, metrics and checkpoints. A mistake in the config ends the run with one
-`error: ...` line and exit code 2.
+checkpoint -> the step loop with the learning rate schedule, periodic validation, metrics and checkpoints.
+A mistake in the config ends the run with one `error: ...` line and exit code 2.
 """
 from __future__ import annotations
 

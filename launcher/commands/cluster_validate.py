@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from launcher.errors import UserError
+from launcher.slurm import slurm_seconds
 
 STAGE = "cluster_validation"
 _TOP_LEVEL = ("stages", "cluster_type", "dry_run", "run_name", "base_results_dir", "data_dir", "launcher_scripts_path",
@@ -55,21 +56,6 @@ def expand_hostlist(expression: str) -> list[str]:
             for number in range(int(low), int(high or low) + 1):
                 names += [f"{prefix}{number:0{width}d}{tail}" for tail in expand_hostlist(rest) or [""]]
     return names
-
-
-def slurm_seconds(limit: str) -> int:
-    """Slurm's time formats (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds; UNLIMITED as a week."""
-    if limit.upper() in ("UNLIMITED", "INFINITE"):
-        return 7 * 86400
-    days = 0
-    if "-" in limit:
-        day_text, limit = limit.split("-", 1)
-        days = int(day_text)
-        h, m, s = ([int(p) for p in limit.split(":")] + [0, 0])[:3]   # H[:M[:S]]
-    else:
-        parts = [int(p) for p in limit.split(":")]
-        h, m, s = {1: (0, parts[0], 0), 2: (0, *parts[:2])}.get(len(parts), tuple(parts[-3:]))
-    return days * 86400 + h * 3600 + m * 60 + s
 
 
 def idle_nodes(partition: str | None) -> list[str]:
@@ -127,9 +113,10 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     name = str(run.get("name") or "")
     if not re.match(r"^[A-Za-z0-9_.+-]+$", name):
         errors.append(f"{STAGE}.run.name: {name!r} must be letters, digits and _.+- (it names a directory)")
-    try:
-        time_limit = slurm_seconds(str(run.get("time_limit")))
-    except ValueError:
+    limit_text = str(run.get("time_limit"))
+    unlimited = limit_text.upper() in ("UNLIMITED", "INFINITE")
+    time_limit = 7 * 86400 if unlimited else slurm_seconds(limit_text)  # UNLIMITED: a week
+    if time_limit is None:
         errors.append(f"{STAGE}.run.time_limit: {run.get('time_limit')!r} is not a Slurm time; use H:MM:SS")
         time_limit = 0
     if cfg.get("cluster_type") not in validate.CLUSTER_TYPES:

@@ -9,11 +9,11 @@ The overrides are the launch's own (Hydra syntax, composed the same way); nothin
 from __future__ import annotations
 
 import math
-import re
 
 import click
 
 from launcher.errors import UserError
+from launcher.slurm import slurm_seconds
 
 GIB = 2**30
 
@@ -64,21 +64,6 @@ def _duration(seconds: float) -> str:
     if seconds >= 120:
         return f"{seconds / 60:,.1f} minutes"
     return f"{seconds:,.3g} s"
-
-
-def slurm_seconds(limit: str) -> float | None:
-    """Seconds in a Slurm time (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None for UNLIMITED or anything else."""
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", limit.strip())
-    if not match:
-        return None
-    days, first, second, third = match.groups()
-    if days is not None:          # D-H[:M[:S]]
-        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
-    elif third is not None:       # H:M:S
-        hours, minutes, seconds = int(first), int(second), int(third)
-    else:                         # M[:S]
-        hours, minutes, seconds = 0, int(first), int(second or 0)
-    return float(((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
 def render(result, recipe: str, time_limit: str | None = None):

@@ -44,35 +44,51 @@ def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+def _done_file(rank: int) -> str:
+    return f"rank_{rank:05d}.done"
+
+
 @dataclass(frozen=True)
 class Committed:
     name: str       # directory name under the checkpoint location
     step: int
     meta: dict
 
+    @property
+    def layout(self) -> str:
+        """The layout that saved it, for messages: 'tp 2 pp 1 dp 2 ZeRO-1'."""
+        layout = self.meta.get("layout", {})
+        text = f"tp {layout.get('tp')} pp {layout.get('pp')} dp {layout.get('dp')}"
+        return text + " ZeRO-1" if layout.get("zero1") else text
+
+
+def _committed(storage: Storage, name: str) -> Committed | None:
+    """The checkpoint in directory `name`, or None when it is not a complete one."""
+    match = _DIR.match(name)
+    if not match or not storage.exists(f"{name}/{COMMIT}"):
+        return None
+    return Committed(name, int(match.group(1)), json.loads(storage.get_bytes(f"{name}/{COMMIT}")))
+
 
 def committed_checkpoints(storage: Storage) -> list[Committed]:
     """Every complete checkpoint, oldest first (by step, then commit time)."""
-    found = []
-    for name in storage.list_dirs():
-        match = _DIR.match(name)
-        if not match or not storage.exists(f"{name}/{COMMIT}"):
-            continue
-        meta = json.loads(storage.get_bytes(f"{name}/{COMMIT}"))
-        found.append(Committed(name, int(match.group(1)), meta))
+    found = [c for c in (_committed(storage, name) for name in storage.list_dirs()) if c is not None]
     return sorted(found, key=lambda c: (c.step, c.meta.get("committed_at", 0.0)))
 
 
-def resolve_checkpoint(location: str) -> tuple[Storage, Committed]:
-    """A checkpoint given by the user: a step directory, or a checkpoint directory (its newest complete one)."""
+def resolve_checkpoint(location: str, name: str | None = None) -> tuple[Storage, Committed]:
+    """A checkpoint given by the user: a step directory, or a checkpoint directory (its newest complete one, or
+    the one called `name` unless that is 'latest')."""
     location = str(location).rstrip("/")
+    if name and name != "latest":
+        location = f"{location}/{name}"
     parent, _, leaf = location.rpartition("/")
     if _DIR.match(leaf):
         storage = open_storage(parent or ".")
-        if not storage.exists(f"{leaf}/{COMMIT}"):
+        checkpoint = _committed(storage, leaf)
+        if checkpoint is None:
             raise ValueError(f"checkpoint {location} is incomplete (no {COMMIT} marker): it cannot be loaded")
-        return storage, Committed(leaf, int(_DIR.match(leaf).group(1)),
-                                  json.loads(storage.get_bytes(f"{leaf}/{COMMIT}")))
+        return storage, checkpoint
     storage = open_storage(location)
     found = committed_checkpoints(storage)
     if not found:
@@ -80,9 +96,22 @@ def resolve_checkpoint(location: str) -> tuple[Storage, Committed]:
     return storage, found[-1]
 
 
-def _torch_save(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
+def _put_rank_file(storage: Storage, key: str, obj: Any) -> None:
+    """torch.save into the storage's spool file, then publish it under `key` in one step."""
+    spool = storage.spool_path(key)
+    try:
+        with open(spool, "wb") as f:
+            torch.save(obj, f)
+        storage.put_file(key, spool)
+    finally:
+        if os.path.exists(spool):
+            os.unlink(spool)
+
+
+def _put_config(storage: Storage, name: str, config: dict) -> None:
+    import yaml
+
+    storage.put_bytes(f"{name}/config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
 
 
 class Checkpointer:
@@ -176,19 +205,10 @@ class Checkpointer:
             self.last_host_bytes = self._staging.nbytes
             self._copied.set()
             copied = time.perf_counter()
-            key = f"{name}/{_rank_file(self.rank)}"
-            spool = self.storage.spool_path(key)
-            try:
-                _torch_save({**header, **state}, spool)
-                self.storage.put_file(key, spool)
-            finally:
-                if os.path.exists(spool):
-                    os.unlink(spool)
+            _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", {**header, **state})
             if self.rank == 0 and config is not None:
-                import yaml
-
-                self.storage.put_bytes(f"{name}/config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
-            self.storage.put_bytes(f"{name}/rank_{self.rank:05d}.done", b"")
+                _put_config(self.storage, name, config)
+            self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", b"")
             written = time.perf_counter()
             if self.rank == 0:
                 self._commit(name, meta)
@@ -204,7 +224,7 @@ class Checkpointer:
 
     def _commit(self, name: str, meta: dict) -> None:
         deadline, delay = time.monotonic() + self.commit_timeout_s, 0.02
-        want = {f"{name}/rank_{r:05d}.done" for r in range(self.world_size)}
+        want = {f"{name}/{_done_file(r)}" for r in range(self.world_size)}
         while True:
             missing = want - set(self.storage.list(name))
             if not missing:
@@ -220,19 +240,17 @@ class Checkpointer:
 
     def _retain(self, newest: str) -> None:
         committed = committed_checkpoints(self.storage)
-        keep = {c.name for c in committed}
-        if self.keep_last is not None:
-            keep = {c.name for c in committed[-self.keep_last:]} | {newest}
+        names = {c.name for c in committed}
+        keep = names if self.keep_last is None else {c.name for c in committed[-self.keep_last:]} | {newest}
         newest_step = int(_DIR.match(newest).group(1))
         for dirname in self.storage.list_dirs():
             match = _DIR.match(dirname)
             if not match or dirname in keep:
                 continue
-            committed_dir = any(c.name == dirname for c in committed)
             # Uncommitted: a crashed save of an earlier launch (another token), or of this launch at an earlier
             # step. A later step of this launch is the next save, which other ranks may already be writing.
-            in_flight = match.group(2) == self.token and int(match.group(1)) > newest_step
-            if committed_dir or not in_flight:
+            in_flight = dirname not in names and match.group(2) == self.token and int(match.group(1)) > newest_step
+            if not in_flight:
                 self.storage.delete_prefix(dirname)
 
     # ---- loading -----------------------------------------------------------------------------------------
@@ -244,7 +262,7 @@ class Checkpointer:
 
 def read_rank_files(storage: Storage, name: str) -> list[dict]:
     """Every rank file of checkpoint `name`, memory-mapped where the storage is a file system (S3 objects are
-    downloaded to a temporary directory first, removed once loading is done by the caller's `cleanup`)."""
+    downloaded to a temporary directory, mapped, and the directory removed at once: the mapping keeps them)."""
     keys = [k for k in storage.list(name) if re.search(r"/rank_\d{5}\.pt$", k)]
     files = []
     for key in keys:
@@ -299,33 +317,22 @@ def _headers(storage: Storage, name: str, rank: int) -> list[dict]:
     return [torch.load(io.BytesIO(storage.get_bytes(key)), weights_only=True)]
 
 
-def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict,
-                          token: str = "import") -> str:
+def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict) -> str:
     """A one-file checkpoint of unsharded weights (no optimizer state), e.g. imported from Hugging Face: any
     layout resumes from it, with a fresh optimizer. Returns the checkpoint's location."""
     storage = open_storage(location)
-    name = f"step_{step:08d}.{token}" if token.isalnum() else None
-    if name is None or not _DIR.match(name):
-        name = f"step_{step:08d}.{secrets.token_hex(4)}"
+    name = f"step_{step:08d}.{secrets.token_hex(4)}"
     pieces = {n: [{"dim": None, "index": None, "full_shape": tuple(t.shape), "shard_shape": tuple(t.shape),
                    "start": 0, "value": t.detach().cpu().contiguous()}] for n, t in full_state.items()}
-    header = {"format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": {"tp": 1, "pp": 1, "dp": 1},
-              "optim_scalars": {"step": 0, "sr_generator": None},
-              "extra": {"step": step, "data": {"consumed_samples": 0}}, "model": pieces, "optim": {}}
-    key = f"{name}/{_rank_file(0)}"
-    spool = storage.spool_path(key)
-    try:
-        _torch_save(header, spool)
-        storage.put_file(key, spool)
-    finally:
-        if os.path.exists(spool):
-            os.unlink(spool)
-    import yaml
-
-    storage.put_bytes(f"{name}/config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
-    storage.put_bytes(f"{name}/rank_00000.done", b"")
-    meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False},
-            "committed_at": time.time(), "source": "import"}
+    layout = {"tp": 1, "pp": 1, "dp": 1, "zero1": False}
+    _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
+        "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout,
+        "optim_scalars": {"step": 0, "sr_generator": None},
+        "extra": {"step": step, "data": {"consumed_samples": 0}}, "model": pieces, "optim": {}})
+    _put_config(storage, name, config)
+    storage.put_bytes(f"{name}/{_done_file(0)}", b"")
+    meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": layout, "committed_at": time.time(),
+            "source": "import"}
     storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
     return f"{storage.root}/{name}"
 

@@ -76,10 +76,8 @@ class TrainingCheckpoints:
             if extra["rng"].get("cuda") is not None and self.device.kind == "cuda":
                 torch.cuda.set_rng_state(extra["rng"]["cuda"], self.device.torch_device)
         self.last_saved = int(extra["step"])
-        layout = checkpoint.meta.get("layout", {})
-        self._log(f"resumed from {storage.root}/{checkpoint.name} (step {extra['step']}, saved at tp "
-                  f"{layout.get('tp')} pp {layout.get('pp')} dp {layout.get('dp')} zero1 {layout.get('zero1')}) "
-                  f"in {time.perf_counter() - started:.2f} s")
+        self._log(f"resumed from {storage.root}/{checkpoint.name} (step {extra['step']}, saved at "
+                  f"{checkpoint.layout}) in {time.perf_counter() - started:.2f} s")
         return int(extra["step"])
 
     # ---- save --------------------------------------------------------------------------------------------

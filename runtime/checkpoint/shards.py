@@ -21,14 +21,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from runtime.parallel.state import full_parameter_name
+
 TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whichever name a rank holds
-
-
-def _full_name(name: str, param: nn.Parameter) -> str:
-    shard = getattr(param, "tp_shard", None)
-    if shard is not None and shard[3] is not None:
-        return name.rsplit(".", 1)[0] + "." + shard[3]  # a replicated-KV projection's kv_weight
-    return name
 
 
 def _geometry(param: nn.Parameter) -> dict:
@@ -49,7 +44,7 @@ def owned_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         if id(param) in seen or hasattr(param, "grad_owner"):
             continue
         seen.add(id(param))
-        out.append((_full_name(name, param), param))
+        out.append((full_parameter_name(name, param), param))
     return out
 
 
@@ -60,11 +55,12 @@ def _tp_replicated(param: nn.Parameter) -> bool:
 def rank_pieces(model: nn.Module, optimizer, topo) -> tuple[dict, dict]:
     """This rank's pieces as views of live tensors (copy them before training goes on): (model, optim), each
     {full name: [piece, ...]}."""
-    names = {id(p): n for n, p in owned_parameters(model)}
+    owned = owned_parameters(model)
+    names = {id(p): n for n, p in owned}
     model_pieces: dict[str, list] = {}
     optim_pieces: dict[str, list] = {}
     first_tp, first_dp = topo.tp.rank == 0, topo.dp.rank == 0
-    for name, param in owned_parameters(model):
+    for name, param in owned:
         if first_dp and (first_tp or not _tp_replicated(param)):
             model_pieces.setdefault(name, []).append({**_geometry(param), "start": 0, "value": param.detach()})
     writes_optim = first_dp or optimizer.zero1
@@ -232,10 +228,14 @@ def load_into(model: nn.Module, optimizer, full: FullTensors | None, *, broadcas
     for bucket in optimizer.buckets:
         device = bucket.param_buffer.device
         # Whole-bucket (unsharded) state, as a DP rank without ZeRO-1 would hold it; each rank keeps its shard.
+        # Only the states this optimizer holds are assembled (and broadcast): no moments when they are not
+        # wanted, no master copy for fp32 weights.
         padded = bucket.param_buffer.numel()
+        keys = (["exp_avg", "exp_avg_sq"] if with_optimizer else []) + (["master"] if bucket.master is not None
+                                                                          else [])
         values = torch.zeros(padded, dtype=bucket.param_buffer.dtype)
-        state = {key: torch.zeros(padded, dtype=torch.float32) for key in ("exp_avg", "exp_avg_sq", "master")}
-        have = torch.zeros(3, dtype=torch.float32)  # which optimizer states the checkpoint has
+        state = {key: torch.zeros(padded, dtype=torch.float32) for key in keys}
+        have = torch.zeros(len(keys), dtype=torch.float32)  # which of them the checkpoint has
         if full is not None:
             offset = 0
             for param in bucket.params:
@@ -248,7 +248,7 @@ def load_into(model: nn.Module, optimizer, full: FullTensors | None, *, broadcas
                     raise ValueError(f"checkpoint holds {name} with shape {tuple(value.shape)} but this model's is "
                                      f"{tuple(expected)}: the checkpoint was saved from a different model config")
                 values[offset:offset + n] = local_slice(value, param).reshape(-1).to(values.dtype)
-                for i, key in enumerate(("exp_avg", "exp_avg_sq", "master")):
+                for i, key in enumerate(keys):
                     if with_optimizer and full.has(name, key):
                         state[key][offset:offset + n] = local_slice(full.get(name, key), param).reshape(-1)
                         have[i] = 1
@@ -260,7 +260,7 @@ def load_into(model: nn.Module, optimizer, full: FullTensors | None, *, broadcas
                 broadcast(tensor)
         bucket.param_buffer.copy_(values.to(device))
         shard = bucket.shard
-        if have[0] and have[1]:
+        if with_optimizer and have[0] and have[1]:
             bucket.exp_avg.copy_(state["exp_avg"][shard].to(device))
             bucket.exp_avg_sq.copy_(state["exp_avg_sq"][shard].to(device))
         else:

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from runtime.data_prep.fsutil import atomic_write_bytes, temp_name
+
 MiB = 1024 * 1024
 
 
@@ -22,6 +24,7 @@ class Storage(Protocol):
 
     def put_file(self, key: str, local_path: str) -> None: ...
     def put_bytes(self, key: str, data: bytes) -> None: ...
+    def spool_path(self, key: str) -> str: ...           # where to serialize an object before put_file
     def get_file(self, key: str, local_path: str) -> None: ...
     def get_bytes(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
@@ -60,7 +63,7 @@ class LocalStorage:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         if Path(local_path).parent != dest.parent:
-            tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+            tmp = temp_name(dest)
             shutil.copyfile(local_path, tmp)
             local_path = str(tmp)
         with open(local_path, "rb+") as f:
@@ -69,22 +72,15 @@ class LocalStorage:
         _fsync_dir(dest.parent)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        atomic_write_bytes(self._path(key), data)
+        _fsync_dir(self._path(key).parent)
 
     def spool_path(self, key: str) -> str:
         """Where to serialize an object before put_file: next to its final name, so the rename is atomic and
         nothing is copied twice."""
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        return str(dest.with_name(f".{dest.name}.tmp{os.getpid()}"))
+        return str(temp_name(dest))
 
     def get_file(self, key: str, local_path: str) -> None:
         shutil.copyfile(self._path(key), local_path)

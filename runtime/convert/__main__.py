@@ -26,14 +26,8 @@ from runtime.models import ModelConfig
 MODES = ("export", "import")
 
 
-def _checkpoint_location(cfg: dict) -> str:
-    name = cfg.get("checkpoint_name") or "latest"
-    base = str(cfg["checkpoint_dir"]).rstrip("/")
-    return base if name == "latest" else f"{base}/{name}"
-
-
 def export(cfg: dict) -> Path:
-    storage, checkpoint = resolve_checkpoint(_checkpoint_location(cfg))
+    storage, checkpoint = resolve_checkpoint(cfg["checkpoint_dir"], cfg.get("checkpoint_name"))
     training = read_config(storage, checkpoint)
     tokenizer = cfg.get("tokenizer_model") or training["model"]["tokenizer"]["model"]
     model_cfg = parse_model_config(training["model"], str(tokenizer))
@@ -48,8 +42,8 @@ def export(cfg: dict) -> Path:
     out = save_hf_directory(cfg["output_dir"], state, model_cfg, str(tokenizer), overwrite=bool(cfg.get("overwrite")))
     if cfg.get("include_optimizer"):
         _export_moments(full, names, model_cfg, out)
-    print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at "
-          f"{_layout(checkpoint.meta)}) to {out}")
+    print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at {checkpoint.layout}) "
+          f"to {out}")
     return out
 
 
@@ -65,12 +59,6 @@ def _export_moments(full, names: set[str], model_cfg: ModelConfig, out: Path) ->
             return
         hf_moments, _ = to_hf(moments, model_cfg)
         save_file(hf_moments, str(out / "optimizer" / f"{key}.safetensors"))
-
-
-def _layout(meta: dict) -> str:
-    layout = meta.get("layout", {})
-    return f"tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')}" + (
-        " with ZeRO-1" if layout.get("zero1") else "")
 
 
 def import_hf(cfg: dict) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from runtime.config import parse_training_config
+from runtime.config import TrainingConfig, parse_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import init_device, shutdown
 from runtime.evaluate.model import LoadedModel, forward_logprobs_fn, load_model
@@ -36,9 +36,8 @@ from runtime.step import eval_step
 SPLITS = {"validation_loss": "valid", "test_loss": "test"}
 
 
-def _loss_task(loaded: LoadedModel, device, name: str, split: str, data_prefix, limit_batches: int,
-               index_dir: str | None) -> dict:
-    training = parse_training_config(loaded.training)
+def _loss_task(loaded: LoadedModel, training: TrainingConfig, device, name: str, split: str, data_prefix,
+               limit_batches: int, index_dir: str | None) -> dict:
     data = training.data
     dp = loaded.topo.dp
     dataset = build_split_dataset(
@@ -72,17 +71,22 @@ def run_tasks(cfg: dict, loaded: LoadedModel, device, results_dir: Path) -> list
     max_length = int(cfg.get("max_length") or loaded.cfg.max_position_embeddings)
     batch_size = int(cfg.get("micro_batch_size") or 4)
     limit_batches = int(cfg.get("limit_batches") or 8)
+    # The data the checkpoint was trained on, for the loss tasks (a checkpoint imported from Hugging Face has
+    # no training config beyond its model, and can still run the zero-shot tasks).
+    specs = cfg.get("tasks") or []
+    needs_data = any(isinstance(s, str) or (isinstance(s, dict) and s.get("type") == "loss") for s in specs)
+    training = parse_training_config(loaded.training) if needs_data else None
     results = []
-    for spec in cfg.get("tasks") or []:
+    for spec in specs:
         started = time.perf_counter()
         if isinstance(spec, str):
             if spec not in SPLITS:
                 raise ValueError(f"tasks: {spec!r} is not a built-in task; built-in: {', '.join(SPLITS)}, or give "
                                  f"a mapping with type last_word | multiple_choice | synthetic_demo | loss")
-            data = parse_training_config(loaded.training).data
-            result = _loss_task(loaded, device, spec, SPLITS[spec], data.data_prefix, limit_batches, None)
+            result = _loss_task(loaded, training, device, spec, SPLITS[spec], training.data.data_prefix,
+                                limit_batches, None)
         elif isinstance(spec, dict) and spec.get("type") == "loss":
-            result = _loss_task(loaded, device, str(spec.get("name", "loss")), spec.get("split", "all"),
+            result = _loss_task(loaded, training, device, str(spec.get("name", "loss")), spec.get("split", "all"),
                                 spec["data_prefix"], int(spec.get("limit_batches") or limit_batches),
                                 spec.get("index_mapping_dir"))
         elif isinstance(spec, dict) and spec.get("type") == "synthetic_demo":
@@ -119,19 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = yaml.safe_load(Path(args.config).read_text())
         layout = cfg.get("model") or {}
-        location = str(cfg["checkpoint_dir"]).rstrip("/")
-        if (cfg.get("checkpoint_name") or "latest") != "latest":
-            location = f"{location}/{cfg['checkpoint_name']}"
         device = init_device((cfg.get("trainer") or {}).get("accelerator", "cpu"))
-        loaded = load_model(location, tp=int(layout.get("tensor_model_parallel_size") or 1),
+        loaded = load_model(str(cfg["checkpoint_dir"]), cfg.get("checkpoint_name"), tp=int(layout.get("tensor_model_parallel_size") or 1),
                             pp=int(layout.get("pipeline_model_parallel_size") or 1),
                             vpp=layout.get("virtual_pipeline_model_parallel_size"), device=device,
                             tokenizer_path=cfg.get("tokenizer_model"))
         results_dir = Path(cfg["run"]["results_dir"])
         if device.is_main:
-            saved = loaded.saved_layout
-            print(f"evaluating {loaded.location} (step {loaded.step}, trained at tp {saved.get('tp')} pp "
-                  f"{saved.get('pp')} dp {saved.get('dp')}) at {loaded.topo!r}", flush=True)
+            print(f"evaluating {loaded.location} (step {loaded.step}, trained at {loaded.saved_layout}) at "
+                  f"{loaded.topo!r}", flush=True)
         results = run_tasks(cfg, loaded, device, results_dir)
         if device.is_main:
             write_results(results, results_dir / "results.json", checkpoint=loaded.location, step=loaded.step)

@@ -23,12 +23,12 @@ class LoadedModel:
     training: dict                    # the training config saved with the checkpoint
     location: str                     # where the checkpoint was
     step: int
-    saved_layout: dict
+    saved_layout: str                 # the layout that trained it, for messages
 
 
-def load_model(location: str, *, tp: int, pp: int, vpp: int | None, device, tokenizer_path: str | None = None
-               ) -> LoadedModel:
-    storage, checkpoint = resolve_checkpoint(location)
+def load_model(location: str, name: str | None, *, tp: int, pp: int, vpp: int | None, device,
+               tokenizer_path: str | None = None) -> LoadedModel:
+    storage, checkpoint = resolve_checkpoint(location, name)
     training = read_config(storage, checkpoint)
     tokenizer = tokenizer_path or training["model"]["tokenizer"]["model"]
     cfg = parse_model_config(training["model"], str(tokenizer))
@@ -43,7 +43,7 @@ def load_model(location: str, *, tp: int, pp: int, vpp: int | None, device, toke
     load_checkpoint(storage, checkpoint, model, optimizer, topo, rank=device.rank, with_optimizer=False)
     model.eval()
     return LoadedModel(model, optimizer, topo, cfg, training, f"{storage.root}/{checkpoint.name}",
-                       checkpoint.step, checkpoint.meta.get("layout", {}))
+                       checkpoint.step, checkpoint.layout)
 
 
 def _scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,15 @@ from runtime.parallel import collectives as C
 from runtime.parallel.topology import Topology
 
 
+def full_parameter_name(name: str, param: nn.Parameter) -> str:
+    """The parameter's name in the unsharded model: a replicated-KV projection's `kv_weight` is part of its
+    module's `weight`."""
+    shard = getattr(param, "tp_shard", None)
+    if shard is not None and shard[3] is not None:
+        return name.rsplit(".", 1)[0] + "." + shard[3]
+    return name
+
+
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
     """Every parameter under its unsharded name and shape, on every TP rank (collective over TP).
@@ -24,9 +33,8 @@ def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.
         if shard is None or tp.size == 1:
             full[name] = param.detach().clone()
             continue
-        dim, index, full_size, full_name = shard
-        if full_name is not None:
-            name = name.rsplit(".", 1)[0] + "." + full_name
+        dim, index, full_size, _ = shard
+        name = full_parameter_name(name, param)
         pieces = torch.empty((tp.size, *param.shape), dtype=param.dtype, device=param.device)
         C.all_gather_flat(pieces.view(-1), param.detach().reshape(-1), tp)
         indices = torch.empty((tp.size, index.numel()), dtype=index.dtype, device=index.device)

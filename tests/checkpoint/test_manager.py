@@ -78,7 +78,7 @@ def test_kill_during_write_leaves_previous_checkpoint_latest(tmp_path):
         assert proc.stdout.readline().strip() == "committed step 1"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the spool file of step 2 exists and is being written
-            spools = [p for p in tmp_path.glob("step_00000002.0/.rank_00000.pt.tmp*") if p.stat().st_size > 0]
+            spools = [p for p in tmp_path.glob("step_00000002.0/rank_00000.pt.tmp-*") if p.stat().st_size > 0]
             if spools:
                 break
             time.sleep(0.002)

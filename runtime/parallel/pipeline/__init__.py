@@ -59,14 +59,13 @@ def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topo
 
 
 def collect_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology,
-                     collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], out_shape: Callable,
-                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                     ) -> list[torch.Tensor]:
+                     collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     out_shape: Callable[[torch.Tensor], tuple]) -> list[torch.Tensor]:
     """Forward-only over `batches` (the interleaved order with virtual stages); the last stage applies
     collect(logits, labels) to each micro-batch's full logits. Returns the collected tensors, of shape
     out_shape(input_ids) and float32, on every pp rank (broadcast from the last stage)."""
     p2p = P2P(prev_rank=topo.prev_stage_rank, next_rank=topo.next_stage_rank)
-    run = ScheduleRun(stage, p2p, batches, 1.0, forward_only=True, autocast=autocast, collect=collect)
+    run = ScheduleRun(stage, p2p, batches, 1.0, forward_only=True, collect=collect)
     run.run(schedule_actions(stage, len(batches), forward_only=True))
     out = []
     for index, (input_ids, _, _) in enumerate(batches):
@@ -78,6 +77,6 @@ def collect_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: 
     return out
 
 
-__all__ = ["collect_pipeline", "Action", "P2P", "PipelineStageModel", "SCHEDULES", "ScheduleRun", "all_forward_all_backward",
-           "check_interleaved", "forward_only_schedule", "interleaved_one_f_one_b", "one_f_one_b", "run_pipeline",
-           "schedule_actions", "split_into_stages", "split_layers"]
+__all__ = ["Action", "P2P", "PipelineStageModel", "SCHEDULES", "ScheduleRun", "all_forward_all_backward",
+           "check_interleaved", "collect_pipeline", "forward_only_schedule", "interleaved_one_f_one_b",
+           "one_f_one_b", "run_pipeline", "schedule_actions", "split_into_stages", "split_layers"]
