@@ -69,13 +69,19 @@ def _unknown_choice_error(missing: str) -> UserError:
     )
 
 
-def compose(overrides: list[str]):
-    """The composed (unresolved) DictConfig for these Hydra overrides, or a UserError."""
+def compose(overrides: list[str], warnings: list[str] | None = None):
+    """The composed (unresolved) DictConfig for these Hydra overrides, or a UserError. An NxD Training file given
+    as `training=@FILE` is mapped first (launcher/nxdt_config.py); what it ignores is added to `warnings`."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
+    from launcher import nxdt_config
+
     register_resolvers()
+    overrides, file_warnings = nxdt_config.expand(list(overrides))
+    if warnings is not None:
+        warnings += file_warnings
     typed = list(overrides)
     overrides = [_with_open_map_prefix(o) for o in overrides]
     try:

@@ -63,7 +63,8 @@ def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[
 
 
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
-    cfg = resolve(compose(overrides))
+    file_warnings: list[str] = []
+    cfg = resolve(compose(overrides, file_warnings))
     dry_run = dry_run or bool(cfg.get("dry_run"))
     remote_settings = remote.settings(cfg)
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
@@ -77,7 +78,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         raise UserError(*errors)
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
-    return Plan(cfg, executor, reason, build(cfg), warnings, produced_by, dry_run, remote_settings)
+    return Plan(cfg, executor, reason, build(cfg), file_warnings + warnings, produced_by, dry_run, remote_settings)
 
 
 def build(cfg: dict[str, Any]) -> list[Job]:

@@ -23,20 +23,6 @@ class SlurmError(RuntimeError):
 
 
 
-def slurm_seconds(limit: str) -> int | None:
-    """Seconds in a Slurm time (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None for UNLIMITED or anything else."""
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(limit).strip())
-    if not match:
-        return None
-    days, first, second, third = match.groups()
-    if days is not None:          # D-H[:M[:S]]
-        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
-    elif third is not None:       # H:M:S
-        hours, minutes, seconds = int(first), int(second), int(third)
-    else:                         # M[:S]
-        hours, minutes, seconds = 0, int(first), int(second or 0)
-    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
-
 @dataclass(frozen=True)
 class JobState:
     state: str            # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ... or UNKNOWN

@@ -12,9 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SCHEDULE_NAMES = ("CosineAnnealing", "LinearAnnealing", "Constant")
-# Names other configs use for the same schedules (NeMo's WarmupAnnealing is the linear one).
-_ALIASES = {"WarmupAnnealing": "LinearAnnealing", "LinearAnnealingWithWarmUp": "LinearAnnealing"}
+from runtime.schema import rules
+from runtime.schema.choices import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -27,26 +26,16 @@ class LRSchedule:
     min_lr: float = 0.0
 
     def __post_init__(self):
-        canonical = _ALIASES.get(self.name, self.name)
-        if canonical not in SCHEDULE_NAMES:
-            valid = ", ".join(SCHEDULE_NAMES + tuple(_ALIASES))
-            raise ValueError(f"model.optim.sched.name {self.name!r} is unknown; valid: {valid}")
-        object.__setattr__(self, "name", canonical)
-        for key in ("warmup_steps", "constant_steps"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"model.optim.sched.{key} {getattr(self, key)!r} must be >= 0")
-        if self.lr <= 0:
-            raise ValueError(f"model.optim.lr {self.lr!r} must be > 0")
-        if self.name != "Constant":
-            if not 0 <= self.min_lr <= self.lr:
-                raise ValueError(
-                    f"model.optim.sched.min_lr {self.min_lr!r} must be between 0 and model.optim.lr {self.lr}"
-                )
-            if self.warmup_steps + self.constant_steps > self.max_steps:
-                raise ValueError(
-                    f"model.optim.sched.warmup_steps {self.warmup_steps} + constant_steps {self.constant_steps} "
-                    f"exceeds trainer.max_steps {self.max_steps}"
-                )
+        # The schema's rules (the training config was checked with them already; this is for code that builds one).
+        p = "training."
+        problems = [SCHEDULES.problem(f"{p}model.optim.sched.name", self.name), rules.learning_rate(self.lr, p),
+                    rules.min_lr(self.min_lr, self.lr, SCHEDULES.canonical(self.name), p),
+                    rules.schedule_fits(self.warmup_steps, self.constant_steps, self.max_steps, p)]
+        problems += [f"{p}model.optim.sched.{key}: {getattr(self, key)!r} must be an integer >= 0"
+                     for key in ("warmup_steps", "constant_steps") if getattr(self, key) < 0]
+        if any(problems):
+            raise ValueError(next(problem for problem in problems if problem))
+        object.__setattr__(self, "name", SCHEDULES.canonical(self.name))
 
     @property
     def decay_steps(self) -> int:

@@ -17,7 +17,9 @@ import dataclasses
 
 import torch
 
-PRECISION_TYPES = ("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast")
+from runtime.schema import choices
+
+PRECISION_TYPES = tuple(choices.PRECISION_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,8 @@ _POLICIES = {
 
 
 def validate_precision(name: str) -> str:
-    if name not in _POLICIES:
-        raise ValueError(f"precision.type={name!r} is not one of {list(PRECISION_TYPES)}")
+    if problem := choices.PRECISION_TYPES.problem("training.precision.type", name):
+        raise ValueError(problem)
     return name
 
 

@@ -186,9 +186,6 @@ def _one_line(error: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
-    parser.add_argument("--check", action="store_true",
-                        help="only load and check the config, tokenizer and data files, then exit (0 ok, 2 error); "
-                             "a job script can run this before torchrun to turn mistakes into one clean line")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
@@ -196,11 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         # Every rank reads the same file and fails the same way: one line is enough.
         if rank == 0:
-            print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+            for line in getattr(error, "problems", None) or [_one_line(error)]:
+                print(f"error: {line}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
-    if args.check:
-        print(f"{args.config}: ok ({cfg.model.architecture}, padded vocabulary {cfg.model.vocab_size})")
-        return 0
     device = None
     try:
         device = init_device(cfg.trainer.accelerator)

@@ -1,6 +1,6 @@
 # The layout grid of an autoconfig search: every combination of tensor, pipeline and virtual pipeline sizes,
-# micro-batch size and activation checkpointing, kept when the launcher's own layout arithmetic accepts it
-# (launcher.validate.training), the runtime's extra rules hold, and the memory estimate fits the device; ranked
+# micro-batch size and activation checkpointing, kept when the schema's rules accept it (runtime/schema, the same
+# rules as at launch and on the node) and the memory estimate fits the device; ranked
 # by the estimator's step time. Pure functions of the base training config and the search settings.
 from __future__ import annotations
 
@@ -113,19 +113,6 @@ def apply(training: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def runtime_problems(training: dict[str, Any], vocab: int) -> list[str]:
-    """What the runtime refuses at load time beyond the launcher's checks (runtime/config.py, parallel/dims.py)."""
-    model, tp = training["model"], training["model"]["tensor_model_parallel_size"]
-    problems = []
-    if training["trainer"]["devices"] % tp:
-        problems.append(f"tp {tp} does not divide the {training['trainer']['devices']} devices per node")
-    if model["ffn_hidden_size"] % tp:
-        problems.append(f"tp {tp} does not divide ffn_hidden_size {model['ffn_hidden_size']}")
-    if vocab % tp:
-        problems.append(f"tp {tp} does not divide the padded vocabulary {vocab}")
-    return problems
-
-
 def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | None, mfu: float | None,
          vocab_size: int | None, neuron_hardware: str | None = None,
          node_memory_bytes: float | None = None) -> list[Ranked]:
@@ -133,16 +120,13 @@ def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | Non
     ranked = []
     for candidate in candidates:
         training = apply(base, candidate.settings())
-        errors = validate.training(training)
+        errors = validate.training(training, vocab_size=vocab_size)
         if errors:
             ranked.append(Ranked(candidate, None, "invalid: " + errors[0]))
             continue
         result = estimate(training, device=device, mfu=mfu, vocab_size=vocab_size, neuron_hardware=neuron_hardware,
                           node_memory_bytes=node_memory_bytes)
-        problems = runtime_problems(training, result.shape.vocab_size)
-        if problems:
-            ranked.append(Ranked(candidate, result, "invalid: " + problems[0]))
-        elif not result.fits:
+        if not result.fits:
             ranked.append(Ranked(candidate, result, f"estimated {result.memory.total / 2**30:.1f} GiB > "
                                                     f"{result.hardware.usable_bytes / 2**30:.1f} GiB usable"))
         else:

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from launcher.errors import UserError
-from launcher.slurm import slurm_seconds
+from runtime.schema.rules import slurm_seconds
 
 STAGE = "cluster_validation"
 _TOP_LEVEL = ("stages", "cluster_type", "dry_run", "run_name", "base_results_dir", "data_dir", "launcher_scripts_path",

@@ -13,7 +13,7 @@ import math
 import click
 
 from launcher.errors import UserError
-from launcher.slurm import slurm_seconds
+from runtime.schema.rules import slurm_seconds
 
 GIB = 2**30
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from launcher.errors import UserError
+from runtime.schema.model import tokenizer_vocab_size
+from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
 # Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
 # tokenizer file (a laptop planning a cluster run). Matched against the tokenizer path; the file wins if present.
@@ -72,35 +73,16 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
 
-def padded_vocab(vocab: int, divisible_by: int) -> int:
-    """As runtime/models/config.py pads: up to a multiple of make_vocab_size_divisible_by, whatever the layout."""
-    return math.ceil(vocab / divisible_by) * divisible_by
-
-
-def tokenizer_vocab_size(path: str) -> int | None:
-    """Vocabulary of a Hugging Face tokenizer.json read as JSON (no tokenizers import): the largest token id + 1
-    over the model's vocabulary and the added tokens. None when the file is not here."""
-    file = Path(path)
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-        vocab = data["model"]["vocab"]
-        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # BPE dict / Unigram list
-        ids += [token["id"] for token in data.get("added_tokens") or []]
-        return max(ids) + 1
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int:
     """The unpadded vocabulary: --vocab-size, else the tokenizer file, else a known tokenizer named in its path."""
     if override:
         return int(override)
     path = str((training["model"].get("tokenizer") or {}).get("model") or "")
-    size = tokenizer_vocab_size(path) if path else None
-    if size is not None:
-        return size
+    if path and Path(path).is_file():
+        try:
+            return tokenizer_vocab_size(path)
+        except ValueError:
+            pass  # unreadable here: a known tokenizer named in the path, or --vocab-size
     for key, known in KNOWN_VOCABULARIES.items():
         if key in path:
             return known

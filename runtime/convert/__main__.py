@@ -22,14 +22,12 @@ from runtime.checkpoint.shards import TIED
 from runtime.config import parse_model_config, tokenizer_vocab_size
 from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
 from runtime.models import ModelConfig
+from runtime.schema.conversion import ConversionConfig, parse_conversion
 
-MODES = ("export", "import")
-
-
-def export(cfg: dict) -> Path:
-    storage, checkpoint = resolve_checkpoint(cfg["checkpoint_dir"], cfg.get("checkpoint_name"))
+def export(cfg: ConversionConfig) -> Path:
+    storage, checkpoint = resolve_checkpoint(cfg.checkpoint_dir, cfg.checkpoint_name)
     training = read_config(storage, checkpoint)
-    tokenizer = cfg.get("tokenizer_model") or training["model"]["tokenizer"]["model"]
+    tokenizer = cfg.tokenizer_model or training["model"]["tokenizer"]["model"]
     model_cfg = parse_model_config(training["model"], str(tokenizer))
     full = full_tensors(read_rank_files(storage, checkpoint.name))
     names = set(state_shapes(model_cfg))
@@ -39,8 +37,8 @@ def export(cfg: dict) -> Path:
     if missing:
         raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} lacks {', '.join(missing[:3])}: it was saved "
                          f"from a different model")
-    out = save_hf_directory(cfg["output_dir"], state, model_cfg, str(tokenizer), overwrite=bool(cfg.get("overwrite")))
-    if cfg.get("include_optimizer"):
+    out = save_hf_directory(cfg.output_dir, state, model_cfg, str(tokenizer), overwrite=cfg.overwrite)
+    if cfg.include_optimizer:
         _export_moments(full, names, model_cfg, out)
     print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at {checkpoint.layout}) "
           f"to {out}")
@@ -61,17 +59,15 @@ def _export_moments(full, names: set[str], model_cfg: ModelConfig, out: Path) ->
         save_file(hf_moments, str(out / "optimizer" / f"{key}.safetensors"))
 
 
-def import_hf(cfg: dict) -> str:
-    source = cfg.get("hf_checkpoint_dir")
-    if not source:
-        raise ValueError("hf_checkpoint_dir is missing: give the Hugging Face model directory to import")
+def import_hf(cfg: ConversionConfig) -> str:
+    source = cfg.hf_checkpoint_dir
     state, keys, tokenizer = load_hf_directory(source)
     vocab = tokenizer_vocab_size(tokenizer) if tokenizer else None
     # The model section a training recipe needs to continue from these weights.
     model = {**keys, "tokenizer": {"library": "huggingface", "model": tokenizer}}
     if vocab:
         ModelConfig.from_model_section(keys, vocab)  # the padded vocabulary must come out at HF's size
-    location = write_full_checkpoint(str(cfg["checkpoint_dir"]), 0, state,
+    location = write_full_checkpoint(cfg.checkpoint_dir, 0, state,
                                      config={"model": model, "imported_from": str(source)})
     overrides = " ".join(f"training.model.{k}={v}" for k, v in keys.items() if v is not None)
     print(f"imported {source} to {location}\ncontinue training from it with "
@@ -85,13 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        cfg = yaml.safe_load(Path(args.config).read_text())
-        mode = cfg.get("mode", "export")
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} is invalid; valid: {', '.join(MODES)}")
-        export(cfg) if mode == "export" else import_hf(cfg)
+        cfg, report = parse_conversion(yaml.safe_load(Path(args.config).read_text()))
+        report.raise_if_any()
+        export(cfg) if cfg.mode == "export" else import_hf(cfg)
     except (ValueError, FileNotFoundError) as error:
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        for line in getattr(error, "problems", None) or [" ".join(str(error).split())]:
+            print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     print(f"conversion done in {time.perf_counter() - started:.1f} s")
     return 0

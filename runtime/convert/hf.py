@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.models.config import ModelConfig
+from runtime.schema.model import ModelConfig
 from runtime.models.gpt import GPTModel
 from runtime.models.llama import LlamaModel
 

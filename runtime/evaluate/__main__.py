@@ -31,9 +31,9 @@ from runtime.evaluate.model import LoadedModel, forward_logprobs_fn, load_model
 from runtime.evaluate.report import print_table, write_results
 from runtime.evaluate.synthetic import build_demo_task
 from runtime.evaluate.tasks import evaluate_task, load_task
+from runtime.schema.evaluation import EvaluationConfig, parse_evaluation
 from runtime.step import eval_step
 
-SPLITS = {"validation_loss": "valid", "test_loss": "test"}
 
 
 def _loss_task(loaded: LoadedModel, training: TrainingConfig, device, name: str, split: str, data_prefix,
@@ -64,50 +64,40 @@ def _tokenizer(path: str):
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def run_tasks(cfg: dict, loaded: LoadedModel, device, results_dir: Path) -> list[dict]:
-    tokenizer_path = cfg.get("tokenizer_model") or loaded.training["model"]["tokenizer"]["model"]
+def run_tasks(cfg: EvaluationConfig, loaded: LoadedModel, device, results_dir: Path) -> list[dict]:
+    tokenizer_path = cfg.tokenizer_model or loaded.training["model"]["tokenizer"]["model"]
     tokenize = _tokenizer(str(tokenizer_path))
     forward = forward_logprobs_fn(loaded, device)
-    max_length = int(cfg.get("max_length") or loaded.cfg.max_position_embeddings)
-    batch_size = int(cfg.get("micro_batch_size") or 4)
-    limit_batches = int(cfg.get("limit_batches") or 8)
+    max_length = cfg.max_length or loaded.cfg.max_position_embeddings
+    batch_size, limit_batches = cfg.micro_batch_size, cfg.limit_batches
     # The data the checkpoint was trained on, for the loss tasks (a checkpoint imported from Hugging Face has
     # no training config beyond its model, and can still run the zero-shot tasks).
-    specs = cfg.get("tasks") or []
-    needs_data = any(isinstance(s, str) or (isinstance(s, dict) and s.get("type") == "loss") for s in specs)
+    needs_data = any(spec.type == "loss" for spec in cfg.tasks)
     training = parse_training_config(loaded.training) if needs_data else None
     results = []
-    for spec in specs:
+    for spec in cfg.tasks:
         started = time.perf_counter()
-        if isinstance(spec, str):
-            if spec not in SPLITS:
-                raise ValueError(f"tasks: {spec!r} is not a built-in task; built-in: {', '.join(SPLITS)}, or give "
-                                 f"a mapping with type last_word | multiple_choice | synthetic_demo | loss")
-            result = _loss_task(loaded, training, device, spec, SPLITS[spec], training.data.data_prefix,
-                                limit_batches, None)
-        elif isinstance(spec, dict) and spec.get("type") == "loss":
-            result = _loss_task(loaded, training, device, str(spec.get("name", "loss")), spec.get("split", "all"),
-                                spec["data_prefix"], int(spec.get("limit_batches") or limit_batches),
-                                spec.get("index_mapping_dir"))
-        elif isinstance(spec, dict) and spec.get("type") == "synthetic_demo":
-            corpus = sorted(glob.glob(os.path.join(str(spec.get("corpus", "")), "*.jsonl")))
+        options = spec.options
+        if spec.type == "loss":
+            result = _loss_task(loaded, training, device, spec.name, options.get("split", "all"),
+                                options.get("data_prefix") or training.data.data_prefix,
+                                int(options.get("limit_batches") or limit_batches), options.get("index_mapping_dir"))
+        elif spec.type == "synthetic_demo":
+            corpus = sorted(glob.glob(os.path.join(str(options.get("corpus", "")), "*.jsonl")))
             if not corpus:
-                raise ValueError(f"tasks[{spec.get('name', 'synthetic_demo')}].corpus: no .jsonl files in "
-                                 f"{spec.get('corpus')!r}; run the demo data_preparation stage first")
-            path = results_dir / "tasks" / f"{spec.get('name', 'demo_code_lines')}.jsonl"
+                raise ValueError(f"tasks[{spec.name}].corpus: no .jsonl files in {options.get('corpus')!r}; run the "
+                                 f"demo data_preparation stage first")
+            path = results_dir / "tasks" / f"{spec.name}.jsonl"
             if device.is_main:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                build_demo_task(corpus, str(path), num_examples=int(spec.get("num_examples", 200)),
-                                seed=int(spec.get("seed", 0)))
+                build_demo_task(corpus, str(path), num_examples=int(options.get("num_examples", 200)),
+                                seed=int(options.get("seed", 0)))
             device.barrier()
-            task = load_task({"name": spec.get("name", "demo_code_lines"), "type": "multiple_choice",
-                              "path": str(path)})
-            result = evaluate_task(task, tokenize, forward, max_length=max_length, batch_size=batch_size)
-        elif isinstance(spec, dict):
-            task = load_task(spec)
+            task = load_task({"name": spec.name, "type": "multiple_choice", "path": str(path)})
             result = evaluate_task(task, tokenize, forward, max_length=max_length, batch_size=batch_size)
         else:
-            raise ValueError(f"tasks: {spec!r} is neither a built-in task name nor a mapping")
+            task = load_task({**options, "name": spec.name, "type": spec.type})
+            result = evaluate_task(task, tokenize, forward, max_length=max_length, batch_size=batch_size)
         if device.is_main:
             print(f"{result['task']}: done in {time.perf_counter() - started:.1f} s", flush=True)
         results.append(result)
@@ -121,14 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0") or 0)
     device = None
     try:
-        cfg = yaml.safe_load(Path(args.config).read_text())
-        layout = cfg.get("model") or {}
-        device = init_device((cfg.get("trainer") or {}).get("accelerator", "cpu"))
-        loaded = load_model(str(cfg["checkpoint_dir"]), cfg.get("checkpoint_name"), tp=int(layout.get("tensor_model_parallel_size") or 1),
-                            pp=int(layout.get("pipeline_model_parallel_size") or 1),
-                            vpp=layout.get("virtual_pipeline_model_parallel_size"), device=device,
-                            tokenizer_path=cfg.get("tokenizer_model"))
-        results_dir = Path(cfg["run"]["results_dir"])
+        cfg, report = parse_evaluation(yaml.safe_load(Path(args.config).read_text()))
+        report.raise_if_any()
+        device = init_device(cfg.accelerator)
+        loaded = load_model(cfg.checkpoint_dir, cfg.checkpoint_name, tp=cfg.tp, pp=cfg.pp, vpp=cfg.virtual_pp,
+                            device=device, tokenizer_path=cfg.tokenizer_model)
+        results_dir = Path(cfg.results_dir)
         if device.is_main:
             print(f"evaluating {loaded.location} (step {loaded.step}, trained at {loaded.saved_layout}) at "
                   f"{loaded.topo!r}", flush=True)
@@ -140,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as error:
         if rank == 0:
             message = f"{error!s}" if not isinstance(error, KeyError) else f"{error.args[0]} is missing"
-            print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+            for line in getattr(error, "problems", None) or [" ".join(message.split())]:
+                print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     finally:
         if device is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.models.config import ARCHITECTURES, ModelConfig, padded_vocab_size
+from runtime.schema.model import ModelConfig, padded_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.llama import LlamaModel
 from runtime.models.transformer import CausalLM
@@ -24,4 +24,4 @@ def build_model(cfg: ModelConfig) -> CausalLM:
     return model
 
 
-__all__ = ["ARCHITECTURES", "CausalLM", "ModelConfig", "build_model", "padded_vocab_size"]
+__all__ = ["CausalLM", "ModelConfig", "build_model", "padded_vocab_size"]

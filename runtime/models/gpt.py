@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from runtime.models.config import ModelConfig
+from runtime.schema.model import ModelConfig
 from runtime.models.layers import Attention, Block, GeluMLP
 from runtime.models.transformer import CausalLM, Embeddings
 

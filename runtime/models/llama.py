@@ -2,7 +2,7 @@
 # no biases, output head untied unless share_embeddings_and_output_weights says otherwise.
 from __future__ import annotations
 
-from runtime.models.config import ModelConfig
+from runtime.schema.model import ModelConfig
 from runtime.models.layers import Attention, Block, RMSNorm, RotaryEmbedding, SwiGLU
 from runtime.models.transformer import CausalLM, Embeddings
 

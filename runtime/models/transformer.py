@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from runtime.models.config import ModelConfig
+from runtime.schema.model import ModelConfig
 from runtime.models.layers import Block, RotaryEmbedding, TokenCrossEntropy
 
 # Linears that write into the residual stream get Megatron's scaled init, std / sqrt(2 * num_layers),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from runtime.schema import rules
+
 AXES = ("tp", "dp", "pp")
 
 
@@ -31,18 +33,17 @@ class ParallelDims:
                 f"{self.tp * self.pp * self.dp} != world_size({self.world_size}); world_size is "
                 f"trainer.num_nodes * trainer.devices, tp is model.tensor_model_parallel_size, "
                 f"pp is model.pipeline_model_parallel_size")
-        if self.devices_per_node is not None and self.devices_per_node % self.tp:
-            raise ValueError(
-                f"model.tensor_model_parallel_size={self.tp} must divide trainer.devices={self.devices_per_node} "
-                f"so every tensor-parallel group stays inside one node")
+        if self.devices_per_node is not None and (problem := rules.tp_within_node(self.tp, self.devices_per_node,
+                                                                                   "training.")):
+            raise ValueError(problem)
 
     @classmethod
     def infer_dp(cls, tp: int, pp: int, world_size: int, devices_per_node: int | None = None) -> "ParallelDims":
         """The usual case: data parallelism takes whatever tp and pp leave of the world."""
-        if tp < 1 or pp < 1 or world_size % (tp * pp):
-            raise ValueError(f"world_size({world_size}) is not divisible by tp({tp}) * pp({pp}) = {tp * pp}; "
-                             f"choose model.tensor_model_parallel_size and model.pipeline_model_parallel_size "
-                             f"whose product divides trainer.num_nodes * trainer.devices")
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp ({tp}) and pp ({pp}) must be >= 1")
+        if problem := rules.world_divisible(world_size, f"the world size {world_size}", tp, pp, "training."):
+            raise ValueError(problem)
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
                    devices_per_node=devices_per_node)
 

@@ -9,13 +9,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.models.layers import Block, GeluMLP, SwiGLU
+from runtime.schema import rules
+from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
 from runtime.models.transformer import CausalLM
 from runtime.parallel import collectives as C
 from runtime.parallel import layers as L
 from runtime.parallel.topology import AxisGroup, Topology
 
-CHECKPOINT_GRANULARITIES = (None, "full", "selective")
-RECOMPUTE_MODULES = ("core_attention", "mlp")
 
 
 def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: bool = False,
@@ -30,13 +30,13 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     With pp > 1 the result is this rank's PipelineStageModel (runtime/parallel/pipeline), holding `virtual_pp`
     model chunks (None or 1: one), run by train_step/eval_step through a pipeline schedule.
     """
-    if activation_checkpointing not in CHECKPOINT_GRANULARITIES:
-        raise ValueError(f"model.activations_checkpoint_granularity={activation_checkpointing!r} is not one of "
-                         f"{list(CHECKPOINT_GRANULARITIES)}")
-    unknown = sorted(set(recompute_modules) - set(RECOMPUTE_MODULES))
-    if activation_checkpointing == "selective" and unknown:
-        raise ValueError(f"model.activations_checkpoint_recompute has {unknown}; valid modules are "
-                         f"{list(RECOMPUTE_MODULES)}")
+    problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
+                                                 activation_checkpointing)]
+    problems += [RECOMPUTE_MODULES.problem("training.model.activations_checkpoint_recompute", name)
+                 for name in recompute_modules]
+    if any(problems):
+        raise ValueError(next(p for p in problems if p))
+    recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
     if topo.tp.size > 1:
         apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
     if activation_checkpointing == "full":
@@ -54,15 +54,11 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
 
 def check_tensor_parallel(cfg, tp: int) -> None:
     """The ValueErrors a user can hit for a given tensor_model_parallel_size (also usable before building)."""
-    key = "model.tensor_model_parallel_size"
-    checks = [("model.num_attention_heads", cfg.num_attention_heads), ("model.ffn_hidden_size", cfg.ffn_hidden_size),
-              ("padded vocab size (model.make_vocab_size_divisible_by)", cfg.vocab_size)]
-    for name, value in checks:
-        if value % tp:
-            raise ValueError(f"{key}={tp} must divide {name}={value}")
-    if cfg.kv_heads % tp and tp % cfg.kv_heads:
-        raise ValueError(f"{key}={tp} and model.num_query_groups={cfg.kv_heads} must divide one another "
-                         f"(KV heads are split when tp divides them and replicated when they divide tp)")
+    p = "training."
+    problems = [rules.heads_tp(cfg.num_attention_heads, tp, p), rules.ffn_tp(cfg.ffn_hidden_size, tp, p),
+                rules.vocab_tp(cfg.vocab_size, 1, tp, p), rules.kv_heads_tp(cfg.kv_heads, tp, p)]
+    if any(problems):
+        raise ValueError(next(problem for problem in problems if problem))
 
 
 def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel: bool) -> None:

@@ -122,15 +122,3 @@ def test_config_error_is_one_line_and_exit_code_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
     assert "Traceback" not in result.stderr
-
-
-def test_check_flag_validates_without_training(workdir, reference_config, tmp_path):
-    root, _ = workdir
-    config = _config(root, reference_config, "gpt", tp=1, devices=1, name="gpt_check")
-    from runtime.train import main
-
-    assert main(["--config", str(config), "--check"]) == 0
-    assert not (root / "gpt_check").exists()  # nothing was trained or written
-    broken = tmp_path / "broken.yaml"
-    broken.write_text(config.read_text().replace("tensor_model_parallel_size: 1", "tensor_model_parallel_size: 3"))
-    assert main(["--config", str(broken), "--check"]) == 2

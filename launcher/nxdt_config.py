@@ -1,0 +1,293 @@
+"""NxD Training YAML files as they are: `nxdt-launch training=@hf_llama3_8B_config.yaml` maps every key we
+support onto our training keys (and the Neuron compiler keys onto cluster.neuron), names the keys it ignores as
+warnings, and refuses the keys it cannot honour in one error. `nxdt-launch explain-config FILE` prints the mapping.
+
+The result is registered as a Hydra config (training=<name>) on top of the family's base recipe, so the user's own
+overrides on the same command line still win and every rule of the schema runs on the result.
+Pure apart from reading the file (and the config.json it points at): nothing is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.errors import UserError
+
+# NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place.
+MAPPED: dict[str, str] = {
+    "name": "training.run.name",
+    "seed": "training.model.seed",
+    **{f"trainer.{k}": f"training.trainer.{k}" for k in (
+        "devices", "num_nodes", "max_steps", "log_every_n_steps", "val_check_interval", "limit_val_batches",
+        "gradient_clip_val")},
+    **{f"exp_manager.{k}": f"training.exp_manager.{k}" for k in (
+        "create_tensorboard_logger", "create_wandb_logger", "resume_if_exists", "create_checkpoint_callback",
+        "resume_from_checkpoint")},
+    **{f"exp_manager.checkpoint_callback_params.{k}": f"training.exp_manager.checkpoint_callback_params.{k}"
+       for k in ("save_top_k", "every_n_train_steps", "save_last", "dirpath")},
+    "exp_manager.async_checkpointing": "training.exp_manager.checkpoint_callback_params.async_save",
+    **{f"distributed_strategy.{k}": f"training.model.{k}" for k in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "zero1", "sequence_parallel")},
+    "data.micro_batch_size": "training.model.micro_batch_size",
+    "data.global_batch_size": "training.model.global_batch_size",
+    "data.seq_length": "training.model.data.seq_length",
+    "data.train_dir": "training.model.data.data_prefix",
+    "data.tokenizer.type": "training.model.tokenizer.model",
+    **{f"model.{k}": f"training.model.{k}" for k in (
+        "model_config", "encoder_seq_length", "max_position_embeddings", "num_layers", "hidden_size",
+        "ffn_hidden_size", "num_attention_heads", "num_query_groups", "init_method_std", "hidden_dropout",
+        "attention_dropout", "layernorm_epsilon", "make_vocab_size_divisible_by",
+        "share_embeddings_and_output_weights", "activations_checkpoint_granularity",
+        "activations_checkpoint_recompute")},
+    "model.rope_theta": "training.model.rotary_base",
+    **{f"model.optim.{k}": f"training.model.optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")},
+    **{f"model.optim.sched.{k}": f"training.model.optim.sched.{k}" for k in (
+        "name", "warmup_steps", "constant_steps", "min_lr", "max_steps")},
+    "precision.type": "training.precision.type",
+    "compiler_flags": "cluster.neuron.compiler_flags",
+    "compiler_cache_url": "cluster.neuron.compile.cache",
+    "aync_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",  # NxD's own spelling
+    "async_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",
+}
+
+# Keys whose effect nxdt-launch already has (or that only tune NxD's own implementation): ignoring them is safe.
+IGNORED: dict[str, str] = {
+    "model_source": "the architecture comes from model_config or model.architecture",
+    "trainer.max_epochs": "training is step based (trainer.max_steps)",
+    "trainer.check_val_every_n_epoch": "training is step based (trainer.val_check_interval)",
+    "trainer.num_sanity_val_steps": "no sanity validation is run",
+    "trainer.limit_test_batches": "the test split is scored by the evaluation stage",
+    "exp_manager.log_local_rank_0_only": "only rank 0 logs",
+    "exp_manager.explicit_log_dir": "logs go to the training stage's results directory",
+    "exp_manager.exp_dir": "logs go to the training stage's results directory",
+    "exp_manager.name": "the run is named by `name`",
+    "exp_manager.resume_ignore_no_checkpoint": "resume_if_exists starts fresh when there is no checkpoint",
+    "exp_manager.checkpoint_callback_params.monitor": "checkpoints are kept newest-first (save_top_k)",
+    "exp_manager.checkpoint_callback_params.mode": "checkpoints are kept newest-first (save_top_k)",
+    "exp_manager.checkpoint_callback_params.filename": "checkpoint directories are named step_<N>.<launch>",
+    "exp_manager.checkpoint_callback_params.model_parallel_size": "derived from the layout",
+    "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt": "checkpoints always hold what resume needs",
+    "exp_manager.log_parameter_norm": "not logged",
+    "exp_manager.log_gradient_norm": "the gradient norm is logged at every logged step",
+    "exp_manager.enable_recovery_time_instrumentation": "not logged",
+    "exp_manager.save_xser": "checkpoints use nxdt-launch's own sharded format",
+    "exp_manager.load_xser": "checkpoints use nxdt-launch's own sharded format",
+    "exp_manager.save_bf16": "checkpoints keep the training dtype",
+    "distributed_strategy.kv_replicator": "KV heads are replicated to tensor_model_parallel_size automatically",
+    "model.qkv_linear": "QKV is one fused column-parallel linear",
+    "model.fuse_qkv": "QKV is one fused column-parallel linear",
+    "model.use_cpu_initialization": "weights are initialized on the host, then sharded",
+    "model.fusions": "kernel fusions are the backend's choice",
+    "model.optim.capturable": "an implementation detail of NxD's optimizer",
+    "precision.master_weights": "set by precision.type (used only with type: manual)",
+    "precision.fp32_grad_acc": "set by precision.type (used only with type: manual)",
+    "precision.xla_use_bf16": "set by precision.type (used only with type: manual)",
+    "precision.xla_downcast_bf16": "set by precision.type (used only with type: manual)",
+    "precision.neuron_rt_stochastic_rounding_en": "set by precision.type (used only with type: manual)",
+    "bucket_size_collectives": "collectives are bucketed by the runtime",
+    "neuron_rt_exec_timeout": "the Neuron runtime's default applies",
+    "neuron_experimental_compress_rg": "the Neuron runtime's default applies",
+    "data.dev_choose_samples": "not needed: every sample is used",
+    "data.val_dir": "validation uses the validation split of data_prefix (splits_string)",
+}
+
+# Ignored, but it changes training a little: said as a warning that names the difference.
+DIFFERS = {
+    "model.do_layer_norm_weight_decay": (True, "nxdt-launch never applies weight decay to norm weights and biases "
+                                               "(Megatron's choice), so this run differs slightly from NxD's"),
+}
+
+# What nxdt-launch cannot do yet: refused, with where it is heading.
+UNSUPPORTED: dict[str, str] = {
+    "model_alignment_strategy": "fine-tuning and alignment stages (SFT, DPO, ORPO) are not built yet",
+    "model.peft": "LoRA is not built yet",
+    "model.moe": "mixture-of-experts models are not built yet",
+    "model.num_local_experts": "mixture-of-experts models are not built yet",
+    "distributed_strategy.expert_model_parallel_size": "expert parallelism is not built yet",
+    "distributed_strategy.context_parallel_size": "context parallelism is not built yet",
+}
+
+# Values that are the default here and so need no mapping (a key with another value is refused).
+NEUTRAL = {"distributed_strategy.context_parallel_size": 1, "distributed_strategy.expert_model_parallel_size": 1}
+
+
+@dataclass
+class Mapping:
+    """What one NxD Training file becomes."""
+
+    source: Path
+    training: dict[str, Any]                  # the training group's config (a defaults list + our keys)
+    cluster: dict[str, Any]                   # cluster.* overrides (the Neuron compiler keys)
+    rows: list[tuple[str, Any, str]] = field(default_factory=list)   # (NxD key, value, what became of it)
+    warnings: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The Hydra choice it is registered under: stable for a given file content."""
+        digest = hashlib.sha256(repr(sorted(_flatten(self.training).items())).encode()).hexdigest()[:10]
+        return f"_imported_{self.source.stem.replace('.', '_')}_{digest}"
+
+
+def is_file_choice(value: str) -> bool:
+    return value.startswith("@")
+
+
+def load(path: str) -> dict[str, Any]:
+    """The file resolved on its own (its interpolations, e.g. ${trainer.max_steps}, refer to its own keys)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launcher.compose import register_resolvers
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"training=@{path}: no such file; give the path of an NxD Training or NeMo-Launcher "
+                        f"training YAML")
+    register_resolvers()
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    except (OmegaConfBaseException, ValueError, OSError) as error:
+        raise UserError(f"training=@{path}: cannot be read as YAML ({str(error).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"training=@{path}: holds {type(data).__name__}, not a training config mapping")
+    return data
+
+
+def map_file(path: str) -> Mapping:
+    data = load(path)
+    flat = _flatten(data)
+    result = Mapping(Path(path), {}, {})
+    training: dict[str, Any] = {}
+    for key, value in flat.items():
+        top = _match(key, UNSUPPORTED)
+        if top is not None and NEUTRAL.get(key, object()) != value:
+            result.errors.append(f"training=@{path}: {key} is not supported: {UNSUPPORTED[top]}")
+            result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
+        elif key in MAPPED:
+            target = MAPPED[key]
+            converted = _convert(key, value)
+            if target.startswith("cluster."):
+                _put(result.cluster, target[len("cluster."):], converted)
+            else:
+                _put(training, target[len("training."):], converted)
+            result.rows.append((key, value, target if converted == value else f"{target} = {converted!r}"))
+        elif key in NEUTRAL:
+            result.rows.append((key, value, "the default here"))
+        elif (ignored := _match(key, IGNORED)) is not None:
+            result.rows.append((key, value, "ignored: " + IGNORED[ignored]))
+        elif key in DIFFERS:
+            expected, why = DIFFERS[key]
+            result.rows.append((key, value, "the default here" if value != expected else f"differs: {why}"))
+            if value == expected:
+                result.warnings.append(f"training=@{path}: {key}: {value!r} is ignored: {why}")
+        else:
+            result.rows.append((key, value, "unknown"))
+            result.errors.append(f"training=@{path}: {key} is not an NxD Training key nxdt-launch knows; remove it "
+                                 f"(`nxdt-launch explain-config {path}` lists every key and what it maps to)")
+    if result.errors:
+        return result
+    result.training = _with_base(training, data)
+    ignored = [key for key, _, what in result.rows if what.startswith("ignored: ")]
+    if ignored:
+        result.warnings.append(f"training=@{path}: {len(ignored)} keys ignored, whose effect nxdt-launch has already or "
+                               f"that tune NxD's own implementation ({', '.join(ignored[:3])}, ...); "
+                               f"`nxdt-launch explain-config {path}` lists each with the reason")
+    return result
+
+
+def _with_base(training: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """On top of the family's smallest recipe (run keys, checkpoint defaults, data splits): the file's keys, and
+    nulls for every shape key that config.json (model.model_config) supplies, so nothing of the base's shape
+    leaks into the imported model."""
+    model = training.setdefault("model", {})
+    family = "gpt3/tiny" if "gpt" in str(data.get("name", "")) and "model_config" not in model else "llama/tiny"
+    training.setdefault("trainer", {})["accelerator"] = "neuron"  # NxD Training runs on Trainium
+    if "model_config" in model:
+        for key in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "rotary_base", "layernorm_epsilon", "share_embeddings_and_output_weights",
+                    "make_vocab_size_divisible_by", "max_position_embeddings"):
+            model.setdefault(key, None)
+        tokenizer = model.setdefault("tokenizer", {})
+        tokenizer.setdefault("model", None)
+    seq = model.get("encoder_seq_length") or (model.get("data") or {}).get("seq_length")
+    if seq is not None:
+        model.setdefault("encoder_seq_length", seq)
+        model.setdefault("data", {}).setdefault("seq_length", seq)
+    model.setdefault("data", {}).setdefault("data_prefix", None)
+    # NxD Training's own defaults where the base recipe's would differ: decay to 0, no time limit of its own.
+    sched = model.setdefault("optim", {}).setdefault("sched", {})
+    sched.setdefault("min_lr", 0.0)
+    sched.setdefault("constant_steps", 0)
+    training.setdefault("run", {}).setdefault("time_limit", "UNLIMITED")
+    if model.get("virtual_pipeline_model_parallel_size") == 1:
+        model["virtual_pipeline_model_parallel_size"] = None  # NxD writes 1 for "no interleaving"
+    return {"defaults": [f"/training/{family}@_here_", "_self_"], **training}
+
+
+def _convert(key: str, value: Any) -> Any:
+    if key == "data.tokenizer.type":  # NxD names the tokenizer's directory; we read its tokenizer.json
+        path = Path(str(value))
+        return str(path if path.suffix == ".json" else path / "tokenizer.json")
+    return value
+
+
+def _match(key: str, table: dict[str, str]) -> str | None:
+    """The table entry that is `key` or one of its parents."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in table:
+            return prefix
+    return None
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data and not (prefix and _match(prefix, {**IGNORED, **UNSUPPORTED}) == prefix):
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: data}
+
+
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def cluster_overrides(mapping: Mapping) -> list[str]:
+    """cluster.neuron.* as Hydra overrides (`++`: the key may be new on a non-Neuron cluster group)."""
+    return [f"++cluster.{key}={_hydra_value(value)}" for key, value in _flatten(mapping.cluster).items()]
+
+
+def _hydra_value(value: Any) -> str:
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def expand(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """`training=@FILE` -> `training=<registered name>` plus the file's cluster overrides, placed where it stood
+    so that later overrides win. Returns (overrides, warnings); a file with refused keys is a UserError."""
+    out, warnings = [], []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if key.lstrip("+") != "training" or not sep or not is_file_choice(value):
+            out.append(override)
+            continue
+        mapping = map_file(value[1:])
+        if mapping.errors:
+            raise UserError(*mapping.errors)
+        from hydra.core.config_store import ConfigStore
+
+        ConfigStore.instance().store(group="training", name=mapping.name, node=mapping.training)
+        out += [f"training={mapping.name}", *cluster_overrides(mapping)]
+        warnings += mapping.warnings
+    return out, warnings

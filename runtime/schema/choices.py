@@ -1,0 +1,24 @@
+# Every closed list of names the stage configs accept, in one place. The launcher, the runtime and the docs read
+# these; nothing else spells them out. Aliases are other tools' names for exactly the same thing (NeMo's,
+# NxD Training's): they are read as the canonical name. A name that means something else is refused at launch.
+from __future__ import annotations
+
+from runtime.schema.reader import Choices
+
+ARCHITECTURES = Choices(("gpt", "llama"))
+ACCELERATORS = Choices(("cpu", "gpu", "neuron"))
+# NxD Training's precision.type names; 'manual' (each flag set by hand) has no counterpart here.
+PRECISION_TYPES = Choices(("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast"))
+# Adam moments are fp32 in every precision here (runtime/precision.py), which is what NxD Training's
+# adamw_fp32OptState asks for; NeMo's fused_adam is AdamW (adam_w_mode defaults to true).
+OPTIMIZERS = Choices(("adamw",), {"adamw_fp32OptState": "adamw", "fused_adam": "adamw"})
+# NeMo's WarmupAnnealing and NxD Training's LinearAnnealingWithWarmUp are the linear decay with warmup.
+SCHEDULES = Choices(("CosineAnnealing", "LinearAnnealing", "Constant"),
+                    {"WarmupAnnealing": "LinearAnnealing", "LinearAnnealingWithWarmUp": "LinearAnnealing"})
+TOKENIZER_LIBRARIES = Choices(("huggingface",))
+CHECKPOINT_GRANULARITIES = Choices((None, "full", "selective"))
+# NxD Training names the modules by class: CoreAttention, and LlamaMLP / GPT's MLP.
+RECOMPUTE_MODULES = Choices(("core_attention", "mlp"), {"CoreAttention": "core_attention", "LlamaMLP": "mlp",
+                                                        "MLP": "mlp"})
+DEPENDENCIES = Choices(("afterok", "afterany", "singleton"))
+CONVERSION_MODES = Choices(("export", "import"))

@@ -1,0 +1,43 @@
+# The conversion stage's config (runtime/convert): export a checkpoint to a Hugging Face directory, or import one.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.schema import choices as C
+from runtime.schema.reader import Report, Section
+
+
+@dataclass(frozen=True)
+class ConversionConfig:
+    mode: str                        # export | import
+    checkpoint_dir: str              # export: read (may be s3://); import: written
+    checkpoint_name: str | None      # export: 'latest' or one checkpoint's directory name
+    output_dir: str | None           # export: the Hugging Face directory written
+    tokenizer_model: str | None      # export: copied into output_dir; default: the checkpoint's own
+    include_optimizer: bool
+    overwrite: bool
+    hf_checkpoint_dir: str | None    # import: the Hugging Face directory read
+
+
+def parse_conversion(raw: Any, p: str = "conversion.") -> tuple[ConversionConfig | None, Report]:
+    report = Report()
+    s = Section(raw, p.rstrip("."), report)
+    mode = s.choice("mode", C.CONVERSION_MODES, "export")
+    values = dict(
+        mode=mode,
+        checkpoint_dir=s.str("checkpoint_dir"),
+        checkpoint_name=s.str("checkpoint_name", None),
+        output_dir=s.str("output_dir", None),
+        tokenizer_model=s.str("tokenizer_model", None),
+        include_optimizer=s.bool("include_optimizer", False),
+        overwrite=s.bool("overwrite", False),
+        hf_checkpoint_dir=s.str("hf_checkpoint_dir", None),
+    )
+    if mode == "export" and values["output_dir"] is None and not report.errors:
+        report.error(f"{p}output_dir: missing; the Hugging Face directory to write, e.g. {p}output_dir=/fsx/hf_model")
+    if mode == "import" and values["hf_checkpoint_dir"] is None and not report.errors:
+        report.error(f"{p}hf_checkpoint_dir: missing; give the Hugging Face model directory to import")
+    if report.errors:
+        return None, report
+    return ConversionConfig(**values), report

@@ -1,0 +1,95 @@
+# The evaluation stage's config (runtime/evaluate): which checkpoint, under which layout, on which tasks.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.schema import choices as C
+from runtime.schema import rules
+from runtime.schema.reader import Choices, Report, Section
+
+# Tasks by name: the loss over the training data's validation or test split.
+BUILTIN_TASKS = {"validation_loss": "valid", "test_loss": "test"}
+TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo"))
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    type: str                  # one of TASK_TYPES
+    options: dict              # the task's own keys (path, data_prefix, corpus, limit, ...), read by runtime/evaluate
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    results_dir: str
+    num_nodes: int
+    devices: int
+    accelerator: str
+    tp: int
+    pp: int
+    virtual_pp: int | None
+    checkpoint_dir: str
+    checkpoint_name: str | None
+    tokenizer_model: str | None      # default: the tokenizer the checkpoint was trained with
+    micro_batch_size: int
+    max_length: int | None           # default: the model's max_position_embeddings
+    limit_batches: int
+    tasks: tuple[TaskSpec, ...]
+
+
+def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig | None, Report]:
+    report = Report()
+    s = Section(raw, p.rstrip("."), report)
+    trainer, layout = s.section("trainer"), s.section("model")
+    values = dict(
+        results_dir=s.section("run").str("results_dir"),
+        num_nodes=trainer.int("num_nodes", 1, minimum=1), devices=trainer.int("devices", 1, minimum=1),
+        accelerator=trainer.choice("accelerator", C.ACCELERATORS, "cpu"),
+        tp=layout.int("tensor_model_parallel_size", 1, minimum=1),
+        pp=layout.int("pipeline_model_parallel_size", 1, minimum=1),
+        checkpoint_dir=s.str("checkpoint_dir"),
+        micro_batch_size=s.int("micro_batch_size", 8, minimum=1),
+        limit_batches=s.int("limit_batches", 8, minimum=1),
+    )
+    vpp = layout.int("virtual_pipeline_model_parallel_size", None, minimum=1)
+    optional = dict(checkpoint_name=s.str("checkpoint_name", None), tokenizer_model=s.str("tokenizer_model", None),
+                    max_length=s.int("max_length", None, minimum=1))
+    tasks = _tasks(s.raw("tasks", []), p, report)
+    if report.errors or any(v is None for v in values.values()):
+        return None, report
+    world = values["num_nodes"] * values["devices"]
+    report.error(rules.world_divisible(world, rules.world_text(values["num_nodes"], values["devices"]),
+                                       values["tp"], values["pp"], p))
+    report.error(rules.tp_within_node(values["tp"], values["devices"], p))
+    report.error(rules.virtual_needs_pipeline(vpp, values["pp"], p))
+    if report.errors:
+        return None, report
+    return EvaluationConfig(virtual_pp=vpp, tasks=tasks, **values, **optional), report
+
+
+def _tasks(specs: Any, p: str, report: Report) -> tuple[TaskSpec, ...]:
+    if not isinstance(specs, list) or not specs:
+        report.error(f"{p}tasks: {specs!r} must be a non-empty list of task names ({', '.join(BUILTIN_TASKS)}) "
+                     f"or mappings with a type ({TASK_TYPES.listing()})")
+        return ()
+    tasks = []
+    for i, spec in enumerate(specs):
+        key = f"{p}tasks[{i}]"
+        if isinstance(spec, str):
+            if spec not in BUILTIN_TASKS:
+                report.error(f"{key}: {spec!r} is not a built-in task; built-in: {', '.join(BUILTIN_TASKS)}, or give "
+                             f"a mapping with type {' | '.join(TASK_TYPES)}")
+                continue
+            tasks.append(TaskSpec(spec, "loss", {"split": BUILTIN_TASKS[spec]}))
+        elif isinstance(spec, dict):
+            kind = spec.get("type")
+            if problem := TASK_TYPES.problem(f"{key}.type", kind):
+                report.error(problem)
+                continue
+            default_name = "demo_code_lines" if kind == "synthetic_demo" else kind
+            options = {k: v for k, v in spec.items() if k not in ("name", "type")}
+            tasks.append(TaskSpec(str(spec.get("name") or default_name), kind, options))
+        else:
+            report.error(f"{key}: {spec!r} is neither a built-in task name nor a mapping")
+    return tuple(tasks)

@@ -1,0 +1,227 @@
+# Every pure rule on a stage config, written once. The launcher runs them at launch and at --dry-run, the
+# runtime's loaders run them again on the node, and ParallelDims / ModelConfig / LRSchedule call them for
+# configs built in code: each rule has one definition and one message.
+#
+# A rule takes typed values and returns None, or one line that starts with the key to change and says the fix.
+# `p` is the stage's key prefix ("training." for the training stage), so messages name the override to type.
+from __future__ import annotations
+
+import math
+import re
+
+# Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
+
+
+def slurm_seconds(value: str) -> int | None:
+    """Slurm's time formats in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; None for UNLIMITED, INFINITE or
+    anything that is not a Slurm time."""
+    value = str(value).strip()
+    if value in ("UNLIMITED", "INFINITE") or not _SLURM_TIME.match(value):
+        return None
+    days, _, clock = value.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, s = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + m * 60 + s
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+# ---------------------------------------------------------------------------------------------------------- run
+def time_limit(value: object, p: str) -> str | None:
+    if _SLURM_TIME.match(str(value)):
+        return None
+    return f"{p}run.time_limit: {value!r} is not a Slurm time; use H:MM:SS or D-HH:MM:SS, e.g. 4:00:00"
+
+
+def preemption_signal(signal_s: int, limit: str, p: str) -> str | None:
+    if not 0 <= signal_s <= 65535:
+        return (f"{p}run.preemption_signal_s: {signal_s!r} must be whole seconds from 0 to 65535 "
+                "(how long before run.time_limit Slurm signals the job; 0 or null: no signal)")
+    limit_s = slurm_seconds(limit)
+    if signal_s and limit_s is not None and signal_s >= limit_s:
+        return (f"{p}run.preemption_signal_s: {signal_s} s is not shorter than run.time_limit {limit} ({limit_s} s): "
+                "every run would be signalled as it starts; use fewer seconds")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------ layout
+def world_divisible(world: int, world_text: str, tp: int, pp: int, p: str) -> str | None:
+    """The world must split into whole tp x pp model replicas; what is left is data parallelism."""
+    if world % (tp * pp) == 0:
+        return None
+    return (f"{p}trainer: {world_text} is not divisible by tensor_model_parallel_size × "
+            f"pipeline_model_parallel_size = {tp} × {pp} = {tp * pp}; change the node count or the parallel sizes")
+
+
+def world_text(num_nodes: int, devices: int) -> str:
+    return f"num_nodes × devices = {num_nodes} × {devices} = {num_nodes * devices}"
+
+
+def tp_within_node(tp: int, devices: int, p: str) -> str | None:
+    """Tensor-parallel groups are consecutive ranks (runtime/parallel/dims.py) and talk inside every layer: a
+    group must not cross a node."""
+    if devices % tp == 0:
+        return None
+    return (f"{p}model.tensor_model_parallel_size: {tp} must divide trainer.devices {devices} so every "
+            f"tensor-parallel group stays inside one node; use a divisor of {devices}")
+
+
+def global_batch(gbs: int, mbs: int, dp: int, p: str) -> str | None:
+    if gbs % (mbs * dp) == 0:
+        return None
+    return (f"{p}model.global_batch_size: {gbs} is not divisible by micro_batch_size × data-parallel size = "
+            f"{mbs} × {dp} = {mbs * dp}; use a multiple of {mbs * dp}")
+
+
+def interleaved_micro_batches(micro_batches: int, pp: int, p: str) -> str | None:
+    if micro_batches % pp == 0:
+        return None
+    return (f"{p}model.virtual_pipeline_model_parallel_size: the interleaved schedule needs the micro-batch count "
+            f"({micro_batches}) to be a multiple of pipeline_model_parallel_size ({pp}); raise global_batch_size "
+            f"or set virtual_pipeline_model_parallel_size=null")
+
+
+def virtual_needs_pipeline(vpp: int | None, pp: int, p: str) -> str | None:
+    if vpp is None or vpp == 1 or pp > 1:
+        return None
+    return f"{p}model.virtual_pipeline_model_parallel_size: {vpp} needs pipeline_model_parallel_size > 1; set it to null"
+
+
+def layers_split(layers: int, pp: int, vpp: int | None, p: str) -> str | None:
+    chunks = pp * (vpp or 1)
+    if layers % chunks == 0:
+        return None
+    return (f"{p}model.num_layers: {layers} is not divisible by pipeline_model_parallel_size × "
+            f"virtual_pipeline_model_parallel_size = {pp} × {vpp or 1} = {chunks}")
+
+
+# ------------------------------------------------------------------------------------------------------- shape
+def hidden_heads(hidden: int, heads: int, p: str) -> str | None:
+    if hidden % heads == 0:
+        return None
+    return f"{p}model.hidden_size: {hidden} is not divisible by num_attention_heads {heads}"
+
+
+def heads_groups(heads: int, groups: int, p: str) -> str | None:
+    if heads % groups == 0:
+        return None
+    return f"{p}model.num_query_groups: {groups} does not divide num_attention_heads {heads}"
+
+
+def heads_tp(heads: int, tp: int, p: str) -> str | None:
+    if heads % tp == 0:
+        return None
+    return f"{p}model.num_attention_heads: {heads} is not divisible by tensor_model_parallel_size {tp}"
+
+
+def ffn_tp(ffn: int, tp: int, p: str) -> str | None:
+    if ffn % tp == 0:
+        return None
+    return f"{p}model.ffn_hidden_size: {ffn} is not divisible by tensor_model_parallel_size {tp}"
+
+
+def kv_heads_tp(groups: int, tp: int, p: str) -> str | None:
+    """KV heads are split when tp divides them and replicated when they divide tp (runtime/parallel/layers.py)."""
+    if groups % tp == 0 or tp % groups == 0:
+        return None
+    return (f"{p}model.num_query_groups: {groups} KV heads can be neither split over nor replicated to "
+            f"tensor_model_parallel_size {tp}; one must divide the other")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """The tokenizer's vocabulary rounded up to a multiple of make_vocab_size_divisible_by.
+
+    Padding depends only on these two numbers, never on the tensor-parallel size, so the embedding shape (and
+    therefore the initialization and the checkpoint) is the same under every layout; vocab_tp checks tp divides it.
+    """
+    return math.ceil(vocab_size / divisible_by) * divisible_by
+
+
+def vocab_tp(vocab_size: int | None, divisible_by: int, tp: int, p: str) -> str | None:
+    """The padded vocabulary is split over the TP ranks. Without the tokenizer (built later by this launch's
+    data_preparation, or not on this machine) only a multiple of tp is certain to work."""
+    if vocab_size is None:
+        if divisible_by % tp == 0:
+            return None
+        return (f"{p}model.make_vocab_size_divisible_by: {divisible_by} is not a multiple of "
+                f"tensor_model_parallel_size {tp}, and the tokenizer is not there yet to check the padded "
+                f"vocabulary; use a multiple of {tp}")
+    padded = padded_vocab_size(vocab_size, divisible_by)
+    if padded % tp == 0:
+        return None
+    return (f"{p}model.make_vocab_size_divisible_by: the padded vocabulary {padded} ({vocab_size} tokens rounded up "
+            f"to a multiple of {divisible_by}) is not divisible by tensor_model_parallel_size {tp}; use a "
+            f"multiple of {tp}")
+
+
+def positions(max_positions: int, seq_length: int, p: str) -> str | None:
+    if max_positions >= seq_length:
+        return None
+    return (f"{p}model.max_position_embeddings: {max_positions} is smaller than encoder_seq_length {seq_length}; "
+            f"raise it to at least {seq_length}")
+
+
+def data_seq_length(data_seq: int, seq_length: int, p: str) -> str | None:
+    if data_seq == seq_length:
+        return None
+    return f"{p}model.data.seq_length: {data_seq} differs from model.encoder_seq_length {seq_length}; make them equal"
+
+
+def dropout(name: str, value: float, p: str) -> str | None:
+    if 0.0 <= value < 1.0:
+        return None
+    return f"{p}model.{name}: {value} must be in [0, 1)"
+
+
+def tokenizer_fits(tokenizer_vocab: int, config_vocab: int, p: str) -> str | None:
+    if tokenizer_vocab <= config_vocab:
+        return None
+    return (f"{p}model.tokenizer.model: the tokenizer has {tokenizer_vocab} tokens but model.model_config's "
+            f"vocab_size is {config_vocab}; use the model's own tokenizer")
+
+
+# ------------------------------------------------------------------------------------------- optimizer, schedule
+def betas(value: object, p: str) -> str | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value):
+        return None
+    return f"{p}model.optim.betas: {value!r} is invalid; expected [beta1, beta2] each in [0, 1)"
+
+
+def learning_rate(lr: float, p: str) -> str | None:
+    if lr > 0:
+        return None
+    return f"{p}model.optim.lr: {lr!r} must be > 0"
+
+
+def min_lr(minimum: float, lr: float, schedule: str, p: str) -> str | None:
+    if schedule == "Constant" or 0 <= minimum <= lr:
+        return None
+    return f"{p}model.optim.sched.min_lr: {minimum!r} must be between 0 and model.optim.lr {lr}"
+
+
+def schedule_fits(warmup: int, constant: int, max_steps: int, p: str) -> str | None:
+    if warmup + constant <= max_steps:
+        return None
+    return (f"{p}model.optim.sched.warmup_steps: warmup_steps {warmup} + constant_steps {constant} exceeds "
+            f"trainer.max_steps {max_steps}; shorten the warmup or train longer")
+
+
+# ------------------------------------------------------------------------------------------ trainer, checkpoints
+def val_check_whole(value: object, p: str) -> str | None:
+    if not isinstance(value, float) or value == int(value):
+        return None
+    return (f"{p}trainer.val_check_interval: {value!r} must be a whole number of steps (fractions of an epoch are "
+            f"not supported: training is step based)")
+
+
+def save_top_k(value: int, p: str) -> str | None:
+    if value == -1 or value > 0:
+        return None
+    return (f"{p}exp_manager.checkpoint_callback_params.save_top_k: {value} is invalid; use a positive count of "
+            f"checkpoints to keep, or -1 to keep all")

@@ -1,0 +1,448 @@
+# The training stage's config as small typed dataclasses, and the one parser both sides run: the launcher on
+# the composed config at launch and at --dry-run (launcher/validate.py), the runtime on the YAML the launcher
+# wrote (runtime/config.py). Same input, same rules (rules.py), same lines.
+#
+# Files are checked according to `files`: "error" at launch and on the node, "warn" in a dry run or a remote
+# launch (the cluster's file system is not here), "skip" when this launch's data_preparation stage makes them.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.schema import choices as C
+from runtime.schema import rules
+from runtime.schema.data_prefix import missing_datasets, parse_data_prefix, parse_list
+from runtime.schema.model import ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
+from runtime.schema.reader import REQUIRED, Report, Section
+
+PREFIX = "training."
+FILE_MODES = ("error", "warn", "skip")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    num_nodes: int
+    devices: int
+    accelerator: str  # cpu | gpu | neuron
+    max_steps: int
+    log_every_n_steps: int
+    val_check_interval: int  # 0: no validation
+    limit_val_batches: int  # global batches per validation
+    gradient_clip_val: float  # 0: no clipping
+    preflight: bool = False  # a seconds-long collective smoke test at start (runtime/preflight.py)
+    preflight_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int
+    pp: int
+    virtual_pp: int | None
+    sequence_parallel: bool
+    zero1: bool
+    activation_checkpointing: str | None  # None | full | selective
+    recompute_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_prefix: Any  # [w1, p1, ...] list or a blend file / prefix path; see runtime/schema/data_prefix.py
+    splits_string: str
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    index_mapping_dir: str | None
+    num_workers: int
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    name: str
+    warmup_steps: int
+    constant_steps: int
+    min_lr: float
+    max_steps: int
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    sched: SchedConfig
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    type: str  # fp32 | bf16SR | mixed_precision | mixed_precisionSR | autocast
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """exp_manager's checkpoint keys (NeMo names where NeMo has one; docs/checkpoints.md)."""
+
+    enabled: bool                    # exp_manager.create_checkpoint_callback
+    dirpath: str                     # checkpoint_callback_params.dirpath: a path or s3://bucket/prefix
+    every_n_train_steps: int         # 0: only at the end and on a signal
+    save_top_k: int                  # keep the newest K complete checkpoints; -1: keep all
+    save_last: bool                  # save when training ends
+    async_save: bool                 # write in the background while training goes on
+    load_on_one_replica: bool        # read on data-parallel replica 0 and broadcast to the others
+    resume_if_exists: bool
+    resume_from_checkpoint: str | None
+    save_on_signal: bool             # exp_manager.create_preemption_callback: SIGUSR1/SIGTERM save and exit
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    run_name: str
+    results_dir: Path
+    trainer: TrainerConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    optim: OptimConfig
+    precision: PrecisionConfig
+    model: ModelConfig
+    tokenizer_path: str
+    tokenizer_vocab_size: int  # before padding; model.vocab_size is the padded size
+    seed: int
+    tensorboard: bool
+    wandb: bool
+    checkpoint: CheckpointConfig
+    raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config
+
+
+def is_remote(path: Any) -> bool:
+    """An s3:// input is staged inside the job (launcher/staging.py); nothing to look at here."""
+    return str(path).startswith("s3://")
+
+
+class _Files:
+    """File checks: errors, warnings or nothing, by mode."""
+
+    def __init__(self, report: Report, mode: str):
+        assert mode in FILE_MODES, mode
+        self.report, self.mode = report, mode
+
+    @property
+    def checked(self) -> bool:
+        return self.mode != "skip"
+
+    def problem(self, message: str) -> None:
+        if self.mode == "error":
+            self.report.error(message)
+        elif self.mode == "warn":
+            self.report.warn(message)
+
+
+def parse_training(raw: Any, *, files: str = "error", p: str = PREFIX,
+                   vocab_size: int | None = None) -> tuple[TrainingConfig | None, Report]:
+    """Read and check one training stage config. Returns the config (None if anything is wrong, or if a file it
+    needs was not read) and the report. `vocab_size`: the tokenizer's, when the caller knows it (the estimator)."""
+    report = Report()
+    root = Section(raw, p.rstrip("."), report)
+    file_checks = _Files(report, files)
+    run, trainer_s, model_s = root.section("run"), root.section("trainer"), root.section("model")
+    exp, precision_s = root.section("exp_manager"), root.section("precision")
+    for name in ("run", "trainer", "model"):
+        if not root.has(name):
+            report.error(f"{p}{name}: missing; every training config has run, trainer and model sections")
+    if report.errors:
+        return None, report
+
+    _run_keys(run, p, report)
+    trainer = _trainer(trainer_s, p, report)
+    shape, vocab, tokenizer_path = _model_shape(model_s, p, report, file_checks, vocab_size)
+    parallel = _parallel(model_s)
+    data = _data(model_s, shape.get("encoder_seq_length"), file_checks, p)
+    optim = _optim(model_s, trainer.max_steps if trainer else None, p)
+    precision = precision_s.choice("type", C.PRECISION_TYPES, "fp32")
+    checkpoint = _checkpoint(exp, run, p)
+    seed = model_s.int("seed", 1234)
+    tensorboard, wandb = exp.bool("create_tensorboard_logger", True), exp.bool("create_wandb_logger", False)
+    if report.errors:  # the rules below need well-typed values
+        return None, report
+
+    _layout_rules(report, p, trainer, parallel, data)
+    _shape_rules(report, p, shape, parallel, vocab, data)
+    sched = optim.sched
+    report.error(rules.learning_rate(optim.lr, p))
+    report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
+    report.error(rules.schedule_fits(sched.warmup_steps, sched.constant_steps, sched.max_steps, p))
+    if report.errors or vocab is None or "hidden_size" not in shape:
+        return None, report  # a dry run without the tokenizer or model_config checks what it can, and stops here
+    return TrainingConfig(
+        run_name=str(run.raw("name", "run")), results_dir=Path(str(run.raw("results_dir"))),
+        trainer=trainer, parallel=parallel, data=data, optim=optim, precision=PrecisionConfig(precision),
+        model=ModelConfig.from_model_section(shape, vocab), tokenizer_path=tokenizer_path,
+        tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, checkpoint=checkpoint,
+        raw=raw,
+    ), report
+
+
+def parse_model(model_raw: Any, *, files: str = "error", p: str = PREFIX) -> tuple[ModelConfig | None, Report]:
+    """Only the model's shape from a training config's `model:` section (what conversion and evaluation rebuild
+    from a checkpoint's recorded config); its layout keys are the training's and are not checked here."""
+    report = Report()
+    model = Section(model_raw, f"{p}model", report)
+    shape, vocab, _ = _model_shape(model, p, report, _Files(report, files))
+    if not report.errors:
+        single = ParallelConfig(tp=1, pp=1, virtual_pp=None, sequence_parallel=False, zero1=False,
+                                activation_checkpointing=None, recompute_modules=())
+        _shape_rules(report, p, shape, single, vocab, None)
+    if report.errors or vocab is None or "hidden_size" not in shape:
+        report.error(None if report.errors else f"{p}model.tokenizer.model: needed to size the vocabulary")
+        return None, report
+    return ModelConfig.from_model_section(shape, vocab), report
+
+
+def _run_keys(run: Section, p: str, report: Report) -> None:
+    """run.*: the job's own keys (the launcher renders them; the runtime reads name and results_dir)."""
+    run.str("results_dir")
+    limit = run.raw("time_limit", None)
+    if limit is not None:
+        report.error(rules.time_limit(limit, p))
+    run.choice("dependency", C.DEPENDENCIES, "afterok")
+    signal_s = run.int("preemption_signal_s", 0)
+    if signal_s is not None and limit is not None:
+        report.error(rules.preemption_signal(signal_s, str(limit), p))
+    run.int("max_restarts", 0, minimum=0)
+
+
+def _trainer(s: Section, p: str, report: Report) -> TrainerConfig | None:
+    fraction = rules.val_check_whole(s.raw("val_check_interval", 0), p)
+    report.error(fraction)
+    values = dict(
+        num_nodes=s.int("num_nodes", 1, minimum=1),
+        devices=s.int("devices", 1, minimum=1),
+        accelerator=s.choice("accelerator", C.ACCELERATORS, "cpu"),
+        max_steps=s.int("max_steps", minimum=1),
+        log_every_n_steps=s.int("log_every_n_steps", 10, minimum=1),
+        val_check_interval=None if fraction else s.int("val_check_interval", 0, minimum=0),
+        limit_val_batches=s.int("limit_val_batches", 0, minimum=0),
+        gradient_clip_val=s.float("gradient_clip_val", 0.0, minimum=0.0),
+        preflight=s.bool("preflight", False),
+        preflight_timeout_s=s.float("preflight_timeout_s", 60.0, minimum=1.0),
+    )
+    return None if any(v is None for v in values.values()) else TrainerConfig(**values)
+
+
+_SHAPE_INTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+
+
+def _model_shape(model: Section, p: str, report: Report, files: _Files,
+                 known_vocab: int | None = None) -> tuple[dict, int | None, str]:
+    """The typed model keys, with those a Hugging Face config.json (model.model_config) supplies filled in, the
+    tokenizer's vocabulary size (None when the file cannot be read here) and the tokenizer's path."""
+    keys: dict[str, Any] = {}
+    config_vocab = None
+    hf_keys: dict[str, Any] = {}
+    model_config = model.raw("model_config", None)
+    if model_config is not None:
+        try:
+            hf_config = read_hf_config(str(model_config))
+            hf_keys = hf_model_keys(hf_config)
+            config_vocab = int(hf_config["vocab_size"])
+        except ValueError as error:
+            if Path(str(model_config)).exists():
+                report.error(f"{p}model.model_config: {error}")
+            else:
+                files.problem(f"{p}model.model_config: {model_config} does not exist; point it at the model's "
+                              f"Hugging Face config.json")
+    # Without model_config the YAML holds the whole shape; with one that cannot be read here (a dry run on a
+    # laptop) only what the YAML holds is checked, and the rest at launch on the cluster.
+    shape_known = model_config is None or bool(hf_keys)
+    # Keys in the YAML win over config.json, as NxD Training applies them.
+    merged = {**{k: v for k, v in hf_keys.items() if k != "make_vocab_size_divisible_by"},
+              **{k: v for k, v in model.data.items() if v is not None}}
+    shape = Section(merged, model.path, report)
+    if "encoder_seq_length" in merged or shape_known:
+        keys["encoder_seq_length"] = shape.int("encoder_seq_length", minimum=1)
+    elif "max_position_embeddings" in merged:
+        keys["encoder_seq_length"] = shape.int("max_position_embeddings", minimum=1)
+    seq = keys.get("encoder_seq_length")
+    if shape_known:
+        keys["architecture"] = shape.choice("architecture", C.ARCHITECTURES)
+        for key in _SHAPE_INTS:
+            keys[key] = shape.int(key, minimum=1)
+    if seq is not None:
+        keys["max_position_embeddings"] = shape.int("max_position_embeddings", seq, minimum=1)
+    keys["make_vocab_size_divisible_by"] = shape.int("make_vocab_size_divisible_by", 128, minimum=1)
+    keys["seed"] = shape.int("seed", 1234)
+    if merged.get("num_query_groups") is not None:
+        keys["num_query_groups"] = shape.int("num_query_groups", minimum=1)
+    for key in ("rotary_base", "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout"):
+        if merged.get(key) is not None:
+            keys[key] = shape.float(key, minimum=0.0)
+    if merged.get("share_embeddings_and_output_weights") is not None:
+        keys["share_embeddings_and_output_weights"] = shape.bool("share_embeddings_and_output_weights")
+    keys = {k: v for k, v in keys.items() if v is not None}
+
+    tokenizer = model.section("tokenizer")
+    tokenizer.choice("library", C.TOKENIZER_LIBRARIES, "huggingface")
+    # With model_config the vocabulary comes from config.json; the tokenizer is then only checked against it.
+    path = tokenizer.str("model", None if model_config is not None else REQUIRED) or ""
+    vocab = known_vocab
+    if vocab is None and path and not is_remote(path) and files.checked:
+        try:
+            vocab = tokenizer_vocab_size(path)
+        except ValueError as error:
+            if Path(path).exists():
+                report.error(f"{p}model.tokenizer.model: {error}")
+            else:
+                files.problem(f"{p}model.tokenizer.model: {path} does not exist; run stages=[data_preparation,"
+                              f"training] or point it at a tokenizer.json")
+    if config_vocab is not None:
+        if vocab is not None:
+            report.error(rules.tokenizer_fits(vocab, config_vocab, p))
+        vocab = config_vocab  # as NxD Training builds it: the embedding has config.json's vocab_size rows
+        if not model.has("make_vocab_size_divisible_by"):
+            keys["make_vocab_size_divisible_by"] = hf_keys["make_vocab_size_divisible_by"]
+    return keys, vocab, path
+
+
+def _parallel(model: Section) -> ParallelConfig | None:
+    recompute = model.raw("activations_checkpoint_recompute", [])
+    modules: list[str] = []
+    if not isinstance(recompute, (list, tuple)):
+        model.report.error(f"{model.key('activations_checkpoint_recompute')}: {recompute!r} must be a list of "
+                           f"{C.RECOMPUTE_MODULES.listing()}")
+    else:
+        for i, name in enumerate(recompute):
+            problem = C.RECOMPUTE_MODULES.problem(model.key(f"activations_checkpoint_recompute[{i}]"), name)
+            model.report.error(problem)
+            modules.append(C.RECOMPUTE_MODULES.canonical(name))
+    values = dict(
+        tp=model.int("tensor_model_parallel_size", 1, minimum=1),
+        pp=model.int("pipeline_model_parallel_size", 1, minimum=1),
+        sequence_parallel=model.bool("sequence_parallel", False),
+        zero1=model.bool("zero1", False),
+    )
+    vpp = model.int("virtual_pipeline_model_parallel_size", None, minimum=1)
+    granularity = model.choice("activations_checkpoint_granularity", C.CHECKPOINT_GRANULARITIES, None)
+    if any(v is None for v in values.values()):
+        return None
+    return ParallelConfig(virtual_pp=vpp, activation_checkpointing=granularity,
+                          recompute_modules=tuple(dict.fromkeys(modules)), **values)
+
+
+def _data(model: Section, seq_length: int | None, files: _Files, p: str) -> DataConfig | None:
+    data = model.section("data")
+    data_seq = data.int("seq_length", seq_length, minimum=1) if seq_length else None
+    if data_seq is not None and seq_length is not None:
+        model.report.error(rules.data_seq_length(data_seq, seq_length, p))
+    micro, global_ = model.int("micro_batch_size", minimum=1), model.int("global_batch_size", minimum=1)
+    index_dir = data.raw("index_mapping_dir", None)
+    data_prefix = data.raw("data_prefix")
+    key = data.key("data_prefix")
+    if data_prefix is not None:
+        try:
+            if isinstance(data_prefix, str):
+                if files.checked and not is_remote(data_prefix):
+                    entries = parse_data_prefix(data_prefix, key)
+                    for line in missing_datasets(entries, key):
+                        files.problem(line)
+            else:
+                entries = parse_list(data_prefix, key)
+                if files.checked:
+                    for line in missing_datasets([e for e in entries if not is_remote(e.prefix)], key):
+                        files.problem(line)
+        except ValueError as error:
+            message = str(error)
+            # A blend file or prefix that is not here is a file problem; a malformed one is always an error.
+            if isinstance(data_prefix, str) and "neither a blend file nor a dataset prefix" in message:
+                files.problem(message)
+            else:
+                model.report.error(message)
+    splits = data.str("splits_string", "98,1,1")
+    workers = data.int("num_workers", 0, minimum=0)
+    if None in (micro, global_, splits, workers, data_prefix) or seq_length is None:
+        return None
+    return DataConfig(data_prefix=data_prefix, splits_string=splits, seq_length=seq_length, micro_batch_size=micro,
+                      global_batch_size=global_, index_mapping_dir=None if index_dir is None else str(index_dir),
+                      num_workers=workers)
+
+
+def _optim(model: Section, max_steps: int | None, p: str) -> OptimConfig | None:
+    optim = model.section("optim")
+    betas = optim.raw("betas", [0.9, 0.999])
+    model.report.error(rules.betas(betas, p))
+    sched = optim.section("sched")
+    values = dict(name=optim.choice("name", C.OPTIMIZERS, "adamw"), lr=optim.float("lr"),
+                  weight_decay=optim.float("weight_decay", 0.0, minimum=0.0), eps=optim.float("eps", 1e-8, minimum=0.0))
+    sched_values = dict(
+        name=sched.choice("name", C.SCHEDULES, "Constant"),
+        warmup_steps=sched.int("warmup_steps", 0, minimum=0),
+        constant_steps=sched.int("constant_steps", 0, minimum=0),
+        min_lr=sched.float("min_lr", 0.0, minimum=0.0),
+        max_steps=sched.int("max_steps", max_steps, minimum=1) if max_steps is not None else None,
+    )
+    if any(v is None for v in (*values.values(), *sched_values.values())) or model.report.errors:
+        return None
+    return OptimConfig(betas=(float(betas[0]), float(betas[1])), sched=SchedConfig(**sched_values), **values)
+
+
+def _checkpoint(exp: Section, run: Section, p: str) -> CheckpointConfig | None:
+    params = exp.section("checkpoint_callback_params")
+    top_k = params.int("save_top_k", -1)
+    if top_k is not None:
+        exp.report.error(rules.save_top_k(top_k, p))
+    resume_from = exp.raw("resume_from_checkpoint", None)
+    results_dir = run.raw("results_dir", "")
+    values = dict(
+        enabled=exp.bool("create_checkpoint_callback", True),
+        dirpath=str(params.raw("dirpath", Path(str(results_dir)) / "checkpoints")),
+        every_n_train_steps=params.int("every_n_train_steps", 0, minimum=0),
+        save_top_k=top_k,
+        save_last=params.bool("save_last", True),
+        async_save=params.bool("async_save", True),
+        load_on_one_replica=params.bool("load_on_one_replica", True),
+        resume_if_exists=exp.bool("resume_if_exists", False),
+        save_on_signal=exp.bool("create_preemption_callback", True),
+    )
+    if any(v is None for v in values.values()):
+        return None
+    return CheckpointConfig(resume_from_checkpoint=None if resume_from is None else str(resume_from), **values)
+
+
+def _layout_rules(report: Report, p: str, trainer: TrainerConfig, parallel: ParallelConfig, data: DataConfig | None):
+    tp, pp, vpp = parallel.tp, parallel.pp, parallel.virtual_pp
+    world = trainer.num_nodes * trainer.devices
+    report.error(rules.world_divisible(world, rules.world_text(trainer.num_nodes, trainer.devices), tp, pp, p))
+    report.error(rules.tp_within_node(tp, trainer.devices, p))
+    report.error(rules.virtual_needs_pipeline(vpp, pp, p))
+    if data is None or world % (tp * pp):
+        return
+    dp = world // (tp * pp)
+    problem = rules.global_batch(data.global_batch_size, data.micro_batch_size, dp, p)
+    report.error(problem)
+    if not problem and vpp and vpp > 1:
+        micro_batches = data.global_batch_size // (data.micro_batch_size * dp)
+        report.error(rules.interleaved_micro_batches(micro_batches, pp, p))
+
+
+def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, vocab: int | None,
+                 data: DataConfig | None) -> None:
+    tp = parallel.tp
+    seq = shape.get("encoder_seq_length")
+    if seq and shape.get("max_position_embeddings"):
+        report.error(rules.positions(shape["max_position_embeddings"], seq, p))
+    if shape.get("make_vocab_size_divisible_by"):
+        report.error(rules.vocab_tp(vocab, shape["make_vocab_size_divisible_by"], tp, p))
+    for name in ("hidden_dropout", "attention_dropout"):
+        if name in shape:
+            report.error(rules.dropout(name, shape[name], p))
+    if "hidden_size" not in shape:
+        return  # model_config not readable here (a dry run): the shape is checked at launch
+    heads = shape["num_attention_heads"]
+    groups = shape.get("num_query_groups") or heads
+    report.error(rules.hidden_heads(shape["hidden_size"], heads, p))
+    report.error(rules.heads_groups(heads, groups, p))
+    report.error(rules.heads_tp(heads, tp, p))
+    report.error(rules.ffn_tp(shape["ffn_hidden_size"], tp, p))
+    if heads % groups == 0:
+        report.error(rules.kv_heads_tp(groups, tp, p))
+    report.error(rules.layers_split(shape["num_layers"], parallel.pp, parallel.virtual_pp, p))
