@@ -57,7 +57,7 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> None:
 
 
 def train_tokenizer(corpus: Path, dest: Path, vocab_size: int) -> None:
-    from runtime.data_prep.config import TrainConfig
+    from runtime.schema.data_preparation import TrainConfig
     from runtime.data_prep.tokenizer_train import train_huggingface, training_texts
 
     texts = training_texts([str(corpus)], "text", max_mb=40)
@@ -150,7 +150,7 @@ def run_megatron(corpus: Path, tokenizer_file: Path, prefix: Path, workers: int)
 
 # --- ours ----------------------------------------------------------------------------------------------------
 def run_ours(corpus: Path, tokenizer_file: Path, out: Path, workers: int, engine: str) -> float:
-    from runtime.data_prep.config import parse_config
+    from runtime.schema.data_preparation import parse_config
     from runtime.data_prep.progress import Reporter
     from runtime.data_prep.run import run_task
 

@@ -92,6 +92,9 @@ IGNORED: dict[str, str] = {
     "neuron_rt_exec_timeout": "the Neuron runtime's default applies",
     "neuron_experimental_compress_rg": "the Neuron runtime's default applies",
     "data.dev_choose_samples": "not needed: every sample is used",
+    "exp_manager.ckpt_ptl_version": "checkpoints use nxdt-launch's own format",
+    "model.transpose_nki_inputs": "a Neuron kernel detail",
+    "precision.fp32_grads_cc": "gradients are reduced in fp32 in every precision type",
     "data.val_dir": "validation uses the validation split of data_prefix (splits_string)",
 }
 
@@ -103,8 +106,11 @@ DIFFERS = {
 
 # What nxdt-launch cannot do yet: refused, with where it is heading.
 UNSUPPORTED: dict[str, str] = {
-    "model_alignment_strategy": "fine-tuning and alignment stages (SFT, DPO, ORPO) are not built yet",
-    "model.peft": "LoRA is not built yet",
+    "model_alignment_strategy.sft": "the fine-tuning stage (SFT) is not built yet",
+    "model_alignment_strategy.dpo": "the alignment stage (DPO) is not built yet",
+    "model_alignment_strategy.orpo": "the alignment stage (ORPO) is not built yet",
+    "model_alignment_strategy.peft": "LoRA is not built yet",
+    "model.weight_init_only": "fine-tuning from pretrained weights is not built yet",
     "model.moe": "mixture-of-experts models are not built yet",
     "model.num_local_experts": "mixture-of-experts models are not built yet",
     "distributed_strategy.expert_model_parallel_size": "expert parallelism is not built yet",

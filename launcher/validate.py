@@ -10,6 +10,8 @@ from typing import Any
 from launcher import staging
 from launcher.stages import PROGRAMS, STAGES
 from runtime.schema import choices, rules
+from runtime.schema.conversion import parse_conversion
+from runtime.schema.evaluation import parse_evaluation
 from runtime.schema.training import parse_training
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
@@ -42,6 +44,11 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         _, report = parse_training(cfg["training"], files=files)
         errors += report.errors
         warnings += report.warnings
+    # The other stages' programs run the same parsers on the node.
+    if "conversion" in stages:
+        errors += parse_conversion(cfg["conversion"])[1].errors
+    if "evaluation" in stages:
+        errors += parse_evaluation(cfg["evaluation"])[1].errors
     # Inputs on S3 are staged inside the job; staging.problems checks their names, the job the rest.
     if "data_preparation" in stages and not staging.s3_values(cfg["data_preparation"]):
         errors += _data_preparation(cfg["data_preparation"])

@@ -1,3 +1,3 @@
 """Fixtures shared by every test directory."""
 
-pytest_plugins = ["tests.slurm_cluster", "tests.s3_server"]
+pytest_plugins = ["tests.slurm_cluster", "tests.s3_server", "tests.recipe_data"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from launcher.errors import UserError
+from runtime.schema import rules
 from runtime.schema.rules import slurm_seconds
 
 STAGE = "cluster_validation"
@@ -116,8 +117,8 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     limit_text = str(run.get("time_limit"))
     unlimited = limit_text.upper() in ("UNLIMITED", "INFINITE")
     time_limit = 7 * 86400 if unlimited else slurm_seconds(limit_text)  # UNLIMITED: a week
-    if time_limit is None:
-        errors.append(f"{STAGE}.run.time_limit: {run.get('time_limit')!r} is not a Slurm time; use H:MM:SS")
+    if problem := rules.time_limit(run.get("time_limit"), f"{STAGE}."):
+        errors.append(problem)
         time_limit = 0
     if cfg.get("cluster_type") not in validate.CLUSTER_TYPES:
         errors.append(f"cluster_type: {cfg.get('cluster_type')!r} is not one of {', '.join(validate.CLUSTER_TYPES)}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.data_prep.config import DataError, UserError
+from runtime.schema.data_preparation import DataError, UserError
 
 
 def _load(path: str) -> dict:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only check the config and inputs, then exit")
     args = parser.parse_args(argv)
     try:
-        from runtime.data_prep.config import parse_config
+        from runtime.schema.data_preparation import parse_config
         from runtime.data_prep.plan import check_inputs
 
         data = _load(args.config)

@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from runtime.data_prep.config import DataError, UserError
+from runtime.schema.data_preparation import DataError, UserError
 from runtime.data_prep.fsutil import temp_name
 
 # Worth retrying: the server or the path to it may recover. Other 4xx answers will not change.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from runtime.data_prep.config import StageConfig, UserError, parse_config
+from runtime.schema.data_preparation import StageConfig, UserError, parse_config
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 _GLOB_CHARS = re.compile(r"[*?\[]")

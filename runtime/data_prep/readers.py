@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from runtime.data_prep.config import DataError
+from runtime.schema.data_preparation import DataError
 
 
 @dataclass

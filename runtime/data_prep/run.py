@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from runtime.data_prep import plan
-from runtime.data_prep.config import StageConfig, UserError
+from runtime.schema.data_preparation import StageConfig, UserError
 from runtime.data_prep.encode import EncoderSpec, init_worker
 from runtime.data_prep.finalize import try_finalize
 from runtime.data_prep.fsutil import sha256_file

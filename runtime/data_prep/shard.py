@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.data_prep.config import DataError, StageConfig
+from runtime.schema.data_preparation import DataError, StageConfig
 from runtime.data_prep.demo import write_demo_shard
 from runtime.data_prep.download import download, load_checksums
 from runtime.data_prep.encode import EncodedChunk, EncoderSpec, EngineMismatch, encode_chunk

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from runtime.data_prep import plan
-from runtime.data_prep.config import DataError, StageConfig, UserError
+from runtime.schema.data_preparation import DataError, StageConfig, UserError
 from runtime.data_prep.demo import write_demo_shard
 from runtime.data_prep.download import download
 from runtime.data_prep.encode import EncoderSpec

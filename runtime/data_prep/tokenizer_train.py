@@ -10,7 +10,7 @@ import io
 import json
 from collections.abc import Iterator
 
-from runtime.data_prep.config import DataError, TrainConfig
+from runtime.schema.data_preparation import DataError, TrainConfig
 from runtime.data_prep.readers import iter_chunks
 
 

@@ -65,7 +65,7 @@ def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
     reasons = {(r.candidate.tp, r.candidate.micro_batch_size): r.rejected for r in ranked}
     assert "not divisible" in reasons[(3, 4)]                         # the launcher's own layout arithmetic
     assert "global_batch_size" in reasons[(1, 16)]                    # 16 x dp 8 does not divide 64
-    assert "devices per node" in reasons[(4, 4)]                      # a runtime rule the launcher leaves out
+    assert "must divide trainer.devices 2" in reasons[(4, 4)]         # a TP group may not cross a node
     assert reasons[(1, 4)] is None and reasons[(2, 4)] is None and reasons[(2, 16)] is None
     launchable = [r for r in ranked if r.rejected is None]
     assert ranked[:len(launchable)] == launchable                     # launchable first ...

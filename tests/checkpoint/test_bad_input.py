@@ -19,11 +19,11 @@ def _run(program, tmp_path, capsys, cfg: dict) -> str:
 
 
 @pytest.mark.parametrize("cfg, expected", [
-    ({"mode": "sideways", "checkpoint_dir": "x"}, "mode 'sideways' is invalid; valid: export, import"),
+    ({"mode": "sideways", "checkpoint_dir": "x"}, "conversion.mode: 'sideways' is not one of export, import"),
     ({"mode": "export", "checkpoint_dir": "EMPTY", "output_dir": "out"}, "holds no complete checkpoint"),
     ({"mode": "export", "checkpoint_dir": "EMPTY", "checkpoint_name": "step_00000005.abcd", "output_dir": "out"},
      "is incomplete (no COMMIT marker)"),
-    ({"mode": "import", "checkpoint_dir": "EMPTY"}, "hf_checkpoint_dir is missing"),
+    ({"mode": "import", "checkpoint_dir": "EMPTY"}, "conversion.hf_checkpoint_dir: missing"),
 ])
 def test_conversion_mistakes_are_one_line(tmp_path, capsys, cfg, expected):
     (tmp_path / "empty").mkdir()
@@ -47,5 +47,5 @@ def test_save_top_k_zero_or_below_minus_one_names_the_key(tmp_path, top_k):
     raw = reference_training_config("gpt", results_dir=tmp_path / "r", data_prefix=[1, str(tmp_path / "x")],
                                     tokenizer=tmp_path / "tokenizer.json")
     raw["exp_manager"]["checkpoint_callback_params"]["save_top_k"] = top_k
-    with pytest.raises(ValueError, match=r"exp_manager.checkpoint_callback_params.save_top_k .* -1 to keep all"):
+    with pytest.raises(ValueError, match=r"exp_manager.checkpoint_callback_params.save_top_k: .* -1 to keep all"):
         parse_training_config(raw)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from runtime.convert import from_hf, load_hf_directory, model_keys, save_hf_directory, to_hf
-from runtime.data_prep.config import TrainConfig
+from runtime.schema.data_preparation import TrainConfig
 from runtime.data_prep.tokenizer_train import train_huggingface
 from runtime.models import ModelConfig, build_model
 

@@ -141,7 +141,7 @@ def stage(tmp_path: Path, **sections) -> dict:
 
 
 def run_inprocess(cfg: dict, task_index: int = 0, num_tasks: int = 1) -> bool:
-    from runtime.data_prep.config import parse_config
+    from runtime.schema.data_preparation import parse_config
     from runtime.data_prep.progress import Reporter
     from runtime.data_prep.run import run_task
 

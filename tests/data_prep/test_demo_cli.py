@@ -86,7 +86,7 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
 
 
 def test_rich_progress_on_a_terminal(tmp_path, hf_tokenizer, capsys):
-    from runtime.data_prep.config import parse_config
+    from runtime.schema.data_preparation import parse_config
     from runtime.data_prep.progress import Reporter
     from runtime.data_prep.run import run_task
     from tests.data_prep.conftest import make_texts, stage, write_jsonl
@@ -100,7 +100,7 @@ def test_rich_progress_on_a_terminal(tmp_path, hf_tokenizer, capsys):
 
 @pytest.mark.parametrize("name", ["demo.yaml", "custom_dataset.yaml", "gpt3/download_pile.yaml"])
 def test_shipped_configs_parse(tmp_path, name):
-    from runtime.data_prep.config import parse_config
+    from runtime.schema.data_preparation import parse_config
 
     root = OmegaConf.create({"base_results_dir": "/r", "run_name": "x", "data_dir": "/d",
                              "data_preparation": OmegaConf.load(REPO / "conf/data_preparation" / name)})

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from runtime.data_prep.config import DataError
+from runtime.schema.data_preparation import DataError
 from runtime.data_prep.download import download
 from tests.data_prep.conftest import hf_ids, make_texts, read_indexed, run_cli, stage
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from runtime.data_prep.config import DataError
+from runtime.schema.data_preparation import DataError
 from tests.data_prep.conftest import hf_ids, make_texts, read_indexed, run_cli, run_inprocess, stage, write_jsonl
 
 TEXTS = make_texts(60, seed=1)

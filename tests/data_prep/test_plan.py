@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from runtime.data_prep.config import UserError, parse_config
+from runtime.schema.data_preparation import UserError, parse_config
 from runtime.data_prep.plan import build_shards, check_inputs, count_tasks, parse_file_numbers, shards_for_task
 from tests.data_prep.conftest import REPO, stage, write_jsonl
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runtime.data_prep.config import DataError, UserError
+from runtime.schema.data_preparation import DataError, UserError
 from tests.data_prep.conftest import hf_ids, make_texts, read_indexed, run_cli, run_inprocess, stage, write_jsonl
 
 TEXTS = make_texts(80, seed=2)

@@ -67,26 +67,26 @@ def test_activation_checkpointing_gives_identical_loss_and_grads(arch, granulari
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match=r"model.architecture='bert' is not one of \['gpt', 'llama'\]"):
+    with pytest.raises(ValueError, match="model.architecture: 'bert' is not one of gpt, llama"):
         H.tiny_config("gpt", architecture="bert")
-    with pytest.raises(ValueError, match="model.num_query_groups=3"):
+    with pytest.raises(ValueError, match="model.num_query_groups: 3 does not divide num_attention_heads 4"):
         H.tiny_config("llama", num_query_groups=3)
-    with pytest.raises(ValueError, match="model.hidden_size=30 is not divisible by model.num_attention_heads=4"):
+    with pytest.raises(ValueError, match="model.hidden_size: 30 is not divisible by num_attention_heads 4"):
         H.tiny_config("gpt", hidden_size=30)
 
 
 def test_parallel_layout_errors_name_the_key():
     from runtime.parallel import check_tensor_parallel
 
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 must divide model.num_attention_heads=4"):
+    with pytest.raises(ValueError, match="model.num_attention_heads: 4 is not divisible by tensor_model_parallel_size 3"):
         check_tensor_parallel(H.tiny_config("gpt"), 3)
-    with pytest.raises(ValueError, match="=6 and model.num_query_groups=4 must divide one another"):
+    with pytest.raises(ValueError, match="num_query_groups: 4 KV heads can be neither split over nor replicated to tensor_model_parallel_size 6"):
         check_tensor_parallel(H.tiny_config("llama", vocab_size=384, hidden_size=48, num_attention_heads=12,
                                             num_query_groups=4), 6)
     topo = Topology.build(ParallelDims(1, 1, 1, 1))
-    with pytest.raises(ValueError, match=r"activations_checkpoint_granularity='some' is not one of \[None, 'full'"):
+    with pytest.raises(ValueError, match="activations_checkpoint_granularity: 'some' is not one of null, full, selective"):
         parallelize_model(build_model(H.tiny_config("gpt")), topo, activation_checkpointing="some")
-    with pytest.raises(ValueError, match=r"valid modules are \['core_attention', 'mlp'\]"):
+    with pytest.raises(ValueError, match="activations_checkpoint_recompute: 'layernorm' is not one of core_attention, mlp"):
         parallelize_model(build_model(H.tiny_config("gpt")), topo, activation_checkpointing="selective",
                           recompute_modules=["layernorm"])
 

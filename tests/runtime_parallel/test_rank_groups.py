@@ -53,12 +53,12 @@ def test_coords_round_trip():
 def test_mismatched_world_shows_the_arithmetic():
     with pytest.raises(ValueError, match=r"tp\(2\) \* pp\(1\) \* dp\(3\) = 6 != world_size\(4\)"):
         ParallelDims(tp=2, pp=1, dp=3, world_size=4)
-    with pytest.raises(ValueError, match=r"world_size\(6\) is not divisible by tp\(4\) \* pp\(1\) = 4"):
+    with pytest.raises(ValueError, match="the world size 6 is not divisible by tensor_model_parallel_size × pipeline_model_parallel_size = 4 × 1 = 4"):
         ParallelDims.infer_dp(tp=4, pp=1, world_size=6)
 
 
 def test_tensor_parallel_wider_than_a_node_is_rejected():
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=64 must divide trainer.devices=32"):
+    with pytest.raises(ValueError, match="tensor_model_parallel_size: 64 must divide trainer.devices 32"):
         ParallelDims(tp=64, pp=1, dp=32, world_size=2048, devices_per_node=32)
 
 

@@ -32,10 +32,10 @@ def test_constant_after_warmup():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"name": "Cosine"}, "model.optim.sched.name 'Cosine' is unknown; valid: CosineAnnealing"),
-        ({"min_lr": 5.0}, "model.optim.sched.min_lr 5.0 must be between 0 and model.optim.lr"),
+        ({"name": "Cosine"}, "model.optim.sched.name: 'Cosine' is not one of CosineAnnealing"),
+        ({"min_lr": 5.0}, "model.optim.sched.min_lr: 5.0 must be between 0 and model.optim.lr"),
         ({"warmup_steps": 8, "constant_steps": 5}, "warmup_steps 8 \\+ constant_steps 5 exceeds trainer.max_steps"),
-        ({"warmup_steps": -1}, "model.optim.sched.warmup_steps -1 must be >= 0"),
+        ({"warmup_steps": -1}, "model.optim.sched.warmup_steps: -1 must be an integer >= 0"),
     ],
 )
 def test_bad_schedules(kwargs, message):

@@ -1,5 +1,5 @@
 """A data directory holding what every recipe's training stage reads, so that the runtime's own config loader
-(runtime.config) can check each recipe: tokenizer.json files with the real vocabulary sizes (the padded vocabulary
+(runtime.config) can check each recipe (a plugin of tests/conftest.py, for the recipe, schema and launcher tests): tokenizer.json files with the real vocabulary sizes (the padded vocabulary
 must divide by tp) and blend files whose token files exist (empty: nothing is read)."""
 
 import json
