@@ -22,7 +22,7 @@ def test_names_and_meanings():
     assert get_precision("mixed_precisionSR").stochastic_rounding
     assert get_precision("autocast").autocast_dtype == torch.bfloat16
     assert get_precision("autocast").param_dtype == torch.float32
-    with pytest.raises(ValueError, match=r"precision.type='bf16' is not one of \['fp32', 'bf16SR', "):
+    with pytest.raises(ValueError, match="training.precision.type: 'bf16' is not one of fp32, bf16SR, "):
         validate_precision("bf16")
 
 

@@ -113,12 +113,15 @@ def test_data_parallel_run_matches_single_process(workdir, reference_config):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (single, dp2)
 
 
-def test_config_error_is_one_line_and_exit_code_2(tmp_path):
+def test_config_errors_are_one_line_each_and_exit_code_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"run": {"name": "x", "results_dir": str(tmp_path)}, "trainer": {"max_steps": 1},
                                    "precision": {"type": "fp16"}, "model": {}}))
     result = subprocess.run([sys.executable, "-m", "runtime.train", "--config", str(bad)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
+    lines = result.stderr.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
+    assert "error: training.precision.type: 'fp16' is not one of fp32, bf16SR" in result.stderr
+    assert "error: training.model.hidden_size: missing" in result.stderr
     assert "Traceback" not in result.stderr
