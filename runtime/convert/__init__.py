@@ -2,6 +2,7 @@
 
 `hf`: Hugging Face GPT2LMHeadModel / LlamaForCausalLM state dicts, config.json and model directories.
 """
-from runtime.convert.hf import from_hf, load_hf_directory, model_keys, save_hf_directory, to_hf
+from runtime.convert.hf import from_hf, load_hf_directory, save_hf_directory, to_hf
+from runtime.schema.model import hf_model_keys as model_keys
 
 __all__ = ["from_hf", "load_hf_directory", "model_keys", "save_hf_directory", "to_hf"]

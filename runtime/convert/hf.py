@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -17,15 +16,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.schema.model import ModelConfig
+from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.llama import LlamaModel
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 # Our GeluMLP uses the tanh approximation; HF spells that two ways with identical math.
-_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 _SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
-_REQUIRED = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +142,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,
     The keys give `ModelConfig.from_model_section(keys, tokenizer_vocab_size)` exactly HF's vocab_size: their
     make_vocab_size_divisible_by pads the tokenizer's size (when known; else HF's vocab_size) up to it.
     """
-    keys = model_keys(hf_config, tokenizer_vocab_size)
+    keys = hf_model_keys(hf_config, tokenizer_vocab_size)
     vocab = int(hf_config["vocab_size"])
     cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size or vocab)
     assert cfg.vocab_size == vocab, (cfg.vocab_size, vocab)
@@ -165,72 +161,6 @@ def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,
     if cfg.share_embeddings_and_output_weights:
         ours["output.weight"] = ours["embed.word.weight"]  # as build_model(cfg).state_dict() names it
     return ours, keys
-
-
-def model_keys(hf_config: dict, tokenizer_vocab_size: int | None = None) -> dict[str, Any]:
-    """config.json -> our `model:` keys, refusing what our models do not compute the same way."""
-    model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: "
-                         f"{list(SUPPORTED_MODEL_TYPES)}")
-    get = functools.partial(_config_value, hf_config)
-    vocab = int(get("vocab_size"))
-    if model_type == "gpt2":
-        _require(hf_config, "activation_function", _TANH_GELUS, "gelu_new")
-        _require(hf_config, "scale_attn_weights", (True,), True)
-        _require(hf_config, "scale_attn_by_inverse_layer_idx", (False,), False)
-        _require(hf_config, "add_cross_attention", (False,), False)
-        hidden, positions = int(get("n_embd")), int(get("n_positions"))
-        keys = {"architecture": "gpt", "hidden_size": hidden, "num_layers": int(get("n_layer")),
-                "num_attention_heads": int(get("n_head")), "num_query_groups": None,
-                "ffn_hidden_size": int(get("n_inner", None) or 4 * hidden),
-                "layernorm_epsilon": float(get("layer_norm_epsilon", 1e-5))}
-    else:
-        _require(hf_config, "hidden_act", ("silu",), "silu")
-        _require(hf_config, "attention_bias", (False,), False)
-        _require(hf_config, "mlp_bias", (False,), False)
-        _require(hf_config, "rope_scaling", (None,), None)
-        rope = get("rope_parameters", None) or {}
-        if set(rope) - {"rope_theta", "rope_type"} or rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json rope_parameters={rope!r} is not supported; supported: plain RoPE "
-                             "({'rope_type': 'default', 'rope_theta': ...}), no scaling")
-        hidden, heads, positions = int(get("hidden_size")), int(get("num_attention_heads")), int(get(
-            "max_position_embeddings"))
-        _require(hf_config, "head_dim", (None, hidden // heads), None)
-        keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": int(get("num_hidden_layers")),
-                "num_attention_heads": heads, "num_query_groups": int(get("num_key_value_heads", None) or heads),
-                "ffn_hidden_size": int(get("intermediate_size")), "layernorm_epsilon": float(get("rms_norm_eps", 1e-6)),
-                "rotary_base": float(rope.get("rope_theta", get("rope_theta", 10000.0)))}
-    keys.update({"max_position_embeddings": positions, "encoder_seq_length": positions,
-                 "share_embeddings_and_output_weights": bool(get("tie_word_embeddings", model_type == "gpt2")),
-                 "make_vocab_size_divisible_by": _divisible_by(vocab, tokenizer_vocab_size)})
-    return keys
-
-
-def _config_value(hf_config: dict, key: str, default: Any = _REQUIRED) -> Any:
-    if hf_config.get(key) is None:
-        if default is _REQUIRED:
-            raise ValueError(f"config.json has no {key!r}, which model_type={hf_config.get('model_type')!r} needs")
-        return default
-    return hf_config[key]
-
-
-def _require(hf_config: dict, key: str, supported: tuple, default: Any) -> None:
-    value = hf_config.get(key, default)
-    if value not in supported:
-        raise ValueError(f"config.json {key}={value!r} is not supported; supported: "
-                         f"{' or '.join(repr(v) for v in supported)}")
-
-
-def _divisible_by(vocab: int, tokenizer_vocab: int | None) -> int:
-    """A make_vocab_size_divisible_by that pads the tokenizer's size to exactly `vocab`, a power of two if one
-    does (e.g. 128 for 50304 and GPT-2's 50257 tokens); HF's own vocab_size always does."""
-    if tokenizer_vocab is None:
-        return vocab
-    if tokenizer_vocab > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but config.json vocab_size is {vocab}")
-    power = vocab & -vocab  # the largest power of two dividing vocab
-    return power if vocab - tokenizer_vocab < power else vocab
 
 
 def _normalized_hf_state(hf_state: dict[str, torch.Tensor], model_type: str, tied: bool) -> dict[str, torch.Tensor]:
@@ -365,7 +295,7 @@ def load_hf_directory(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
         raise ValueError(f"{str(directory)!r} is not a directory (expected a Hugging Face model directory)")
     config = _read_json(directory / "config.json", "config.json")
     tokenizer = directory / "tokenizer.json"
-    tokenizer_vocab = _tokenizer_vocab_size(tokenizer) if tokenizer.is_file() else None
+    tokenizer_vocab = tokenizer_vocab_size(tokenizer) if tokenizer.is_file() else None
     state, keys = from_hf(_read_weights(directory), config, tokenizer_vocab_size=tokenizer_vocab)
     return state, keys, str(tokenizer) if tokenizer.is_file() else None
 
@@ -387,16 +317,6 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
             return state
     raise ValueError(f"{str(directory)!r} has no weights: expected model.safetensors, "
                      "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
-
-
-def _tokenizer_vocab_size(path: Path) -> int:
-    """As the training stage counts it (runtime/config.py): added tokens included."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
-    except Exception as error:  # the tokenizers library raises a bare Exception on malformed files
-        raise ValueError(f"{str(path)!r} is not a readable tokenizer.json: {error}") from None
 
 
 def _read_json(path: Path, what: str) -> dict:
