@@ -40,7 +40,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "cluster-validate": ("launcher.commands.cluster_validate", "Node health and collective tests that name bad nodes."),
     "cluster-config": ("launcher.commands.cluster_config", "Render an AWS ParallelCluster 3 cluster config."),
     "estimate": ("launcher.commands.estimate", "Memory per device and time to train for a recipe."),
-    "explain-config": ("launcher.commands.explain_config", "Show how an NxD Training YAML maps onto nxdt-launch keys."),
+    "explain-config": ("launcher.commands.explain_config", "Show how an NxD Training or NeMo-Launcher YAML maps onto our keys."),
     "autoconfig": ("launcher.commands.autoconfig", "Recommend a model size and search parallel layouts by launching short runs."),
 }
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher import nemo_config
 from launcher.errors import UserError
 
 # NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place.
@@ -128,7 +129,8 @@ class Mapping:
     source: Path
     training: dict[str, Any]                  # the training group's config (a defaults list + our keys)
     cluster: dict[str, Any]                   # cluster.* overrides (the Neuron compiler keys)
-    rows: list[tuple[str, Any, str]] = field(default_factory=list)   # (NxD key, value, what became of it)
+    rows: list[tuple[str, Any, str]] = field(default_factory=list)   # (key in the file, value, what became of it)
+    dialect: str = "NxD Training"
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -143,8 +145,10 @@ def is_file_choice(value: str) -> bool:
     return value.startswith("@")
 
 
-def load(path: str) -> dict[str, Any]:
-    """The file resolved on its own (its interpolations, e.g. ${trainer.max_steps}, refer to its own keys)."""
+def load(path: str) -> tuple[dict[str, Any], bool]:
+    """The file, and whether it is NeMo-Launcher's. An NxD Training file is resolved on its own (its
+    interpolations, e.g. ${trainer.max_steps}, refer to its own keys); a NeMo-Launcher file's refer to the launch
+    config (${base_results_dir}, ${training.run.name}) and are left for it to resolve."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -156,17 +160,22 @@ def load(path: str) -> dict[str, Any]:
                         f"training YAML")
     register_resolvers()
     try:
-        data = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+        loaded = OmegaConf.load(file)
+        raw = OmegaConf.to_container(loaded, resolve=False)
+        if not isinstance(raw, dict):
+            raise UserError(f"training=@{path}: holds {type(raw).__name__}, not a training config mapping")
+        if nemo_config.is_nemo(raw):
+            return raw, True
+        return OmegaConf.to_container(loaded, resolve=True), False
     except (OmegaConfBaseException, ValueError, OSError) as error:
         raise UserError(f"training=@{path}: cannot be read as YAML ({str(error).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"training=@{path}: holds {type(data).__name__}, not a training config mapping")
-    return data
 
 
 def map_file(path: str) -> Mapping:
-    data = load(path)
-    flat = _flatten(data)
+    data, nemo = load(path)
+    if nemo:
+        return _map_nemo(path, data)
+    flat = _flatten(data, {**IGNORED, **UNSUPPORTED})
     result = Mapping(Path(path), {}, {})
     training: dict[str, Any] = {}
     for key, value in flat.items():
@@ -252,13 +261,57 @@ def _match(key: str, table: dict[str, str]) -> str | None:
     return None
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict) and data and not (prefix and _match(prefix, {**IGNORED, **UNSUPPORTED}) == prefix):
+def _flatten(data: Any, stops: dict | set = frozenset(), prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> leaf values; a key in `stops` is a leaf whatever it holds."""
+    if isinstance(data, dict) and data and not (prefix and prefix in stops):
         flat: dict[str, Any] = {}
         for key, value in data.items():
-            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+            flat.update(_flatten(value, stops, f"{prefix}.{key}" if prefix else str(key)))
         return flat
     return {prefix: data}
+
+
+def _our_keys() -> set[str]:
+    """Every training key our reference recipes set, plus the schema's optional ones."""
+    from omegaconf import OmegaConf
+
+    from launcher.paths import conf_dir
+
+    keys = {"model.num_query_groups", "model.rotary_base", "model.model_config"}
+    for recipe in ("gpt3/tiny", "llama/tiny"):
+        data = OmegaConf.to_container(OmegaConf.load(conf_dir() / "training" / f"{recipe}.yaml"), resolve=False)
+        keys |= set(_flatten({k: v for k, v in data.items() if k != "defaults"}))
+    return keys - {"run.results_dir"}  # nemo_config.IGNORED says why
+
+
+def _map_nemo(path: str, data: dict[str, Any]) -> Mapping:
+    result = Mapping(Path(path), {}, {}, dialect="NeMo-Launcher")
+    training: dict[str, Any] = {}
+    ignored: list[str] = []
+
+    def error(key: str, why: str) -> None:
+        result.errors.append(f"training=@{path}: {key} {why}")
+        result.rows.append((key, flat[key], "refused: " + why))
+
+    flat = _flatten(data, set(nemo_config.IGNORED))
+    nemo_config.map_keys(
+        flat, _our_keys(), put=lambda key, value: _put(training, key, value),
+        row=lambda key, value, what: result.rows.append((key, value, what)), error=error,
+        warn_key=ignored.append)
+    if result.errors:
+        return result
+    # NeMo's checkpoint callback saves at every validation: every val_check_interval steps.
+    every = "exp_manager.checkpoint_callback_params.every_n_train_steps"
+    if every not in flat and isinstance(flat.get("trainer.val_check_interval"), int):
+        _put(training, every, flat["trainer.val_check_interval"])
+        result.rows.append((every, None, f"training.{every} = trainer.val_check_interval (NeMo saves at validation)"))
+    family = "llama/tiny" if training.get("model", {}).get("architecture") == "llama" else "gpt3/tiny"
+    result.training = {"defaults": [f"/training/{family}@_here_", "_self_"], **training}
+    if ignored:
+        result.warnings.append(f"training=@{path}: {len(ignored)} NeMo keys ignored, whose effect nxdt-launch has "
+                               f"already or that only tune NeMo's own implementation ({', '.join(ignored[:3])}, "
+                               f"...); `nxdt-launch explain-config {path}` lists each with the reason")
+    return result
 
 
 def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -270,6 +323,8 @@ def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def cluster_overrides(mapping: Mapping) -> list[str]:
     """cluster.neuron.* as Hydra overrides (`++`: the key may be new on a non-Neuron cluster group)."""
+    if not mapping.cluster:
+        return []
     return [f"++cluster.{key}={_hydra_value(value)}" for key, value in _flatten(mapping.cluster).items()]
 
 

@@ -1,4 +1,4 @@
-"""`nxdt-launch explain-config FILE`: what each key of an NxD Training YAML becomes here.
+"""`nxdt-launch explain-config FILE`: what each key of an NxD Training or NeMo-Launcher YAML becomes here.
 
 Every key of the file is listed with its value and its fate: the nxdt-launch key it maps to, ignored (and why),
 or refused (and why). Exit 0 when the file can be launched as `training=@FILE`, 2 when it has refused keys."""
@@ -13,15 +13,15 @@ from launcher.errors import UserError
 @click.command(name="explain-config")
 @click.argument("file", type=click.Path(dir_okay=False))
 def command(file: str) -> None:
-    """Show how an NxD Training YAML maps onto nxdt-launch keys (launch it with training=@FILE)."""
+    """Show how an NxD Training or NeMo-Launcher YAML maps onto nxdt-launch keys (launch: training=@FILE)."""
     from rich.console import Console
     from rich.table import Table
 
     from launcher import nxdt_config
 
     mapping = nxdt_config.map_file(file)
-    table = Table(title=f"{file} → nxdt-launch", title_justify="left")
-    for column in ("NxD Training key", "value", "here"):
+    table = Table(title=f"{file} ({mapping.dialect}) → nxdt-launch", title_justify="left")
+    for column in (f"{mapping.dialect} key", "value", "here"):
         table.add_column(column, overflow="fold")
     for key, value, fate in mapping.rows:
         style = "red" if fate.startswith(("refused", "unknown")) else "dim" if fate.startswith("ignored") else None
@@ -32,5 +32,4 @@ def command(file: str) -> None:
         console.print(f"warning: {line}", highlight=False, markup=False)
     if mapping.errors:
         raise UserError(*mapping.errors)
-    console.print(f"launch it with: nxdt-launch training=@{file} cluster=pcluster_trn1", highlight=False,
-                  markup=False)
+    console.print(f"launch it with: nxdt-launch training=@{file}", highlight=False, markup=False)

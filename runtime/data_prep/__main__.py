@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run_task(parse_config(data), args.task_index, args.num_tasks)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -186,12 +186,12 @@ def check_inputs(stage_cfg: Mapping[str, Any]) -> list[str]:
     try:
         cfg = parse_config(stage_cfg)
     except UserError as err:
-        return [str(err)]
+        return err.problems
     errors: list[str] = []
     try:
         shards = _build_shards(cfg, errors)
     except UserError as err:
-        return errors + [str(err)]
+        return errors + err.problems
     tok = cfg.tokenizer
     for key, value in (("model", tok.model), ("vocab_file", tok.vocab_file), ("merge_file", tok.merge_file)):
         if value and not looks_like_url(value) and not os.path.isfile(os.path.expanduser(value)):

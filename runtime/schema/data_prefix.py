@@ -88,6 +88,13 @@ def parse_data_prefix(data_prefix, key: str = KEY) -> list[BlendEntry]:
 
 
 def missing_datasets(entries: list[BlendEntry], key: str = KEY) -> list[str]:
-    """One line per dataset whose .idx or .bin is not there."""
-    return [f"{key}: dataset {entry.prefix} has no {entry.prefix}{suffix}"
-            for entry in entries for suffix in (".idx", ".bin") if not Path(entry.prefix + suffix).is_file()]
+    """One line per dataset whose .idx or .bin is not there; one line in all when more than three are missing."""
+    lines = []
+    for entry in entries:
+        missing = [entry.prefix + s for s in (".idx", ".bin") if not Path(entry.prefix + s).is_file()]
+        if missing:
+            lines.append(f"{key}: dataset {entry.prefix} has no {' or '.join(missing)}")
+    if len(lines) > 3:
+        first = lines[0].split(": ", 1)[1]
+        return [f"{key}: {len(lines)} of {len(entries)} datasets are missing (the first: {first})"]
+    return lines

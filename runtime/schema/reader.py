@@ -67,6 +67,7 @@ class Section:
             report.error(f"{path}: {show(data)} must be a mapping of keys")
             data = {}
         self.data = data
+        self.seen: set[str] = set()
 
     def key(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
@@ -75,6 +76,7 @@ class Section:
         return self.data.get(name) is not None
 
     def raw(self, name: str, default: Any = REQUIRED) -> Any:
+        self.seen.add(name)
         value = self.data.get(name)
         if value is not None:
             return value
@@ -84,7 +86,34 @@ class Section:
         return default
 
     def section(self, name: str) -> "Section":
+        self.seen.add(name)
         return Section(self.data.get(name), self.key(name), self.report)
+
+    def done(self) -> None:
+        """Every key of this mapping was read: anything else is a typo (for sections the stage owns alone)."""
+        unknown = sorted(str(k) for k in self.data if k not in self.seen)
+        if unknown:
+            valid = ", ".join(sorted(self.seen))
+            self.report.error(f"{self.key(unknown[0])}: unknown key; {closest(unknown[0], sorted(self.seen))}"
+                              f"valid keys here: {valid}")
+
+    def strings(self, name: str) -> tuple[str, ...] | None:
+        """A string or a list of strings (a single path is the common case)."""
+        value = self.raw(name, ())
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or \
+                not all(isinstance(v, str) for v in value):
+            self.report.error(f"{self.key(name)}: {show(value)} must be a string or a list of strings")
+            return None
+        return tuple(value)
+
+    def mapping(self, name: str) -> dict | None:
+        value = self.raw(name, None)
+        if value is not None and not isinstance(value, Mapping):
+            self.report.error(f"{self.key(name)}: {show(value)} must be a mapping")
+            return None
+        return None if value is None else dict(value)
 
     def int(self, name: str, default: Any = REQUIRED, minimum: int | None = None) -> int | None:
         value = self.raw(name, default)
@@ -142,6 +171,7 @@ class Section:
 
     def choice(self, name: str, choices: "Choices", default: Any = REQUIRED) -> Any:
         """One of `choices`; another name for the same thing (an alias) is read as its canonical name."""
+        self.seen.add(name)
         value = self.data.get(name) if name in self.data else default
         if value is REQUIRED:
             self.report.error(f"{self.key(name)}: missing; valid: {choices.listing()}")

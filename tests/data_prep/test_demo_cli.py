@@ -76,7 +76,7 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
     cfg["tokenizer"]["train"]["vocab_size"] = "4k"
     result = run_cli(cfg, tmp_path)
     assert result.returncode == 2
-    assert result.stderr == "error: tokenizer.train.vocab_size = '4k': expected an integer >= 2\n"
+    assert result.stderr == "error: data_preparation.tokenizer.train.vocab_size: '4k' is not an integer\n"
     cfg = _resolved_demo(tmp_path)
     result = run_cli(cfg, tmp_path, "--task-index", "2", "--num-tasks", "2")
     assert result.returncode == 2 and "--task-index 2 with --num-tasks 2" in result.stderr

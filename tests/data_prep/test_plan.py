@@ -91,19 +91,19 @@ def test_check_inputs_passes_and_checks_weights(tmp_path, hf_tokenizer):
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"input": {"source": "file"}}, "input.source = 'file': must be one of demo, files, urls"),
+    ({"input": {"source": "file"}}, "data_preparation.input.source: 'file' is not one of demo, files, urls; did you mean 'files'?"),
     ({"input": {"file_numbers": "0-x"}}, "input.file_numbers = '0-x': '0-x' is not a number"),
-    ({"input": {"on_bad_line": "ignore"}}, "input.on_bad_line = 'ignore': must be one of skip, fail"),
-    ({"workers_per_node": 0}, "workers_per_node = 0: expected an integer >= 1"),
-    ({"tokenizer": {"library": "spm", "model": "x"}}, "tokenizer.library = 'spm': must be one of"),
+    ({"input": {"on_bad_line": "ignore"}}, "data_preparation.input.on_bad_line: 'ignore' is not one of skip, fail"),
+    ({"workers_per_node": 0}, "data_preparation.workers_per_node: 0 must be a positive integer"),
+    ({"tokenizer": {"library": "spm", "model": "x"}}, "data_preparation.tokenizer.library: 'spm' is not one of huggingface, sentencepiece"),
     ({"tokenizer": {}}, "tokenizer: set one of model"),
     ({"tokenizer": {"model": "a", "train": {"vocab_size": 5}}}, "model and train are both set"),
-    ({"tokenizer": {"vocab_file": "v.json"}}, "vocab_file and tokenizer.merge_file go together"),
-    ({"tokenizer": {"train": {"vocab_size": 500, "model_type": "wordpiece"}}}, "train.model_type = 'wordpiece'"),
+    ({"tokenizer": {"vocab_file": "v.json"}}, "tokenizer.vocab_file and data_preparation.tokenizer.merge_file go together"),
+    ({"tokenizer": {"train": {"vocab_size": 500, "model_type": "wordpiece"}}}, "data_preparation.tokenizer.train.model_type: 'wordpiece' with library 'huggingface' must be one of"),
     ({"tokenizer": {"train": {"vocab_size": 500, "vocab": 3}}}, "tokenizer.train.vocab: unknown key"),
-    ({"output": {"dtype": "float32"}}, "output.dtype = 'float32': must be one of auto"),
-    ({"outputs": {}}, "outputs: unknown key; valid keys here are: "),
-    ({"input": {"source": "urls", "urls": ["https://x/a.jsonl"]}}, "download.dir is missing"),
+    ({"output": {"dtype": "float32"}}, "data_preparation.output.dtype: 'float32' is not one of auto"),
+    ({"outputs": {}}, "data_preparation.outputs: unknown key; did you mean 'output'? valid keys here: "),
+    ({"input": {"source": "urls", "urls": ["https://x/a.jsonl"]}}, "data_preparation.download.dir: missing"),
 ])
 def test_config_mistakes_are_one_line(tmp_path, section, message):
     write_jsonl(tmp_path / "in" / "a.jsonl", ["x"])

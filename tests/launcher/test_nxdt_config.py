@@ -138,3 +138,59 @@ def test_the_documented_commands_run(tmp_path):
     text = (REPO / "docs" / "launcher.md").read_text()
     assert f"training=@{fixture} cluster=pcluster_trn1 cluster_type=slurm --dry-run" in text
     assert f"nxdt-launch explain-config {fixture}" in text
+
+
+# NeMo-Launcher's conf/training/gpt3/5b.yaml (keys and values, comments dropped): its keys are ours.
+NEMO_5B = REPO / "tests" / "fixtures" / "nemo" / "gpt3_5b.yaml"
+HF_TOKENIZER = ["training.model.tokenizer.library=huggingface",
+                "training.model.tokenizer.model=${data_dir}/the_pile_gpt2/tokenizer.json"]
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+def test_nemo_launcher_file_trains_what_our_recipe_trains(tmp_path, recipe_data_dir):
+    common = ["stages=[training]", "cluster_type=slurm", f"base_results_dir={tmp_path}", f"data_dir={recipe_data_dir}"]
+    plan = launch.make_plan([*common, f"training=@{NEMO_5B}", *HF_TOKENIZER], dry_run=True, produced_by="test")
+    ours = launch.make_plan([*common, "training=gpt3/5b"], dry_run=True, produced_by="test").cfg["training"]
+    theirs = _flat(plan.cfg["training"])
+    differ = {key for key in set(theirs) | set(_flat(ours)) if theirs.get(key) != _flat(ours).get(key)}
+    # The file's own blend of 30 datasets and its singleton dependency are kept; everything else is the recipe:
+    # layout (16 x 8, TP 1, ZeRO-1 from distributed_fused_adam), shape, bf16 + O2 = mixed_precision, schedule,
+    # and checkpoints at every validation (2000 steps), as NeMo's callback saves.
+    assert differ == {"model.data.data_prefix", "run.dependency"}, differ
+    assert theirs["run.dependency"] == "singleton" and len(theirs["model.data.data_prefix"]) == 60
+    assert any("30 of 30 datasets are missing" in w for w in plan.warnings)  # a dry run only warns
+    assert any("NeMo keys ignored" in w for w in plan.warnings)
+
+
+def test_nemo_launcher_file_names_what_is_left_to_fix(tmp_path):
+    """Its Megatron tokenizer (vocab_file + merge_file) is not ours: the schema says so, and an override on the
+    same command line fixes it."""
+    result = nxdt("stages=[training]", f"training=@{NEMO_5B}", "cluster_type=slurm", "--dry-run",
+                  f"base_results_dir={tmp_path}/r", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "error: training.model.tokenizer.library: 'megatron' is not one of huggingface" in result.stderr
+    text = NEMO_5B.read_text().replace("  fp8: False", "  fp8: True")
+    (tmp_path / "fp8.yaml").write_text(text)
+    result = nxdt("stages=[training]", f"training=@{tmp_path}/fp8.yaml", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"error: training=@{tmp_path}/fp8.yaml: model.fp8 True is not supported (fp8 is not supported)" \
+        in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8.yaml"]
+
+
+def test_the_documented_nemo_command_runs(tmp_path):
+    command = ("nxdt-launch stages=[training] training=@tests/fixtures/nemo/gpt3_5b.yaml "
+               "training.model.tokenizer.library=huggingface "
+               "'training.model.tokenizer.model=${data_dir}/the_pile_gpt2/tokenizer.json' cluster_type=slurm --dry-run")
+    assert command in (REPO / "docs" / "launcher.md").read_text()
+    import shlex
+
+    result = nxdt(*shlex.split(command)[1:], f"base_results_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "gpt3_5b" / "training" / "training.sbatch").is_file()

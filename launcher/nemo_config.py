@@ -1,0 +1,153 @@
+"""NeMo-Launcher training YAML files (e.g. its conf/training/gpt3/5b.yaml) as they are, through the same
+`training=@FILE` as NxD Training's (launcher/nxdt_config.py decides which kind a file is).
+
+A NeMo-Launcher file already speaks our keys: those pass through unchanged, with their `${base_results_dir}`,
+`${data_dir}` and `${training...}` interpolations resolved in the launch config, as NeMo-Launcher resolves them.
+NeMo-only keys are ignored (with the reason) when their value changes nothing here, and refused when it would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# NeMo keys that nxdt-launch has no use for, or whose effect it always has. value None: any value is fine;
+# otherwise the values that change nothing here (another value is refused: it would change the training).
+IGNORED: dict[str, tuple[tuple | None, str]] = {
+    "hydra": (None, "NeMo's own config search path"),
+    "run.results_dir": (None, "each stage writes under <base_results_dir>/<run_name>/<stage>"),
+    "trainer.logger": (None, "loggers come from exp_manager"),
+    "trainer.enable_checkpointing": (None, "checkpoints come from exp_manager"),
+    "trainer.use_distributed_sampler": (None, "data-parallel batches come from the runtime's own sampler"),
+    "trainer.max_epochs": (None, "training is step based (trainer.max_steps)"),
+    "trainer.max_time": (None, "the job's run.time_limit bounds it; preemption saves before it"),
+    "trainer.limit_test_batches": (None, "the test split is scored by the evaluation stage"),
+    "trainer.accumulate_grad_batches": ((1,), "gradient accumulation follows from the batch sizes"),
+    "exp_manager.explicit_log_dir": (None, "logs go to the training stage's results directory"),
+    "exp_manager.exp_dir": (None, "logs go to the training stage's results directory"),
+    "exp_manager.name": (None, "the run is named by run.name"),
+    "exp_manager.wandb_logger_kwargs": (None, "the W&B run is named after the run"),
+    "exp_manager.resume_ignore_no_checkpoint": (None, "resume_if_exists starts fresh when there is no checkpoint"),
+    "exp_manager.checkpoint_callback_params.monitor": (None, "checkpoints are kept newest-first (save_top_k)"),
+    "exp_manager.checkpoint_callback_params.mode": (None, "checkpoints are kept newest-first (save_top_k)"),
+    "exp_manager.checkpoint_callback_params.always_save_nemo": ((False,), "no .nemo files; conversion exports"),
+    "exp_manager.checkpoint_callback_params.save_nemo_on_train_end": ((False,), "no .nemo files; conversion exports"),
+    "exp_manager.checkpoint_callback_params.filename": (None, "checkpoint directories are named step_<N>.<launch>"),
+    "exp_manager.checkpoint_callback_params.model_parallel_size": (None, "derived from the layout"),
+    "exp_manager.log_step_timing": (None, "step time is logged at every logged step"),
+    "exp_manager.step_timing_kwargs": (None, "step time is logged at every logged step"),
+    "model.rampup_batch_size": ((None,), "no batch-size ramp-up"),
+    "model.context_parallel_size": ((1,), "context parallelism is not built yet"),
+    "model.kv_channels": ((None,), "the head size is hidden_size / num_attention_heads"),
+    "model.apply_query_key_layer_scaling": (None, "a no-op in bf16 and fp32 (it guards fp16 overflow)"),
+    "model.pre_process": ((True,), "every model has its embedding"),
+    "model.post_process": ((True,), "every model has its output layer"),
+    "model.persist_layer_norm": (None, "kernel choice"),
+    "model.gradient_as_bucket_view": (None, "gradients live in flat buckets already"),
+    "model.grad_div_ar_fusion": (None, "kernel choice"),
+    "model.gradient_accumulation_fusion": (None, "kernel choice"),
+    "model.bias_activation_fusion": (None, "kernel choice"),
+    "model.bias_dropout_add_fusion": (None, "kernel choice"),
+    "model.masked_softmax_fusion": (None, "kernel choice"),
+    "model.activations_checkpoint_method": (None, "full recompute covers every layer"),
+    "model.activations_checkpoint_num_layers": (None, "full recompute covers every layer"),
+    "model.num_micro_batches_with_partial_activation_checkpoints": ((None,), "not supported; null only"),
+    "model.activations_checkpoint_layers_per_pipeline": ((None,), "not supported; null only"),
+    "model.fsdp": ((False,), "FSDP is not built; ZeRO-1 is model.zero1"),
+    "model.fsdp_sharding_strategy": (None, "FSDP is not built"),
+    "model.fsdp_grad_reduce_dtype": (None, "FSDP is not built"),
+    "model.fsdp_sharded_checkpoint": (None, "FSDP is not built"),
+    "model.overlap_p2p_comm": (None, "the pipeline schedule's own choice"),
+    "model.batch_p2p_comm": (None, "the pipeline schedule's own choice"),
+    "model.tokenizer.type": (None, "nxdt-launch reads a Hugging Face tokenizer.json (tokenizer.model)"),
+    "model.tokenizer.delimiter": (None, "nxdt-launch reads a Hugging Face tokenizer.json (tokenizer.model)"),
+    "model.tokenizer.vocab_file": (None, "nxdt-launch reads a Hugging Face tokenizer.json (tokenizer.model); "
+                                         "stages=[data_preparation] writes one from vocab_file and merge_file"),
+    "model.tokenizer.merge_file": (None, "nxdt-launch reads a Hugging Face tokenizer.json (tokenizer.model)"),
+    "model.native_amp_init_scale": (None, "fp16 loss scaling; bf16 needs none"),
+    "model.native_amp_growth_interval": (None, "fp16 loss scaling; bf16 needs none"),
+    "model.hysteresis": (None, "fp16 loss scaling; bf16 needs none"),
+    "model.fp32_residual_connection": ((False,), "residuals keep the parameter dtype"),
+    "model.fp16_lm_cross_entropy": ((False,), "the loss is computed in fp32"),
+    "model.megatron_amp_O2": (None, "with trainer.precision it selects precision.type"),
+    "model.grad_allreduce_chunk_size_mb": (None, "collectives are bucketed by the runtime"),
+    "model.sharp": ((False,), "an NCCL network option"),
+    "model.mcore_gpt": (None, "one model implementation here"),
+    "model.transformer_engine": ((False,), "Transformer Engine is not used"),
+    "model.fp8": ((False,), "fp8 is not supported"),
+    "model.fp8_e4m3": (None, "fp8 is off"),
+    "model.fp8_hybrid": (None, "fp8 is off"),
+    "model.fp8_margin": (None, "fp8 is off"),
+    "model.fp8_interval": (None, "fp8 is off"),
+    "model.fp8_amax_history_len": (None, "fp8 is off"),
+    "model.fp8_amax_compute_algo": (None, "fp8 is off"),
+    "model.fp8_wgrad": (None, "fp8 is off"),
+    "model.ub_tp_comm_overlap": ((False,), "userbuffer overlap is not built"),
+    "model.sync_batch_comm": (None, "the pipeline schedule's own choice"),
+    "model.use_cpu_initialization": (None, "weights are initialized on the host, then sharded"),
+    "model.onnx_safe": (None, "no ONNX export"),
+    "model.apex_transformer_log_level": (None, "no apex"),
+    "model.nsys_profile": (None, "no Nsight profiling hooks"),
+    "model.optim.bucket_cap_mb": (None, "gradient buckets are sized by the runtime"),
+    "model.optim.overlap_grad_sync": (None, "the runtime's own choice"),
+    "model.optim.overlap_param_sync": (None, "the runtime's own choice"),
+    "model.optim.contiguous_grad_buffer": (None, "gradients live in flat buckets already"),
+    "model.data.data_impl": (("mmap",), "Megatron's mmap indexed format is the one read"),
+    "model.data.skip_warmup": (None, "no page-cache warmup"),
+    "model.data.dataloader_type": (("single",), "one pass over the sample index"),
+    "model.data.reset_position_ids": ((False,), "documents are not separated inside a sequence"),
+    "model.data.reset_attention_mask": ((False,), "documents are not separated inside a sequence"),
+    "model.data.eod_mask_loss": ((False,), "the end-of-document token is trained on"),
+}
+
+# trainer.precision (with model.megatron_amp_O2) -> precision.type
+PRECISIONS = {("bf16", True): "mixed_precision", ("bf16-mixed", True): "mixed_precision",
+              ("bf16", False): "autocast", ("bf16-mixed", False): "autocast", (32, False): "fp32", (32, True): "fp32",
+              ("32", False): "fp32", ("32", True): "fp32"}
+
+
+def is_nemo(data: dict[str, Any]) -> bool:
+    """NeMo-Launcher's training files have run/trainer/model with the layout keys under model."""
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    return "distributed_strategy" not in data and "model_source" not in data and \
+        ("hydra" in data or "run" in data) and "tensor_model_parallel_size" in model
+
+
+def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) -> None:
+    """Sort every key of a flattened NeMo file: ours (unchanged), mapped, ignored or refused."""
+    amp_o2 = bool(flat.get("model.megatron_amp_O2", False))
+    for key, value in flat.items():
+        if key == "trainer.precision":
+            target = PRECISIONS.get((value, amp_o2))
+            if target is None:
+                error(key, f"{value!r} has no counterpart here (fp16 is not supported); use bf16 or 32")
+                continue
+            put("precision.type", target)
+            row(key, value, f"training.precision.type = {target!r}")
+        elif key == "model.optim.name" and value == "distributed_fused_adam":
+            # AdamW whose state is sharded over data parallelism: AdamW with ZeRO-1 here.
+            put("model.optim.name", "adamw")
+            put("model.zero1", True)
+            row(key, value, "training.model.optim.name = 'adamw' and training.model.zero1 = True")
+        elif key == "model.resume_from_checkpoint":
+            put("exp_manager.resume_from_checkpoint", value)
+            row(key, value, "training.exp_manager.resume_from_checkpoint")
+        elif key in ours:
+            put(key, value)
+            row(key, value, f"training.{key}")
+        elif (entry := _ignored(key)) is not None:
+            fine, why = IGNORED[entry]
+            if fine is None or value in fine:
+                row(key, value, "ignored: " + why)
+                warn_key(key)
+            else:
+                error(key, f"{value!r} is not supported ({why}); remove it or use {' or '.join(map(repr, fine))}")
+        else:
+            error(key, "is not a key nxdt-launch knows")
+
+
+def _ignored(key: str) -> str | None:
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in IGNORED:
+            return ".".join(parts[:i])
+    return None
