@@ -9,9 +9,9 @@ from typing import Any
 
 import yaml
 
-from runtime.schema.training import (CheckpointConfig, DataConfig, OptimConfig, ParallelConfig, PrecisionConfig,
-                                     SchedConfig, TrainerConfig, TrainingConfig, parse_model,
-                                     parse_training)
+from runtime.schema.training import parse_model, parse_training
+from runtime.schema.training_config import (CheckpointConfig, DataConfig, OptimConfig, ParallelConfig,
+                                            PrecisionConfig, SchedConfig, TrainerConfig, TrainingConfig)
 from runtime.schema.model import ModelConfig, tokenizer_vocab_size as _vocab_size
 
 __all__ = ["CheckpointConfig", "DataConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "SchedConfig",

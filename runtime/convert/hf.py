@@ -11,7 +11,6 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -7,8 +7,6 @@ from typing import Sequence
 
 import numpy as np
 
-from runtime.schema.data_prefix import BlendEntry, parse_data_prefix, read_blend_file  # noqa: F401 (re-exported)
-
 
 def blend_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """For each blended sample: which dataset it comes from and which sample of that dataset.

@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from runtime.data.blend import BlendedDataset, blend_index, parse_data_prefix
+from runtime.data.blend import BlendedDataset, blend_index
+from runtime.schema.data_prefix import parse_data_prefix
 from runtime.data.gpt_dataset import GPTDataset, split_document_ranges
 from runtime.data.indexed import IndexedDataset
 

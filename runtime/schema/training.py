@@ -6,7 +6,6 @@
 # launch (the cluster's file system is not here), "skip" when this launch's data_preparation stage makes them.
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,104 +14,11 @@ from runtime.schema import rules
 from runtime.schema.data_prefix import missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
+from runtime.schema.training_config import (CheckpointConfig, DataConfig, OptimConfig, ParallelConfig,
+                                            PrecisionConfig, SchedConfig, TrainerConfig, TrainingConfig)
 
 PREFIX = "training."
 FILE_MODES = ("error", "warn", "skip")
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    num_nodes: int
-    devices: int
-    accelerator: str  # cpu | gpu | neuron
-    max_steps: int
-    log_every_n_steps: int
-    val_check_interval: int  # 0: no validation
-    limit_val_batches: int  # global batches per validation
-    gradient_clip_val: float  # 0: no clipping
-    preflight: bool = False  # a seconds-long collective smoke test at start (runtime/preflight.py)
-    preflight_timeout_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tp: int
-    pp: int
-    virtual_pp: int | None
-    sequence_parallel: bool
-    zero1: bool
-    activation_checkpointing: str | None  # None | full | selective
-    recompute_modules: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    data_prefix: Any  # [w1, p1, ...] list or a blend file / prefix path; see runtime/schema/data_prefix.py
-    splits_string: str
-    seq_length: int
-    micro_batch_size: int
-    global_batch_size: int
-    index_mapping_dir: str | None
-    num_workers: int
-
-
-@dataclass(frozen=True)
-class SchedConfig:
-    name: str
-    warmup_steps: int
-    constant_steps: int
-    min_lr: float
-    max_steps: int
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    name: str
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    eps: float
-    sched: SchedConfig
-
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    type: str  # fp32 | bf16SR | mixed_precision | mixed_precisionSR | autocast
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """exp_manager's checkpoint keys (NeMo names where NeMo has one; docs/checkpoints.md)."""
-
-    enabled: bool                    # exp_manager.create_checkpoint_callback
-    dirpath: str                     # checkpoint_callback_params.dirpath: a path or s3://bucket/prefix
-    every_n_train_steps: int         # 0: only at the end and on a signal
-    save_top_k: int                  # keep the newest K complete checkpoints; -1: keep all
-    save_last: bool                  # save when training ends
-    async_save: bool                 # write in the background while training goes on
-    load_on_one_replica: bool        # read on data-parallel replica 0 and broadcast to the others
-    resume_if_exists: bool
-    resume_from_checkpoint: str | None
-    save_on_signal: bool             # exp_manager.create_preemption_callback: SIGUSR1/SIGTERM save and exit
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    run_name: str
-    results_dir: Path
-    trainer: TrainerConfig
-    parallel: ParallelConfig
-    data: DataConfig
-    optim: OptimConfig
-    precision: PrecisionConfig
-    model: ModelConfig
-    tokenizer_path: str
-    tokenizer_vocab_size: int  # before padding; model.vocab_size is the padded size
-    seed: int
-    tensorboard: bool
-    wandb: bool
-    checkpoint: CheckpointConfig
-    raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config
 
 
 def is_remote(path: Any) -> bool:
