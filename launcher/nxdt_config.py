@@ -209,8 +209,8 @@ def map_file(path: str) -> Mapping:
     result.training = _with_base(training, data)
     ignored = [key for key, _, what in result.rows if what.startswith("ignored: ")]
     if ignored:
-        result.warnings.append(f"training=@{path}: {len(ignored)} keys ignored, whose effect nxdt-launch has already or "
-                               f"that tune NxD's own implementation ({', '.join(ignored[:3])}, ...); "
+        result.warnings.append(f"training=@{path}: {len(ignored)} keys ignored, whose effect nxdt-launch has already "
+                               f"or that tune NxD's own implementation ({', '.join(ignored[:3])}, ...); "
                                f"`nxdt-launch explain-config {path}` lists each with the reason")
     return result
 

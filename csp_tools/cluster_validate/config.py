@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from csp_tools.cluster_validate.bandwidth import DTYPES, OPERATIONS
+from runtime.schema import choices
 
-ACCELERATORS = {"cpu": "gloo", "gpu": "nccl", "neuron": "xla"}  # trainer.accelerator -> torch.distributed backend
+# trainer.accelerator (runtime/schema/choices.py) -> torch.distributed backend
+ACCELERATORS = {"cpu": "gloo", "gpu": "nccl", "neuron": "xla"}
+assert set(ACCELERATORS) == set(choices.ACCELERATORS), "a backend for every accelerator the schema accepts"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
 
@@ -215,8 +218,8 @@ def parse(raw: Any, *, prefix: str = "cluster_validation", cluster_exclude: Any 
     top = _Reader(raw, prefix, problems)
     run = top.section("run")
     accelerator = top.get("accelerator", "cpu")
-    if accelerator not in ACCELERATORS:
-        problems.append(f"{prefix}.accelerator: {accelerator!r} is not one of {', '.join(ACCELERATORS)}")
+    if problem := choices.ACCELERATORS.problem(f"{prefix}.accelerator", accelerator):
+        problems.append(problem)
         accelerator = "cpu"
     port = top.number("port", None, minimum=1, integer=True, null=True)
     if port is not None and port > 65535:

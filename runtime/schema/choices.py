@@ -22,3 +22,15 @@ RECOMPUTE_MODULES = Choices(("core_attention", "mlp"), {"CoreAttention": "core_a
                                                         "MLP": "mlp"})
 DEPENDENCIES = Choices(("afterok", "afterany", "singleton"))
 CONVERSION_MODES = Choices(("export", "import"))
+
+# The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data.
+TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo"))
+
+# The data_preparation stage.
+DATA_SOURCES = Choices(("demo", "files", "urls"))
+TOKENIZER_FORMATS = Choices(("huggingface", "sentencepiece"))   # data_preparation.tokenizer.library
+BAD_LINE_POLICIES = Choices(("skip", "fail"))
+TOKEN_DTYPES = Choices(("auto", "uint16", "int32", "int64"))
+TOKENIZER_ENGINES = Choices(("auto", "huggingface", "tiktoken"))
+# tokenizer.train.model_type, in both libraries: what converts to the tokenizer.json training reads
+TRAINABLE_TOKENIZERS = ("bpe", "unigram")

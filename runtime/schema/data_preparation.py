@@ -10,15 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.schema.reader import Choices, ConfigErrors, Report, Section
+from runtime.schema.choices import BAD_LINE_POLICIES, DATA_SOURCES, TOKEN_DTYPES, TOKENIZER_ENGINES
+from runtime.schema.choices import TOKENIZER_FORMATS, TRAINABLE_TOKENIZERS
+from runtime.schema.reader import ConfigErrors, Report, Section
 
-SOURCES = Choices(("demo", "files", "urls"))
-LIBRARIES = Choices(("huggingface", "sentencepiece"))
-BAD_LINE_POLICIES = Choices(("skip", "fail"))
-DTYPES = Choices(("auto", "uint16", "int32", "int64"))
-HF_MODEL_TYPES = ("bpe", "unigram")
-ENGINES = Choices(("auto", "huggingface", "tiktoken"))
-SPM_MODEL_TYPES = ("bpe", "unigram")     # what converts to the tokenizer.json training reads
 P = "data_preparation."
 
 
@@ -125,7 +120,7 @@ def _input(s: Section) -> dict:
     numbers = s.raw("file_numbers", None)
     if numbers is not None and (isinstance(numbers, bool) or not isinstance(numbers, (str, int))):
         s.report.error(f"{s.key('file_numbers')}: {numbers!r} must be a string like \"0,3,5-7\"")
-    values = dict(source=s.choice("source", SOURCES), files=s.strings("files"), urls=s.strings("urls"),
+    values = dict(source=s.choice("source", DATA_SOURCES), files=s.strings("files"), urls=s.strings("urls"),
                   file_numbers=None if numbers is None else str(numbers), text_key=s.str("text_key", "text"),
                   on_bad_line=s.choice("on_bad_line", BAD_LINE_POLICIES, "skip"))
     s.done()
@@ -150,12 +145,12 @@ def _train(s: Section) -> dict | None:
 
 def _tokenizer(s: Section) -> dict:
     train = s.section("train")
-    values = dict(library=s.choice("library", LIBRARIES, "huggingface"), model=s.str("model", None),
+    values = dict(library=s.choice("library", TOKENIZER_FORMATS, "huggingface"), model=s.str("model", None),
                   vocab_file=s.str("vocab_file", None), merge_file=s.str("merge_file", None),
                   train=_train(train), eod_token=s.str("eod_token", None),
                   add_special_tokens=s.bool("add_special_tokens", False),
-                  engine=s.choice("engine", ENGINES, "auto"), wait_timeout_s=s.float("wait_timeout_s", 7200.0,
-                                                                                        above=0.0))
+                  engine=s.choice("engine", TOKENIZER_ENGINES, "auto"),
+                  wait_timeout_s=s.float("wait_timeout_s", 7200.0, above=0.0))
     s.done()
     error, path = s.report.error, s.path
     given = [k for k in ("model", "vocab_file", "train") if values[k]]
@@ -174,7 +169,7 @@ def _tokenizer(s: Section) -> dict:
         error(f"{path}.library: {library!r}: vocab_file + merge_file need 'huggingface'")
     trained = values["train"]
     if trained and library:
-        types = HF_MODEL_TYPES if library == "huggingface" else SPM_MODEL_TYPES
+        types = TRAINABLE_TOKENIZERS
         if trained["model_type"] not in types:
             error(f"{path}.train.model_type: {trained['model_type']!r} with library {library!r} must be one of "
                   f"{', '.join(types)}")
@@ -189,7 +184,7 @@ def _output(s: Section) -> dict:
     for name, weight in (weights or {}).items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
             s.report.error(f"{s.key('blend_weights')}.{name}: {weight!r} must be a number >= 0")
-    values = dict(append_eod=s.bool("append_eod", True), dtype=s.choice("dtype", DTYPES, "auto"),
+    values = dict(append_eod=s.bool("append_eod", True), dtype=s.choice("dtype", TOKEN_DTYPES, "auto"),
                   blend_weights=weights)
     s.done()
     return values

@@ -6,11 +6,11 @@ from typing import Any
 
 from runtime.schema import choices as C
 from runtime.schema import rules
-from runtime.schema.reader import Choices, Report, Section
+from runtime.schema.choices import TASK_TYPES
+from runtime.schema.reader import Report, Section
 
 # Tasks by name: the loss over the training data's validation or test split.
 BUILTIN_TASKS = {"validation_loss": "valid", "test_loss": "test"}
-TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo"))
 
 
 @dataclass(frozen=True)

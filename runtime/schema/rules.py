@@ -89,7 +89,8 @@ def interleaved_micro_batches(micro_batches: int, pp: int, p: str) -> str | None
 def virtual_needs_pipeline(vpp: int | None, pp: int, p: str) -> str | None:
     if vpp is None or vpp == 1 or pp > 1:
         return None
-    return f"{p}model.virtual_pipeline_model_parallel_size: {vpp} needs pipeline_model_parallel_size > 1; set it to null"
+    return (f"{p}model.virtual_pipeline_model_parallel_size: {vpp} needs pipeline_model_parallel_size > 1; "
+            f"set it to null")
 
 
 def layers_split(layers: int, pp: int, vpp: int | None, p: str) -> str | None:
