@@ -10,6 +10,7 @@ Pure apart from reading the file (and the config.json it points at): nothing is 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,9 @@ MAPPED: dict[str, str] = {
     "aync_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",  # NxD's own spelling
     "async_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",
 }
+
+# PyTorch Lightning reads a float here as a fraction of an epoch (0.0: none); nxdt-launch counts steps/batches.
+FRACTIONS = ("trainer.val_check_interval", "trainer.limit_val_batches")
 
 # Keys whose effect nxdt-launch already has (or that only tune NxD's own implementation): ignoring them is safe.
 IGNORED: dict[str, str] = {
@@ -138,7 +142,8 @@ class Mapping:
     def name(self) -> str:
         """The Hydra choice it is registered under: stable for a given file content."""
         digest = hashlib.sha256(repr(sorted(_flatten(self.training).items())).encode()).hexdigest()[:10]
-        return f"_imported_{self.source.stem.replace('.', '_')}_{digest}"
+        stem = re.sub(r"\W", "_", self.source.stem)  # a plain Hydra choice name, whatever the file is called
+        return f"_imported_{stem}_{digest}"
 
 
 def is_file_choice(value: str) -> bool:
@@ -183,6 +188,12 @@ def map_file(path: str) -> Mapping:
         if top is not None and NEUTRAL.get(key, object()) != value:
             result.errors.append(f"training=@{path}: {key} is not supported: {UNSUPPORTED[top]}")
             result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
+        elif key in MAPPED and value is None:
+            result.rows.append((key, value, "null: the base recipe's value stays"))
+        elif key in FRACTIONS and isinstance(value, float) and value != 0:
+            result.errors.append(f"training=@{path}: {key}: {value!r} is a fraction of an epoch (PyTorch Lightning's "
+                                 f"float form); nxdt-launch counts steps: give a whole number")
+            result.rows.append((key, value, "refused: a fraction of an epoch"))
         elif key in MAPPED:
             target = MAPPED[key]
             converted = _convert(key, value)
@@ -206,7 +217,13 @@ def map_file(path: str) -> Mapping:
                                  f"(`nxdt-launch explain-config {path}` lists every key and what it maps to)")
     if result.errors:
         return result
+    if data.get("model_source") == "hf" and (data.get("data") or {}).get("train_dir"):
+        result.warnings.append(
+            f"training=@{path}: data.train_dir: NxD Training's hf configs point it at a Hugging Face datasets "
+            f"directory; nxdt-launch trains on Megatron indexed data: prepare it with stages=[data_preparation] and "
+            f"point training.model.data.data_prefix at the result")
     result.training = _with_base(training, data)
+    result.rows += _from_base(result.training)
     ignored = [key for key, _, what in result.rows if what.startswith("ignored: ")]
     if ignored:
         result.warnings.append(f"training=@{path}: {len(ignored)} keys ignored, whose effect nxdt-launch has already "
@@ -242,6 +259,26 @@ def _with_base(training: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]
     if model.get("virtual_pipeline_model_parallel_size") == 1:
         model["virtual_pipeline_model_parallel_size"] = None  # NxD writes 1 for "no interleaving"
     return {"defaults": [f"/training/{family}@_here_", "_self_"], **training}
+
+
+def _from_base(training: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """Rows for the keys the file leaves to the base recipe, so explain-config shows every value that will run."""
+    from omegaconf import OmegaConf
+
+    from launcher.paths import conf_dir
+
+    recipe = training["defaults"][0].removeprefix("/training/").removesuffix("@_here_")
+    chain, seen = [recipe], {}
+    while chain:  # the recipe's own defaults first, then the recipe over them
+        name = chain.pop()
+        data = OmegaConf.to_container(OmegaConf.load(conf_dir() / "training" / f"{name}.yaml"), resolve=False)
+        parents = [d.removeprefix("/training/").removesuffix("@_here_") for d in data.get("defaults", [])
+                   if isinstance(d, str) and d.startswith("/training/")]
+        seen = {**_flatten({k: v for k, v in data.items() if k != "defaults"}), **seen}
+        chain += parents
+    given = _flatten({k: v for k, v in training.items() if k != "defaults"})
+    return [(f"(not in the file) {key}", value, f"training.{key}, from the base recipe training/{recipe}")
+            for key, value in sorted(seen.items()) if key not in given]
 
 
 def _convert(key: str, value: Any) -> Any:
@@ -329,9 +366,18 @@ def cluster_overrides(mapping: Mapping) -> list[str]:
 
 
 def _hydra_value(value: Any) -> str:
-    if isinstance(value, str):
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    """A value as Hydra's override grammar reads it back unchanged."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if not isinstance(value, str):
+        return str(value)
+    if "'" not in value:
+        return f"'{value}'"  # inside quotes only a quote (and the backslashes before one) needs escaping
+    if '"' not in value:
+        return f'"{value}"'
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 def expand(overrides: list[str]) -> tuple[list[str], list[str]]:

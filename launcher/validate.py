@@ -24,8 +24,6 @@ OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "work
 # What may stand in an #SBATCH line: sbatch reads those lines itself, so nothing there may need quoting.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# run_name and base_results_dir end up in #SBATCH --output paths and in job names.
-_PATH_UNSAFE = re.compile(r"[\s'\"\\]")
 
 
 def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str]]:
@@ -35,13 +33,13 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
     # A stage whose program is missing is already reported; its own checks would only add noise.
     stages = [s for s in cfg.get("stages") or [] if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
     for stage in stages:
-        if stage != "training":  # the training schema checks its own run keys
+        if stage != "training":  # the training schema checks its own run keys, with the same rules
             errors += _stage_run(cfg[stage]["run"], stage)
     if "training" in stages:
         # The runtime runs the same schema on the node. A dry run often renders on a laptop for a cluster whose
         # file system it cannot see: missing files are warnings there.
-        files = "skip" if "data_preparation" in stages else "warn" if dry_run else "error"
-        _, report = parse_training(cfg["training"], files=files)
+        _, report = parse_training(cfg["training"], files="warn" if dry_run else "error",
+                                   prepared="data_preparation" in stages)
         errors += report.errors
         warnings += report.warnings
     # The other stages' programs run the same parsers on the node.
@@ -75,7 +73,7 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
     if cfg.get("cluster_type") not in CLUSTER_TYPES:
         errors.append(f"cluster_type: {cfg.get('cluster_type')!r} is not one of {', '.join(CLUSTER_TYPES)}")
     name = str(cfg.get("run_name") or "")
-    if not name or "/" in name or _PATH_UNSAFE.search(name) or not name.isprintable():
+    if not name or "/" in name or rules.unsafe_path(name):
         errors.append(
             f"run_name: {name!r} must be non-empty, without '/', spaces, quotes or backslashes "
             "(it names a directory and Slurm jobs); e.g. run_name=my_run"
@@ -84,7 +82,7 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
         value = str(cfg.get(key) or "")
         if key == "data_dir" and value.startswith("s3://"):
             continue  # staged to cluster.staging.local_dir; staging.problems checks it
-        if not value.startswith("/") or _PATH_UNSAFE.search(value) or not value.isprintable():
+        if not value.startswith("/") or rules.unsafe_path(value):
             errors.append(
                 f"{key}: {value!r} must be an absolute path without spaces, quotes or backslashes; "
                 f"e.g. {key}=/fsx/{key}"
@@ -109,10 +107,8 @@ def _stage_run(run: dict[str, Any], stage: str) -> list[str]:
     errors = []
     if problem := rules.time_limit(run.get("time_limit"), f"{stage}."):
         errors.append(problem)
-    results_dir = str(run.get("results_dir") or "")
-    if not results_dir.startswith("/") or _PATH_UNSAFE.search(results_dir) or not results_dir.isprintable():
-        errors.append(f"{stage}.run.results_dir: {results_dir!r} must be an absolute path without spaces, "
-                      "quotes or backslashes (it appears in #SBATCH lines)")
+    if problem := rules.results_dir(run.get("results_dir"), f"{stage}."):
+        errors.append(problem)
     if problem := choices.DEPENDENCIES.problem(f"{stage}.run.dependency", run.get("dependency") or "afterok"):
         errors.append(problem)
     return errors

@@ -33,13 +33,18 @@ def _tokens(value: str | None) -> float | None:
     return tokens
 
 
-def compose_checked(overrides: list[str]) -> dict:
+def compose_checked(overrides: list[str], vocab_size: int | None = None) -> dict:
     """The resolved launch config for these overrides, with the training layout's arithmetic checked."""
     from launcher import validate
     from launcher.compose import compose, resolve
+    from launcher.estimator.shapes import vocab_size_for
 
     cfg = resolve(compose(overrides))
-    errors = validate.training(cfg["training"])
+    try:
+        vocab = vocab_size_for(cfg["training"], vocab_size)
+    except UserError:
+        vocab = None  # estimate() says what it needs
+    errors = validate.training(cfg["training"], vocab_size=vocab)
     if errors:
         raise UserError(*errors)
     return cfg
@@ -143,7 +148,7 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
 
     from launcher.estimator import estimate
 
-    cfg = compose_checked(list(overrides))
+    cfg = compose_checked(list(overrides), vocab_size)
     neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
     result = estimate(cfg["training"], device=device, tokens=_tokens(tokens), mfu=mfu, vocab_size=vocab_size,
                       node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None, neuron_hardware=neuron)

@@ -8,6 +8,7 @@ from typing import Any
 
 from launcher.errors import UserError
 from runtime.schema.model import tokenizer_vocab_size
+from runtime.schema.training import model_shape_keys
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
 # Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
@@ -76,6 +77,11 @@ def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int
     """The unpadded vocabulary: --vocab-size, else the tokenizer file, else a known tokenizer named in its path."""
     if override:
         return int(override)
+    if training["model"].get("model_config") is not None and not override:
+        try:  # the model's own vocabulary, as the schema sizes the embedding
+            return int(model_shape_keys(training["model"])["vocab_size"])
+        except ValueError as error:
+            raise UserError(f"{error}; the estimate needs the model's shape") from None
     path = str((training["model"].get("tokenizer") or {}).get("model") or "")
     if path and Path(path).is_file():
         try:
@@ -90,7 +96,10 @@ def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int
 
 
 def shape_from_training(training: dict[str, Any], vocab: int) -> ModelShape:
-    model = training["model"]
+    try:
+        model = model_shape_keys(training["model"])  # with the keys a model_config (config.json) supplies
+    except ValueError as error:
+        raise UserError(f"{error}; the estimate needs the model's shape") from None
     heads = int(model["num_attention_heads"])
     seq = int(model["encoder_seq_length"])
     return ModelShape(

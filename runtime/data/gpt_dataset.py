@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from runtime.data.indexed import IndexedDataset
+from runtime.schema import rules
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Bump when the way the arrays are computed changes, so stale caches are never reused.
@@ -26,15 +27,9 @@ _INDEX_FORMAT = 1
 
 def parse_splits(splits_string: str) -> list[float]:
     """'98,1,1' -> [0.98, 0.01, 0.01]; missing trailing parts count as 0, as in Megatron."""
-    try:
-        parts = [float(p) for p in str(splits_string).replace("/", ",").split(",") if p.strip()]
-    except ValueError:
-        parts = []
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(
-            f"model.data.splits_string {splits_string!r} is invalid; expected up to three non-negative "
-            f"weights for train,valid,test such as '98,1,1'"
-        )
+    if problem := rules.splits(splits_string, "training."):
+        raise ValueError(problem)
+    parts = [float(p) for p in str(splits_string).replace("/", ",").split(",") if p.strip()]
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.data.blend import BlendedDataset, blend_index
+from runtime.schema import rules
 from runtime.schema.data_prefix import parse_data_prefix
 from runtime.data.gpt_dataset import GPTDataset, split_document_ranges
 from runtime.data.indexed import IndexedDataset
@@ -55,11 +56,8 @@ def build_split_dataset(
 
 
 def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:
-    if global_batch_size % (micro_batch_size * dp_size):
-        raise ValueError(
-            f"model.global_batch_size {global_batch_size} is not divisible by model.micro_batch_size "
-            f"{micro_batch_size} x data parallel size {dp_size} = {micro_batch_size * dp_size}"
-        )
+    if problem := rules.global_batch(global_batch_size, micro_batch_size, dp_size, "training."):
+        raise ValueError(problem)
 
 
 class DataParallelBatches:

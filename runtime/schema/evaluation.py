@@ -69,7 +69,7 @@ def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig
 
 
 def _tasks(specs: Any, p: str, report: Report) -> tuple[TaskSpec, ...]:
-    if not isinstance(specs, list) or not specs:
+    if not isinstance(specs, list):
         report.error(f"{p}tasks: {specs!r} must be a non-empty list of task names ({', '.join(BUILTIN_TASKS)}) "
                      f"or mappings with a type ({TASK_TYPES.listing()})")
         return ()

@@ -162,8 +162,8 @@ def vocab_divisor(vocab: int, tokenizer_vocab: int | None) -> int:
     does (e.g. 128 for 50304 and GPT-2's 50257 tokens); HF's own vocab_size always does."""
     if tokenizer_vocab is None:
         return vocab
-    if tokenizer_vocab > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but config.json vocab_size is {vocab}")
+    if problem := rules.tokenizer_fits(tokenizer_vocab, vocab, ""):
+        raise ValueError(problem)
     power = vocab & -vocab  # the largest power of two dividing vocab
     return power if vocab - tokenizer_vocab < power else vocab
 

@@ -172,7 +172,9 @@ class Section:
     def choice(self, name: str, choices: "Choices", default: Any = REQUIRED) -> Any:
         """One of `choices`; another name for the same thing (an alias) is read as its canonical name."""
         self.seen.add(name)
-        value = self.data.get(name) if name in self.data else default
+        value = self.data.get(name)
+        if value is None:  # absent or null: the default (which may itself be a valid None)
+            value = default
         if value is REQUIRED:
             self.report.error(f"{self.key(name)}: missing; valid: {choices.listing()}")
             return None

@@ -10,14 +10,16 @@ import math
 import re
 
 # Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
+_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
+# Paths and names that end up in #SBATCH lines and job names: sbatch reads those lines itself, unquoted.
+_PATH_UNSAFE = re.compile(r"[\s'\"\\]")
 
 
 def slurm_seconds(value: str) -> int | None:
     """Slurm's time formats in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; None for UNLIMITED, INFINITE or
     anything that is not a Slurm time."""
     value = str(value).strip()
-    if value in ("UNLIMITED", "INFINITE") or not _SLURM_TIME.match(value):
+    if value.upper() in ("UNLIMITED", "INFINITE") or not _SLURM_TIME.match(value):
         return None
     days, _, clock = value.rpartition("-")
     parts = [int(x) for x in clock.split(":")]
@@ -36,6 +38,19 @@ def time_limit(value: object, p: str) -> str | None:
     if _SLURM_TIME.match(str(value)):
         return None
     return f"{p}run.time_limit: {value!r} is not a Slurm time; use H:MM:SS or D-HH:MM:SS, e.g. 4:00:00"
+
+
+def results_dir(value: object, p: str) -> str | None:
+    text = "" if value is None else str(value)
+    if text.startswith("/") and not _PATH_UNSAFE.search(text) and text.isprintable():
+        return None
+    return (f"{p}run.results_dir: {text!r} must be an absolute path without spaces, quotes or backslashes "
+            f"(it appears in #SBATCH lines)")
+
+
+def unsafe_path(value: str) -> bool:
+    """True for a path or name that cannot stand unquoted in an #SBATCH line."""
+    return bool(_PATH_UNSAFE.search(value)) or not value.isprintable()
 
 
 def preemption_signal(signal_s: int, limit: str, p: str) -> str | None:
@@ -145,13 +160,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 
 def vocab_tp(vocab_size: int | None, divisible_by: int, tp: int, p: str) -> str | None:
     """The padded vocabulary is split over the TP ranks. Without the tokenizer (built later by this launch's
-    data_preparation, or not on this machine) only a multiple of tp is certain to work."""
+    data_preparation, or not on this machine) only a multiple of tp is certain to work: the parsers report that
+    case as a warning, and the node, which has the tokenizer, decides."""
     if vocab_size is None:
         if divisible_by % tp == 0:
             return None
         return (f"{p}model.make_vocab_size_divisible_by: {divisible_by} is not a multiple of "
-                f"tensor_model_parallel_size {tp}, and the tokenizer is not there yet to check the padded "
-                f"vocabulary; use a multiple of {tp}")
+                f"tensor_model_parallel_size {tp}; whether the padded vocabulary divides by {tp} is checked once "
+                f"the tokenizer exists (a multiple of {tp} always does)")
     padded = padded_vocab_size(vocab_size, divisible_by)
     if padded % tp == 0:
         return None
@@ -182,8 +198,8 @@ def dropout(name: str, value: float, p: str) -> str | None:
 def tokenizer_fits(tokenizer_vocab: int, config_vocab: int, p: str) -> str | None:
     if tokenizer_vocab <= config_vocab:
         return None
-    return (f"{p}model.tokenizer.model: the tokenizer has {tokenizer_vocab} tokens but model.model_config's "
-            f"vocab_size is {config_vocab}; use the model's own tokenizer")
+    return (f"{p}model.tokenizer.model: the tokenizer has {tokenizer_vocab} tokens but the model's config.json has "
+            f"vocab_size {config_vocab}; use the model's own tokenizer")
 
 
 # ------------------------------------------------------------------------------------------- optimizer, schedule
@@ -215,10 +231,22 @@ def schedule_fits(warmup: int, constant: int, max_steps: int, p: str) -> str | N
 
 # ------------------------------------------------------------------------------------------ trainer, checkpoints
 def val_check_whole(value: object, p: str) -> str | None:
-    if not isinstance(value, float) or value == int(value):
+    if not isinstance(value, float) or (math.isfinite(value) and value == int(value)):
         return None
     return (f"{p}trainer.val_check_interval: {value!r} must be a whole number of steps (fractions of an epoch are "
             f"not supported: training is step based)")
+
+
+def splits(value: object, p: str) -> str | None:
+    """train,valid,test weights as Megatron reads them: up to three non-negative numbers with a positive sum."""
+    try:
+        parts = [float(x) for x in str(value).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        parts = []
+    if parts and len(parts) <= 3 and all(math.isfinite(x) and x >= 0 for x in parts) and sum(parts) > 0:
+        return None
+    return (f"{p}model.data.splits_string: {value!r} is invalid; expected up to three non-negative weights for "
+            f"train,valid,test such as '98,1,1'")
 
 
 def save_top_k(value: int, p: str) -> str | None:

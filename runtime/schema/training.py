@@ -27,15 +27,20 @@ def is_remote(path: Any) -> bool:
 
 
 class _Files:
-    """File checks: errors, warnings or nothing, by mode."""
+    """File checks: errors, warnings or nothing, by mode; `prepared` inputs are made by this launch."""
 
-    def __init__(self, report: Report, mode: str):
+    def __init__(self, report: Report, mode: str, prepared: bool = False):
         assert mode in FILE_MODES, mode
-        self.report, self.mode = report, mode
+        self.report, self.mode, self.prepared = report, mode, prepared
 
     @property
     def checked(self) -> bool:
         return self.mode != "skip"
+
+    @property
+    def inputs_checked(self) -> bool:
+        """The tokenizer and the data, which this launch's data_preparation may be about to make."""
+        return self.checked and not self.prepared
 
     def problem(self, message: str) -> None:
         if self.mode == "error":
@@ -44,13 +49,18 @@ class _Files:
             self.report.warn(message)
 
 
-def parse_training(raw: Any, *, files: str = "error", p: str = PREFIX,
+def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p: str = PREFIX,
                    vocab_size: int | None = None) -> tuple[TrainingConfig | None, Report]:
     """Read and check one training stage config. Returns the config (None if anything is wrong, or if a file it
-    needs was not read) and the report. `vocab_size`: the tokenizer's, when the caller knows it (the estimator)."""
+    needs was not read) and the report.
+
+    files: "error" (at launch, on the node), "warn" (a dry run or a remote launch) or "skip" (no file is looked
+    at: estimates of hypothetical layouts). prepared: this launch's data_preparation makes the tokenizer and the
+    data, so those are not looked for (a model_config still is). vocab_size: the tokenizer's, when known.
+    """
     report = Report()
     root = Section(raw, p.rstrip("."), report)
-    file_checks = _Files(report, files)
+    file_checks = _Files(report, files, prepared)
     run, trainer_s, model_s = root.section("run"), root.section("trainer"), root.section("model")
     exp, precision_s = root.section("exp_manager"), root.section("precision")
     for name in ("run", "trainer", "model"):
@@ -105,16 +115,28 @@ def parse_model(model_raw: Any, *, files: str = "error", p: str = PREFIX) -> tup
     return ModelConfig.from_model_section(shape, vocab), report
 
 
+def model_shape_keys(model_raw: Any, p: str = PREFIX) -> dict[str, Any]:
+    """A resolved `model:` section with the keys its model_config supplies filled in (the estimator's view of the
+    shape); ValueError names model_config when it is set but cannot be read here."""
+    model = dict(model_raw or {})
+    if model.get("model_config") is None:
+        return model
+    report = Report()
+    shape, vocab, _ = _model_shape(Section(model, f"{p}model", report), p, report, _Files(report, "error"))
+    if report.errors:
+        raise ValueError(report.errors[0])
+    return {**model, **shape, "vocab_size": vocab}
+
+
 def _run_keys(run: Section, p: str, report: Report) -> None:
-    """run.*: the job's own keys (the launcher renders them; the runtime reads name and results_dir)."""
-    run.str("results_dir")
+    """run.*: the job's own keys (the launcher renders them into #SBATCH lines; the runtime reads results_dir)."""
+    report.error(rules.results_dir(run.raw("results_dir", None), p))
     limit = run.raw("time_limit", None)
-    if limit is not None:
-        report.error(rules.time_limit(limit, p))
+    report.error(rules.time_limit(limit, p))
     run.choice("dependency", C.DEPENDENCIES, "afterok")
     signal_s = run.int("preemption_signal_s", 0)
-    if signal_s is not None and limit is not None:
-        report.error(rules.preemption_signal(signal_s, str(limit), p))
+    if signal_s is not None:
+        report.error(rules.preemption_signal(signal_s, "" if limit is None else str(limit), p))
     run.int("max_restarts", 0, minimum=0)
 
 
@@ -147,17 +169,22 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     config_vocab = None
     hf_keys: dict[str, Any] = {}
     model_config = model.raw("model_config", None)
-    if model_config is not None:
+    if model_config is not None and files.checked:
         try:
             hf_config = read_hf_config(str(model_config))
             hf_keys = hf_model_keys(hf_config)
             config_vocab = int(hf_config["vocab_size"])
-        except ValueError as error:
+        except (ValueError, TypeError, ArithmeticError, KeyError) as error:
             if Path(str(model_config)).exists():
-                report.error(f"{p}model.model_config: {error}")
+                message = str(error) if isinstance(error, ValueError) else f"a value has the wrong type ({error})"
+                report.error(f"{p}model.model_config: {message}")
             else:
                 files.problem(f"{p}model.model_config: {model_config} does not exist; point it at the model's "
                               f"Hugging Face config.json")
+    for key, value in hf_keys.items():
+        if model.has(key) and model.data[key] != value and key != "make_vocab_size_divisible_by":
+            report.warn(f"{p}model.{key}: {model.data[key]!r} overrides model_config's {value!r} (the config's own "
+                        f"keys win over config.json, as in NxD Training)")
     # Without model_config the YAML holds the whole shape; with one that cannot be read here (a dry run on a
     # laptop) only what the YAML holds is checked, and the rest at launch on the cluster.
     shape_known = model_config is None or bool(hf_keys)
@@ -192,7 +219,7 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     # With model_config the vocabulary comes from config.json; the tokenizer is then only checked against it.
     path = tokenizer.str("model", None if model_config is not None else REQUIRED) or ""
     vocab = known_vocab
-    if vocab is None and path and not is_remote(path) and files.checked:
+    if vocab is None and path and not is_remote(path) and files.inputs_checked:
         try:
             vocab = tokenizer_vocab_size(path)
         except ValueError as error:
@@ -220,7 +247,8 @@ def _parallel(model: Section) -> ParallelConfig | None:
         for i, name in enumerate(recompute):
             problem = C.RECOMPUTE_MODULES.problem(model.key(f"activations_checkpoint_recompute[{i}]"), name)
             model.report.error(problem)
-            modules.append(C.RECOMPUTE_MODULES.canonical(name))
+            if problem is None:
+                modules.append(C.RECOMPUTE_MODULES.canonical(name))
     values = dict(
         tp=model.int("tensor_model_parallel_size", 1, minimum=1),
         pp=model.int("pipeline_model_parallel_size", 1, minimum=1),
@@ -247,13 +275,13 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str) -> Data
     if data_prefix is not None:
         try:
             if isinstance(data_prefix, str):
-                if files.checked and not is_remote(data_prefix):
+                if files.inputs_checked and not is_remote(data_prefix):
                     entries = parse_data_prefix(data_prefix, key)
                     for line in missing_datasets(entries, key):
                         files.problem(line)
             else:
                 entries = parse_list(data_prefix, key)
-                if files.checked:
+                if files.inputs_checked:
                     for line in missing_datasets([e for e in entries if not is_remote(e.prefix)], key):
                         files.problem(line)
         except ValueError as error:
@@ -264,6 +292,8 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str) -> Data
             else:
                 model.report.error(message)
     splits = data.str("splits_string", "98,1,1")
+    if splits is not None:
+        model.report.error(rules.splits(splits, p))
     workers = data.int("num_workers", 0, minimum=0)
     if None in (micro, global_, splits, workers, data_prefix) or seq_length is None:
         return None
@@ -337,7 +367,8 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     if seq and shape.get("max_position_embeddings"):
         report.error(rules.positions(shape["max_position_embeddings"], seq, p))
     if shape.get("make_vocab_size_divisible_by"):
-        report.error(rules.vocab_tp(vocab, shape["make_vocab_size_divisible_by"], tp, p))
+        problem = rules.vocab_tp(vocab, shape["make_vocab_size_divisible_by"], tp, p)
+        report.error(problem) if vocab is not None else report.warn(problem) if problem else None
     for name in ("hidden_dropout", "attention_dropout"):
         if name in shape:
             report.error(rules.dropout(name, shape[name], p))

@@ -69,7 +69,7 @@ def test_model_config_gives_the_published_shape(name, tmp_path, recipe_data_dir)
     _, ours = _training(tmp_path, f"training=@{FIXTURES / name}.yaml",
                         f"training.model.model_config={FIXTURES / config_json}")
     _, theirs = _training(tmp_path, f"training={recipe}", f"data_dir={recipe_data_dir}")
-    ours_cfg, report = parse_training(ours, files="skip")
+    ours_cfg, report = parse_training(ours, files="error", prepared=True)  # model_config read, no data here
     theirs_cfg, _ = parse_training(theirs, files="error")
     assert report.errors == [] and ours_cfg is not None, report.errors
     for key in SHAPE:
@@ -194,3 +194,38 @@ def test_the_documented_nemo_command_runs(tmp_path):
     result = nxdt(*shlex.split(command)[1:], f"base_results_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "gpt3_5b" / "training" / "training.sbatch").is_file()
+
+
+def test_file_names_values_and_broken_config_json(tmp_path):
+    """A file name Hydra could not parse as a choice; nulls and quotes in cluster values; a config.json with a
+    value of the wrong type: each ends as the user would expect, never as a traceback."""
+    text = (FIXTURES / "hf_llama3_8B_config.yaml").read_text()
+    odd = tmp_path / "llama(8b), v2.yaml"
+    odd.write_text(text.replace("compiler_cache_url: /home/ubuntu/neuron_cache", "compiler_cache_url: null")
+                   .replace("compiler_flags: '--model-type transformer'", "compiler_flags: \"--flag 'quoted'\""))
+    plan, training = _training(tmp_path, f"training=@{odd}")
+    neuron = plan.cfg["cluster"]["neuron"]
+    assert neuron["compiler_flags"] == "--flag 'quoted'"
+    assert neuron["compile"]["cache"] == "/var/tmp/neuron-compile-cache"  # null: the cluster's own default stays
+    broken = tmp_path / "config.json"
+    broken.write_text(json.dumps({**json.loads((FIXTURES / "llama3_8b_config.json").read_text()),
+                                  "num_attention_heads": 0}))
+    with pytest.raises(UserError) as caught:
+        launch.make_plan([*COMMON, f"base_results_dir={tmp_path}", f"training=@{FIXTURES}/hf_llama3_8B_config.yaml",
+                          f"training.model.model_config={broken}"], dry_run=False, produced_by="test")
+    assert any(line.startswith("training.model.model_config: ") for line in caught.value.problems)
+
+
+def test_fractions_of_an_epoch_are_refused(tmp_path):
+    file = tmp_path / "epochs.yaml"
+    file.write_text((FIXTURES / "hf_llama3_8B_config.yaml").read_text().replace(
+        "val_check_interval: 10001", "val_check_interval: 0.25"))
+    result = nxdt(f"training=@{file}", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "trainer.val_check_interval: 0.25 is a fraction of an epoch" in result.stderr
+
+
+def test_explain_config_shows_what_the_base_recipe_supplies(tmp_path):
+    result = nxdt("explain-config", str(FIXTURES / "hf_llama3_8B_config.yaml"), cwd=tmp_path)
+    flat = " ".join(result.stdout.split())
+    assert "(not in the file) run.preemption_signal_s" in flat.replace("│ ", "").replace(" │", "")

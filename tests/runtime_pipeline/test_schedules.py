@@ -86,7 +86,7 @@ def test_interleaved_completes(pp, vpp, m):
 
 
 def test_interleaved_needs_micro_batches_multiple_of_pp():
-    with pytest.raises(ValueError, match="multiple of model.pipeline_model_parallel_size=4"):
+    with pytest.raises(ValueError, match=r"to be a multiple of pipeline_model_parallel_size \(4\)"):
         interleaved_one_f_one_b(4, 0, 6, 2)
 
 

@@ -45,7 +45,7 @@ def test_position_is_state(dataset):
 
 
 def test_indivisible_batch_sizes_are_refused(dataset):
-    with pytest.raises(ValueError, match="global_batch_size 8 is not divisible by model.micro_batch_size 3"):
+    with pytest.raises(ValueError, match="global_batch_size: 8 is not divisible by micro_batch_size × data-parallel size = 3 × 1 = 3"):
         DataParallelBatches(dataset, 8, 3, dp_rank=0, dp_size=1)
     with pytest.raises(IndexError, match="runs past"):
         DataParallelBatches(dataset, 8, 2, consumed_samples=60).next_batch()

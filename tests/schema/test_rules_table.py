@@ -89,6 +89,20 @@ CASES = [
     ([f"{M}micro_batch_size=0"], "training.model.micro_batch_size: 0 must be a positive integer"),
     ([f"{T}max_steps=many"], "training.trainer.max_steps: 'many' is not an integer"),
     ([f"{M}sequence_parallel=yes"], "training.model.sequence_parallel: 'yes' is not true or false"),
+    (["training.run.results_dir='/tmp/a b'"],
+     "training.run.results_dir: '/tmp/a b' must be an absolute path without spaces, quotes or backslashes (it "
+     "appears in #SBATCH lines)"),
+    (["~training.run.time_limit"],
+     "training.run.time_limit: None is not a Slurm time; use H:MM:SS or D-HH:MM:SS, e.g. 4:00:00"),
+    ([f"{M}activations_checkpoint_recompute=[[a]]"],
+     "training.model.activations_checkpoint_recompute[0]: ['a'] is not one of core_attention, mlp (also accepted: "
+     "CoreAttention, LlamaMLP, MLP)"),
+    ([f"{T}val_check_interval=inf"],
+     "training.trainer.val_check_interval: inf must be a whole number of steps (fractions of an epoch are not "
+     "supported: training is step based)"),
+    ([f"{M}data.splits_string='90,-5,5'"],
+     "training.model.data.splits_string: '90,-5,5' is invalid; expected up to three non-negative weights for "
+     "train,valid,test such as '98,1,1'"),
 ]
 
 
@@ -160,3 +174,19 @@ def test_config_built_in_code_is_held_to_the_same_rules():
         ParallelDims.infer_dp(64, 1, 128, 32)
     with pytest.raises(ValueError, match="'Cosine' is not one of CosineAnnealing"):
         LRSchedule("Cosine", 1.0, 10)
+
+
+def test_a_vocabulary_not_known_yet_is_a_warning_and_a_known_one_decides(recipe_data_dir, tmp_path):
+    """tp=3 with make_vocab_size_divisible_by=128: only the tokenizer can say whether the padded vocabulary divides
+    by 3 (GPT-2's 50257 pads to 50304, which does). Without it, a warning; with it, the exact rule."""
+    from launcher import validate
+
+    three = [f"{T}devices=3", f"{M}tensor_model_parallel_size=3", f"{M}num_attention_heads=3",
+             f"{M}hidden_size=129", f"{M}ffn_hidden_size=516", f"{M}global_batch_size=12"]
+    plan = launch.make_plan([*BASE, f"data_dir={recipe_data_dir}", f"base_results_dir={tmp_path}",
+                             "stages=[data_preparation,training]", *three], dry_run=True, produced_by="test")
+    assert any("whether the padded vocabulary divides by 3 is checked once the tokenizer exists" in w
+               for w in plan.warnings), plan.warnings
+    training = plan.cfg["training"]
+    assert validate.training(training, vocab_size=50257) == []
+    assert any("the padded vocabulary 4096" in e for e in validate.training(training, vocab_size=4096))

@@ -10,14 +10,14 @@
 # backward k, then cools down. Needs m to be a multiple of pp (as Megatron does).
 from __future__ import annotations
 
+from runtime.schema import rules
+
 from runtime.parallel.pipeline.actions import Action, backward, forward
 
 
 def check_interleaved(pp: int, num_micro_batches: int) -> None:
-    if num_micro_batches % pp:
-        raise ValueError(f"the interleaved schedule (model.virtual_pipeline_model_parallel_size > 1) needs the "
-                         f"micro-batches per step ({num_micro_batches} = global_batch_size / (micro_batch_size x "
-                         f"dp)) to be a multiple of model.pipeline_model_parallel_size={pp}")
+    if problem := rules.interleaved_micro_batches(num_micro_batches, pp, "training."):
+        raise ValueError(problem)
 
 
 def virtual_step(k: int, pp: int, vpp: int, is_forward: bool) -> tuple[int, int]:
