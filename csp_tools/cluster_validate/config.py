@@ -9,6 +9,7 @@ from typing import Any
 
 from csp_tools.cluster_validate.bandwidth import DTYPES, OPERATIONS
 from runtime.schema import choices
+from runtime.schema.reader import Choices, Report, Section
 
 # trainer.accelerator (runtime/schema/choices.py) -> torch.distributed backend
 ACCELERATORS = {"cpu": "gloo", "gpu": "nccl", "neuron": "xla"}
@@ -132,162 +133,131 @@ def type_key(instance_type: str) -> str:
     return instance_type.replace(".", "_")
 
 
-class _Reader:
-    """Reads one mapping, collecting every problem instead of stopping at the first."""
-
-    def __init__(self, data: Any, path: str, problems: list[str]):
-        self.data = data if isinstance(data, dict) else {}
-        self.path, self.problems = path, problems
-        if not isinstance(data, dict):
-            problems.append(f"{path}: must be a mapping")
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}"
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.data.get(name, default)
-
-    def section(self, name: str) -> _Reader:
-        return _Reader(self.data.get(name, {}), self.key(name), self.problems)
-
-    def number(self, name: str, default: Any, *, minimum: float = 0.0, integer: bool = False, null: bool = False):
-        value = self.data.get(name, default)
-        if value is None and null:
-            return None
-        kind = int if integer else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
-            what = "an integer" if integer else "a number"
-            self.problems.append(f"{self.key(name)}: {value!r} must be {what} >= {minimum:g}"
-                                 f"{' or null' if null else ''}, e.g. {self.key(name)}={default}")
-            return default
-        return value
-
-    def size(self, name: str, default: Any) -> int:
-        value = self.data.get(name, default)
-        try:
-            size = parse_size(value)
-        except ValueError:
-            self.problems.append(f"{self.key(name)}: {value!r} is not a size; use bytes or 64K, 16M, 1G")
-            return parse_size(default)
-        if size < 1:
-            self.problems.append(f"{self.key(name)}: must be at least 1 byte")
-        return size
-
-    def strings(self, name: str, default: tuple = ()) -> tuple[str, ...]:
-        value = self.data.get(name, list(default))
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            self.problems.append(f"{self.key(name)}: must be a list, e.g. {self.key(name)}=[a,b]")
-            return tuple(default)
-        return tuple(str(v) for v in value)
-
-    def operations(self, name: str, default: tuple) -> tuple[str, ...]:
-        ops = self.strings(name, default)
-        for op in ops:
-            if op not in OPERATIONS:
-                self.problems.append(f"{self.key(name)}: unknown operation {op!r}; valid: {', '.join(OPERATIONS)}")
-        if not ops:
-            self.problems.append(f"{self.key(name)}: name at least one operation ({', '.join(OPERATIONS)})")
-        return tuple(op for op in ops if op in OPERATIONS)
+def _size(s: Section, name: str, default: Any) -> int | None:
+    value = s.raw(name, default)
+    try:
+        size = parse_size(value)
+    except ValueError:
+        s.report.error(f"{s.key(name)}: {value!r} is not a size; use bytes or 64K, 16M, 1G")
+        return None
+    if size < 1:
+        s.report.error(f"{s.key(name)}: must be at least 1 byte")
+        return None
+    return size
 
 
-def _expected(reader: _Reader) -> dict[str, Expected]:
+def _list(s: Section, name: str) -> tuple[str, ...] | None:
+    value = s.raw(name, [])
+    if not isinstance(value, list):
+        s.report.error(f"{s.key(name)}: must be a list, e.g. {s.key(name)}=[a,b]")
+        return None
+    return tuple(str(v) for v in value)
+
+
+def _operations(s: Section, name: str, default: tuple) -> tuple[str, ...] | None:
+    ops = _list(s, name) if s.has(name) else tuple(default)
+    if ops is None:
+        return None
+    for op in ops:
+        if op not in OPERATIONS:
+            s.report.error(f"{s.key(name)}: unknown operation {op!r}; valid: {', '.join(OPERATIONS)}")
+    if not ops:
+        s.report.error(f"{s.key(name)}: name at least one operation ({', '.join(OPERATIONS)})")
+    return tuple(op for op in ops if op in OPERATIONS)
+
+
+def _expected(reader: Section) -> dict[str, Expected]:
     table = {}
     for instance_type in reader.data:
         entry = reader.section(str(instance_type))
         table[type_key(str(instance_type))] = Expected(
-            **{key: entry.number(key, None, null=True) for key in Expected.__dataclass_fields__}
+            **{key: entry.float(key, None, minimum=0.0) for key in Expected.__dataclass_fields__}
         )
     return table
 
 
-def _thresholds(reader: _Reader) -> dict[str, Floors]:
+def _thresholds(reader: Section) -> dict[str, Floors]:
     table = {}
     for instance_type in reader.data:
         entry = reader.section(str(instance_type))
-        floors = {key: entry.number(key, None, null=True) for key in ("intra_node", "pair", "all_nodes")}
-        at_bytes = entry.size("at_bytes", 1) if entry.get("at_bytes") not in (None, 0) else 0
-        table[type_key(str(instance_type))] = Floors(**floors, at_bytes=at_bytes)
+        floors = {key: entry.float(key, None, minimum=0.0) for key in ("intra_node", "pair", "all_nodes")}
+        at_bytes = _size(entry, "at_bytes", 1) if entry.raw("at_bytes", None) not in (None, 0) else 0
+        table[type_key(str(instance_type))] = Floors(**floors, at_bytes=at_bytes or 0)
     return table
 
 
 def parse(raw: Any, *, prefix: str = "cluster_validation", cluster_exclude: Any = ()) -> ValidationConfig:
-    """The typed config, or ConfigError listing every problem (each naming its key)."""
-    problems: list[str] = []
-    top = _Reader(raw, prefix, problems)
+    """The typed config, or ConfigError listing every problem (each naming its key). Read with the schema's one
+    reader (runtime/schema/reader.py), so messages read as every other stage's."""
+    report = Report()
+    top = Section(raw, prefix, report)
     run = top.section("run")
-    accelerator = top.get("accelerator", "cpu")
-    if problem := choices.ACCELERATORS.problem(f"{prefix}.accelerator", accelerator):
-        problems.append(problem)
-        accelerator = "cpu"
-    port = top.number("port", None, minimum=1, integer=True, null=True)
+    accelerator = top.choice("accelerator", choices.ACCELERATORS, "cpu")
+    port = top.int("port", None, minimum=1)
     if port is not None and port > 65535:
-        problems.append(f"{prefix}.port: {port} is above 65535")
+        report.error(f"{prefix}.port: {port} is above 65535")
 
     h = top.section("health")
-    health = HealthConfig(
-        paths=h.strings("paths"), shared_paths=h.strings("shared_paths"),
-        min_free_gib=h.number("min_free_gib", 1), min_available_memory_gib=h.number("min_available_memory_gib", 1),
-        max_clock_skew_s=h.number("max_clock_skew_s", 1.0), python_packages=h.strings("python_packages"),
-        system_packages=h.strings("system_packages"), timeout_s=h.number("timeout_s", 120, minimum=1),
+    health = dict(
+        paths=_list(h, "paths"), shared_paths=_list(h, "shared_paths"),
+        min_free_gib=h.float("min_free_gib", 1, minimum=0.0),
+        min_available_memory_gib=h.float("min_available_memory_gib", 1, minimum=0.0),
+        max_clock_skew_s=h.float("max_clock_skew_s", 1.0, minimum=0.0), python_packages=_list(h, "python_packages"),
+        system_packages=_list(h, "system_packages"), timeout_s=h.float("timeout_s", 120, minimum=1),
     )
 
     c = top.section("collectives")
-    collectives = CollectiveConfig(
-        operations=c.operations("operations", OPERATIONS), min_bytes=c.size("min_bytes", "1K"),
-        max_bytes=c.size("max_bytes", "4M"), step_factor=c.number("step_factor", 4, minimum=2, integer=True),
-        warmup_iters=c.number("warmup_iters", 5, integer=True), iters=c.number("iters", 20, minimum=1, integer=True),
-        dtype=str(c.get("dtype", "float32")), check=bool(c.get("check", True)),
-        timeout_s=c.number("timeout_s", 120, minimum=1),
+    collectives = dict(
+        operations=_operations(c, "operations", OPERATIONS), min_bytes=_size(c, "min_bytes", "1K"),
+        max_bytes=_size(c, "max_bytes", "4M"), step_factor=c.int("step_factor", 4, minimum=2),
+        warmup_iters=c.int("warmup_iters", 5, minimum=0), iters=c.int("iters", 20, minimum=1),
+        dtype=c.choice("dtype", Choices(DTYPES), "float32"), check=c.bool("check", True),
+        timeout_s=c.float("timeout_s", 120, minimum=1),
     )
-    if collectives.dtype not in DTYPES:
-        problems.append(f"{c.key('dtype')}: {collectives.dtype!r} is not one of {', '.join(DTYPES)}")
-    if collectives.min_bytes > collectives.max_bytes:
-        problems.append(f"{c.key('min_bytes')}: {collectives.min_bytes} is above max_bytes {collectives.max_bytes}")
+    if None not in (collectives["min_bytes"], collectives["max_bytes"]) and \
+            collectives["min_bytes"] > collectives["max_bytes"]:
+        report.error(f"{c.key('min_bytes')}: {collectives['min_bytes']} is above max_bytes {collectives['max_bytes']}")
 
     s = top.section("sweep")
-    operation = str(s.get("operation", "all_reduce"))
-    if operation not in OPERATIONS:
-        problems.append(f"{s.key('operation')}: unknown operation {operation!r}; valid: {', '.join(OPERATIONS)}")
-    judge = s.get("judge_bytes")
-    sweep = SweepConfig(
+    operation = s.choice("operation", Choices(OPERATIONS), "all_reduce")
+    judge = s.raw("judge_bytes", None)
+    sweep = dict(
         operation=operation,
-        judge_bytes=collectives.max_bytes if judge is None else s.size("judge_bytes", collectives.max_bytes),
-        pair_operations=s.operations("pair_operations", (operation,)),
-        outlier_fraction=s.number("outlier_fraction", 0.7),
-        max_rounds=s.number("max_rounds", 12, minimum=1, integer=True),
-        intra_node=bool(s.get("intra_node", True)), all_nodes=bool(s.get("all_nodes", True)),
+        judge_bytes=collectives["max_bytes"] if judge is None else _size(s, "judge_bytes", None),
+        pair_operations=_operations(s, "pair_operations", (operation,)),
+        outlier_fraction=s.float("outlier_fraction", 0.7, minimum=0.0),
+        max_rounds=s.int("max_rounds", 12, minimum=1),
+        intra_node=s.bool("intra_node", True), all_nodes=s.bool("all_nodes", True),
     )
-    if not 0 <= sweep.outlier_fraction <= 1:
-        problems.append(f"{s.key('outlier_fraction')}: {sweep.outlier_fraction} must be between 0 and 1")
-    if operation not in sweep.pair_operations:
-        problems.append(f"{s.key('pair_operations')}: must include sweep.operation {operation!r}")
+    if sweep["outlier_fraction"] is not None and sweep["outlier_fraction"] > 1:
+        report.error(f"{s.key('outlier_fraction')}: {sweep['outlier_fraction']} must be between 0 and 1")
+    if operation and sweep["pair_operations"] is not None and operation not in sweep["pair_operations"]:
+        report.error(f"{s.key('pair_operations')}: must include sweep.operation {operation!r}")
 
     n = top.section("nccom_test")
-    enabled = str(n.get("enabled", "auto")).lower()
-    if enabled not in ("auto", "true", "false"):
-        problems.append(f"{n.key('enabled')}: {enabled!r} is not one of auto, true, false")
-    ops = n.get("operations") or {}
-    nccom = NccomConfig(enabled=enabled, operations={str(k): str(v) for k, v in ops.items()}
-                        if isinstance(ops, dict) else {}, extra_args=n.strings("extra_args"))
+    enabled = str(n.raw("enabled", "auto")).lower()
+    if problem := Choices(("auto", "true", "false")).problem(n.key("enabled"), enabled):
+        report.error(problem)
+    ops = n.mapping("operations") or {}
+    nccom = NccomConfig(enabled=enabled, operations={str(k): str(v) for k, v in ops.items()},
+                        extra_args=_list(n, "extra_args") or ())
 
+    results_dir = str(run.raw("results_dir", "") or "")
+    if not results_dir.startswith("/"):
+        report.error(f"{run.key('results_dir')}: {results_dir!r} must be an absolute path")
+    values = dict(devices=top.int("devices", 1, minimum=1), register_timeout_s=top.float("register_timeout_s", 120,
+                                                                                          minimum=1),
+                  task_timeout_s=top.float("task_timeout_s", 600, minimum=1))
+    expected, thresholds = _expected(top.section("expected")), _thresholds(top.section("thresholds"))
+    if report.errors:
+        raise ConfigError(report.errors)
     excluded = cluster_exclude if isinstance(cluster_exclude, (list, tuple)) else []
-    config = ValidationConfig(
-        results_dir=str(run.get("results_dir") or ""), accelerator=accelerator,
-        devices=top.number("devices", 1, minimum=1, integer=True),
-        instance_type=str(top.get("instance_type") or "auto"), port=port,
-        register_timeout_s=top.number("register_timeout_s", 120, minimum=1),
-        task_timeout_s=top.number("task_timeout_s", 600, minimum=1),
-        health=health, collectives=collectives, sweep=sweep, nccom_test=nccom,
-        expected=_expected(top.section("expected")), thresholds=_thresholds(top.section("thresholds")),
-        cluster_exclude=tuple(str(x) for x in excluded),
+    return ValidationConfig(
+        results_dir=results_dir, accelerator=accelerator, instance_type=str(top.raw("instance_type", "auto")),
+        port=port, health=HealthConfig(**health), collectives=CollectiveConfig(**collectives),
+        sweep=SweepConfig(**sweep), nccom_test=nccom, expected=expected, thresholds=thresholds,
+        cluster_exclude=tuple(str(x) for x in excluded), **values,
     )
-    if not config.results_dir.startswith("/"):
-        problems.append(f"{run.key('results_dir')}: {config.results_dir!r} must be an absolute path")
-    if problems:
-        raise ConfigError(problems)
-    return config
 
 
 def load(path: str) -> ValidationConfig:
