@@ -28,6 +28,8 @@ try:
 except PreflightError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(PREFLIGHT_EXIT_CODE)
+# As training's shutdown does: a gloo group torn down by interpreter exit alone can abort the process.
+dist.destroy_process_group()
 """
 
 

@@ -26,7 +26,7 @@ def test_split_ranges_cover_every_document():
     ranges = split_document_ranges(7, "1,1,1")
     assert ranges["train"][0] == 0 and ranges["test"][1] == 7
     assert ranges["train"][1] == ranges["valid"][0] and ranges["valid"][1] == ranges["test"][0]
-    with pytest.raises(ValueError, match="splits_string 'a,b'"):
+    with pytest.raises(ValueError, match="splits_string: 'a,b' is invalid"):
         split_document_ranges(10, "a,b")
 
 
