@@ -134,7 +134,7 @@ def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) ->
         elif key in ours:
             put(key, value)
             row(key, value, f"training.{key}")
-        elif (entry := _ignored(key)) is not None:
+        elif (entry := longest_prefix(key, IGNORED)) is not None:
             fine, why = IGNORED[entry]
             if fine is None or value in fine:
                 row(key, value, "ignored: " + why)
@@ -145,9 +145,10 @@ def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) ->
             error(key, "is not a key nxdt-launch knows")
 
 
-def _ignored(key: str) -> str | None:
+def longest_prefix(key: str, table) -> str | None:
+    """The entry of `table` that is `key` or its nearest parent (`a.b.c` -> `a.b.c`, else `a.b`, else `a`)."""
     parts = key.split(".")
     for i in range(len(parts), 0, -1):
-        if ".".join(parts[:i]) in IGNORED:
+        if ".".join(parts[:i]) in table:
             return ".".join(parts[:i])
     return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import nemo_config
+from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
 
 # NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place.
@@ -184,7 +185,7 @@ def map_file(path: str) -> Mapping:
     result = Mapping(Path(path), {}, {})
     training: dict[str, Any] = {}
     for key, value in flat.items():
-        top = _match(key, UNSUPPORTED)
+        top = longest_prefix(key, UNSUPPORTED)
         if top is not None and NEUTRAL.get(key, object()) != value:
             result.errors.append(f"training=@{path}: {key} is not supported: {UNSUPPORTED[top]}")
             result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
@@ -204,7 +205,7 @@ def map_file(path: str) -> Mapping:
             result.rows.append((key, value, target if converted == value else f"{target} = {converted!r}"))
         elif key in NEUTRAL:
             result.rows.append((key, value, "the default here"))
-        elif (ignored := _match(key, IGNORED)) is not None:
+        elif (ignored := longest_prefix(key, IGNORED)) is not None:
             result.rows.append((key, value, "ignored: " + IGNORED[ignored]))
         elif key in DIFFERS:
             expected, why = DIFFERS[key]
@@ -286,16 +287,6 @@ def _convert(key: str, value: Any) -> Any:
         path = Path(str(value))
         return str(path if path.suffix == ".json" else path / "tokenizer.json")
     return value
-
-
-def _match(key: str, table: dict[str, str]) -> str | None:
-    """The table entry that is `key` or one of its parents."""
-    parts = key.split(".")
-    for i in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in table:
-            return prefix
-    return None
 
 
 def _flatten(data: Any, stops: dict | set = frozenset(), prefix: str = "") -> dict[str, Any]:
