@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import resource
 import tempfile
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from runtime.parallel import topology
 
 # trainer.accelerator (NeMo's names) -> the torch device kind it runs on.
 ACCELERATOR_KINDS = {"cpu": "cpu", "gpu": "cuda", "neuron": "xla"}
@@ -51,10 +51,26 @@ class Device:
             return
         if self.kind == "xla":
             self._xla["xm"].rendezvous("nxdt_barrier")
-        elif self.kind == "cuda":
-            dist.barrier(device_ids=[self.torch_device.index])
         else:
-            dist.barrier()
+            topology.world_barrier([self.torch_device.index] if self.kind == "cuda" else None)
+
+    @property
+    def defers_staging_copy(self) -> bool:
+        """Checkpoint staging: on CPU the copy into host buffers can wait for the next step (nothing to offload)."""
+        return self.kind == "cpu"
+
+    @property
+    def pins_host_memory(self) -> bool:
+        """Checkpoint staging buffers are page-locked where that speeds device-to-host copies (CUDA)."""
+        return self.kind == "cuda"
+
+    def rng_state(self) -> dict:
+        """This device's own random state beyond torch's CPU generator (what a checkpoint must restore)."""
+        return {"cuda": torch.cuda.get_rng_state(self.torch_device)} if self.kind == "cuda" else {}
+
+    def set_rng_state(self, state: dict) -> None:
+        if self.kind == "cuda" and state.get("cuda") is not None:
+            torch.cuda.set_rng_state(state["cuda"], self.torch_device)
 
     def memory_gib(self) -> float:
         """Peak memory of this process: device memory on CUDA, host resident set elsewhere."""
@@ -92,10 +108,8 @@ def _attempt_store(rank: int, world_size: int):
     if attempt is None:
         return None
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_store and rank == 0, timeout=datetime.timedelta(minutes=30),
-                          multi_tenant=not agent_store)
-    return dist.PrefixStore(f"nxdt/attempt_{attempt}", store)
+    return topology.attempt_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size,
+                                  attempt, agent_store=agent_store)
 
 
 def init_device(accelerator: str) -> Device:
@@ -137,38 +151,41 @@ def init_device(accelerator: str) -> Device:
     # only way several XLA:CPU processes can talk (PJRT's CPU client has no cross-process transport). Neuron
     # runs keep the xla backend.
     host_collectives = kind == "xla" and os.environ.get("NXDT_XLA_COLLECTIVES") == "gloo"
-    if not dist.is_initialized():
-        backend = "gloo" if host_collectives else _BACKENDS[kind]
-        if kind == "xla" and not host_collectives:
-            # PJRT knows the ranks (from torchrun's environment when there is one); xla:// asks it.
-            dist.init_process_group(backend, init_method="xla://")
-        elif "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-            # device_id binds NCCL's communicator to this rank's GPU up front.
-            extra = {"device_id": torch_device} if kind == "cuda" else {}
-            store = _attempt_store(rank, world_size)
-            if store is not None:
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
-            else:
-                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **extra)
-        else:
-            # A private file store: no port to collide with anything else on the machine.
-            store_file = tempfile.NamedTemporaryFile(prefix="nxdt_pg_", delete=False).name
-            dist.init_process_group(backend, init_method=f"file://{store_file}", rank=0, world_size=1)
-            rank, world_size, local_rank = 0, 1, 0
+    backend = "gloo" if host_collectives else _BACKENDS[kind]
+    if topology.is_joined():  # already in a group (a test harness, or a second init): keep it
+        rank, world_size = topology.world()
+    elif kind == "xla" and not host_collectives:
+        # PJRT knows the ranks (from torchrun's environment when there is one); xla:// asks it.
+        rank, world_size = topology.join_world(backend, init_method="xla://")
+    elif "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        store = _attempt_store(rank, world_size)
+        rank, world_size = topology.join_world(
+            backend, init_method=None if store is not None else "env://", store=store, rank=rank,
+            world_size=world_size, device_id=torch_device if kind == "cuda" else None)
+    else:
+        # A private file store: no port to collide with anything else on the machine.
+        store_file = tempfile.NamedTemporaryFile(prefix="nxdt_pg_", delete=False).name
+        rank, world_size = topology.join_world(backend, init_method=f"file://{store_file}", rank=0, world_size=1)
+        local_rank = 0
 
     if kind == "xla" and not host_collectives:
         xla_world = xla["xr"].world_size()
-        if xla_world != dist.get_world_size():
+        if xla_world != world_size:
             raise RuntimeError(
-                f"torch-xla reports world size {xla_world} but torch.distributed has {dist.get_world_size()}; "
+                f"torch-xla reports world size {xla_world} but torch.distributed has {world_size}; "
                 f"launch with torchrun --nproc_per_node equal to the NeuronCores to use (trainer.devices)"
             )
-    return Device(kind, torch_device, dist.get_rank(), dist.get_world_size(), local_rank, hardware, xla, store_file)
+    return Device(kind, torch_device, rank, world_size, local_rank, hardware, xla, store_file)
+
+
+def needs_host_staging(tensor: torch.Tensor, backend: str) -> bool:
+    """Whether a collective must go through host copies: gloo cannot address XLA tensors (the XLA:CPU tests run
+    gloo over them); gloo with CPU tensors, nccl and xla address their own tensors."""
+    return tensor.device.type not in ("cpu", "cuda") and backend == "gloo"
 
 
 def shutdown(device: Device | None = None) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    topology.leave_world()
     if device is not None and device._store_file:
         with contextlib.suppress(OSError):
             os.unlink(device._store_file)

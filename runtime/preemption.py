@@ -9,9 +9,9 @@ import signal
 import sys
 
 import torch
-import torch.distributed as dist
 
 from runtime.parallel import collectives as C
+from runtime.parallel import topology
 
 # "Temporary failure, try again" (sysexits.h EX_TEMPFAIL): the job script requeues on it.
 PREEMPTED_EXIT_CODE = 75
@@ -43,8 +43,8 @@ class SignalWatch:
     def agreed(self) -> int | None:
         """The signal any rank received (collective: every rank calls it once per step), or None."""
         flag = torch.tensor([float(self.received or 0)], device=self._device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            C.all_reduce_world(flag, op=dist.ReduceOp.MAX)
+        if topology.world()[1] > 1:
+            C.all_reduce_world(flag, op=C.MAX)
         value = int(flag.item())
         return value or None
 

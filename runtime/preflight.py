@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 # Through the collectives module, as every collective of the runtime: it stages gloo over XLA tensors on host.
+from runtime.parallel import topology
 from runtime.parallel.collectives import all_reduce_world
 
 PREFLIGHT_EXIT_CODE = 3
@@ -46,17 +46,10 @@ class PreflightResult:
     busbw_gbps: float       # of the timed all_reduce
 
 
-def _default_store():
-    try:  # no public accessor for the store the default group rendezvoused through
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a backend without one (or a future torch): skip the roll call
-        return None
-
-
 def _roll_call(rank: int, world: int, timeout_s: float) -> int:
     """Number of distinct hosts; PreflightError naming the ranks that did not arrive in time."""
-    store = _default_store()
-    if store is None:
+    store = topology.world_store()
+    if store is None:  # a backend without one: skip the roll call
         return 0
     store.set(f"{_KEY}/{rank}", socket.gethostname())
     keys = [f"{_KEY}/{r}" for r in range(world)]
@@ -98,7 +91,7 @@ def preflight(device=None, *, timeout_s: float = 60.0, nbytes: int = 8 << 20, it
               min_busbw_gbps: float | None = None, log=print, exit=os._exit) -> PreflightResult:
     """Check the default process group. `device` is runtime.device.Device (or None for CPU tensors)."""
     started = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = topology.world()
     torch_device = getattr(device, "torch_device", torch.device("cpu"))
 
     def finish() -> None:  # lazy (XLA) devices run queued work only at a step boundary

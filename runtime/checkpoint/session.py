@@ -34,7 +34,7 @@ class TrainingCheckpoints:
                 cfg.dirpath, rank=device.rank, world_size=device.world_size, token=_shared_token(device),
                 keep_last=cfg.save_top_k if cfg.save_top_k > 0 else None, async_save=cfg.async_save,
                 # Only host tensors can be copied on a background thread while the next step runs.
-                deferred_copy=device.kind == "cpu", pin_memory=device.kind == "cuda", log=self._log)
+                deferred_copy=device.defers_staging_copy, pin_memory=device.pins_host_memory, log=self._log)
 
     def _log(self, message: str) -> None:
         if self.device.is_main:
@@ -73,8 +73,7 @@ class TrainingCheckpoints:
         self.batches.load_state_dict(extra["data"])
         if info["same_world"] and "rng" in extra:
             torch.set_rng_state(extra["rng"]["torch"])
-            if extra["rng"].get("cuda") is not None and self.device.kind == "cuda":
-                torch.cuda.set_rng_state(extra["rng"]["cuda"], self.device.torch_device)
+            self.device.set_rng_state(extra["rng"])
         self.last_saved = int(extra["step"])
         self._log(f"resumed from {storage.root}/{checkpoint.name} (step {extra['step']}, saved at "
                   f"{checkpoint.layout}) in {time.perf_counter() - started:.2f} s")
@@ -83,9 +82,7 @@ class TrainingCheckpoints:
     # ---- save --------------------------------------------------------------------------------------------
 
     def _extra(self, step: int) -> dict:
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.kind == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device.torch_device)
+        rng = {"torch": torch.get_rng_state(), **self.device.rng_state()}
         return {"step": step, "data": self.batches.state_dict(), "rng": rng}
 
     def save(self, step: int, *, sync: bool = False) -> None:

@@ -186,7 +186,7 @@ class _ShardedVocabulary:
         self.axis, self.vocab_start = axis, vocab_start
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
-        return C.all_reduce(x, self.axis, op=torch.distributed.ReduceOp.MAX)
+        return C.all_reduce(x, self.axis, op=C.MAX)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         return C.all_reduce(x, self.axis)

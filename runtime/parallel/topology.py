@@ -1,13 +1,64 @@
-# The one owner of process groups (habit 2 in STYLE.md): built once after init_process_group, passed to whatever
-# needs a group. No module-level group globals anywhere in the runtime.
+# The one owner of process groups (habit 2 in STYLE.md): the world group is joined and left here (join_world,
+# leave_world; runtime/device.py decides the backend and the rendezvous), and every tp/dp/pp group is built once
+# from it and passed to whatever needs a group. No module-level group globals anywhere in the runtime.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 import torch.distributed as dist
 
 from runtime.parallel.dims import AXES, ParallelDims, rank_coords, rank_groups
+
+
+def join_world(backend: str, *, init_method: str | None = None, store=None, rank: int | None = None,
+               world_size: int | None = None, device_id=None) -> tuple[int, int]:
+    """Join the default process group (once per process); returns (rank, world size)."""
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"init_method": init_method} if store is None else {"store": store}
+        if rank is not None:
+            kwargs.update(rank=rank, world_size=world_size)
+        if device_id is not None:
+            kwargs["device_id"] = device_id  # binds NCCL's communicator to this rank's GPU up front
+        dist.init_process_group(backend, **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def attempt_store(master_addr: str, master_port: int, rank: int, world_size: int, attempt: str, *,
+                  agent_store: bool):
+    """torchrun's rendezvous store under a prefix per restart attempt (see runtime/device.py for why)."""
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=not agent_store and rank == 0,
+                          timeout=datetime.timedelta(minutes=30), multi_tenant=not agent_store)
+    return dist.PrefixStore(f"nxdt/attempt_{attempt}", store)
+
+
+def is_joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def world_store():
+    """The key-value store the default group rendezvoused through (None if there is none to reach)."""
+    try:  # no public accessor for it
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a backend without one (or a future torch)
+        return None
+
+
+def world_barrier(device_ids: list[int] | None = None) -> None:
+    dist.barrier(device_ids=device_ids) if device_ids is not None else dist.barrier()
+
+
+def leave_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclasses.dataclass(frozen=True)

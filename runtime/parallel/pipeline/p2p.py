@@ -1,5 +1,6 @@
 # Point-to-point exchange of activations (forward) and their gradients (backward) between neighbouring pipeline
-# ranks, over torch.distributed isend/irecv (gloo, nccl and xla implement them).
+# ranks, through the collectives module's send/recv (isend/irecv, which gloo, nccl and xla implement, staged
+# through host memory where the backend needs it, as every collective is).
 #
 # Sends are asynchronous and only waited for at the end of a schedule (or when they are found complete), so a
 # rank never blocks on a neighbour that is itself waiting to receive: with that, any schedule whose per-rank order
@@ -9,15 +10,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from runtime.parallel import collectives as C
 
 ACTIVATION_TAG = 0
 GRADIENT_TAG = 1
-
-
-def _needs_host(t: torch.Tensor) -> bool:
-    # gloo cannot address XLA tensors: stage through host memory (as collectives._on_host does).
-    return t.device.type not in ("cpu", "cuda") and dist.get_backend() == "gloo"
 
 
 class P2P:
@@ -28,20 +25,13 @@ class P2P:
         self._pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until sent)
 
     def send(self, tensor: torch.Tensor, to_next: bool, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        if _needs_host(tensor):
-            tensor = tensor.cpu()
-        work = dist.isend(tensor, self.next_rank if to_next else self.prev_rank, tag=tag)
-        self._pending.append((work, tensor))
+        work, kept = C.send(tensor.detach().contiguous(), self.next_rank if to_next else self.prev_rank, tag)
+        self._pending.append((work, kept))
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv(self, shape, dtype: torch.dtype, device: torch.device, from_prev: bool, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=device)
-        buffer = out.cpu() if _needs_host(out) else out
-        dist.irecv(buffer, self.prev_rank if from_prev else self.next_rank, tag=tag).wait()
-        if buffer is not out:
-            out.copy_(buffer.to(device))
-        return out
+        return C.recv(out, self.prev_rank if from_prev else self.next_rank, tag)
 
     def send_activation(self, tensor: torch.Tensor) -> None:
         self.send(tensor, to_next=True, tag=ACTIVATION_TAG)
