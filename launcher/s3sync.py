@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.staging import BLEND, INDEXED, OBJECT, mirror, split_url
+from runtime.schema.data_prefix import map_blend_prefixes
 
 RECORDS = ".nxdt-staging"
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
@@ -132,20 +133,14 @@ class _Sync:
         prefixes: list[str] = []
 
         def rewrite(path: Path) -> None:
-            lines = []
-            for line in path.read_text().splitlines():
-                fields = line.split()
-                if len(fields) >= 2 and not line.lstrip().startswith("#") and fields[1].startswith("s3://"):
-                    prefixes.append(fields[1])
-                    fields[1] = mirror(fields[1], str(self.local_dir))
-                    line = " ".join(fields)
-                lines.append(line)
-            path.write_text("\n".join(lines) + "\n")
+            text, found = map_blend_prefixes(
+                path.read_text(), lambda p: mirror(p, str(self.local_dir)) if p.startswith("s3://") else None)
+            prefixes.extend(p for p in found if p.startswith("s3://"))
+            path.write_text(text)
 
         moved = int(self.pull_object(url, local, rewrite))
         if not prefixes:  # already mirrored: read the prefixes back from the recorded local copy
-            prefixes = [self._unmirror(f.split()[1]) for f in local.read_text().splitlines()
-                        if len(f.split()) >= 2 and not f.lstrip().startswith("#")]
+            prefixes = [self._unmirror(p) for p in map_blend_prefixes(local.read_text(), lambda p: None)[1]]
         for prefix in filter(None, prefixes):
             moved += self.pull_indexed(prefix)
         return moved
@@ -199,14 +194,7 @@ class _Sync:
                 source.unlink(missing_ok=True)
 
     def _blend_for_s3(self, text: str) -> str:
-        lines = []
-        for line in text.splitlines():
-            fields = line.split()
-            if len(fields) >= 2 and not line.lstrip().startswith("#"):
-                fields[1] = self._unmirror(fields[1]) or fields[1]
-                line = " ".join(fields)
-            lines.append(line)
-        return "\n".join(lines) + "\n"
+        return map_blend_prefixes(text, self._unmirror)[0]
 
 
 def local_etag(path: Path, threshold: int, chunk: int) -> str:

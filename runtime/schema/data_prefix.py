@@ -36,6 +36,24 @@ def _drop_zero_weights(entries: list[BlendEntry], source: str, key: str) -> list
     return kept
 
 
+def map_blend_prefixes(text: str, change) -> tuple[str, list[str]]:
+    """A blend file's text with each entry's prefix replaced by change(prefix) (None keeps it), comments, blank
+    lines and the weight and corpus fields kept as they are; and the prefixes as they were. The one reading of
+    the line format besides read_blend_file, for code that moves blend files (S3 staging)."""
+    lines, prefixes = [], []
+    for line in text.splitlines():
+        content, hash_, comment = line.partition("#")
+        fields = content.split()
+        if len(fields) in (2, 3):
+            prefixes.append(fields[1])
+            new = change(fields[1])
+            if new is not None and new != fields[1]:
+                fields[1] = new
+                line = " ".join(fields) + (f" {hash_}{comment}" if hash_ else "")
+        lines.append(line)
+    return "\n".join(lines) + "\n", prefixes
+
+
 def read_blend_file(path: str | os.PathLike, key: str = KEY) -> list[BlendEntry]:
     """`weight prefix [corpus]` per line, `#` comments. A relative prefix is resolved against the blend file's
     own directory, so a data directory can be moved or mounted elsewhere as a whole."""
