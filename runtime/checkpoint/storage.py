@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from runtime.data_prep.fsutil import atomic_write_bytes, temp_name
+from runtime.io.files import atomic_write_bytes, temp_name
 
 MiB = 1024 * 1024
 

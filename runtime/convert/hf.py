@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.io.files import replace_directory
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.llama import LlamaModel
@@ -226,25 +227,11 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Te
             ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
             if ids:
                 _write_json(tmp / "generation_config.json", ids)
-        _publish(tmp, out)
+        replace_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Replace out by tmp; an old non-empty out (overwrite=True) is moved aside first and deleted after.
-
-    A crash between the two renames leaves the old model under .<name>.old-*, never a mix of old and new.
-    """
-    old = None
-    if out.is_dir() and any(out.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)  # rename(2) may replace an empty directory
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def _write_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_bytes: int) -> None:

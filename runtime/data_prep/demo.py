@@ -14,7 +14,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from runtime.data_prep.fsutil import atomic_write_bytes
+from runtime.io.files import atomic_write_bytes
 
 # Large, generated or test-only trees: they would crowd out the ordinary library code.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",

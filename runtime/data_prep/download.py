@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from runtime.schema.data_preparation import DataError, UserError
-from runtime.data_prep.fsutil import temp_name
+from runtime.io.files import temp_name
 
 # Worth retrying: the server or the path to it may recover. Other 4xx answers will not change.
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from runtime.schema.data_preparation import StageConfig
-from runtime.data_prep.fsutil import atomic_write_bytes, atomic_write_json
+from runtime.io.files import atomic_write_bytes, atomic_write_json
 from runtime.data_prep.plan import Shard
 from runtime.data_prep.shard import done_summary
 

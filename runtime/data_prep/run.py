@@ -15,7 +15,7 @@ from runtime.data_prep import plan
 from runtime.schema.data_preparation import StageConfig, UserError
 from runtime.data_prep.encode import EncoderSpec, init_worker
 from runtime.data_prep.finalize import try_finalize
-from runtime.data_prep.fsutil import sha256_file
+from runtime.io.files import sha256_file
 from runtime.data_prep.progress import Reporter
 from runtime.data_prep.shard import done_summary, ensure_input, fingerprint, process_shard
 from runtime.data_prep.tokenizer import encoder_spec, prepare_tokenizer

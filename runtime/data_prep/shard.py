@@ -24,7 +24,7 @@ from runtime.schema.data_preparation import DataError, StageConfig
 from runtime.data_prep.demo import write_demo_shard
 from runtime.data_prep.download import download, load_checksums
 from runtime.data_prep.encode import EncodedChunk, EncoderSpec, EngineMismatch, encode_chunk
-from runtime.data_prep.fsutil import atomic_write_json, read_json, remove_temps, temp_name
+from runtime.io.files import atomic_write_json, read_json, remove_temps, temp_name
 from runtime.data_prep.indexed import IndexedDatasetWriter
 from runtime.data_prep.plan import Shard, url_basename
 from runtime.data_prep.progress import Reporter

@@ -8,7 +8,7 @@ on the corpus), the result is `<output_dir>/tokenizer.json`: the file the traini
 Array tasks run this concurrently. A trained tokenizer is trained once: the first task to create
 `tokenizer.lock` trains while it refreshes the lock's mtime; the others wait for `tokenizer.json`. If the
 holder dies (its lock goes stale), a waiter breaks the lock and trains instead. Training is deterministic and
-files are published first-writer-wins (fsutil.publish_first), so even two tasks training at once agree.
+files are published first-writer-wins (runtime.io.files.publish_first), so even two tasks training at once agree.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from runtime.schema.data_preparation import DataError, StageConfig, UserError
 from runtime.data_prep.demo import write_demo_shard
 from runtime.data_prep.download import download
 from runtime.data_prep.encode import EncoderSpec
-from runtime.data_prep.fsutil import atomic_write_json, publish_first, read_json, temp_name
+from runtime.io.files import atomic_write_json, publish_first, read_json, temp_name
 from runtime.data_prep.indexed import token_dtype
 
 LOCK_STALE_S = 120.0     # a lock untouched this long belongs to a dead task (the holder touches it every 10 s)

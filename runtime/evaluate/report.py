@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from runtime.data_prep.fsutil import atomic_write_json
+from runtime.io.files import atomic_write_json
 
 _IDENTITY_KEYS = ("task", "type", "num_examples")
 

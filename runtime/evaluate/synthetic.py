@@ -32,7 +32,7 @@ import json
 import random
 from pathlib import Path
 
-from runtime.data_prep.fsutil import atomic_write_bytes
+from runtime.io.files import atomic_write_bytes
 
 NUM_CHOICES = 4
 _CONTEXT_LINES = 6

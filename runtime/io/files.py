@@ -10,7 +10,9 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,21 @@ def publish_first(tmp: str | os.PathLike, final: str | os.PathLike) -> bool:
         return True
     tmp.unlink()
     return True
+
+
+def replace_directory(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Replace the directory `out` by `tmp`; an old non-empty `out` is moved aside first and deleted after.
+
+    A crash between the two renames leaves the old directory under .<name>.old-*, never a mix of old and new.
+    """
+    tmp, out = Path(tmp), Path(out)
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)  # rename(2) may replace an empty directory
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
