@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.staging import BLEND, INDEXED, OBJECT, mirror, split_url
+from runtime.io import s3
 from runtime.schema.data_prefix import map_blend_prefixes
 
 RECORDS = ".nxdt-staging"
@@ -35,19 +36,15 @@ class StagingError(Exception):
 
 class _Sync:
     def __init__(self, options: dict[str, Any], log: Callable[[str], None]):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-
         self.options = options
         self.log = log
         self.retries = max(1, int(options.get("retries") or 1))
         self.local_dir = Path(str(options["local_dir"]))
-        chunk = int(options.get("multipart_chunk_mb") or 64) * MiB
-        self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
-                                       max_concurrency=int(options.get("max_concurrency") or 8), use_threads=True)
-        self.s3 = boto3.client("s3", endpoint_url=options.get("endpoint_url") or None,
-                               config=Config(retries={"max_attempts": self.retries, "mode": "standard"}))
+        # Staging verifies and retries whole objects itself, so botocore's own retries stay plain ("standard").
+        self.s3, self.transfer = s3.client(s3.S3Settings(
+            endpoint_url=options.get("endpoint_url") or None, max_attempts=self.retries, retry_mode="standard",
+            part_mb=int(options.get("multipart_chunk_mb") or 64),
+            concurrency=int(options.get("max_concurrency") or 8)))
 
     # --- what S3 holds --------------------------------------------------------------------------------
     def head(self, url: str) -> dict[str, Any] | None:

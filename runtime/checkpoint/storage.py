@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from runtime.io import s3
 from runtime.io.files import atomic_write_bytes, temp_name
+from runtime.io.s3 import S3Settings
 
 MiB = 1024 * 1024
 
@@ -110,24 +112,16 @@ class LocalStorage:
 
 
 class S3Storage:
-    """s3://bucket/prefix through boto3. The endpoint comes from boto3's own settings (AWS_ENDPOINT_URL_S3 or
-    AWS_ENDPOINT_URL, profiles), which is how the tests point it at a moto server on loopback."""
+    """s3://bucket/prefix through the one S3 client (runtime/io/s3.py)."""
 
-    def __init__(self, url: str, *, part_size: int = 64 * MiB, concurrency: int = 8):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-
+    def __init__(self, url: str, settings: S3Settings = S3Settings()):
         rest = url[len("s3://"):]
         self.bucket, _, prefix = rest.partition("/")
         if not self.bucket:
             raise ValueError(f"checkpoint directory {url!r} names no bucket; use s3://bucket/prefix")
         self.prefix = prefix.strip("/")
         self.root = url.rstrip("/")
-        self.s3 = boto3.client("s3", config=Config(retries={"max_attempts": 10, "mode": "adaptive"},
-                                                   max_pool_connections=max(10, concurrency * 2)))
-        self.transfer = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
-                                       max_concurrency=concurrency, use_threads=True)
+        self.s3, self.transfer = s3.client(settings)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
