@@ -12,6 +12,11 @@ from pathlib import Path
 KEY = "training.model.data.data_prefix"
 
 
+class MissingDataPrefix(ValueError):
+    """A data_prefix string that is neither a blend file nor a dataset prefix here: a file problem (a warning in a
+    dry run, which may render for a cluster whose file system it cannot see), not a malformed value."""
+
+
 @dataclass(frozen=True)
 class BlendEntry:
     weight: float
@@ -100,7 +105,7 @@ def parse_data_prefix(data_prefix, key: str = KEY) -> list[BlendEntry]:
             return read_blend_file(path, key)
         if Path(f"{data_prefix}.idx").is_file():
             return [BlendEntry(1.0, str(data_prefix))]
-        raise ValueError(f"{key}: {str(data_prefix)!r} is neither a blend file nor a dataset prefix "
+        raise MissingDataPrefix(f"{key}: {str(data_prefix)!r} is neither a blend file nor a dataset prefix "
                          f"(no {data_prefix}.idx); run the data_preparation stage first or point it at its output")
     return parse_list(data_prefix, key)
 

@@ -17,9 +17,9 @@ REQUIRED = object()
 class ConfigErrors(ValueError):
     """Every problem found in a stage config, one line each (the CLI prints them as `error: ...`, exit 2)."""
 
-    def __init__(self, problems: Sequence[str], warnings: Sequence[str] = ()):
+    def __init__(self, problems: Sequence[str]):
         assert problems, "ConfigErrors names at least one problem"
-        self.problems, self.warnings = list(problems), list(warnings)
+        self.problems = list(problems)
         super().__init__("\n".join(self.problems))
 
 
@@ -40,7 +40,7 @@ class Report:
 
     def raise_if_any(self) -> None:
         if self.errors:
-            raise ConfigErrors(self.errors, self.warnings)
+            raise ConfigErrors(self.errors)
 
 
 def closest(word: str, choices: Sequence[str]) -> str:

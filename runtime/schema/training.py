@@ -3,7 +3,8 @@
 # wrote (runtime/config.py). Same input, same rules (rules.py), same lines.
 #
 # Files are checked according to `files`: "error" at launch and on the node, "warn" in a dry run or a remote
-# launch (the cluster's file system is not here), "skip" when this launch's data_preparation stage makes them.
+# launch (the cluster's file system is not here), "skip" for hypothetical layouts (estimate, autoconfig); the
+# tokenizer and data are not looked for when this launch's data_preparation stage makes them (`prepared`).
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 from runtime.schema import choices as C
 from runtime.schema import rules
-from runtime.schema.data_prefix import missing_datasets, parse_data_prefix, parse_list
+from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
 from runtime.schema.training_config import (CheckpointConfig, DataConfig, OptimConfig, ParallelConfig,
@@ -83,7 +84,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         return None, report
 
     _layout_rules(report, p, trainer, parallel, data)
-    _shape_rules(report, p, shape, parallel, vocab, data)
+    _shape_rules(report, p, shape, parallel, vocab)
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -108,9 +109,10 @@ def parse_model(model_raw: Any, *, files: str = "error", p: str = PREFIX) -> tup
     if not report.errors:
         single = ParallelConfig(tp=1, pp=1, virtual_pp=None, sequence_parallel=False, zero1=False,
                                 activation_checkpointing=None, recompute_modules=())
-        _shape_rules(report, p, shape, single, vocab, None)
-    if report.errors or vocab is None or "hidden_size" not in shape:
-        report.error(None if report.errors else f"{p}model.tokenizer.model: needed to size the vocabulary")
+        _shape_rules(report, p, shape, single, vocab)
+    if not report.errors and (vocab is None or "hidden_size" not in shape):
+        report.error(f"{p}model.tokenizer.model: needed to size the vocabulary")
+    if report.errors:
         return None, report
     return ModelConfig.from_model_section(shape, vocab), report
 
@@ -284,13 +286,10 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str) -> Data
                 if files.inputs_checked:
                     for line in missing_datasets([e for e in entries if not is_remote(e.prefix)], key):
                         files.problem(line)
-        except ValueError as error:
-            message = str(error)
-            # A blend file or prefix that is not here is a file problem; a malformed one is always an error.
-            if isinstance(data_prefix, str) and "neither a blend file nor a dataset prefix" in message:
-                files.problem(message)
-            else:
-                model.report.error(message)
+        except MissingDataPrefix as error:
+            files.problem(str(error))
+        except ValueError as error:  # malformed: an error wherever it is found
+            model.report.error(str(error))
     splits = data.str("splits_string", "98,1,1")
     if splits is not None:
         model.report.error(rules.splits(splits, p))
@@ -360,15 +359,17 @@ def _layout_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Para
         report.error(rules.interleaved_micro_batches(micro_batches, pp, p))
 
 
-def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, vocab: int | None,
-                 data: DataConfig | None) -> None:
+def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, vocab: int | None) -> None:
     tp = parallel.tp
     seq = shape.get("encoder_seq_length")
     if seq and shape.get("max_position_embeddings"):
         report.error(rules.positions(shape["max_position_embeddings"], seq, p))
     if shape.get("make_vocab_size_divisible_by"):
         problem = rules.vocab_tp(vocab, shape["make_vocab_size_divisible_by"], tp, p)
-        report.error(problem) if vocab is not None else report.warn(problem) if problem else None
+        if problem and vocab is None:
+            report.warn(problem)  # only the tokenizer can decide; the node has it
+        else:
+            report.error(problem)
     for name in ("hidden_dropout", "attention_dropout"):
         if name in shape:
             report.error(rules.dropout(name, shape[name], p))
