@@ -4,33 +4,15 @@ fixable messages. Hydra is imported here only, when a command actually needs a c
 from __future__ import annotations
 
 import difflib
-import math
-import os
 import re
 from typing import Any
 
 from launcher.errors import UserError
 from launcher.paths import CONFIG_GROUPS, conf_dir, group_choices
+from launcher.resolvers import register_resolvers
 
 # Maps whose keys are the user's to choose: `env_vars.FOO=1` adds FOO without Hydra's `+` prefix.
 OPEN_MAPS = ("env_vars.", "cluster.env_vars.")
-
-
-def _divide_ceil(a: int, b: int) -> int:
-    return -(-int(a) // int(b))
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    resolvers = {
-        "multiply": lambda *xs: math.prod(xs),
-        "divide_ceil": _divide_ceil,
-        "divide_floor": lambda a, b: int(a) // int(b),
-        "cwd": os.getcwd,
-    }
-    for name, fn in resolvers.items():
-        OmegaConf.register_new_resolver(name, fn, replace=True)
 
 
 def _with_open_map_prefix(override: str) -> str:

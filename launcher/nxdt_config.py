@@ -18,6 +18,7 @@ from typing import Any
 from launcher import nemo_config
 from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
+from launcher.resolvers import register_resolvers
 
 # NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place.
 MAPPED: dict[str, str] = {
@@ -157,8 +158,6 @@ def load(path: str) -> tuple[dict[str, Any], bool]:
     config (${base_results_dir}, ${training.run.name}) and are left for it to resolve."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from launcher.compose import register_resolvers
 
     file = Path(path).expanduser()
     if not file.is_file():

@@ -14,6 +14,8 @@ from launcher import neuron, remote, staging
 from launcher.job import Job
 from launcher.paths import templates_dir
 from launcher.validate import SBATCH_KEYS
+from runtime.io import s3
+from runtime.schema.s3 import parse_s3
 
 TEMPLATES = {"slurm": "sbatch.sh.j2", "local": "local.sh.j2"}
 
@@ -70,6 +72,13 @@ def job_env(cfg: dict[str, Any]) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
+def s3_env(cfg: dict[str, Any]) -> dict[str, str]:
+    """cluster.s3 as the NXDT_S3_* variables every S3 client of the stage is made from (runtime/io/s3.py)."""
+    settings, report = parse_s3((cfg.get("cluster") or {}).get("s3"))
+    report.raise_if_any()  # validate.problems has reported these before anything is rendered
+    return s3.to_env(settings)
+
+
 def srun_args(cfg: dict[str, Any]) -> list[str]:
     args = [str(a) for a in (cfg.get("cluster") or {}).get("srun_args") or []]
     if cfg.get("container"):
@@ -104,5 +113,6 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         srun_args=srun_args(cfg),
         setup=[str(line) for line in cluster.get("setup") or []],
         env=job_env(cfg),
+        s3_env=s3_env(cfg),
         python=python(cfg),
     )

@@ -1,8 +1,9 @@
 """S3 data: `data_dir` (and the data-preparation inputs) may be s3:// URLs. The launcher rewrites each such URL in
 the stage configs to its mirror on the shared file system, `<cluster.staging.local_dir>/<bucket>/<key>`, and
-writes a manifest next to the stage config; the job script then runs `python -m launcher.staging pull` before
-the program and `push` after it succeeds. Nothing is fetched when the launcher renders (a dry run stays
-offline): this module plans, launcher/s3sync.py transfers, on the node.
+writes a manifest next to the stage config (runtime/io/manifest.py); the job script then runs
+`python -m runtime.io.staging pull` before the program and `push` after it succeeds. Nothing is fetched when the
+launcher renders (a dry run stays offline): this module only plans; the node moves the data, with the S3 client
+settings of cluster.s3.
 
 Which keys move data, per stage (anything else that is s3:// is refused, naming these):
 
@@ -19,37 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# kinds of pull: one object; a Megatron prefix (<url>.bin + <url>.idx); a blend file whose s3:// prefixes are
-# pulled too and rewritten to their mirrors.
-OBJECT, INDEXED, BLEND = "object", "indexed", "blend"
-PUSH_TREE = "tree"
+from runtime.io.manifest import BLEND, INDEXED, OBJECT, PUSH_TREE, mirror
+from runtime.io.s3 import is_s3, split_url
+from runtime.schema.reader import Report, Section
+from runtime.schema.s3 import KEYS as S3_KEYS
 
-DEFAULTS: dict[str, Any] = {
-    "local_dir": None,          # the mirror root on the shared file system, e.g. /fsx/staging
-    "endpoint_url": None,       # null: AWS's own S3 endpoint for the region
-    "max_concurrency": 8,       # parts in flight per file (boto3 TransferConfig)
-    "multipart_chunk_mb": 64,   # part size; files above it are sent and fetched in parallel parts
-    "retries": 5,               # per request (botocore) and per file (integrity check failures)
-}
 _GLOB = re.compile(r"[*?\[]")
 
 
-def is_s3(value: Any) -> bool:
-    return isinstance(value, str) and value.startswith("s3://")
-
-
-def split_url(url: str) -> tuple[str, str]:
-    bucket, _, key = url[len("s3://"):].partition("/")
-    return bucket, key
-
-
-def settings(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {**DEFAULTS, **((cfg.get("cluster") or {}).get("staging") or {})}
-
-
-def mirror(url: str, local_dir: str) -> str:
-    bucket, key = split_url(url)
-    return str(Path(local_dir) / bucket / key) if key else str(Path(local_dir) / bucket)
+def local_dir(cfg: dict[str, Any]) -> str | None:
+    """cluster.staging.local_dir: the mirror root on the shared file system (e.g. /fsx/staging), or None."""
+    return ((cfg.get("cluster") or {}).get("staging") or {}).get("local_dir")
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -90,12 +71,12 @@ class StagePlan:
     """What one stage's job moves between S3 and the shared file system."""
 
     manifest_path: Path
+    local_dir: str
     pulls: list[dict[str, str]] = field(default_factory=list)
     pushes: list[dict[str, str]] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)
 
     def manifest(self) -> dict[str, Any]:
-        return {"settings": self.options, "pulls": self.pulls, "pushes": self.pushes}
+        return {"local_dir": self.local_dir, "pulls": self.pulls, "pushes": self.pushes}
 
 
 def s3_values(node: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -112,14 +93,14 @@ def s3_values(node: Any, prefix: str = "") -> list[tuple[str, str]]:
     return found
 
 
-def _pull_entries(key: str, kind: str | None, value: Any, local_dir: str) -> list[dict[str, str]]:
+def _pull_entries(key: str, kind: str | None, value: Any, root: str) -> list[dict[str, str]]:
     values = value if isinstance(value, list) else [value]
     if key == "model.data.data_prefix":
         if isinstance(value, str):  # the path of a blend file
-            return [{"key": key, "url": value, "local": mirror(value, local_dir), "kind": BLEND}] if is_s3(value) else []
+            return [{"key": key, "url": value, "local": mirror(value, root), "kind": BLEND}] if is_s3(value) else []
         values = value[1::2]        # [weight, prefix, weight, prefix, ...]
         kind = INDEXED
-    return [{"key": key, "url": v, "local": mirror(v, local_dir), "kind": kind} for v in values if is_s3(v)]
+    return [{"key": key, "url": v, "local": mirror(v, root), "kind": kind} for v in values if is_s3(v)]
 
 
 def stage_plan(stage: str, cfg: dict[str, Any], manifest_path: Path) -> StagePlan | None:
@@ -127,14 +108,13 @@ def stage_plan(stage: str, cfg: dict[str, Any], manifest_path: Path) -> StagePla
     stage_cfg = cfg.get(stage) or {}
     if not _staged_s3_values(stage, stage_cfg):
         return None
-    options = settings(cfg)
-    local_dir = str(options["local_dir"])
+    root = str(local_dir(cfg))
     pulls = [entry for key, kind in PULLS.get(stage, [])
              for entry in _pull_entries(key, kind, input_files(stage_cfg) if key == "input.files" else
-                                        _get(stage_cfg, key), local_dir)]
-    pushes = [{"key": key, "local": mirror(_get(stage_cfg, key), local_dir), "url": _get(stage_cfg, key),
+                                        _get(stage_cfg, key), root)]
+    pushes = [{"key": key, "local": mirror(_get(stage_cfg, key), root), "url": _get(stage_cfg, key),
                "kind": PUSH_TREE} for key in PUSHES.get(stage, []) if is_s3(_get(stage_cfg, key))]
-    return StagePlan(manifest_path, pulls, pushes, options)
+    return StagePlan(manifest_path, root, pulls, pushes)
 
 
 def for_job(job, cfg: dict[str, Any]) -> StagePlan | None:
@@ -145,8 +125,8 @@ def for_job(job, cfg: dict[str, Any]) -> StagePlan | None:
 def localize(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config with every s3:// URL replaced by its mirror under cluster.staging.local_dir: what the
     programs read. Unchanged when nothing is on S3."""
-    local_dir = settings(cfg)["local_dir"]
-    if not local_dir:
+    root = local_dir(cfg)
+    if not root:
         return cfg
 
     def walk(node: Any, path: str) -> Any:
@@ -155,7 +135,7 @@ def localize(cfg: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node, list):
             return [walk(v, path) for v in node]
         stage, _, key = path.partition(".")
-        return mirror(node, local_dir) if is_s3(node) and not _is_native(stage, key) else node
+        return mirror(node, root) if is_s3(node) and not _is_native(stage, key) else node
 
     return walk(cfg, "")
 
@@ -188,17 +168,23 @@ def count_input_files(stage_cfg: dict[str, Any]) -> int:
 
 def problems(cfg: dict[str, Any]) -> list[str]:
     """s3:// values the launcher cannot stage, one line each. Pure: nothing is contacted."""
-    options = settings(cfg)
-    errors = [f"cluster.staging.{k}: unknown key; valid keys: {', '.join(DEFAULTS)}" for k in options
-              if k not in DEFAULTS]
+    report = Report()
+    section = Section((cfg.get("cluster") or {}).get("staging"), "cluster.staging", report)
+    root = section.str("local_dir", None)
+    moved = sorted(set(section.data) & set(S3_KEYS))  # a cluster file written before cluster.s3 existed
+    for key in moved:
+        report.error(f"cluster.staging.{key}: moved to cluster.s3.{key}, which every S3 client reads (staging, "
+                     "checkpoints); set it there")
+    if not moved:
+        section.done()
+    errors = report.errors
     stages = [s for s in cfg.get("stages") or [] if isinstance(cfg.get(s), dict)]
     found = [("data_dir", cfg.get("data_dir"))] if is_s3(cfg.get("data_dir")) else []
     found += [(f"{s}.{k}", v) for s in stages for k, v in _staged_s3_values(s, cfg[s])]
     if not found:
         return errors
-    local_dir = options["local_dir"]
-    if not local_dir or not str(local_dir).startswith("/"):
-        errors.append(f"cluster.staging.local_dir: {local_dir!r}; {found[0][0]} is on S3 ({found[0][1]}), so give "
+    if not root or not root.startswith("/"):
+        errors.append(f"cluster.staging.local_dir: {root!r}; {found[0][0]} is on S3 ({found[0][1]}), so give "
                       "the absolute directory on the shared file system it is copied to, e.g. "
                       "cluster.staging.local_dir=/fsx/staging")
     for stage in stages:
@@ -215,29 +201,3 @@ def problems(cfg: dict[str, Any]) -> list[str]:
             elif not split_url(value)[1]:
                 errors.append(f"{stage}.{key}: {value} names a bucket without a key; add the object's path")
     return errors
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m launcher.staging pull|push MANIFEST`, run by the job script on the node."""
-    import argparse
-    import json
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m launcher.staging", description=main.__doc__)
-    parser.add_argument("direction", choices=("pull", "push"))
-    parser.add_argument("manifest", type=Path)
-    args = parser.parse_args(argv)
-    from launcher import s3sync
-
-    manifest = json.loads(args.manifest.read_text())
-    try:
-        moved = (s3sync.pull if args.direction == "pull" else s3sync.push)(manifest, log=print)
-    except s3sync.StagingError as e:
-        print(f"error: staging {args.direction}: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(f"nxdt: staging {args.direction}: {moved} file(s) transferred", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,6 +12,7 @@ from launcher.stages import PROGRAMS, STAGES
 from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
+from runtime.schema.s3 import parse_s3
 from runtime.schema.training import parse_training
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
@@ -19,7 +20,7 @@ CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
 # Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
 SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
 OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node",
-                      "neuron", "remote", "staging")  # checked by neuron.py, remote.py, staging.py
+                      "neuron", "remote", "staging", "s3")  # checked by neuron.py, remote.py, staging.py, below
 
 # What may stand in an #SBATCH line: sbatch reads those lines itself, so nothing there may need quoting.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
@@ -143,4 +144,6 @@ def cluster(section: dict[str, Any]) -> list[str]:
         if not isinstance(section.get(key, []), list):
             errors.append(f"cluster.{key}: must be a list, e.g. cluster.{key}=[a,b]")
     errors += _env_vars(section.get("env_vars"), "cluster.env_vars")
+    # The nodes read cluster.s3 back through the same parser (runtime/io/s3.py).
+    errors += parse_s3(section.get("s3"))[1].errors
     return errors

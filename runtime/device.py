@@ -168,6 +168,7 @@ def init_device(accelerator: str) -> Device:
         rank, world_size = topology.join_world(backend, init_method=f"file://{store_file}", rank=0, world_size=1)
         local_rank = 0
 
+    topology.use_host_staging(needs_host_staging)
     if kind == "xla" and not host_collectives:
         xla_world = xla["xr"].world_size()
         if xla_world != world_size:

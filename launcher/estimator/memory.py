@@ -2,7 +2,7 @@
 #
 # The accounting follows what runtime/ actually holds, so it can be checked against a measurement on CPU:
 #   weights      param dtype (fp32, or bf16 for bf16SR / mixed_precision*), every parameter of this device's stage
-#   gradients    fp32 always: the DistributedOptimizer accumulates micro-batch gradients in an fp32 buffer
+#   gradients    fp32 always: data parallelism accumulates micro-batch gradients in an fp32 buffer
 #   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by dp under ZeRO-1
 #   activations  what autograd keeps per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 #                Activation Recomputation in Large Transformer Models"), times the micro-batches in flight
@@ -41,7 +41,7 @@ PRECISION_BYTES = {
     "mixed_precisionSR": PrecisionBytes(2, 4, 2, 2, False),
     "autocast": PrecisionBytes(4, 0, 2, 4, True),
 }
-GRAD_BYTES = 4                  # fp32 gradient buffer (main_grad)
+GRAD_BYTES = 4                  # fp32 gradient buffer (the main gradients)
 MOMENT_BYTES = 8                # Adam exp_avg + exp_avg_sq, fp32
 
 

@@ -5,7 +5,9 @@
 #
 # Local writes go to a temporary name, are fsynced and renamed into place: a reader (or a crash) never sees half
 # an object. S3 PUTs are atomic per object already; boto3's managed transfer splits large ones into parallel
-# multipart parts, and botocore retries each request (adaptive mode) on throttling and connection errors.
+# multipart parts, and botocore retries each request (adaptive mode) on throttling and connection errors. The
+# S3 client's endpoint, retries, part size and checksums are the cluster config's (cluster.s3), which the job
+# script exports: runtime/io/s3.py reads them, here as for every other S3 client.
 from __future__ import annotations
 
 import os
@@ -16,9 +18,7 @@ from typing import Protocol
 
 from runtime.io import s3
 from runtime.io.files import atomic_write_bytes, temp_name
-from runtime.io.s3 import S3Settings
-
-MiB = 1024 * 1024
+from runtime.io.s3 import S3Settings, split_url
 
 
 class Storage(Protocol):
@@ -36,10 +36,11 @@ class Storage(Protocol):
     def local_path(self, key: str) -> str | None: ...    # a path torch.load can map directly, when there is one
 
 
-def open_storage(location: str | os.PathLike) -> Storage:
+def open_storage(location: str | os.PathLike, s3_settings: S3Settings | None = None) -> Storage:
+    """A directory or s3://bucket/prefix. S3 settings: the job script's (cluster.s3) unless given."""
     location = str(location)
-    if location.startswith("s3://"):
-        return S3Storage(location)
+    if s3.is_s3(location):
+        return S3Storage(location, s3_settings)
     if "://" in location:
         raise ValueError(f"checkpoint directory {location!r}: only local paths and s3://bucket/prefix are supported")
     return LocalStorage(location)
@@ -114,14 +115,13 @@ class LocalStorage:
 class S3Storage:
     """s3://bucket/prefix through the one S3 client (runtime/io/s3.py)."""
 
-    def __init__(self, url: str, settings: S3Settings = S3Settings()):
-        rest = url[len("s3://"):]
-        self.bucket, _, prefix = rest.partition("/")
+    def __init__(self, url: str, settings: S3Settings | None = None):
+        self.bucket, prefix = split_url(url)
         if not self.bucket:
             raise ValueError(f"checkpoint directory {url!r} names no bucket; use s3://bucket/prefix")
         self.prefix = prefix.strip("/")
         self.root = url.rstrip("/")
-        self.s3, self.transfer = s3.client(settings)
+        self.s3, self.transfer = s3.client(settings)  # None: from the job script's environment
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

@@ -1,2 +1,4 @@
 # Reading and writing outside the process, in one place: atomic local publishing (files.py), used by data
-# preparation, checkpoints, conversion and evaluation alike. Standard library only.
+# preparation, checkpoints, conversion and evaluation alike; the one S3 client and its settings (s3.py); and the
+# staging program the job scripts run around a stage (staging.py, its manifest's format in manifest.py).
+# Nothing here imports torch or numpy, and this file imports nothing: the launcher imports s3.py and manifest.py.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.parallel.topology import AxisGroup
+from runtime.parallel.topology import AxisGroup, needs_host_staging
 
 SEQUENCE_DIM = 1  # activations are (B, T, H)
 
@@ -22,9 +22,7 @@ def _on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **k
     """Run `collective(out[, inp], group=...)`, through host copies when the group's backend cannot address the
     tensors' device: gloo over XLA tensors, as the XLA:CPU tests run (see runtime/device.py). A capability check,
     not a device switch: on gloo with CPU tensors, nccl and xla, this is a plain call."""
-    from runtime.device import needs_host_staging  # here, not at the top: runtime.device imports this package
-
-    if not needs_host_staging(out, dist.get_backend(group)):
+    if not needs_host_staging(out, group):
         collective(*(t for t in (out, inp) if t is not None), group=group, **kwargs)
         return
     host_out = out.cpu()
@@ -39,18 +37,14 @@ SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 def send(tensor: torch.Tensor, dst: int, tag: int):
     """Start sending `tensor` to global rank `dst`; returns (work, the tensor to keep alive until it is sent).
     Staged through host memory where the backend cannot address the tensor, as every collective here is."""
-    from runtime.device import needs_host_staging
-
-    if needs_host_staging(tensor, dist.get_backend()):
+    if needs_host_staging(tensor):
         tensor = tensor.cpu()
     return dist.isend(tensor, dst, tag=tag), tensor
 
 
 def recv(out: torch.Tensor, src: int, tag: int) -> torch.Tensor:
     """Receive into `out` from global rank `src` (blocking); returns out."""
-    from runtime.device import needs_host_staging
-
-    buffer = out.cpu() if needs_host_staging(out, dist.get_backend()) else out
+    buffer = out.cpu() if needs_host_staging(out) else out
     dist.irecv(buffer, src, tag=tag).wait()
     if buffer is not out:
         out.copy_(buffer.to(out.device))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from runtime.parallel.dims import AXES, ParallelDims, rank_coords, rank_groups
@@ -57,8 +58,26 @@ def world_barrier(device_ids: list[int] | None = None) -> None:
 
 
 def leave_world() -> None:
+    global _host_staging
     if dist.is_initialized():
         dist.destroy_process_group()
+    _host_staging = None
+
+
+# Whether a collective has to copy a tensor through host memory because the group's backend cannot address the
+# tensor's device (gloo over XLA tensors). runtime/device.py knows the devices and hands the rule in when it joins
+# the world; this module and the collectives only apply it. Without one (a harness joining by itself), never.
+_host_staging: Callable[[torch.Tensor, str], bool] | None = None
+
+
+def use_host_staging(rule: Callable[[torch.Tensor, str], bool]) -> None:
+    """rule(tensor, backend) -> whether `tensor` must be staged through host memory for that backend."""
+    global _host_staging
+    _host_staging = rule
+
+
+def needs_host_staging(tensor: torch.Tensor, group=None) -> bool:
+    return _host_staging is not None and _host_staging(tensor, dist.get_backend(group))
 
 
 @dataclasses.dataclass(frozen=True)

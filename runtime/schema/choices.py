@@ -22,6 +22,9 @@ RECOMPUTE_MODULES = Choices(("core_attention", "mlp"), {"CoreAttention": "core_a
                                                         "MLP": "mlp"})
 DEPENDENCIES = Choices(("afterok", "afterany", "singleton"))
 CONVERSION_MODES = Choices(("export", "import"))
+# cluster.s3.checksums, botocore's names: CRC checksums on every request that can carry one, or only where S3
+# demands one (S3-compatible stores that reject the others).
+S3_CHECKSUMS = Choices(("when_supported", "when_required"))
 
 # The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data.
 TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo"))

@@ -254,3 +254,12 @@ def save_top_k(value: int, p: str) -> str | None:
         return None
     return (f"{p}exp_manager.checkpoint_callback_params.save_top_k: {value} is invalid; use a positive count of "
             f"checkpoints to keep, or -1 to keep all")
+
+
+# ---------------------------------------------------------------------------------------------------- cluster.s3
+def endpoint_url(value: str, p: str) -> str | None:
+    """boto3 takes a scheme and a host; a bare host name would fail on the node, at the first transfer."""
+    if re.fullmatch(r"https?://[^\s/'\"\\][^\s'\"\\]*", value) and value.isprintable():
+        return None
+    return (f"{p}endpoint_url: {value!r} is not an http:// or https:// URL; give the S3 endpoint with its scheme, "
+            f"e.g. {p}endpoint_url=https://s3.us-west-2.amazonaws.com (null: AWS S3 itself)")

@@ -23,7 +23,7 @@ FILE_MODES = ("error", "warn", "skip")
 
 
 def is_remote(path: Any) -> bool:
-    """An s3:// input is staged inside the job (launcher/staging.py); nothing to look at here."""
+    """An s3:// input is staged inside the job (planned by launcher/staging.py); nothing to look at here."""
     return str(path).startswith("s3://")
 
 

@@ -1,28 +1,45 @@
 # Checkpoints on S3: save, keep-last-2 and resume, against moto in server mode on loopback (a FAKE of AWS S3
-# served over real HTTP, so boto3's real transfer code runs; tests/s3_server.py).
+# served over real HTTP, so boto3's real transfer code runs; tests/s3_server.py). The endpoint is the cluster
+# config's (cluster.s3.endpoint_url), never boto3's own: AWS_ENDPOINT_URL points at a port nothing listens on.
+import uuid
+
 import pytest
 
 from runtime.checkpoint import committed_checkpoints, open_storage
+from runtime.io.s3 import S3Settings, to_env
 from tests.checkpoint.launch_helpers import counting_corpus, losses, training_overrides
 from tests.launcher.helpers import nxdt
 
 SCHEDULE = "++training.model.optim.sched.max_steps=12"
+NOWHERE = "http://127.0.0.1:9"  # the discard port: a client that ignored cluster.s3 would fail here
+
+
+def test_storage_uses_the_endpoint_the_job_script_exports(aws_env, monkeypatch):
+    bucket = f"nxdt-{uuid.uuid4().hex[:12]}"
+    aws_env.client().create_bucket(Bucket=bucket)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", NOWHERE)
+    for name, value in to_env(S3Settings(endpoint_url=aws_env.endpoint, retries=2)).items():
+        monkeypatch.setenv(name, value)  # what `export NXDT_S3_...` in the job script does
+    storage = open_storage(f"s3://{bucket}/runs/tiny")
+    storage.put_bytes("step_00000001/COMMIT", b"1")
+    assert storage.get_bytes("step_00000001/COMMIT") == b"1" and storage.list_dirs() == ["step_00000001"]
 
 
 @pytest.mark.slow
 def test_save_keep_last_two_and_resume_from_s3(tmp_path, s3, aws_env, monkeypatch):
     s3.client().create_bucket(Bucket="ckpt")
-    env = {**s3.env, "AWS_ENDPOINT_URL": s3.endpoint}  # boto3 reads the endpoint from the environment
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", NOWHERE)
+    env = {**s3.env, "AWS_ENDPOINT_URL": NOWHERE}
     data = counting_corpus(tmp_path / "data")
     url = "s3://ckpt/runs/tiny"
     on_s3 = (f"training.exp_manager.checkpoint_callback_params.dirpath={url}",
-             "training.exp_manager.checkpoint_callback_params.save_top_k=2", SCHEDULE)
+             "training.exp_manager.checkpoint_callback_params.save_top_k=2", SCHEDULE,
+             f"cluster.s3.endpoint_url={s3.endpoint}")
 
     first = nxdt("cluster_type=local", *training_overrides(data, tmp_path / "s3run", steps=8, every=3, extra=on_s3),
                  cwd=tmp_path, env=env, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    storage = open_storage(url)
+    storage = open_storage(url, S3Settings(endpoint_url=s3.endpoint))
     assert [c.step for c in committed_checkpoints(storage)] == [6, 8]  # 3 was deleted once 8 was committed
     assert not (tmp_path / "s3run" / "gpt3_tiny" / "training" / "checkpoints").exists()
 

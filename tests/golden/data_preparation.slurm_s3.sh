@@ -13,6 +13,12 @@
 set -euo pipefail
 export NXDT_STAGE=data_preparation
 export NXDT_RUN_DIR=/results/gpt3_tiny
+# cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
+export NXDT_S3_ENDPOINT_URL=''
+export NXDT_S3_MAX_CONCURRENCY=8
+export NXDT_S3_MULTIPART_CHUNK_MB=64
+export NXDT_S3_RETRIES=10
+export NXDT_S3_CHECKSUMS=when_supported
 export PYTHON=/opt/venv/bin/python
 LOG_DIR=/results/gpt3_tiny/data_preparation/logs
 mkdir -p "$LOG_DIR"
@@ -24,7 +30,7 @@ RESTART="${SLURM_RESTART_COUNT:-0}"
 trap 'echo $? > "$LOG_DIR/data_preparation_${JOB_TAG}.exit"' EXIT
 
 # Inputs on S3, copied to the shared file system before the program starts (docs/parallelcluster.md).
-"$PYTHON" -m launcher.staging pull /results/gpt3_tiny/data_preparation/data_preparation_staging.json
+"$PYTHON" -m runtime.io.staging pull /results/gpt3_tiny/data_preparation/data_preparation_staging.json
 
 # What the node runs.
 node_main() {
@@ -37,4 +43,4 @@ srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 \
   --output="$LOG_DIR/data_preparation_${JOB_TAG}_restart${RESTART}_node%n.log" \
   bash -c node_main
 # Outputs copied back to S3 once the program succeeded.
-"$PYTHON" -m launcher.staging push /results/gpt3_tiny/data_preparation/data_preparation_staging.json
+"$PYTHON" -m runtime.io.staging push /results/gpt3_tiny/data_preparation/data_preparation_staging.json

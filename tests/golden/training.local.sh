@@ -5,6 +5,12 @@
 set -euo pipefail
 export NXDT_STAGE=training
 export NXDT_RUN_DIR=/results/gpt3_tiny
+# cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
+export NXDT_S3_ENDPOINT_URL=''
+export NXDT_S3_MAX_CONCURRENCY=8
+export NXDT_S3_MULTIPART_CHUNK_MB=64
+export NXDT_S3_RETRIES=10
+export NXDT_S3_CHECKSUMS=when_supported
 export PYTHON=/opt/venv/bin/python
 LOG_DIR=/results/gpt3_tiny/training/logs
 mkdir -p "$LOG_DIR"

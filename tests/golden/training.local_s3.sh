@@ -5,6 +5,12 @@
 set -euo pipefail
 export NXDT_STAGE=training
 export NXDT_RUN_DIR=/results/gpt3_tiny
+# cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
+export NXDT_S3_ENDPOINT_URL=''
+export NXDT_S3_MAX_CONCURRENCY=8
+export NXDT_S3_MULTIPART_CHUNK_MB=64
+export NXDT_S3_RETRIES=10
+export NXDT_S3_CHECKSUMS=when_supported
 export PYTHON=/opt/venv/bin/python
 LOG_DIR=/results/gpt3_tiny/training/logs
 mkdir -p "$LOG_DIR"
@@ -15,7 +21,7 @@ exec > >(tee -a "$LOG_DIR/training_local.log") 2>&1
 trap 'echo $? > "$LOG_DIR/training_local.exit"' EXIT
 
 # Inputs on S3, copied to the shared file system before the program starts (docs/parallelcluster.md).
-"$PYTHON" -m launcher.staging pull /results/gpt3_tiny/training/training_staging.json
+"$PYTHON" -m runtime.io.staging pull /results/gpt3_tiny/training/training_staging.json
 
 # All 2 workers of the stage's 1 node(s) run on this machine.
 "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2 \

@@ -1,6 +1,6 @@
 #!/bin/bash
 # nxdt-launch: stage training of run gpt3_tiny (slurm executor).
-# Produced by: nxdt-launch data_dir=s3://bucket/datasets cluster.staging.local_dir=/fsx/staging
+# Produced by: nxdt-launch data_dir=s3://bucket/datasets cluster.staging.local_dir=/fsx/staging cluster.s3.endpoint_url=http://minio.internal:9000 cluster.s3.retries=4
 # Resolved stage config: /results/gpt3_tiny/training/training_config.yaml
 #SBATCH --job-name=nxdt:gpt3_tiny:training
 #SBATCH --nodes=1
@@ -14,6 +14,12 @@
 set -euo pipefail
 export NXDT_STAGE=training
 export NXDT_RUN_DIR=/results/gpt3_tiny
+# cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
+export NXDT_S3_ENDPOINT_URL=http://minio.internal:9000
+export NXDT_S3_MAX_CONCURRENCY=8
+export NXDT_S3_MULTIPART_CHUNK_MB=64
+export NXDT_S3_RETRIES=4
+export NXDT_S3_CHECKSUMS=when_supported
 export PYTHON=/opt/venv/bin/python
 LOG_DIR=/results/gpt3_tiny/training/logs
 mkdir -p "$LOG_DIR"
@@ -47,7 +53,7 @@ trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
 
 # Inputs on S3, copied to the shared file system before the program starts (docs/parallelcluster.md).
-"$PYTHON" -m launcher.staging pull /results/gpt3_tiny/training/training_staging.json
+"$PYTHON" -m runtime.io.staging pull /results/gpt3_tiny/training/training_staging.json
 
 # Rendezvous on the allocation's first node, at the address slurmd itself is reached at. (sed, not head: head
 # would exit before scontrol finished writing, and pipefail would end the job on scontrol's SIGPIPE.)

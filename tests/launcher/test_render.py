@@ -37,7 +37,8 @@ CASES = [
                                               "cluster.neuron.compile.enabled=false",
                                               "cluster.neuron.compile.cache=s3://bucket/neuron-cache"]),
     # data on S3: staged to the shared file system inside the job.
-    ("training", "slurm_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging"]),
+    ("training", "slurm_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging",
+                              "cluster.s3.endpoint_url=http://minio.internal:9000", "cluster.s3.retries=4"]),
     ("training", "local_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging"]),
     ("data_preparation", "slurm_s3", ["data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging",
                                       "data_preparation=custom_dataset",

@@ -1,5 +1,6 @@
-"""The schema's promises, as tests: the launcher and the schema import no torch or numpy (head nodes and laptops
-have neither), and each rule is written once (its message appears in one source file)."""
+"""The schema's promises, as tests: the launcher, the schema and runtime/io (the staging program runs before any
+stage's own environment matters) import no torch or numpy (head nodes and laptops have neither), and each rule is
+written once (its message appears in one source file)."""
 
 import re
 import subprocess
@@ -18,8 +19,8 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split('.')[0] in ('torch', 'numpy'):
             raise ImportError(f'{name} imported by the launcher path')
 sys.meta_path.insert(0, Block())
-import launcher, runtime.schema
-names = [m.name for pkg in (launcher, runtime.schema)
+import launcher, runtime.schema, runtime.io
+names = [m.name for pkg in (launcher, runtime.schema, runtime.io)
          for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.')]
 for name in names:
     importlib.import_module(name)
@@ -27,14 +28,15 @@ print(len(names))
 """
 
 
-def test_launcher_and_schema_import_without_torch_or_numpy():
+def test_launcher_schema_and_io_import_without_torch_or_numpy():
     result = subprocess.run([sys.executable, "-c", BLOCKER], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert int(result.stdout) > 40  # every launcher module and command, and the whole schema
+    assert int(result.stdout) > 40  # every launcher module and command, the whole schema, and runtime/io
 
 
 def test_the_blocker_catches_a_violation():
-    code = BLOCKER.replace("import launcher, runtime.schema", "import launcher, runtime.schema, runtime.models")
+    code = BLOCKER.replace("import launcher, runtime.schema, runtime.io",
+                           "import launcher, runtime.schema, runtime.io, runtime.models")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "imported by the launcher path" in result.stderr
 
@@ -66,6 +68,7 @@ PHRASES = [
     "must be a whole number of steps",
     "use a positive count of",
     "each in [0, 1)",
+    "is not an http:// or https:// URL",
 ]
 
 

@@ -10,7 +10,7 @@ from tests.launcher.helpers import nxdt
 
 def _launch(s3, tmp_path, local_dir, *overrides, dry_run=False):
     return nxdt("cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={s3.url}",
-                f"cluster.staging.local_dir={local_dir}", f"cluster.staging.endpoint_url={s3.endpoint}",
+                f"cluster.staging.local_dir={local_dir}", f"cluster.s3.endpoint_url={s3.endpoint}",
                 *overrides, *(["--dry-run"] if dry_run else []), cwd=tmp_path, env=s3.env, timeout=600)
 
 

@@ -1,28 +1,39 @@
-"""The transfers behind `python -m launcher.staging pull|push`, run on a node inside the job: boto3's managed
-transfers (parallel multipart parts, TransferConfig), botocore's retries per request, and an integrity check
-of every file that retries the file when it fails: the size, and S3's ETag recomputed from the local bytes
-(the MD5 for a single-part object; the MD5 of the parts' MD5s and the part count for a multipart one).
+"""`python -m runtime.io.staging pull|push MANIFEST`: what a job script runs on the node before its program (pull
+the stage's S3 inputs to the shared file system) and after it succeeds (push its outputs back). The manifest is
+the launcher's plan (runtime/io/manifest.py); the S3 client's settings are the cluster's (runtime/io/s3.py).
+
+The transfers are boto3's managed ones (parallel multipart parts), with botocore's retries per request and an
+integrity check of every file that retries the file when it fails: the size, and S3's ETag recomputed from the
+local bytes (the MD5 for a single-part object; the MD5 of the parts' MD5s and the part count for a multipart one).
 
 A pulled file is written under a temporary name and renamed into place once verified, so a reader never
 sees half a file; a small record of the object's ETag next to the mirror (`.nxdt-staging/`) lets a second
-pull of an unchanged object skip it. Array tasks that pull the same inputs take a lock per file."""
+pull of an unchanged object skip it. Array tasks that pull the same inputs take a lock per file.
+
+    python -m runtime.io.staging pull /fsx/results/gpt3_tiny/training/training_staging.json
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
 import os
 import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from launcher.staging import BLEND, INDEXED, OBJECT, mirror, split_url
 from runtime.io import s3
+from runtime.io.manifest import BLEND, INDEXED, OBJECT, mirror
+from runtime.io.s3 import split_url
 from runtime.schema.data_prefix import map_blend_prefixes
+from runtime.schema.reader import ConfigErrors
 
 RECORDS = ".nxdt-staging"
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
@@ -35,16 +46,12 @@ class StagingError(Exception):
 
 
 class _Sync:
-    def __init__(self, options: dict[str, Any], log: Callable[[str], None]):
-        self.options = options
+    def __init__(self, local_dir: str, settings: s3.S3Settings, log: Callable[[str], None]):
         self.log = log
-        self.retries = max(1, int(options.get("retries") or 1))
-        self.local_dir = Path(str(options["local_dir"]))
-        # Staging verifies and retries whole objects itself, so botocore's own retries stay plain ("standard").
-        self.s3, self.transfer = s3.client(s3.S3Settings(
-            endpoint_url=options.get("endpoint_url") or None, max_attempts=self.retries, retry_mode="standard",
-            part_mb=int(options.get("multipart_chunk_mb") or 64),
-            concurrency=int(options.get("max_concurrency") or 8)))
+        self.retries = settings.retries
+        self.local_dir = Path(local_dir)
+        # Staging verifies and retries whole files itself, so botocore's own retries stay plain ("standard").
+        self.s3, self.transfer = s3.client(dataclasses.replace(settings, retry_mode="standard"))
 
     # --- what S3 holds --------------------------------------------------------------------------------
     def head(self, url: str) -> dict[str, Any] | None:
@@ -235,8 +242,9 @@ def mismatch(path: Path, size: int, etag: str, part_size: int | None) -> str | N
     return None if local == etag else f"checksum mismatch: local ETag {local}, S3 ETag {etag}"
 
 
-def pull(manifest: dict[str, Any], log: Callable[[str], None] = print) -> int:
-    sync = _Sync(manifest["settings"], log)
+def pull(manifest: dict[str, Any], settings: s3.S3Settings | None = None, log: Callable[[str], None] = print) -> int:
+    """Every pull of the manifest; the number of files that moved. Settings: the job script's (from_env)."""
+    sync = _Sync(manifest["local_dir"], settings or s3.from_env(), log)
 
     def one(entry: dict[str, str]) -> int:
         local = Path(entry["local"])
@@ -251,6 +259,27 @@ def pull(manifest: dict[str, Any], log: Callable[[str], None] = print) -> int:
         return sum(pool.map(one, manifest["pulls"]))
 
 
-def push(manifest: dict[str, Any], log: Callable[[str], None] = print) -> int:
-    sync = _Sync(manifest["settings"], log)
+def push(manifest: dict[str, Any], settings: s3.S3Settings | None = None, log: Callable[[str], None] = print) -> int:
+    sync = _Sync(manifest["local_dir"], settings or s3.from_env(), log)
     return sum(sync.push_tree(Path(entry["local"]), entry["url"]) for entry in manifest["pushes"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.io.staging",
+                                     description="Copy a stage's S3 inputs in (pull) or its outputs out (push).")
+    parser.add_argument("direction", choices=("pull", "push"))
+    parser.add_argument("manifest", type=Path, help="the <stage>_staging.json the launcher wrote")
+    args = parser.parse_args(argv)
+    manifest = json.loads(args.manifest.read_text())
+    try:
+        moved = (pull if args.direction == "pull" else push)(manifest, log=print)
+    except (StagingError, ConfigErrors) as e:
+        for problem in getattr(e, "problems", [str(e)]):  # a bad NXDT_S3_* value names its cluster.s3 key
+            print(f"error: staging {args.direction}: {problem}", file=sys.stderr, flush=True)
+        return 2
+    print(f"nxdt: staging {args.direction}: {moved} file(s) transferred", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
