@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint  # noqa: E402
 from runtime.models import ModelConfig, build_model  # noqa: E402
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model  # noqa: E402
+from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model  # noqa: E402
 from runtime.step import train_step  # noqa: E402
 
 
@@ -46,8 +46,8 @@ def _setup(args):
     cfg = ModelConfig(architecture="gpt", vocab_size=32768, hidden_size=args.hidden, num_layers=args.layers,
                       num_attention_heads=args.hidden // 64, ffn_hidden_size=4 * args.hidden,
                       max_position_embeddings=args.seq, share_embeddings_and_output_weights=True)
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False)
-    optimizer = DistributedOptimizer(model, topo, {"lr": 1e-4}, "fp32")
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, data_parallel=DataParallelConfig())
+    optimizer = ShardedAdamW(model, {"lr": 1e-4})
     return cfg, topo, model, optimizer
 
 
@@ -59,7 +59,8 @@ def _batch(cfg, args, step):
 
 def _state(model, optimizer) -> dict:
     return {"model": model.state_dict(),
-            "optim": {i: {"exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq} for i, b in enumerate(optimizer.buckets)}}
+            "optim": {i: {"exp_avg": m, "exp_avg_sq": v}
+                      for i, (m, v) in enumerate(zip(optimizer.exp_avg, optimizer.exp_avg_sq))}}
 
 
 def main() -> None:
@@ -74,13 +75,12 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     cfg, topo, model, optimizer = _setup(args)
-    params = sum(p.numel() for p in optimizer._params)
+    params = sum(p.numel() for p in model.data_parallel.params)
     step = lambda i: train_step(model, optimizer, _batch(cfg, args, i), topo, lr=1e-4, clip=1.0)  # noqa: E731
     for i in range(2):
         step(i)
     state_bytes = sum(t.numel() * t.element_size() for t in (
-        [b.param_buffer for b in optimizer.buckets] + [b.exp_avg for b in optimizer.buckets]
-        + [b.exp_avg_sq for b in optimizer.buckets]))
+        [b.param_buffer for b in model.data_parallel.buckets] + optimizer.exp_avg + optimizer.exp_avg_sq))
     print(f"model: {params / 1e6:.0f}M parameters; weights + Adam moments {state_bytes / 2**30:.2f} GiB; "
           f"{torch.get_num_threads()} threads")
 
@@ -111,9 +111,9 @@ def main() -> None:
     def load_torch(r):
         loaded = torch.load(root / "torch.pt", weights_only=True)
         model.load_state_dict(loaded["model"])
-        for i, b in enumerate(optimizer.buckets):
-            b.exp_avg.copy_(loaded["optim"][i]["exp_avg"])
-            b.exp_avg_sq.copy_(loaded["optim"][i]["exp_avg_sq"])
+        for i, (m, v) in enumerate(zip(optimizer.exp_avg, optimizer.exp_avg_sq)):
+            m.copy_(loaded["optim"][i]["exp_avg"])
+            v.copy_(loaded["optim"][i]["exp_avg_sq"])
 
     def save_dcp(r):
         shutil.rmtree(root / "dcp", ignore_errors=True)

@@ -1,7 +1,7 @@
 """Single-process training throughput of our models against Hugging Face transformers at the same size.
 
 Each contender runs full training steps (forward, backward, gradient clipping, AdamW) on the same random
-tokens: our GPT and Llama through runtime.step.train_step with the DistributedOptimizer (the trainer's path,
+tokens: our GPT and Llama through runtime.step.train_step with data parallelism and ShardedAdamW (the trainer's path,
 one process), and transformers' GPT2LMHeadModel / LlamaForCausalLM with torch.optim.AdamW. Runs alternate
 within one process (ours, HF, ours, HF, ...) so drift in machine load hits both sides alike, and a square
 fp32 matmul measured in the same run gives the practical peak that achieved TFLOP/s are compared with.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from runtime.metrics import flops_per_token, measure_matmul_tflops  # noqa: E402
 from runtime.models import ModelConfig, build_model  # noqa: E402
-from runtime.parallel import AdamWConfig, DistributedOptimizer, ParallelDims, Topology  # noqa: E402
+from runtime.parallel import AdamWConfig, ParallelDims, ShardedAdamW, Topology, apply_data_parallel  # noqa: E402
 from runtime.step import train_step  # noqa: E402
 
 LR, CLIP = 1e-4, 1.0
@@ -38,10 +38,11 @@ def our_runner(architecture: str, args):
         share_embeddings_and_output_weights=architecture == "gpt",
     )
     model = build_model(cfg)
-    # Counted before the optimizer gives a tied embedding its alias Parameter (which parameters() lists too).
+    # Counted before data parallelism gives a tied embedding its alias Parameter (which parameters() lists too).
     params = model.num_params()
     topo = Topology.build(ParallelDims(tp=1, pp=1, dp=1, world_size=1))  # no process group: a single process
-    optimizer = DistributedOptimizer(model, topo, AdamWConfig(lr=LR, weight_decay=0.1, betas=(0.9, 0.95)))
+    apply_data_parallel(model, topo)
+    optimizer = ShardedAdamW(model, AdamWConfig(lr=LR, weight_decay=0.1, betas=(0.9, 0.95)))
 
     def step(input_ids, labels):
         return train_step(model, optimizer, [(input_ids, labels, None)], topo, lr=LR, clip=CLIP).loss

@@ -1,5 +1,5 @@
 # Training precision, by NxD Training's `precision.type` names. One policy object says what each name means;
-# the DistributedOptimizer and train_step read it, nothing else branches on the name.
+# data parallelism (runtime/parallel/data_parallel.py) and train_step read it, nothing else branches on the name.
 #
 # | type              | params | master weights (fp32) | grad accumulation | param update rounding | forward      |
 # | ----------------- | ------ | --------------------- | ----------------- | --------------------- | ------------ |

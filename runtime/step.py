@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime.parallel import collectives as C
 from runtime.parallel import pipeline
-from runtime.parallel.optimizer import DistributedOptimizer
+from runtime.parallel.optimizer import ShardedAdamW
 from runtime.parallel.topology import Topology
 
 MicroBatch = tuple  # (input_ids, labels, loss_mask | None)
@@ -36,9 +36,10 @@ class StepResult:
     grad_norm: float   # global L2 norm before clipping
 
 
-def train_step(model: nn.Module, optimizer: DistributedOptimizer, micro_batches: Sequence[MicroBatch],
+def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequence[MicroBatch],
                topo: Topology, *, lr: float, clip: float | None, schedule: str | None = None) -> StepResult:
-    """Forward/backward every micro-batch, reduce gradients over DP, clip by the global norm, step AdamW.
+    """Forward/backward every micro-batch, reduce gradients (data parallelism), clip by the global norm, step
+    AdamW.
 
     schedule (pp > 1 only): one of pipeline.SCHEDULES; None picks 1F1B, or interleaved with virtual stages.
     """
@@ -47,7 +48,8 @@ def train_step(model: nn.Module, optimizer: DistributedOptimizer, micro_batches:
     model.train()
     batches = [_unpack(mb) for mb in micro_batches]
     total_tokens = _global_token_count(batches, topo)
-    optimizer.zero_grad()
+    grads = optimizer.data_parallel
+    grads.zero_grad()
     if topo.pp.size > 1:
         loss_sum = pipeline.run_pipeline(model, batches, topo, total_tokens, forward_only=False, schedule=schedule,
                                          autocast=lambda: _autocast(optimizer, batches[0][0].device))
@@ -59,7 +61,7 @@ def train_step(model: nn.Module, optimizer: DistributedOptimizer, micro_batches:
             local = (per_token * mask).sum()
             (local / total_tokens).backward()
             loss_sum += local.detach()
-    optimizer.reduce_gradients()
+    grads.reduce_gradients()
     grad_norm = optimizer.clip_grad_norm(clip)
     optimizer.step(lr)
     return StepResult(loss=_global_mean(loss_sum, total_tokens, topo), grad_norm=grad_norm)
@@ -67,7 +69,7 @@ def train_step(model: nn.Module, optimizer: DistributedOptimizer, micro_batches:
 
 @torch.no_grad()
 def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topology,
-              optimizer: DistributedOptimizer | None = None) -> float:
+              optimizer: ShardedAdamW | None = None) -> float:
     """Forward-only: the token-weighted mean loss over the micro-batches of every DP rank.
 
     Pass the optimizer to evaluate under its precision's autocast (the weights' dtype applies regardless).
@@ -112,8 +114,8 @@ def _global_mean(loss_sum: torch.Tensor, total_tokens: float, topo: Topology) ->
     return loss_sum.item() / total_tokens
 
 
-def _autocast(optimizer: DistributedOptimizer | None, device: torch.device):
-    dtype = optimizer.precision.autocast_dtype if optimizer is not None else None
+def _autocast(optimizer: ShardedAdamW | None, device: torch.device):
+    dtype = optimizer.data_parallel.precision.autocast_dtype if optimizer is not None else None
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -28,7 +28,7 @@ from runtime.device import Device, init_device, shutdown
 from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
 from runtime.models import build_model
 from runtime.optim_schedule import LRSchedule
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model
+from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
 from runtime.step import eval_step, train_step
@@ -106,11 +106,10 @@ def train(cfg: TrainingConfig, device: Device) -> None:
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         recompute_modules=cfg.parallel.recompute_modules,
         virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
-    ).to(device.torch_device)
-    # Moving to an XLA device makes new Parameters module by module, silently untying a shared embedding.
-    model.tie_weights()
-    optimizer = DistributedOptimizer(model, topo, cfg.optim, precision=cfg.precision.type, zero1=cfg.parallel.zero1,
-                                     seed=cfg.seed)
+        device=device.torch_device,
+        data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed),
+    )
+    optimizer = ShardedAdamW(model, cfg.optim)
     train_batches, valid_batches = build_data(cfg, topo, device)
     sched = cfg.optim.sched
     schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,

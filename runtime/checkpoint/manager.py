@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from runtime.checkpoint.shards import FullTensors, HostStaging, host_copy, load_into, rank_pieces
+from runtime.parallel.data_parallel import data_parallel_of
 from runtime.checkpoint.storage import Storage, open_storage
 
 FORMAT = 1
@@ -145,16 +146,17 @@ class Checkpointer:
         self.wait()  # one save in flight: bounds host memory, keeps commits in order
         started = time.perf_counter()
         name = f"step_{step:08d}.{self.token}"
-        model_pieces, optim_pieces = rank_pieces(model, optimizer, topo)
+        dp = data_parallel_of(model)
+        model_pieces, optim_pieces = rank_pieces(dp, optimizer, topo)
         header = {
             "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
             "layout": {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "tp_rank": topo.tp.rank,
-                       "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "zero1": optimizer.zero1},
-            "optim_scalars": {"step": optimizer.step_count, "sr_generator": optimizer.sr_generator_state()},
+                       "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "zero1": dp.zero1},
+            "optim_scalars": {"step": optimizer.step_count, "sr_generator": dp.sr_generator_state()},
             "extra": host_copy(extra),
         }
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "layout": {
-            "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "zero1": optimizer.zero1}}
+            "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "zero1": dp.zero1}}
         live = {"model": model_pieces, "optim": optim_pieces}
         run_async = self.async_save and not sync
         if not (run_async and self.deferred_copy):
@@ -290,10 +292,13 @@ def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, t
                     broadcast: Callable[[torch.Tensor], None] | None = None, reader: bool = True,
                     with_optimizer: bool = True) -> dict:
     """Load `checkpoint` into this rank's model and optimizer, resharding from whatever layout saved it.
-    Returns this rank's saved `extra` (or rank 0's when the world size changed) and the optimizer scalars."""
+    Returns this rank's saved `extra` (or rank 0's when the world size changed) and the optimizer scalars.
+    The model needs data parallelism applied (it owns the buffers loaded into); optimizer may be None when
+    with_optimizer is False."""
     files = read_rank_files(storage, checkpoint.name) if reader else None
     full = full_tensors(files) if files is not None else None
-    load_into(model, optimizer, full, broadcast=broadcast, with_optimizer=with_optimizer)
+    dp = data_parallel_of(model)
+    load_into(dp, optimizer, full, broadcast=broadcast, with_optimizer=with_optimizer)
     same_world = checkpoint.meta.get("world_size") == topo.dims.world_size
     if files is None:
         files = _headers(storage, checkpoint.name, rank if same_world else 0)
@@ -303,7 +308,7 @@ def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, t
     scalars = source["optim_scalars"]
     if with_optimizer:
         optimizer.step_count = int(scalars["step"])
-        optimizer.load_sr_generator_state(scalars["sr_generator"])
+        dp.load_sr_generator_state(scalars["sr_generator"])
     return {"extra": source["extra"], "same_world": same_world}
 
 

@@ -21,58 +21,42 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from runtime.parallel.state import full_parameter_name
+from runtime.parallel.data_parallel import DataParallel
+from runtime.parallel.plan import ShardingPlan
 
 TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whichever name a rank holds
 
 
-def _geometry(param: nn.Parameter) -> dict:
-    shard = getattr(param, "tp_shard", None)
-    if shard is None:
-        return {"dim": None, "index": None, "full_shape": tuple(param.shape), "shard_shape": tuple(param.shape)}
-    dim, index, full_size, _ = shard
-    full_shape = list(param.shape)
-    full_shape[dim] = full_size
-    return {"dim": dim, "index": index.cpu(), "full_shape": tuple(full_shape), "shard_shape": tuple(param.shape)}
+def _geometry(plan: ShardingPlan, name: str, param: nn.Parameter) -> dict:
+    placement = plan[name]
+    index = placement.index.cpu() if placement.sharded else None
+    return {"dim": placement.dim, "index": index, "full_shape": plan.full_shape(name, param),
+            "shard_shape": tuple(param.shape)}
 
 
-def owned_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(full name, parameter) for every parameter the optimizer owns: aliases of a tied embedding are skipped
-    (they share the owner's storage)."""
-    seen, out = set(), []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or hasattr(param, "grad_owner"):
-            continue
-        seen.add(id(param))
-        out.append((full_parameter_name(name, param), param))
-    return out
-
-
-def _tp_replicated(param: nn.Parameter) -> bool:
-    return getattr(param, "tp_shard", None) is None
-
-
-def rank_pieces(model: nn.Module, optimizer, topo) -> tuple[dict, dict]:
+def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
     """This rank's pieces as views of live tensors (copy them before training goes on): (model, optim), each
-    {full name: [piece, ...]}."""
-    owned = owned_parameters(model)
-    names = {id(p): n for n, p in owned}
+    {full name: [piece, ...]}. `optimizer` (a ShardedAdamW over `dp`) may be None: weights only."""
+    plan = dp.plan
+    names = {id(p): name for name, p in dp.named_params}
     model_pieces: dict[str, list] = {}
     optim_pieces: dict[str, list] = {}
     first_tp, first_dp = topo.tp.rank == 0, topo.dp.rank == 0
-    for name, param in owned:
-        if first_dp and (first_tp or not _tp_replicated(param)):
-            model_pieces.setdefault(name, []).append({**_geometry(param), "start": 0, "value": param.detach()})
-    writes_optim = first_dp or optimizer.zero1
-    for bucket in optimizer.buckets:
+    for name, param in dp.named_params:
+        if first_dp and (first_tp or plan[name].sharded):
+            model_pieces.setdefault(plan.full_name(name), []).append(
+                {**_geometry(plan, name, param), "start": 0, "value": param.detach()})
+    if optimizer is None or not (first_dp or dp.zero1):
+        return model_pieces, optim_pieces
+    for bucket, exp_avg, exp_avg_sq in zip(dp.buckets, optimizer.exp_avg, optimizer.exp_avg_sq):
         for seg in bucket.segments:
-            param = seg.param
-            if not writes_optim or (_tp_replicated(param) and not first_tp):
+            name = names[id(seg.param)]
+            if not plan[name].sharded and not first_tp:
                 continue
-            piece = {**_geometry(param), "start": seg.in_param.start,
-                     "exp_avg": bucket.exp_avg[seg.in_shard], "exp_avg_sq": bucket.exp_avg_sq[seg.in_shard],
+            piece = {**_geometry(plan, name, seg.param), "start": seg.in_param.start,
+                     "exp_avg": exp_avg[seg.in_shard], "exp_avg_sq": exp_avg_sq[seg.in_shard],
                      "master": bucket.master[seg.in_shard] if bucket.master is not None else None}
-            optim_pieces.setdefault(names[id(param)], []).append(piece)
+            optim_pieces.setdefault(plan.full_name(name), []).append(piece)
     return model_pieces, optim_pieces
 
 
@@ -207,25 +191,20 @@ class FullTensors:
         return full
 
 
-def local_slice(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """What `param` (a TP shard or a replicated tensor) holds of the full tensor."""
-    shard = getattr(param, "tp_shard", None)
-    if shard is None:
-        return full
-    dim, index, _, _ = shard
-    return full.index_select(dim, index.cpu())
-
-
 @torch.no_grad()
-def load_into(model: nn.Module, optimizer, full: FullTensors | None, *, broadcast: Callable | None = None,
+def load_into(dp: DataParallel, optimizer, full: FullTensors | None, *, broadcast: Callable | None = None,
               with_optimizer: bool = True) -> None:
-    """Fill this rank's parameters and optimizer shards from `full` (None on ranks that only receive).
+    """Fill this rank's parameters, master weights and (with_optimizer) Adam moments from `full` (None on ranks
+    that only receive). `optimizer` may be None when with_optimizer is False.
 
     broadcast(tensor) is called on every filled tensor in the same order on every rank of a DP group: the
     reader (DP rank 0) sends, the others receive. Without it every rank reads for itself.
     """
-    names = {id(p): n for n, p in owned_parameters(model)}
-    for bucket in optimizer.buckets:
+    plan = dp.plan
+    names = {id(p): name for name, p in dp.named_params}
+    moments = zip(optimizer.exp_avg, optimizer.exp_avg_sq) if optimizer is not None else ((None, None)
+                                                                                          for _ in dp.buckets)
+    for bucket, (exp_avg, exp_avg_sq) in zip(dp.buckets, moments):
         device = bucket.param_buffer.device
         # Whole-bucket (unsharded) state, as a DP rank without ZeRO-1 would hold it; each rank keeps its shard.
         # Only the states this optimizer holds are assembled (and broadcast): no moments when they are not
@@ -239,32 +218,34 @@ def load_into(model: nn.Module, optimizer, full: FullTensors | None, *, broadcas
         if full is not None:
             offset = 0
             for param in bucket.params:
-                name, n = names[id(param)], param.numel()
+                local, n = names[id(param)], param.numel()
+                name = plan.full_name(local)
                 value = full.get(name, "value")
                 if value is None:
                     raise ValueError(f"checkpoint has no weights for {name}: it was saved from a different model")
-                expected = _geometry(param)["full_shape"]
+                expected = plan.full_shape(local, param)
                 if tuple(value.shape) != tuple(expected):
                     raise ValueError(f"checkpoint holds {name} with shape {tuple(value.shape)} but this model's is "
                                      f"{tuple(expected)}: the checkpoint was saved from a different model config")
-                values[offset:offset + n] = local_slice(value, param).reshape(-1).to(values.dtype)
+                values[offset:offset + n] = plan.local_slice(local, value).reshape(-1).to(values.dtype)
                 for i, key in enumerate(keys):
                     if with_optimizer and full.has(name, key):
-                        state[key][offset:offset + n] = local_slice(full.get(name, key), param).reshape(-1)
+                        state[key][offset:offset + n] = plan.local_slice(local, full.get(name, key)).reshape(-1)
                         have[i] = 1
                     elif key == "master":  # fp32 weights serve as the master copy of a bf16 run
-                        state[key][offset:offset + n] = local_slice(value, param).reshape(-1).float()
+                        state[key][offset:offset + n] = plan.local_slice(local, value).reshape(-1).float()
                 offset += n
         if broadcast is not None:
             for tensor in (values, have, *state.values()):
                 broadcast(tensor)
         bucket.param_buffer.copy_(values.to(device))
         shard = bucket.shard
-        if with_optimizer and have[0] and have[1]:
-            bucket.exp_avg.copy_(state["exp_avg"][shard].to(device))
-            bucket.exp_avg_sq.copy_(state["exp_avg_sq"][shard].to(device))
-        else:
-            bucket.exp_avg.zero_()
-            bucket.exp_avg_sq.zero_()
+        if exp_avg is not None:
+            if with_optimizer and have[0] and have[1]:
+                exp_avg.copy_(state["exp_avg"][shard].to(device))
+                exp_avg_sq.copy_(state["exp_avg_sq"][shard].to(device))
+            else:
+                exp_avg.zero_()
+                exp_avg_sq.zero_()
         if bucket.master is not None:
             bucket.master.copy_(state["master"][shard].to(device))

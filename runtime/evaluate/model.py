@@ -10,14 +10,13 @@ import torch
 from runtime.checkpoint import load_checkpoint, read_config, resolve_checkpoint
 from runtime.config import parse_model_config
 from runtime.models import ModelConfig, build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model
+from runtime.parallel import DataParallelConfig, ParallelDims, Topology, parallelize_model
 from runtime.parallel.pipeline import collect_pipeline
 
 
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    optimizer: DistributedOptimizer   # owns the flat weight buffers the checkpoint is loaded into
     topo: Topology
     cfg: ModelConfig
     training: dict                    # the training config saved with the checkpoint
@@ -35,14 +34,12 @@ def load_model(location: str, name: str | None, *, tp: int, pp: int, vpp: int | 
     dims = ParallelDims.infer_dp(tp, pp, device.world_size, None)
     topo = Topology.build(dims)
     device.manual_seed(cfg.seed)
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, virtual_pp=vpp)
-    model = model.to(device.torch_device)
-    model.tie_weights()
-    # The optimizer is only the owner of the flat buffers load_checkpoint fills; its moments are not read.
-    optimizer = DistributedOptimizer(model, topo, {"lr": 0.0}, "fp32")
-    load_checkpoint(storage, checkpoint, model, optimizer, topo, rank=device.rank, with_optimizer=False)
+    # Data parallelism (fp32) owns the flat weight buffers the checkpoint is loaded into; no optimizer needed.
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, virtual_pp=vpp,
+                              device=device.torch_device, data_parallel=DataParallelConfig())
+    load_checkpoint(storage, checkpoint, model, None, topo, rank=device.rank, with_optimizer=False)
     model.eval()
-    return LoadedModel(model, optimizer, topo, cfg, training, f"{storage.root}/{checkpoint.name}",
+    return LoadedModel(model, topo, cfg, training, f"{storage.root}/{checkpoint.name}",
                        checkpoint.step, checkpoint.layout)
 
 

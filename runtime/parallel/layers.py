@@ -1,12 +1,9 @@
 # Tensor-parallel replacements for the model's leaves, each built FROM the full, already initialized module by
 # slicing, so a sharded model starts from exactly the weights of the unsharded one.
 #
-# Parameter attributes the optimizer reads:
-#   tp_duplicates      how many TP ranks hold identical values (1 = sharded; absent = replicated on all tp ranks)
-#   sequence_parallel  replicated, but each rank's grad only covers its sequence shard: all-reduce over TP
-# and the ones runtime/parallel/state.py reads to reassemble full weights:
-#   tp_shard = (dim, index, full_size, full_name): this shard is full.index_select(dim, index) of the module's
-#   parameter `full_name` in the unsharded model
+# Each layer declares where its parameters sit in the unsharded model in `placements` (local name -> Placement);
+# parallelize collects them into the model's ShardingPlan (runtime/parallel/plan.py), which is what data
+# parallelism, checkpoints and the full-state gather read.
 from __future__ import annotations
 
 from typing import Sequence
@@ -17,12 +14,8 @@ from torch import nn
 
 from runtime.models.layers import cross_entropy
 from runtime.parallel import collectives as C
+from runtime.parallel.plan import Placement
 from runtime.parallel.topology import AxisGroup
-
-
-def mark_sharded(param: nn.Parameter, duplicates: int = 1) -> nn.Parameter:
-    param.tp_duplicates = duplicates
-    return param
 
 
 def shard_rows(sizes: Sequence[int], rank: int, size: int) -> torch.Tensor:
@@ -40,10 +33,11 @@ def shard_rows(sizes: Sequence[int], rank: int, size: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _param_from(full: torch.Tensor, index: torch.Tensor, dim: int, full_name: str | None = None) -> nn.Parameter:
+def _param_from(full: torch.Tensor, index: torch.Tensor, dim: int, *, copies: int = 1,
+                source: str | None = None) -> tuple[nn.Parameter, Placement]:
+    """Rows `index` of `full` along `dim` as a new parameter, and its placement (held by `copies` TP ranks)."""
     param = nn.Parameter(full.detach().index_select(dim, index).contiguous())
-    param.tp_shard = (dim, index, full.shape[dim], full_name)
-    return param
+    return param, Placement(dim=dim, index=index, full_size=full.shape[dim], tp_copies=copies, source=source)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -53,11 +47,11 @@ class ColumnParallelLinear(nn.Module):
     Output: this rank's columns, (B, T, out/t), which feed a RowParallelLinear or the vocab-parallel loss.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: AxisGroup, sequence_parallel: bool):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, axis: AxisGroup, sequence_parallel: bool,
+                 placements: dict[str, Placement]):
         super().__init__()
-        self.weight, self.bias = mark_sharded(weight), bias
-        if bias is not None:
-            mark_sharded(bias)
+        self.weight, self.bias = weight, bias
+        self.placements = dict(placements)
         self.axis, self.sequence_parallel = axis, sequence_parallel
 
     @classmethod
@@ -65,8 +59,12 @@ class ColumnParallelLinear(nn.Module):
                     rows: torch.Tensor | None = None) -> "ColumnParallelLinear":
         if rows is None:
             rows = shard_rows([linear.out_features], axis.rank, axis.size)
-        bias = _param_from(linear.bias, rows, 0) if linear.bias is not None else None
-        return cls(_param_from(linear.weight, rows, 0), bias, axis, sequence_parallel)
+        placements = {}
+        weight, placements["weight"] = _param_from(linear.weight, rows, 0)
+        bias = None
+        if linear.bias is not None:
+            bias, placements["bias"] = _param_from(linear.bias, rows, 0)
+        return cls(weight, bias, axis, sequence_parallel, placements)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -114,13 +112,19 @@ class ReplicatedKVColumnParallelLinear(ColumnParallelLinear):
         k_start = num_heads * head_dim + kv_slot * head_dim
         v_start = k_start + num_kv_heads * head_dim
         kv_rows = torch.cat([torch.arange(k_start, k_start + head_dim), torch.arange(v_start, v_start + head_dim)])
-        bias = _param_from(linear.bias, q_rows, 0) if linear.bias is not None else None
-        super().__init__(_param_from(linear.weight, q_rows, 0), bias, axis, sequence_parallel)
-        self.kv_slot, self.num_kv_slots = kv_slot, num_kv_heads
+        placements = {}
+        weight, placements["weight"] = _param_from(linear.weight, q_rows, 0)
+        bias = None
+        if linear.bias is not None:
+            bias, placements["bias"] = _param_from(linear.bias, q_rows, 0)
         replicas = axis.size // num_kv_heads
-        self.kv_weight = mark_sharded(_param_from(linear.weight, kv_rows, 0, "weight"), replicas)
-        self.kv_bias = (mark_sharded(_param_from(linear.bias, kv_rows, 0, "bias"), replicas)
-                        if linear.bias is not None else None)
+        kv_weight, placements["kv_weight"] = _param_from(linear.weight, kv_rows, 0, copies=replicas, source="weight")
+        kv_bias = None
+        if linear.bias is not None:
+            kv_bias, placements["kv_bias"] = _param_from(linear.bias, kv_rows, 0, copies=replicas, source="bias")
+        super().__init__(weight, bias, axis, sequence_parallel, placements)
+        self.kv_slot, self.num_kv_slots = kv_slot, num_kv_heads
+        self.kv_weight, self.kv_bias = kv_weight, kv_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sync = lambda w: _SumOverReplicas.apply(w, self.axis, self.kv_slot, self.num_kv_slots)
@@ -139,10 +143,11 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, axis: AxisGroup, *, sequence_parallel: bool):
         super().__init__()
         cols = shard_rows([linear.in_features], axis.rank, axis.size)
-        self.weight = mark_sharded(_param_from(linear.weight, cols, 1))
+        self.placements = {}
+        self.weight, self.placements["weight"] = _param_from(linear.weight, cols, 1)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True
+            self.placements["bias"] = Placement(partial_grad=True)
         self.axis, self.sequence_parallel = axis, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,10 +166,11 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, axis: AxisGroup):
         super().__init__()
         rows = shard_rows([embedding.num_embeddings], axis.rank, axis.size)
-        self.weight = mark_sharded(_param_from(embedding.weight, rows, 0))
+        self.placements = {}
+        self.weight, self.placements["weight"] = _param_from(embedding.weight, rows, 0)
         self.vocab_start = axis.rank * self.weight.shape[0]
         self.axis = axis
-        self.sparse = False  # like nn.Embedding.sparse; the DistributedOptimizer turns it on
+        self.sparse = False  # like nn.Embedding.sparse; data parallelism turns it on
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start

@@ -1,10 +1,12 @@
 # Apply parallelism to a plain model from runtime/models, in place and in a fixed order (torchtitan style):
-# tensor parallelism (+ sequence parallelism), then activation checkpointing. Data parallelism is not a model
-# transformation here: the DistributedOptimizer owns gradient reduction.
+# tensor parallelism (+ sequence parallelism), activation checkpointing, the pipeline split, the move to the
+# device, then data parallelism (flat buffers, gradient reduction, ZeRO-1 ownership). The result carries its
+# ShardingPlan (`model.sharding_plan`), the one record of where every parameter's values live.
 from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -14,21 +16,26 @@ from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
 from runtime.models.transformer import CausalLM
 from runtime.parallel import collectives as C
 from runtime.parallel import layers as L
+from runtime.parallel.data_parallel import DataParallelConfig, apply_data_parallel
+from runtime.parallel.plan import ShardingPlan
 from runtime.parallel.topology import AxisGroup, Topology
-
 
 
 def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: bool = False,
                       activation_checkpointing: str | None = None,
                       recompute_modules: Sequence[str] = ("core_attention",),
-                      virtual_pp: int | None = None) -> CausalLM:
-    """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it.
+                      virtual_pp: int | None = None, device: torch.device | str | None = None,
+                      data_parallel: DataParallelConfig | None = None) -> nn.Module:
+    """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it,
+    with its ShardingPlan as `sharding_plan`.
 
     sequence_parallel: Megatron's sequence parallelism (only meaningful with tp > 1).
     activation_checkpointing: None, 'full' (recompute every transformer layer) or 'selective' (recompute the
     `recompute_modules` of every layer: 'core_attention' and/or 'mlp'; empty means ['core_attention']).
     With pp > 1 the result is this rank's PipelineStageModel (runtime/parallel/pipeline), holding `virtual_pp`
     model chunks (None or 1: one), run by train_step/eval_step through a pipeline schedule.
+    device: move the parallelized model there (and re-tie a shared embedding the move may have untied).
+    data_parallel: apply data parallelism last (runtime/parallel/data_parallel.py); the optimizer needs it.
     """
     problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
                                                  activation_checkpointing)]
@@ -37,8 +44,9 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if any(problems):
         raise ValueError(next(p for p in problems if p))
     recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
+    plan = ShardingPlan(topo.tp.size)
     if topo.tp.size > 1:
-        apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
+        plan = apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
     if activation_checkpointing == "full":
         for block in model.layers:
             checkpoint_module(block)
@@ -48,7 +56,15 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
                 checkpoint_module(block.attn.core_attention if name == "core_attention" else block.mlp)
     if topo.pp.size > 1:
         from runtime.parallel.pipeline.stages import split_into_stages  # deferred: an import cycle via runtime.parallel
-        return split_into_stages(model, topo, virtual_pp=virtual_pp, sequence_parallel=sequence_parallel)
+        model = split_into_stages(model, topo, plan, virtual_pp=virtual_pp, sequence_parallel=sequence_parallel)
+        plan.keep_only(name for name, _ in model.named_parameters(remove_duplicate=False))
+    model.sharding_plan = plan
+    if device is not None:
+        model = model.to(device)
+        # Moving to an XLA device makes new Parameters module by module, silently untying a shared embedding.
+        model.tie_weights()
+    if data_parallel is not None:
+        apply_data_parallel(model, topo, data_parallel)
     return model
 
 
@@ -61,10 +77,11 @@ def check_tensor_parallel(cfg, tp: int) -> None:
         raise ValueError(next(problem for problem in problems if problem))
 
 
-def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel: bool) -> ShardingPlan:
     """Megatron layout: QKV and MLP-in column-parallel, attention-out and MLP-out row-parallel, embedding and
     output head split by vocabulary, loss vocab-parallel. Sequence parallelism keeps the norm/dropout/residual
-    regions split along the sequence between a block's row-parallel output and the next column-parallel input."""
+    regions split along the sequence between a block's row-parallel output and the next column-parallel input.
+    Returns the plan of what it sharded."""
     cfg = model.cfg
     check_tensor_parallel(cfg, axis.size)
     sp = sequence_parallel
@@ -79,13 +96,20 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
 
     if cfg.share_embeddings_and_output_weights:
         # Same vocabulary rows as the embedding shard, so the tied weight stays one parameter.
-        model.output = L.ColumnParallelLinear(model.embed.word.weight, None, axis, sp)
+        model.output = L.ColumnParallelLinear(model.embed.word.weight, None, axis, sp,
+                                              {"weight": model.embed.word.placements["weight"]})
     else:
         model.output = L.ColumnParallelLinear.from_linear(model.output, axis, sequence_parallel=sp)
     model.loss_fn = L.VocabParallelCrossEntropy(axis)
     model.gather_vocab = L.GatherFromRegion(axis)
+    plan = ShardingPlan.collect(model, axis.size)
     if sp:
-        _mark_sequence_parallel(model.final_norm)
+        # Replicated norm weights applied to a sequence shard: each rank's gradient covers only its tokens.
+        norms = [f"layers.{i}.{norm}" for i in range(len(model.layers)) for norm in ("attn_norm", "mlp_norm")]
+        for prefix in norms + ["final_norm"]:
+            for name, _ in model.get_submodule(prefix).named_parameters(prefix=prefix):
+                plan.mark(name, partial_grad=True)
+    return plan
 
 
 def _parallelize_block(block: Block, axis: AxisGroup, sp: bool) -> None:
@@ -111,15 +135,6 @@ def _parallelize_block(block: Block, axis: AxisGroup, sp: bool) -> None:
         mlp.down = L.RowParallelLinear(mlp.down, axis, sequence_parallel=sp)
     else:
         raise AssertionError(f"no tensor-parallel plan for {type(mlp).__name__}")
-    if sp:
-        _mark_sequence_parallel(block.attn_norm)
-        _mark_sequence_parallel(block.mlp_norm)
-
-
-def _mark_sequence_parallel(norm: nn.Module) -> None:
-    # Replicated weights applied to a sequence shard: each rank's grad covers only its tokens.
-    for param in norm.parameters():
-        param.sequence_parallel = True
 
 
 def checkpoint_module(module: nn.Module) -> None:

@@ -6,16 +6,8 @@ import torch
 from torch import nn
 
 from runtime.parallel import collectives as C
+from runtime.parallel.plan import plan_of
 from runtime.parallel.topology import Topology
-
-
-def full_parameter_name(name: str, param: nn.Parameter) -> str:
-    """The parameter's name in the unsharded model: a replicated-KV projection's `kv_weight` is part of its
-    module's `weight`."""
-    shard = getattr(param, "tp_shard", None)
-    if shard is not None and shard[3] is not None:
-        return name.rsplit(".", 1)[0] + "." + shard[3]
-    return name
 
 
 @torch.no_grad()
@@ -26,15 +18,15 @@ def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.
     projection's `kv_weight` folds back into its `weight`). Tied weights appear under both names, as in
     nn.Module.state_dict. Buffers are not included: the models derive theirs from the config.
     """
-    tp = topo.tp
+    tp, plan = topo.tp, plan_of(model)
     full: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        shard = getattr(param, "tp_shard", None)
-        if shard is None or tp.size == 1:
+        placement = plan[name]
+        if not placement.sharded or tp.size == 1:
             full[name] = param.detach().clone()
             continue
-        dim, index, full_size, _ = shard
-        name = full_parameter_name(name, param)
+        dim, index, full_size = placement.dim, placement.index, placement.full_size
+        name = plan.full_name(name)
         pieces = torch.empty((tp.size, *param.shape), dtype=param.dtype, device=param.device)
         C.all_gather_flat(pieces.view(-1), param.detach().reshape(-1), tp)
         indices = torch.empty((tp.size, index.numel()), dtype=index.dtype, device=index.device)

@@ -7,7 +7,7 @@ import torch
 from runtime.checkpoint import Checkpointer
 from runtime.device import init_device
 from runtime.models import ModelConfig, build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, parallelize_model
+from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
 
 
 def main(directory: str) -> None:
@@ -15,8 +15,8 @@ def main(directory: str) -> None:
     topo = Topology.build(ParallelDims(tp=1, pp=1, dp=1, world_size=1))
     cfg = ModelConfig(architecture="gpt", vocab_size=4096, hidden_size=512, num_layers=8, num_attention_heads=8,
                       ffn_hidden_size=2048, max_position_embeddings=64)
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False)
-    optimizer = DistributedOptimizer(model, topo, {"lr": 1e-3}, "fp32")
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, data_parallel=DataParallelConfig())
+    optimizer = ShardedAdamW(model, {"lr": 1e-3})
     ckpt = Checkpointer(directory, rank=0, world_size=1, token="0", async_save=False)
     ckpt.save(1, model, optimizer, topo, extra={"step": 1}, config=None)
     with torch.no_grad():

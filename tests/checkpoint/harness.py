@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint
 from runtime.models import build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, gather_full_state_dict, parallelize_model
+from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
+                              parallelize_model)
 from runtime.parallel import collectives as C
 from runtime.step import train_step
 from tests.runtime_parallel import harness as H
@@ -31,8 +32,9 @@ def build(arch: str, layout: L, seed: int):
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
                                        world_size=world))
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False)
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM, "fp32", layout.zero1)
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False,
+                              data_parallel=DataParallelConfig("fp32", layout.zero1))
+    optimizer = ShardedAdamW(model, H.OPTIM)
     return cfg, topo, model, optimizer
 
 

@@ -6,7 +6,8 @@ import dataclasses
 import torch
 
 from runtime.models import ModelConfig, build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, gather_full_state_dict, parallelize_model
+from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
+                              parallelize_model)
 from runtime.step import eval_step, train_step
 
 SEQ = 16
@@ -73,8 +74,9 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) 
     topo = make_topology(layout)
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
                               activation_checkpointing=layout.activation_checkpointing,
-                              recompute_modules=layout.recompute_modules)
-    optimizer = DistributedOptimizer(model, topo, OPTIM, layout.precision, layout.zero1)
+                              recompute_modules=layout.recompute_modules,
+                              data_parallel=DataParallelConfig(layout.precision, layout.zero1))
+    optimizer = ShardedAdamW(model, OPTIM)
     losses, norms = [], []
     for step in range(steps):
         result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo), topo,

@@ -1,4 +1,4 @@
-"""DistributedOptimizer and train_step in one process: AdamW math, weight-decay groups, clipping, checkpoint hooks."""
+"""ShardedAdamW, data parallelism's buffers and train_step in one process: AdamW math, decay groups, clipping, hooks."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.models import build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology
+from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, apply_data_parallel
 from runtime.step import eval_step, train_step
 from tests.runtime_parallel import harness as H
 
@@ -20,7 +20,7 @@ def test_matches_torch_adamw_with_megatron_decay_groups(clip, fused):
     topo = Topology.build(SOLO)
     ours = build_model(H.tiny_config("gpt"))
     theirs = copy.deepcopy(ours)
-    optimizer = DistributedOptimizer(ours, topo, H.OPTIM, "fp32")
+    optimizer = ShardedAdamW(apply_data_parallel(ours, topo, DataParallelConfig("fp32")), H.OPTIM)
     optimizer._fused = fused  # the fallback for devices without torch._fused_adamw_
     decay = [p for p in theirs.parameters() if p.dim() > 1]
     no_decay = [p for p in theirs.parameters() if p.dim() <= 1]
@@ -47,14 +47,14 @@ def test_mixed_precision_keeps_fp32_master_weights():
     topo = Topology.build(SOLO)
     model = build_model(H.tiny_config("gpt"))
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM, "mixed_precision")
+    optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig("mixed_precision")), H.OPTIM)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    masters = torch.cat([b.master for b in optimizer.buckets])
+    masters = torch.cat([b.master for b in optimizer.data_parallel.buckets])
     assert masters.dtype == torch.float32
     assert masters.numel() == sum(p.numel() for p in full.values()), "one fp32 copy of every weight"
     assert sorted(masters.tolist()) == sorted(torch.cat([p.reshape(-1) for p in full.values()]).tolist())
-    assert all(b.master is None for b in DistributedOptimizer(build_model(H.tiny_config("gpt")), topo, H.OPTIM,
-                                                              "bf16SR").buckets)
+    bf16 = apply_data_parallel(build_model(H.tiny_config("gpt")), topo, DataParallelConfig("bf16SR"))
+    assert all(b.master is None for b in bf16.data_parallel.buckets)
 
 
 def test_state_dict_round_trip_resumes_exactly():
@@ -65,13 +65,14 @@ def test_state_dict_round_trip_resumes_exactly():
                 for s in steps]
 
     model = build_model(H.tiny_config("llama"))
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM, "mixed_precisionSR")
+    optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig("mixed_precisionSR")), H.OPTIM)
     run(model, optimizer, range(3))
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     expected = run(model, optimizer, range(3, 6))
 
     resumed = build_model(H.tiny_config("llama"))
-    resumed_opt = DistributedOptimizer(resumed, topo, H.OPTIM, "mixed_precisionSR")
+    resumed_opt = ShardedAdamW(apply_data_parallel(resumed, topo, DataParallelConfig("mixed_precisionSR")),
+                               H.OPTIM)
     resumed.load_state_dict(saved_model)
     resumed_opt.load_state_dict(saved_opt)
     assert run(resumed, resumed_opt, range(3, 6)) == expected
@@ -80,7 +81,7 @@ def test_state_dict_round_trip_resumes_exactly():
 def test_train_step_rejects_malformed_micro_batches():
     topo = Topology.build(SOLO)
     model = build_model(H.tiny_config("gpt"))
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM)
+    optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig()), H.OPTIM)
     x = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=r"\(input_ids, labels, loss_mask\)"):
         train_step(model, optimizer, [(x, x)], topo, lr=1e-3, clip=1.0)
@@ -92,7 +93,7 @@ def test_train_step_rejects_malformed_micro_batches():
 def test_tied_embedding_stays_tied_through_training():
     topo = Topology.build(SOLO)
     model = build_model(H.tiny_config("gpt"))
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM)
+    optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig()), H.OPTIM)
     for step in range(3):
         train_step(model, optimizer, H.micro_batches_for(step, 128, topo), topo, lr=1e-3, clip=1.0)
     assert model.embed.word.weight.data_ptr() == model.output.weight.data_ptr()
@@ -102,7 +103,7 @@ def test_tied_embedding_stays_tied_through_training():
 def test_dropout_trains_and_eval_is_deterministic():
     topo = Topology.build(SOLO)
     model = build_model(H.tiny_config("llama", hidden_dropout=0.1, attention_dropout=0.1))
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM)
+    optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig()), H.OPTIM)
     batches = H.micro_batches_for(0, 128, topo)
     losses = [train_step(model, optimizer, batches, topo, lr=3e-3, clip=1.0).loss for _ in range(5)]
     assert losses[-1] < losses[0]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from runtime.models import build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology
+from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, apply_data_parallel
 from runtime.precision import PRECISION_TYPES, Precision, get_precision, stochastic_round_to_bf16, validate_precision
 from runtime.step import train_step
 from tests.runtime_parallel import harness as H
@@ -55,10 +55,11 @@ def test_round_to_nearest_stalls_on_small_updates_where_stochastic_rounding_does
     for name, policy in [("sr", get_precision("bf16SR")), ("rne", rne)]:
         layer = nn.Linear(64, 64, bias=False)
         nn.init.constant_(layer.weight, 0.5)
-        opt = DistributedOptimizer(layer, Topology.build(ParallelDims(1, 1, 1, 1)), {"lr": 1e-5}, policy)
+        apply_data_parallel(layer, Topology.build(ParallelDims(1, 1, 1, 1)), DataParallelConfig(policy))
+        opt = ShardedAdamW(layer, {"lr": 1e-5})
         for _ in range(100):
-            opt.zero_grad()
-            layer.weight.main_grad.fill_(1.0)  # constant gradient: Adam steps by -lr every time
+            layer.data_parallel.zero_grad()
+            layer.data_parallel.main_grad(layer.weight).fill_(1.0)  # constant gradient: Adam steps by -lr every time
             opt.step()
         drift[name] = (0.5 - layer.weight.float()).mean().item()
     assert drift["rne"] == 0.0
@@ -70,7 +71,7 @@ def test_tiny_model_learns_in_reduced_precision(precision):
     torch.manual_seed(0)
     topo = Topology.build(ParallelDims(1, 1, 1, 1))
     model = build_model(H.tiny_config("llama"))
-    optimizer = DistributedOptimizer(model, topo, {**H.OPTIM, "lr": 3e-3}, precision)
+    optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig(precision)), {**H.OPTIM, "lr": 3e-3})
     expected_dtype = torch.float32 if precision == "autocast" else torch.bfloat16
     assert all(p.dtype == expected_dtype for p in model.parameters())
     batch = [H.global_batch(128, step=0)]  # the same batch every step: a memorization task

@@ -7,7 +7,8 @@ import dataclasses
 import torch.distributed as dist
 
 from runtime.models import build_model
-from runtime.parallel import DistributedOptimizer, ParallelDims, Topology, gather_full_state_dict, parallelize_model
+from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
+                              parallelize_model)
 from runtime.step import eval_step, train_step
 from tests.runtime_parallel import harness as H
 
@@ -29,8 +30,8 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, c
     cfg = H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides})
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size()))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
-                              virtual_pp=layout.vpp)
-    optimizer = DistributedOptimizer(model, topo, H.OPTIM, "fp32", layout.zero1)
+                              virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1))
+    optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []
     for step in range(steps):
         result = train_step(model, optimizer, H.micro_batches_for(step, cfg.vocab_size, topo), topo,
@@ -39,8 +40,14 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, c
         norms.append(result.grad_norm)
     eval_loss = eval_step(model, H.micro_batches_for(steps, cfg.vocab_size, topo), topo)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
+    plan = {name: {"sharded": p.sharded, "tp_copies": model.sharding_plan.tp_copies(name),
+                   "partial_grad": p.partial_grad, "pipeline_tied": p.pipeline_tied}
+            for name, p in model.sharding_plan.items()}
+    # Parallel state lives in the plan and data parallelism, never on a parameter.
+    attributes = sorted({key for param in model.parameters() for key in vars(param)})
     return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state,
-            "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "tp_rank": topo.tp.rank}
+            "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "tp_rank": topo.tp.rank,
+            "plan": plan, "parameter_attributes": attributes}
 
 
 def run_suite(jobs: dict) -> dict:

@@ -101,3 +101,23 @@ def test_each_stage_holds_only_its_layers(name, two_ranks, four_ranks):
         assert layer_owner == {f"layers.{i}": {i} for i in range(4)}
     assert owners["embed.word.weight"] == {0}
     assert owners["output.weight"] == {max(r["pp_rank"] for r in ranks)}
+
+
+@pytest.mark.parametrize("name", list(ALL_JOBS))
+def test_no_parameter_carries_parallel_state(name, two_ranks, four_ranks):
+    for rank in (two_ranks if name in TWO_RANK_JOBS else four_ranks):
+        assert rank[name]["parameter_attributes"] == [], "parallel state belongs in the plan, not on parameters"
+
+
+def test_the_plan_records_shards_replicas_and_ties(four_ranks):
+    """gpt-pp2-tp2-sp: tied embedding split by vocabulary over TP and copied on the first and last stage; norm
+    weights replicated over TP with partial (sequence-shard) gradients."""
+    for rank in four_ranks:
+        plan = rank["gpt-pp2-tp2-sp"]["plan"]
+        tied = "embed.word.weight" if rank["gpt-pp2-tp2-sp"]["pp_rank"] == 0 else "output.weight"
+        assert plan[tied] == {"sharded": True, "tp_copies": 1, "partial_grad": False, "pipeline_tied": True}
+        norms = [name for name in plan if "norm" in name]
+        assert norms and all(plan[n] == {"sharded": False, "tp_copies": 2, "partial_grad": True,
+                                         "pipeline_tied": False} for n in norms)
+        assert plan["layers.1.attn.qkv.weight" if rank["gpt-pp2-tp2-sp"]["pp_rank"] == 0
+                    else "layers.3.attn.qkv.weight"]["sharded"]

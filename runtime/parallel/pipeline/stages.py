@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from runtime.models.transformer import CausalLM
+from runtime.parallel.plan import ShardingPlan
 from runtime.parallel.topology import Topology
 
 
@@ -61,7 +62,8 @@ class PipelineStageModel(nn.Module):
     output) register modules; the chunks are a plain list of views, so nothing is listed twice.
     """
 
-    def __init__(self, model: CausalLM, topo: Topology, virtual_pp: int, sequence_parallel: bool):
+    def __init__(self, model: CausalLM, topo: Topology, plan: ShardingPlan, virtual_pp: int,
+                 sequence_parallel: bool):
         super().__init__()
         pp, rank = topo.pp.size, topo.pp.rank
         num_stages = pp * virtual_pp
@@ -75,12 +77,13 @@ class PipelineStageModel(nn.Module):
         if stages[0] == 0:
             self.embed = model.embed
             if tied:
-                model.embed.word.weight.pipeline_tied = True
+                plan.mark("embed.word.weight", pipeline_tied=True)
         self.layers = nn.ModuleDict({str(i): model.layers[i] for s in stages for i in ranges[s]})
         if stages[-1] == num_stages - 1:
             self.final_norm = model.final_norm
             if tied:
                 _untie_output(model)
+                plan.mark("output.weight", pipeline_tied=True)
             self.output = model.output
         chunks = [PipelineChunk(model, s, num_stages, ranges[s]) for s in stages]
         object.__setattr__(self, "chunks", chunks)  # not registered: views of the modules above
@@ -92,7 +95,7 @@ class PipelineStageModel(nn.Module):
 
     def tie_weights(self) -> None:
         """Nothing to re-tie inside one stage: a tied embedding lives on the first and last stages, kept equal by
-        summing their gradients (DistributedOptimizer) rather than by sharing storage."""
+        summing their gradients (data parallelism's reduction) rather than by sharing storage."""
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline stage runs through a schedule (runtime.step.train_step / eval_step), "
@@ -101,18 +104,16 @@ class PipelineStageModel(nn.Module):
 
 def _untie_output(model: CausalLM) -> None:
     # The last stage gets its own copy of the shared embedding (equal values: the full model was built first).
-    # Both copies are marked, so the optimizer sums their gradients over the embedding group and counts the
-    # gradient once in the global norm.
+    # Both copies are marked pipeline-tied in the plan, so data parallelism sums their gradients over the
+    # embedding group and the global norm counts the gradient once.
     old = model.output.weight
-    new = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
-    new.__dict__.update(old.__dict__)
-    new.pipeline_tied = True
-    model.output.weight = new
+    model.output.weight = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
 
 
-def split_into_stages(model: CausalLM, topo: Topology, *, virtual_pp: int | None,
+def split_into_stages(model: CausalLM, topo: Topology, plan: ShardingPlan, *, virtual_pp: int | None,
                       sequence_parallel: bool) -> PipelineStageModel:
+    """This rank's stage of `model`; marks the pipeline ties in `plan`."""
     vpp = virtual_pp or 1
     if vpp < 1:
         raise ValueError(f"model.virtual_pipeline_model_parallel_size must be >= 1, got {virtual_pp}")
-    return PipelineStageModel(model, topo, vpp, sequence_parallel and topo.tp.size > 1)
+    return PipelineStageModel(model, topo, plan, vpp, sequence_parallel and topo.tp.size > 1)

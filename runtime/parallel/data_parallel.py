@@ -1,0 +1,344 @@
+# Data parallelism, the last step of parallelize_model: where parameters and their gradients live, and how
+# gradients are finished (reduced) before the optimizer reads them. Megatron's distributed-optimizer buffers,
+# reduced to their essentials; the optimizer itself (runtime/parallel/optimizer.py) only updates what this hands it.
+#
+# Parameters are re-homed into flat per-bucket buffers of the precision's dtype (params become views; bf16 casts
+# happen here, after the fp32 master copy is taken). Each bucket has a shard this rank owns: the whole bucket, or
+# with ZeRO-1 its 1/dp slice (gradients reduce-scattered, the shard updated, parameters all-gathered back). The
+# shard is cut into segments, one per parameter it overlaps, so the update runs on per-parameter views.
+#
+# Gradients land in each parameter's main gradient, fp32 whatever the parameter dtype, via a post-accumulate hook:
+# copied into a flat grad buffer when a collective needs one (dp > 1) or a dtype change does (bf16 params),
+# otherwise the fp32 gradient autograd produced is kept as is (no copy). Later micro-batches add to it.
+#
+# Embedding lookups are switched to sparse gradients (`module.sparse = True`): the looked-up rows are added
+# straight into the main gradient instead of autograd zero-filling a vocab x hidden tensor and scattering into it.
+# A tied embedding additionally gets its own alias Parameter over the same storage, so autograd no longer sums
+# the two uses itself (a full vocab x hidden copy: the output layer's gradient is a view it will not modify in
+# place); each use's hook accumulates into the one main gradient instead.
+#
+# What the reduction needs to know about each parameter (sequence-parallel partial gradients, pipeline-tied
+# copies, how many ranks hold the same value for the global norm) comes from the model's ShardingPlan.
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+from torch import nn
+
+from runtime.parallel import collectives as C
+from runtime.parallel.plan import plan_of
+from runtime.parallel.topology import Topology
+from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
+
+DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelConfig:
+    precision: "str | Precision" = "fp32"     # a runtime.precision name
+    zero1: bool = False                        # shard master weights (and the optimizer's moments) over DP
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    seed: int = 0                              # stochastic-rounding noise, the same on every rank
+
+
+class MainGrad:
+    """One parameter's fp32 gradient, accumulated over the micro-batches of a step."""
+
+    __slots__ = ("shape", "device", "buffer", "value", "written")
+
+    def __init__(self, param: nn.Parameter, buffer: torch.Tensor | None):
+        self.shape, self.device = param.shape, param.device
+        self.buffer = buffer        # a view of the bucket's flat grad buffer, or None (see the header)
+        self.value = buffer         # what the optimizer reads; autograd's own tensor when there is no buffer
+        self.written = False        # False: the next gradient overwrites instead of adding
+
+    def zeros(self, *, keep: bool) -> None:
+        """Start from zeros; keep: allocate the missing buffer for good (sparse rows accumulate into it every
+        step) rather than for this step only."""
+        buffer = self.buffer
+        if buffer is None:
+            buffer = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+            if keep:
+                self.buffer = buffer
+        self.value = buffer.zero_()
+
+
+@dataclasses.dataclass
+class Segment:
+    """The part of one parameter inside this rank's shard of a bucket."""
+
+    param: nn.Parameter
+    main: MainGrad
+    in_param: slice      # range in param.view(-1)
+    in_shard: slice      # the same elements' range in the bucket's shard tensors
+    norm_weight: float   # 1 / (number of ranks holding an identical copy of this gradient)
+
+    def grad(self) -> torch.Tensor:
+        return self.main.value.view(-1)[self.in_param]
+
+
+@dataclasses.dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    decay: bool                       # matrices (weight decay applies) or vectors: biases and norm weights
+    param_buffer: torch.Tensor        # (padded,) param dtype; the params are views into it
+    grad_buffer: torch.Tensor | None  # (padded,) fp32 when gradients must be flat; main grads are views into it
+    shard: slice                      # the part of the buffers this rank owns and updates
+    master: torch.Tensor | None       # (shard,) fp32 master weights; None when the params are themselves fp32
+    segments: list[Segment]
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator | None:
+    """A private generator for stochastic rounding. XLA devices have none: they draw from the device's own RNG,
+    which runtime.device seeds identically on every rank, so replicas still see the same noise."""
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except RuntimeError:
+        return None
+
+
+def apply_data_parallel(model: nn.Module, topo: Topology, config: DataParallelConfig = DataParallelConfig()
+                        ) -> nn.Module:
+    """Give `model` (parallelized and on its device) its DataParallel as `model.data_parallel`; returns it."""
+    if getattr(model, "data_parallel", None) is not None:
+        raise ValueError("data parallelism is already applied to this model")
+    model.data_parallel = DataParallel(model, topo, config)
+    return model
+
+
+def data_parallel_of(model: nn.Module) -> "DataParallel":
+    dp = getattr(model, "data_parallel", None)
+    if dp is None:
+        raise ValueError("the model has no data parallelism applied: call parallelize_model(..., "
+                         "data_parallel=DataParallelConfig(...)) or apply_data_parallel(model, topo) first")
+    return dp
+
+
+class DataParallel:
+    """The flat parameter and gradient buffers of one model, and the gradient reduction over DP (and over TP
+    for sequence-parallel weights, over the first and last pipeline stage for a tied embedding)."""
+
+    def __init__(self, model: nn.Module, topo: Topology, config: DataParallelConfig):
+        self.topo, self.precision = topo, get_precision(config.precision)
+        self.zero1 = bool(config.zero1)
+        plan = plan_of(model)
+        self._aliases = _split_tied_lookups(model, sparse=_sparse_grads_work(next(model.parameters()).device))
+        alias_ids = {id(alias) for alias, _ in self._aliases}
+        # (name, parameter) for every parameter this owns, in model.parameters() order; aliases are skipped
+        # (they share their owner's storage), so a tied embedding is owned under the name its owner has.
+        self.named_params = [(name, p) for name, p in model.named_parameters()
+                             if p.requires_grad and id(p) not in alias_ids]
+        if not self.named_params:
+            raise ValueError("the model has no trainable parameters")
+        self.plan = plan
+        self.params = [p for _, p in self.named_params]
+        names = {id(p): name for name, p in self.named_params}
+        device = self.params[0].device
+        # Stochastic rounding noise: the same seed on every rank, so ranks holding identical replicas of a weight
+        # (TP-replicated norms, or all DP ranks without ZeRO-1) draw identical noise and stay identical.
+        self._sr_generator = _generator(device, config.seed) if self.precision.stochastic_rounding else None
+        self._flat_grads = topo.dp.size > 1 or self.precision.param_dtype != torch.float32
+        self.main_grads: dict[int, MainGrad] = {}
+        self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
+        self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
+        # Megatron's groups: no weight decay for biases and norm weights (every 1-D parameter).
+        matrices = [p for p in self.params if p.dim() > 1]
+        vectors = [p for p in self.params if p.dim() <= 1]
+        self.buckets: list[Bucket] = []
+        for group, decay in ((matrices, True), (vectors, False)):
+            # Reverse order approximates the order gradients become ready in backward.
+            for chunk in _split(list(reversed(group)), config.bucket_numel):
+                self.buckets.append(self._make_bucket(chunk, decay, names))
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(functools.partial(_accumulate, self.main_grads[id(p)]))
+        for alias, owner in self._aliases:
+            alias.register_post_accumulate_grad_hook(functools.partial(_accumulate, self.main_grads[id(owner)]))
+            alias.data = owner.data  # follow the owner into its flat buffer
+
+    def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str]) -> Bucket:
+        dp, device = self.topo.dp, params[0].device
+        numel = sum(p.numel() for p in params)
+        padded = math.ceil(numel / dp.size) * dp.size if self.zero1 else numel
+        shard_size = padded // dp.size if self.zero1 else padded
+        start = dp.rank * shard_size if self.zero1 else 0
+        shard = slice(start, start + shard_size)
+        # Identical copies of a gradient across the world: TP replicas, and DP replicas unless each DP rank
+        # owns a disjoint shard (ZeRO-1). The global norm sums squares / copies over every rank.
+        dp_copies = 1 if self.zero1 else dp.size
+
+        fp32 = torch.zeros(padded, dtype=torch.float32, device=device)
+        grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device) if self._flat_grads else None
+        segments, offset = [], 0
+        for p in params:
+            n = p.numel()
+            fp32[offset:offset + n].copy_(p.detach().reshape(-1))
+            buffer = grad_buffer[offset:offset + n].view(p.shape) if grad_buffer is not None else None
+            main = self.main_grads[id(p)] = MainGrad(p, buffer)
+            lo, hi = max(offset, shard.start), min(offset + n, shard.stop)
+            if lo < hi:
+                name = names[id(p)]
+                copies = (self.plan[name].tp_copies or self.topo.tp.size) * dp_copies
+                if self.plan[name].pipeline_tied:
+                    copies *= 2  # the same summed gradient sits on the first and the last stage
+                segments.append(Segment(p, main, slice(lo - offset, hi - offset),
+                                        slice(lo - shard.start, hi - shard.start), 1.0 / copies))
+            offset += n
+
+        # The master copy comes from the fp32 weights before they are cast, so init precision is not lost.
+        master = fp32[shard].clone() if self.precision.master_weights else None
+        param_buffer = fp32 if self.precision.param_dtype == torch.float32 else fp32.to(self.precision.param_dtype)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.data = param_buffer[offset:offset + n].view(p.shape)  # the module keeps the same Parameter object
+            p.grad = None
+            offset += n
+        return Bucket(params, decay, param_buffer, grad_buffer, shard, master, segments)
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s fp32 gradient as the optimizer will read it."""
+        return self.main_grads[id(param)].value
+
+    # ---- the phases train_step runs, in order ---------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation: the next backward overwrites each main gradient instead of adding to it."""
+        for main in self.main_grads.values():
+            main.written = False
+
+    def reduce_gradients(self) -> None:
+        """Finish the gradients: zeros for parameters no backward reached, sequence-parallel grads summed over
+        TP, a pipeline-split tied embedding's grads summed over its first and last stage, then the sum over DP
+        (per bucket)."""
+        for p in self.params:
+            main = self.main_grads[id(p)]
+            if not main.written:
+                main.zeros(keep=False)
+                main.written = True
+        if self._partial and self.topo.tp.size > 1:
+            grads = [self.main_grad(p) for p in self._partial]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            C.all_reduce(flat, self.topo.tp)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view(g.shape))
+                offset += g.numel()
+        if self._pipeline_tied and self.topo.embedding is not None:
+            # Both pipeline copies of a tied embedding take the sum of their gradients, so they stay equal.
+            for p in self._pipeline_tied:
+                C.all_reduce(self.main_grad(p), self.topo.embedding)
+        dp = self.topo.dp
+        if dp.size == 1:
+            return
+        for bucket in self.buckets:
+            # Sum, not average: train_step already divides each rank's loss by the global token count.
+            if self.zero1:
+                shard = torch.empty_like(bucket.grad_buffer[bucket.shard])
+                C.reduce_scatter_flat(shard, bucket.grad_buffer, dp)
+                bucket.grad_buffer[bucket.shard].copy_(shard)
+            else:
+                C.all_reduce(bucket.grad_buffer, dp)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradients over every rank, each distinct value counted once."""
+        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
+        for bucket in self.buckets:
+            for seg in bucket.segments:
+                total += torch.linalg.vector_norm(seg.grad()).square() * seg.norm_weight  # no squared temporary
+        C.all_reduce_world(total)  # every rank's distinct share
+        return total.sqrt().item()
+
+    def shard_weights(self, bucket: Bucket) -> list[torch.Tensor]:
+        """The fp32 weights of the bucket's shard, one per segment, for the optimizer to update in place: the
+        master copy, the parameters themselves when fp32, or fp32 copies of bf16 parameters (bf16SR)."""
+        if bucket.master is not None:
+            return [bucket.master[seg.in_shard] for seg in bucket.segments]
+        params = self._shard_params(bucket)
+        return [p if p.dtype == torch.float32 else p.float() for p in params]
+
+    def write_back(self, bucket: Bucket, weights: list[torch.Tensor]) -> None:
+        """After the update: cast `weights` to the param dtype (rounding per the precision) and, under ZeRO-1,
+        all-gather every rank's shard. Every rank calls it for every bucket (a shard may be only padding)."""
+        if self.precision.needs_rounding:
+            for param, weight in zip(self._shard_params(bucket), weights):
+                param.copy_(self._round(weight))
+        if self.zero1 and self.topo.dp.size > 1:
+            C.all_gather_flat(bucket.param_buffer, bucket.param_buffer[bucket.shard].clone(), self.topo.dp)
+
+    def _shard_params(self, bucket: Bucket) -> list[torch.Tensor]:
+        return [bucket.param_buffer[bucket.shard][seg.in_shard] for seg in bucket.segments]
+
+    def _round(self, weights: torch.Tensor) -> torch.Tensor:
+        if self.precision.stochastic_rounding:
+            return stochastic_round_to_bf16(weights, self._sr_generator)
+        return weights.to(self.precision.param_dtype)
+
+    def sr_generator_state(self) -> torch.Tensor | None:
+        return self._sr_generator.get_state() if self._sr_generator is not None else None
+
+    def load_sr_generator_state(self, state: torch.Tensor | None) -> None:
+        if self._sr_generator is not None and state is not None:
+            self._sr_generator.set_state(state)
+
+
+def _sparse_grads_work(device: torch.device) -> bool:
+    """Whether the device has sparse tensors (CPU and CUDA do; XLA does not): a probe, not a device name check."""
+    try:
+        torch.sparse_coo_tensor(torch.zeros((1, 1), dtype=torch.long, device=device), torch.ones(1, device=device),
+                                (1,)).coalesce()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _split_tied_lookups(model: nn.Module, *, sparse: bool) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """Turn on sparse gradients for embedding lookups where the device has them; give each tied one an alias
+    Parameter (see the header). Returns (alias, owner) pairs."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            users[id(param)] = users.get(id(param), 0) + 1
+    aliases = []
+    for module in model.modules():
+        if not isinstance(getattr(module, "sparse", None), bool):  # nn.Embedding, VocabParallelEmbedding
+            continue
+        module.sparse = sparse
+        weight = module.weight
+        if users[id(weight)] > 1 and weight.requires_grad:
+            alias = nn.Parameter(weight.detach())  # same storage
+            module.weight = alias
+            aliases.append((alias, weight))
+    return aliases
+
+
+def _accumulate(main: MainGrad, param: nn.Parameter) -> None:
+    # Runs once per backward after autograd has summed this parameter's gradient, then drops .grad so the next
+    # micro-batch starts from nothing (and bf16 gradients never accumulate in bf16). An alias's hook gets its
+    # owner's MainGrad.
+    grad = param.grad
+    param.grad = None
+    if grad.is_sparse:  # embedding rows: add them into a dense fp32 buffer, kept across steps
+        if not main.written:
+            main.zeros(keep=True)
+        main.value.index_add_(0, grad._indices()[0], grad._values().to(torch.float32))
+    elif main.written:
+        main.value.add_(grad)
+    elif main.buffer is not None:
+        main.value = main.buffer.copy_(grad)
+    else:
+        main.value = grad  # already fp32 and no flat buffer needed: keep autograd's tensor
+    main.written = True
+
+
+def _split(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
+    chunks, current, size = [], [], 0
+    for p in params:
+        if current and size + p.numel() > max_numel:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    return chunks + [current] if current else chunks
