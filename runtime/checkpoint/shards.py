@@ -36,7 +36,7 @@ def _geometry(plan: ShardingPlan, name: str, param: nn.Parameter) -> dict:
 
 def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
     """This rank's pieces as views of live tensors (copy them before training goes on): (model, optim), each
-    {full name: [piece, ...]}. `optimizer` (a ShardedAdamW over `dp`) may be None: weights only."""
+    {full name: [piece, ...]}. `optimizer` is the ShardedAdamW over `dp`."""
     plan = dp.plan
     names = {id(p): name for name, p in dp.named_params}
     model_pieces: dict[str, list] = {}
@@ -46,7 +46,7 @@ def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
         if first_dp and (first_tp or plan[name].sharded):
             model_pieces.setdefault(plan.full_name(name), []).append(
                 {**_geometry(plan, name, param), "start": 0, "value": param.detach()})
-    if optimizer is None or not (first_dp or dp.zero1):
+    if not (first_dp or dp.zero1):
         return model_pieces, optim_pieces
     for bucket, exp_avg, exp_avg_sq in zip(dp.buckets, optimizer.exp_avg, optimizer.exp_avg_sq):
         for seg in bucket.segments:

@@ -3,7 +3,8 @@
 # optimizer's grad norm, checkpoints and the full-state gather read it. Nothing about parallelism is stored on
 # the parameters themselves, so a module replaced or moved to another device keeps its plan.
 #
-# A parameter the plan does not name is whole and identical on every TP rank (a norm weight, a row-parallel bias).
+# A parameter the plan does not name is whole, identical on every TP rank and has a full gradient (a norm weight
+# without sequence parallelism, every parameter at tp = 1 outside a pipeline).
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,9 @@ REPLICATED = Placement()
 
 
 class ShardingPlan:
-    """name in the parallelized model -> Placement. Tied names (`embed.word.weight`, `output.weight`) each have
-    an entry, with the same placement."""
+    """name in the parallelized model -> Placement. Where a tied embedding is one parameter under two names
+    (`embed.word.weight`, `output.weight`) both names have the same entry; a pipeline stage keeps only the
+    entries of the parameters it holds."""
 
     def __init__(self, tp_size: int = 1, placements: dict[str, Placement] | None = None):
         self.tp_size = tp_size
