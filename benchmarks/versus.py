@@ -59,17 +59,23 @@ def main() -> None:
     parser.add_argument("rev", help="the git revision to compare against")
     parser.add_argument("name", choices=sorted(FIGURES), help="the benchmark (benchmarks/<name>.py)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each side")
+    parser.add_argument("--ours", help="a git revision to run instead of this checkout (e.g. to leave out work in "
+                                       "progress)")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser.parse_args(argv[:split]), argv[split + 1:]  # after --: the benchmark's own arguments
     figures = FIGURES[args.name]
     samples = {side: {f: [] for f in figures} for side in ("base", "ours")}
-    with tempfile.TemporaryDirectory() as tree:
+    with tempfile.TemporaryDirectory() as tree, tempfile.TemporaryDirectory() as ours_tree:
         subprocess.run(["git", "worktree", "add", "--detach", tree, args.rev], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.ours:
+            subprocess.run(["git", "worktree", "add", "--detach", ours_tree, args.ours], cwd=REPO, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ours = Path(ours_tree) if args.ours else REPO
         try:
             for i in range(args.runs):
-                for side, where in (("base", Path(tree)), ("ours", REPO)):
+                for side, where in (("base", Path(tree)), ("ours", ours)):
                     cells = run(where, args.name, extra)
                     for figure in figures:
                         if figure not in cells:
@@ -77,9 +83,11 @@ def main() -> None:
                         samples[side][figure].append(cells[figure])
                 print(f"# run {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, check=True)
-    print(f"| {args.name} {' '.join(extra)} | {args.rev} median (min-max) | this checkout median (min-max) | "
-          f"ratio ours / {args.rev} |")
+            for used in [tree] + ([ours_tree] if args.ours else []):
+                subprocess.run(["git", "worktree", "remove", "--force", used], cwd=REPO, check=True)
+    mine = args.ours or "this checkout"
+    print(f"| {args.name} {' '.join(extra)} | {args.rev} median (min-max) | {mine} median (min-max) | "
+          f"ratio {mine} / {args.rev} |")
     print("| --- | --- | --- | --- |")
     for figure in figures:
         base, ours = samples["base"][figure], samples["ours"][figure]

@@ -2,9 +2,10 @@
 #
 #   <dirpath>/step_00000010.3f9c2a1b/      one directory per save: step, then a token unique to the launch,
 #       rank_00000.pt ...                  so a relaunch that saves the same step again never writes into the
-#       rank_00000.done ...                files of an earlier attempt
+#       rank_00000.done ...                files of an earlier attempt; a .done holds its rank file's checksum
 #       config.yaml                        the resolved training config (rank 0)
-#       COMMIT                             JSON metadata, written last by rank 0 once every rank's .done exists
+#       COMMIT                             JSON metadata, written last by rank 0 once every rank's .done exists,
+#                                          with every rank file's size and checksum (runtime/checkpoint/integrity.py)
 #
 # Every rank writes its own file and then its .done marker; rank 0 waits (polling the storage, not a collective:
 # the wait runs on a background thread while training goes on) for all of them and writes COMMIT. Only a
@@ -32,9 +33,10 @@ from typing import Any, Callable
 
 import torch
 
+from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint, digest_while
 from runtime.checkpoint.shards import FullTensors, HostStaging, host_copy, load_into, rank_pieces
-from runtime.parallel.data_parallel import data_parallel_of
 from runtime.checkpoint.storage import Storage, open_storage
+from runtime.parallel.data_parallel import data_parallel_of
 
 FORMAT = 1
 COMMIT = "COMMIT"
@@ -68,7 +70,13 @@ def _committed(storage: Storage, name: str) -> Committed | None:
     match = _DIR.match(name)
     if not match or not storage.exists(f"{name}/{COMMIT}"):
         return None
-    return Committed(name, int(match.group(1)), json.loads(storage.get_bytes(f"{name}/{COMMIT}")))
+    try:
+        meta = json.loads(storage.get_bytes(f"{name}/{COMMIT}"))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):  # found damaged when it is checked (integrity.check_checkpoint)
+        meta = {"unreadable": f"{COMMIT} is not the JSON object nxdt writes"}
+    return Committed(name, int(match.group(1)), meta)
 
 
 def committed_checkpoints(storage: Storage) -> list[Committed]:
@@ -97,13 +105,14 @@ def resolve_checkpoint(location: str, name: str | None = None) -> tuple[Storage,
     return storage, found[-1]
 
 
-def _put_rank_file(storage: Storage, key: str, obj: Any) -> None:
-    """torch.save into the storage's spool file, then publish it under `key` in one step."""
+def _put_rank_file(storage: Storage, key: str, obj: Any) -> dict:
+    """torch.save into the storage's spool file, then publish it under `key` in one step; returns its size and
+    checksum, hashed while it is published."""
     spool = storage.spool_path(key)
     try:
         with open(spool, "wb") as f:
             torch.save(obj, f)
-        storage.put_file(key, spool)
+        return digest_while(spool, lambda: storage.put_file(key, spool))
     finally:
         if os.path.exists(spool):
             os.unlink(spool)
@@ -207,10 +216,10 @@ class Checkpointer:
             self.last_host_bytes = self._staging.nbytes
             self._copied.set()
             copied = time.perf_counter()
-            _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", {**header, **state})
+            digest = _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", {**header, **state})
             if self.rank == 0 and config is not None:
                 _put_config(self.storage, name, config)
-            self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", b"")
+            self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", json.dumps(digest).encode())
             written = time.perf_counter()
             if self.rank == 0:
                 self._commit(name, meta)
@@ -236,7 +245,9 @@ class Checkpointer:
                                    f"{self.commit_timeout_s:.0f} s; it stays uncommitted and will never be loaded")
             time.sleep(delay)
             delay = min(delay * 1.5, 1.0)
-        meta = {**meta, "committed_at": time.time()}
+        files = {_rank_file(r): json.loads(self.storage.get_bytes(f"{name}/{_done_file(r)}"))
+                 for r in range(self.world_size)}
+        meta = {**meta, "committed_at": time.time(), "files": files}
         self.storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
         self._retain(name)
 
@@ -262,9 +273,32 @@ class Checkpointer:
         return found[-1] if found else None
 
 
-def read_rank_files(storage: Storage, name: str) -> list[dict]:
-    """Every rank file of checkpoint `name`, memory-mapped where the storage is a file system (S3 objects are
-    downloaded to a temporary directory, mapped, and the directory removed at once: the mapping keeps them)."""
+def verify(storage: Storage, checkpoint: Committed) -> None:
+    """Every rank file of `checkpoint` against its COMMIT marker; DamagedCheckpoint names the first bad one."""
+    problem = check_checkpoint(storage, checkpoint)
+    if problem is not None:
+        raise DamagedCheckpoint(f"checkpoint {storage.root}/{checkpoint.name} is damaged: {problem}")
+
+
+def _load(storage: Storage, key: str, path: str) -> dict:
+    try:
+        return torch.load(path, mmap=True, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a damaged zip surfaces as several kinds of error
+        raise DamagedCheckpoint(f"{storage.root}/{key} cannot be read: {' '.join(str(error).split())[:160]}") \
+            from error
+
+
+def read_rank_files(storage: Storage, checkpoint: Committed | str, *, verified: bool = False) -> list[dict]:
+    """Every rank file of `checkpoint` (a Committed or a directory name; checked against COMMIT first unless
+    `verified`), memory-mapped where the storage is a file system (S3 objects are downloaded to a temporary
+    directory, mapped, and the directory removed at once: the mapping keeps them)."""
+    if isinstance(checkpoint, str):
+        name, checkpoint = checkpoint, _committed(storage, checkpoint)
+        if checkpoint is None:
+            raise ValueError(f"checkpoint {storage.root}/{name} is incomplete (no {COMMIT} marker)")
+    if not verified:
+        verify(storage, checkpoint)
+    name = checkpoint.name
     keys = [k for k in storage.list(name) if re.search(r"/rank_\d{5}\.pt$", k)]
     files = []
     for key in keys:
@@ -273,13 +307,13 @@ def read_rank_files(storage: Storage, name: str) -> list[dict]:
             scratch = tempfile.mkdtemp(prefix="nxdt_ckpt_load_")
             path = os.path.join(scratch, os.path.basename(key))
             storage.get_file(key, path)
-            data = torch.load(path, mmap=True, weights_only=True)
+            data = _load(storage, key, path)
             shutil.rmtree(scratch, ignore_errors=True)  # the mapping keeps the bytes alive
         else:
-            data = torch.load(path, mmap=True, weights_only=True)
+            data = _load(storage, key, path)
         files.append(data)
     if not files:
-        raise ValueError(f"checkpoint {storage.root}/{name} has no rank files")
+        raise DamagedCheckpoint(f"checkpoint {storage.root}/{name} has no rank files")
     return files
 
 
@@ -290,12 +324,15 @@ def full_tensors(files: list[dict]) -> FullTensors:
 
 def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, topo, *, rank: int,
                     broadcast: Callable[[torch.Tensor], None] | None = None, reader: bool = True,
-                    with_optimizer: bool = True) -> dict:
+                    with_optimizer: bool = True, verified: bool = False) -> dict:
     """Load `checkpoint` into this rank's model and optimizer, resharding from whatever layout saved it.
     Returns this rank's saved `extra` (or rank 0's when the world size changed) and the optimizer scalars.
     The model needs data parallelism applied (it owns the buffers loaded into); optimizer may be None when
-    with_optimizer is False."""
-    files = read_rank_files(storage, checkpoint.name) if reader else None
+    with_optimizer is False. verified: the caller has checked the files against COMMIT (resume does, together
+    over every rank); otherwise a reader checks them all itself."""
+    if with_optimizer and optimizer is None:
+        raise ValueError("load_checkpoint: with_optimizer=True needs the optimizer to load the moments into")
+    files = read_rank_files(storage, checkpoint, verified=verified) if reader else None
     full = full_tensors(files) if files is not None else None
     dp = data_parallel_of(model)
     load_into(dp, optimizer, full, broadcast=broadcast, with_optimizer=with_optimizer)
@@ -318,8 +355,12 @@ def _headers(storage: Storage, name: str, rank: int) -> list[dict]:
     key = f"{name}/{_rank_file(rank)}"
     path = storage.local_path(key)
     if path is not None:
-        return [torch.load(path, mmap=True, weights_only=True)]
-    return [torch.load(io.BytesIO(storage.get_bytes(key)), weights_only=True)]
+        return [_load(storage, key, path)]
+    try:
+        return [torch.load(io.BytesIO(storage.get_bytes(key)), weights_only=True)]
+    except Exception as error:  # noqa: BLE001
+        raise DamagedCheckpoint(f"{storage.root}/{key} cannot be read: {' '.join(str(error).split())[:160]}") \
+            from error
 
 
 def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict) -> str:
@@ -330,14 +371,14 @@ def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.
     pieces = {n: [{"dim": None, "index": None, "full_shape": tuple(t.shape), "shard_shape": tuple(t.shape),
                    "start": 0, "value": t.detach().cpu().contiguous()}] for n, t in full_state.items()}
     layout = {"tp": 1, "pp": 1, "dp": 1, "zero1": False}
-    _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
+    digest = _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
         "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout,
         "optim_scalars": {"step": 0, "sr_generator": None},
         "extra": {"step": step, "data": {"consumed_samples": 0}}, "model": pieces, "optim": {}})
     _put_config(storage, name, config)
-    storage.put_bytes(f"{name}/{_done_file(0)}", b"")
+    storage.put_bytes(f"{name}/{_done_file(0)}", json.dumps(digest).encode())
     meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": layout, "committed_at": time.time(),
-            "source": "import"}
+            "source": "import", "files": {_rank_file(0): digest}}
     storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
     return f"{storage.root}/{name}"
 

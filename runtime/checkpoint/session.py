@@ -8,7 +8,9 @@ import time
 
 import torch
 
-from runtime.checkpoint.manager import Checkpointer, Committed, load_checkpoint, resolve_checkpoint
+from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint
+from runtime.checkpoint.manager import (Checkpointer, Committed, committed_checkpoints, load_checkpoint,
+                                        resolve_checkpoint)
 from runtime.config import CheckpointConfig
 from runtime.parallel import collectives as C
 
@@ -42,13 +44,36 @@ class TrainingCheckpoints:
 
     # ---- resume ------------------------------------------------------------------------------------------
 
-    def _find(self) -> tuple[object, Committed] | None:
+    def _candidates(self) -> list[tuple[object, Committed]]:
+        """What to resume from, in order of preference: the one checkpoint asked for, or every complete one in
+        the run's checkpoint directory, newest first."""
         if self.cfg.resume_from_checkpoint:
-            return resolve_checkpoint(self.cfg.resume_from_checkpoint)
+            return [resolve_checkpoint(self.cfg.resume_from_checkpoint)]
         if self.cfg.resume_if_exists and self.checkpointer is not None:
-            latest = self.checkpointer.latest()
-            if latest is not None:
-                return self.checkpointer.storage, latest
+            storage = self.checkpointer.storage
+            return [(storage, c) for c in reversed(committed_checkpoints(storage))]
+        return []
+
+    def _find(self) -> tuple[object, Committed] | None:
+        """The newest candidate whose rank files all match their checksums, agreed by every rank: each checks
+        its share of the files, and one damaged file anywhere sends all ranks to the next older checkpoint."""
+        candidates = self._candidates()
+        explicit = bool(self.cfg.resume_from_checkpoint)
+        for storage, checkpoint in candidates:
+            problem = check_checkpoint(storage, checkpoint, (self.device.rank, self.device.world_size))
+            where = f"{storage.root}/{checkpoint.name}"
+            if problem is not None:
+                then = "" if explicit else "; resuming from an older checkpoint instead"
+                print(f"nxdt: checkpoint {where} is damaged: {problem}{then}", file=sys.stderr, flush=True)
+            damaged = torch.tensor([0.0 if problem is None else 1.0], device=self.device.torch_device)
+            if C.all_reduce_world(damaged).item() == 0:
+                return storage, checkpoint
+            if explicit:
+                raise DamagedCheckpoint(f"exp_manager.resume_from_checkpoint: {where} is damaged (the file is named "
+                                        f"above); point it at another checkpoint")
+        if candidates:
+            raise DamagedCheckpoint(f"no checkpoint in {self.cfg.dirpath} is intact (each damaged file is named "
+                                    f"above); remove them, or set exp_manager.resume_if_exists=false to start over")
         return None
 
     def resume(self) -> int:
@@ -68,7 +93,8 @@ class TrainingCheckpoints:
             tensor.copy_(on_device.cpu())
 
         info = load_checkpoint(storage, checkpoint, self.model, self.optimizer, self.topo, rank=self.device.rank,
-                               broadcast=broadcast if share else None, reader=not share or dp.rank == 0)
+                               broadcast=broadcast if share else None, reader=not share or dp.rank == 0,
+                               verified=True)
         extra = info["extra"]
         self.batches.load_state_dict(extra["data"])
         if info["same_world"] and "rng" in extra:

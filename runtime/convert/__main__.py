@@ -29,7 +29,7 @@ def export(cfg: ConversionConfig) -> Path:
     training = read_config(storage, checkpoint)
     tokenizer = cfg.tokenizer_model or training["model"]["tokenizer"]["model"]
     model_cfg = parse_model_config(training["model"], str(tokenizer))
-    full = full_tensors(read_rank_files(storage, checkpoint.name))
+    full = full_tensors(read_rank_files(storage, checkpoint))
     names = set(state_shapes(model_cfg))
     state = {name: full.get(name, "value") for name in names
              if full.has(name, "value") or not (model_cfg.share_embeddings_and_output_weights and name in TIED)}
