@@ -16,19 +16,24 @@ A mistake in the config ends the run with one `error: ...` line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import time
 
+import torch
+
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import Device, init_device, shutdown
+from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
 from runtime.models import build_model
 from runtime.optim_schedule import LRSchedule
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
+from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
 from runtime.step import eval_step, train_step
@@ -95,7 +100,32 @@ def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, top
     return loss
 
 
+@contextlib.contextmanager
+def one_writer(results_dir: str, device: Device):
+    """Hold the run's lock (runtime/io/run_lock.py) for the whole run: rank 0 takes it, every rank learns whether
+    it did, and a run another live job is training stops here, before anything is written."""
+    problem = None
+    if device.is_main:
+        try:
+            run_lock.acquire(results_dir)
+        except run_lock.RunLocked as error:
+            problem = error
+    refused = torch.tensor([0.0 if problem is None else 1.0], device=device.torch_device)
+    if C.all_reduce_world(refused).item():
+        raise problem or run_lock.RunLocked(f"{results_dir} is already being trained (rank 0 names the holder)")
+    try:
+        yield
+    finally:
+        if device.is_main:
+            run_lock.release(results_dir)
+
+
 def train(cfg: TrainingConfig, device: Device) -> None:
+    with one_writer(cfg.results_dir, device):
+        _train(cfg, device)
+
+
+def _train(cfg: TrainingConfig, device: Device) -> None:
     topo = build_topology(cfg, device)
     device.manual_seed(cfg.seed)
     model = build_model(cfg.model)

@@ -5,7 +5,6 @@
 # older checkpoint instead of training on it. Checkpoints from before checksums are checked by opening each file.
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -13,6 +12,8 @@ import threading
 from typing import Callable
 
 import torch
+
+from runtime.io.files import sha256_file
 
 ALGORITHM = "sha256"  # hashlib's OpenSSL SHA-256 runs at >1.5 GB/s and releases the GIL while it hashes
 
@@ -22,7 +23,7 @@ class DamagedCheckpoint(ValueError):
 
 
 def _digest(f) -> dict:
-    digest = hashlib.file_digest(f, ALGORITHM).hexdigest()
+    digest = sha256_file(f)
     return {ALGORITHM: digest, "bytes": f.tell()}
 
 

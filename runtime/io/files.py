@@ -82,12 +82,12 @@ def replace_directory(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
         shutil.rmtree(old)
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def sha256_file(path_or_file) -> str:
+    """Hex SHA-256 of a file, given by path or as a binary file open at its start (read to its end)."""
+    if hasattr(path_or_file, "read"):
+        return hashlib.file_digest(path_or_file, "sha256").hexdigest()  # releases the GIL while it hashes
+    with open(path_or_file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_json(path: str | os.PathLike) -> Any | None:
