@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from runtime.checkpoint.manager import CheckpointSaveFailed
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
@@ -169,6 +170,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
 
     checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
                                       cfg.trainer.max_steps)
+    checkpoints.check_room()
     start_step = checkpoints.resume()
     watch = SignalWatch(device.torch_device) if cfg.checkpoint.save_on_signal and cfg.checkpoint.enabled else None
 
@@ -239,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     except PreflightError as error:
         print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
         return PREFLIGHT_EXIT_CODE
+    except CheckpointSaveFailed as error:  # a full disk or a vanished directory: the message says which
+        print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as error:
+        if device is None or device.world_size == 1 or not C.peer_lost(error):
+            raise
+        print(f"error (rank {rank}): another rank stopped (its error is above); stopping too", file=sys.stderr,
+              flush=True)
+        return 1
     except ValueError as error:
         prefix = "error" if rank == 0 else f"error (rank {rank})"
         print(f"{prefix}: {_one_line(error)}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@
 # memory is bounded by one copy of this rank's shards, which is reported.
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -41,6 +42,21 @@ from runtime.parallel.data_parallel import data_parallel_of
 FORMAT = 1
 COMMIT = "COMMIT"
 _DIR = re.compile(r"^step_(\d{8})\.([0-9a-f]+)$")
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A save that could not be written; the message names the location and the reason on one line."""
+
+
+def _save_failure(location: str, error: BaseException, host_bytes: int) -> str:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return (f"checkpoint save to {location} failed: no space left on device (this rank's file needs about "
+                f"{host_bytes} bytes); the previous checkpoint is kept: free space or point "
+                f"exp_manager.checkpoint_callback_params.dirpath elsewhere, then relaunch to resume")
+    if isinstance(error, OSError) and error.strerror:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"checkpoint save to {location} failed: {error.strerror}{where}; the previous checkpoint is kept"
+    return f"checkpoint save to {location} failed: {' '.join(str(error).split())}"
 
 
 def _rank_file(rank: int) -> str:
@@ -110,8 +126,15 @@ def _put_rank_file(storage: Storage, key: str, obj: Any) -> dict:
     checksum, hashed while it is published."""
     spool = storage.spool_path(key)
     try:
-        with open(spool, "wb") as f:
-            torch.save(obj, f)
+        try:
+            with open(spool, "wb") as f:
+                torch.save(obj, f)
+        except RuntimeError as error:
+            # torch's zip writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos":
+            # ask the file system, while the partial file still takes its space, whether that is what happened.
+            if shutil.disk_usage(os.path.dirname(spool) or ".").free < 4 * 2**20:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), spool) from error
+            raise
         return digest_while(spool, lambda: storage.put_file(key, spool))
     finally:
         if os.path.exists(spool):
@@ -200,7 +223,7 @@ class Checkpointer:
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"checkpoint save failed: {error}") from error
+            raise CheckpointSaveFailed(_save_failure(self.location, error, self.last_host_bytes)) from error
 
     def _write(self, name: str, header: dict, live: dict, needs_copy: bool, meta: dict, config: dict | None,
                started: float) -> None:

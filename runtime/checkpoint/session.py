@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import shutil
 import sys
 import time
 
@@ -11,6 +12,8 @@ import torch
 from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint
 from runtime.checkpoint.manager import (Checkpointer, Committed, committed_checkpoints, load_checkpoint,
                                         resolve_checkpoint)
+from runtime.checkpoint.shards import rank_pieces
+from runtime.parallel.data_parallel import data_parallel_of
 from runtime.config import CheckpointConfig
 from runtime.parallel import collectives as C
 
@@ -21,6 +24,10 @@ def _shared_token(device) -> str:
                          device=device.torch_device)
     C.all_reduce_world(value)
     return f"{int(value.item()):08x}"
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class TrainingCheckpoints:
@@ -41,6 +48,41 @@ class TrainingCheckpoints:
     def _log(self, message: str) -> None:
         if self.device.is_main:
             print(f"nxdt: {message}", file=sys.stderr, flush=True)
+
+    # ---- before training ---------------------------------------------------------------------------------
+
+    def check_room(self) -> None:
+        """Find out now, not at the first save after hours of training, that the checkpoint directory cannot take
+        files or (on a file system) has no room for one checkpoint. Every rank probes; all stop together."""
+        if self.checkpointer is None:
+            return
+        storage, key = self.checkpointer.storage, f".nxdt_write_probe_{self.device.rank:05d}"
+        problem = None
+        try:
+            storage.put_bytes(key, b"")
+            storage.delete(key)
+        except Exception as error:  # noqa: BLE001 - any storage failure means the saves would fail too
+            reason = getattr(error, "strerror", None) or " ".join(str(error).split())
+            problem = f"{self.cfg.dirpath} is not writable ({reason}); fix its permissions or point it elsewhere"
+        dp = data_parallel_of(self.model)
+        pieces = rank_pieces(dp, self.optimizer, self.topo)
+        mine = sum(t.numel() * t.element_size() for tree in pieces for ps in tree.values() for p in ps
+                   for t in p.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+        # fp32 (every backend reduces it): the byte count is only compared with free space, to ~7 digits.
+        need = torch.tensor([float(mine), 0.0 if problem is None else 1.0], device=self.device.torch_device)
+        C.all_reduce_world(need)
+        total, failures = float(need[0].item()), int(need[1].item())
+        if problem is None and failures == 0 and self.device.is_main:
+            root = storage.local_path("")
+            if root is not None:
+                free = shutil.disk_usage(root).free
+                if free < total:
+                    problem = (f"{self.cfg.dirpath} has {_size(free)} free but one checkpoint needs {_size(total)}; "
+                               f"free space or point it elsewhere")
+        flag = torch.tensor([0.0 if problem is None else 1.0], device=self.device.torch_device)
+        if C.all_reduce_world(flag).item():
+            raise ValueError(f"exp_manager.checkpoint_callback_params.dirpath: "
+                             f"{problem or 'not usable (rank 0 says why)'}")
 
     # ---- resume ------------------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class Storage(Protocol):
     def list(self, prefix: str) -> list[str]: ...       # keys under prefix (recursive), relative to root
     def list_dirs(self) -> list[str]: ...                # names directly under root
     def delete_prefix(self, prefix: str) -> None: ...
+    def delete(self, key: str) -> None: ...
     def local_path(self, key: str) -> str | None: ...    # a path torch.load can map directly, when there is one
 
 
@@ -108,6 +109,9 @@ class LocalStorage:
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix), ignore_errors=True)
 
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
 
@@ -180,6 +184,9 @@ class S3Storage:
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             self.s3.delete_objects(Bucket=self.bucket,
                                    Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True})
+
+    def delete(self, key: str) -> None:
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def local_path(self, key: str) -> str | None:
         return None

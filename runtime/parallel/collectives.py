@@ -34,6 +34,14 @@ def _on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **k
 SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 
 
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another rank went away; that rank reports its own error,
+    so this one only needs to say it stopped too."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 def send(tensor: torch.Tensor, dst: int, tag: int):
     """Start sending `tensor` to global rank `dst`; returns (work, the tensor to keep alive until it is sent).
     Staged through host memory where the backend cannot address the tensor, as every collective here is."""
