@@ -232,6 +232,11 @@ class Coordinator:
         verdicts = {name: {"passed": not reasons[name], "reasons": reasons[name], **busbw.get(name, {})}
                     for name in names}
         bad = sorted(name for name in names if reasons[name])
+        health_json = {name: [c.to_json() for c in node_checks] for name, node_checks in checks.items()}
+        shared = report.common_failures(health_json) if bad and len(bad) == len(names) else []
+        if shared:
+            self.notes.append(f"every node fails the same check ({'; '.join(shared)}): that is the configuration, "
+                              f"not the nodes; fix it rather than excluding the whole cluster")
         data = {
             "version": 1, "created": started.isoformat(timespec="seconds"),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -241,9 +246,9 @@ class Coordinator:
                        "floors": {k: getattr(floors, k) for k in ("intra_node", "pair", "all_nodes", "at_bytes")}},
             "nodes": [{"rank": n.rank, "name": n.name, "address": n.address, **facts.get(n.name, {})}
                       for n in nodes],
-            "health": {name: [c.to_json() for c in node_checks] for name, node_checks in checks.items()},
+            "health": health_json,
             "tests": self.tests, "verdicts": verdicts, "bad_nodes": bad, "notes": self.notes,
-            "exclude_override": report.exclude_override(bad, cfg.cluster_exclude),
+            "exclude_override": report.exclude_override([] if shared else bad, cfg.cluster_exclude),
         }
         path = report.write(data, cfg.results_dir)
         self.log(report.verdict_text(data))

@@ -19,6 +19,16 @@ def exclude_override(bad_nodes: list[str], already_excluded: tuple[str, ...] = (
     return f"cluster.exclude=[{','.join(nodes)}]"
 
 
+def common_failures(health: dict[str, list[dict]]) -> list[str]:
+    """'check: detail' for every health check that fails on every node. That is a configuration mistake (a
+    data_dir missing everywhere, a wrong instance type), which excluding nodes cannot fix."""
+    failing = [{c["name"]: c["detail"] for c in checks if c["status"] == "fail"} for checks in health.values()]
+    if not failing:
+        return []
+    shared = set.intersection(*(set(f) for f in failing))
+    return [f"{name}: {failing[0][name]}" for name in sorted(shared)]
+
+
 def write(report: dict, results_dir: str | Path) -> Path:
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)

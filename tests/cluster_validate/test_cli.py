@@ -47,3 +47,16 @@ def test_local_run_validates_this_machine_and_show_prints_it_again(tmp_path):
     assert test["phase"] == "intra_node" and test["ranks"] == 2 and all(r["wrong"] == 0 for r in test["rows"])
     shown = nxdt("cluster-validate", "--show", *args, cwd=tmp_path)
     assert shown.returncode == 0 and "all 1 node(s) passed" in shown.stdout and "busbw(GB/s)" in shown.stdout
+
+
+def test_a_check_every_node_fails_is_named_as_the_config_not_excluded(tmp_path):
+    """data_dir missing on every node: the fix is the config, so the report excludes nobody and says so."""
+    args = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/no_such_data",
+            "devices=2", "collectives.max_bytes=16K", "collectives.iters=3", "collectives.warmup_iters=1"]
+    result = nxdt("cluster-validate", *args, cwd=tmp_path, timeout=180)
+    assert result.returncode != 0
+    report = json.loads((tmp_path / "results/cluster_validation/cluster_validation/cluster_validation.json")
+                        .read_text())
+    assert report["bad_nodes"] and report["exclude_override"] == "cluster.exclude=[]"
+    [note] = [n for n in report["notes"] if n.startswith("every node fails the same check")]
+    assert f"path {tmp_path}/no_such_data: does not exist" in note and "fix it rather than excluding" in note
