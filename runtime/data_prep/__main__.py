@@ -8,8 +8,9 @@
     python -m runtime.data_prep --config stage.yaml --check
 
 Exit codes: 0 this task's shards are complete; 2 a config or input mistake (one line on stderr, before any
-work); 1 a failure while running (bad data under on_bad_line: fail, nothing tokenized, a download or worker
-that failed). Rerunning after any failure resumes: finished shards are skipped.
+work); 1 a failure while running (bad data under on_bad_line or on_long_record: fail, a truncated or corrupt
+input, nothing tokenized, a download or worker that failed). Rerunning after any failure resumes: finished
+shards are skipped.
 """
 from __future__ import annotations
 

@@ -144,27 +144,26 @@ def encode_with(chunk: Chunk, spec: EncoderSpec, encoder: Callable[[list[str]], 
             texts.append(text)
             numbers.append(number)
 
-    if chunk.kind == "lines":
-        text_bytes = len(chunk.payload)
-        for offset, line in enumerate(chunk.payload.split(b"\n")):
-            if not line.strip():
+    # Records longer than input.max_record_mb: the reader left their places empty and shard.py reports them.
+    left_out = {number for number, _ in chunk.too_long}
+    if chunk.kind in ("lines", "values"):
+        lines = chunk.kind == "lines"
+        items = chunk.payload.split(b"\n") if lines else chunk.payload
+        text_bytes = len(chunk.payload) if lines else sum(len(item) for item in items)
+        for number, item in enumerate(items, chunk.first_line):
+            if number in left_out or (lines and not item.strip()):
                 continue                     # blank lines separate nothing in JSON lines; not an error
             try:
-                record = json.loads(line)
+                record = json.loads(item)
             except ValueError as err:        # includes invalid UTF-8 (UnicodeDecodeError)
-                bad.append((chunk.first_line + offset, f"malformed JSON ({err})"))
+                bad.append((number, f"malformed JSON ({err})"))
                 continue
-            take(chunk.first_line + offset, *_text_of(record, spec.text_key))
-    elif chunk.kind == "records":
-        text_bytes = 0
-        for offset, record in enumerate(chunk.payload):
-            text, why = _text_of(record, spec.text_key)
-            text_bytes += len(text or "")
-            take(chunk.first_line + offset, text, why)
+            take(number, *_text_of(record, spec.text_key))
     else:
         text_bytes = sum(len(t or "") for t in chunk.payload)
-        for offset, text in enumerate(chunk.payload):
-            take(chunk.first_line + offset, text, None)
+        for number, text in enumerate(chunk.payload, chunk.first_line):
+            if number not in left_out:
+                take(number, text, None)
 
     ids = _encode_all(texts, numbers, encoder, bad)
     if spec.eod_id is not None:

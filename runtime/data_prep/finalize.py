@@ -40,8 +40,8 @@ def try_finalize(cfg: StageConfig, shards: list[Shard], expected: Callable[[Shar
         return False
     out = Path(cfg.output_dir)
     atomic_write_bytes(out / "blend.txt", ("\n".join(blend_lines(cfg, summaries)) + "\n").encode())
-    totals = {key: sum(s[key] for s in summaries)
-              for key in ("documents", "tokens", "text_bytes", "skipped_lines", "empty_documents", "bin_bytes")}
+    totals = {key: sum(s[key] for s in summaries) for key in
+              ("documents", "tokens", "text_bytes", "skipped_lines", "long_records", "empty_documents", "bin_bytes")}
     stage = {
         **totals,
         "shards": len(summaries),
@@ -52,12 +52,14 @@ def try_finalize(cfg: StageConfig, shards: list[Shard], expected: Callable[[Shar
         "dtype": summaries[0]["dtype"],
         "blend": str(out / "blend.txt"),
         "per_shard": [{k: s[k] for k in ("shard", "prefix", "documents", "tokens", "text_bytes", "skipped_lines",
-                                         "empty_documents", "seconds")} for s in summaries],
+                                         "long_records", "empty_documents", "seconds")} for s in summaries],
         "finalized_at": time.time(),
     }
     atomic_write_json(out / "summary.json", stage)
     if cfg.run.results_dir:
         atomic_write_json(os.path.join(cfg.run.results_dir, "summary.json"), stage)
-    log(f"all {len(summaries)} shards complete: {totals['documents']:,} documents, {totals['tokens']:,} tokens; "
-        f"wrote {out / 'blend.txt'} and {out / 'summary.json'}")
+    left_out = (f", {totals['long_records']:,} records over input.max_record_mb skipped" if totals["long_records"]
+                else "")
+    log(f"all {len(summaries)} shards complete: {totals['documents']:,} documents, {totals['tokens']:,} tokens"
+        f"{left_out}; wrote {out / 'blend.txt'} and {out / 'summary.json'}")
     return True

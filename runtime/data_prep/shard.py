@@ -45,7 +45,11 @@ def fingerprint(cfg: StageConfig, shard: Shard, spec: EncoderSpec, tokenizer_sha
         identity["size"] = os.path.getsize(path) if os.path.exists(path) else None
     return {"format": 1, "input": identity, "text_key": cfg.input.text_key, "dtype": spec.dtype,
             "eod_id": spec.eod_id, "add_special_tokens": spec.add_special_tokens,
-            "tokenizer_sha256": tokenizer_sha256}
+            "tokenizer_sha256": tokenizer_sha256, "max_record_bytes": max_record_bytes(cfg)}
+
+
+def max_record_bytes(cfg: StageConfig) -> int:
+    return int(cfg.input.max_record_mb * 1e6)
 
 
 def done_summary(cfg: StageConfig, shard: Shard, expected: dict[str, Any]) -> dict[str, Any] | None:
@@ -74,8 +78,9 @@ def ensure_input(cfg: StageConfig, shard: Shard, log) -> str:
 
 class _Tally:
     def __init__(self) -> None:
-        self.documents = self.tokens = self.text_bytes = self.empty = self.bad = 0
+        self.documents = self.tokens = self.text_bytes = self.empty = self.bad = self.too_long = 0
         self.examples: list[str] = []
+        self.too_long_examples: list[str] = []
 
 
 def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: dict[str, Any],
@@ -92,7 +97,17 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     reporter.start(shard.name, os.path.getsize(path))
     pending: deque = deque()
 
-    def take(result: EncodedChunk, position: int) -> None:
+    def take(result: EncodedChunk, position: int, too_long: list[tuple[int, int]]) -> None:
+        for number, size in too_long:
+            where = (f"{path}:{number}: a record of {size:,} bytes, longer than input.max_record_mb "
+                     f"({cfg.input.max_record_mb:g} MB)")
+            if cfg.input.on_long_record == "fail":
+                raise DataError(f"{where}; raise input.max_record_mb or set input.on_long_record: skip to skip "
+                                "such records")
+            tally.too_long += 1
+            if len(tally.too_long_examples) < _EXAMPLES:
+                tally.too_long_examples.append(where)
+                reporter.log(f"skipped {where}")
         writer.add_documents(result.tokens, result.lengths)
         tally.documents += result.documents
         tally.tokens += int(result.tokens.size)
@@ -109,17 +124,20 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
         reporter.update(position, tally.documents, tally.tokens, tally.text_bytes)
 
     try:
-        for chunk in iter_chunks(path, cfg.input.text_key, int(cfg.chunk_mb * 1e6)):
-            pending.append((executor.submit(encode_chunk, chunk), chunk.position))
+        # The reader raises DataError if the input ends early (a truncated .gz or .zst), after the chunks before
+        # it were encoded: the except clauses below then discard everything, and no summary is written.
+        for chunk in iter_chunks(path, cfg.input.text_key, int(cfg.chunk_mb * 1e6), max_record_bytes(cfg)):
+            pending.append((executor.submit(encode_chunk, chunk), chunk.position, chunk.too_long))
             if len(pending) >= 2 * workers:
-                future, position = pending.popleft()
-                take(future.result(), position)
+                future, position, too_long = pending.popleft()
+                take(future.result(), position, too_long)
         while pending:
-            future, position = pending.popleft()
-            take(future.result(), position)
+            future, position, too_long = pending.popleft()
+            take(future.result(), position, too_long)
         if tally.documents == 0:
-            raise DataError(f"{path}: no tokens written ({tally.bad} bad lines, {tally.empty} empty documents; "
-                            f"text key {cfg.input.text_key!r}); the shard is not marked complete")
+            raise DataError(f"{path}: no tokens written ({tally.bad} bad lines, {tally.empty} empty documents, "
+                            f"{tally.too_long} records over input.max_record_mb; text key {cfg.input.text_key!r}); "
+                            "the shard is not marked complete")
         bin_bytes, idx_bytes = writer.finish()
     except EngineMismatch as err:
         _discard(writer, pending, tmp_bin, tmp_idx)
@@ -139,7 +157,9 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     seconds = time.monotonic() - started
     summary = {"shard": shard.name, "input": shard.location, "prefix": prefix, "documents": tally.documents,
                "tokens": tally.tokens, "text_bytes": tally.text_bytes, "skipped_lines": tally.bad,
-               "empty_documents": tally.empty, "bad_line_examples": tally.examples, "seconds": round(seconds, 3),
+               "empty_documents": tally.empty, "bad_line_examples": tally.examples,
+               "long_records": tally.too_long, "long_record_examples": tally.too_long_examples,
+               "seconds": round(seconds, 3),
                "started_at": wall_started, "finished_at": time.time(), "host": socket.gethostname(),
                "bin_bytes": bin_bytes, "idx_bytes": idx_bytes, "dtype": spec.dtype, "vocab_size": spec.vocab_size,
                "engine": spec.engine,
@@ -147,14 +167,15 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     atomic_write_json(summary_path(cfg, shard), summary)
     reporter.log(f"{shard.name}: {tally.documents:,} documents, {tally.tokens:,} tokens, "
                  f"{tally.text_bytes / 1e6:,.1f} MB in {seconds:.1f}s ({tally.text_bytes / 1e6 / seconds:,.1f} MB/s, "
-                 f"{tally.tokens / seconds:,.0f} tok/s); skipped {tally.bad} bad lines, {tally.empty} empty documents")
+                 f"{tally.tokens / seconds:,.0f} tok/s); skipped {tally.bad} bad lines, {tally.too_long} long "
+                 f"records, {tally.empty} empty documents")
     if shard.is_url and cfg.download.remove_after_preprocess:
         os.unlink(path)
     return summary
 
 
 def _discard(writer: IndexedDatasetWriter, pending: deque, *tmp_paths: Path) -> None:
-    for future, _ in pending:
+    for future, _, _ in pending:
         future.cancel()
     writer.abort()
     for tmp in tmp_paths:

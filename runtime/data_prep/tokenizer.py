@@ -227,7 +227,8 @@ def _train_and_publish(cfg: StageConfig, files: list[str], fingerprint: dict, lo
     log(f"training a {cfg.tokenizer.library} {train.model_type} tokenizer (vocab {train.vocab_size}) on up to "
         f"{train.max_mb:g} MB from {len(files)} files")
     atomic_write_json(out / "tokenizer_meta.json", {"fingerprint": fingerprint})
-    texts = tokenizer_train.training_texts(files, cfg.input.text_key, train.max_mb)
+    texts = tokenizer_train.training_texts(files, cfg.input.text_key, train.max_mb,
+                                           int(cfg.input.max_record_mb * 1e6))
     if cfg.tokenizer.library == "huggingface":
         tmp = temp_name(out / "tokenizer.json")
         tmp.write_text(tokenizer_train.train_huggingface(texts, train), encoding="utf-8")

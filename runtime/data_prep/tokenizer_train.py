@@ -11,15 +11,17 @@ import json
 from collections.abc import Iterator
 
 from runtime.schema.data_preparation import DataError, TrainConfig
-from runtime.data_prep.readers import iter_chunks
+from runtime.data_prep.readers import DEFAULT_MAX_RECORD_BYTES, iter_chunks
 
 
-def training_texts(paths: list[str], text_key: str, max_mb: float) -> Iterator[str]:
-    """Documents from each file in turn, each file contributing up to max_mb / len(paths) of text."""
+def training_texts(paths: list[str], text_key: str, max_mb: float,
+                   max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[str]:
+    """Documents from each file in turn, each file contributing up to max_mb / len(paths) of text. Records over
+    max_record_bytes are left out (the shard pass reports those of the inputs)."""
     share = max(1, int(max_mb * 1e6 / max(1, len(paths))))
     for path in paths:
         taken = 0
-        for chunk in iter_chunks(path, text_key):
+        for chunk in iter_chunks(path, text_key, max_record_bytes=max_record_bytes):
             for text in _chunk_texts(chunk, text_key):
                 yield text
                 taken += len(text)
@@ -30,15 +32,13 @@ def training_texts(paths: list[str], text_key: str, max_mb: float) -> Iterator[s
 
 
 def _chunk_texts(chunk, text_key: str) -> Iterator[str]:
-    if chunk.kind == "lines":
+    if chunk.kind in ("lines", "values"):
         records = []
-        for line in chunk.payload.split(b"\n"):
+        for item in chunk.payload.split(b"\n") if chunk.kind == "lines" else chunk.payload:
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(item))
             except ValueError:
-                continue              # blank or malformed: the shard pass reports these with line numbers
-    elif chunk.kind == "records":
-        records = chunk.payload
+                continue              # blank, malformed or left out: the shard pass reports these with numbers
     else:
         records = [{text_key: text} for text in chunk.payload]
     for record in records:

@@ -12,6 +12,7 @@ from typing import Any
 
 from runtime.schema.choices import BAD_LINE_POLICIES, DATA_SOURCES, TOKEN_DTYPES, TOKENIZER_ENGINES
 from runtime.schema.choices import TOKENIZER_FORMATS, TRAINABLE_TOKENIZERS
+from runtime.schema import rules
 from runtime.schema.reader import ConfigErrors, Report, Section
 
 P = "data_preparation."
@@ -51,6 +52,8 @@ class InputConfig:
     file_numbers: str | None = None
     text_key: str = "text"
     on_bad_line: str = "skip"
+    max_record_mb: float = 16.0       # the longest record (a JSON line or array value) read; see rules.py
+    on_long_record: str = "skip"
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,12 @@ def _input(s: Section) -> dict:
         s.report.error(f"{s.key('file_numbers')}: {numbers!r} must be a string like \"0,3,5-7\"")
     values = dict(source=s.choice("source", DATA_SOURCES), files=s.strings("files"), urls=s.strings("urls"),
                   file_numbers=None if numbers is None else str(numbers), text_key=s.str("text_key", "text"),
-                  on_bad_line=s.choice("on_bad_line", BAD_LINE_POLICIES, "skip"))
+                  on_bad_line=s.choice("on_bad_line", BAD_LINE_POLICIES, "skip"),
+                  max_record_mb=s.float("max_record_mb", InputConfig.max_record_mb),
+                  on_long_record=s.choice("on_long_record", BAD_LINE_POLICIES, "skip"))
     s.done()
+    if values["max_record_mb"] is not None:
+        s.report.error(rules.max_record_mb(values["max_record_mb"], P))
     if values["source"] == "files" and values["files"] == ():
         s.report.error(f"{s.key('files')}: empty but {s.key('source')} is 'files'; list paths or globs")
     if values["source"] == "urls" and values["urls"] == ():

@@ -263,3 +263,54 @@ def endpoint_url(value: str, p: str) -> str | None:
         return None
     return (f"{p}endpoint_url: {value!r} is not an http:// or https:// URL; give the S3 endpoint with its scheme, "
             f"e.g. {p}endpoint_url=https://s3.us-west-2.amazonaws.com (null: AWS S3 itself)")
+
+
+# ------------------------------------------------------------------------------------------------ names, paths
+# A run name is one directory name (NAME_MAX: 255 bytes on ext4, xfs and Lustre/FSx), and names are built from it:
+# autoconfig's trial runs are `<name>_NN_<layout tag>` directories (a tag is under 45 bytes), Slurm job names are
+# `<job_name_prefix><run_name>:<stage>`. 200 bytes leaves 55 for those suffixes.
+RUN_NAME_MAX_BYTES = 200
+
+
+def run_name(value: object, key: str) -> str | None:
+    """`key` is the full key the user sets (run_name, training.run.name, cluster_validation.run.name)."""
+    if value is not None and not isinstance(value, str):  # run_name=1e3 arrives as 1000.0: say so, don't guess
+        return f"{key}: {value!r} is not text; quote a name made of digits, e.g. {key}='{value}'"
+    name = value or ""
+    if name in ("", ".", ".."):
+        return (f"{key}: {name!r} names no directory of its own (it would put the stages into base_results_dir "
+                f"or its parent); use a plain name, e.g. {key}=my_run")
+    if "/" in name or unsafe_path(name):
+        return (f"{key}: {name!r} must be non-empty, without '/', spaces, quotes or backslashes "
+                f"(it names a directory and Slurm jobs); e.g. {key}=my_run")
+    if "%" in name:
+        return slurm_pattern(name, key)
+    size = len(name.encode())
+    if size > RUN_NAME_MAX_BYTES:
+        return (f"{key}: the name is {size} bytes; use at most {RUN_NAME_MAX_BYTES} (it names a directory, at most "
+                f"255 bytes, and autoconfig and Slurm job names add to it)")
+    return None
+
+
+def slurm_pattern(value: str, key: str) -> str | None:
+    """sbatch expands %j, %A, %x and the like in `#SBATCH --output`, the job script's $LOG_DIR does not: a '%' in a
+    path or name there would send Slurm's log and the script's own files to different directories."""
+    if "%" not in value:
+        return None
+    return (f"{key}: {value!r} contains '%', which sbatch expands in #SBATCH --output (%j is the job id) while the "
+            f"job script does not; leave the '%' out")
+
+
+# ----------------------------------------------------------------------------------------------- data_preparation
+MAX_RECORD_MB = 2147     # 2^31 - 1 bytes, less room for the eod token: the .idx stores a document's length as int32
+
+
+def max_record_mb(value: float, p: str) -> str | None:
+    """A record is held whole while it is parsed and tokenized (about 110 bytes of memory per byte of text with a
+    byte-level BPE), and a tokenizer gives at most one token per byte, so this bound keeps every document's
+    token count within the .idx's int32 lengths."""
+    if 0 < value <= MAX_RECORD_MB:
+        return None
+    return (f"{p}input.max_record_mb: {value!r} must be > 0 and at most {MAX_RECORD_MB} (a document's token count "
+            f"is an int32 in the .idx); longer records are skipped and counted, or fail the task with "
+            f"input.on_long_record: fail")

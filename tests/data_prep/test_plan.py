@@ -94,6 +94,12 @@ def test_check_inputs_passes_and_checks_weights(tmp_path, hf_tokenizer):
     ({"input": {"source": "file"}}, "data_preparation.input.source: 'file' is not one of demo, files, urls; did you mean 'files'?"),
     ({"input": {"file_numbers": "0-x"}}, "input.file_numbers = '0-x': '0-x' is not a number"),
     ({"input": {"on_bad_line": "ignore"}}, "data_preparation.input.on_bad_line: 'ignore' is not one of skip, fail"),
+    ({"input": {"on_long_record": "drop"}}, "data_preparation.input.on_long_record: 'drop' is not one of skip, fail"),
+    ({"input": {"max_record_mb": 0}}, "data_preparation.input.max_record_mb: 0.0 must be > 0 and at most 2147 (a "
+     "document's token count is an int32 in the .idx); longer records are skipped and counted, or fail the task "
+     "with input.on_long_record: fail"),
+    ({"input": {"max_record_mb": 4096}}, "data_preparation.input.max_record_mb: 4096.0 must be > 0 and at most 2147"),
+    ({"input": {"max_record_mb": "big"}}, "data_preparation.input.max_record_mb: 'big' is not a number"),
     ({"workers_per_node": 0}, "data_preparation.workers_per_node: 0 must be a positive integer"),
     ({"tokenizer": {"library": "spm", "model": "x"}}, "data_preparation.tokenizer.library: 'spm' is not one of huggingface, sentencepiece"),
     ({"tokenizer": {}}, "tokenizer: set one of model"),
@@ -123,3 +129,24 @@ def test_plan_imports_nothing_heavy():
             "print(heavy); assert not heavy")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_record_limit_is_one_line_at_launch_and_on_the_node(tmp_path):
+    """The rule (runtime/schema/rules.py) gives the same line in the launcher's dry run and in the stage program
+    that runs on the node, and nothing is written."""
+    from launcher import launch
+    from launcher.compose import compose, resolve
+    from launcher.errors import UserError as LaunchError
+    from tests.data_prep.conftest import run_cli
+
+    overrides = ["stages=[data_preparation]", "cluster_type=local", f"base_results_dir={tmp_path / 'results'}",
+                 f"data_dir={tmp_path / 'data'}", "data_preparation.input.max_record_mb=0"]
+    line = ("data_preparation.input.max_record_mb: 0.0 must be > 0 and at most 2147 (a document's token count is "
+            "an int32 in the .idx); longer records are skipped and counted, or fail the task with "
+            "input.on_long_record: fail")
+    with pytest.raises(LaunchError) as caught:
+        launch.make_plan(overrides, dry_run=True, produced_by="test")
+    assert line in caught.value.problems
+    result = run_cli(resolve(compose(overrides))["data_preparation"], tmp_path)
+    assert result.returncode == 2 and f"error: {line}" in result.stderr.splitlines(), result.stderr
+    assert not (tmp_path / "results").exists() and not (tmp_path / "data").exists()

@@ -41,14 +41,14 @@ def data(tmp_path_factory):
     return root
 
 
-def _config(data, name, *, accelerator, devices=1, gbs=4):
+def _config(data, name, *, accelerator, devices=1, gbs=4, **model):
     raw = reference_training_config("gpt", results_dir=data / name, data_prefix=[1.0, str(data / "corpus")],
                                     tokenizer=data / "tokenizer.json")
     raw["trainer"].update(accelerator=accelerator, devices=devices, max_steps=STEPS, log_every_n_steps=1,
                           val_check_interval=1000, limit_val_batches=1)
     raw["model"].update(encoder_seq_length=16, max_position_embeddings=16, num_layers=2, hidden_size=32,
                         ffn_hidden_size=128, num_attention_heads=4, micro_batch_size=2, global_batch_size=gbs,
-                        make_vocab_size_divisible_by=16)
+                        make_vocab_size_divisible_by=16, **model)
     raw["model"]["data"].update(seq_length=16, splits_string="90,5,5", index_mapping_dir=str(data / f"index_{name}"))
     # eps 1e-4: the key bias has a mathematically zero gradient, and a small eps lets Adam amplify each backend's
     # own float noise in it (~1e-7) into sizeable, different updates; these tests compare compute, not noise.
@@ -88,3 +88,14 @@ def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data):
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, dp=2 on xla {b}"
+
+
+def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data):
+    """tp=2 with sequence parallelism on XLA:CPU devices. Moving a model to an XLA device makes new Parameters, so
+    anything the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name."""
+    cpu = _train(_config(data, "tp_cpu", accelerator="cpu", gbs=8))
+    xla = _train(_config(data, "tp_xla", accelerator="neuron", devices=2, gbs=8, tensor_model_parallel_size=2,
+                         sequence_parallel=True), nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
+    assert len(cpu) == len(xla) == STEPS
+    for step, (a, b) in enumerate(zip(cpu, xla), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, tp=2 + sp on xla {b}"
