@@ -77,6 +77,7 @@ class _LaunchGroup(click.Group):
 
     def resolve_command(self, ctx, args):
         if args and self.get_command(ctx, args[0]) is None:
+            _refuse_unknown_command(args[0], self.list_commands(ctx))
             return "launch", self.commands["launch"], args
         return super().resolve_command(ctx, args)
 
@@ -84,6 +85,19 @@ class _LaunchGroup(click.Group):
         formatter.write("\n")
         for line in _groups_help().splitlines():
             formatter.write(line + "\n")
+
+
+def _refuse_unknown_command(word: str, commands: list[str]) -> None:
+    """A bare word is neither an override (KEY=VALUE, ~KEY) nor an option: most likely a mistyped command."""
+    if "=" in word or word.startswith(("~", "-")) or not word.strip():
+        return
+    import difflib
+
+    visible = [c for c in commands if c != "launch"]
+    match = difflib.get_close_matches(word, visible, n=1, cutoff=0.6)
+    hint = f"did you mean {match[0]!r}? " if match else ""
+    raise UserError(f"{word!r}: no such command and not an override (KEY=VALUE); {hint}"
+                    f"commands: {', '.join(visible)}")
 
 
 @click.group(cls=_LaunchGroup, invoke_without_command=True, subcommand_metavar="[OVERRIDES]... | COMMAND [ARGS]...",
@@ -98,7 +112,7 @@ def cli(ctx: click.Context, dry_run: bool) -> None:
     nxdt-launch stages=[training] training=llama/tiny   Hydra overrides, as NeMo-Launcher takes them
     nxdt-launch training=gpt3/175b cluster_type=slurm --dry-run
     """
-    ctx.obj = {"dry_run": dry_run}
+    ctx.obj = {**(ctx.obj or {}), "dry_run": dry_run}
     if ctx.invoked_subcommand is None:
         ctx.invoke(launch, overrides=(), dry_run=dry_run)
 
@@ -112,7 +126,7 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     from launcher.slurm import SlurmError
 
     dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)
-    produced_by = "nxdt-launch " + shlex.join(sys.argv[1:])
+    produced_by = command_line(ctx)
     plan = steps.make_plan(list(overrides), dry_run=dry_run, produced_by=produced_by)
     console = _console()
     from rich.markup import escape
@@ -134,6 +148,12 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     if not plan.dry_run and plan.executor == "local":
         code = steps.run_local(plan, scripts, record, console)
     ctx.exit(code)
+
+
+def command_line(ctx: click.Context) -> str:
+    """The command as typed (recorded in every script and launch record): run()'s argv, not this process's."""
+    argv = (ctx.find_root().obj or {}).get("argv", sys.argv[1:])
+    return "nxdt-launch " + shlex.join(argv)
 
 
 def _print_plan(console, plan, record) -> None:
@@ -166,14 +186,27 @@ def status(run: str | None, results_dir: Path) -> None:
 
     console = _console()
     if run is None:
+        found = records.all_runs(results_dir)
+        if not results_dir.is_dir() and (click.get_current_context().get_parameter_source("results_dir")
+                                         != click.core.ParameterSource.DEFAULT or not found):
+            # An empty table would read as "no runs there"; a mistyped directory should say so.
+            raise UserError(f"--results-dir: {results_dir} is not a directory; give the base_results_dir the runs "
+                            "were launched with, e.g. --results-dir /fsx/results")
         table = Table(title=f"runs under {results_dir}", title_justify="left")
         for column in ("run", "executor", "created", "stages"):
             table.add_column(column)
-        for run_dir in records.all_runs(results_dir):
-            record = records.load(run_dir)
+        unreadable = []
+        for run_dir in found:
+            try:
+                record = records.load(run_dir)
+            except UserError as e:  # one damaged record does not hide the others
+                unreadable += e.problems
+                continue
             table.add_row(run_dir.name, record["executor"], record["created"],
                           ", ".join(e["stage"] for e in record["stages"]))
         console.print(table)
+        for problem in unreadable:
+            click.echo(f"warning: {problem}", err=True)
         return
     record = records.load(runs.require_run(run, results_dir))
     runs.use_record(record)
@@ -224,21 +257,39 @@ def cancel(run: str, results_dir: Path) -> None:
         raise UserError(str(e)) from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> int:
+    """Everything `nxdt-launch ARGV...` does, in this process, returning its exit code: a user mistake is printed
+    as `error: ...` lines on stderr and returns 2. Anything else that escapes is our bug, and keeps its traceback."""
     try:
-        code = cli.main(args=argv, prog_name="nxdt-launch", standalone_mode=False)
+        code = cli.main(args=list(argv), prog_name="nxdt-launch", standalone_mode=False, obj={"argv": list(argv)})
     except UserError as e:
         for problem in e.problems:
-            click.echo(f"error: {problem}", err=True)
-        sys.exit(2)
+            # One line per problem, even when it quotes a value that holds a line break.
+            click.echo("error: " + problem.replace("\r", "\\r").replace("\n", "\\n"), err=True)
+        return 2
     except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
+        return e.exit_code
+    except click.UsageError as e:
+        # Click's usage errors (a bad option value, a missing argument) as one line like every other mistake.
+        command = e.ctx.command_path if e.ctx else "nxdt-launch"
+        param = getattr(e, "param", None)
+        if isinstance(e, click.BadParameter) and not isinstance(e, click.MissingParameter) and e.message \
+                and param is not None and getattr(param, "opts", None):
+            message = f"{param.opts[0]}: {e.message}"  # the option first, as every other error names its key
+        else:
+            message = e.format_message()
+        click.echo(f"error: {message} (see {command} --help)", err=True)
+        return 2
     except click.ClickException as e:
-        e.show()
-        sys.exit(2)
+        click.echo(f"error: {e.format_message()}", err=True)
+        return 2
     except click.Abort:
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

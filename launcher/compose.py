@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any
+from typing import Any, Callable
 
 from launcher.errors import UserError
 from launcher.paths import CONFIG_GROUPS, conf_dir, group_choices
@@ -51,6 +51,91 @@ def _unknown_choice_error(missing: str) -> UserError:
     )
 
 
+def _registered_choices(group: str) -> list[str]:
+    """Choices stored in Hydra's ConfigStore under `group` (an NxD Training file given as training=@FILE)."""
+    from hydra.core.config_store import ConfigStore
+
+    def walk(node: dict, prefix: str) -> list[str]:
+        names = []
+        for name, child in node.items():
+            if isinstance(child, dict):
+                names += walk(child, f"{prefix}{name}/")
+            else:
+                names.append(prefix + str(name).removesuffix(".yaml"))
+        return names
+
+    node = ConfigStore.instance().repo.get(group)
+    return walk(node, "") if isinstance(node, dict) else []
+
+
+def _value_text(override: str) -> str:
+    return override.partition("=")[2]
+
+
+def _typed_value(full_key: str, typed: list[str]) -> str:
+    """The value the user typed for `full_key` (the last override of it wins, as in Hydra)."""
+    return next((_value_text(o) for o in reversed(typed) if o.partition("=")[0].lstrip("+~") == full_key), "")
+
+
+def check_overrides(typed: list[str], groups: tuple[str, ...] = CONFIG_GROUPS,
+                    choices_of: Callable[[str], list[str]] = group_choices) -> None:
+    """What Hydra would take for something else or fail on with a traceback, named as the user typed it. An
+    override Hydra cannot parse at all is left to Hydra's own syntax error, reported by the caller. `groups` are the
+    config groups of the config being composed, `choices_of` lists a group's choices (cluster-config has its own)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    parser = OverridesParser.create()
+    for text in typed:
+        if not text.strip():  # '' from a shell variable that was never set, most often
+            raise UserError(f"override {text!r} is empty; remove it, or write KEY=VALUE")
+        try:
+            override = parser.parse_override(_with_open_map_prefix(text))
+        except Exception:  # Hydra's parse errors have no common base; compose() reports them
+            continue
+        key = override.key_or_group
+        if not key:
+            raise UserError(f"override {text!r} has no key before '='; write KEY=VALUE, "
+                            f"e.g. training.trainer.max_steps=100")
+        if override.is_sweep_override():
+            raise UserError(f"{key}: {_value_text(text)!r} is a Hydra sweep, and nxdt-launch launches one config at a "
+                            f"time (there is no --multirun); give one value, and quote one that holds commas: "
+                            f"{key}='a,b'")
+        if key in groups and override.package is None and override.type != OverrideType.DEL:
+            _check_group_choice(key, override.value(), text, choices_of(key))
+
+
+def _check_group_choice(group: str, value: Any, typed: str, choices: list[str]) -> None:
+    """A group takes the name of one of its configs; Hydra would resolve '../x' relative to the group, or fail on
+    a number, and then name some other file."""
+    known = set(choices) | set(_registered_choices(group))
+    for choice in value if isinstance(value, list) else [value]:
+        if not isinstance(choice, str) or not choice:
+            raise UserError(f"{group}={_value_text(typed)}: a config group takes the name of one of its configs; "
+                            f"valid choices: {', '.join(choices)}")
+        if choice not in known:
+            raise UserError(f"{group}={choice}: no such choice; {_closest(choice, choices)}"
+                            f"valid choices: {', '.join(choices)}")
+
+
+_ENV_MAPS = ("env_vars", "cluster.env_vars")
+
+
+def _type_error(full_key: str, cause: Exception, typed: list[str]) -> UserError:
+    """An override whose value is of another kind than what the config holds at that key."""
+    value = _typed_value(full_key, typed)
+    message = str(cause).splitlines()[0]
+    if full_key in _ENV_MAPS:
+        return UserError(f"{full_key}: must be a mapping of NAME: value, not {value}; set one variable per override, "
+                         f"e.g. {full_key}.NCCL_DEBUG=INFO")
+    if message.startswith("Cannot merge DictConfig with"):
+        return UserError(f"{full_key}: {value} replaces a mapping of keys; set its keys one at a time, "
+                         f"e.g. {full_key}.KEY=VALUE")
+    if message.startswith("Cannot merge ListConfig with"):
+        return UserError(f"{full_key}: {value} replaces a list; give a list, e.g. {full_key}=[a,b]")
+    return UserError(f"{full_key}: {value} does not fit there ({message})")
+
+
 def compose(overrides: list[str], warnings: list[str] | None = None):
     """The composed (unresolved) DictConfig for these Hydra overrides, or a UserError. An NxD Training file given
     as `training=@FILE` is mapped first (launcher/nxdt_config.py); what it ignores is added to `warnings`."""
@@ -65,6 +150,7 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
     if warnings is not None:
         warnings += file_warnings
     typed = list(overrides)
+    check_overrides(typed)
     overrides = [_with_open_map_prefix(o) for o in overrides]
     try:
         with initialize_config_dir(str(conf_dir()), version_base=None, job_name="nxdt_launch"):
@@ -80,10 +166,19 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
         found = re.search(r"Could not find '([^']+)'", str(e))
         raise _unknown_choice_error(found.group(1) if found else str(e)) from None
     except ConfigCompositionException as e:
+        from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, GrammarParseError
+        from omegaconf.errors import ValidationError
+
         cause = e.__cause__
         full_key = getattr(cause, "full_key", None)
         parent = getattr(cause, "parent_node", None)
-        if full_key and parent is not None and hasattr(parent, "keys"):
+        if isinstance(cause, GrammarParseError) and full_key:
+            raise UserError(f"{full_key}: {_typed_value(full_key, typed)} is not a valid ${{...}} interpolation "
+                            f"({str(cause).splitlines()[0]}); close it, or write a literal '${{' as '\\${{'") from None
+        if isinstance(cause, (ConfigTypeError, ValidationError)) and full_key:
+            raise _type_error(full_key, cause, typed) from None
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key and parent is not None \
+                and hasattr(parent, "keys"):
             raise _unknown_key_error(full_key, [str(k) for k in parent.keys()]) from None
         raise UserError(str(e).splitlines()[0]) from None
 
@@ -110,4 +205,20 @@ def resolve(cfg) -> dict[str, Any]:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         message = str(e).splitlines()[0]
+        # `training.model=5` composes, and fails where another key reads through it: name the key that was set.
+        replaced = re.search(r"Error trying to access (\S+): node `([^`]+)` is not a container", message)
+        if replaced:
+            node = replaced.group(2)
+            raise UserError(f"{node}: {_node_value(cfg, node)} replaces a mapping that other keys read ({key} reads "
+                            f"{replaced.group(1)}); set its keys one at a time, e.g. {node}.KEY=VALUE") from None
         raise UserError(f"{key}: {message}") from None
+
+
+def _node_value(cfg, key: str) -> str:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return repr(OmegaConf.select(cfg, key, throw_on_resolution_failure=False))
+    except OmegaConfBaseException:  # only for the message: an unreadable node is described by its key alone
+        return "a value"

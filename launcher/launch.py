@@ -13,13 +13,14 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import neuron, records, remote, slurm, stages, staging, validate
+from launcher import neuron, packages, records, remote, slurm, stages, staging, validate
 from launcher.compose import compose, resolve
 from launcher.errors import UserError
 from launcher.job import Job
@@ -65,6 +66,8 @@ def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     file_warnings: list[str] = []
     cfg = resolve(compose(overrides, file_warnings))
+    if errors := validate.shape(cfg):  # what every check below reads
+        raise UserError(*errors)
     dry_run = dry_run or bool(cfg.get("dry_run"))
     remote_settings = remote.settings(cfg)
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
@@ -74,11 +77,58 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     if executor == "local" and cfg.get("container"):
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")
+    # A package the jobs' Python lacks would fail a job minutes in; a dry run only shows what would run.
+    if dry_run:
+        warnings += packages.problems(cfg)
+    else:
+        errors += packages.problems(cfg)
     if errors:
         raise UserError(*errors)
+    jobs = build(cfg)
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
-    return Plan(cfg, executor, reason, build(cfg), file_warnings + warnings, produced_by, dry_run, remote_settings)
+    elif errors := output_problems([("base_results_dir", Path(cfg["base_results_dir"]) / cfg["run_name"]),
+                                    *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
+        raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
+    return Plan(cfg, executor, reason, jobs, file_warnings + warnings, produced_by, dry_run, remote_settings)
+
+
+# Linux NAME_MAX on ext4, xfs and Lustre/FSx: the longest one directory or file name may be.
+NAME_MAX_BYTES = 255
+
+
+def output_problems(targets: list[tuple[str, Path]]) -> list[str]:
+    """Whether each (key, directory) can be created and written, found before anything is written: every name in
+    it fits NAME_MAX, and the deepest part that exists is a directory that takes a new one (tried with a directory
+    made and removed at once: permissions alone do not tell, for root or on /proc). Each problem once, under the
+    first key that leads to it."""
+    errors, tried = [], set()
+    for key, path in targets:
+        long = next((part for part in path.parts if len(part.encode()) > NAME_MAX_BYTES), None)
+        if long is not None:
+            errors.append(f"{key}: {long[:40]}... in {str(path)[:80]}... is {len(long.encode())} bytes; a directory "
+                          f"name holds at most {NAME_MAX_BYTES}, use a shorter one")
+            continue
+        existing = path
+        while not os.path.lexists(existing) and existing != existing.parent:
+            existing = existing.parent
+        if existing in tried:
+            continue
+        tried.add(existing)
+        if not os.path.isdir(existing):
+            errors.append(f"{key}: cannot create {path}: {existing} is a file, not a directory; give a directory"
+                          f"{_example(key)}")
+            continue
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".nxdt-launch-probe-", dir=existing))
+        except OSError as error:
+            errors.append(f"{key}: cannot create {path}: {existing} takes no new directory ({error.strerror}); "
+                          f"give a directory you can write{_example(key)}")
+    return errors
+
+
+def _example(key: str) -> str:
+    return f", e.g. {key} /fsx/out" if key.startswith("-") else f", e.g. {key}=/fsx/results"
 
 
 def build(cfg: dict[str, Any]) -> list[Job]:
@@ -100,12 +150,39 @@ def script_path(job: Job, executor: str) -> Path:
 
 def write(plan: Plan) -> list[Path]:
     """Stage configs, compile-step configs, staging manifests and scripts. Returns the scripts' paths on the
-    cluster (the same as here unless the launch is remote)."""
+    cluster (the same as here unless the launch is remote). If the file system refuses one (full, read-only,
+    gone since make_plan looked), what this call made is removed again and the error names the file."""
+    made: list[Path] = []  # directories this call created (the topmost of each chain) and files it wrote
+    try:
+        return _write(plan, made)
+    except OSError as error:
+        for path in reversed(made):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        plan.files.clear()
+        raise UserError(f"{error.filename or 'a launch file'}: cannot be written ({error.strerror or error}); "
+                        "nothing was written; free the space or fix the permissions and launch again") from None
+
+
+def _makedirs(path: Path, made: list[Path]) -> None:
+    top = path
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    if not top.exists():
+        made.append(top)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _write(plan: Plan, made: list[Path]) -> list[Path]:
     import yaml
 
     def put(path: Path, text: str, mode: int = 0o644) -> None:
         here = plan.local_path(path)
-        here.parent.mkdir(parents=True, exist_ok=True)
+        _makedirs(here.parent, made)
+        if not here.exists():
+            made.append(here)
         here.write_text(text)
         here.chmod(mode)
         plan.files.append((here, path, mode))
@@ -114,7 +191,7 @@ def write(plan: Plan) -> list[Path]:
     for job in plan.jobs:
         text = render(job, plan.cfg, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
-        plan.local_path(job.log_dir).mkdir(parents=True, exist_ok=True)
+        _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
         neuron_script = neuron.script(job, plan.cfg)
         if neuron_script and neuron_script.compile:

@@ -50,7 +50,10 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from launcher.compose import check_overrides
+
     root = conf_dir() / "pcluster"
+    check_overrides(overrides, ("instance",), lambda group: sorted(p.stem for p in (root / group).glob("*.yaml")))
     typed = [("++" + o if o.startswith(OPEN_MAPS) and "=" in o else o) for o in overrides]
     try:
         with initialize_config_dir(str(root), version_base=None, job_name="nxdt_cluster_config"):
@@ -75,6 +78,9 @@ def compose(overrides: list[str]) -> dict[str, Any]:
         key = getattr(e, "full_key", None) or "?"
         raise UserError(f"{key}: {str(e).splitlines()[0]}; set it, e.g. {key}=...") from None
     resolved.pop("hydra", None)
+    if not isinstance(resolved.get("extra") or {}, dict):
+        raise UserError(f"extra: {resolved['extra']!r} must be a mapping of ParallelCluster keys; set them one at a "
+                        "time, e.g. extra.Monitoring.DetailedMonitoring=true")
     return resolved
 
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from launcher.errors import UserError
 
 RECORD = "launch.json"
 
@@ -27,12 +31,33 @@ def write(run_dir: Path, record: dict[str, Any]) -> Path:
 def archive_previous(run_dir: Path) -> None:
     path = run_dir / RECORD
     if path.exists():
-        created = json.loads(path.read_text()).get("created", "old").replace(":", "")
+        try:
+            created = re.sub(r"[^0-9A-Za-z.+_-]", "", str(load(run_dir)["created"]))
+        except UserError:
+            created = ""
+        if not created:  # a damaged record is kept too, named by when it was last written
+            written = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+            created = "written-" + written.strftime("%Y-%m-%dT%H%M%S")
         os.replace(path, run_dir / f"launch.{created}.json")
 
 
 def load(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / RECORD).read_text())
+    """The record of the run in `run_dir`; a UserError naming the file when it is not one (cut short by a full disk,
+    edited by hand, or some other program's launch.json)."""
+    path = run_dir / RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: not a readable launch record ({error}); this run's state is unknown: move the "
+                        "file aside, or look elsewhere with --results-dir") from None
+    if not isinstance(record, dict) or not isinstance(record.get("stages"), list) or \
+            not all(isinstance(e, dict) and {"stage", "job_id", "log_dir"} <= e.keys() for e in record["stages"]):
+        raise UserError(f"{path}: not a launch record written by nxdt-launch (no list of stages); move it aside, "
+                        "or look elsewhere with --results-dir")
+    record.setdefault("executor", "?")
+    record.setdefault("created", "")
+    record.setdefault("run_name", run_dir.name)
+    return record
 
 
 def remote_runs_dir() -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from typing import Any
 from launcher.errors import UserError
 
 KEYS = ("host", "user", "port", "key_file", "known_hosts", "trust_unknown_host")
+# A DNS name, an IPv4 address, or an IPv6 address (hex digits and colons).
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*")
 CONNECT_TIMEOUT_S = 15
 
 
@@ -33,6 +36,8 @@ def state_dir() -> Path:
 def settings(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """cluster.remote when it names a host (a remote launch), else None."""
     remote = (cfg.get("cluster") or {}).get("remote") or {}
+    if not isinstance(remote, dict):
+        return None  # problems() reports it
     return {k: remote.get(k) for k in KEYS} if remote.get("host") else None
 
 
@@ -45,6 +50,11 @@ def problems(cfg: dict[str, Any]) -> list[str]:
     errors = [f"cluster.remote.{k}: unknown key; valid keys: {', '.join(KEYS)}" for k in remote if k not in KEYS]
     if not remote.get("host"):
         return errors
+    host = remote["host"]
+    # The host also names the local mirror of its paths (state_dir()/remote/<host>): a name, never a path.
+    if not isinstance(host, str) or not _HOST.fullmatch(host) or ".." in host:
+        errors.append(f"cluster.remote.host: {host!r} is not a host name or address; e.g. "
+                      "cluster.remote.host=head.example.com (the user goes in cluster.remote.user)")
     port = remote.get("port")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
         errors.append(f"cluster.remote.port: {port!r} is not a TCP port; e.g. cluster.remote.port=22")

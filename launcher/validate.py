@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from launcher import staging
+from launcher.paths import group_choices
 from launcher.stages import PROGRAMS, STAGES
 from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
@@ -28,14 +29,16 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str]]:
-    errors: list[str] = []
+    if errors := shape(cfg):  # every check below reads these sections
+        return errors, []
     warnings: list[str] = []
     errors += _top_level(cfg)
     # A stage whose program is missing is already reported; its own checks would only add noise.
-    stages = [s for s in cfg.get("stages") or [] if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
+    stages = [s for s in cfg["stages"] if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
     for stage in stages:
         if stage != "training":  # the training schema checks its own run keys, with the same rules
             errors += _stage_run(cfg[stage]["run"], stage)
+        errors += _results_dir_pattern(cfg[stage]["run"], stage, cfg)
     if "training" in stages:
         # The runtime runs the same schema on the node. A dry run often renders on a laptop for a cluster whose
         # file system it cannot see: missing files are warnings there.
@@ -55,12 +58,32 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
     return errors, warnings
 
 
+def shape(cfg: dict[str, Any]) -> list[str]:
+    """The sections every other check reads (here, in neuron.py, remote.py, staging.py, stages.py): `stages` a
+    list of names, each listed stage a mapping with a `run` mapping, `cluster` a mapping."""
+    stages = cfg.get("stages")
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
+        return [f"stages: {stages!r} must be a non-empty list of stage names such as stages=[training] "
+                f"(valid: {', '.join(STAGES)})"]
+    errors = []
+    for stage in dict.fromkeys(s for s in stages if s in STAGES):
+        section = cfg.get(stage)
+        if not isinstance(section, dict):
+            errors.append(f"{stage}: {section!r} is not a stage config; choose one with {stage}=NAME "
+                          f"(valid: {', '.join(group_choices(stage))})")
+        elif not isinstance(section.get("run"), dict):
+            errors.append(f"{stage}.run: {section.get('run')!r} must be a mapping of the stage's job settings "
+                          f"(results_dir, time_limit, ...); set its keys one at a time, "
+                          f"e.g. {stage}.run.time_limit=1:00:00")
+    if not isinstance(cfg.get("cluster") or {}, dict):
+        errors.append(f"cluster: {cfg.get('cluster')!r} must be a mapping; choose one with cluster=NAME "
+                      f"(valid: {', '.join(group_choices('cluster'))})")
+    return errors
+
+
 def _top_level(cfg: dict[str, Any]) -> list[str]:
     errors = []
-    stages = cfg.get("stages")
-    if not isinstance(stages, list) or not stages:
-        errors.append(f"stages: must be a non-empty list such as stages=[training] (valid: {', '.join(STAGES)})")
-        stages = []
+    stages = cfg["stages"]
     for stage in stages:
         if stage not in STAGES:
             errors.append(f"stages: unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
@@ -73,12 +96,8 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
         errors.append(f"stages: {stages} names a stage twice; list each stage once")
     if cfg.get("cluster_type") not in CLUSTER_TYPES:
         errors.append(f"cluster_type: {cfg.get('cluster_type')!r} is not one of {', '.join(CLUSTER_TYPES)}")
-    name = str(cfg.get("run_name") or "")
-    if not name or "/" in name or rules.unsafe_path(name):
-        errors.append(
-            f"run_name: {name!r} must be non-empty, without '/', spaces, quotes or backslashes "
-            "(it names a directory and Slurm jobs); e.g. run_name=my_run"
-        )
+    if problem := rules.run_name(cfg.get("run_name"), _run_name_key(cfg)):
+        errors.append(problem)
     for key in ("base_results_dir", "data_dir"):
         value = str(cfg.get(key) or "")
         if key == "data_dir" and value.startswith("s3://"):
@@ -88,8 +107,19 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
                 f"{key}: {value!r} must be an absolute path without spaces, quotes or backslashes; "
                 f"e.g. {key}=/fsx/{key}"
             )
+        elif key == "base_results_dir" and (problem := rules.slurm_pattern(value, key)):
+            errors.append(problem)  # every stage's logs are under it, in #SBATCH --output
     errors += _env_vars(cfg.get("env_vars"), "env_vars")
     return errors
+
+
+def _run_name_key(cfg: dict[str, Any]) -> str:
+    """run_name defaults to ${training.run.name}: name the key the user most likely typed."""
+    training = cfg.get("training")
+    run = training.get("run") if isinstance(training, dict) else None
+    if isinstance(run, dict) and run.get("name") == cfg.get("run_name"):
+        return "training.run.name"
+    return "run_name"
 
 
 def _env_vars(env: Any, key: str) -> list[str]:
@@ -113,6 +143,15 @@ def _stage_run(run: dict[str, Any], stage: str) -> list[str]:
     if problem := choices.DEPENDENCIES.problem(f"{stage}.run.dependency", run.get("dependency") or "afterok"):
         errors.append(problem)
     return errors
+
+
+def _results_dir_pattern(run: dict[str, Any], stage: str, cfg: dict[str, Any]) -> list[str]:
+    """A stage's logs are in <run.results_dir>/logs, named in #SBATCH --output. A '%' that comes from
+    base_results_dir or run_name is reported once, under that key."""
+    value = str(run.get("results_dir") or "")
+    inherited = "%" in str(cfg.get("base_results_dir")) or "%" in str(cfg.get("run_name"))
+    problem = None if inherited else rules.slurm_pattern(value, f"{stage}.run.results_dir")
+    return [problem] if problem else []
 
 
 def training(stage: dict[str, Any], *, vocab_size: int | None = None) -> list[str]:

@@ -12,7 +12,6 @@ conf/training/autoconfig/<name>.yaml (the best config), and runs/ (one launch pe
 """
 from __future__ import annotations
 
-import shlex
 import sys
 
 import click
@@ -27,7 +26,8 @@ def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> No
     from rich.console import Console
 
     from launcher.autoconfig import driver
+    from launcher.cli import command_line
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    produced_by = "nxdt-launch " + shlex.join(sys.argv[1:])
+    produced_by = command_line(ctx)
     ctx.exit(driver.run(list(overrides), dry_run=dry_run, produced_by=produced_by, console=console))

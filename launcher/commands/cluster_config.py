@@ -9,9 +9,37 @@ if it fails) and <output-dir>/on_node_configured.sh, and prints the commands tha
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import click
+
+from launcher.errors import UserError
+
+
+# Both files say who wrote them (the node script's template carries the same words): a rerun overwrites its own
+# output, never a file of the user's that happens to have the same name.
+MARK = "rendered by nxdt-launch cluster-config"
+CLUSTER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,59}")
+
+
+def _not_ours(path: Path) -> str | None:
+    """Why `path` must not be overwritten, or None when it is absent or a file this command wrote."""
+    if not os.path.lexists(path):
+        return None
+    if not path.is_file() or path.is_symlink():
+        return "exists and is not a plain file"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1024).decode("utf-8", "replace")
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    if MARK not in head.replace("`", ""):
+        return "exists and was not written by nxdt-launch cluster-config"
+    if not os.access(path, os.W_OK):
+        return "is not writable"
+    return None
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]})
@@ -29,15 +57,29 @@ def command(overrides: tuple[str, ...], output_dir: Path, no_validate: bool) -> 
     import yaml
 
     from launcher import pcluster
+    from launcher.launch import output_problems
 
+    if errors := output_problems([("--output-dir", output_dir)]):
+        raise UserError(*errors)
     config, script, cfg = pcluster.render(list(overrides), validate=not no_validate)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config_path = output_dir / f"{cfg['cluster_name']}.yaml"
+    name = str(cfg["cluster_name"])
+    if not CLUSTER_NAME.fullmatch(name):  # it names the file too: no '/' or '..' may reach the path
+        raise UserError(f"cluster_name: {name!r} must start with a letter and hold only letters, digits and '-', "
+                        "at most 60 characters (ParallelCluster's rule); e.g. cluster_name=nxdt-trn1")
+    config_path = output_dir / f"{name}.yaml"
     script_path = output_dir / "on_node_configured.sh"
-    config_path.write_text(f"# AWS ParallelCluster {pcluster.PCLUSTER_VERSION} cluster config, rendered by "
-                           f"nxdt-launch cluster-config.\n" + yaml.safe_dump(config, sort_keys=False))
-    script_path.write_text(script)
-    script_path.chmod(0o755)
+    for path in (config_path, script_path):
+        if problem := _not_ours(path):
+            raise UserError(f"--output-dir: {path} {problem}; choose another --output-dir, or move the file aside")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(f"# AWS ParallelCluster {pcluster.PCLUSTER_VERSION} cluster config, {MARK}.\n"
+                               + yaml.safe_dump(config, sort_keys=False))
+        script_path.write_text(script)
+        script_path.chmod(0o755)
+    except OSError as error:
+        raise UserError(f"--output-dir: {error.filename or output_dir} cannot be written ({error.strerror or error}); "
+                        "choose another --output-dir") from None
     checked = "not checked (--no-validate)" if no_validate else f"passes ParallelCluster {pcluster.PCLUSTER_VERSION}'s schema"
     click.echo(f"wrote {config_path} ({checked}) and {script_path}")
     click.echo("next:")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import click
 
+from launcher.commands import FiniteFloatRange
 from launcher.errors import UserError
 from runtime.schema import rules
 from runtime.schema.rules import slurm_seconds
@@ -104,6 +105,9 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
 
     cfg = resolve(compose([with_group_prefix(o) for o in overrides]))
     dry_run = dry_run or bool(cfg.get("dry_run"))
+    for key in ("cluster", STAGE):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise UserError(f"{key}: {cfg.get(key)!r} must be a mapping; choose one with {key}=NAME")
     cluster = dict(cfg.get("cluster") or {})
     errors = validate.cluster(cluster)
     try:
@@ -111,9 +115,17 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     except cv_config.ConfigError as error:
         errors += error.problems
     run = cfg[STAGE].get("run") or {}
+    if not isinstance(run, dict):
+        raise UserError(f"{STAGE}.run: {run!r} must be a mapping; set its keys one at a time, e.g. "
+                        f"{STAGE}.run.time_limit=0:30:00")
     name = str(run.get("name") or "")
     if not re.match(r"^[A-Za-z0-9_.+-]+$", name):
         errors.append(f"{STAGE}.run.name: {name!r} must be letters, digits and _.+- (it names a directory)")
+    elif problem := rules.run_name(name, f"{STAGE}.run.name"):  # '.', '..', too long
+        errors.append(problem)
+    if problem := rules.results_dir(run.get("results_dir"), f"{STAGE}.") or \
+            rules.slurm_pattern(str(run.get("results_dir")), f"{STAGE}.run.results_dir"):
+        errors.append(problem)
     limit_text = str(run.get("time_limit"))
     unlimited = limit_text.upper() in ("UNLIMITED", "INFINITE")
     time_limit = 7 * 86400 if unlimited else slurm_seconds(limit_text)  # UNLIMITED: a week
@@ -136,6 +148,8 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         raise UserError(*errors)
     cluster["nodelist"] = nodelist
     results_dir = Path(run["results_dir"])
+    if errors := launch.output_problems([(f"{STAGE}.run.results_dir", results_dir)]):
+        raise UserError(*errors)
     job = Job(
         stage=STAGE, run_name=name, results_dir=results_dir, nodes=nodes, nproc_per_node=1, distributed=False,
         program=("-m", "csp_tools.cluster_validate", "--config", str(results_dir / f"{STAGE}_config.yaml")),
@@ -198,24 +212,30 @@ def _wait_for_job(console, job_id: str, log_dir: Path, timeout_s: float) -> str:
 @click.option("--dry-run", is_flag=True, help="Render the job script and submit nothing.")
 @click.option("--no-wait", is_flag=True, help="Submit and return; print the report later with --show.")
 @click.option("--show", is_flag=True, help="Print the report of the last validation, run nothing.")
-@click.option("--timeout", type=float, default=None, help="Seconds to wait for the job (default: its time "
-                                                          "limit plus two minutes).")
+@click.option("--timeout", type=FiniteFloatRange(0, min_open=True, unit="seconds"), default=None,
+              help="Seconds to wait for the job (default: its time limit plus two minutes).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool, no_wait: bool, show: bool,
             timeout: float | None) -> None:
     """Node health and collective tests over Slurm nodes (or this machine) that name bad nodes."""
     from launcher import launch
+    from launcher.cli import command_line
     from launcher.slurm import SlurmError
 
     dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)
     console = _console()
-    produced_by = "nxdt-launch " + shlex.join(sys.argv[1:])
+    produced_by = command_line(ctx)
     if show:
         from launcher.compose import compose, resolve
 
         cfg = resolve(compose([with_group_prefix(o) for o in overrides]))
-        results = Path(cfg[STAGE]["run"]["results_dir"])
+        section = cfg.get(STAGE)
+        run = section.get("run") if isinstance(section, dict) else None
+        if not isinstance(run, dict) or not run.get("results_dir"):
+            raise UserError(f"{STAGE}.run.results_dir: {run!r} names no results directory; --show reads the report "
+                            "from there (give the overrides the validation ran with)")
+        results = Path(str(run["results_dir"]))
         ctx.exit(_show(console, results, results / "logs", 0))
     plan, time_limit = make_plan(list(overrides), dry_run=dry_run, produced_by=produced_by)
     job = plan.jobs[0]

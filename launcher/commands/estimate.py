@@ -12,6 +12,7 @@ import math
 
 import click
 
+from launcher.commands import FiniteFloatRange
 from launcher.errors import UserError
 from runtime.schema.rules import slurm_seconds
 
@@ -28,8 +29,8 @@ def _tokens(value: str | None) -> float | None:
         tokens = float(text[:-1] if scale != 1.0 else text) * scale
     except ValueError:
         raise UserError(f"--tokens {value!r} is not a number; e.g. --tokens 300e9 or --tokens 300B") from None
-    if tokens <= 0:
-        raise UserError(f"--tokens {value!r} must be positive")
+    if not math.isfinite(tokens) or tokens <= 0:  # inf, nan, and 1e400 (which float() reads as inf)
+        raise UserError(f"--tokens {value!r} must be a finite positive number; e.g. --tokens 300e9 or --tokens 300B")
     return tokens
 
 
@@ -133,10 +134,10 @@ def render(result, recipe: str, time_limit: str | None = None):
               help="Target device; default: cluster.neuron.hardware for a neuron recipe, else from "
                    "trainer.accelerator and trainer.devices (neuron: trn2 with 64 per node, else trn1; gpu: h100).")
 @click.option("--tokens", default=None, help="Token budget (300e9, 300B); default max_steps × global batch × seq.")
-@click.option("--mfu", type=click.FloatRange(0.01, 1.0), default=None, help="Assumed model-FLOPs utilization.")
+@click.option("--mfu", type=FiniteFloatRange(0.01, 1.0), default=None, help="Assumed model-FLOPs utilization.")
 @click.option("--vocab-size", type=click.IntRange(1), default=None,
               help="Tokenizer vocabulary, when the tokenizer file is not on this machine.")
-@click.option("--node-memory-gib", type=click.FloatRange(1), default=None,
+@click.option("--node-memory-gib", type=FiniteFloatRange(1), default=None,
               help="cpu only: host memory per node (default: this machine's).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None:
@@ -148,9 +149,10 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
 
     from launcher.estimator import estimate
 
+    token_budget = _tokens(tokens)  # before composing: a mistyped option is named first, and quickly
     cfg = compose_checked(list(overrides), vocab_size)
     neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
-    result = estimate(cfg["training"], device=device, tokens=_tokens(tokens), mfu=mfu, vocab_size=vocab_size,
+    result = estimate(cfg["training"], device=device, tokens=token_budget, mfu=mfu, vocab_size=vocab_size,
                       node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None, neuron_hardware=neuron)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
     title, memory, time = render(result, recipe, cfg["training"]["run"].get("time_limit"))

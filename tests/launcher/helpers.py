@@ -20,8 +20,11 @@ def resolved(*overrides: str, stable: bool = True) -> dict:
 
 
 def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh process, as a user would."""
+    """Run the real CLI in a fresh process, as a user would: this checkout's code, from any cwd (an installed
+    nxdt-launch elsewhere on the machine must not stand in for it)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "launcher.cli", *args],
-        cwd=cwd or REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd or REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})}, capture_output=True, text=True,
+        timeout=timeout,
     )

@@ -1,6 +1,8 @@
 """Every user mistake: one `error:` line per problem naming the key, exit code 2, no traceback, and nothing
 written or submitted. Run through the real CLI in a fresh process, as a user would meet it."""
 
+import importlib.util
+
 import pytest
 
 from .helpers import nxdt
@@ -46,6 +48,35 @@ CASES = [
     (["container=img:latest", "cluster_type=local"], "container: the local executor runs this machine's Python"),
     (["stages=[training]", "data_dir=/nonexistent/data"],
      "training.model.tokenizer.model: /nonexistent/data/demo/tokenizer.json does not exist"),
+    # Hydra takes these, and the launcher used to fail on them with a traceback.
+    (["stages=5"], "stages: 5 must be a non-empty list of stage names such as stages=[training]"),
+    (["stages=[[training]]"], "stages: [['training']] must be a non-empty list of stage names such as stages=[training]"),
+    (["=5"], "override '=5' has no key before '='; write KEY=VALUE, e.g. training.trainer.max_steps=100"),
+    ([f"training.run.name={'a' * 300}"], "training.run.name: the name is 300 bytes; use at most 200"),
+    (["base_results_dir=/etc/passwd"],
+     "base_results_dir: cannot create /etc/passwd/gpt3_tiny: /etc/passwd is a file, not a directory; give a directory"),
+    (["base_results_dir=/proc/nope"], "base_results_dir: cannot create /proc/nope/gpt3_tiny: /proc takes no new directory"),
+    (["training.run.results_dir=/proc/nope/training"],
+     "training.run.results_dir: cannot create /proc/nope/training: /proc takes no new directory"),
+    # Messages that named the wrong thing.
+    (["env_vars=[1,2]"], "env_vars: must be a mapping of NAME: value, not [1,2]; set one variable per override, "
+                         "e.g. env_vars.NCCL_DEBUG=INFO"),
+    (["training=../config"], "training=../config: no such choice; valid choices: gpt3/126m"),
+    (["training=5"], "training=5: a config group takes the name of one of its configs; valid choices: gpt3/126m"),
+    (["training.model.optim.sched.max_steps=range(1,3)"],
+     "training.model.optim.sched.max_steps: 'range(1,3)' is a Hydra sweep, and nxdt-launch launches one config at a "
+     "time (there is no --multirun); give one value"),
+    (["training.trainer.max_steps=10,20"], "training.trainer.max_steps: '10,20' is a Hydra sweep"),
+    (["training.model=[1]"], "training.model: [1] replaces a mapping of keys; set its keys one at a time"),
+    # Run names that are not a directory of their own, or that Slurm would read differently from the script.
+    (["training.run.name=.."], "training.run.name: '..' names no directory of its own"),
+    (["training.run.name=."], "training.run.name: '.' names no directory of its own"),
+    (["run_name=a%jb"], "run_name: 'a%jb' contains '%', which sbatch expands in #SBATCH --output"),
+    (["run_name=1e3"], "run_name: 1000.0 is not text; quote a name made of digits, e.g. run_name='1000.0'"),
+    (["training.run.results_dir=/tmp/x%j/training"],
+     "training.run.results_dir: '/tmp/x%j/training' contains '%', which sbatch expands in #SBATCH --output"),
+    # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
+    (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
 ]
 
 
@@ -67,3 +98,72 @@ def test_missing_paths_are_warnings_in_a_dry_run(tmp_path):
                   "cluster_type=slurm", "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "warning: training.model.tokenizer.model: /nonexistent/demo/tokenizer.json does not exist" in result.stdout
+
+
+# Subcommands: the same contract, one `error:` line, exit 2, nothing written.
+COMMAND_CASES = [
+    (["stauts", "x"], "'stauts': no such command and not an override (KEY=VALUE); did you mean 'status'?"),
+    (["status", "--results-dir", "/nonexistent"], "--results-dir: /nonexistent is not a directory"),
+    (["estimate", "--tokens", "inf"], "--tokens 'inf' must be a finite positive number; e.g. --tokens 300e9"),
+    (["estimate", "--tokens", "nan"], "--tokens 'nan' must be a finite positive number"),
+    (["estimate", "--tokens", "1e400"], "--tokens '1e400' must be a finite positive number"),
+    (["estimate", "--mfu", "nan"], "--mfu: nan must be a number from 0.01 to 1"),
+    (["cluster-validate", "--timeout", "-5", "--dry-run"], "--timeout: -5 must be a positive number of seconds"),
+    (["cluster-validate", "--timeout", "inf", "--dry-run"], "--timeout: inf must be a positive number of seconds"),
+    (["cluster-config", "subnet_id=subnet-0abc", "node_setup.script_s3_uri=s3://b/x.sh", "--no-validate",
+      "-o", "/etc/passwd"], "--output-dir: cannot create /etc/passwd: /etc/passwd is a file, not a directory"),
+    (["cluster-config", "subnet_id=subnet-0abc", "node_setup.script_s3_uri=s3://b/x.sh", "--no-validate",
+      "cluster_name=../x"], "cluster_name: '../x' must start with a letter and hold only letters, digits and '-'"),
+]
+
+
+def _one_error_line(result, expected: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
+    assert any(expected in line for line in lines), result.stderr
+
+
+@pytest.mark.parametrize("argv,expected", COMMAND_CASES, ids=[c[1][:40] for c in COMMAND_CASES])
+def test_bad_subcommand_input_is_one_line_exit_2_nothing_written(tmp_path, argv, expected):
+    _one_error_line(nxdt(*argv, cwd=tmp_path), expected)
+    assert not list(tmp_path.iterdir()), "a rejected command wrote files"
+
+
+def test_a_damaged_launch_record_is_named(tmp_path):
+    """`status RUN` on a launch.json cut short: the file is named, not a JSON parser's position alone."""
+    record = tmp_path / "results" / "run1" / "launch.json"
+    record.parent.mkdir(parents=True)
+    record.write_text('{"run_name": "run1", "stag')
+    for argv in (["status", "run1"], ["logs", "run1"], ["cancel", "run1"]):
+        _one_error_line(nxdt(*argv, "--results-dir", str(tmp_path / "results"), cwd=tmp_path),
+                        f"{record}: not a readable launch record (")
+    listing = nxdt("status", "--results-dir", str(tmp_path / "results"), cwd=tmp_path)
+    assert listing.returncode == 0 and f"warning: {record}: not a readable launch record" in listing.stderr
+    assert sorted(p.name for p in record.parent.iterdir()) == ["launch.json"]
+
+
+def test_cluster_config_never_overwrites_a_file_it_did_not_write(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "on_node_configured.sh").write_text("#!/bin/bash\necho my own script\n")
+    args = ["cluster-config", "subnet_id=subnet-0abc", "node_setup.script_s3_uri=s3://b/x.sh", "--no-validate",
+            "-o", str(out)]
+    _one_error_line(nxdt(*args, cwd=tmp_path), f"--output-dir: {out}/on_node_configured.sh exists and was not "
+                                               "written by nxdt-launch cluster-config")
+    assert sorted(p.name for p in out.iterdir()) == ["on_node_configured.sh"]
+    (out / "on_node_configured.sh").unlink()
+    assert nxdt(*args, cwd=tmp_path).returncode == 0
+    assert nxdt(*args, cwd=tmp_path).returncode == 0, "its own output is overwritten"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_a_logger_whose_package_is_missing_is_refused_before_running(tmp_path):
+    """A real local launch (not a dry run): refused at launch, not minutes into training."""
+    result = nxdt(f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/data", "cluster_type=local",
+                  "stages=[data_preparation,training]", "training.exp_manager.create_wandb_logger=true",
+                  cwd=tmp_path, timeout=120)
+    _one_error_line(result, "training.exp_manager.create_wandb_logger: true needs the wandb package, which ")
+    assert "install it: pip install wandb, or set training.exp_manager.create_wandb_logger=false" in result.stderr
+    assert not list(tmp_path.iterdir())

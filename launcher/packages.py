@@ -1,0 +1,100 @@
+"""Python packages a launch asks of the job's interpreter, looked for before anything is written.
+
+The stage programs import their packages when they need them (torch at start, wandb when the first metrics are
+logged, zstandard at the first .zst file), so a missing one would fail the job minutes or hours in. The launcher
+can look only where the job's interpreter is its own: `python` unset (or this interpreter), no container, no
+remote head node. That covers the local executor, and Slurm from a head node whose venv the nodes share (how
+docs/parallelcluster.md installs it). Elsewhere the job finds out itself.
+
+Modules are looked up with importlib.util.find_spec, which imports nothing (the launcher never imports torch).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch[runtime]' "
+           "(-e '.[runtime]' in a checkout)")
+
+# What each stage's program imports whatever its config says.
+STAGE_MODULES = {
+    "data_preparation": ("numpy", "tokenizers"),
+    "training": ("torch", "numpy", "tokenizers"),
+    "conversion": ("torch", "safetensors"),
+    "evaluation": ("torch", "tokenizers"),
+}
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails, or a module set to None in sys.modules
+        return False
+
+
+def job_python_is_ours(cfg: dict[str, Any]) -> bool:
+    """Whether the job scripts run this very interpreter (render.python: `python` unset, no container, no remote)."""
+    remote = (cfg.get("cluster") or {}).get("remote")
+    if cfg.get("container") or (isinstance(remote, dict) and remote.get("host")):
+        return False
+    configured = cfg.get("python")
+    return not configured or Path(str(configured)).resolve() == Path(sys.executable).resolve()
+
+
+def needed(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(module, the key or stage that needs it, how to get it) for every stage this launch runs."""
+    wants: list[tuple[str, str, str]] = []
+    for stage in cfg["stages"]:
+        wants += [(module, f"stages: {stage}", RUNTIME) for module in STAGE_MODULES.get(stage, ())]
+    if "training" in cfg["stages"]:
+        exp = cfg["training"].get("exp_manager") or {}
+        key = "training.exp_manager."
+        if isinstance(exp, dict) and exp.get("create_wandb_logger") is True:
+            wants.append(("wandb", f"{key}create_wandb_logger: true",
+                          f"pip install wandb, or set {key}create_wandb_logger=false"))
+        if isinstance(exp, dict) and exp.get("create_tensorboard_logger", True) is True:
+            wants.append(("tensorboard", f"{key}create_tensorboard_logger: true",
+                          f"{RUNTIME}; or set {key}create_tensorboard_logger=false"))
+    if "data_preparation" in cfg["stages"]:
+        wants += _data_preparation(cfg["data_preparation"])
+    return wants
+
+
+def _data_preparation(stage_cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Readers and tokenizer libraries its inputs call for; nothing when the inputs cannot be listed here (on S3,
+    or a config the schema refuses: validation reports those)."""
+    from runtime.data_prep.plan import build_shards  # torch-free by contract
+    from runtime.schema.data_preparation import UserError, parse_config
+
+    try:
+        cfg = parse_config(stage_cfg)
+        shards = [] if cfg.input.source == "demo" else build_shards(cfg)
+    except (UserError, ValueError, OSError):
+        return []
+    wants = []
+    if cfg.tokenizer.library == "sentencepiece":
+        wants.append(("sentencepiece", "data_preparation.tokenizer.library: sentencepiece",
+                      f"{RUNTIME}; or use a huggingface tokenizer.json"))
+    readers = {".zst": ("zstandard", RUNTIME), ".parquet": ("pyarrow", "pip install 'nxdt-launch[parquet]'")}
+    for suffix, (module, fix) in readers.items():
+        first = next((s.location for s in shards if s.location.endswith(suffix)), None)  # one line per package
+        if first is not None:
+            wants.append((module, f"data_preparation.input: {first} ({suffix})", fix))
+    return wants
+
+
+def problems(cfg: dict[str, Any]) -> list[str]:
+    """One line per package the job's interpreter lacks; [] when it is not this interpreter (see the top)."""
+    if not job_python_is_ours(cfg):
+        return []
+    missing, seen = [], set()
+    for module, why, fix in needed(cfg):
+        if module in seen or importable(module):
+            continue
+        seen.add(module)
+        missing.append(f"{why} needs the {module} package, which {sys.executable} (the jobs' Python) cannot "
+                       f"import; install it: {fix}")
+    return missing
