@@ -217,6 +217,12 @@ def status(run: str | None, results_dir: Path) -> None:
     for entry, state in runs.stage_states(record):
         table.add_row(entry["stage"], str(entry["job_id"]), str(state), entry["log_dir"])
     console.print(table)
+    from runtime.io import run_lock
+
+    for entry in record["stages"]:
+        holder = run_lock.holder(Path(entry["log_dir"]).parent) if entry["stage"] == "training" else None
+        if holder is not None:
+            click.echo(f"training is held by {run_lock.describe(holder)} (its {run_lock.LOCK} lock)")
 
 
 @cli.command()

@@ -90,7 +90,24 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     elif errors := output_problems([("base_results_dir", Path(cfg["base_results_dir"]) / cfg["run_name"]),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
+    elif not dry_run and (errors := busy_runs(jobs)):
+        raise UserError(*errors)
     return Plan(cfg, executor, reason, jobs, file_warnings + warnings, produced_by, dry_run, remote_settings)
+
+
+def busy_runs(jobs: list[Job]) -> list[str]:
+    """A training stage whose results directory another live job is training (its RUNNING lock,
+    runtime/io/run_lock.py): launching it again would have two writers of one run's checkpoints and metrics."""
+    from runtime.io import run_lock
+
+    problems = []
+    for job in jobs:
+        holder = run_lock.holder(job.results_dir) if job.stage == "training" else None
+        if holder is not None:
+            problems.append(f"{job.stage}.run.results_dir: {job.results_dir} is being trained by "
+                            f"{run_lock.describe(holder)}; wait for it to finish or cancel it "
+                            f"(nxdt-launch cancel) before launching it again")
+    return problems
 
 
 # Linux NAME_MAX on ext4, xfs and Lustre/FSx: the longest one directory or file name may be.
