@@ -107,13 +107,15 @@ def check_overrides(typed: list[str], groups: tuple[str, ...] = CONFIG_GROUPS,
 
 def _check_group_choice(group: str, value: Any, typed: str, choices: list[str]) -> None:
     """A group takes the name of one of its configs; Hydra would resolve '../x' relative to the group, or fail on
-    a number, and then name some other file."""
+    a number, and then name some other file. Other unknown names are left to Hydra, which also searches the
+    directories of `hydra.searchpath` (an autoconfig result) and reports a missing one (_unknown_choice_error)."""
     known = set(choices) | set(_registered_choices(group))
     for choice in value if isinstance(value, list) else [value]:
         if not isinstance(choice, str) or not choice:
             raise UserError(f"{group}={_value_text(typed)}: a config group takes the name of one of its configs; "
                             f"valid choices: {', '.join(choices)}")
-        if choice not in known:
+        escapes = choice.startswith("/") or any(part in ("..", ".") for part in choice.split("/"))
+        if escapes and choice not in known:
             raise UserError(f"{group}={choice}: no such choice; {_closest(choice, choices)}"
                             f"valid choices: {', '.join(choices)}")
 
