@@ -69,6 +69,8 @@ PHRASES = [
     "use a positive count of",
     "each in [0, 1)",
     "is not an http:// or https:// URL",
+    "must be > 0 and at most {MAX_RECORD_MB}",
+    "which sbatch expands in #SBATCH --output",
 ]
 
 
