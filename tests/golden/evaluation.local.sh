@@ -20,6 +20,7 @@ exec > >(tee -a "$LOG_DIR/evaluation_local.log") 2>&1
 # `nxdt-launch status` reads the exit code from here.
 trap 'echo $? > "$LOG_DIR/evaluation_local.exit"' EXIT
 
-# All 1 workers of the stage's 1 node(s) run on this machine.
-"$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 1 \
+# All 1 workers of the stage's 1 node(s) run on this machine, under torchrun
+# (runtime.torchrun: ending a failure in one line, with the failing worker's exit code).
+"$PYTHON" -m runtime.torchrun --standalone --nnodes 1 --nproc_per_node 1 \
   -m runtime.evaluate --config /results/gpt3_tiny/evaluation/evaluation_config.yaml

@@ -20,6 +20,7 @@ exec > >(tee -a "$LOG_DIR/training_local.log") 2>&1
 # `nxdt-launch status` reads the exit code from here.
 trap 'echo $? > "$LOG_DIR/training_local.exit"' EXIT
 
-# All 2 workers of the stage's 1 node(s) run on this machine.
-"$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2 \
+# All 2 workers of the stage's 1 node(s) run on this machine, under torchrun
+# (runtime.torchrun: ending a failure in one line, with the failing worker's exit code).
+"$PYTHON" -m runtime.torchrun --standalone --nnodes 1 --nproc_per_node 2 \
   -m runtime.train --config /results/gpt3_tiny/training/training_config.yaml

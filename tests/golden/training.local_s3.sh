@@ -23,6 +23,7 @@ trap 'echo $? > "$LOG_DIR/training_local.exit"' EXIT
 # Inputs on S3, copied to the shared file system before the program starts (docs/parallelcluster.md).
 "$PYTHON" -m runtime.io.staging pull /results/gpt3_tiny/training/training_staging.json
 
-# All 2 workers of the stage's 1 node(s) run on this machine.
-"$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node 2 \
+# All 2 workers of the stage's 1 node(s) run on this machine, under torchrun
+# (runtime.torchrun: ending a failure in one line, with the failing worker's exit code).
+"$PYTHON" -m runtime.torchrun --standalone --nnodes 1 --nproc_per_node 2 \
   -m runtime.train --config /results/gpt3_tiny/training/training_config.yaml

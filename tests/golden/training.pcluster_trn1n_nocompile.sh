@@ -81,16 +81,17 @@ MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR == 1 { print $1 }' || true)
 export MASTER_ADDR="${MASTER_IP:-$MASTER_ADDR}"
 export MASTER_PORT=$(( 44000 + SLURM_JOB_ID % 1000 ))
 
-# What each node runs: one torchrun that starts this node's 32 workers. The compile step and
-# training both call this one function, so their flags and environment cannot drift apart; only the
-# stage config ($STAGE_CONFIG) and the neuron_parallel_compile wrapper ($NXDT_COMPILE=1) differ.
+# What each node runs: one torchrun that starts this node's 32 workers (runtime.torchrun:
+# torchrun ending a failure in one line, with the failing worker's exit code). The compile step and training
+# both call this one function, so their flags and environment cannot drift apart; only the stage config
+# ($STAGE_CONFIG) and the neuron_parallel_compile wrapper ($NXDT_COMPILE=1) differ.
 export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
 node_main() {
   # Compiled graphs of this model, shared by every node through S3.
   export NEURON_COMPILE_CACHE_URL=s3://bucket/neuron-cache/gpt-2831a3757128
   local wrapper=()
   if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
-  exec "${wrapper[@]}" "$PYTHON" -m torch.distributed.run \
+  exec "${wrapper[@]}" "$PYTHON" -m runtime.torchrun \
     --nnodes 1 --node_rank "$SLURM_NODEID" --nproc_per_node 32 \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 120 \

@@ -61,9 +61,10 @@ MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR == 1 { print $1 }' || true)
 export MASTER_ADDR="${MASTER_IP:-$MASTER_ADDR}"
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
 
-# What each node runs: one torchrun that starts this node's 2 workers.
+# What each node runs: one torchrun that starts this node's 2 workers (runtime.torchrun:
+# torchrun ending a failure in one line, with the failing worker's exit code).
 node_main() {
-  exec "$PYTHON" -m torch.distributed.run \
+  exec "$PYTHON" -m runtime.torchrun \
     --nnodes 1 --node_rank "$SLURM_NODEID" --nproc_per_node 2 \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 120 \
