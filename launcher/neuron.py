@@ -2,6 +2,10 @@
 the worker count per node, and the optional neuron_parallel_compile step. Pure functions of the resolved config;
 render.py puts the results into the script and launch.py writes the compile step's config file.
 
+The EFA settings (`Fabric`) are the one thing the training script and cluster-validate's collective tests must
+share: both get them from `fabric()` and render them with one macro (templates/_macros.sh.j2), so the tests
+measure the network the training will use.
+
 Precision -> environment, as NxD Training's training.py (process_config) sets it; NEURON_CC_FLAGS gets the
 cluster's compiler flags first, then the hardware target, then the precision's flags, in that order:
 
@@ -65,8 +69,12 @@ DEFAULTS: dict[str, Any] = {
     "async_exec_max_inflight_requests": 3,
     "malloc_arena_max": 64,
     "open_files": 65535,
-    "compile": {"enabled": True, "steps": 10, "cache": "/var/tmp/neuron-compile-cache"},
+    # cache null: <base_results_dir>/neuron-compile-cache, on the shared file system every node writes its logs to,
+    # so the graphs outlive the nodes (a replaced node starts with an empty /var/tmp).
+    "compile": {"enabled": True, "steps": 10, "cache": None},
 }
+# Directory under base_results_dir for the compile markers of caches on S3 (a directory cache keeps its own).
+S3_CACHE_MARKERS = "neuron-compile-markers"
 NEURON_KEYS = tuple(DEFAULTS)
 COMPILE_KEYS = tuple(DEFAULTS["compile"])
 
@@ -75,7 +83,19 @@ COMPILE_KEYS = tuple(DEFAULTS["compile"])
 class CompileStep:
     config: dict[str, Any]      # the stage config it runs: the training config, cut to `steps` steps
     config_path: Path
+    # Written once every node compiled without a failure; while it exists, the step is skipped (a requeue, a
+    # restart, the next launch of the same graphs). Its name is graph_key(): what the graphs depend on.
+    marker: str
     log_suffix: str = "compile"
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """How the workers of a Neuron job reach each other's nodes: the same for training and cluster-validate."""
+
+    env: dict[str, str]             # FI_PROVIDER, FI_EFA_USE_DEVICE_RDMA when cluster.neuron.efa
+    efa_fork_safe_check: bool       # export FI_EFA_FORK_SAFE=1 on kernels that need it (decided on the node)
+    open_files: int                 # ulimit -n: each worker holds many sockets and files open
 
 
 @dataclass(frozen=True)
@@ -83,11 +103,8 @@ class NeuronScript:
     """Everything the templates render for a Neuron stage."""
 
     hardware: str
-    env: dict[str, str]             # exported once, before the cluster's and the launch's own env_vars
-    efa_fork_safe_check: bool       # export FI_EFA_FORK_SAFE=1 on kernels that need it (decided on the node)
-    open_files: int
-    cache_url: str                  # NEURON_COMPILE_CACHE_URL without the node part
-    cache_per_node: bool            # a local/shared-FS cache gets one directory per node; S3 is shared
+    env: dict[str, str]             # exported once, after the fabric's and before the cluster's and launch's env_vars
+    cache_url: str                  # NEURON_COMPILE_CACHE_URL: one cache per model, shared by every node
     compile: CompileStep | None
 
 
@@ -103,6 +120,25 @@ def runs_on_neuron(job: Job) -> bool:
     return job.distributed and ((job.stage_config.get("trainer") or {}).get("accelerator") == "neuron")
 
 
+def fabric(job: Job, cfg: dict[str, Any]) -> Fabric | None:
+    """The EFA settings of every job whose workers talk across Neuron nodes: a stage on Neuron
+    (trainer.accelerator), and cluster-validate's collective tests (cluster_validation.accelerator=neuron)."""
+    validating_neuron = job.stage == "cluster_validation" and job.stage_config.get("accelerator") == "neuron"
+    if not (runs_on_neuron(job) or validating_neuron):
+        return None
+    neuron = settings(cfg)
+    env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"} if neuron["efa"] else {}
+    return Fabric(env=env, efa_fork_safe_check=bool(neuron["efa"]), open_files=int(neuron["open_files"]))
+
+
+def cache_location(cfg: dict[str, Any]) -> str:
+    """cluster.neuron.compile.cache, or its default on the shared file system, without a trailing slash."""
+    cache = settings(cfg)["compile"]["cache"]
+    if not cache:
+        cache = f"{str(cfg.get('base_results_dir') or '').rstrip('/')}/neuron-compile-cache"
+    return str(cache).rstrip("/")
+
+
 def model_key(stage_config: dict[str, Any]) -> str:
     """Names the compile cache of one model: its architecture and a hash of what shapes its graphs (the model
     section without its data and tokenizer paths, the precision). Data-only changes reuse the cache."""
@@ -110,6 +146,20 @@ def model_key(stage_config: dict[str, Any]) -> str:
     shaping = {"model": model, "precision": stage_config.get("precision")}
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return f"{model.get('architecture', 'model')}-{digest}"
+
+
+def graph_key(job: Job, compiler_flags: str, cache_url: str) -> str:
+    """Names the graphs one training compiles into one cache: everything that changes an HLO graph (the model's
+    shape and layout, the optimizer, the sequence length, the precision), the world size (collectives name
+    every rank), the compiler flags and target, and the cache itself. Data paths and step counts do not change
+    a graph and are left out. Conservative on purpose: a needless compile costs minutes, a wrong skip nothing
+    worse (a graph missing from the cache is compiled when training first runs it), but both are avoided."""
+    model = dict(job.stage_config.get("model") or {})
+    data = model.pop("data", None) or {}
+    model["seq_length"] = data.get("seq_length") if isinstance(data, dict) else None
+    graphs = {"model": model, "precision": job.stage_config.get("precision"), "nodes": job.nodes,
+              "workers_per_node": job.nproc_per_node, "compiler_flags": compiler_flags, "cache": cache_url}
+    return hashlib.sha256(json.dumps(graphs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def compile_config(job: Job, steps: int) -> dict[str, Any]:
@@ -146,8 +196,6 @@ def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
     flags.append(precision_flags)
 
     env: dict[str, str] = {}
-    if neuron["efa"]:
-        env.update(FI_PROVIDER="efa", FI_EFA_USE_DEVICE_RDMA="1")
     env["MALLOC_ARENA_MAX"] = str(neuron["malloc_arena_max"])
     env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = str(neuron["async_exec_max_inflight_requests"])
     if hardware.logical_cores > 1:
@@ -157,20 +205,18 @@ def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
     env["NEURON_CC_FLAGS"] = " ".join(f for f in flags if f)
     env["NXDT_NEURON_HARDWARE"] = neuron["hardware"]  # runtime/device.py reports peak FLOPs by it
 
-    cache = str(neuron["compile"]["cache"]).rstrip("/")
+    cache_url = f"{cache_location(cfg)}/{model_key(job.stage_config)}"
     compile_step = None
     if neuron["compile"]["enabled"] and job.stage == "training":
         steps = int(neuron["compile"]["steps"])
-        compile_step = CompileStep(compile_config(job, steps), job.results_dir / f"{job.stage}_compile_config.yaml")
-    return NeuronScript(
-        hardware=neuron["hardware"],
-        env=env,
-        efa_fork_safe_check=bool(neuron["efa"]),
-        open_files=int(neuron["open_files"]),
-        cache_url=f"{cache}/{model_key(job.stage_config)}",
-        cache_per_node=not cache.startswith("s3://"),
-        compile=compile_step,
-    )
+        key = graph_key(job, env["NEURON_CC_FLAGS"], cache_url)
+        # A directory cache holds its markers; one on S3 has them on the shared file system instead, where the
+        # job script can look without an S3 client.
+        markers = (f"{str(cfg['base_results_dir']).rstrip('/')}/{S3_CACHE_MARKERS}" if cache_url.startswith("s3://")
+                   else f"{cache_url}/nxdt-compiled")
+        compile_step = CompileStep(compile_config(job, steps), job.results_dir / f"{job.stage}_compile_config.yaml",
+                                   marker=f"{markers}/{key}")
+    return NeuronScript(hardware=neuron["hardware"], env=env, cache_url=cache_url, compile=compile_step)
 
 
 def problems(cfg: dict[str, Any]) -> list[str]:
@@ -194,6 +240,10 @@ def problems(cfg: dict[str, Any]) -> list[str]:
         value = neuron[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             errors.append(f"cluster.neuron.{key}: {value!r} must be a positive integer")
+    cache = neuron["compile"]["cache"]
+    if cache is not None and not (isinstance(cache, str) and (cache.startswith("/") or cache.startswith("s3://"))):
+        errors.append(f"cluster.neuron.compile.cache: {cache!r} must be a directory every node sees, e.g. "
+                      "/fsx/neuron-compile-cache, or an s3:// URL (null: <base_results_dir>/neuron-compile-cache)")
     if "\n" in str(neuron["compiler_flags"] or ""):
         errors.append("cluster.neuron.compiler_flags: must be one line of neuronx-cc flags")
     trainer = ((cfg.get("training") or {}).get("trainer")) or {}

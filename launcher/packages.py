@@ -36,12 +36,11 @@ def importable(module: str) -> bool:
 
 
 def job_python_is_ours(cfg: dict[str, Any]) -> bool:
-    """Whether the job scripts run this very interpreter (render.python: `python` unset, no container, no remote)."""
-    remote = (cfg.get("cluster") or {}).get("remote")
-    if cfg.get("container") or (isinstance(remote, dict) and remote.get("host")):
-        return False
-    configured = cfg.get("python")
-    return not configured or Path(str(configured)).resolve() == Path(sys.executable).resolve()
+    """Whether the job scripts run this very interpreter (render.python decides which one they run: a container's,
+    a cluster venv's, a remote head node's or this one): only then does what is installed here tell anything."""
+    from launcher.render import python  # render imports most of the launcher; this check runs once per launch
+
+    return Path(python(cfg)).resolve() == Path(sys.executable).resolve()
 
 
 def needed(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:

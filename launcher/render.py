@@ -7,10 +7,12 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import PurePosixPath
 from typing import Any
 
-from launcher import neuron, remote, staging
+from launcher import neuron, paths, remote, staging
 from launcher.job import Job
 from launcher.paths import templates_dir
 from launcher.validate import SBATCH_KEYS
@@ -79,21 +81,90 @@ def s3_env(cfg: dict[str, Any]) -> dict[str, str]:
     return s3.to_env(settings)
 
 
-def srun_args(cfg: dict[str, Any]) -> list[str]:
+# The packages job programs import (`-m runtime.train`, `-m csp_tools.cluster_validate`): mounted into a
+# container read-only, so that an image with the runtime's dependencies runs this checkout's code.
+CODE_PACKAGES = ("runtime", "csp_tools")
+
+
+def code_root() -> PurePosixPath:
+    """The directory that holds CODE_PACKAGES here: a checkout, or site-packages of an installed nxdt-launch."""
+    return PurePosixPath(paths.REPO_ROOT)
+
+
+@dataclass(frozen=True)
+class Container:
+    """A stage run under Pyxis/enroot (`container=IMAGE` on Slurm): every srun step of the job runs in it.
+    Paths keep their names inside (every mount is SRC:SRC), so the stage config, the logs and PYTHON's
+    arguments mean the same on both sides."""
+
+    image: str
+    mounts: list[str]       # --container-mounts entries: the automatic ones, then container_mounts
+    workdir: str            # --container-workdir: the stage's results directory
+    code_root: str          # put first on PYTHONPATH inside the container
+    make_dirs: list[str]    # mount sources the job creates first: Pyxis refuses a source that does not exist
+
+    @property
+    def srun_args(self) -> list[str]:
+        return [f"--container-image={self.image}", f"--container-mounts={','.join(self.mounts)}",
+                f"--container-workdir={self.workdir}"]
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def container(job: Job, cfg: dict[str, Any]) -> Container | None:
+    """What the job needs inside its container, or None without one. Mounted automatically, as NeMo-Launcher
+    mounts its results, data and launcher directories: the code (read-only), base_results_dir (and the stage's
+    results directory when it lies elsewhere), data_dir (its staging mirror when it is on S3), and a compile
+    cache directory; then each `container_mounts` entry (SRC:DST[:FLAGS]) as given."""
+    if not cfg.get("container"):
+        return None
+    code = code_root()
+    mounts = [f"{code / package}:{code / package}:ro" for package in CODE_PACKAGES]
+    dirs = [str(cfg["base_results_dir"]).rstrip("/")]
+    if not _under(str(job.results_dir), dirs):
+        dirs.append(str(job.results_dir))
+    data_dir = str(cfg.get("data_dir") or "")
+    local_mirror = ((cfg.get("cluster") or {}).get("staging") or {}).get("local_dir")
+    if data_dir.startswith("/"):
+        dirs.append(data_dir.rstrip("/"))
+    elif local_mirror:
+        dirs.append(str(local_mirror).rstrip("/"))
+    script = neuron.script(job, cfg)
+    if script and not script.cache_url.startswith("s3://"):
+        dirs.append(neuron.cache_location(cfg))
+    dirs = [d for i, d in enumerate(dirs) if not _under(d, dirs[:i])]  # one mount per tree
+    mounts += [f"{d}:{d}" for d in dirs] + [str(m) for m in cfg.get("container_mounts") or []]
+    return Container(image=str(cfg["container"]), mounts=list(dict.fromkeys(mounts)), workdir=str(job.results_dir),
+                     code_root=str(code), make_dirs=dirs)
+
+
+def srun_args(job: Job, cfg: dict[str, Any]) -> list[str]:
     args = [str(a) for a in (cfg.get("cluster") or {}).get("srun_args") or []]
-    if cfg.get("container"):
-        args.append(f"--container-image={cfg['container']}")
-        if cfg.get("container_mounts"):
-            args.append(f"--container-mounts={','.join(map(str, cfg['container_mounts']))}")
-    return args
+    inside = container(job, cfg)
+    return args + (inside.srun_args if inside else [])
+
+
+def venv(cfg: dict[str, Any]) -> str | None:
+    """cluster.venv, the venv every node of the cluster has (the ParallelCluster node script makes it): the job
+    activates it. Not in a container, whose image brings its own Python."""
+    path = (cfg.get("cluster") or {}).get("venv")
+    return None if not path or cfg.get("container") else str(path).rstrip("/")
 
 
 def python(cfg: dict[str, Any]) -> str:
-    """The interpreter the scripts run: the configured one, else `python3` where this machine's cannot be seen
-    (in a container, on a remote head node), else the one running nxdt-launch."""
+    """The interpreter the scripts run: `python` when the launch names one; `python3` in a container (the
+    image's); the cluster's venv (cluster.venv) when it has one; `python3` on a remote head node, whose paths
+    this machine cannot see; and only then the one running nxdt-launch, whose path the job can see as well
+    (this machine, or a Slurm cluster whose venv is on the shared file system)."""
     if cfg.get("python"):
         return str(cfg["python"])
-    return "python3" if cfg.get("container") or remote.settings(cfg) else sys.executable
+    if cfg.get("container"):
+        return "python3"
+    if venv(cfg):
+        return f"{venv(cfg)}/bin/python"
+    return "python3" if remote.settings(cfg) else sys.executable
 
 
 def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) -> str:
@@ -102,6 +173,9 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
     template = _environment().get_template(TEMPLATES[executor])
     return template.render(
         neuron=neuron.script(job, cfg),
+        fabric=neuron.fabric(job, cfg),
+        container=container(job, cfg),
+        venv=venv(cfg),
         master_port_base=neuron.MASTER_PORT_BASE,
         master_port_span=neuron.MASTER_PORT_SPAN,
         compile_summary=neuron.COMPILE_SUMMARY,
@@ -110,7 +184,7 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         produced_by=produced_by,
         job_name=job_name(cfg, job),
         sbatch_options=sbatch_options(cluster),
-        srun_args=srun_args(cfg),
+        srun_args=srun_args(job, cfg),
         setup=[str(line) for line in cluster.get("setup") or []],
         env=job_env(cfg),
         s3_env=s3_env(cfg),

@@ -28,7 +28,41 @@ if [ "$ROLE" = compute ]; then
   cat /etc/hosts.nxdt > /etc/hosts && rm -f /etc/hosts.nxdt
 fi
 
-# 3. This project in a venv on the node's own disk (conf/cluster/pcluster_*.yaml activates it in every job).
+# 3. The Neuron driver, runtime, collectives and tools on compute nodes (the head node has no Neuron
+#    devices), from the Neuron package repository as AWS's Neuron setup guide installs them. The driver is a
+#    kernel module that DKMS builds against this kernel's headers. On an AMI that has them (a Neuron DLAMI),
+#    node_setup.neuron_system_packages=[] leaves its versions alone.
+if [ "$ROLE" = compute ]; then
+  if command -v apt-get > /dev/null; then
+    . /etc/os-release
+    install -m 0755 -d /etc/apt/keyrings
+    curl -fsSL https://apt.repos.neuron.amazonaws.com/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB \
+      | gpg --batch --yes --dearmor -o /etc/apt/keyrings/neuron.gpg
+    printf 'deb [signed-by=/etc/apt/keyrings/neuron.gpg] %s %s main\n' https://apt.repos.neuron.amazonaws.com "$VERSION_CODENAME" \
+      > /etc/apt/sources.list.d/neuron.list
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "linux-headers-$(uname -r)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+      aws-neuronx-dkms \
+      aws-neuronx-runtime-lib \
+      aws-neuronx-collectives \
+      aws-neuronx-tools
+  else
+    printf '[neuron]\nname=Neuron YUM Repository\nbaseurl=%s\nenabled=1\nmetadata_expire=0\n' \
+      https://yum.repos.neuron.amazonaws.com > /etc/yum.repos.d/neuron.repo
+    rpm --import https://yum.repos.neuron.amazonaws.com/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB
+    dnf install -y -q "kernel-devel-$(uname -r)" "kernel-headers-$(uname -r)"
+    dnf install -y -q \
+      aws-neuronx-dkms \
+      aws-neuronx-runtime-lib \
+      aws-neuronx-collectives \
+      aws-neuronx-tools
+  fi
+  # neuron-ls finds every device once the driver is loaded; a node without them must not take jobs.
+  /opt/aws/neuron/bin/neuron-ls > /dev/null
+fi
+
+# 4. This project in a venv on the node's own disk (conf/cluster/pcluster_*.yaml activates it in every job).
 if ! command -v "$PYTHON_FOR_VENV" > /dev/null; then
   if command -v apt-get > /dev/null; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$PYTHON_FOR_VENV" "$PYTHON_FOR_VENV-venv"

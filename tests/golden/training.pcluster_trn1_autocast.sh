@@ -14,11 +14,18 @@
 #SBATCH --exclusive
 set -euo pipefail
 # Cluster setup lines, run as written.
+export PATH="/opt/aws/neuron/bin:$PATH"
+# The cluster's venv (cluster.venv), on every node: its python runs the stage, its bin/ is on PATH.
 source /opt/nxdt/venv/bin/activate
-# Trainium (trn1): EFA, runtime and compiler settings derived from training.precision.type
-# as NxD Training derives them (docs/parallelcluster.md). The cluster's and the launch's env_vars below win.
+# Collectives between Neuron nodes over EFA (cluster.neuron.efa); training and cluster-validate set the same.
 export FI_PROVIDER=efa
 export FI_EFA_USE_DEVICE_RDMA=1
+# libfabric must be told to be fork-safe on kernels older than 5.13 (no copy-on-fork for pinned memory).
+if [ "$(printf '%s\n' 5.13 "$(uname -r)" | sort -V | sed -n 1p)" != 5.13 ]; then export FI_EFA_FORK_SAFE=1; fi
+# Each worker holds many sockets and files open.
+ulimit -n 65535 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+# Trainium (trn1): runtime and compiler settings derived from training.precision.type as NxD
+# Training derives them (docs/parallelcluster.md). The cluster's and the launch's env_vars below win.
 export MALLOC_ARENA_MAX=64
 export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
 export NEURON_FUSE_SOFTMAX=1
@@ -27,10 +34,6 @@ export XLA_DOWNCAST_BF16=0
 export NEURON_RT_STOCHASTIC_ROUNDING_EN=0
 export NEURON_CC_FLAGS='--model-type=transformer --distribution-strategy=llm-training --target=trn1 --enable-mixed-precision-accumulation --auto-cast none'
 export NXDT_NEURON_HARDWARE=trn1
-# libfabric must be told to be fork-safe on kernels older than 5.13 (no copy-on-fork for pinned memory).
-if [ "$(printf '%s\n' 5.13 "$(uname -r)" | sort -V | sed -n 1p)" != 5.13 ]; then export FI_EFA_FORK_SAFE=1; fi
-# Each NeuronCore worker holds many sockets and files open.
-ulimit -n 65535 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 export NXDT_STAGE=training
 export NXDT_RUN_DIR=/results/gpt3_tiny
 # cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
@@ -87,8 +90,9 @@ export MASTER_PORT=$(( 44000 + SLURM_JOB_ID % 1000 ))
 # ($STAGE_CONFIG) and the neuron_parallel_compile wrapper ($NXDT_COMPILE=1) differ.
 export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
 node_main() {
-  # Compiled graphs of this model, one cache per node: nodes never contend for a cache lock.
-  export NEURON_COMPILE_CACHE_URL=/var/tmp/neuron-compile-cache/gpt-ad3a85db3833/"$(hostname -s)"
+  # Compiled graphs of this model, one cache that every node shares (a shared directory or S3): a node that
+  # replaces another finds them, and the compile step's marker speaks for every node.
+  export NEURON_COMPILE_CACHE_URL=/fsx/neuron-compile-cache/gpt-ad3a85db3833
   local wrapper=()
   if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
   exec "${wrapper[@]}" "$PYTHON" -m runtime.torchrun \
@@ -99,21 +103,32 @@ node_main() {
 }
 export -f node_main
 
-# Compile first: the same command under neuron_parallel_compile for 10 steps (training_compile_config.yaml).
-echo "nxdt: training job $JOB_TAG restart $RESTART: neuron_parallel_compile on $SLURM_JOB_NODELIST"
-STAGE_CONFIG=/results/gpt3_tiny/training/training_compile_config.yaml NXDT_COMPILE=1 \
-srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
-  --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node%n.log" \
-  bash -c node_main
-# Every node must report that no graph failed to compile before training starts.
-for NODE in $(seq 0 1); do
-  COMPILE_LOG="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node${NODE}.log"
-  SUMMARY=$(grep -o 'Total failed compilations: [0-9]*' "$COMPILE_LOG" 2>/dev/null | tail -n 1 || true)
-  if [ "$SUMMARY" != 'Total failed compilations: 0' ]; then
-    echo "nxdt: compile step on node $NODE: ${SUMMARY:-no summary line} in $COMPILE_LOG; not starting training" >&2
-    exit 1
-  fi
-done
+# Compile first: the same command under neuron_parallel_compile for 10 steps (training_compile_config.yaml),
+# unless the marker says the cache already holds these graphs: it is written below once every node compiled
+# without a failure, and named by what the graphs depend on (launcher/neuron.py graph_key), so a requeue, a
+# restart or the next launch of the same model and layout skips the step.
+COMPILED_MARKER=/fsx/neuron-compile-cache/gpt-ad3a85db3833/nxdt-compiled/163de263fad38a4b
+if [ -e "$COMPILED_MARKER" ]; then
+  echo "nxdt: training job $JOB_TAG restart $RESTART: compile step skipped, the cache holds these graphs ($COMPILED_MARKER)"
+else
+  echo "nxdt: training job $JOB_TAG restart $RESTART: neuron_parallel_compile on $SLURM_JOB_NODELIST"
+  STAGE_CONFIG=/results/gpt3_tiny/training/training_compile_config.yaml NXDT_COMPILE=1 \
+  srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node%n.log" \
+    bash -c node_main
+  # Every node must report that no graph failed to compile before training starts.
+  for NODE in $(seq 0 1); do
+    COMPILE_LOG="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node${NODE}.log"
+    SUMMARY=$(grep -o 'Total failed compilations: [0-9]*' "$COMPILE_LOG" 2>/dev/null | tail -n 1 || true)
+    if [ "$SUMMARY" != 'Total failed compilations: 0' ]; then
+      echo "nxdt: compile step on node $NODE: ${SUMMARY:-no summary line} in $COMPILE_LOG; not starting training" >&2
+      exit 1
+    fi
+  done
+  mkdir -p "$(dirname "$COMPILED_MARKER")"
+  echo "compiled by job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST, $(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+    > "$COMPILED_MARKER"
+fi
 
 echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
 # In the background, so that a signal is handled at once: bash runs a trap only between commands, and `wait` is

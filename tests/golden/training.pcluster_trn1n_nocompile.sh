@@ -14,11 +14,18 @@
 #SBATCH --exclusive
 set -euo pipefail
 # Cluster setup lines, run as written.
+export PATH="/opt/aws/neuron/bin:$PATH"
+# The cluster's venv (cluster.venv), on every node: its python runs the stage, its bin/ is on PATH.
 source /opt/nxdt/venv/bin/activate
-# Trainium (trn1): EFA, runtime and compiler settings derived from training.precision.type
-# as NxD Training derives them (docs/parallelcluster.md). The cluster's and the launch's env_vars below win.
+# Collectives between Neuron nodes over EFA (cluster.neuron.efa); training and cluster-validate set the same.
 export FI_PROVIDER=efa
 export FI_EFA_USE_DEVICE_RDMA=1
+# libfabric must be told to be fork-safe on kernels older than 5.13 (no copy-on-fork for pinned memory).
+if [ "$(printf '%s\n' 5.13 "$(uname -r)" | sort -V | sed -n 1p)" != 5.13 ]; then export FI_EFA_FORK_SAFE=1; fi
+# Each worker holds many sockets and files open.
+ulimit -n 65535 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+# Trainium (trn1): runtime and compiler settings derived from training.precision.type as NxD
+# Training derives them (docs/parallelcluster.md). The cluster's and the launch's env_vars below win.
 export MALLOC_ARENA_MAX=64
 export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
 export NEURON_FUSE_SOFTMAX=1
@@ -27,10 +34,6 @@ export XLA_DOWNCAST_BF16=0
 export NEURON_RT_STOCHASTIC_ROUNDING_EN=1
 export NEURON_CC_FLAGS='--model-type=transformer --distribution-strategy=llm-training --target=trn1 --enable-mixed-precision-accumulation'
 export NXDT_NEURON_HARDWARE=trn1
-# libfabric must be told to be fork-safe on kernels older than 5.13 (no copy-on-fork for pinned memory).
-if [ "$(printf '%s\n' 5.13 "$(uname -r)" | sort -V | sed -n 1p)" != 5.13 ]; then export FI_EFA_FORK_SAFE=1; fi
-# Each NeuronCore worker holds many sockets and files open.
-ulimit -n 65535 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 export NXDT_STAGE=training
 export NXDT_RUN_DIR=/results/gpt3_tiny
 # cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
@@ -87,7 +90,8 @@ export MASTER_PORT=$(( 44000 + SLURM_JOB_ID % 1000 ))
 # ($STAGE_CONFIG) and the neuron_parallel_compile wrapper ($NXDT_COMPILE=1) differ.
 export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
 node_main() {
-  # Compiled graphs of this model, shared by every node through S3.
+  # Compiled graphs of this model, one cache that every node shares (a shared directory or S3): a node that
+  # replaces another finds them, and the compile step's marker speaks for every node.
   export NEURON_COMPILE_CACHE_URL=s3://bucket/neuron-cache/gpt-2831a3757128
   local wrapper=()
   if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi

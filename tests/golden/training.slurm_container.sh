@@ -20,6 +20,18 @@ export NXDT_S3_MULTIPART_CHUNK_MB=64
 export NXDT_S3_RETRIES=10
 export NXDT_S3_CHECKSUMS=when_supported
 export PYTHON=/opt/venv/bin/python
+# Every srun step runs in nvcr.io/nvidia/pytorch:24.01-py3 (Pyxis), with the directories it reads and writes
+# mounted at their own paths; Pyxis refuses a mount whose source does not exist yet.
+mkdir -p /results /data
+# This checkout's runtime, mounted read-only. The image's own PYTHONPATH would win over one exported here
+# (Pyxis keeps an image's variables), so each step puts it first itself: see in_container below.
+export NXDT_CODE=/opt/nxdt-launch
+# What each srun step runs inside the container: the command, with NXDT_CODE first on PYTHONPATH.
+in_container() {
+  export PYTHONPATH="$NXDT_CODE${PYTHONPATH:+:$PYTHONPATH}"
+  "$@"
+}
+export -f in_container
 LOG_DIR=/results/gpt3_tiny/training/logs
 mkdir -p "$LOG_DIR"
 
@@ -78,9 +90,10 @@ echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
 if [ -z "$SIGNALLED" ]; then
   srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 \
     --container-image=nvcr.io/nvidia/pytorch:24.01-py3 \
-    --container-mounts=/fsx:/fsx \
+    --container-mounts=/opt/nxdt-launch/runtime:/opt/nxdt-launch/runtime:ro,/opt/nxdt-launch/csp_tools:/opt/nxdt-launch/csp_tools:ro,/results:/results,/data:/data,/fsx:/fsx \
+    --container-workdir=/results/gpt3_tiny/training \
     --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_node%n.log" \
-    bash -c node_main &
+    bash -c 'in_container node_main' &
   STEP_PID=$!
   while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID" || true; done
   STEP_EXIT=0

@@ -206,7 +206,7 @@ def test_file_names_values_and_broken_config_json(tmp_path):
     plan, training = _training(tmp_path, f"training=@{odd}")
     neuron = plan.cfg["cluster"]["neuron"]
     assert neuron["compiler_flags"] == "--flag 'quoted'"
-    assert neuron["compile"]["cache"] == "/var/tmp/neuron-compile-cache"  # null: the cluster's own default stays
+    assert neuron["compile"]["cache"] == "/fsx/neuron-compile-cache"  # null: the cluster's own default stays
     broken = tmp_path / "config.json"
     broken.write_text(json.dumps({**json.loads((FIXTURES / "llama3_8b_config.json").read_text()),
                                   "num_attention_heads": 0}))

@@ -42,7 +42,8 @@ def test_another_interpreter_is_not_judged_by_this_one(missing):
     missing.add("wandb")
     wandb = "training.exp_manager.create_wandb_logger=true"
     assert packages.problems(resolved("stages=[training]", wandb, "python=null"))
-    for other in ("python=/opt/other/bin/python", "container=nvcr.io/x:1", "+cluster.remote.host=head"):
+    for other in ("python=/opt/other/bin/python", "container=nvcr.io/x:1", "+cluster.remote.host=head",
+                  "cluster=pcluster_trn1"):  # its cluster.venv, /opt/nxdt/venv, is what the job runs
         assert packages.problems(resolved("stages=[training]", wandb, other)) == [], other
 
 

@@ -3,10 +3,11 @@ NXDT_UPDATE_GOLDEN=1 python -m pytest tests/launcher/test_render.py rewrites the
 
 import os
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
+from launcher import render as render_module
 from launcher.launch import build
 from launcher.render import render
 from launcher.stages import BUILDERS
@@ -24,6 +25,22 @@ CASES = [
                            "env_vars.NCCL_DEBUG=INFO"]),
     ("training", "slurm_container", ["container=nvcr.io/nvidia/pytorch:24.01-py3",
                                      "container_mounts=[/fsx:/fsx]", "cluster.exclusive=false"]),
+    # Pyxis with the image's own python3: code, results and the data's staging mirror mounted automatically,
+    # then container_mounts; staging runs in the container too.
+    ("training", "slurm_container_mounts", ["python=null", "container=nvcr.io/nvidia/pytorch:24.01-py3",
+                                            "container_mounts=[/fsx/enroot/cache:/cache:ro,/scratch:/scratch]",
+                                            "data_dir=s3://bucket/datasets", "cluster.staging.local_dir=/fsx/staging"]),
+    # Trainium in a container: the compile cache directory is mounted, the cluster's venv is not activated.
+    ("training", "pcluster_trn1_container", ["python=null", "cluster=pcluster_trn1", "training.trainer.num_nodes=2",
+                                             "training.trainer.devices=32", "training.trainer.accelerator=neuron",
+                                             "container=/fsx/images/neuron-training.sqsh"]),
+    # No `python`: the job runs the cluster's venv (cluster.venv), not the interpreter that launched it.
+    ("training", "pcluster_trn1_venv", ["python=null", "cluster=pcluster_trn1", "training.trainer.num_nodes=2",
+                                        "training.trainer.devices=32", "training.trainer.accelerator=neuron"]),
+    # The compile cache on S3: the compile step's marker is kept on the shared file system.
+    ("training", "pcluster_trn1_s3cache", ["cluster=pcluster_trn1", "training.trainer.num_nodes=2",
+                                           "training.trainer.devices=32", "training.trainer.accelerator=neuron",
+                                           "cluster.neuron.compile.cache=s3://bucket/neuron-cache"]),
     ("training", "pcluster_trn1", ["cluster=pcluster_trn1", "training.trainer.num_nodes=4",
                                    "training.trainer.devices=32", "training.trainer.accelerator=neuron"]),
     *[("training", f"{cluster}_{precision}", [f"cluster={cluster}", "training.trainer.num_nodes=2",
@@ -54,6 +71,12 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _stable_code_root(monkeypatch):
+    # Where this checkout lies differs between machines; a container mounts it, so the golden files name one.
+    monkeypatch.setattr(render_module, "code_root", lambda: PurePosixPath("/opt/nxdt-launch"))
+
+
 @pytest.mark.parametrize("stage,variant,overrides", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_script_matches_golden(stage, variant, overrides):
     cfg = resolved(*overrides)
@@ -79,3 +102,18 @@ def test_every_template_has_a_golden_file():
     templates = {p.name.split(".")[0] for p in (REPO / "templates").glob("*.j2") if not p.name.startswith("_")}
     assert templates == {"sbatch", "local"} and rendered == {"local", "slurm"}
     assert {c[0] for c in CASES} == set(BUILDERS)
+
+
+def test_a_container_gets_the_code_results_and_data_mounted_then_container_mounts():
+    from launcher.render import container
+
+    cfg = resolved("python=null", "container=img.sqsh", "container_mounts=[/scratch:/scratch,/results/x:/x]",
+                   "training.run.results_dir=/elsewhere/training")
+    job = next(j for j in build({**cfg, "stages": ["training"]}) if j.stage == "training")
+    inside = container(job, cfg)
+    assert inside.mounts == ["/opt/nxdt-launch/runtime:/opt/nxdt-launch/runtime:ro",
+                             "/opt/nxdt-launch/csp_tools:/opt/nxdt-launch/csp_tools:ro",
+                             "/results:/results", "/elsewhere/training:/elsewhere/training", "/data:/data",
+                             "/scratch:/scratch", "/results/x:/x"]
+    assert inside.workdir == "/elsewhere/training" and inside.make_dirs == ["/results", "/elsewhere/training", "/data"]
+    assert container(job, resolved()) is None

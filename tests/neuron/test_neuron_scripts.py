@@ -41,7 +41,8 @@ def test_precision_sets_the_environment_as_nxd_training_does(precision, cluster,
     assert env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == rounding
     assert env["NEURON_CC_FLAGS"].endswith(" " + flags)
     assert f"--target={hardware}" in env["NEURON_CC_FLAGS"]
-    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["MALLOC_ARENA_MAX"] == "64"
+    assert env["MALLOC_ARENA_MAX"] == "64"
+    assert neuron.fabric(job, cfg).env == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
     if hardware == "trn2":
         assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and "--logical-nc-config=2" in env["NEURON_CC_FLAGS"]
     else:
@@ -121,9 +122,11 @@ def sandbox(tmp_path):
 
 def _run_script(sandbox, *overrides, env=None):
     tmp_path, bin_dir, python = sandbox
+    # The compile cache (and its marker) in the sandbox, not on the cluster's /fsx.
+    cache = [] if any("compile.cache=" in o for o in overrides) else [f"cluster.neuron.compile.cache={tmp_path}/cache"]
     cfg, job = _job(f"base_results_dir={tmp_path}/results", f"python='{python}'", "training.trainer.num_nodes=2",
-                    *overrides)
-    cfg = {**cfg, "cluster": {**cfg["cluster"], "setup": []}}  # no venv to activate here
+                    *cache, *overrides)
+    cfg = {**cfg, "cluster": {**cfg["cluster"], "setup": [], "venv": None}}  # no venv to activate here
     from launcher.launch import Plan, write
 
     plan = Plan(cfg, "slurm", "test", [job], [], "test", False)
@@ -137,8 +140,9 @@ def _run_script(sandbox, *overrides, env=None):
 
 def test_compile_runs_first_with_the_same_flags_then_training(sandbox):
     hostile = "--model-type=transformer $(touch CANARY) 'quoted'"
+    cache = sandbox[0] / "c a c h e"
     result, job, tmp = _run_script(sandbox, "training.precision.type=bf16SR", f"cluster.neuron.compiler_flags=\"{hostile}\"",
-                                   "cluster.neuron.compile.steps=3", "cluster.neuron.compile.cache='/var/tmp/c a c h e'")
+                                   "cluster.neuron.compile.steps=3", f"cluster.neuron.compile.cache='{cache}'")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp / "order").read_text().split("\n")[:-1] == ["compile 0", "run 0 1", "compile 1", "run 1 1",
                                                              "run 0 0", "run 1 0"]
@@ -151,7 +155,9 @@ def test_compile_runs_first_with_the_same_flags_then_training(sandbox):
         # Everything else, flags and environment included, is identical.
         assert compiled[:config] + compiled[config + 1:] == trained[:config] + trained[config + 1:]
         assert f"FLAGS={hostile} --target=trn1 --enable-mixed-precision-accumulation" in trained
-        assert any(line.startswith("CACHE=/var/tmp/c a c h e/gpt-") for line in trained)
+        # One cache per model, the same on every node.
+        (cache_line,) = [line for line in trained if line.startswith("CACHE=")]
+        assert cache_line.startswith(f"CACHE={cache}/gpt-") and cache_line.count("/") == str(cache).count("/") + 1
         assert "MASTER=127.0.0.1:44242" in trained and "--nproc_per_node" in trained
     compile_config = yaml.safe_load((job.results_dir / "training_compile_config.yaml").read_text())
     assert compile_config["trainer"]["max_steps"] == 3
@@ -167,6 +173,90 @@ def test_training_never_starts_after_a_failed_compile(sandbox):
     assert "compile step on node 0: Total failed compilations: 2" in result.stderr
     assert "run 0 0" not in (tmp / "order").read_text()
     assert (job.log_dir / "training_4242_0.exit").read_text().strip() == "1"
+    assert not Path(neuron.script(job, _job(f"base_results_dir={tmp}/results", "training.trainer.num_nodes=2",
+                                            f"cluster.neuron.compile.cache={tmp}/cache")[0]).compile.marker).exists()
+
+
+def test_a_requeue_or_the_next_launch_of_the_same_graphs_skips_the_compile_step(sandbox):
+    first, job, tmp = _run_script(sandbox)
+    assert first.returncode == 0, first.stderr
+    order = tmp / "order"
+    assert "compile 0" in order.read_text()
+    order.unlink()
+    # Slurm requeued the job (or the run is launched again): the marker says the cache holds the graphs.
+    again, _, _ = _run_script(sandbox, env={"SLURM_RESTART_COUNT": "1"})
+    assert again.returncode == 0, again.stderr
+    assert order.read_text().split("\n")[:-1] == ["run 0 0", "run 1 0"]
+    assert "compile step skipped, the cache holds these graphs" in again.stdout
+    # Graphs that differ (another precision, another world size) are compiled again.
+    order.unlink()
+    changed, _, _ = _run_script(sandbox, "training.precision.type=bf16SR")
+    assert changed.returncode == 0, changed.stderr
+    assert order.read_text().startswith("compile 0")
+
+
+def test_the_marker_names_what_the_graphs_depend_on():
+    def marker(*overrides):
+        cfg, job = _job("training.trainer.num_nodes=2", *overrides)
+        return neuron.script(job, cfg).compile.marker
+
+    base = marker()
+    assert base.startswith("/fsx/neuron-compile-cache/gpt-") and "/nxdt-compiled/" in base
+    # Not the data or the step count: neither changes a graph.
+    assert marker("training.trainer.max_steps=77", "training.model.data.splits_string='90,5,5'") == base
+    for changed in ("training.trainer.num_nodes=4", "training.precision.type=bf16SR", "training.model.micro_batch_size=2",
+                    "training.model.encoder_seq_length=64", "cluster.neuron.compiler_flags='--model-type=transformer'"):
+        assert marker(changed) != base, changed
+    # A cache on S3 keeps its markers on the shared file system, where the job script can look.
+    on_s3 = marker("cluster.neuron.compile.cache=s3://bucket/cache")
+    assert on_s3.startswith("/results/neuron-compile-markers/") and on_s3 != base
+    # null: under base_results_dir, which every node sees.
+    assert marker("cluster.neuron.compile.cache=null").startswith("/results/neuron-compile-cache/gpt-")
+
+
+def test_a_cache_that_not_every_node_can_find_is_refused(tmp_path):
+    result = nxdt(f"base_results_dir={tmp_path}/results", "stages=[training]", "training.trainer.accelerator=neuron",
+                  "cluster=pcluster_trn1", "training.trainer.devices=32", "cluster.neuron.compile.cache=neuron-cache",
+                  "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "error: cluster.neuron.compile.cache: 'neuron-cache' must be a directory every node sees" in result.stderr
+
+
+def _efa_block(script: str) -> list[str]:
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# Collectives between Neuron nodes over EFA"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("ulimit -n"))
+    return lines[start:end + 1]
+
+
+@pytest.mark.parametrize("cluster", ["pcluster_trn1", "pcluster_trn2", "slurm"])
+def test_cluster_validate_on_neuron_sets_the_efa_environment_training_sets(tmp_path, cluster):
+    from launcher.commands import cluster_validate
+    from launcher.render import render
+
+    plan, _ = cluster_validate.make_plan([f"cluster={cluster}", f"base_results_dir={tmp_path}", "cluster_type=slurm",
+                                          "accelerator=neuron", "devices=32", "nodes=2"],
+                                         dry_run=True, produced_by="test")
+    validation = render(plan.jobs[0], plan.cfg, executor="slurm", produced_by="test")
+    devices = 64 if cluster == "pcluster_trn2" else 32
+    cfg, job = _job(f"base_results_dir={tmp_path}", cluster=cluster, devices=devices)
+    training = render(job, cfg, executor="slurm", produced_by="test")
+    assert _efa_block(validation) == _efa_block(training)
+    assert {"export FI_PROVIDER=efa", "export FI_EFA_USE_DEVICE_RDMA=1"} <= set(_efa_block(training))
+    # Switched off in one place, off in both.
+    plan, _ = cluster_validate.make_plan([f"cluster={cluster}", f"base_results_dir={tmp_path}", "cluster_type=slurm",
+                                          "accelerator=neuron", "devices=32", "nodes=2", "++cluster.neuron.efa=false"],
+                                         dry_run=True, produced_by="test")
+    assert "FI_PROVIDER" not in render(plan.jobs[0], plan.cfg, executor="slurm", produced_by="test")
+
+
+def test_cluster_validate_on_cpu_sets_no_efa_environment(tmp_path):
+    from launcher.commands import cluster_validate
+    from launcher.render import render
+
+    plan, _ = cluster_validate.make_plan(["cluster=pcluster_trn1", f"base_results_dir={tmp_path}", "cluster_type=slurm",
+                                          "accelerator=cpu", "nodes=2"], dry_run=True, produced_by="test")
+    assert "FI_PROVIDER" not in render(plan.jobs[0], plan.cfg, executor="slurm", produced_by="test")
 
 
 def test_without_the_compile_step_training_runs_alone(sandbox):

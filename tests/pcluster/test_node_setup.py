@@ -1,0 +1,92 @@
+"""What a ParallelCluster node gets, without aws-parallelcluster: the node script installs the Neuron system
+software as AWS's Neuron setup guide does, and the job scripts run the venv that script makes, whichever
+interpreter ran nxdt-launch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launcher import pcluster
+from launcher.launch import build
+from launcher.render import python, render
+from launcher.validate import cluster as cluster_problems
+from tests.launcher.helpers import REPO, resolved
+
+GOLDEN = REPO / "tests" / "golden" / "pcluster_on_node_configured.trn1.sh"
+REQUIRED = ["subnet_id=subnet-0123456789abcdef0", "node_setup.script_s3_uri=s3://my-bucket/nxdt/on_node_configured.sh"]
+# AWS's Neuron setup (Ubuntu): the Neuron apt repository, signed by its key; kernel headers for DKMS; then the
+# driver, runtime, collectives and tools.
+NEURON_SYSTEM_PACKAGES = ["aws-neuronx-dkms", "aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-tools"]
+
+
+def _script(*overrides):
+    return pcluster.node_script(pcluster.compose([*REQUIRED, *overrides]))
+
+
+def test_node_script_matches_golden():
+    text = _script()
+    if os.environ.get("NXDT_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(text)
+    assert text.splitlines() == GOLDEN.read_text().splitlines()
+    assert subprocess.run(["bash", "-n", str(GOLDEN)]).returncode == 0
+
+
+def test_compute_nodes_get_the_neuron_driver_runtime_collectives_and_tools():
+    text = _script()
+    compute = text[text.index("# 3. The Neuron driver"):text.index("# 4. This project")]
+    assert 'if [ "$ROLE" = compute ]; then' in compute
+    assert ("gpg --batch --yes --dearmor -o /etc/apt/keyrings/neuron.gpg" in compute
+            and "https://apt.repos.neuron.amazonaws.com/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB" in compute)
+    assert "deb [signed-by=/etc/apt/keyrings/neuron.gpg] %s %s main" in compute and '"$VERSION_CODENAME"' in compute
+    assert 'apt-get install -y -q "linux-headers-$(uname -r)"' in compute
+    assert 'dnf install -y -q "kernel-devel-$(uname -r)" "kernel-headers-$(uname -r)"' in compute
+    # Each package once for apt and once for dnf, after the headers, and the driver's devices checked.
+    for package in NEURON_SYSTEM_PACKAGES:
+        assert compute.count(f"      {package}") == 2, package
+    assert compute.index("linux-headers") < compute.index("aws-neuronx-dkms")
+    assert "/opt/aws/neuron/bin/neuron-ls" in compute
+    # The Python side still comes from the Neuron pip repository, after the system software.
+    assert text.index("--extra-index-url https://pip.repos.neuron.amazonaws.com") > text.index("aws-neuronx-tools")
+
+
+def test_a_neuron_dlami_keeps_its_own_neuron_software():
+    text = _script("custom_ami=ami-0123456789abcdef0", "node_setup.neuron_system_packages=[]")
+    assert "aws-neuronx" not in text and "apt.repos.neuron" not in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def _training_script(*overrides):
+    cfg = resolved("cluster=pcluster_trn1", "training.trainer.accelerator=neuron", "training.trainer.devices=32",
+                   "stages=[training]", *overrides)
+    return cfg, render(build(cfg)[0], cfg, executor="slurm", produced_by="test")
+
+
+def test_jobs_run_the_clusters_venv_not_the_launching_interpreter():
+    cfg, text = _training_script("python=null")
+    assert python(cfg) == "/opt/nxdt/venv/bin/python" != sys.executable
+    assert "source /opt/nxdt/venv/bin/activate\n" in text and "\nexport PYTHON=/opt/nxdt/venv/bin/python\n" in text
+    # The node script makes that very venv.
+    assert pcluster.compose(REQUIRED)["node_setup"]["venv"] == cfg["cluster"]["venv"]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["cluster=pcluster_trn1", "python=/fsx/venv/bin/python"], "/fsx/venv/bin/python"),  # the launch names one
+    (["cluster=pcluster_trn1", "container=img.sqsh"], "python3"),                          # the image's
+    (["cluster=slurm"], sys.executable),            # no venv named: this one, on a file system the nodes share
+    (["cluster=local"], sys.executable),
+    (["cluster=slurm", "cluster.venv=/opt/env/"], "/opt/env/bin/python"),
+])
+def test_which_python_a_job_runs(overrides, expected):
+    assert python(resolved("python=null", *overrides)) == expected
+
+
+def test_a_container_job_does_not_activate_the_host_venv():
+    _, text = _training_script("python=null", "container=/fsx/images/neuron.sqsh")
+    assert "activate" not in text and "\nexport PYTHON=python3\n" in text
+
+
+def test_a_relative_venv_is_refused():
+    assert cluster_problems({"venv": "venv"}) == [
+        "cluster.venv: 'venv' must be the absolute path of a venv on every node, e.g. cluster.venv=/opt/nxdt/venv"]
