@@ -4,6 +4,7 @@
     nxdt-launch stages=[training] training=llama/tiny  # Hydra overrides, as NeMo-Launcher takes them
     nxdt-launch stages=[training] training=gpt3/tiny cluster_type=slurm --dry-run
     nxdt-launch status [RUN]    nxdt-launch logs RUN [STAGE] [-f]    nxdt-launch cancel RUN
+    eval "$(_NXDT_LAUNCH_COMPLETE=bash_source nxdt-launch)"   # tab completion (docs/cli.md)
 
 Only click and rich are imported at start; Hydra and Jinja load when a launch needs them, and torch never.
 """
@@ -15,7 +16,10 @@ import sys
 from pathlib import Path
 
 import click
+from click.shell_completion import CompletionItem
 
+from launcher.commands import FiniteFloatRange
+from launcher.completion import complete_override, complete_run, complete_stage
 from launcher.errors import UserError
 from launcher.paths import CONFIG_GROUPS, group_choices
 
@@ -42,6 +46,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("launcher.commands.estimate", "Memory per device and time to train for a recipe."),
     "explain-config": ("launcher.commands.explain_config", "Show how an NxD Training or NeMo-Launcher YAML maps onto our keys."),
     "autoconfig": ("launcher.commands.autoconfig", "Recommend a model size and search parallel layouts by launching short runs."),
+    "plot": ("launcher.commands.plot", "Draw a run's loss, LR and tokens/s into a PNG."),
 }
 
 
@@ -77,9 +82,21 @@ class _LaunchGroup(click.Group):
 
     def resolve_command(self, ctx, args):
         if args and self.get_command(ctx, args[0]) is None:
-            _refuse_unknown_command(args[0], self.list_commands(ctx))
+            if not ctx.resilient_parsing:  # shell completion parses half-typed lines: no refusals there
+                _refuse_unknown_command(args[0], self.list_commands(ctx))
             return "launch", self.commands["launch"], args
         return super().resolve_command(ctx, args)
+
+    def shell_complete(self, ctx, incomplete):
+        """The first word: a command, or an override. Lazy commands are offered by name, not imported."""
+        if incomplete.startswith("-"):
+            return click.Command.shell_complete(self, ctx, incomplete)  # --dry-run, --help, --version
+        commands = {name: self.commands[name].get_short_help_str(limit=60) for name in super().list_commands(ctx)
+                    if not self.commands[name].hidden}
+        commands.update({name: entry[1] for name, entry in _available_lazy_commands().items()})
+        items = [CompletionItem(name, help=help) for name, help in sorted(commands.items())
+                 if name.startswith(incomplete)]
+        return items + complete_override(ctx, None, incomplete)
 
     def format_epilog(self, ctx, formatter):
         formatter.write("\n")
@@ -94,15 +111,50 @@ def _refuse_unknown_command(word: str, commands: list[str]) -> None:
     import difflib
 
     visible = [c for c in commands if c != "launch"]
-    match = difflib.get_close_matches(word, visible, n=1, cutoff=0.6)
-    hint = f"did you mean {match[0]!r}? " if match else ""
+    match = difflib.get_close_matches(word.lower(), visible, n=1, cutoff=0.6)
+    hint = f"did you mean {match[0]!r}? " if match else "did you mean --help? " if word == "help" else ""
     raise UserError(f"{word!r}: no such command and not an override (KEY=VALUE); {hint}"
                     f"commands: {', '.join(visible)}")
+
+
+def _refuse_misplaced_command(overrides: tuple[str, ...], commands: list[str]) -> None:
+    """A bare word after an override (`nxdt-launch training=gpt3/tiny stats`): when it is close to a command, say
+    so; Hydra would only call it bad syntax. Commands come first, so the hint says where it goes."""
+    import difflib
+
+    visible = [c for c in commands if c != "launch"]
+    for word in overrides:
+        if "=" in word or word.startswith(("~", "+", "-")) or not word.strip():
+            continue
+        match = difflib.get_close_matches(word.lower(), visible, n=1, cutoff=0.6)
+        if match:
+            raise UserError(f"{word!r}: not an override (KEY=VALUE); did you mean the command {match[0]!r}? a "
+                            f"command comes first: nxdt-launch {match[0]} ...")
+
+
+
+def _version(ctx: click.Context, param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        number = version("nxdt-launch")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, never installed: the version it declares
+        import tomllib
+
+        from launcher.paths import REPO_ROOT
+
+        number = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    click.echo(f"nxdt-launch {number}")
+    ctx.exit(0)
 
 
 @click.group(cls=_LaunchGroup, invoke_without_command=True, subcommand_metavar="[OVERRIDES]... | COMMAND [ARGS]...",
              context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dry-run", is_flag=True, help="Render every script and submit nothing (same as dry_run=true).")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Print the version of nxdt-launch and exit.")
 @click.pass_context
 def cli(ctx: click.Context, dry_run: bool) -> None:
     """Compose, validate, render and submit the configured stages, or inspect recorded runs.
@@ -119,12 +171,13 @@ def cli(ctx: click.Context, dry_run: bool) -> None:
 
 @cli.command(hidden=True, context_settings={"ignore_unknown_options": True})
 @click.option("--dry-run", is_flag=True)
-@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED, shell_complete=complete_override)
 @click.pass_context
 def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> None:
     from launcher import launch as steps
     from launcher.slurm import SlurmError
 
+    _refuse_misplaced_command(overrides, ctx.parent.command.list_commands(ctx.parent) if ctx.parent else [])
     dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)
     produced_by = command_line(ctx)
     plan = steps.make_plan(list(overrides), dry_run=dry_run, produced_by=produced_by)
@@ -147,6 +200,12 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     _print_plan(console, plan, record)
     if not plan.dry_run and plan.executor == "local":
         code = steps.run_local(plan, scripts, record, console)
+        from launcher import records
+
+        if code != 0 and (cancelled := records.cancelled_stages(plan.run_dir, record)):
+            # 75: the training saved a checkpoint and stopped (runtime/preemption.py): the run resumes from it.
+            resume = "; it saved a checkpoint: launch the same command again to resume" if code == 75 else ""
+            console.print(f"cancelled by nxdt-launch cancel: {', '.join(cancelled)}{resume}", highlight=False)
     ctx.exit(code)
 
 
@@ -175,26 +234,36 @@ _results_dir = click.option("--results-dir", type=click.Path(path_type=Path), de
                             show_default=True, help="The base_results_dir the runs were launched with.")
 
 
+def _named_results_dir() -> bool:
+    """Whether --results-dir was given: then runs are looked for there only, not in the run index."""
+    source = click.get_current_context().get_parameter_source("results_dir")
+    return source != click.core.ParameterSource.DEFAULT
+
+
 @cli.command()
-@click.argument("run", required=False)
+@click.argument("run", required=False, shell_complete=complete_run)
 @_results_dir
 def status(run: str | None, results_dir: Path) -> None:
     """The state of each stage of RUN, or a list of recorded runs."""
     from rich.table import Table
 
-    from launcher import records, runs
+    from launcher import records, run_index, runs
 
     console = _console()
+    named = _named_results_dir()
     if run is None:
         found = records.all_runs(results_dir)
-        if not results_dir.is_dir() and (click.get_current_context().get_parameter_source("results_dir")
-                                         != click.core.ParameterSource.DEFAULT or not found):
+        if not named:  # and every run launched from anywhere else
+            seen = {p.resolve() for p in found}
+            found += [p for p in run_index.all_runs() if p.resolve() not in seen]
+        if not results_dir.is_dir() and (named or not found):
             # An empty table would read as "no runs there"; a mistyped directory should say so.
             raise UserError(f"--results-dir: {results_dir} is not a directory; give the base_results_dir the runs "
                             "were launched with, e.g. --results-dir /fsx/results")
-        table = Table(title=f"runs under {results_dir}", title_justify="left")
-        for column in ("run", "executor", "created", "stages"):
-            table.add_column(column)
+        title = f"runs under {results_dir}" if named else f"runs under {results_dir} and in {run_index.index_path()}"
+        table = Table(title=title, title_justify="left")
+        for column in ("run", "executor", "created", "stages", "results dir"):
+            table.add_column(column, overflow="fold")
         unreadable = []
         for run_dir in found:
             try:
@@ -203,20 +272,25 @@ def status(run: str | None, results_dir: Path) -> None:
                 unreadable += e.problems
                 continue
             table.add_row(run_dir.name, record["executor"], record["created"],
-                          ", ".join(e["stage"] for e in record["stages"]))
+                          ", ".join(e["stage"] for e in record["stages"]), str(run_dir.parent))
         console.print(table)
         for problem in unreadable:
             click.echo(f"warning: {problem}", err=True)
         return
-    record = records.load(runs.require_run(run, results_dir))
+    record = records.load(runs.require_run(run, results_dir, use_index=not named))
     runs.use_record(record)
     table = Table(title=f"run {record['run_name']} ({record['executor']}, launched {record['created']})",
                   title_justify="left")
     for column in ("stage", "job id", "state", "log dir"):
         table.add_column(column, overflow="fold")
-    for entry, state in runs.stage_states(record):
+    rows = runs.stage_states(record)
+    for entry, state in rows:
         table.add_row(entry["stage"], str(entry["job_id"]), str(state), entry["log_dir"])
     console.print(table)
+    for entry, state in rows:
+        progress = runs.training_progress(entry) if entry["stage"] == "training" and state.state == "RUNNING" else None
+        if progress:
+            click.echo(f"{entry['stage']}: {progress}")
     from runtime.io import run_lock
 
     for entry in record["stages"]:
@@ -226,21 +300,23 @@ def status(run: str | None, results_dir: Path) -> None:
 
 
 @cli.command()
-@click.argument("run")
-@click.argument("stage", required=False)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing as the logs grow (tail -F).")
+@click.argument("run", shell_complete=complete_run)
+@click.argument("stage", required=False, shell_complete=complete_stage)
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing as the logs grow, until the stage (or every stage) has ended.")
 @_results_dir
 def logs(run: str, stage: str | None, follow: bool, results_dir: Path) -> None:
     """Print the logs of RUN (one STAGE, or all)."""
     from launcher import records, runs
 
-    record = records.load(runs.require_run(run, results_dir))
+    run_dir = runs.require_run(run, results_dir, use_index=not _named_results_dir())
+    record = records.load(run_dir)
     runner = runs.use_record(record)  # the head node over SSH for a remote run
     files = runs.log_files(record, stage)
-    if not files:
+    if not files and (not follow or runs.ended(record, stage)):
         raise UserError(f"run {run!r}: no logs yet for {stage or 'any stage'} (is it still pending?)")
     if follow:
-        runner.follow(["tail", "-n", "+1", "-F", *map(str, files)])
+        runs.follow(run_dir, record, stage, lambda text: click.echo(text, nl=False))
         return
     for path in files:
         click.echo(f"==> {path} <==")
@@ -248,17 +324,21 @@ def logs(run: str, stage: str | None, follow: bool, results_dir: Path) -> None:
 
 
 @cli.command()
-@click.argument("run")
+@click.argument("run", shell_complete=complete_run)
+@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True, unit="seconds"), default=300,
+              show_default=True, help="Local runs: how long the training may take to save and stop before it is "
+                                      "sent SIGTERM.")
 @_results_dir
-def cancel(run: str, results_dir: Path) -> None:
-    """Cancel every stage of RUN that has not finished."""
+def cancel(run: str, timeout: float, results_dir: Path) -> None:
+    """Cancel every stage of RUN that has not finished. A local training saves a checkpoint first."""
     from launcher import records, runs
     from launcher.slurm import SlurmError
 
-    record = records.load(runs.require_run(run, results_dir))
+    run_dir = runs.require_run(run, results_dir, use_index=not _named_results_dir())
+    record = records.load(run_dir)
     runs.use_record(record)
     try:
-        click.echo(runs.cancel(record))
+        click.echo(runs.cancel(record, run_dir, timeout_s=timeout))
     except SlurmError as e:
         raise UserError(str(e)) from None
 

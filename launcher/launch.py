@@ -84,7 +84,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         errors += packages.problems(cfg)
     if errors:
         raise UserError(*errors)
-    jobs = build(cfg)
+    jobs = build(cfg, dry_run=dry_run)
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
     elif errors := output_problems([("base_results_dir", Path(cfg["base_results_dir"]) / cfg["run_name"]),
@@ -148,13 +148,15 @@ def _example(key: str) -> str:
     return f", e.g. {key} /fsx/out" if key.startswith("-") else f", e.g. {key}=/fsx/results"
 
 
-def build(cfg: dict[str, Any]) -> list[Job]:
+def build(cfg: dict[str, Any], *, dry_run: bool = False) -> list[Job]:
     """One Job per stage. Stage configs read S3 data at its mirror on the shared file system (staging.py)."""
     local = staging.localize(cfg)
     jobs = []
     for stage in cfg["stages"]:
-        if stage == "data_preparation" and staging.has_s3_inputs(cfg[stage]):
-            # Its inputs are not here to count: the array has one task per file the config names.
+        if stage == "data_preparation" and (staging.has_s3_inputs(cfg[stage])
+                                            or dry_run and validate.inputs_unseen(cfg[stage])):
+            # Its inputs are not here to count (on S3, or on a cluster's file system this dry run cannot see):
+            # the array has one task per file the config names.
             jobs.append(stages.data_preparation(local, tasks=staging.count_input_files(cfg[stage])))
         else:
             jobs.append(stages.BUILDERS[stage](local))
@@ -307,11 +309,13 @@ def run_local(plan: Plan, scripts: list[Path], record: dict[str, Any], console) 
     records.write(plan.run_dir, record)
     code = 0
     for i, (job, script, entry) in enumerate(zip(plan.jobs, scripts, record["stages"]), start=1):
-        entry["job_id"] = "local"
         console.rule(f"[bold]{job.stage}[/] ({i}/{len(plan.jobs)})")
         started = time.monotonic()
         proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
+        entry["job_id"] = "local"
+        entry["pid"] = proc.pid  # `cancel` signals this stage's processes through it; `status` shows it
+        records.write(plan.run_dir, record)
         try:
             with console.status(f"{job.stage} running"):
                 for line in proc.stdout:
@@ -323,6 +327,10 @@ def run_local(plan: Plan, scripts: list[Path], record: dict[str, Any], console) 
         entry["exit_code"] = code
         records.write(plan.run_dir, record)
         took = time.monotonic() - started
+        if code != 0 and job.stage in records.cancelled_stages(plan.run_dir, record):
+            console.print(f"{job.stage} cancelled (exit {code}) after {took:.0f}s; log: {job.log_dir}",
+                          highlight=False)
+            break
         if code != 0:
             console.print(f"[red]{job.stage} failed with exit code {code} after {took:.0f}s[/]; "
                           f"log: {job.log_dir}", markup=True, highlight=False)

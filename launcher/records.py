@@ -3,7 +3,11 @@ read. A relaunch of the same run keeps the previous record as launch.<time>.json
 
 A run launched on a remote head node (cluster.remote) has its record twice: on the head node, in its run
 directory, as a plain Slurm record, and on this machine under remote.state_dir()/runs/<run_name>/, with the
-`remote` it was launched on, so that status, logs and cancel work from here."""
+`remote` it was launched on, so that status, logs and cancel work from here.
+
+Every local or Slurm record written here is also added to the run index (run_index.py), so a run is found by its
+name from any directory. `cancel` of a local run leaves cancel.json next to the record (the launcher still owns
+launch.json while its stage stops, and would overwrite a field written there)."""
 
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from launcher import run_index
 from launcher.errors import UserError
 
 RECORD = "launch.json"
+CANCEL = "cancel.json"
 
 
 def write(run_dir: Path, record: dict[str, Any]) -> Path:
@@ -25,7 +31,16 @@ def write(run_dir: Path, record: dict[str, Any]) -> Path:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)  # a reader never sees half a record
+    if not _is_remote_state(run_dir):
+        run_index.add(run_dir)
     return path
+
+
+def _is_remote_state(run_dir: Path) -> bool:
+    """The local mirror of a remote launch, or its record here: found by name through remote_runs_dir()."""
+    from launcher.remote import state_dir
+
+    return Path(os.path.abspath(run_dir)).is_relative_to(os.path.abspath(state_dir()))
 
 
 def archive_previous(run_dir: Path) -> None:
@@ -57,7 +72,28 @@ def load(run_dir: Path) -> dict[str, Any]:
     record.setdefault("executor", "?")
     record.setdefault("created", "")
     record.setdefault("run_name", run_dir.name)
+    record["cancelled"] = cancelled_stages(run_dir, record)
     return record
+
+
+def write_cancel(run_dir: Path, record: dict[str, Any], stages: list[str], how: str) -> None:
+    """Note that `cancel` stopped these stages of this launch (named by its `created`, so that a relaunch of the
+    run is not shown as cancelled)."""
+    note = {"created": record["created"], "stages": stages, "how": how,
+            "requested": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    tmp = run_dir / (CANCEL + ".tmp")
+    tmp.write_text(json.dumps(note, indent=2) + "\n")
+    os.replace(tmp, run_dir / CANCEL)
+
+
+def cancelled_stages(run_dir: Path, record: dict[str, Any]) -> list[str]:
+    try:
+        note = json.loads((run_dir / CANCEL).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    if not isinstance(note, dict) or note.get("created") != record.get("created"):
+        return []
+    return [s for s in note.get("stages") or [] if isinstance(s, str)]
 
 
 def remote_runs_dir() -> Path:
@@ -67,7 +103,8 @@ def remote_runs_dir() -> Path:
 
 
 def find_run(target: str, results_dir: Path) -> Path | None:
-    """A run named by its directory, by its name under the results directory, or a remote run by its name."""
+    """A run named by its directory, by its name under the results directory, or a remote run by its name.
+    (Not the index: runs.require_run asks it when none of these has the run.)"""
     for candidate in (Path(target), results_dir / target, remote_runs_dir() / target):
         if (candidate / RECORD).exists():
             return candidate.resolve()

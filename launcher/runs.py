@@ -1,26 +1,43 @@
 """`status`, `logs` and `cancel` over recorded launches (records.py). Slurm runs ask Slurm; local runs read
 what the local executor recorded. A run launched on a remote head node is asked over SSH: `use_record`
-picks the runner its record names, and every Slurm command and log read here goes through it."""
+picks the runner its record names, and every Slurm command and log read here goes through it.
+
+Cancelling a local run: the training's workers get SIGUSR1, which runtime/preemption.py turns into "finish this
+step, save a checkpoint, exit 75"; the launcher that runs the pipeline sees the stage end and runs no more.
+cancel.json (records.py) says the stop was asked for, so `status` shows CANCELLED rather than FAILED."""
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import signal
+import subprocess
+import time
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from launcher import records, remote, slurm
+from launcher import records, remote, run_index, slurm
 from launcher.errors import UserError
 
+# Slurm states after which a job writes no more output (slurm.FINISHED, plus what `status` says when a job has
+# left the queue and nothing else knows it). Anything else may still write.
+_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+           "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED"}
 
-def _pid_alive(pid: int | None) -> bool:
+
+def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:  # an exited process its parent has not waited for yet (a zombie) still takes signal 0
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def use_record(record: dict[str, Any]):
@@ -32,45 +49,76 @@ def _exit_files(entry: dict[str, Any]) -> list[Path]:
     return [Path(p) for p in remote.current().glob(entry["log_dir"], f"{entry['stage']}_{entry['job_id']}_*.exit")]
 
 
+def _local_exit_file_code(entry: dict[str, Any], record: dict[str, Any]) -> int | None:
+    """The code the stage's script wrote on exit, when the launcher that ran it stopped before recording it.
+    A file older than this launch is an earlier launch's (the script overwrites it, never removes it)."""
+    path = Path(entry["log_dir"]) / f"{entry['stage']}_local.exit"
+    try:
+        created = datetime.fromisoformat(str(record.get("created"))).timestamp()
+        if path.stat().st_mtime + 1 < created:
+            return None
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def stage_states(record: dict[str, Any]) -> list[tuple[dict[str, Any], slurm.JobState]]:
     rows = []
     if record["executor"] == "slurm":
         for entry in record["stages"]:
             rows.append((entry, slurm.state(str(entry["job_id"]), _exit_files(entry))))
         return rows
-    running = _pid_alive(record.get("pid"))
+    running = pid_alive(record.get("pid"))
+    cancelled = set(record.get("cancelled") or [])
     waiting = False
     for entry in record["stages"]:
         code = entry.get("exit_code")
+        if code is None and not running:  # the launcher stopped before recording it (the file says)
+            code = _local_exit_file_code(entry, record)
         if code is not None:
-            rows.append((entry, slurm.JobState("COMPLETED") if code == 0 else slurm.JobState("FAILED", f"exit {code}")))
+            if entry["stage"] in cancelled and code != 0:
+                # 75: runtime/preemption.py PREEMPTED_EXIT_CODE, the training saved a checkpoint and stopped.
+                how = "stopped at a checkpoint" if code == 75 else f"exit {code}"
+                rows.append((entry, slurm.JobState("CANCELLED", how)))
+            elif code == 0:
+                rows.append((entry, slurm.JobState("COMPLETED")))
+            else:
+                rows.append((entry, slurm.JobState("FAILED", f"exit {code}")))
             waiting = waiting or code != 0
         elif running and not waiting:
             rows.append((entry, slurm.JobState("RUNNING")))
             waiting = True
         elif running:
             rows.append((entry, slurm.JobState("PENDING", "waits for the stage before it")))
+        elif cancelled:
+            rows.append((entry, slurm.JobState("NOT RUN", "the run was cancelled")))
         else:
             rows.append((entry, slurm.JobState("NOT RUN", "an earlier stage failed or the launch stopped")))
     return rows
 
 
-def require_run(target: str, results_dir: Path) -> Path:
+def require_run(target: str, results_dir: Path, *, use_index: bool = True) -> Path:
+    """The run directory of `target`: a run directory, a run under `results_dir`, a remote run, or (unless the
+    user named --results-dir) a run that the index knows under that name, wherever it was launched."""
     run_dir = records.find_run(target, results_dir)
-    if run_dir is None:
-        known = ", ".join(p.name for p in records.all_runs(results_dir)) or "none"
-        raise UserError(f"run {target!r}: no launch.json under {results_dir}; recorded runs: {known} "
-                        "(use --results-dir to look elsewhere)")
-    return run_dir
+    if run_dir is not None:
+        return run_dir
+    indexed = run_index.lookup(target) if use_index and "/" not in target else []
+    if len(indexed) == 1:
+        return indexed[0].resolve()
+    if len(indexed) > 1:
+        where = ", ".join(str(d.parent) for d in indexed)
+        raise UserError(f"run {target!r} was launched under {len(indexed)} results directories: {where}; choose "
+                        f"one with --results-dir, e.g. --results-dir {indexed[-1].parent}")
+    known = sorted({p.name for p in records.all_runs(results_dir)}
+                   | ({p.name for p in run_index.all_runs()} if use_index else set()))
+    raise UserError(f"run {target!r}: no launch.json under {results_dir}{' or in the run index' if use_index else ''}"
+                    f"; recorded runs: {', '.join(known) or 'none'} (use --results-dir to look elsewhere)")
 
 
 def log_files(record: dict[str, Any], stage: str | None) -> list[Path]:
-    entries = [e for e in record["stages"] if stage in (None, e["stage"])]
-    if stage and not entries:
-        stages = ", ".join(e["stage"] for e in record["stages"])
-        raise UserError(f"stage {stage!r} is not part of run {record['run_name']!r}; its stages: {stages}")
     files = []
-    for entry in entries:
+    for entry in _entries(record, stage):
         log_dir = Path(entry["log_dir"])
         if record["executor"] == "local":
             files += [p for p in [log_dir / f"{entry['stage']}_local.log"] if p.exists()]
@@ -80,13 +128,221 @@ def log_files(record: dict[str, Any], stage: str | None) -> list[Path]:
     return files
 
 
-def cancel(record: dict[str, Any]) -> str:
+def _entries(record: dict[str, Any], stage: str | None) -> list[dict[str, Any]]:
+    entries = [e for e in record["stages"] if stage in (None, e["stage"])]
+    if stage and not entries:
+        stages = ", ".join(e["stage"] for e in record["stages"])
+        raise UserError(f"stage {stage!r} is not part of run {record['run_name']!r}; its stages: {stages}")
+    return entries
+
+
+def ended(record: dict[str, Any], stage: str | None) -> bool:
+    """Whether `stage` (or every stage) of this run will write no more output."""
+    states = dict((e["stage"], s.state) for e, s in stage_states(record))
+    return all(states[e["stage"]] not in _ACTIVE for e in _entries(record, stage))
+
+
+class _Tail:
+    """The part of one log file not printed yet. Local files are read from where the last read stopped (a
+    training log grows to many MB); a file on a remote head node is read whole over SFTP and cut."""
+
+    def __init__(self, path: Path, local: bool):
+        self.path, self.local, self.offset = path, local, 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character split by a read
+
+    def read_new(self) -> str:
+        if not self.local:
+            text = remote.current().read_text(str(self.path))
+            new, self.offset = text[self.offset:], len(text)
+            return new
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return ""
+        self.offset += len(data)
+        return self._decoder.decode(data)
+
+
+def follow(run_dir: Path, record: dict[str, Any], stage: str | None, write: Callable[[str], None],
+           poll_s: float | None = None) -> None:
+    """Print the logs of `stage` (or all stages) as they grow, until that stage has ended and its output is
+    printed whole. Stages that start later are picked up as their logs appear."""
+    local = record["executor"] == "local" and not record.get("remote")
+    poll_s = poll_s if poll_s is not None else (0.5 if local else 5.0)  # Slurm and SSH cost more to ask
+    tails: dict[Path, _Tail] = {}
+    shown: Path | None = None
+    while True:
+        # Asked before reading, so that what is read after it has ended is everything the stage wrote.
+        done = ended(record, stage)
+        for path in log_files(record, stage):
+            tail = tails.setdefault(path, _Tail(path, local))
+            text = tail.read_new()
+            if not text:
+                continue
+            if shown != path and (len(tails) > 1 or stage is None):
+                write(f"{'' if shown is None else chr(10)}==> {path} <==\n")
+            shown = path
+            write(text)
+        if done:
+            return
+        time.sleep(poll_s)
+        record = records.load(run_dir)
+
+
+def cancel(record: dict[str, Any], run_dir: Path, *, timeout_s: float) -> str:
     if record["executor"] == "slurm":
         ids = [str(e["job_id"]) for e in record["stages"] if e.get("job_id")]
         slurm.cancel(ids)
         return f"scancel {' '.join(ids)}"
-    pid = record.get("pid")
-    if not _pid_alive(pid):
+    return _cancel_local(run_dir, record, timeout_s=timeout_s)
+
+
+# --- cancelling a local run ---------------------------------------------------------------------------------
+# The processes of a running local stage: the launcher (record["pid"]) -> `bash <stage>.local.sh`, a session of
+# its own -> `python -m runtime.torchrun` -> one worker per device, each in a session of its own (torchrun
+# starts them so). Signalling the script's process group would reach neither the workers nor only them: bash and
+# tee would die of USR1, and torchrun (not told to handle USR1 in a local script) too, leaving the workers alone.
+
+TERM_GRACE_S = 30  # after TERM: torchrun stops its workers, and kills them after its own shutdown timeout
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) for every process of this machine (`ps`: Linux and macOS alike)."""
+    result = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid=", "-o", "args="], capture_output=True,
+                            text=True, timeout=30)
+    table = {}
+    for line in result.stdout.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            table[int(parts[0])] = (int(parts[1]), parts[2] if len(parts) > 2 else "")
+    return table
+
+
+def _stage_process(table: dict[int, tuple[int, str]], launcher_pid: int, entry: dict[str, Any]) -> int | None:
+    """The script the launcher runs for this stage (its pid leads the stage's process group)."""
+    if entry.get("pid") in table:
+        return entry["pid"]
+    return next((pid for pid, (parent, args) in table.items() if parent == launcher_pid and entry["script"] in args),
+                None)
+
+
+def _workers(table: dict[int, tuple[int, str]], stage_pid: int) -> list[int]:
+    """The children of the stage's runtime.torchrun: the processes that run the training loop."""
+    below, found = [stage_pid], []
+    while below:
+        pid = below.pop()
+        children = [child for child, (parent, _) in table.items() if parent == pid]
+        if "runtime.torchrun" in table.get(pid, (0, ""))[1]:
+            found += children
+        else:
+            below += children
+    return found
+
+
+def _catches_usr1(pid: int) -> bool:
+    """Whether the worker has set its USR1 handler yet (runtime/preemption.py sets it once the model is built):
+    before that, USR1 would kill it. Where /proc cannot tell, assume it has."""
+    try:
+        caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return True
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+
+
+def _signal(pid: int, signum: int, group: bool = False) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, signum)
+    except OSError:
+        pass  # it has just ended: what we wanted
+
+
+def _cancel_local(run_dir: Path, record: dict[str, Any], *, timeout_s: float) -> str:
+    """Ask the running stage to stop (a training: save and stop; any other stage: TERM), wait for the launcher to
+    stop with it, and TERM whatever still runs after `timeout_s`."""
+    launcher_pid = record.get("pid")
+    if not pid_alive(launcher_pid):
         return "nothing to cancel: the local launch is not running"
-    os.kill(pid, signal.SIGINT)  # the launcher stops its running stage and records the exit code
-    return f"interrupted the local launch (pid {pid})"
+    asked: dict[str, str] = {}   # stage -> what it was sent
+    usr1_sent: set[int] = set()
+    deadline, termed = time.monotonic() + timeout_s, False
+    while pid_alive(launcher_pid) and not (termed and time.monotonic() > deadline):
+        record = records.load(run_dir)
+        entry = next((e for e, state in stage_states(record) if state.state == "RUNNING"), None)
+        table = _processes() if entry is not None else {}
+        stage_pid = _stage_process(table, launcher_pid, entry) if entry is not None else None
+        if stage_pid is not None:
+            name = entry["stage"]
+            if name not in asked:  # noted before the signal, so that its exit code already reads as cancelled
+                asked[name] = "SIGUSR1 to its workers (save a checkpoint, stop)" if name == "training" else "SIGTERM"
+                records.write_cancel(run_dir, record, list(asked), "; ".join(f"{k}: {v}" for k, v in asked.items()))
+                if name != "training":
+                    _signal(stage_pid, signal.SIGTERM, group=True)
+            if name == "training" and not termed:
+                for worker in _workers(table, stage_pid):
+                    if worker not in usr1_sent and _catches_usr1(worker):
+                        _signal(worker, signal.SIGUSR1)
+                        usr1_sent.add(worker)
+            if not termed and time.monotonic() > deadline:
+                _signal(stage_pid, signal.SIGTERM, group=True)
+        if not termed and time.monotonic() > deadline:
+            termed, deadline = True, time.monotonic() + TERM_GRACE_S
+        time.sleep(0.2)
+    record = records.load(run_dir)
+    lines = [f"{entry['stage']}: {state}" for entry, state in stage_states(record)]
+    if pid_alive(launcher_pid):
+        lines.append(f"the launch (pid {launcher_pid}) is still running {TERM_GRACE_S} s after SIGTERM; "
+                     f"stop it with: kill {launcher_pid}")
+    elif not asked:
+        lines.insert(0, "the launch ended before any stage was asked to stop")
+    else:
+        lines.insert(0, f"cancelled run {record['run_name']!r}: " + "; ".join(f"{k}: {v}" for k, v in asked.items())
+                     + (f"; SIGTERM after {timeout_s:g} s" if termed else ""))
+    return "\n".join(lines)
+
+
+# --- progress of a running training ---------------------------------------------------------------------------
+
+def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
+    """`step 120 of 1000 (12%), loss 3.4121, about 4m 10s left`, from the training's metrics.jsonl (rows of
+    step, loss and the mean step_time_s since the row before) and trainer.max_steps in its stage config."""
+    import yaml
+
+    runner = remote.current()
+    metrics = str(Path(entry["log_dir"]).parent / "metrics.jsonl")
+    try:
+        rows = [r for r in read_json_lines(runner.read_text(metrics)) if {"step", "loss", "step_time_s"} <= r.keys()]
+        max_steps = int(yaml.safe_load(runner.read_text(str(entry["config"])))["trainer"]["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    if not rows:
+        return None
+    last = rows[-1]
+    step = int(last["step"])
+    recent = [float(r["step_time_s"]) for r in rows[-window:]]
+    left_s = max(max_steps - step, 0) * sum(recent) / len(recent)
+    return (f"step {step} of {max_steps} ({100 * step / max(max_steps, 1):.0f}%), loss {float(last['loss']):.4f}, "
+            f"about {_duration(left_s)} left at {recent[-1]:.2f} s/step")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def read_json_lines(text: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # the line being written as we read
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows

@@ -1,8 +1,10 @@
-"""The CLI as a user meets it: help, the 175B dry run the issue names, and a dry run that never imports torch."""
+"""The CLI as a user meets it: help, --version, a mistyped command, the 175B dry run the issue names, and a dry run
+that never imports torch."""
 
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from .helpers import REPO, nxdt
@@ -55,3 +57,23 @@ def test_dry_run_imports_no_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_version_prints_the_package_version():
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    result = nxdt("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"nxdt-launch {declared}"
+
+
+@pytest.mark.parametrize("argv", [["stats"], ["stats", "gpt3_tiny"], ["cluster_type=local", "stats"],
+                                  ["--dry-run", "stats"], ["Status", "gpt3_tiny"]])
+def test_a_mistyped_command_is_one_did_you_mean_line(tmp_path, argv):
+    result = nxdt(*argv, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "did you mean" in lines[0] and "'status'" in lines[0] and "Hydra" not in lines[0], result.stderr
+    assert not list(tmp_path.iterdir())

@@ -1,4 +1,5 @@
-"""Pure pieces of the launcher: dependency flags, scontrol parsing, executor choice, local run states."""
+"""Pure pieces of the launcher: dependency flags, scontrol parsing, executor choice, local run states, training
+progress, and `logs -f` ending with its stage."""
 
 from pathlib import Path
 
@@ -64,3 +65,55 @@ def test_local_states_follow_the_recorded_exit_codes():
 def test_sbatch_options_in_a_fixed_order_and_flags_alone():
     options = sbatch_options({"partition": "p", "exclusive": True, "mem": 0, "exclude": ["a", "b"], "gres": None})
     assert options == ["partition=p", "exclusive", "mem=0", "exclude=a,b"]
+
+
+def test_a_cancelled_local_stage_reads_cancelled_and_the_rest_not_run(tmp_path):
+    from launcher import records
+
+    record = {"executor": "local", "pid": None, "created": "2026-01-01T00:00:00+00:00", "stages": [
+        {"stage": "training", "exit_code": 75, "job_id": "local", "log_dir": str(tmp_path / "t")},
+        {"stage": "conversion", "exit_code": None, "job_id": None, "log_dir": str(tmp_path / "c")},
+    ]}
+    records.write_cancel(tmp_path, record, ["training"], "SIGUSR1")
+    record["cancelled"] = records.cancelled_stages(tmp_path, record)
+    states = [str(state) for _, state in runs.stage_states(record)]
+    assert states == ["CANCELLED (stopped at a checkpoint)", "NOT RUN (the run was cancelled)"]
+    # A later launch of the same run (another `created`) is not the one that was cancelled.
+    assert records.cancelled_stages(tmp_path, {**record, "created": "2026-02-01T00:00:00+00:00"}) == []
+
+
+def test_training_progress_is_step_loss_and_time_left(tmp_path):
+    import json
+
+    (tmp_path / "logs").mkdir()
+    rows = [{"step": 10, "loss": 5.0, "step_time_s": 2.0}, {"step": 15, "val_loss": 4.9},
+            {"step": 20, "loss": 4.25, "step_time_s": 4.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2')
+    (tmp_path / "training_config.yaml").write_text("trainer:\n  max_steps: 100\n")
+    entry = {"stage": "training", "log_dir": str(tmp_path / "logs"), "config": str(tmp_path / "training_config.yaml")}
+    # 80 steps left at the mean of the last rows' step times (3 s): 4 minutes.
+    assert runs.training_progress(entry) == "step 20 of 100 (20%), loss 4.2500, about 4m 00s left at 4.00 s/step"
+    (tmp_path / "metrics.jsonl").unlink()
+    assert runs.training_progress(entry) is None  # not logged a step yet
+
+
+def test_logs_follow_stops_once_the_stage_has_ended(tmp_path, monkeypatch):
+    """`logs -f` on a finished local run prints the whole log and exits (it used to tail -F forever)."""
+    from launcher import records
+
+    monkeypatch.setenv("NXDT_USER_CONFIG_DIR", str(tmp_path / "config"))
+
+    from .helpers import nxdt
+
+    run_dir = tmp_path / "results" / "run1"
+    logs = run_dir / "training" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "training_local.log").write_text("step 1 | loss 9\nnxdt: done\n")
+    (logs / "training_local.exit").write_text("0\n")
+    records.write(run_dir, {"run_name": "run1", "created": "2026-01-01T00:00:00+00:00", "executor": "local",
+                            "stages": [{"stage": "training", "job_id": "local", "log_dir": str(logs),
+                                        "exit_code": 0, "script": "-", "config": "-"}]})
+    result = nxdt("logs", "-f", "run1", "training", "--results-dir", str(tmp_path / "results"), cwd=tmp_path,
+                  timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "step 1 | loss 9\nnxdt: done\n"
