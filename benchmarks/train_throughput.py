@@ -22,10 +22,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from runtime.metrics import flops_per_token, measure_matmul_tflops  # noqa: E402
+from runtime.metrics import flops_per_token  # noqa: E402
 from runtime.models import ModelConfig, build_model  # noqa: E402
 from runtime.parallel import AdamWConfig, ParallelDims, ShardedAdamW, Topology, apply_data_parallel  # noqa: E402
 from runtime.step import train_step  # noqa: E402
+
+def measure_matmul_tflops(device: torch.device, size: int = 1024, dtype=torch.float32, seconds: float = 0.3) -> float:
+    """Achieved TFLOP/s of a square matmul on `device`: the yardstick this benchmark compares steps with."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):  # warm up caches, thread pools, kernels
+        a @ b
+    count, start = 0, time.perf_counter()
+    while True:
+        c = a @ b
+        count += 1
+        _ = c[0, 0].item()  # forces completion on asynchronous devices
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds and count >= 3:
+            return 2.0 * size**3 * count / elapsed / 1e12
+
 
 LR, CLIP = 1e-4, 1.0
 

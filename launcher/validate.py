@@ -7,7 +7,7 @@ import importlib.util
 import re
 from typing import Any
 
-from launcher import staging
+from launcher import remote, staging
 from launcher.paths import group_choices
 from launcher.stages import PROGRAMS, STAGES
 from runtime.schema import choices, rules
@@ -20,7 +20,7 @@ CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
 
 # Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
 SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
-OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node",
+OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node", "venv",
                       "neuron", "remote", "staging", "s3")  # checked by neuron.py, remote.py, staging.py, below
 
 # What may stand in an #SBATCH line: sbatch reads those lines itself, so nothing there may need quoting.
@@ -46,6 +46,8 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
                                    prepared="data_preparation" in stages)
         errors += report.errors
         warnings += report.warnings
+        if "data_preparation" in stages:
+            errors += _trains_on_prepared_data(cfg)
     # The other stages' programs run the same parsers on the node.
     if "conversion" in stages:
         errors += parse_conversion(cfg["conversion"])[1].errors
@@ -53,9 +55,24 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         errors += parse_evaluation(cfg["evaluation"])[1].errors
     # Inputs on S3 are staged inside the job; staging.problems checks their names, the job the rest.
     if "data_preparation" in stages and not staging.s3_values(cfg["data_preparation"]):
-        errors += _data_preparation(cfg["data_preparation"])
+        # A remote launch renders here too (dry_run is true for it), but sizes the array by counting the input
+        # files here (docs/remote.md, Limits): for it missing inputs stay errors.
+        input_errors, input_warnings = _data_preparation(cfg["data_preparation"],
+                                                         dry_run=dry_run and remote.settings(cfg) is None)
+        errors += input_errors
+        warnings += input_warnings
     errors += cluster(cfg.get("cluster") or {})
     return errors, warnings
+
+
+def _trains_on_prepared_data(cfg: dict[str, Any]) -> list[str]:
+    model, preparation = cfg["training"].get("model") or {}, cfg["data_preparation"]
+    data, tokenizer = model.get("data") or {}, model.get("tokenizer") or {}
+    if not isinstance(data, dict) or not isinstance(tokenizer, dict):
+        return []  # parse_training has named the malformed section
+    problem = rules.trains_on_prepared_data(data.get("data_prefix"), tokenizer.get("model"),
+                                            preparation.get("output_dir"), str(preparation["run"].get("name")))
+    return [problem] if problem else []
 
 
 def shape(cfg: dict[str, Any]) -> list[str]:
@@ -159,10 +176,37 @@ def training(stage: dict[str, Any], *, vocab_size: int | None = None) -> list[st
     return parse_training(stage, files="skip", vocab_size=vocab_size)[1].errors
 
 
-def _data_preparation(stage: dict[str, Any]) -> list[str]:
-    from runtime.data_prep.plan import check_inputs  # torch-free by contract
+def _data_preparation(stage: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the data stage. A mistake in the config is an error always; what check_inputs finds
+    beyond that is about the disk (input files, globs, tokenizer paths), which a dry run rendering for a cluster's
+    file system often cannot see: warnings there, errors at launch, as for the training stage's files."""
+    from runtime.data_prep.plan import check_inputs, parse_config  # torch-free by contract
+    from runtime.schema.data_preparation import UserError as StageError
 
-    return check_inputs(stage)
+    try:
+        parse_config(stage)
+    except StageError as error:
+        return list(error.problems), []
+    # check_inputs names keys within the stage (input.files[0]); the launch names them from the root.
+    found = [p if p.startswith("data_preparation.") else f"data_preparation.{p}" for p in check_inputs(stage)]
+    return ([], found) if dry_run else (found, [])
+
+
+def inputs_unseen(stage: dict[str, Any]) -> bool:
+    """Whether some input file of a data stage is not on this machine, so that its array cannot be sized by
+    counting files here (a dry run for a cluster's file system sizes it by the entries the config names)."""
+    from runtime.data_prep.plan import expand_files, parse_config  # torch-free by contract
+    from runtime.schema.data_preparation import UserError as StageError
+
+    try:
+        cfg = parse_config(stage)
+        if cfg.input.source != "files":
+            return False
+        missing: list[str] = []
+        expand_files(cfg.input.files, cfg.input.file_numbers, "input.files", missing)
+    except StageError:
+        return True  # file_numbers past the files found here: not countable here either
+    return bool(missing)
 
 
 def cluster(section: dict[str, Any]) -> list[str]:
@@ -183,6 +227,9 @@ def cluster(section: dict[str, Any]) -> list[str]:
         if not isinstance(section.get(key, []), list):
             errors.append(f"cluster.{key}: must be a list, e.g. cluster.{key}=[a,b]")
     errors += _env_vars(section.get("env_vars"), "cluster.env_vars")
+    if section.get("venv") is not None and not str(section["venv"]).startswith("/"):
+        errors.append(f"cluster.venv: {section['venv']!r} must be the absolute path of a venv on every node, "
+                      "e.g. cluster.venv=/opt/nxdt/venv")
     # The nodes read cluster.s3 back through the same parser (runtime/io/s3.py).
     errors += parse_s3(section.get("s3"))[1].errors
     return errors

@@ -6,6 +6,7 @@ import contextlib
 import os
 import resource
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -169,6 +170,10 @@ def init_device(accelerator: str) -> Device:
         local_rank = 0
 
     topology.use_host_staging(needs_host_staging)
+    if rank != 0:
+        # Every rank runs the same code and would print the same Python (and torch) warning: rank 0 says it once
+        # per run. Errors are not warnings and still come from every rank.
+        warnings.simplefilter("ignore")
     if kind == "xla" and not host_collectives:
         xla_world = xla["xr"].world_size()
         if xla_world != world_size:

@@ -48,27 +48,43 @@ def flops_per_token(
     return 6.0 * matmul_weights + 12.0 * num_layers * hidden_size * seq_length
 
 
-def measure_matmul_tflops(device: torch.device, size: int = 1024, dtype=torch.float32, seconds: float = 0.3) -> float:
-    """Achieved TFLOP/s of a square matmul on `device`: the practical peak where no table entry exists (CPU)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(2):  # warm up caches, thread pools, kernels
-        a @ b
-    count, start = 0, time.perf_counter()
-    while True:
-        c = a @ b
-        count += 1
-        _ = c[0, 0].item()  # forces completion on asynchronous devices
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds and count >= 3:
-            return 2.0 * size**3 * count / elapsed / 1e12
+# fp32 FLOPs per cycle per core of the widest fused multiply-add the CPU has: two FMA pipes of 16 (AVX-512),
+# 8 (AVX2) or 4 (SSE/NEON) fp32 lanes, 2 FLOPs each. An upper bound: AMD Zen 4 executes AVX-512 at half this
+# rate, and turbo clocks are not in /proc/cpuinfo (so the bound errs high, never low, on the width side).
+_FP32_FLOPS_PER_CYCLE = (("avx512f", 64), ("avx2", 32), ("sse2", 16), ("asimd", 16))
 
 
-def peak_tflops(hardware: str, device: torch.device) -> tuple[float, str]:
-    """(peak TFLOP/s, where it came from): the table for known accelerators, a measured matmul otherwise."""
+def cpu_peak_tflops(cpuinfo: str, threads: int) -> tuple[float, str] | None:
+    """Theoretical fp32 peak of `threads` cores from /proc/cpuinfo (clock x FMA width), or None if it says too
+    little. A measured matmul is no peak: it reads 40% lower at 2048^2 than at 4096^2 here and drops with load,
+    which is how MFU on a CPU came out above 100%. Against the theoretical peak it cannot."""
+    mhz = [float(line.split(":", 1)[1]) for line in cpuinfo.splitlines() if line.lower().startswith("cpu mhz")]
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.lower().startswith(("flags", "features")):
+            flags.update(line.split(":", 1)[1].split())
+    per_cycle = next((n for flag, n in _FP32_FLOPS_PER_CYCLE if flag in flags), None)
+    if not mhz or per_cycle is None or threads < 1:
+        return None
+    ghz = max(mhz) / 1000
+    return (threads * ghz * per_cycle / 1000,
+            f"cpu: {threads} core{'s' if threads > 1 else ''} x {ghz:.2f} GHz x {per_cycle} fp32 FLOP/cycle")
+
+
+def peak_tflops(hardware: str) -> tuple[float | None, str]:
+    """(peak TFLOP/s per device, where it came from): the table for known accelerators; for a CPU the theoretical
+    peak of the cores this process computes on (torch's intra-op threads); None where neither is known."""
     if hardware in PEAK_TFLOPS:
         return PEAK_TFLOPS[hardware], f"table:{hardware}"
-    return measure_matmul_tflops(device), f"measured fp32 matmul on {hardware}"
+    if hardware == "cpu":  # device.py's name for a CPU; its peak is computed, not looked up
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+        found = cpu_peak_tflops(cpuinfo, min(torch.get_num_threads(), os.cpu_count() or 1))
+        if found is not None:
+            return found
+    return None, f"no peak known for {hardware}: MFU not reported"
 
 
 class MetricsLogger:
@@ -88,8 +104,12 @@ class MetricsLogger:
         wandb: bool = False,
         run_name: str = "run",
         config: dict | None = None,
+        max_steps: int | None = None,
     ):
         self.is_main, self.every = is_main, max(int(log_every_n_steps), 1)
+        self.max_steps = max_steps
+        # Every step after this process's first (which pays for warm-up, compilation, a resume): the ETA's pace.
+        self._steady_time, self._steady_steps, self._seen = 0.0, 0, 0
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.num_devices, self.peak = num_devices, peak_tflops
         self._window_time, self._window_steps = 0.0, 0
@@ -116,6 +136,10 @@ class MetricsLogger:
         """Add one step's timing; returns (and writes) the record when this step is logged."""
         self._window_time += step_time_s
         self._window_steps += 1
+        self._seen += 1
+        if self._seen > 1:
+            self._steady_time += step_time_s
+            self._steady_steps += 1
         if not self.should_log(step):
             return None
         mean_step = self._window_time / self._window_steps
@@ -136,13 +160,20 @@ class MetricsLogger:
         if self.is_main:
             mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
             print(
-                f"step {step} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
+                f"step {self._progress(step, mean_step)} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s | {mean_step:.3f} s/step | {tflops:.3f} TFLOP/s/dev | mfu {mfu} | "
                 f"mem {memory_gib:.2f} GiB",
                 flush=True,
             )
             self._write(record)
         return record
+
+    def _progress(self, step: int, mean_step: float) -> str:
+        """"12/40 (eta 0:00:06)": the pace of the steady steps so far (this window's if there are none yet)."""
+        if not self.max_steps:
+            return str(step)
+        pace = self._steady_time / self._steady_steps if self._steady_steps else mean_step
+        return f"{step}/{self.max_steps} (eta {format_duration(max(self.max_steps - step, 0) * pace)})"
 
     def record_validation(self, step: int, val_loss: float) -> None:
         if self.is_main:
@@ -167,6 +198,12 @@ class MetricsLogger:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss, as a progress line shows it."""
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 def _start_wandb(results: Path, run_name: str, config: dict):

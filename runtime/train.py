@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -147,7 +148,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                           sched.min_lr)
 
     model_cfg, data = cfg.model, cfg.data
-    peak, peak_source = peak_tflops(device.hardware, device.torch_device)
+    peak, peak_source = peak_tflops(device.hardware)
     metrics = MetricsLogger(
         cfg.results_dir,
         is_main=device.is_main,
@@ -163,15 +164,23 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         wandb=cfg.wandb,
         run_name=cfg.run_name,
         config=cfg.raw,
+        max_steps=cfg.trainer.max_steps,
     )
     if device.is_main:
+        peak_text = f"peak {peak:.3f} TFLOP/s ({peak_source})" if peak else peak_source
         print(f"training {cfg.run_name}: {topo!r} world {device.world_size} on {device.hardware}; "
-              f"peak {peak:.3f} TFLOP/s ({peak_source}); results in {cfg.results_dir}", flush=True)
+              f"{peak_text}; results in {cfg.results_dir}", flush=True)
+        if cfg.tensorboard:
+            print(f"tensorboard: tensorboard --logdir {shlex.quote(os.path.join(cfg.results_dir, 'tensorboard'))}",
+                  flush=True)
 
     checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
                                       cfg.trainer.max_steps)
     checkpoints.check_room()
     start_step = checkpoints.resume()
+    if start_step >= cfg.trainer.max_steps and device.is_main:
+        print(f"training {cfg.run_name}: the newest checkpoint is at step {start_step}, trainer.max_steps is "
+              f"{cfg.trainer.max_steps}: nothing to train (raise training.trainer.max_steps to continue)", flush=True)
     watch = SignalWatch(device.torch_device) if cfg.checkpoint.save_on_signal and cfg.checkpoint.enabled else None
 
     try:
@@ -208,6 +217,20 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         if watch is not None:
             watch.close()
         metrics.close()
+
+
+def _draw(results_dir: str) -> None:
+    """metrics.png beside metrics.jsonl (runtime/plot.py), also after a failure: the curve shows what went wrong."""
+    if not os.path.exists(os.path.join(results_dir, "metrics.jsonl")):
+        return  # it stopped before its first step: nothing to draw
+    try:
+        from runtime.plot import plot_run
+
+        print(f"plot: {plot_run(results_dir)}", flush=True)
+    except ImportError:
+        print("plot: matplotlib is not installed, so no metrics.png (pip install matplotlib)", flush=True)
+    except (OSError, ValueError) as error:
+        print(f"plot: no metrics.png ({error})", flush=True)
 
 
 def _one_line(error: Exception) -> str:
@@ -257,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if device is not None:
             shutdown(device)
+            # After the process group is gone: ranks must leave it together (a gloo peer torn down while another
+            # still holds its connections aborts), and drawing takes rank 0 a second.
+            if device.is_main and cfg.plot:
+                _draw(cfg.results_dir)
     return 0
 
 

@@ -11,7 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = REPO / "runtime"
-DISTRIBUTED_OWNERS = {"runtime/parallel/collectives.py", "runtime/parallel/topology.py"}
+# runtime/torchrun.py is torch's launch agent (torch.distributed.run), not a process-group user.
+DISTRIBUTED_OWNERS = {"runtime/parallel/collectives.py", "runtime/parallel/topology.py", "runtime/torchrun.py"}
 DEVICE_KINDS = {"cpu", "cuda", "xla", "neuron", "gpu"}
 
 

@@ -57,10 +57,26 @@ def test_default_pipeline_runs_locally(tmp_path):
     status = nxdt("status", "gpt3_tiny", cwd=tmp_path)
     assert status.returncode == 0 and status.stdout.count("COMPLETED") == 4, status.stdout
     logs = nxdt("logs", "gpt3_tiny", "training", cwd=tmp_path)
-    assert "step 40" in logs.stdout
+    assert "step 40/40" in logs.stdout
+    picture = results / "gpt3_tiny" / "training" / "metrics.png"  # drawn when training ended
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    picture.unlink()
+    drawn = nxdt("plot", "gpt3_tiny", cwd=tmp_path)
+    assert drawn.returncode == 0 and drawn.stdout.strip() == f"plot: {picture}", drawn.stdout + drawn.stderr
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    trained = _demo_accuracy(results)
+
+    # The same command again (the README says training resumes): every stage finds its work done and says so,
+    # nothing fails because an output exists, and no step is trained or logged twice.
+    again = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", *checkpoints, cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "nothing to train" in again.stdout, again.stdout[-3000:]
+    assert "conversion:" in again.stdout and "nothing to do" in again.stdout
+    assert "already scores" in again.stdout and "demo_code_lines" in again.stdout  # the table, shown again
+    assert [r["step"] for r in _metrics(results) if "loss" in r] == [r["step"] for r in rows]
+    assert _demo_accuracy(results) == trained
 
     # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower.
-    trained = _demo_accuracy(results)
     early = sorted((results / "gpt3_tiny" / "training" / "checkpoints").glob("step_00000005.*"))[0].name
     result = nxdt("cluster_type=local", "stages=[evaluation]", f"evaluation.checkpoint_name={early}", cwd=tmp_path,
                   timeout=600)

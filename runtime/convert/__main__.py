@@ -11,6 +11,7 @@ Mistakes end with one `error: ...` line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,10 +25,28 @@ from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shape
 from runtime.models import ModelConfig
 from runtime.schema.conversion import ConversionConfig, parse_conversion
 
+# Written into every exported directory: what it was exported from, so that running the stage again knows
+# its own output (same checkpoint and settings: nothing to do; an older export of ours: replaced) from files
+# someone else put there (kept unless conversion.overwrite=true).
+PROVENANCE = "nxdt_export.json"
+
+
 def export(cfg: ConversionConfig) -> Path:
     storage, checkpoint = resolve_checkpoint(cfg.checkpoint_dir, cfg.checkpoint_name)
     training = read_config(storage, checkpoint)
     tokenizer = cfg.tokenizer_model or training["model"]["tokenizer"]["model"]
+    source = {"checkpoint": f"{storage.root}/{checkpoint.name}", "step": checkpoint.step,
+              "files": checkpoint.meta.get("files"), "include_optimizer": cfg.include_optimizer,
+              "tokenizer": str(tokenizer)}
+    out = Path(cfg.output_dir)
+    previous = _provenance(out)
+    if previous == source:
+        print(f"conversion: {out} already holds {source['checkpoint']} (step {checkpoint.step}) exported with "
+              f"these settings; nothing to do")
+        return out
+    if not cfg.overwrite and previous is None and out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"conversion.output_dir {str(out)!r} holds files this stage did not export; set "
+                         f"conversion.overwrite=true to replace them, or choose another conversion.output_dir")
     model_cfg = parse_model_config(training["model"], str(tokenizer))
     full = full_tensors(read_rank_files(storage, checkpoint))
     names = set(state_shapes(model_cfg))
@@ -37,12 +56,26 @@ def export(cfg: ConversionConfig) -> Path:
     if missing:
         raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} lacks {', '.join(missing[:3])}: it was saved "
                          f"from a different model")
-    out = save_hf_directory(cfg.output_dir, state, model_cfg, str(tokenizer), overwrite=cfg.overwrite)
-    if cfg.include_optimizer:
-        _export_moments(full, names, model_cfg, out)
+
+    def finish(directory: Path) -> None:
+        if cfg.include_optimizer:
+            _export_moments(full, names, model_cfg, directory)
+        (directory / PROVENANCE).write_text(json.dumps(source, indent=2) + "\n")
+
+    save_hf_directory(out, state, model_cfg, str(tokenizer), overwrite=True, also=finish)
+    replaced = f" (replacing the export of {previous['checkpoint']})" if previous else ""
     print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at {checkpoint.layout}) "
-          f"to {out}")
+          f"to {out}{replaced}")
     return out
+
+
+def _provenance(out: Path) -> dict | None:
+    """What an earlier run of this stage exported into `out`, or None when it did not write it."""
+    try:
+        found = json.loads((out / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _export_moments(full, names: set[str], model_cfg: ModelConfig, out: Path) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -200,8 +201,9 @@ _SPECIAL_TOKENS = {  # the first of each that the tokenizer has; GPT-2 uses <|en
 
 def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Tensor], cfg: ModelConfig,
                       tokenizer_path: str | None, *, overwrite: bool = False,
-                      max_shard_bytes: int = _SHARD_BYTES) -> Path:
-    """Write a directory `from_pretrained` loads. It appears whole or not at all (written beside, then renamed)."""
+                      max_shard_bytes: int = _SHARD_BYTES, also: Callable[[Path], None] | None = None) -> Path:
+    """Write a directory `from_pretrained` loads. It appears whole or not at all (written beside, then renamed);
+    `also(directory)` adds more files to it before it appears."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
@@ -227,6 +229,8 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Te
             ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
             if ids:
                 _write_json(tmp / "generation_config.json", ids)
+        if also is not None:
+            also(tmp)
         replace_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,9 +18,10 @@ _IDENTITY_KEYS = ("task", "type", "num_examples")
 
 
 def write_results(results: list[dict[str, Any]], path: str | os.PathLike, *, checkpoint: str | None,
-                  step: int | None) -> None:
-    """{"checkpoint", "step", "tasks": results} as JSON, written atomically (readers never see half)."""
-    atomic_write_json(path, {"checkpoint": checkpoint, "step": step, "tasks": results})
+                  step: int | None, settings: str | None = None) -> None:
+    """{"checkpoint", "step", "settings", "tasks": results} as JSON, written atomically (readers never see half).
+    `settings` identifies the evaluation config the scores came from (runtime/evaluate/__main__.py)."""
+    atomic_write_json(path, {"checkpoint": checkpoint, "step": step, "settings": settings, "tasks": results})
 
 
 def _metrics(result: dict[str, Any]) -> list[tuple[str, float, float | None]]:

@@ -34,7 +34,8 @@ def _window(context: Sequence[int], continuation: Sequence[int], max_length: int
 
 
 def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs: LogprobFn, *,
-                  max_length: int, batch_size: int) -> list[tuple[float, bool]]:
+                  max_length: int, batch_size: int,
+                  progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
     """For each (context, continuation): (sum of log p(continuation | context), every token greedy).
 
     Deterministic for a deterministic model: requests are sorted longest first (ties by position) so that
@@ -69,4 +70,6 @@ def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs:
             end = len(rows[i]) - 1
             span = slice(end - len(requests[i][1]), end)
             results[i] = (float(logprobs[b, span].sum()), bool(is_argmax[b, span].all()))
+        if progress is not None:
+            progress(min(start + batch_size, len(order)), len(order))
     return results  # type: ignore[return-value]  # every slot was filled above

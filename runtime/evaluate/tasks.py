@@ -166,7 +166,8 @@ def _argmax(scores: list[float]) -> int:
 
 
 def evaluate_task(task: Task, tokenize: Callable[[str], list[int]], forward_logprobs: LogprobFn, *,
-                  max_length: int, batch_size: int) -> dict[str, Any]:
+                  max_length: int, batch_size: int, progress: Callable[[int, int], None] | None = None
+                  ) -> dict[str, Any]:
     """Scores every example of `task`; returns {"task", "type", "num_examples", metrics and their stderr}."""
     examples = read_examples(task)
     requests, owners = [], []  # owners[k] = (example index, choice index) of requests[k]
@@ -178,7 +179,8 @@ def evaluate_task(task: Task, tokenize: Callable[[str], list[int]], forward_logp
                 raise ValueError(f"tasks[{task.name}]: example {e + 1} of {task.path!r} has an empty context")
             requests.append((context_tokens, continuation_tokens))
             owners.append((e, c))
-    scores = loglikelihood(requests, forward_logprobs, max_length=max_length, batch_size=batch_size)
+    scores = loglikelihood(requests, forward_logprobs, max_length=max_length, batch_size=batch_size,
+                           progress=progress)
     per_example: list[list[tuple[float, bool]]] = [[] for _ in examples]
     for (e, _), score in zip(owners, scores):
         per_example[e].append(score)

@@ -287,8 +287,9 @@ class DataParallel:
 def _sparse_grads_work(device: torch.device) -> bool:
     """Whether the device has sparse tensors (CPU and CUDA do; XLA does not): a probe, not a device name check."""
     try:
+        # check_invariants given explicitly: left implicit, torch warns about it once per process
         torch.sparse_coo_tensor(torch.zeros((1, 1), dtype=torch.long, device=device), torch.ones(1, device=device),
-                                (1,)).coalesce()
+                                (1,), check_invariants=False).coalesce()
         return True
     except (RuntimeError, NotImplementedError):
         return False

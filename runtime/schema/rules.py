@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 # Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
@@ -314,3 +315,32 @@ def max_record_mb(value: float, p: str) -> str | None:
     return (f"{p}input.max_record_mb: {value!r} must be > 0 and at most {MAX_RECORD_MB} (a document's token count "
             f"is an int32 in the .idx); longer records are skipped and counted, or fail the task with "
             f"input.on_long_record: fail")
+
+
+# ------------------------------------------------------------------------------------------------- stage flow
+def trains_on_prepared_data(data_prefix: object, tokenizer: object, output_dir: object,
+                            preparation: str) -> str | None:
+    """With data_preparation and training in one launch, training must read what the preparation writes: a recipe
+    pointing at another corpus (stages=[data_preparation,training] training=gpt3/5b prepares the demo corpus and
+    would train on the_pile_gpt2) is a mistake found after the queue wait otherwise, or never."""
+    out = os.path.normpath(str(output_dir or ""))
+    if not out or out == ".":
+        return None
+    if isinstance(data_prefix, (list, tuple)):
+        paths = [str(v) for v in data_prefix if isinstance(v, str)]
+    else:
+        paths = [str(data_prefix or "")]
+
+    def inside(path: str) -> bool:
+        return os.path.normpath(path) == out or os.path.normpath(path).startswith(out + os.sep)
+
+    if all(inside(path) for path in paths if path):
+        return None
+    elsewhere = next(path for path in paths if path and not inside(path))
+    if tokenizer and not inside(str(tokenizer)):
+        also = f" and training.model.tokenizer.model={out}/tokenizer.json"
+    else:
+        also = ""
+    return (f"training.model.data.data_prefix: {elsewhere!r} is not what data_preparation ({preparation}) writes "
+            f"(it writes {out}); set training.model.data.data_prefix={out}/blend.txt{also}, choose the "
+            f"data_preparation config that prepares {elsewhere!r}, or leave data_preparation out of stages")

@@ -80,6 +80,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     checkpoint = _checkpoint(exp, run, p)
     seed = model_s.int("seed", 1234)
     tensorboard, wandb = exp.bool("create_tensorboard_logger", True), exp.bool("create_wandb_logger", False)
+    plot = exp.bool("create_metrics_plot", True)
     if report.errors:  # the rules below need well-typed values
         return None, report
 
@@ -95,7 +96,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         run_name=str(run.raw("name", "run")), results_dir=Path(str(run.raw("results_dir"))),
         trainer=trainer, parallel=parallel, data=data, optim=optim, precision=PrecisionConfig(precision),
         model=ModelConfig.from_model_section(shape, vocab), tokenizer_path=tokenizer_path,
-        tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, checkpoint=checkpoint,
+        tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, plot=plot, checkpoint=checkpoint,
         raw=raw,
     ), report
 

@@ -99,5 +99,6 @@ class TrainingConfig:
     seed: int
     tensorboard: bool
     wandb: bool
+    plot: bool  # metrics.png at the end of training (runtime/plot.py)
     checkpoint: CheckpointConfig
     raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config

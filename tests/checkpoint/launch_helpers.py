@@ -38,7 +38,9 @@ def training_overrides(data: Path, results: Path, *, steps: int, every: int, hid
         "training.model.micro_batch_size=2", "training.model.optim.sched.warmup_steps=2",
         f"training.exp_manager.checkpoint_callback_params.every_n_train_steps={every}",
         "training.exp_manager.checkpoint_callback_params.save_top_k=-1",
-        f"training.model.data.index_mapping_dir={results}/index", *extra,
+        f"training.model.data.index_mapping_dir={results}/index",
+        "training.exp_manager.create_metrics_plot=false",  # a second of matplotlib per run; test_pipeline draws it
+        *extra,
     ]
 
 

@@ -144,7 +144,7 @@ def test_results_file_and_table(tmp_path):
     out = tmp_path / "out" / "results.json"
     write_results([result], out, checkpoint="/ckpt/step_50", step=50)
     saved = json.loads(out.read_text())
-    assert saved == {"checkpoint": "/ckpt/step_50", "step": 50, "tasks": [result]}
+    assert saved == {"checkpoint": "/ckpt/step_50", "step": 50, "settings": None, "tasks": [result]}
 
     table = render_table([result])
     cells = [list(column.cells) for column in table.columns]

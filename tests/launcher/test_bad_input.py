@@ -75,6 +75,9 @@ CASES = [
     (["run_name=1e3"], "run_name: 1000.0 is not text; quote a name made of digits, e.g. run_name='1000.0'"),
     (["training.run.results_dir=/tmp/x%j/training"],
      "training.run.results_dir: '/tmp/x%j/training' contains '%', which sbatch expands in #SBATCH --output"),
+    # Preparing one corpus and training on another (NeMo-Launcher's habit: the recipe names the_pile_gpt2).
+    (["stages=[data_preparation,training]", "training=gpt3/5b", "data_preparation=demo"],
+     "/data/the_pile_gpt2/blend.txt' is not what data_preparation (demo_data_preparation) writes"),
     # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
     (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
 ]

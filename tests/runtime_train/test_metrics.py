@@ -1,11 +1,12 @@
 # FLOPs accounting and the metric sinks (metrics.jsonl, TensorBoard, stdout).
 import json
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from runtime.metrics import MetricsLogger, flops_per_token, measure_matmul_tflops, peak_tflops
+from runtime.metrics import MetricsLogger, cpu_peak_tflops, flops_per_token, peak_tflops
 from runtime.models import ModelConfig, build_model
 
 
@@ -23,10 +24,38 @@ def test_flops_formula_counts_every_matmul_weight(architecture, groups):
     assert flops == 6 * matmul_weights + 12 * cfg.num_layers * cfg.hidden_size * seq
 
 
-def test_peak_table_and_measurement():
-    assert peak_tflops("H100", torch.device("cpu")) == (989.0, "table:H100")
-    measured = measure_matmul_tflops(torch.device("cpu"), size=256, seconds=0.05)
-    assert 0 < measured < 100
+def test_peak_table_and_cpu_theoretical_peak():
+    assert peak_tflops("H100") == (989.0, "table:H100")
+    info = "processor\t: 0\ncpu MHz\t\t: 2596.150\nflags\t\t: fpu sse2 avx2 fma avx512f\n" \
+           "processor\t: 1\ncpu MHz\t\t: 3000.000\nflags\t\t: fpu sse2 avx2 fma avx512f\n"
+    assert cpu_peak_tflops(info, threads=2) == (pytest.approx(2 * 3.0 * 64 / 1000),
+                                                "cpu: 2 cores x 3.00 GHz x 64 fp32 FLOP/cycle")
+    assert cpu_peak_tflops(info.replace(" avx512f", ""), threads=1)[0] == pytest.approx(3.0 * 32 / 1000)
+    assert cpu_peak_tflops("processor\t: 0\n", threads=1) is None  # says too little: MFU is not reported
+
+
+def test_cpu_peak_is_above_what_a_matmul_achieves_here():
+    """The point of a theoretical peak: MFU <= 100%. A large fp32 matmul on this machine's cores stays below."""
+    peak, _ = peak_tflops("cpu")
+    a, b = torch.randn(1536, 1536), torch.randn(1536, 1536)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(4):
+        a @ b
+    achieved = 4 * 2 * 1536**3 / (time.perf_counter() - started) / 1e12
+    assert 0 < achieved < peak, (achieved, peak)
+
+
+def test_progress_shows_step_of_max_steps_and_time_left(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, is_main=True, log_every_n_steps=5, tokens_per_step=10, flops_per_token=1.0,
+                           num_devices=1, peak_tflops=None, tensorboard=False, max_steps=100)
+    logger.record_step(1, loss=1, lr=1, grad_norm=1, step_time_s=30.0, memory_gib=0)  # warm-up: not the pace
+    for step in range(2, 11):
+        logger.record_step(step, loss=1, lr=1, grad_norm=1, step_time_s=2.0, memory_gib=0)
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step 1/100 (eta 0:49:30) | ")  # only the first step's pace is known yet
+    assert out[-1].startswith("step 10/100 (eta 0:03:00) | ")  # 90 steps left at 2 s
 
 
 def test_logger_writes_jsonl_tensorboard_and_stdout(tmp_path, capsys):

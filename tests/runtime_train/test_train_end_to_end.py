@@ -88,13 +88,16 @@ def test_torchrun_two_processes_learns(workdir, reference_config, architecture, 
     for record in train:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops_per_device", "mfu",
                 "memory_gib"} <= record.keys()
-        assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0 and record["mfu"] > 0
+        assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
+        assert 0 < record["mfu"] <= 1  # against the CPU's theoretical peak (the old measured one gave 113%)
     assert train[0]["loss"] > 0.9 * math.log(vocab)
     assert train[-1]["loss"] < 0.5 * math.log(vocab), [r["loss"] for r in train]
     assert [r["step"] for r in val] == [10, 20, 30] and val[-1]["val_loss"] < val[0]["val_loss"]
     assert list((root / name / "tensorboard").glob("events.out.tfevents.*"))
-    assert f"step {STEPS} | loss" in result.stdout  # the compact line, printed once (rank 0 only)
-    assert result.stdout.count(f"step {STEPS} | loss") == 1
+    last = f"step {STEPS}/{STEPS} (eta 0:00:00) | loss"
+    assert last in result.stdout  # the compact line, printed once (rank 0 only)
+    assert result.stdout.count(last) == 1
+    assert result.stdout.count("Warning") <= 1, "a warning is printed once per run, not once per rank"
 
 
 @pytest.mark.slow
