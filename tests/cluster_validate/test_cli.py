@@ -3,18 +3,21 @@ run renders one job over the requested nodes, and a local run validates this mac
 
 import json
 
+import pytest
+
+from launcher.commands.cluster_validate import expand_hostlist, node_lists
 from tests.launcher.helpers import nxdt
 
 
 def test_mistakes_are_one_line_each_and_exit_2(tmp_path):
     result = nxdt("cluster-validate", "devices=0", "collectives.operations=[all_reduce,allreduce]",
-                  "cluster.exclude=node3", f"base_results_dir={tmp_path}", cwd=tmp_path)
+                  "cluster.exclude='node[1-'", f"base_results_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.splitlines()
     assert "Traceback" not in result.stderr and all(line.startswith("error: ") for line in lines)
     assert any("cluster_validation.devices: 0 must be a positive integer" in line for line in lines)
     assert any("unknown operation 'allreduce'" in line for line in lines)
-    assert any(line.startswith("error: cluster.exclude: must be a list") for line in lines)
+    assert any(line.startswith("error: cluster.exclude: 'node[1-': a '[' is never closed") for line in lines)
     typo = nxdt("cluster-validate", "collectives.max_byts=1M", cwd=tmp_path)
     assert typo.returncode == 2 and "did you mean 'cluster_validation.collectives.max_bytes'" in typo.stderr
 
@@ -60,3 +63,36 @@ def test_a_check_every_node_fails_is_named_as_the_config_not_excluded(tmp_path):
     assert report["bad_nodes"] and report["exclude_override"] == "cluster.exclude=[]"
     [note] = [n for n in report["notes"] if n.startswith("every node fails the same check")]
     assert f"path {tmp_path}/no_such_data: does not exist" in note and "fix it rather than excluding" in note
+
+
+@pytest.mark.parametrize("expression,names", [
+    ("node[1-8]", [f"node{i}" for i in range(1, 9)]),
+    ("node[01-03,7]", ["node01", "node02", "node03", "node7"]),
+    ("a,b", ["a", "b"]),
+    ("node[1-2],gpu[08-10]", ["node1", "node2", "gpu08", "gpu09", "gpu10"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("head", ["head"]),
+])
+def test_slurm_hostlists_expand_as_slurm_does(expression, names):
+    assert expand_hostlist(expression) == names
+
+
+@pytest.mark.parametrize("expression,why", [("node[a-3]", "'a-3' is not a number"), ("node[1-", "never closed"),
+                                            ("node[3-1]", "runs backwards"), ("a,,b", "empty node name"),
+                                            ("n[[1]]", "do not nest")])
+def test_a_hostlist_slurm_would_refuse_is_one_line_naming_the_key(expression, why):
+    cluster = {"nodelist": expression}
+    (error,) = node_lists(cluster)
+    assert error.startswith("cluster.nodelist: ") and why in error, error
+
+
+def test_a_hostlist_string_is_taken_where_a_node_list_is_expected(tmp_path):
+    """docs/cluster_validation.md: cluster.nodelist='node[1-8]' is eight nodes, not a refused non-list."""
+    result = nxdt("cluster-validate", "cluster_type=slurm", "cluster.nodelist='node[01-03,7]'",
+                  "cluster.exclude='node9,node10'", f"base_results_dir={tmp_path}/results", "devices=2", "--dry-run",
+                  cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "on 4 node(s)" in result.stdout
+    sbatch = (tmp_path / "results/cluster_validation/cluster_validation/cluster_validation.sbatch").read_text()
+    for line in ("#SBATCH --nodes=4", "#SBATCH --nodelist=node[01-03,7]", "#SBATCH --exclude=node9,node10"):
+        assert line + "\n" in sbatch, line
