@@ -102,6 +102,7 @@ class MetricsLogger:
         peak_tflops: float | None,
         tensorboard: bool = True,
         wandb: bool = False,
+        wandb_kwargs: dict | None = None,
         run_name: str = "run",
         config: dict | None = None,
         max_steps: int | None = None,
@@ -119,7 +120,7 @@ class MetricsLogger:
         results = Path(results_dir)
         results.mkdir(parents=True, exist_ok=True)
         if wandb:  # first: the one sink that can fail on a user's setup
-            self._wandb = _start_wandb(results, run_name, config or {})
+            self._wandb = _start_wandb(results, run_name, config or {}, wandb_kwargs or {})
         self._jsonl = open(results / "metrics.jsonl", "a", buffering=1)  # line-buffered: readable while running
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -206,7 +207,24 @@ def format_duration(seconds: float) -> str:
     return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
-def _start_wandb(results: Path, run_name: str, config: dict):
+def wandb_init_args(results: Path, run_name: str, config: dict, kwargs: dict, environ=os.environ) -> dict:
+    """wandb.init's arguments from NeMo's wandb_logger_kwargs (Lightning's WandbLogger names: offline, save_dir,
+    version); offline unless credentials or WANDB_MODE say otherwise, so a run without network still logs."""
+    args = {"project": "nxdt-launch", "name": run_name, "dir": str(results), "config": config}
+    for key, value in kwargs.items():
+        if key == "offline" or value is None:  # null: the default above
+            continue
+        args[{"save_dir": "dir", "version": "id"}.get(key, key)] = value
+    if kwargs.get("offline"):
+        args["mode"] = "offline"
+    else:
+        args["mode"] = environ.get("WANDB_MODE") or ("online" if environ.get("WANDB_API_KEY") else "offline")
+    if args.get("tags") is not None:
+        args["tags"] = [str(t) for t in args["tags"]]
+    return args
+
+
+def _start_wandb(results: Path, run_name: str, config: dict, kwargs: dict):
     try:
         import wandb
     except ImportError:
@@ -214,7 +232,6 @@ def _start_wandb(results: Path, run_name: str, config: dict):
             "exp_manager.create_wandb_logger is true but wandb is not installed; pip install wandb, "
             "or set exp_manager.create_wandb_logger=false"
         ) from None
-    # Without credentials, write an offline run that `wandb sync` can upload later.
-    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    print(f"wandb: logging {mode} under {results / 'wandb'}", file=sys.stderr)
-    return wandb.init(project="nxdt-launch", name=run_name, dir=str(results), mode=mode, config=config)
+    args = wandb_init_args(results, run_name, config, kwargs)
+    print(f"wandb: logging {args['mode']} under {args['dir']}/wandb", file=sys.stderr)
+    return wandb.init(**args)

@@ -162,6 +162,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         peak_tflops=peak,
         tensorboard=cfg.tensorboard,
         wandb=cfg.wandb,
+        wandb_kwargs=cfg.wandb_kwargs,
         run_name=cfg.run_name,
         config=cfg.raw,
         max_steps=cfg.trainer.max_steps,

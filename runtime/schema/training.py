@@ -81,6 +81,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     seed = model_s.int("seed", 1234)
     tensorboard, wandb = exp.bool("create_tensorboard_logger", True), exp.bool("create_wandb_logger", False)
     plot = exp.bool("create_metrics_plot", True)
+    wandb_kwargs = _wandb_kwargs(exp, p, report)
     if report.errors:  # the rules below need well-typed values
         return None, report
 
@@ -96,7 +97,8 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         run_name=str(run.raw("name", "run")), results_dir=Path(str(run.raw("results_dir"))),
         trainer=trainer, parallel=parallel, data=data, optim=optim, precision=PrecisionConfig(precision),
         model=ModelConfig.from_model_section(shape, vocab), tokenizer_path=tokenizer_path,
-        tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, plot=plot, checkpoint=checkpoint,
+        tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, wandb_kwargs=wandb_kwargs, plot=plot,
+        checkpoint=checkpoint,
         raw=raw,
     ), report
 
@@ -385,3 +387,16 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     if heads % groups == 0:
         report.error(rules.kv_heads_tp(groups, tp, p))
     report.error(rules.layers_split(shape["num_layers"], parallel.pp, parallel.virtual_pp, p))
+
+
+# NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.
+WANDB_KEYS = ("project", "name", "group", "tags", "entity", "notes", "job_type", "offline", "save_dir", "id",
+              "version", "resume")
+
+
+def _wandb_kwargs(exp: Section, p: str, report: Report) -> dict:
+    kwargs = exp.mapping("wandb_logger_kwargs") or {}
+    for key in sorted(set(kwargs) - set(WANDB_KEYS)):
+        report.error(f"{p}exp_manager.wandb_logger_kwargs.{key}: not a W&B setting nxdt-launch passes on; "
+                     f"valid: {', '.join(WANDB_KEYS)}")
+    return {k: v for k, v in kwargs.items() if k in WANDB_KEYS}

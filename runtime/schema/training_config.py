@@ -99,6 +99,7 @@ class TrainingConfig:
     seed: int
     tensorboard: bool
     wandb: bool
+    wandb_kwargs: dict  # exp_manager.wandb_logger_kwargs, NeMo's (runtime/metrics.py maps them onto wandb.init)
     plot: bool  # metrics.png at the end of training (runtime/plot.py)
     checkpoint: CheckpointConfig
     raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config

@@ -115,3 +115,20 @@ def test_padding_values_are_never_read():
 def test_bad_requests_raise_value_error(request_, message):
     with pytest.raises(ValueError, match=message):
         loglikelihood([request_], bigram_forward(bigram_table()), max_length=2, batch_size=1)
+
+
+def test_a_long_task_reports_its_progress(capsys):
+    """Evaluation is never silent for long: rank 0 prints the task's start and, every so often, requests done."""
+    from runtime.evaluate.__main__ import Progress
+
+    report = Progress("demo_code_lines (3/3)", enabled=True, every_s=0.0)
+    requests = [([1, 2], [3])] * 5
+    loglikelihood(requests, lambda inputs, targets: (torch.zeros(inputs.shape), torch.ones(inputs.shape)),
+                  max_length=8, batch_size=2, progress=report)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "demo_code_lines (3/3): started"
+    assert lines[1].startswith("demo_code_lines (3/3): 2/5 requests, ") and lines[1].endswith(" left")
+    assert len(lines) == 3  # 2/5, 4/5; the last batch ends the task, whose own line follows
+    quiet = Progress("x", enabled=False, every_s=0.0)
+    quiet(1, 5)
+    assert capsys.readouterr().out == ""

@@ -161,7 +161,8 @@ def test_cluster_config_never_overwrites_a_file_it_did_not_write(tmp_path):
     assert nxdt(*args, cwd=tmp_path).returncode == 0, "its own output is overwritten"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None,
+                    reason="wandb is installed here (the test extra has it); tests/launcher/test_packages.py hides it")
 def test_a_logger_whose_package_is_missing_is_refused_before_running(tmp_path):
     """A real local launch (not a dry run): refused at launch, not minutes into training."""
     result = nxdt(f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/data", "cluster_type=local",

@@ -99,3 +99,47 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="exp_manager.create_wandb_logger is true but wandb is not installed"):
         MetricsLogger(tmp_path, is_main=True, log_every_n_steps=1, tokens_per_step=1, flops_per_token=1.0,
                       num_devices=1, peak_tflops=None, tensorboard=False, wandb=True)
+
+
+def test_nemo_wandb_logger_kwargs_map_onto_wandb_init(tmp_path):
+    from runtime.metrics import wandb_init_args
+
+    args = wandb_init_args(tmp_path, "gpt3_tiny", {"a": 1}, {"project": "p", "name": None, "tags": ["x", 2],
+                                                            "save_dir": "/w", "version": "run7"}, environ={})
+    assert args == {"project": "p", "name": "gpt3_tiny", "dir": "/w", "config": {"a": 1}, "tags": ["x", "2"],
+                    "id": "run7", "mode": "offline"}  # no WANDB_API_KEY: offline, synced later with `wandb sync`
+    assert wandb_init_args(tmp_path, "r", {}, {}, environ={"WANDB_API_KEY": "k"})["mode"] == "online"
+    assert wandb_init_args(tmp_path, "r", {}, {"offline": True}, environ={"WANDB_API_KEY": "k"})["mode"] == "offline"
+
+
+def test_unknown_wandb_logger_kwargs_are_named():
+    from runtime.schema.training import _wandb_kwargs
+    from runtime.schema.reader import Report, Section
+
+    report = Report()
+    kept = _wandb_kwargs(Section({"wandb_logger_kwargs": {"project": "p", "log_model": True}}, "training.exp_manager",
+                                 report), "training.", report)
+    assert kept == {"project": "p"}
+    assert report.errors == ["training.exp_manager.wandb_logger_kwargs.log_model: not a W&B setting nxdt-launch "
+                             "passes on; valid: project, name, group, tags, entity, notes, job_type, offline, "
+                             "save_dir, id, version, resume"]
+
+
+def test_wandb_logs_offline_with_nemo_kwargs(tmp_path, monkeypatch):
+    """The real wandb, with no network and no credentials: an offline run under the results dir that `wandb sync`
+    uploads later, named and tagged by NeMo's wandb_logger_kwargs."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(tmp_path, is_main=True, log_every_n_steps=1, tokens_per_step=10, flops_per_token=1.0,
+                           num_devices=1, peak_tflops=None, tensorboard=False, wandb=True, run_name="gpt3_tiny",
+                           wandb_kwargs={"project": "nemo-project", "name": "first-try", "tags": ["tiny"]},
+                           config={"trainer": {"max_steps": 2}})
+    for step in (1, 2):
+        logger.record_step(step, loss=3.0 - step, lr=1e-3, grad_norm=1.0, step_time_s=0.1, memory_gib=0.0)
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    record = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))  # the run's log, protobuf records
+    assert b"nemo-project" in record and b"first-try" in record and b"tiny" in record

@@ -97,7 +97,8 @@ def test_torchrun_two_processes_learns(workdir, reference_config, architecture, 
     last = f"step {STEPS}/{STEPS} (eta 0:00:00) | loss"
     assert last in result.stdout  # the compact line, printed once (rank 0 only)
     assert result.stdout.count(last) == 1
-    assert result.stdout.count("Warning") <= 1, "a warning is printed once per run, not once per rank"
+    assert (result.stdout + result.stderr).count("Warning") <= 1, "a warning is printed once per run, not per rank"
+    assert f"tensorboard: tensorboard --logdir {root / name / 'tensorboard'}" in result.stdout
 
 
 @pytest.mark.slow
