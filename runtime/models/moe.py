@@ -1,0 +1,174 @@
+# A Mixtral-style sparse MoE block: a router picks top_k of num_experts SwiGLU experts per token, the experts run
+# as two batched matmuls over all experts at once, and the outputs are summed back weighted by the router.
+#
+# Exactness is the design constraint (an expert-parallel run must reproduce one process bit for bit up to fp32
+# rounding): every choice here is a deterministic function of the micro-batch's tokens in their order.
+# - Routing: scores in fp32 (softmax, or sigmoid), top-k, optionally renormalized over the k chosen
+#   (NxD Training's normalize_top_k_affinities, Mixtral's default).
+# - Capacity: with a capacity factor c, expert e takes at most ceil(c * tokens * top_k / num_experts)
+#   assignments, first come first served in (token, slot) order; the rest are dropped (their share of the
+#   output is zero and the residual carries the token). `capacity_factor=None` is dropless.
+# - Load-balancing loss (Switch Transformer, as Mixtral and transformers compute it): num_experts *
+#   sum_e f_e * P_e, where f_e is the number of (token, slot) assignments to e (before dropping) over the
+#   tokens, and P_e the mean routing probability of e. Router z-loss: mean over tokens of logsumexp(logits)^2.
+#   Both are per micro-batch; attach_aux_loss adds their gradient without changing what forward returns.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_ACTIVATIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing: (N, k) experts and weights, the (N, E) logits and probabilities."""
+    experts: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor
+    probs: torch.Tensor
+
+
+def route(logits: torch.Tensor, top_k: int, *, activation: str = "softmax", normalize: bool = True) -> Routing:
+    """(N, E) router logits -> the top_k experts of each token and their weights, in fp32."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1) if activation == "softmax" else torch.sigmoid(logits)
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # ties: the lower expert index, as torch.topk picks
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights, logits, probs)
+
+
+def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
+    """num_experts * sum_e (assignments to e / tokens) * (mean probability of e): 1.0 when perfectly balanced
+    with top_k = 1 (top_k when every slot is balanced), larger as the router concentrates."""
+    tokens = routing.probs.shape[0]
+    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.probs.dtype)
+    return num_experts * torch.sum(counts / tokens * routing.probs.mean(dim=0))
+
+
+def router_z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE's z-loss: mean of logsumexp(logits)^2, which keeps the router's logits small."""
+    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:
+    """Assignments an expert takes per micro-batch; None: dropless."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def kept_assignments(experts: torch.Tensor, num_experts: int, limit: int | None) -> torch.Tensor:
+    """(N, k) bool: which (token, slot) assignments their expert takes, first come first served in (token, slot)
+    order, at most `limit` per expert."""
+    if limit is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    flat = experts.flatten()
+    one_hot = F.one_hot(flat, num_experts)                      # (N*k, E)
+    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)    # 1-based arrival order at its expert
+    return (position <= limit).view_as(experts)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Returns `output` unchanged; in backward also sends `scale` as the gradient of `aux_loss`, so the auxiliary
+    loss is trained without being added to (or returned with) the model's per-token loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_output.device)
+        return grad_output, grad_aux, None
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """`output`, through which backward also applies d(scale * aux_loss)."""
+    return AuxLossScaler.apply(output, aux_loss, scale)
+
+
+class SparseMoE(nn.Module):
+    """(B, T, H) -> (B, T, H). Parameters: router.weight (E, H); experts' gate_up (E, H, 2F) and down (E, F, H),
+    each expert's SwiGLU as in layers.SwiGLU (gate first, then up)."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, capacity_factor: float | None = None,
+                 activation: str = "softmax", normalize_top_k: bool = True, aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"moe.top_k: {top_k} must be from 1 to num_experts ({num_experts})")
+        if activation not in ROUTER_ACTIVATIONS:
+            raise ValueError(f"moe.router_activation: {activation!r} is not one of {', '.join(ROUTER_ACTIVATIONS)}")
+        self.num_experts, self.top_k, self.ffn = num_experts, top_k, ffn
+        self.capacity_factor, self.activation, self.normalize_top_k = capacity_factor, activation, normalize_top_k
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
+        self.down = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.aux_scale = 1.0  # the train step sets it: how a micro-batch's loss is weighted in the global batch
+        self.stats: dict[str, torch.Tensor] = {}
+        # A usable module on its own (CausalLM.init_weights draws every weight again from the model's seed).
+        self.init_weights(lambda t, std: t.normal_(0.0, std), 0.02, 0.02)
+
+    @torch.no_grad()
+    def init_weights(self, normal_, std: float, output_std: float) -> None:
+        """With CausalLM.init_weights' generator: router and gate_up at `std`, down (writes into the residual
+        stream) at `output_std`."""
+        normal_(self.router.weight, std)
+        normal_(self.gate_up, std)
+        normal_(self.down, output_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])                                              # (N, H)
+        routing = route(self.router(tokens), self.top_k, activation=self.activation,
+                        normalize=self.normalize_top_k)
+        limit = capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+        kept = kept_assignments(routing.experts, self.num_experts, limit)               # (N, k)
+        out = self._experts(tokens, routing.experts, routing.weights.to(x.dtype), kept)
+        aux = self._aux_loss(routing)
+        self.stats = {"aux_loss": aux.detach(), "dropped": 1.0 - kept.float().mean(),
+                      "load": torch.bincount(routing.experts[kept], minlength=self.num_experts)}
+        if self.training and aux.requires_grad:
+            out = attach_aux_loss(out, aux, self.aux_scale)
+        return out.view(shape)
+
+    def _aux_loss(self, routing: Routing) -> torch.Tensor:
+        aux = routing.logits.new_zeros(())
+        if self.aux_loss_coef:
+            aux = aux + self.aux_loss_coef * load_balancing_loss(routing, self.num_experts)
+        if self.z_loss_coef:
+            aux = aux + self.z_loss_coef * router_z_loss(routing)
+        return aux
+
+    def _experts(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                 kept: torch.Tensor) -> torch.Tensor:
+        """Every kept (token, slot) through its expert, as one padded batched matmul per weight: assignments sorted
+        by expert (stable: token order within an expert), padded to the busiest expert's count."""
+        E, N = self.num_experts, tokens.shape[0]
+        flat_expert = experts.flatten()
+        flat_token = torch.arange(N, device=tokens.device).repeat_interleave(self.top_k)
+        flat_weight = weights.flatten()
+        keep = kept.flatten()
+        flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], flat_weight[keep]
+        order = torch.argsort(flat_expert, stable=True)
+        flat_expert, flat_token, flat_weight = flat_expert[order], flat_token[order], flat_weight[order]
+        counts = torch.bincount(flat_expert, minlength=E)                               # (E,)
+        width = int(counts.max()) if flat_expert.numel() else 0
+        starts = torch.cumsum(counts, dim=0) - counts
+        slot = torch.arange(flat_expert.numel(), device=tokens.device) - starts[flat_expert]
+        padded = tokens.new_zeros(E, width, tokens.shape[1])                            # (E, C, H)
+        padded[flat_expert, slot] = tokens[flat_token]
+        gate, up = torch.bmm(padded, self.gate_up).chunk(2, dim=-1)                     # (E, C, F) each
+        expert_out = torch.bmm(F.silu(gate) * up, self.down)                            # (E, C, H)
+        contributions = expert_out[flat_expert, slot] * flat_weight.unsqueeze(-1)       # (M, H)
+        out = tokens.new_zeros(tokens.shape)
+        return out.index_add(0, flat_token, contributions)
