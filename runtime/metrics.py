@@ -16,7 +16,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,13 +37,19 @@ def flops_per_token(
     vocab_size: int,
     seq_length: int,
     gated_mlp: bool,
+    moe_layers: int = 0,
+    moe_top_k: int = 0,
+    moe_num_experts: int = 0,
 ) -> float:
-    """Training FLOPs (forward + backward) per token; see the formula at the top of this file."""
+    """Training FLOPs (forward + backward) per token; see the formula at the top of this file. Of an MoE layer
+    only what a token uses counts: its top_k experts' MLPs and the router (hidden x num_experts)."""
     head_dim = hidden_size // num_attention_heads
     kv_dim = num_query_groups * head_dim
     attention = hidden_size * (hidden_size + 2 * kv_dim) + hidden_size * hidden_size
     mlp = (3 if gated_mlp else 2) * hidden_size * ffn_hidden_size
-    matmul_weights = num_layers * (attention + mlp) + hidden_size * vocab_size
+    moe_mlp = moe_top_k * mlp + hidden_size * moe_num_experts
+    matmul_weights = (num_layers * attention + (num_layers - moe_layers) * mlp + moe_layers * moe_mlp
+                      + hidden_size * vocab_size)
     return 6.0 * matmul_weights + 12.0 * num_layers * hidden_size * seq_length
 
 
@@ -132,7 +137,8 @@ class MetricsLogger:
         return step == 1 or step % self.every == 0
 
     def record_step(
-        self, step: int, *, loss: float, lr: float, grad_norm: float, step_time_s: float, memory_gib: float
+        self, step: int, *, loss: float, lr: float, grad_norm: float, step_time_s: float, memory_gib: float,
+        extra: dict[str, float] | None = None,
     ) -> dict | None:
         """Add one step's timing; returns (and writes) the record when this step is logged."""
         self._window_time += step_time_s
@@ -156,6 +162,7 @@ class MetricsLogger:
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "memory_gib": memory_gib,
+            **(extra or {}),  # e.g. the MoE layers' moe_aux_loss, moe_tokens_dropped, moe_load_imbalance
         }
         self._window_time, self._window_steps = 0.0, 0
         if self.is_main:

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from runtime.models.moe import set_aux_scale
 from runtime.parallel import collectives as C
 from runtime.parallel import pipeline
 from runtime.parallel.optimizer import ShardedAdamW
@@ -50,6 +51,7 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     total_tokens = _global_token_count(batches, topo)
     grads = optimizer.data_parallel
     grads.zero_grad()
+    set_aux_scale(model, 1.0 / (len(batches) * topo.dp.size))  # MoE layers' auxiliary loss, averaged like the loss
     if topo.pp.size > 1:
         loss_sum = pipeline.run_pipeline(model, batches, topo, total_tokens, forward_only=False, schedule=schedule,
                                          autocast=lambda: _autocast(optimizer, batches[0][0].device))

@@ -33,6 +33,7 @@ from runtime.device import Device, init_device, shutdown
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
 from runtime.models import build_model
+from runtime.models.moe import step_stats
 from runtime.optim_schedule import LRSchedule
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
 from runtime.parallel import collectives as C
@@ -157,6 +158,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         flops_per_token=flops_per_token(
             model_cfg.num_layers, model_cfg.hidden_size, model_cfg.ffn_hidden_size, model_cfg.num_attention_heads,
             model_cfg.kv_heads, model_cfg.vocab_size, data.seq_length, gated_mlp=model_cfg.architecture == "llama",
+            **_moe_flops(model_cfg),
         ),
         num_devices=device.world_size,
         peak_tflops=peak,
@@ -198,7 +200,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                 raise RuntimeError(f"loss became {loss} at step {step + 1}; lower model.optim.lr or check the data")
             done = step + 1
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
-                                memory_gib=device.memory_gib())
+                                memory_gib=device.memory_gib(), extra=step_stats(model))
             if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
                                               or done == cfg.trainer.max_steps):
                 val_loss = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo, device)
@@ -218,6 +220,14 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         if watch is not None:
             watch.close()
         metrics.close()
+
+
+def _moe_flops(model_cfg) -> dict:
+    moe = model_cfg.moe
+    if moe is None:
+        return {}
+    layers = sum(moe.is_moe_layer(i) for i in range(model_cfg.num_layers))
+    return {"moe_layers": layers, "moe_top_k": moe.top_k, "moe_num_experts": moe.num_experts}
 
 
 def _draw(results_dir: str) -> None:

@@ -80,7 +80,11 @@ def render(result, recipe: str, time_limit: str | None = None):
 
     shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
     vpp = f" (virtual {layout.vpp})" if layout.vpp > 1 else ""
-    title = (f"{recipe}: {_count(result.parameters.total)} parameters on {layout.num_nodes} × "
+    parameters = f"{_count(result.parameters.total)} parameters"
+    if shape.moe is not None:  # total holds every expert; a token runs only its top_k of them
+        parameters += (f" ({_count(result.parameters.active)} active: top-{shape.moe.top_k} of "
+                       f"{shape.moe.num_experts} experts in {shape.num_moe_layers} of {shape.num_layers} layers)")
+    title = (f"{recipe}: {parameters} on {layout.num_nodes} × "
              f"{layout.devices_per_node} {hw.description} · tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp} · "
              f"micro-batch {layout.micro_batch_size} × {layout.num_micro_batches} · global batch "
              f"{layout.global_batch_size} × seq {shape.seq_length}")
@@ -94,7 +98,8 @@ def render(result, recipe: str, time_limit: str | None = None):
                    title_justify="left")
     memory.add_column("part")
     memory.add_column("GiB", justify="right")
-    memory.add_row(f"weights ({dtype[bytes_.param]})", _gib(mem.weights))
+    experts = f", all {shape.moe.num_experts} experts" if shape.moe is not None else ""
+    memory.add_row(f"weights ({dtype[bytes_.param]}{experts})", _gib(mem.weights))
     memory.add_row("gradients (fp32 accumulation buffer)", _gib(mem.gradients))
     memory.add_row(f"optimizer (Adam moments{' + fp32 master' if bytes_.master else ''}{sharded})",
                    _gib(mem.optimizer))
@@ -113,7 +118,8 @@ def render(result, recipe: str, time_limit: str | None = None):
     time.add_column("quantity")
     time.add_column("value", justify="right")
     step = result.step
-    time.add_row("model FLOPs per token (6·N + 12·L·h·s)", _count(result.flops_per_token))
+    n = "N active" if shape.moe is not None else "N"
+    time.add_row(f"model FLOPs per token (6·{n} + 12·L·h·s)", _count(result.flops_per_token))
     time.add_row("model FLOPs per step", _count(result.flops_per_step))
     time.add_row("step time at the assumed MFU", _duration(result.step_seconds_at_mfu))
     time.add_row("layout model: compute + bubble + tp + dp + pp comms",

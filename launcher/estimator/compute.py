@@ -1,5 +1,6 @@
 # FLOPs and time: model FLOPs per token (the runtime's MFU convention), the step time a layout should reach (used
-# to rank autoconfig candidates), and the days a token budget takes at an assumed MFU.
+# to rank autoconfig candidates), and the days a token budget takes at an assumed MFU. An MoE layer's FLOPs are
+# what a token runs: its top_k experts and the router, not every expert (6·N with N the active weights).
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,17 @@ SECONDS_PER_DAY = 86400.0
 
 
 def matmul_weights(shape: ModelShape) -> int:
-    """Weights that take part in a matrix multiply per token: every layer's projections and MLP, and the output
-    layer (the input embedding is a lookup). Biases and norms are left out, as in runtime/metrics.py."""
+    """Weights that take part in a matrix multiply per token: every layer's projections and MLP (of an MoE layer
+    the token's top_k experts and the h x num_experts router), and the output layer (the input embedding is a
+    lookup). Biases and norms are left out, as in runtime/metrics.py."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
     attention = h * (h + 2 * shape.num_query_groups * d) + h * h
     mlp = (3 if shape.gated_mlp else 2) * h * f
+    moe_layers = shape.num_moe_layers
+    if moe_layers:
+        moe_mlp = shape.moe.top_k * mlp + h * shape.moe.num_experts
+        return (shape.num_layers * attention + (shape.num_layers - moe_layers) * mlp + moe_layers * moe_mlp
+                + h * shape.vocab_size)
     return shape.num_layers * (attention + mlp) + h * shape.vocab_size
 
 
@@ -35,7 +42,13 @@ def recompute_flops_per_token(shape: ModelShape, layout: Layout) -> float:
     if layout.recompute == "selective":
         extra = attention_forward if "core_attention" in layout.recompute_modules else 0.0
         if "mlp" in layout.recompute_modules:
-            extra += 2.0 * L * (3 if shape.gated_mlp else 2) * h * shape.ffn_hidden_size
+            moe_layers = shape.num_moe_layers
+            if moe_layers:  # the MoE block again: router and the token's top_k experts
+                mlp = (3 if shape.gated_mlp else 2) * h * shape.ffn_hidden_size
+                extra += 2.0 * ((L - moe_layers) * mlp
+                                + moe_layers * (shape.moe.top_k * mlp + h * shape.moe.num_experts))
+            else:
+                extra += 2.0 * L * (3 if shape.gated_mlp else 2) * h * shape.ffn_hidden_size
         return extra
     return 0.0
 
@@ -99,6 +112,8 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
     tensor_parallel = m * layers * collectives_per_layer * _ring_seconds(
         micro_activation, layout.tp, hardware.intra_node_gbps, all_reduce=True)
 
+    # Every expert's gradient is reduced over dp: all of them sit on every rank until expert parallelism splits
+    # them (then expert gradients reduce over dp / ep ranks only).
     params = count_parameters(shape).total / (layout.tp * p)
     crosses_nodes = layout.tp * layout.dp > layout.devices_per_node
     dp_gbps = hardware.inter_node_gbps if crosses_nodes else hardware.intra_node_gbps

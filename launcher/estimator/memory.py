@@ -18,11 +18,16 @@
 # (full-sequence) input rather than the shard, and an RMSNorm saves the fp32 copy it normalizes.
 # Recompute: `selective` drops what core attention (and the MLP, if listed) would keep; `full` keeps only each
 # layer's input and rebuilds one layer at a time in backward.
+#
+# MoE layers: weights, gradients and optimizer state hold every expert (each data-parallel rank keeps all of them
+# until expert parallelism divides them by ep); activations only what a token's top_k experts and the router keep
+# (see moe_activation_bytes).
 from __future__ import annotations
 
 import dataclasses
 
-from launcher.estimator.shapes import Layout, ModelShape, kv_heads_per_rank, layer_parameters, stage_parameters
+from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, stage_moe_layers,
+                                       stage_parameters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +99,10 @@ def in_flight_micro_batches(layout: Layout) -> float:
     return held
 
 
-def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels()) -> float:
-    """Bytes autograd keeps for one transformer layer and one micro-batch on one device."""
+def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels(), *,
+                           moe: bool = False) -> float:
+    """Bytes autograd keeps for one transformer layer and one micro-batch on one device; `moe`: a layer whose MLP
+    is shape.moe's block."""
     recompute = layout.recompute
     bytes_ = PRECISION_BYTES[layout.precision]
     c, r = bytes_.compute, bytes_.residual
@@ -136,15 +143,34 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     ffn = shape.ffn_hidden_size // t
     if mlp_recomputed:
         total += r * E * shard                 # the recomputed MLP's input
+    elif moe:
+        total += c * E + moe_activation_bytes(shape, layout)  # the block's input (router and experts read it)
     else:
         total += c * E + c * b * s * ffn * (4 if shape.gated_mlp else 2)
     if shape.hidden_dropout > 0:
         total += 2 * mask * E * shard          # two dropout masks
     if bytes_.weight_copies:
-        total += c * layer_parameters(shape, t)
+        total += c * layer_parameters(shape, t, moe=moe)
     if shape.num_query_groups % t:             # KV heads replicated: the concatenated QKV weight is saved per call
         total += (c if bytes_.weight_copies else bytes_.param) * (heads + 2) * shape.head_dim * h
     return total
+
+
+def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
+    """What runtime/models/moe.py keeps for backward beyond the block's input, per micro-batch (as autograd's saved
+    tensors show it). For each of the b·s·top_k (token, expert) assignments: its copy of the token in the expert's
+    padded batch (the gate_up matmul's input), the SwiGLU intermediates as in a dense MLP (gate_up output 2f, silu
+    output f, product f), the expert's output row gathered for the routing weight's multiply and the weighted row
+    index_add keeps (h each), and the bookkeeping (five int64 indices, two fp32 weights, a keep flag). Per token:
+    the router's fp32 probabilities (softmax keeps them; with the z-loss also its fp32 logits) and their top_k sum.
+    Routing is taken as balanced: the runtime pads every expert's batch to the busiest expert's, so an uneven
+    router costs more (up to capacity_factor x this with a capacity, without bound dropless)."""
+    c = PRECISION_BYTES[layout.precision].compute
+    moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size
+    tokens = layout.micro_batch_size * shape.seq_length
+    assignments = tokens * moe.top_k
+    router = 4 * moe.num_experts * (2 if moe.router_z_loss_coef else 1) + 4
+    return assignments * (c * (3 * h + 4 * f) + 5 * 8 + 2 * 4 + 1) + tokens * router
 
 
 def _norm_bytes(shape: ModelShape, residual: int) -> int:
@@ -153,10 +179,13 @@ def _norm_bytes(shape: ModelShape, residual: int) -> int:
     return 8 if shape.architecture == "llama" else residual
 
 
-def backward_working_bytes(shape: ModelShape, layout: Layout) -> float:
-    """Gradients alive while backward runs through one layer: the residual stream's and two MLP-wide ones."""
+def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = False) -> float:
+    """Gradients alive while backward runs through one layer: the residual stream's and two MLP-wide ones (of an
+    MoE layer, two as wide as the top_k experts' intermediates together)."""
     c = PRECISION_BYTES[layout.precision].compute
     b, s = layout.micro_batch_size, shape.seq_length
+    if moe:
+        return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * shape.ffn_hidden_size)
     return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp)
 
 
@@ -189,13 +218,19 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     if shape.architecture == "llama":  # each layer keeps its own fp32 cos and sin tables
         buffers += layers * shape.max_position_embeddings * shape.head_dim * 2 * 4
     in_flight = in_flight_micro_batches(layout) if first else 1.0
-    activations = layers * in_flight * layer_activation_bytes(shape, layout, kernels)
+    moe_layers = stage_moe_layers(shape, layout, first=first)
+    activations = (layers - moe_layers) * in_flight * layer_activation_bytes(shape, layout, kernels)
+    if moe_layers:
+        activations += moe_layers * in_flight * layer_activation_bytes(shape, layout, kernels, moe=True)
     if first and shape.hidden_dropout > 0 and shape.architecture == "gpt":  # the embedding's dropout mask
         mask = bytes_.compute if kernels.mask_as_activation else 1
         activations += in_flight * mask * layout.micro_batch_size * shape.seq_length * shape.hidden_size
-    backward = backward_working_bytes(shape, layout)
-    if layout.recompute == "full":  # backward rebuilds one layer's activations at a time
-        backward += layer_activation_bytes(shape, dataclasses.replace(layout, recompute=None), kernels)
+    # The largest of the stage's layer kinds (dense, MoE): backward runs through one layer at a time.
+    kinds = [moe for moe, count in ((False, layers - moe_layers), (True, moe_layers)) if count] or [False]
+    rebuilt = dataclasses.replace(layout, recompute=None)
+    backward = max(backward_working_bytes(shape, layout, moe=moe)
+                   + (layer_activation_bytes(shape, rebuilt, kernels, moe=moe) if layout.recompute == "full" else 0)
+                   for moe in kinds)
     name = "only" if first and last else "first" if first else "last"
     return StageMemory(
         stage=name,

@@ -1,13 +1,20 @@
 # The model shape and the parallel layout the estimator works from, read from a resolved training config (the
 # Seam 2 keys), and the parameter count of the runtime's models (runtime/models) as pure arithmetic.
+#
+# MoE (model.moe, runtime/models/moe.py SparseMoE): every moe.frequency-th layer's SwiGLU MLP becomes num_experts
+# SwiGLU experts of ffn_hidden_size each (gate_up (E, h, 2f), down (E, f, h)) and a router (E, h), no biases.
+# The total count holds every expert; the active count, what one token's forward uses, only its top_k experts.
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from launcher.errors import UserError
-from runtime.schema.model import tokenizer_vocab_size
+from runtime.schema.model import MoEConfig, tokenizer_vocab_size
+from runtime.schema.reader import Report, Section
+from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
 from runtime.schema.training import model_shape_keys
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
@@ -30,10 +37,18 @@ class ModelShape:
     tied_embeddings: bool
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    moe: MoEConfig | None = None  # None: dense
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(index)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for index in range(self.num_layers) if self.is_moe_layer(index))
 
     @property
     def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two
@@ -115,7 +130,21 @@ def shape_from_training(training: dict[str, Any], vocab: int) -> ModelShape:
         tied_embeddings=bool(model.get("share_embeddings_and_output_weights", model["architecture"] == "gpt")),
         hidden_dropout=float(model.get("hidden_dropout") or 0.0),
         attention_dropout=float(model.get("attention_dropout") or 0.0),
+        moe=moe_from_model(model),
     )
+
+
+def moe_from_model(model: Mapping[str, Any]) -> MoEConfig | None:
+    """model.moe as the runtime builds it: already typed when a model_config was merged in, else read from the YAML
+    by the schema's own reader, so dropless and num_experts 0 mean here what they mean in training."""
+    moe = model.get("moe")
+    if moe is None or isinstance(moe, MoEConfig):
+        return moe
+    report = Report()
+    parsed = parse_moe(Section(model, "training.model", report))
+    if report.errors:
+        raise UserError(*report.errors)
+    return parsed
 
 
 def layout_from_training(training: dict[str, Any]) -> Layout:
@@ -144,19 +173,30 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     return groups // tp if groups % tp == 0 else 1
 
 
-def layer_parameters(shape: ModelShape, tp: int = 1) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank (tp=1: the whole layer)."""
+def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False) -> int:
+    """Parameters of one transformer layer held by one tensor-parallel rank (tp=1: the whole layer); `moe`: the
+    layer with shape.moe's block in place of the MLP (every expert, and the router)."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
     q_rows = shape.num_attention_heads // tp * d
     kv_rows = 2 * kv_heads_per_rank(shape, tp) * d
     qkv = h * (q_rows + kv_rows) + (q_rows + kv_rows if shape.has_bias else 0)
     proj = (shape.num_attention_heads // tp * d) * h + (h if shape.has_bias else 0)  # row-parallel: bias replicated
-    if shape.gated_mlp:
+    if moe:
+        mlp = moe_block_parameters(shape, experts=shape.moe.num_experts)
+    elif shape.gated_mlp:
         mlp = h * 2 * (f // tp) + (f // tp) * h
     else:
         mlp = h * (f // tp) + (f // tp if shape.has_bias else 0) + (f // tp) * h + (h if shape.has_bias else 0)
     norms = 2 * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
     return qkv + proj + mlp + norms
+
+
+def moe_block_parameters(shape: ModelShape, *, experts: int) -> int:
+    """An MoE block with `experts` of its SwiGLU experts counted (all of them, or a token's top_k) and the router.
+    Experts are not split over tensor-parallel ranks (the runtime refuses tp > 1 with MoE) nor yet over
+    expert-parallel ones: every data-parallel rank holds all of them."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    return experts * (h * 2 * f + f * h) + shape.moe.num_experts * h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +206,16 @@ class ParameterCount:
     layers: int                  # all transformer layers
     final_norm: int
     output: int                  # output head; 0 when tied to the embedding
+    idle_experts: int = 0        # MoE: parameters of the experts a token does not use, (E - top_k) per MoE layer
 
     @property
     def total(self) -> int:
         return self.embedding + self.positions + self.layers + self.final_norm + self.output
+
+    @property
+    def active(self) -> int:
+        """Parameters one token's forward uses (Mixtral's "active parameters"): the total for a dense model."""
+        return self.total - self.idle_experts
 
     @property
     def non_embedding(self) -> int:
@@ -177,14 +223,35 @@ class ParameterCount:
 
 
 def count_parameters(shape: ModelShape) -> ParameterCount:
-    h = shape.hidden_size
+    h, moe_layers = shape.hidden_size, shape.num_moe_layers
+    layers = (shape.num_layers - moe_layers) * layer_parameters(shape, 1)
+    idle = 0
+    if moe_layers:
+        layers += moe_layers * layer_parameters(shape, 1, moe=True)
+        idle = moe_layers * (moe_block_parameters(shape, experts=shape.moe.num_experts)
+                             - moe_block_parameters(shape, experts=shape.moe.top_k))
     return ParameterCount(
         embedding=shape.vocab_size * h,
         positions=shape.max_position_embeddings * h if shape.architecture == "gpt" else 0,
-        layers=shape.num_layers * layer_parameters(shape, 1),
+        layers=layers,
         final_norm=h * (2 if shape.has_bias else 1),
         output=0 if shape.tied_embeddings else shape.vocab_size * h,
+        idle_experts=idle,
     )
+
+
+def stage_moe_layers(shape: ModelShape, layout: Layout, *, first: bool) -> int:
+    """MoE layers on the first pipeline rank (first) or the last. Rank r holds global stages v * pp + r of
+    pp * vpp equal runs of layers, as runtime/parallel/pipeline/stages.py splits them (the config rules make
+    num_layers divisible by pp * vpp)."""
+    if shape.moe is None:
+        return 0
+    pp, vpp = layout.pp, layout.vpp
+    per_stage = shape.num_layers // (pp * vpp)
+    rank = 0 if first else pp - 1
+    stages = [v * pp + rank for v in range(vpp)]
+    return sum(1 for stage in stages for index in range(stage * per_stage, (stage + 1) * per_stage)
+               if shape.is_moe_layer(index))
 
 
 def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bool) -> int:
@@ -192,6 +259,9 @@ def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bo
     parallelism a tied output head is a separate copy on the last stage (Megatron's layout)."""
     h, t = shape.hidden_size, layout.tp
     params = layer_parameters(shape, t) * (shape.num_layers // layout.pp)
+    moe_layers = stage_moe_layers(shape, layout, first=first)
+    if moe_layers:  # all experts: expert parallelism (not built yet) will divide them by ep
+        params += moe_layers * (layer_parameters(shape, t, moe=True) - layer_parameters(shape, t))
     if first:
         params += shape.vocab_size // t * h
         params += shape.max_position_embeddings * h if shape.architecture == "gpt" else 0

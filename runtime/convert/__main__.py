@@ -102,10 +102,21 @@ def import_hf(cfg: ConversionConfig) -> str:
         ModelConfig.from_model_section(keys, vocab)  # the padded vocabulary must come out at HF's size
     location = write_full_checkpoint(cfg.checkpoint_dir, 0, state,
                                      config={"model": model, "imported_from": str(source)})
-    overrides = " ".join(f"training.model.{k}={v}" for k, v in keys.items() if v is not None)
+    overrides = " ".join(f"training.model.{k}={v}" for k, v in _flat(keys).items() if v is not None)
     print(f"imported {source} to {location}\ncontinue training from it with "
           f"training.exp_manager.resume_from_checkpoint={location} and the model keys: {overrides}")
     return location
+
+
+def _flat(keys: dict, prefix: str = "") -> dict:
+    """{"moe": {"top_k": 2}} -> {"moe.top_k": 2}: each value one override."""
+    flat = {}
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def main(argv: list[str] | None = None) -> int:

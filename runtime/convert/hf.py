@@ -1,5 +1,7 @@
 # Conversion between the runtime's full (unsharded) state dict and Hugging Face GPT2LMHeadModel /
-# LlamaForCausalLM checkpoints: export a trained model to HF tools, or start training from an HF model.
+# LlamaForCausalLM / MixtralForCausalLM checkpoints: export a trained model to HF tools, or start training from an
+# HF model. Mixtral is written under the names transformers saves on disk (`block_sparse_moe.experts.{e}.w1`, ...),
+# which every transformers version loads; 5.x's fused in-memory names (`mlp.experts.gate_up_proj`) import too.
 # Only renames, transposes, splits and concatenations touch the tensors (no arithmetic, no dtype change), so a
 # round trip is bitwise lossless. transformers is deliberately not imported: only its file format is needed.
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.io.files import replace_directory
-from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
+from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.llama import LlamaModel
 
@@ -33,6 +35,8 @@ class _Rule:
     hf: tuple[str, ...]           # several names: our fused weight is their row-wise concatenation, in order
     rows: tuple[int, ...] = ()    # the parts' row counts when len(hf) > 1
     transpose: bool = False       # GPT-2's Conv1D stores (in, out), the transpose of nn.Linear
+    experts: int = 0              # ours stacks this many per-expert matrices on dim 0; HF stores each expert's
+                                  # parts separately, expert by expert (rows and transpose apply per expert)
 
 
 def _rules(cfg: ModelConfig) -> list[_Rule]:
@@ -60,7 +64,8 @@ def _rules(cfg: ModelConfig) -> list[_Rule]:
                 _Rule(o + "attn_norm.weight", (h + "input_layernorm.weight",)),
                 _Rule(o + "attn.qkv.weight", tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), qkv_rows),
                 _Rule(o + "attn.proj.weight", (h + "self_attn.o_proj.weight",)),
-                _Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",)),
+                _Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",))]
+            rules += _moe_rules(cfg, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
                 _Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                       (cfg.ffn_hidden_size,) * 2),
                 _Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
@@ -68,6 +73,37 @@ def _rules(cfg: ModelConfig) -> list[_Rule]:
     if not tied:
         rules.append(_Rule("output.weight", ("lm_head.weight",)))
     return rules
+
+
+def _moe_rules(cfg: ModelConfig, o: str, h: str) -> list[_Rule]:
+    """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as Mixtral's
+    nn.Linear weights per expert: w1 = gate (F, H), w3 = up (F, H), w2 = down (H, F)."""
+    m, experts, ffn = h + "block_sparse_moe.", cfg.moe.num_experts, cfg.ffn_hidden_size
+    return [_Rule(o + "mlp.router.weight", (m + "gate.weight",)),
+            _Rule(o + "mlp.gate_up", tuple(f"{m}experts.{e}.w{w}.weight" for e in range(experts) for w in (1, 3)),
+                  (ffn, ffn), transpose=True, experts=experts),
+            _Rule(o + "mlp.down", tuple(f"{m}experts.{e}.w2.weight" for e in range(experts)), transpose=True,
+                  experts=experts)]
+
+
+def _split(rule: _Rule, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Our tensor -> its HF tensors in rule.hf's order, as views: per expert, transposed, then split by rows."""
+    parts = []
+    for matrix in tensor.unbind(0) if rule.experts else (tensor,):
+        matrix = matrix.t() if rule.transpose else matrix
+        parts += matrix.split(list(rule.rows)) if rule.rows else [matrix]
+    return parts
+
+
+def _join(rule: _Rule, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of _split: HF tensors in rule.hf's order -> our (contiguous unless a plain rename) tensor."""
+    per_matrix = len(rule.rows) or 1
+    matrices = []
+    for start in range(0, len(parts), per_matrix):
+        group = parts[start:start + per_matrix]
+        matrix = torch.cat(group) if len(group) > 1 else group[0]
+        matrices.append(matrix.t().contiguous() if rule.transpose else matrix)
+    return torch.stack(matrices) if rule.experts else matrices[0]
 
 
 def state_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -78,8 +114,7 @@ def state_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
 
 def _hf_shapes(rule: _Rule, shape: torch.Size) -> list[torch.Size]:
-    shape = torch.Size(reversed(shape)) if rule.transpose else shape
-    return [torch.Size((rows, *shape[1:])) for rows in rule.rows] if rule.rows else [shape]
+    return [part.shape for part in _split(rule, torch.empty(shape, device="meta"))]  # one owner of the layout
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,6 +129,8 @@ def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
         raise ValueError(f"model.num_query_groups={cfg.num_query_groups}: GPT2LMHeadModel has no grouped-query "
                          f"attention; only num_query_groups = num_attention_heads ({cfg.num_attention_heads}) "
                          "or null can be exported")
+    if cfg.moe is not None:
+        _check_mixtral(cfg.moe)
     shapes, state = state_shapes(cfg), dict(full_state)
     tied = cfg.share_embeddings_and_output_weights
     output = state.pop("output.weight", None) if tied else None  # a tied model may list it or not
@@ -110,10 +147,28 @@ def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
                          "model.share_embeddings_and_output_weights is true")
     hf: dict[str, torch.Tensor] = {}
     for rule in _rules(cfg):
-        tensor = state[rule.ours].t() if rule.transpose else state[rule.ours]
-        parts = tensor.split(list(rule.rows)) if rule.rows else (tensor,)
-        hf.update({name: _own(part) for name, part in zip(rule.hf, parts)})
+        hf.update({name: _own(part) for name, part in zip(rule.hf, _split(rule, state[rule.ours]), strict=True)})
     return hf, _hf_config(cfg, embedding.dtype)
+
+
+def _check_mixtral(moe: MoEConfig) -> None:
+    """MixtralForCausalLM computes one MoE variant; refuse the others rather than export a model that transformers
+    would run differently. The router's z-loss coefficient is not refused: it only shapes training, as dropout."""
+    refusals = [
+        (moe.frequency != 1, f"model.moe.frequency={moe.frequency}: MixtralForCausalLM has an MoE block in every "
+                             "layer; only frequency 1 can be exported"),
+        (moe.router_activation != "softmax", f"model.moe.router_activation={moe.router_activation!r}: Mixtral's "
+                                             "router is a softmax; only softmax can be exported"),
+        (not moe.normalize_top_k_affinities, "model.moe.normalize_top_k_affinities=false: Mixtral always "
+                                             "renormalizes the top_k weights; only true can be exported"),
+        (moe.capacity_factor is not None, f"model.moe.capacity_factor={moe.capacity_factor}: MixtralForCausalLM is "
+                                          "dropless, so transformers would compute this model without dropping "
+                                          "tokens; export with model.moe.dropless=true (capacity_factor null) to "
+                                          "accept that difference"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ValueError(message)
 
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -128,12 +183,20 @@ def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                 "activation_function": "gelu_new", "resid_pdrop": cfg.hidden_dropout,
                 "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-            "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base, "attention_bias": False,
-            "mlp_bias": False, "attention_dropout": cfg.attention_dropout, **common}
+    llama = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
+             "rope_theta": cfg.rotary_base, "attention_dropout": cfg.attention_dropout, **common}
+    if cfg.moe is None:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                "mlp_bias": False, **llama}
+    # output_router_logits false: transformers adds the load-balancing loss only when it is true, but the
+    # coefficient is kept so that fine-tuning in transformers can switch it on with the value this model used.
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
+            "router_aux_loss_coef": cfg.moe.router_aux_loss_coef, "output_router_logits": False,
+            "router_jitter_noise": 0.0, "sliding_window": None, **llama}
 
 
 def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,
@@ -152,13 +215,11 @@ def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,
     _check_names(state, {name: None for rule in rules for name in rule.hf}, "HF state")
     ours: dict[str, torch.Tensor] = {}
     for rule in rules:
-        for name, shape in zip(rule.hf, _hf_shapes(rule, shapes[rule.ours])):
+        for name, shape in zip(rule.hf, _hf_shapes(rule, shapes[rule.ours]), strict=True):
             if state[name].shape != shape:
                 raise ValueError(f"HF tensor {name} has shape {tuple(state[name].shape)}; config.json implies "
                                  f"{tuple(shape)}")
-        parts = [state[name] for name in rule.hf]
-        tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
-        ours[rule.ours] = tensor.t().contiguous() if rule.transpose else tensor
+        ours[rule.ours] = _join(rule, [state[name] for name in rule.hf])
     if cfg.share_embeddings_and_output_weights:
         ours["output.weight"] = ours["embed.word.weight"]  # as build_model(cfg).state_dict() names it
     return ours, keys
@@ -174,12 +235,37 @@ def _normalized_hf_state(hf_state: dict[str, torch.Tensor], model_type: str, tie
     else:
         buffer = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
     state = {k: v for k, v in state.items() if not buffer.match(k)}
+    if model_type == "mixtral":
+        state = _legacy_mixtral_names(state)
     embedding = state.get("transformer.wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight")
     if tied and "lm_head.weight" in state and embedding is not None:
         if not torch.equal(state.pop("lm_head.weight"), embedding):
             raise ValueError("lm_head.weight differs from the token embedding although config.json "
                              "tie_word_embeddings is true")
     return state
+
+
+def _legacy_mixtral_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5.x's fused names (save_original_format=False) -> the per-expert names our rules use:
+    mlp.gate.weight is the router; mlp.experts.gate_up_proj (E, 2F, H) holds [w1 | w3] rows per expert and
+    mlp.experts.down_proj (E, H, F) holds w2 per expert."""
+    fused = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+    out = {}
+    for name, tensor in state.items():
+        match = fused.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        m = match.group(1) + "block_sparse_moe."
+        if match.group(2) == "gate.weight":
+            out[m + "gate.weight"] = tensor
+        elif match.group(2) == "experts.down_proj":
+            out.update({f"{m}experts.{e}.w2.weight": matrix for e, matrix in enumerate(tensor.unbind(0))})
+        else:
+            for e, matrix in enumerate(tensor.unbind(0)):
+                gate, up = matrix.chunk(2)
+                out.update({f"{m}experts.{e}.w1.weight": gate, f"{m}experts.{e}.w3.weight": up})
+    return out
 
 
 def _check_names(state: dict, expected: dict, what: str) -> None:

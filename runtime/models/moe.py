@@ -114,7 +114,8 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.down = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.aux_scale = 1.0  # the train step sets it: how a micro-batch's loss is weighted in the global batch
-        self.stats: dict[str, torch.Tensor] = {}
+        self.stats: dict[str, torch.Tensor] = {}  # the last forward's
+        self._totals: list[dict[str, torch.Tensor]] = []  # every training forward's since step_stats read them
         # A usable module on its own (CausalLM.init_weights draws every weight again from the model's seed).
         self.init_weights(lambda t, std: t.normal_(0.0, std), 0.02, 0.02)
 
@@ -137,8 +138,10 @@ class SparseMoE(nn.Module):
         aux = self._aux_loss(routing)
         self.stats = {"aux_loss": aux.detach(), "dropped": 1.0 - kept.float().mean(),
                       "load": torch.bincount(routing.experts[kept], minlength=self.num_experts)}
-        if self.training and aux.requires_grad:
-            out = attach_aux_loss(out, aux, self.aux_scale)
+        if self.training:
+            self._totals.append(self.stats)
+            if aux.requires_grad:
+                out = attach_aux_loss(out, aux, self.aux_scale)
         return out.view(shape)
 
     def _aux_loss(self, routing: Routing) -> torch.Tensor:
@@ -172,3 +175,29 @@ class SparseMoE(nn.Module):
         contributions = expert_out[flat_expert, slot] * flat_weight.unsqueeze(-1)       # (M, H)
         out = tokens.new_zeros(tokens.shape)
         return out.index_add(0, flat_token, contributions)
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """The weight of one micro-batch's auxiliary loss in the step's objective: 1 / (micro-batches in the global
+    batch), the same averaging the token loss gets, so any split over micro-batches and ranks trains the same."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.aux_scale = scale
+
+
+def step_stats(model: nn.Module) -> dict[str, float]:
+    """What the MoE layers of this rank did since the last call, for metrics: the auxiliary loss (summed over
+    layers, averaged over micro-batches), the fraction of (token, slot) assignments dropped by capacity, and the
+    expert load imbalance (busiest expert's tokens over the mean, averaged over layers); {} without MoE layers."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m._totals]
+    if not layers:
+        return {}
+    aux = dropped = imbalance = 0.0
+    for layer in layers:
+        totals, layer._totals = layer._totals, []
+        aux += float(torch.stack([t["aux_loss"] for t in totals]).mean())
+        dropped += float(torch.stack([t["dropped"] for t in totals]).mean())
+        load = torch.stack([t["load"] for t in totals]).sum(dim=0).float()
+        imbalance += float(load.max() / load.mean()) if load.sum() > 0 else 0.0
+    return {"moe_aux_loss": aux, "moe_tokens_dropped": dropped / len(layers),
+            "moe_load_imbalance": imbalance / len(layers)}

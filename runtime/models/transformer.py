@@ -9,6 +9,7 @@ from torch import nn
 
 from runtime.schema.model import ModelConfig
 from runtime.models.layers import Block, RotaryEmbedding, TokenCrossEntropy
+from runtime.models.moe import SparseMoE
 
 # Linears that write into the residual stream get Megatron's scaled init, std / sqrt(2 * num_layers),
 # so the residual's variance does not grow with depth.
@@ -94,6 +95,9 @@ class CausalLM(nn.Module):
                 normal_(module.weight, std)
             elif isinstance(module, RotaryEmbedding):
                 module.reset_parameters()
+            elif isinstance(module, SparseMoE):  # its router is an nn.Linear, drawn next as a child module
+                normal_(module.gate_up, std)
+                normal_(module.down, scaled_std)
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
                 module.weight.fill_(1.0)  # LayerNorm / RMSNorm
                 if getattr(module, "bias", None) is not None:

@@ -15,7 +15,24 @@ from runtime.schema.reader import ConfigErrors, Report
 from runtime.schema.rules import padded_vocab_size
 
 # The config.json model types our models compute exactly (runtime/convert/hf.py maps their weights).
-HF_MODEL_TYPES = ("gpt2", "llama")
+HF_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """`model.moe`, with NxD Training's key names: a sparse MoE block (runtime/models/moe.py) in place of the MLP
+    of every `frequency`-th layer, starting with the first (Megatron's moe_layer_freq; Mixtral: 1, every layer)."""
+    num_experts: int
+    top_k: int = 2
+    frequency: int = 1
+    capacity_factor: float | None = None    # None: dropless, every token reaches its top_k experts
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    normalize_top_k_affinities: bool = True
+    router_activation: str = "softmax"      # softmax | sigmoid
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index % self.frequency == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +52,7 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     seed: int = 1234
+    moe: MoEConfig | None = None           # llama only: Mixtral-style sparse MoE layers
 
     def __post_init__(self) -> None:
         # The same rules the stage parsers run, for models built in code (tests, benchmarks, conversion).
@@ -49,6 +67,10 @@ class ModelConfig:
         report.error(rules.heads_groups(self.num_attention_heads, self.kv_heads, ""))
         for key in ("hidden_dropout", "attention_dropout"):
             report.error(rules.dropout(key, getattr(self, key), ""))
+        if self.moe is not None:
+            for problem in rules.moe(self.architecture, self.moe.num_experts, self.moe.top_k, self.moe.frequency,
+                                     self.num_layers, self.moe.capacity_factor, self.moe.router_activation, ""):
+                report.error(problem)
         report.raise_if_any()
 
     @property
@@ -65,6 +87,8 @@ class ModelConfig:
         divisible_by = int(model.get("make_vocab_size_divisible_by", 128))
         optional = {f.name for f in dataclasses.fields(cls)} - {"architecture", "vocab_size"}
         kwargs = {key: model[key] for key in optional if model.get(key) is not None}
+        if isinstance(kwargs.get("moe"), Mapping):  # model.moe as YAML holds it (hf_model_keys' import)
+            kwargs["moe"] = MoEConfig(**kwargs["moe"])
         return cls(architecture=model["architecture"],
                    vocab_size=padded_vocab_size(tokenizer_vocab_size, divisible_by), **kwargs)
 
@@ -140,14 +164,34 @@ def hf_model_keys(hf_config: dict, tokenizer_vocab_size: int | None = None) -> d
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         positions = int(get("max_position_embeddings"))
         _require(hf_config, "head_dim", (None, hidden // heads), None)
+        # Absent keys take the defaults of transformers' config class for this model_type, as its loader does.
+        theta, eps = (1e6, 1e-5) if model_type == "mixtral" else (10000.0, 1e-6)
         keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": int(get("num_hidden_layers")),
                 "num_attention_heads": heads, "num_query_groups": int(get("num_key_value_heads", None) or heads),
-                "ffn_hidden_size": int(get("intermediate_size")), "layernorm_epsilon": float(get("rms_norm_eps", 1e-6)),
-                "rotary_base": float(rope.get("rope_theta", get("rope_theta", 10000.0)))}
+                "ffn_hidden_size": int(get("intermediate_size")), "layernorm_epsilon": float(get("rms_norm_eps", eps)),
+                "rotary_base": float(rope.get("rope_theta", get("rope_theta", theta)))}
+        if model_type == "mixtral":
+            keys["moe"] = _mixtral_moe(hf_config, get, positions)
     keys.update({"max_position_embeddings": positions, "encoder_seq_length": positions,
                  "share_embeddings_and_output_weights": bool(get("tie_word_embeddings", model_type == "gpt2")),
                  "make_vocab_size_divisible_by": vocab_divisor(vocab, tokenizer_vocab_size)})
     return keys
+
+
+def _mixtral_moe(hf_config: dict, get: Any, positions: int) -> dict[str, Any]:
+    """Mixtral's MoE keys -> `model.moe` as the stage YAML holds it (MoEConfig's fields; the parsers type it).
+    Mixtral's router is a softmax over all experts, top_k renormalized, dropless, in every layer."""
+    window = hf_config.get("sliding_window")
+    if window is not None and int(window) < positions:
+        raise ValueError(f"config.json sliding_window={window} is not supported: our attention sees the whole "
+                         f"sequence; supported: null or at least max_position_embeddings ({positions})")
+    _require(hf_config, "router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
+    # transformers adds router_aux_loss_coef * the load-balancing loss only with output_router_logits; the
+    # coefficient is still the model's recipe, so training here uses it (computed per layer, see models/moe.py).
+    return {"num_experts": int(get("num_local_experts")), "top_k": int(get("num_experts_per_tok", 2)),
+            "frequency": 1, "capacity_factor": None,
+            "router_aux_loss_coef": float(get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
+            "normalize_top_k_affinities": True, "router_activation": "softmax"}
 
 
 def _require(hf_config: dict, key: str, supported: tuple, default: Any) -> None:
@@ -168,5 +212,5 @@ def vocab_divisor(vocab: int, tokenizer_vocab: int | None) -> int:
     return power if vocab - tokenizer_vocab < power else vocab
 
 
-__all__ = ["ConfigErrors", "HF_MODEL_TYPES", "ModelConfig", "hf_model_keys", "padded_vocab_size",
+__all__ = ["ConfigErrors", "HF_MODEL_TYPES", "MoEConfig", "ModelConfig", "hf_model_keys", "padded_vocab_size",
            "read_hf_config", "tokenizer_vocab_size", "vocab_divisor"]

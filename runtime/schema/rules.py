@@ -317,6 +317,37 @@ def max_record_mb(value: float, p: str) -> str | None:
             f"input.on_long_record: fail")
 
 
+
+def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_layers: int,
+        capacity_factor: float | None, activation: str, p: str) -> list[str]:
+    """model.moe: a sparse MoE block needs the Llama block (SwiGLU experts), top_k of the experts, a layer pattern
+    that leaves at least one MoE layer, and a positive capacity factor (or dropless)."""
+    key = f"{p}model.moe"
+    problems = []
+    if architecture != "llama":
+        problems.append(f"{key}: MoE layers are Mixtral's (SwiGLU experts in the Llama block); set "
+                        f"{p}model.architecture=llama")
+    if num_experts < 2:
+        problems.append(f"{key}.num_experts: {num_experts} must be at least 2 (1 expert is the dense MLP)")
+    elif not 1 <= top_k <= num_experts:
+        problems.append(f"{key}.top_k: {top_k} must be from 1 to num_experts ({num_experts})")
+    if not 1 <= frequency <= num_layers:
+        problems.append(f"{key}.frequency: {frequency} must be from 1 (every layer) to num_layers ({num_layers})")
+    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        problems.append(f"{key}.capacity_factor: {capacity_factor} must be a positive number; or set "
+                        f"{key}.dropless=true")
+    if activation not in ("softmax", "sigmoid"):
+        problems.append(f"{key}.router_activation: {activation!r} is not one of softmax, sigmoid")
+    return problems
+
+
+def moe_layout(tp: int, p: str) -> str | None:
+    if tp > 1:
+        return (f"{p}model.tensor_model_parallel_size: {tp} with model.moe is not supported yet (experts are not "
+                f"split over tensor-parallel ranks); use tensor_model_parallel_size=1 with data or pipeline "
+                f"parallelism")
+    return None
+
 # ------------------------------------------------------------------------------------------------- stage flow
 def trains_on_prepared_data(data_prefix: object, tokenizer: object, output_dir: object,
                             preparation: str) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 from runtime.schema import choices as C
 from runtime.schema import rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
-from runtime.schema.model import ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
+from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
 from runtime.schema.training_config import (CheckpointConfig, DataConfig, OptimConfig, ParallelConfig,
                                             PrecisionConfig, SchedConfig, TrainerConfig, TrainingConfig)
@@ -196,6 +196,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     # Keys in the YAML win over config.json, as NxD Training applies them.
     merged = {**{k: v for k, v in hf_keys.items() if k != "make_vocab_size_divisible_by"},
               **{k: v for k, v in model.data.items() if v is not None}}
+    if isinstance(hf_keys.get("moe"), dict) and isinstance(model.data.get("moe"), dict):
+        merged["moe"] = {**hf_keys["moe"], **model.data["moe"]}  # key by key: a YAML key keeps the others
     shape = Section(merged, model.path, report)
     if "encoder_seq_length" in merged or shape_known:
         keys["encoder_seq_length"] = shape.int("encoder_seq_length", minimum=1)
@@ -217,6 +219,7 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
             keys[key] = shape.float(key, minimum=0.0)
     if merged.get("share_embeddings_and_output_weights") is not None:
         keys["share_embeddings_and_output_weights"] = shape.bool("share_embeddings_and_output_weights")
+    keys["moe"] = parse_moe(shape)
     keys = {k: v for k, v in keys.items() if v is not None}
 
     tokenizer = model.section("tokenizer")
@@ -240,6 +243,28 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         if not model.has("make_vocab_size_divisible_by"):
             keys["make_vocab_size_divisible_by"] = hf_keys["make_vocab_size_divisible_by"]
     return keys, vocab, path
+
+
+def parse_moe(model: Section) -> MoEConfig | None:
+    """model.moe with NxD Training's keys; absent, null or num_experts 0: a dense model."""
+    if model.raw("moe", None) is None:
+        return None
+    s = model.section("moe")
+    num_experts = s.int("num_experts", 0, minimum=0)
+    if not num_experts:
+        return None
+    values = dict(top_k=s.int("top_k", 2), frequency=s.int("frequency", 1),
+                  capacity_factor=s.float("capacity_factor", None), dropless=s.bool("dropless", False),
+                  router_aux_loss_coef=s.float("router_aux_loss_coef", 0.0, minimum=0.0),
+                  router_z_loss_coef=s.float("router_z_loss_coef", 0.0, minimum=0.0),
+                  normalize_top_k_affinities=s.bool("normalize_top_k_affinities", True),
+                  router_activation=s.str("router_activation", "softmax"))
+    if any(v is None for k, v in values.items() if k != "capacity_factor"):
+        return None  # reported
+    dropless = values.pop("dropless")
+    if dropless:
+        values["capacity_factor"] = None  # NxD Training's dropless: no capacity, whatever capacity_factor says
+    return MoEConfig(num_experts=num_experts, **values)
 
 
 def _parallel(model: Section) -> ParallelConfig | None:
@@ -387,6 +412,12 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     if heads % groups == 0:
         report.error(rules.kv_heads_tp(groups, tp, p))
     report.error(rules.layers_split(shape["num_layers"], parallel.pp, parallel.virtual_pp, p))
+    moe = shape.get("moe")
+    if moe is not None:
+        for problem in rules.moe(shape.get("architecture", "llama"), moe.num_experts, moe.top_k, moe.frequency,
+                                 shape["num_layers"], moe.capacity_factor, moe.router_activation, p):
+            report.error(problem)
+        report.error(rules.moe_layout(tp, p))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

@@ -78,6 +78,15 @@ CASES = [
     # Preparing one corpus and training on another (NeMo-Launcher's habit: the recipe names the_pile_gpt2).
     (["stages=[data_preparation,training]", "training=gpt3/5b", "data_preparation=demo"],
      "/data/the_pile_gpt2/blend.txt' is not what data_preparation (demo_data_preparation) writes"),
+    # Mixture of Experts (model.moe): what the block cannot do, before anything is submitted.
+    (["training=mixtral/tiny", "training.model.moe.top_k=5"], "training.model.moe.top_k: 5 must be from 1 to num_experts (4)"),
+    (["training=mixtral/tiny", "training.model.moe.dropless=false", "training.model.moe.capacity_factor=0"],
+     "training.model.moe.capacity_factor: 0.0 must be a positive number; or set training.model.moe.dropless=true"),
+    (["training=mixtral/tiny", "training.model.moe.frequency=5"],
+     "training.model.moe.frequency: 5 must be from 1 (every layer) to num_layers (4)"),
+    (["training=mixtral/tiny", "training.model.tensor_model_parallel_size=2"],
+     "training.model.tensor_model_parallel_size: 2 with model.moe is not supported yet"),
+    (["training=mixtral/tiny", "training.model.architecture=gpt"], "training.model.moe: MoE layers are Mixtral's"),
     # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
     (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
 ]

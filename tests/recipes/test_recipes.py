@@ -14,6 +14,7 @@ GIB = 2**30
 INTENDED = {
     "gpt3/tiny": ("slurm", "cpu"),
     "llama/tiny": ("slurm", "cpu"),
+    "mixtral/tiny": ("slurm", "cpu"),
     "gpt3/126m": ("slurm", "h100"),
     "gpt3/126m_cpu": ("slurm", "cpu"),
     "gpt3/400m": ("slurm", "h100"),

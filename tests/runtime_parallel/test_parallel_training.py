@@ -11,10 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.schema.model import MoEConfig
 from tests.runtime_parallel import harness as H
 from tests.runtime_parallel.dist_utils import run_distributed
 
 L = H.Layout
+# Mixtral: every layer's MLP a sparse MoE block, with both auxiliary losses on (their gradients must average over
+# micro-batches and ranks exactly as the token loss does); dropless, and with a capacity that drops tokens.
+MOE = MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02, router_z_loss_coef=0.001)
+MOE_CAPACITY = MoEConfig(num_experts=4, top_k=2, capacity_factor=0.75, router_aux_loss_coef=0.02)
 TWO_RANK_JOBS = {
     f"{arch}-{name}": (arch, {}, layout)
     for arch in ("gpt", "llama")
@@ -28,6 +33,9 @@ TWO_RANK_JOBS.update({
     "gpt-tp2-sp-full-ckpt": ("gpt", {}, L(tp=2, sequence_parallel=True, activation_checkpointing="full")),
     "llama-tp2-selective-ckpt": ("llama", {}, L(tp=2, activation_checkpointing="selective",
                                                recompute_modules=("core_attention", "mlp"))),
+    "mixtral-dp2": ("llama", {"moe": MOE}, L(dp=2)),
+    "mixtral-dp2-zero1": ("llama", {"moe": MOE}, L(dp=2, zero1=True)),
+    "mixtral-capacity-dp2": ("llama", {"moe": MOE_CAPACITY}, L(dp=2)),
 })
 FOUR_RANK_JOBS = {
     "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),

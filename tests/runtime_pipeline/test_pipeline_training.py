@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+from runtime.schema.model import MoEConfig
 from tests.runtime_pipeline import harness as P
 from tests.runtime_parallel.dist_utils import run_distributed
 
@@ -21,6 +22,9 @@ TWO_RANK_JOBS = {
     "llama-pp2-vpp2": ("llama", {}, L(pp=2, vpp=2)),
     "gpt-pp2-uneven": ("gpt", {"num_layers": 3}, L(pp=2)),  # layers 0-1 | 2
     "llama-pp2-afab": ("llama", {}, L(pp=2, schedule="all_forward_all_backward")),
+    # Mixtral: MoE layers on both stages, their auxiliary losses' gradients through the 1F1B schedule.
+    "mixtral-pp2": ("llama", {"moe": MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02,
+                                               router_z_loss_coef=0.001)}, L(pp=2)),
 }
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),

@@ -143,3 +143,14 @@ def test_wandb_logs_offline_with_nemo_kwargs(tmp_path, monkeypatch):
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
     record = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))  # the run's log, protobuf records
     assert b"nemo-project" in record and b"first-try" in record and b"tiny" in record
+
+
+def test_moe_flops_count_what_a_token_uses():
+    """An MoE layer costs a token its top_k experts' MLPs and the router, not every expert."""
+    dense = flops_per_token(2, 64, 128, 4, 4, 256, 32, gated_mlp=True)
+    moe = flops_per_token(2, 64, 128, 4, 4, 256, 32, gated_mlp=True, moe_layers=2, moe_top_k=2, moe_num_experts=8)
+    mlp = 3 * 64 * 128
+    assert moe - dense == pytest.approx(6.0 * 2 * (mlp + 64 * 8))  # one more MLP and a router per layer
+    one_of_two = flops_per_token(2, 64, 128, 4, 4, 256, 32, gated_mlp=True, moe_layers=1, moe_top_k=2,
+                                 moe_num_experts=8)
+    assert one_of_two - dense == pytest.approx(6.0 * (mlp + 64 * 8))

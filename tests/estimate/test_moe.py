@@ -1,0 +1,136 @@
+"""The estimator on MoE models: total and active parameters by hand (Mixtral 8x7B's published 46.7B / 12.9B),
+against the runtime's model and MFU formula, memory that holds every expert but activates top_k, and the CLI."""
+
+import dataclasses
+
+import pytest
+
+from launcher.estimator import estimate
+from launcher.estimator.compute import flops_per_token, recompute_flops_per_token
+from launcher.estimator.memory import layer_activation_bytes, moe_activation_bytes, peak_memory, stage_memory
+from launcher.estimator.shapes import Layout, ModelShape, count_parameters, layer_parameters, padded_vocab
+from runtime.schema.model import MoEConfig
+from tests.launcher.helpers import nxdt, resolved
+
+MIXTRAL_8X7B = ModelShape("llama", 32, 4096, 14336, 32, 8, padded_vocab(32000, 128), 4096, 32768, False,
+                          moe=MoEConfig(num_experts=8, top_k=2))
+DENSE_7B = dataclasses.replace(MIXTRAL_8X7B, moe=None)  # Mistral 7B's shape: the same layers with one MLP
+
+
+def layout(**changes) -> Layout:
+    base = Layout(num_nodes=8, devices_per_node=8, tp=1, pp=1, vpp=1, micro_batch_size=1, global_batch_size=64,
+                  sequence_parallel=False, zero1=False, recompute=None, recompute_modules=(),
+                  precision="mixed_precision")
+    return dataclasses.replace(base, **changes)
+
+
+def test_mixtral_8x7b_total_and_active_parameters_by_hand():
+    h, L, V, f, kv, E = 4096, 32, 32000, 14336, 8 * 128, 8
+    attention = h * (h + 2 * kv) + h * h          # q, k, v; o   = 41,943,040
+    expert = 3 * h * f                            # gate, up, down = 176,160,768
+    router = E * h                                # 32,768
+    norms = 2 * h
+    rest = 2 * V * h + h                          # untied embedding and output, final RMSNorm
+    total = L * (attention + E * expert + router + norms) + rest
+    active = L * (attention + 2 * expert + router + norms) + rest
+    assert total == 46_702_792_704 and active == 12_879_925_248
+    params = count_parameters(MIXTRAL_8X7B)
+    assert params.total == total and params.active == active
+    assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
+    # Dense: active is the total, and nothing else changed.
+    assert count_parameters(DENSE_7B).active == count_parameters(DENSE_7B).total == L * (attention + expert + norms) + rest
+
+
+def test_frequency_makes_every_other_layer_moe():
+    shape = dataclasses.replace(MIXTRAL_8X7B, moe=MoEConfig(num_experts=8, top_k=2, frequency=2))
+    assert shape.num_moe_layers == 16  # layers 0, 2, ..., 30
+    moe, dense = layer_parameters(shape, moe=True), layer_parameters(shape)
+    assert count_parameters(shape).layers == 16 * moe + 16 * dense
+    assert count_parameters(shape).idle_experts == 16 * 6 * 3 * 4096 * 14336
+
+
+def test_flops_count_the_active_experts_and_the_router():
+    h, f, E, k, L = 4096, 14336, 8, 2, 32
+    extra_per_layer = 6 * ((k - 1) * 3 * h * f + E * h)  # a second expert and the router, forward + backward
+    assert flops_per_token(MIXTRAL_8X7B) == flops_per_token(DENSE_7B) + L * extra_per_layer
+    # 6·N over the active matmul weights (embedding lookup and norms left out) plus the attention term.
+    params = count_parameters(MIXTRAL_8X7B)
+    matmul = params.active - params.embedding - L * 2 * h - h
+    assert flops_per_token(MIXTRAL_8X7B) == 6 * matmul + 12 * L * h * 4096
+    selective = layout(recompute="selective", recompute_modules=("mlp",))
+    assert recompute_flops_per_token(MIXTRAL_8X7B, selective) == 2 * L * (k * 3 * h * f + E * h)
+
+
+def test_mixtral_tiny_matches_the_runtime_model_and_mfu_formula():
+    from runtime.metrics import flops_per_token as runtime_flops
+    from runtime.models import ModelConfig, build_model
+
+    result = estimate(resolved("training=mixtral/tiny")["training"], vocab_size=4096)
+    shape = result.shape
+    assert shape.moe == MoEConfig(num_experts=4, top_k=2, frequency=1, capacity_factor=None,
+                                  router_aux_loss_coef=0.02)
+    model = build_model(ModelConfig(architecture="llama", vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                                    num_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+                                    ffn_hidden_size=shape.ffn_hidden_size,
+                                    max_position_embeddings=shape.max_position_embeddings,
+                                    num_query_groups=shape.num_query_groups, moe=shape.moe))
+    assert result.parameters.total == model.num_params()
+    assert result.parameters.active < result.parameters.total
+    assert result.flops_per_token == runtime_flops(
+        shape.num_layers, shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads, shape.num_query_groups,
+        shape.vocab_size, shape.seq_length, gated_mlp=True, moe_layers=shape.num_moe_layers,
+        moe_top_k=shape.moe.top_k, moe_num_experts=shape.moe.num_experts)
+
+
+def test_num_experts_zero_or_null_moe_is_dense():
+    base = resolved("training=llama/tiny")["training"]
+    dense = estimate(base, vocab_size=4096)
+    for moe in (None, {"num_experts": 0, "top_k": 2}):
+        training = {**base, "model": {**base["model"], "moe": moe}}
+        assert estimate(training, vocab_size=4096) == dense
+
+
+def test_memory_holds_every_expert_and_activates_top_k():
+    lay = layout()
+    moe, dense = peak_memory(MIXTRAL_8X7B, lay), peak_memory(DENSE_7B, lay)
+    assert moe.parameters == count_parameters(MIXTRAL_8X7B).total
+    assert moe.weights == moe.parameters * 2 and moe.gradients == moe.parameters * 4
+    assert moe.optimizer == moe.parameters * 12                    # replicated on each of the 64 dp ranks
+    # Activations: the attention part as dense, the MLP part top_k experts' worth (3h + 4f per assignment in
+    # bf16, against the dense MLP's 4f per token) plus the router and the routing bookkeeping.
+    s, h, f = 4096, 4096, 14336
+    per_layer = layer_activation_bytes(MIXTRAL_8X7B, lay, moe=True) - layer_activation_bytes(DENSE_7B, lay)
+    assert per_layer == moe_activation_bytes(MIXTRAL_8X7B, lay) - 2 * s * 4 * f
+    assert moe_activation_bytes(MIXTRAL_8X7B, lay) == s * 2 * (2 * (3 * h + 4 * f) + 49) + s * (4 * 8 + 4)
+    assert moe.activations == pytest.approx(dense.activations + 32 * per_layer)
+    # The expert weights' share of the static memory dwarfs the activations they add.
+    assert moe.static - dense.static > 10 * (moe.activations - dense.activations)
+
+
+def test_pipeline_stages_count_their_own_moe_layers():
+    shape = dataclasses.replace(MIXTRAL_8X7B, moe=MoEConfig(num_experts=8, top_k=2, frequency=4))  # 0, 4, ..., 28
+    pp4 = layout(pp=4, num_nodes=4)                    # 8 layers per stage: 2 MoE layers on every stage
+    first = stage_memory(shape, pp4, first=True, last=False)
+    dense_first = stage_memory(DENSE_7B, pp4, first=True, last=False)
+    extra = layer_parameters(shape, moe=True) - layer_parameters(shape)
+    assert first.parameters == dense_first.parameters + 2 * extra
+    # Interleaved (vpp 2, 4-layer chunks): rank 0 holds layers 0-3 and 16-19, MoE layers 0 and 16; the last rank
+    # 12-15 and 28-31: 12 and 28.
+    vpp = dataclasses.replace(pp4, vpp=2)
+    assert stage_memory(shape, vpp, first=True, last=False).parameters == dense_first.parameters + 2 * extra
+    frequency_3 = dataclasses.replace(shape, moe=MoEConfig(num_experts=8, top_k=2, frequency=3))
+    # frequency 3: MoE layers 0, 3, ..., 30; rank 0 holds 0-3 and 16-19 (0, 3, 18), the last rank 12-15 and
+    # 28-31 (12, 15, 30).
+    last = stage_memory(frequency_3, vpp, first=False, last=True)
+    dense_last = stage_memory(DENSE_7B, vpp, first=False, last=True)
+    assert last.parameters == dense_last.parameters + 3 * extra
+
+
+def test_estimate_command_shows_total_and_active_parameters():
+    result = nxdt("estimate", "training=mixtral/tiny", "--vocab-size", "4096")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "mixtral/tiny: 2.33 M parameters (1.79 M active: top-2 of 4 experts in 4 of 4 layers)" in out
+    assert "weights (fp32, all 4 experts)" in out and "6·N active" in out
+    dense = nxdt("estimate", "training=llama/tiny", "--vocab-size", "4096").stdout
+    assert "llama/tiny: 1.79 M parameters on" in dense and "active" not in dense
