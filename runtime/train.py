@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.trainer.preflight and device.world_size > 1:
             preflight(device, timeout_s=cfg.trainer.preflight_timeout_s)
         train(cfg, device)
+        # Leave together: between train()'s last barrier and here rank 0 released the run lock and closed its
+        # metric sinks; a gloo peer tearing down while another still works its connections can abort
+        # ("terminate called without an active exception", seen on the 2-node Slurm cluster).
+        device.barrier()
     except Preempted as stop:
         if device.is_main:
             print(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued", file=sys.stderr,

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                           settings=settings)
             print_table(results)
             print(f"results: {results_dir / 'results.json'}")
+        device.barrier()  # leave together (rank 0 was writing): see runtime/train.py main
     except (ValueError, FileNotFoundError, KeyError) as error:
         if rank == 0:
             message = f"{error!s}" if not isinstance(error, KeyError) else f"{error.args[0]} is missing"
