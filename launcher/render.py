@@ -140,9 +140,8 @@ def container(job: Job, cfg: dict[str, Any]) -> Container | None:
                      code_root=str(code), make_dirs=dirs)
 
 
-def srun_args(job: Job, cfg: dict[str, Any]) -> list[str]:
+def srun_args(cfg: dict[str, Any], inside: Container | None) -> list[str]:
     args = [str(a) for a in (cfg.get("cluster") or {}).get("srun_args") or []]
-    inside = container(job, cfg)
     return args + (inside.srun_args if inside else [])
 
 
@@ -171,10 +170,11 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
     """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build."""
     cluster = cfg.get("cluster") or {}
     template = _environment().get_template(TEMPLATES[executor])
+    inside = container(job, cfg)
     return template.render(
         neuron=neuron.script(job, cfg),
         fabric=neuron.fabric(job, cfg),
-        container=container(job, cfg),
+        container=inside,
         venv=venv(cfg),
         master_port_base=neuron.MASTER_PORT_BASE,
         master_port_span=neuron.MASTER_PORT_SPAN,
@@ -184,7 +184,7 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         produced_by=produced_by,
         job_name=job_name(cfg, job),
         sbatch_options=sbatch_options(cluster),
-        srun_args=srun_args(job, cfg),
+        srun_args=srun_args(cfg, inside),
         setup=[str(line) for line in cluster.get("setup") or []],
         env=job_env(cfg),
         s3_env=s3_env(cfg),

@@ -9,7 +9,6 @@ cancel.json (records.py) says the stop was asked for, so `status` shows CANCELLE
 from __future__ import annotations
 
 import codecs
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 from launcher import records, remote, run_index, slurm
 from launcher.errors import UserError
+from runtime.io.files import json_lines
 
 # Slurm states after which a job writes no more output (slurm.FINISHED, plus what `status` says when a job has
 # left the queue and nothing else knows it). Anything else may still write.
@@ -313,7 +313,7 @@ def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
     runner = remote.current()
     metrics = str(Path(entry["log_dir"]).parent / "metrics.jsonl")
     try:
-        rows = [r for r in read_json_lines(runner.read_text(metrics)) if {"step", "loss", "step_time_s"} <= r.keys()]
+        rows = [r for r in json_lines(runner.read_text(metrics)) if {"step", "loss", "step_time_s"} <= r.keys()]
         max_steps = int(yaml.safe_load(runner.read_text(str(entry["config"])))["trainer"]["max_steps"])
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
         return None
@@ -334,15 +334,3 @@ def _duration(seconds: float) -> str:
     if hours:
         return f"{hours}h {minutes:02d}m"
     return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
-
-
-def read_json_lines(text: str) -> list[dict[str, Any]]:
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # the line being written as we read
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows

@@ -100,3 +100,50 @@ def from_exit_files(exit_files: list[Path]) -> JobState:
         return JobState("UNKNOWN", "not in the queue, no accounting, no exit file")
     failed = [c for c in codes if c != "0"]
     return JobState("FAILED", f"exit {failed[0]}") if failed else JobState("COMPLETED")
+
+
+# --- Slurm's hostlist syntax (sbatch --nodelist/--exclude, cluster-validate's node choice) ---------------------
+def expand_hostlist(expression: str) -> list[str]:
+    """Slurm's hostlist syntax: `node[1-3,7],gpu[01-02]` -> node1 node2 node3 node7 gpu01 gpu02. Raises
+    ValueError, saying what it could not read, for anything else (`node[a-b]`, `node[1-`, `a,,b`)."""
+    return [name for item in split_hostlist(expression) for name in _expand_item(item)]
+
+
+def split_hostlist(expression: str) -> list[str]:
+    """`node[01-03,7],gpu1` -> ['node[01-03,7]', 'gpu1']: the commas inside brackets belong to a range."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(expression):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(expression[start:i])
+            start = i + 1
+        if depth not in (0, 1):
+            raise ValueError(f"{expression!r}: brackets do not pair up (Slurm hostlists do not nest them)")
+    if depth:
+        raise ValueError(f"{expression!r}: a '[' is never closed")
+    items.append(expression[start:])
+    if not all(item.strip() for item in items):
+        raise ValueError(f"{expression!r}: an empty node name between commas")
+    return items
+
+
+def _expand_item(item: str) -> list[str]:
+    match = re.match(r"^([^\[\]]*)\[([^\[\]]*)\](.*)$", item)
+    if not match:
+        return [item]
+    prefix, ranges, rest = match.groups()
+    tails = _expand_item(rest) if rest else [""]  # rack[1-2]-node[1-3]: every combination
+    names = []
+    for part in ranges.split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{item!r}: {part!r} is not a number or a range such as 1-8")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"{item!r}: the range {part} runs backwards")
+        width = len(low)  # node[01-03] keeps the zero padding
+        names += [f"{prefix}{number:0{width}d}{tail}" for number in range(first, last + 1) for tail in tails]
+    return names

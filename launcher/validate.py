@@ -9,6 +9,7 @@ from typing import Any
 
 from launcher import remote, staging
 from launcher.paths import group_choices
+from launcher.slurm import expand_hostlist, split_hostlist
 from launcher.stages import PROGRAMS, STAGES
 from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
@@ -209,6 +210,29 @@ def inputs_unseen(stage: dict[str, Any]) -> bool:
     return bool(missing)
 
 
+def _hostlist(value: Any, key: str) -> list[str]:
+    """A list of nodes, or one Slurm hostlist string ('node[1-8]', 'node[01-03,7]', 'a,b'), which sbatch and
+    cluster-validate read as it is: one error line per entry Slurm would not read."""
+    if value is None or value == []:
+        return []
+    if isinstance(value, str):
+        try:
+            split_hostlist(value)
+        except ValueError as error:
+            return [f"{key}: {error}; give a list ({key}=[node1,node2]) or one Slurm hostlist, quoted for Hydra: "
+                    f"\"{key}='node[1-8]'\""]
+        value = [value]
+    if not isinstance(value, list):
+        return [f"{key}: {value!r} must be a list of nodes or a Slurm hostlist, e.g. {key}=[node1,node2]"]
+    errors = []
+    for item in value:
+        try:
+            expand_hostlist(str(item))
+        except ValueError as error:
+            errors.append(f"{key}: {error}")
+    return errors
+
+
 def cluster(section: dict[str, Any]) -> list[str]:
     errors = []
     known = SBATCH_KEYS + OTHER_CLUSTER_KEYS
@@ -223,9 +247,11 @@ def cluster(section: dict[str, Any]) -> list[str]:
                 errors.append(
                     f"cluster.{key}: {item!r} is not a Slurm value (letters, digits and _.,:@%+=/[]- only)"
                 )
-    for key in ("srun_args", "setup", "exclude", "nodelist"):
+    for key in ("srun_args", "setup"):
         if not isinstance(section.get(key, []), list):
             errors.append(f"cluster.{key}: must be a list, e.g. cluster.{key}=[a,b]")
+    for key in ("nodelist", "exclude"):
+        errors += _hostlist(section.get(key), f"cluster.{key}")
     errors += _env_vars(section.get("env_vars"), "cluster.env_vars")
     if section.get("venv") is not None and not str(section["venv"]).startswith("/"):
         errors.append(f"cluster.venv: {section['venv']!r} must be the absolute path of a venv on every node, "

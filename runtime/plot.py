@@ -8,24 +8,18 @@ Reads only metrics.jsonl, the file every sink is fed from, so the picture and Te
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from runtime.io.files import json_lines
 
 PICTURE = "metrics.png"
 
 
 def read_metrics(results_dir: str | Path) -> list[dict]:
     """The records of metrics.jsonl; a line cut short by a running writer is left out (it is the last one)."""
-    rows = []
-    for line in (Path(results_dir) / "metrics.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
+    rows = json_lines((Path(results_dir) / "metrics.jsonl").read_text())
+    return [row for row in rows if isinstance(row.get("step"), int)]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -200,7 +200,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                 raise RuntimeError(f"loss became {loss} at step {step + 1}; lower model.optim.lr or check the data")
             done = step + 1
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
-                                memory_gib=device.memory_gib(), extra=step_stats(model))
+                                memory_gib=device.memory_gib(),
+                                extra=step_stats(model, report=metrics.should_log(done)))
             if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
                                               or done == cfg.trainer.max_steps):
                 val_loss = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo, device)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ from typing import Any
 from launcher import launch, records, runs, slurm
 from launcher.autoconfig.search import Ranked
 from launcher.errors import UserError
+from runtime.io.files import json_lines
 
 # Log lines that mean the device (or host) ran out of memory: CUDA, torch-xla/Neuron, Linux.
 _RUNTIME_ERROR = re.compile(r"^error( \(rank \d+\))?: ")
@@ -120,15 +120,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Training records (the ones with a loss) of a metrics.jsonl; a torn last line is skipped."""
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if "loss" in row and row.get("step_time_s"):
-            rows.append(row)
-    return rows
+    return [row for row in json_lines(path.read_text()) if "loss" in row and row.get("step_time_s")]
 
 
 def _log_text(trial: Trial, limit: int = 20000) -> str:

@@ -24,6 +24,7 @@ import click
 
 from launcher.commands import FiniteFloatRange
 from launcher.errors import UserError
+from launcher.slurm import expand_hostlist, split_hostlist
 from runtime.schema import rules
 from runtime.schema.rules import slurm_seconds
 
@@ -41,74 +42,6 @@ def with_group_prefix(override: str) -> str:
     if match and match.group(2) in _GROUP_KEYS and match.group(2) not in _TOP_LEVEL:
         return f"{match.group(1)}{STAGE}.{match.group(2)}{match.group(3)}"
     return override
-
-
-def expand_hostlist(expression: str) -> list[str]:
-    """Slurm's hostlist syntax: `node[1-3,7],gpu[01-02]` -> node1 node2 node3 node7 gpu01 gpu02. Raises
-    ValueError, saying what it could not read, for anything else (`node[a-b]`, `node[1-`, `a,,b`)."""
-    return [name for item in split_hostlist(expression) for name in _expand_item(item)]
-
-
-def split_hostlist(expression: str) -> list[str]:
-    """`node[01-03,7],gpu1` -> ['node[01-03,7]', 'gpu1']: the commas inside brackets belong to a range."""
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(expression):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-        elif char == "," and depth == 0:
-            items.append(expression[start:i])
-            start = i + 1
-        if depth not in (0, 1):
-            raise ValueError(f"{expression!r}: brackets do not pair up (Slurm hostlists do not nest them)")
-    if depth:
-        raise ValueError(f"{expression!r}: a '[' is never closed")
-    items.append(expression[start:])
-    if not all(item.strip() for item in items):
-        raise ValueError(f"{expression!r}: an empty node name between commas")
-    return items
-
-
-def _expand_item(item: str) -> list[str]:
-    match = re.match(r"^([^\[\]]*)\[([^\[\]]*)\](.*)$", item)
-    if not match:
-        return [item]
-    prefix, ranges, rest = match.groups()
-    tails = _expand_item(rest) if rest else [""]  # rack[1-2]-node[1-3]: every combination
-    names = []
-    for part in ranges.split(","):
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise ValueError(f"{item!r}: {part!r} is not a number or a range such as 1-8")
-        first, last = int(low), int(high) if dash else int(low)
-        if last < first:
-            raise ValueError(f"{item!r}: the range {part} runs backwards")
-        width = len(low)  # node[01-03] keeps the zero padding
-        names += [f"{prefix}{number:0{width}d}{tail}" for number in range(first, last + 1) for tail in tails]
-    return names
-
-
-def node_lists(cluster: dict) -> list[str]:
-    """cluster.nodelist and cluster.exclude as lists, in place: a list stays as it is, one Slurm hostlist string
-    (`'node[1-8]'`, `'node[01-03,7]'`, `'a,b'`) becomes its comma-separated items, which sbatch takes as they
-    are. Returns one error line per item that is not a hostlist."""
-    errors = []
-    for key in ("nodelist", "exclude"):
-        value = cluster.get(key)
-        if isinstance(value, str):
-            try:
-                value = cluster[key] = split_hostlist(value)
-            except ValueError as error:
-                errors.append(f"cluster.{key}: {error}; give a list (cluster.{key}=[node1,node2]) or one Slurm "
-                              f"hostlist, quoted for Hydra: \"cluster.{key}='node[1-8]'\"")
-                continue
-        for item in value if isinstance(value, list) else []:
-            try:
-                expand_hostlist(str(item))
-            except ValueError as error:
-                errors.append(f"cluster.{key}: {error}")
-    return errors
 
 
 def idle_nodes(partition: str | None) -> list[str]:
@@ -160,9 +93,11 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         if not isinstance(cfg.get(key) or {}, dict):
             raise UserError(f"{key}: {cfg.get(key)!r} must be a mapping; choose one with {key}=NAME")
     cluster = dict(cfg.get("cluster") or {})
-    errors = node_lists(cluster)  # before validate.cluster, which takes lists only
-    errors += validate.cluster(cluster)
-    cfg = {**cfg, "cluster": cluster}  # choose_nodes reads the lists
+    errors = validate.cluster(cluster)
+    if not errors:  # choose_nodes reads lists: a hostlist string becomes its items
+        cluster.update({key: split_hostlist(cluster[key]) for key in ("nodelist", "exclude")
+                        if isinstance(cluster.get(key), str)})
+    cfg = {**cfg, "cluster": cluster}
     try:
         cv_config.parse(cfg[STAGE], cluster_exclude=cluster.get("exclude") or [])
     except cv_config.ConfigError as error:

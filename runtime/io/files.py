@@ -110,3 +110,17 @@ def remove_temps(directory: str | os.PathLike, stem: str) -> list[str]:
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     return removed
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines text (metrics.jsonl): a line a running writer has not finished, or any other
+    line that is not an object, is left out."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows

@@ -116,16 +116,9 @@ class SparseMoE(nn.Module):
         self.aux_scale = 1.0  # the train step sets it: how a micro-batch's loss is weighted in the global batch
         self.stats: dict[str, torch.Tensor] = {}  # the last forward's
         self._totals: list[dict[str, torch.Tensor]] = []  # every training forward's since step_stats read them
-        # A usable module on its own (CausalLM.init_weights draws every weight again from the model's seed).
-        self.init_weights(lambda t, std: t.normal_(0.0, std), 0.02, 0.02)
-
-    @torch.no_grad()
-    def init_weights(self, normal_, std: float, output_std: float) -> None:
-        """With CausalLM.init_weights' generator: router and gate_up at `std`, down (writes into the residual
-        stream) at `output_std`."""
-        normal_(self.router.weight, std)
-        normal_(self.gate_up, std)
-        normal_(self.down, output_std)
+        # A usable module on its own; in a model, CausalLM.init_weights draws every weight again from its seed.
+        for weight in (self.gate_up, self.down):
+            nn.init.normal_(weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -185,12 +178,15 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
             module.aux_scale = scale
 
 
-def step_stats(model: nn.Module) -> dict[str, float]:
+def step_stats(model: nn.Module, *, report: bool = True) -> dict[str, float]:
     """What the MoE layers of this rank did since the last call, for metrics: the auxiliary loss (summed over
     layers, averaged over micro-batches), the fraction of (token, slot) assignments dropped by capacity, and the
-    expert load imbalance (busiest expert's tokens over the mean, averaged over layers); {} without MoE layers."""
+    expert load imbalance (busiest expert's tokens over the mean, averaged over layers); {} without MoE layers.
+    Call it every step; with report=False it only forgets the step (no device-to-host copy on unlogged steps)."""
     layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m._totals]
-    if not layers:
+    if not report or not layers:
+        for layer in layers:
+            layer._totals = []
         return {}
     aux = dropped = imbalance = 0.0
     for layer in layers:

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from launcher.commands.cluster_validate import expand_hostlist, node_lists
+from launcher import validate
+from launcher.commands.cluster_validate import expand_hostlist
 from tests.launcher.helpers import nxdt
 
 
@@ -82,7 +83,7 @@ def test_slurm_hostlists_expand_as_slurm_does(expression, names):
                                             ("n[[1]]", "do not nest")])
 def test_a_hostlist_slurm_would_refuse_is_one_line_naming_the_key(expression, why):
     cluster = {"nodelist": expression}
-    (error,) = node_lists(cluster)
+    (error,) = validate.cluster(cluster)
     assert error.startswith("cluster.nodelist: ") and why in error, error
 
 

@@ -117,3 +117,15 @@ def test_logs_follow_stops_once_the_stage_has_ended(tmp_path, monkeypatch):
                   timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "step 1 | loss 9\nnxdt: done\n"
+
+
+def test_a_slurm_hostlist_string_is_a_node_list_for_every_launch():
+    """cluster.nodelist='node[01-03,7]' as sbatch reads it, in a training launch as in cluster-validate."""
+    from launcher import render, validate
+
+    cluster = {"partition": "debug", "nodelist": "node[01-03,7]", "exclude": ["node9", "gpu[1-2]"]}
+    assert validate.cluster(cluster) == []
+    assert "nodelist=node[01-03,7]" in render.sbatch_options(cluster)
+    assert "exclude=node9,gpu[1-2]" in render.sbatch_options(cluster)
+    (error,) = validate.cluster({"exclude": "node[1-"})
+    assert error.startswith("cluster.exclude: 'node[1-': a '[' is never closed; give a list")
