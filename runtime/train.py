@@ -232,7 +232,7 @@ def _moe_flops(model_cfg) -> dict:
 
 
 def _draw(results_dir: str) -> None:
-    """metrics.png beside metrics.jsonl (runtime/plot.py), also after a failure: the curve shows what went wrong."""
+    """metrics.png beside metrics.jsonl (runtime/plot.py), when training ends (`nxdt-launch plot` draws any run)."""
     if not os.path.exists(os.path.join(results_dir, "metrics.jsonl")):
         return  # it stopped before its first step: nothing to draw
     try:
@@ -268,9 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.trainer.preflight and device.world_size > 1:
             preflight(device, timeout_s=cfg.trainer.preflight_timeout_s)
         train(cfg, device)
-        # Leave together: between train()'s last barrier and here rank 0 released the run lock and closed its
-        # metric sinks; a gloo peer tearing down while another still works its connections can abort
-        # ("terminate called without an active exception", seen on the 2-node Slurm cluster).
+        if device.is_main and cfg.plot:
+            _draw(cfg.results_dir)
+        # Leave together: rank 0 released the run lock, closed its metric sinks and drew metrics.png since train()'s
+        # last barrier. A rank that tears its process group down and exits while another is still busy can abort in
+        # gloo's teardown ("terminate called without an active exception": seen on the 2-node Slurm cluster and in
+        # 2-process runs when rank 0 drew after leaving the group).
         device.barrier()
     except Preempted as stop:
         if device.is_main:
@@ -296,10 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if device is not None:
             shutdown(device)
-            # After the process group is gone: ranks must leave it together (a gloo peer torn down while another
-            # still holds its connections aborts), and drawing takes rank 0 a second.
-            if device.is_main and cfg.plot:
-                _draw(cfg.results_dir)
     return 0
 
 
