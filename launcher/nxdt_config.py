@@ -35,7 +35,7 @@ MAPPED: dict[str, str] = {
     "exp_manager.async_checkpointing": "training.exp_manager.checkpoint_callback_params.async_save",
     **{f"distributed_strategy.{k}": f"training.model.{k}" for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "zero1", "sequence_parallel")},
+        "zero1", "sequence_parallel", "expert_model_parallel_size")},
     "data.micro_batch_size": "training.model.micro_batch_size",
     "data.global_batch_size": "training.model.global_batch_size",
     "data.seq_length": "training.model.data.seq_length",
@@ -48,6 +48,11 @@ MAPPED: dict[str, str] = {
         "share_embeddings_and_output_weights", "activations_checkpoint_granularity",
         "activations_checkpoint_recompute")},
     "model.rope_theta": "training.model.rotary_base",
+    # Mixture of experts: NxD's model.moe keys are the schema's own (runtime/schema/model.py MoEConfig).
+    **{f"model.moe.{k}": f"training.model.moe.{k}" for k in (
+        "num_experts", "top_k", "frequency", "capacity_factor", "dropless", "router_aux_loss_coef",
+        "normalize_top_k_affinities", "router_activation")},
+    "model.num_local_experts": "training.model.moe.num_experts",  # config.json's name for it
     **{f"model.optim.{k}": f"training.model.optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")},
     **{f"model.optim.sched.{k}": f"training.model.optim.sched.{k}" for k in (
         "name", "warmup_steps", "constant_steps", "min_lr", "max_steps")},
@@ -103,6 +108,8 @@ IGNORED: dict[str, str] = {
     "model.transpose_nki_inputs": "a Neuron kernel detail",
     "precision.fp32_grads_cc": "gradients are reduced in fp32 in every precision type",
     "data.val_dir": "validation uses the validation split of data_prefix (splits_string)",
+    "model.moe.sinkhorn_iterations": "used only by sinkhorn routing; routing here is top_k",
+    "model.moe.sinkhorn_tol": "used only by sinkhorn routing; routing here is top_k",
 }
 
 # Ignored, but it changes training a little: said as a warning that names the difference.
@@ -118,14 +125,33 @@ UNSUPPORTED: dict[str, str] = {
     "model_alignment_strategy.orpo": "the alignment stage (ORPO) is not built yet",
     "model_alignment_strategy.peft": "LoRA is not built yet",
     "model.weight_init_only": "fine-tuning from pretrained weights is not built yet",
-    "model.moe": "mixture-of-experts models are not built yet",
-    "model.num_local_experts": "mixture-of-experts models are not built yet",
-    "distributed_strategy.expert_model_parallel_size": "expert parallelism is not built yet",
     "distributed_strategy.context_parallel_size": "context parallelism is not built yet",
+    "distributed_strategy.token_shuffle_group_size": "shuffling tokens across data-parallel ranks before routing "
+                                                     "is not built yet; set it to 1",
+    "model.moe.routing_algorithm": "routing other than top_k (sinkhorn) is not built yet; set it to top_k",
+    "model.moe.dropout": "dropout in the MoE layer is not built yet; set it to 0.0",
 }
 
 # Values that are the default here and so need no mapping (a key with another value is refused).
-NEUTRAL = {"distributed_strategy.context_parallel_size": 1, "distributed_strategy.expert_model_parallel_size": 1}
+NEUTRAL = {"distributed_strategy.context_parallel_size": 1, "distributed_strategy.token_shuffle_group_size": 1,
+           "model.moe.routing_algorithm": "top_k", "model.moe.dropout": 0.0, "model.moe.output_router_logits": True}
+
+# A value that means something else here, said with another key: (value, our key, its value, why). Applied after
+# the file's own keys, so they cannot undo it.
+IMPLIES: dict[str, tuple[Any, str, Any, str]] = {
+    "model.moe.output_router_logits": (
+        False, "training.model.moe.router_aux_loss_coef", 0.0,
+        "NxD Training adds the load-balancing loss only when the router logits are output"),
+}
+
+# Mapped keys whose null is a value of its own in NxD Training, not "use the default": carried over as null.
+NULL_MEANS = {"model.moe.capacity_factor": "no capacity, every token reaches its top_k experts (NxD's all-experts "
+                                           "path)"}
+
+# What NxD Training's Mixtral module (lightning_modules/model/hf_models/mixtral_model.py) assumes for a model.moe key
+# the file leaves out; it overrides the model_config's values, so an imported file gets the same here.
+NXD_MOE_DEFAULTS = {"top_k": 1, "frequency": 1, "capacity_factor": 1.0, "router_aux_loss_coef": 0.02,
+                    "normalize_top_k_affinities": True}
 
 
 @dataclass
@@ -188,6 +214,9 @@ def map_file(path: str) -> Mapping:
         if top is not None and NEUTRAL.get(key, object()) != value:
             result.errors.append(f"training=@{path}: {key} is not supported: {UNSUPPORTED[top]}")
             result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
+        elif key in NULL_MEANS and value is None:
+            _put(training, MAPPED[key][len("training."):], None)
+            result.rows.append((key, value, f"{MAPPED[key]} = None: {NULL_MEANS[key]}"))
         elif key in MAPPED and value is None:
             result.rows.append((key, value, "null: the base recipe's value stays"))
         elif key in FRACTIONS and isinstance(value, float) and value != 0:
@@ -202,6 +231,9 @@ def map_file(path: str) -> Mapping:
             else:
                 _put(training, target[len("training."):], converted)
             result.rows.append((key, value, target if converted == value else f"{target} = {converted!r}"))
+        elif key in IMPLIES and value == IMPLIES[key][0]:
+            _, target, implied, why = IMPLIES[key]
+            result.rows.append((key, value, f"{target} = {implied!r}: {why}"))
         elif key in NEUTRAL:
             result.rows.append((key, value, "the default here"))
         elif (ignored := longest_prefix(key, IGNORED)) is not None:
@@ -217,6 +249,10 @@ def map_file(path: str) -> Mapping:
                                  f"(`nxdt-launch explain-config {path}` lists every key and what it maps to)")
     if result.errors:
         return result
+    for key, (trigger, target, implied, _) in IMPLIES.items():
+        if flat.get(key, object()) == trigger:
+            _put(training, target[len("training."):], implied)
+    result.rows += _nxd_moe_defaults(training)
     if data.get("model_source") == "hf" and (data.get("data") or {}).get("train_dir"):
         result.warnings.append(
             f"training=@{path}: data.train_dir: NxD Training's hf configs point it at a Hugging Face datasets "
@@ -259,6 +295,21 @@ def _with_base(training: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]
     if model.get("virtual_pipeline_model_parallel_size") == 1:
         model["virtual_pipeline_model_parallel_size"] = None  # NxD writes 1 for "no interleaving"
     return {"defaults": [f"/training/{family}@_here_", "_self_"], **training}
+
+
+def _nxd_moe_defaults(training: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """NxD Training's values for the model.moe keys a file with model.moe leaves out (ours differ: top_k 2,
+    dropless, no auxiliary loss), put into `training`; rows for explain-config."""
+    moe = (training.get("model") or {}).get("moe")
+    if not isinstance(moe, dict):
+        return []
+    rows = []
+    for key, value in NXD_MOE_DEFAULTS.items():
+        if key not in moe:
+            moe[key] = value
+            rows.append((f"(not in the file) model.moe.{key}", value,
+                         f"training.model.moe.{key} = {value!r}, NxD Training's default"))
+    return rows
 
 
 def _from_base(training: dict[str, Any]) -> list[tuple[str, Any, str]]:

@@ -53,7 +53,8 @@ def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
             file=sys.stderr,
         )
     devices_per_node = cfg.trainer.devices if device.world_size == expected_world else None
-    dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node)
+    dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node,
+                                 ep=cfg.parallel.ep)
     return Topology.build(dims)
 
 

@@ -1,6 +1,6 @@
 """The whole product, end to end, with the real programs: the embedded default pipeline on this machine
-(what the README's first command runs), and the same pipeline on the real 2-node Slurm cluster with
-training at tp=2 x dp=2 across both nodes."""
+(what the README's first command runs), and the same pipeline on the real 2-node Slurm cluster: mixtral/tiny at
+tp=2 x dp=2 with its experts over an expert-parallel group spanning both nodes, and gpt3/tiny at pp=2."""
 
 import json
 import math
@@ -11,18 +11,18 @@ import pytest
 from tests.launcher.helpers import nxdt
 
 
-def _metrics(results: Path) -> list[dict]:
-    path = results / "gpt3_tiny" / "training" / "metrics.jsonl"
+def _metrics(results: Path, run: str = "gpt3_tiny") -> list[dict]:
+    path = results / run / "training" / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _check_training_outputs(results: Path, steps: int) -> list[dict]:
-    rows = [r for r in _metrics(results) if "loss" in r]
+def _check_training_outputs(results: Path, steps: int, run: str = "gpt3_tiny") -> list[dict]:
+    rows = [r for r in _metrics(results, run) if "loss" in r]
     assert rows and rows[-1]["step"] == steps
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
         assert key in rows[-1], key
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert list((results / "gpt3_tiny" / "training" / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((results / run / "training" / "tensorboard").rglob("events.out.tfevents.*"))
     return rows
 
 
@@ -85,11 +85,14 @@ def test_default_pipeline_runs_locally(tmp_path):
 
 
 LAYOUTS = {
-    # 2 nodes x 2 processes: tensor parallel inside each node, data parallel across the two.
-    "tp2_dp2": ["training.trainer.devices=2", "training.model.tensor_model_parallel_size=2"],
+    # 2 nodes x 2 processes: tensor parallel inside each node, data parallel across the two, and Mixtral's experts
+    # shared out over an expert-parallel group of the two DP ranks (one per node): tokens cross nodes by all-to-all.
+    "tp2_dp2_ep2": ["training=mixtral/tiny", "training.trainer.devices=2", "training.model.tensor_model_parallel_size=2",
+                    "training.model.expert_model_parallel_size=2"],
     # 2 nodes x 1 process: one pipeline stage per node, activations crossing between the nodes.
     "pp2": ["training.trainer.devices=1", "training.model.pipeline_model_parallel_size=2"],
 }
+RUNS = {"tp2_dp2_ep2": "mixtral_tiny", "pp2": "gpt3_tiny"}
 
 
 @pytest.mark.slurm
@@ -104,18 +107,23 @@ def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
         "training.model.optim.sched.warmup_steps=2", cwd=tmp_path, env=slurm_cluster.env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    record = json.loads((results / "gpt3_tiny" / "launch.json").read_text())
+    run = RUNS[layout]
+    record = json.loads((results / run / "launch.json").read_text())
     states = [slurm_cluster.wait_job(str(s["job_id"]), 600) for s in record["stages"]]
-    logs = nxdt("logs", "gpt3_tiny", "--results-dir", str(results), env=slurm_cluster.env).stdout
+    logs = nxdt("logs", run, "--results-dir", str(results), env=slurm_cluster.env).stdout
     assert states == ["COMPLETED"] * 4, logs[-4000:]
 
     # The data-preparation array ran its two tasks on both nodes, then training spanned both nodes.
-    prep_logs = sorted((results / "gpt3_tiny" / "data_preparation" / "logs").glob("*_node0.log"))
+    prep_logs = sorted((results / run / "data_preparation" / "logs").glob("*_node0.log"))
     assert len(prep_logs) == 2
     prep_nodes = {info.get("NodeList") for info in slurm_cluster.job_info(str(record["stages"][0]["job_id"]))}
     assert prep_nodes == {"node1", "node2"}, prep_nodes
-    train_logs = sorted((results / "gpt3_tiny" / "training" / "logs").glob("*_node*.log"))
+    train_logs = sorted((results / run / "training" / "logs").glob("*_node*.log"))
     assert len(train_logs) == 2, train_logs
-    topology = {"tp2_dp2": "tp=0/2, dp=0/2, pp=0/1", "pp2": "tp=0/1, dp=0/1, pp=0/2"}[layout]
+    topology = {"tp2_dp2_ep2": "tp=0/2, dp=0/2, pp=0/1, ep=0/2", "pp2": "tp=0/1, dp=0/1, pp=0/2"}[layout]
     assert topology in logs, logs[-3000:]
-    _check_training_outputs(results, steps)
+    rows = _check_training_outputs(results, steps, run)
+    if layout == "tp2_dp2_ep2":
+        assert all(r["moe_tokens_dropped"] == 0.0 and r["moe_aux_loss"] > 0 for r in rows)
+        exported = json.loads((results / run / "conversion" / "hf_model" / "config.json").read_text())
+        assert exported["architectures"] == ["MixtralForCausalLM"]

@@ -80,17 +80,19 @@ def render(result, recipe: str, time_limit: str | None = None):
 
     shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
     vpp = f" (virtual {layout.vpp})" if layout.vpp > 1 else ""
+    ep = f" · ep {layout.ep}" if layout.ep > 1 else ""
     parameters = f"{_count(result.parameters.total)} parameters"
     if shape.moe is not None:  # total holds every expert; a token runs only its top_k of them
         parameters += (f" ({_count(result.parameters.active)} active: top-{shape.moe.top_k} of "
                        f"{shape.moe.num_experts} experts in {shape.num_moe_layers} of {shape.num_layers} layers)")
-    title = (f"{recipe}: {parameters} on {layout.num_nodes} × "
-             f"{layout.devices_per_node} {hw.description} · tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp} · "
-             f"micro-batch {layout.micro_batch_size} × {layout.num_micro_batches} · global batch "
-             f"{layout.global_batch_size} × seq {shape.seq_length}")
+    title = (f"{recipe}: {parameters} on {layout.num_nodes} × {layout.devices_per_node} {hw.description} · "
+             f"tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp}{ep} · micro-batch {layout.micro_batch_size} × "
+             f"{layout.num_micro_batches} · global batch {layout.global_batch_size} × seq {shape.seq_length}")
     bytes_ = PRECISION_BYTES[layout.precision]
     dtype = {2: "bf16", 4: "fp32"}
     sharded = f", ÷ dp {layout.dp} (ZeRO-1)" if layout.zero1 and layout.dp > 1 else ""
+    if sharded and shape.moe is not None and layout.ep > 1:  # experts' state: over the ranks holding those experts
+        sharded = f", ÷ dp {layout.dp}, experts' ÷ dp/ep {layout.edp} (ZeRO-1)"
     recompute = layout.recompute or "no"
     if layout.recompute == "selective":
         recompute += " (" + ", ".join(layout.recompute_modules) + ")"
@@ -98,7 +100,10 @@ def render(result, recipe: str, time_limit: str | None = None):
                    title_justify="left")
     memory.add_column("part")
     memory.add_column("GiB", justify="right")
-    experts = f", all {shape.moe.num_experts} experts" if shape.moe is not None else ""
+    experts = ""
+    if shape.moe is not None:
+        experts = (f", all {shape.moe.num_experts} experts" if layout.ep == 1 else
+                   f", {shape.moe.num_experts // layout.ep} of {shape.moe.num_experts} experts (ep {layout.ep})")
     memory.add_row(f"weights ({dtype[bytes_.param]}{experts})", _gib(mem.weights))
     memory.add_row("gradients (fp32 accumulation buffer)", _gib(mem.gradients))
     memory.add_row(f"optimizer (Adam moments{' + fp32 master' if bytes_.master else ''}{sharded})",
@@ -122,9 +127,13 @@ def render(result, recipe: str, time_limit: str | None = None):
     time.add_row(f"model FLOPs per token (6·{n} + 12·L·h·s)", _count(result.flops_per_token))
     time.add_row("model FLOPs per step", _count(result.flops_per_step))
     time.add_row("step time at the assumed MFU", _duration(result.step_seconds_at_mfu))
-    time.add_row("layout model: compute + bubble + tp + dp + pp comms",
-                 f"{step.compute_s:.3g} + {step.bubble_s:.3g} + {step.tensor_parallel_s:.3g} + "
-                 f"{step.data_parallel_s:.3g} + {step.pipeline_s:.3g} = {_duration(step.total_s)}")
+    terms = [step.compute_s, step.bubble_s, step.tensor_parallel_s, step.data_parallel_s, step.pipeline_s]
+    names = "compute + bubble + tp + dp + pp comms"
+    if layout.ep > 1:
+        terms.append(step.expert_parallel_s)
+        names += " + ep all-to-all"
+    time.add_row(f"layout model: {names}",
+                 " + ".join(f"{term:.3g}" for term in terms) + f" = {_duration(step.total_s)}")
     time.add_row("tokens", _count(result.tokens))
     time.add_row("[bold]time to train[/]", f"[bold]{_duration(result.days * 86400)}[/]")
     limit = slurm_seconds(str(time_limit)) if time_limit else None

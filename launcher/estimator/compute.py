@@ -1,13 +1,15 @@
 # FLOPs and time: model FLOPs per token (the runtime's MFU convention), the step time a layout should reach (used
 # to rank autoconfig candidates), and the days a token budget takes at an assumed MFU. An MoE layer's FLOPs are
-# what a token runs: its top_k experts and the router, not every expert (6·N with N the active weights).
+# what a token runs: its top_k experts and the router, not every expert (6·N with N the active weights). Expert
+# parallelism adds the token exchanges (all-to-all) to the step and moves the experts' gradient reduction to the
+# expert-data-parallel group.
 from __future__ import annotations
 
 import dataclasses
 
 from launcher.estimator.hardware import Hardware
 from launcher.estimator.memory import PRECISION_BYTES
-from launcher.estimator.shapes import Layout, ModelShape, count_parameters
+from launcher.estimator.shapes import Layout, ModelShape, count_parameters, expert_parameters, stage_moe_layers
 
 SECONDS_PER_DAY = 86400.0
 
@@ -75,10 +77,12 @@ class StepTime:
     data_parallel_s: float      # gradient reduction (+ ZeRO-1 parameter all-gather) after backward
     pipeline_s: float           # activations sent between stages
     model_flops: float          # per step, all devices
+    expert_parallel_s: float = 0.0  # MoE tokens sent to their experts' ranks and back (all-to-all), ep > 1
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tensor_parallel_s + self.data_parallel_s + self.pipeline_s
+        return (self.compute_s + self.bubble_s + self.tensor_parallel_s + self.data_parallel_s + self.pipeline_s
+                + self.expert_parallel_s)
 
 
 def _ring_seconds(bytes_: float, ranks: int, gbps: float, *, all_reduce: bool) -> float:
@@ -86,6 +90,45 @@ def _ring_seconds(bytes_: float, ranks: int, gbps: float, *, all_reduce: bool) -
         return 0.0
     factor = 2.0 * (ranks - 1) / ranks if all_reduce else (ranks - 1) / ranks
     return factor * bytes_ / (gbps * 1e9)
+
+
+def _all_to_all_seconds(bytes_: float, ranks: int, gbps: float) -> float:
+    """An all-to-all of a `bytes_` buffer per rank: each rank keeps its own 1/ranks and sends the rest, so
+    (ranks - 1) / ranks of it crosses the links, as in a ring all-gather or reduce-scatter of that size."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * bytes_ / (gbps * 1e9)
+
+
+def all_to_all_bytes(shape: ModelShape, layout: Layout) -> float:
+    """What one rank puts into one MoE layer's token exchange for one micro-batch: the hidden vector of every
+    kept (token, slot) assignment, top_k x micro_batch x seq x hidden values at the compute dtype. Tokens are the
+    whole micro-batch on every tensor-parallel rank (the block gathers the sequence under sequence parallelism and
+    each TP rank sends its own copy). Routing is taken as balanced: with a capacity factor below 1 only that
+    fraction of the assignments is kept and sent."""
+    c = PRECISION_BYTES[layout.precision].compute
+    moe = shape.moe
+    kept = min(1.0, moe.capacity_factor) if moe.capacity_factor is not None else 1.0
+    return kept * moe.top_k * layout.micro_batch_size * shape.seq_length * shape.hidden_size * c
+
+
+def exchanges_per_moe_layer(layout: Layout) -> int:
+    """All-to-alls per MoE layer and micro-batch: dispatch and combine in forward, their adjoints in backward, and
+    forward's two again when recompute reruns the block (full, or selective with the MLP)."""
+    rerun = layout.recompute == "full" or (layout.recompute == "selective" and "mlp" in layout.recompute_modules)
+    return 4 + (2 if rerun else 0)
+
+
+def expert_parallel_seconds(shape: ModelShape, layout: Layout, hardware: Hardware) -> float:
+    """The step's token exchanges on one rank: micro-batches x the pipeline rank's MoE layers x exchanges, each an
+    all-to-all over the expert-parallel group. That group is ep consecutive data-parallel ranks, tp * ep
+    consecutive global ranks: inside a node when tp * ep fits in one, over the network otherwise."""
+    if shape.moe is None or layout.ep <= 1:
+        return 0.0
+    moe_layers = max(stage_moe_layers(shape, layout, first=True), stage_moe_layers(shape, layout, first=False))
+    gbps = hardware.inter_node_gbps if layout.tp * layout.ep > layout.devices_per_node else hardware.intra_node_gbps
+    return (layout.num_micro_batches * moe_layers * exchanges_per_moe_layer(layout)
+            * _all_to_all_seconds(all_to_all_bytes(shape, layout), layout.ep, gbps))
 
 
 def gemm_efficiency(shape: ModelShape, layout: Layout) -> float:
@@ -112,17 +155,16 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
     tensor_parallel = m * layers * collectives_per_layer * _ring_seconds(
         micro_activation, layout.tp, hardware.intra_node_gbps, all_reduce=True)
 
-    # Every expert's gradient is reduced over dp: all of them sit on every rank until expert parallelism splits
-    # them (then expert gradients reduce over dp / ep ranks only).
-    params = count_parameters(shape).total / (layout.tp * p)
+    # Gradients are reduced over dp, except the experts': their replicas are the dp / ep ranks holding the same
+    # experts (the expert-data-parallel group, which spans as many nodes as dp: ranks tp * ep apart).
+    # Per device, averaged over pipeline ranks: every weight is split over tp x pp, the experts also over ep.
+    all_experts = shape.num_moe_layers * shape.moe.num_experts * expert_parameters(shape) if shape.moe else 0
+    dense = (count_parameters(shape).total - all_experts) / (layout.tp * p)
+    experts = all_experts / (layout.tp * layout.ep * p)
     crosses_nodes = layout.tp * layout.dp > layout.devices_per_node
     dp_gbps = hardware.inter_node_gbps if crosses_nodes else hardware.intra_node_gbps
-    if layout.zero1:
-        data_parallel = (_ring_seconds(4 * params, layout.dp, dp_gbps, all_reduce=False)
-                         + _ring_seconds(PRECISION_BYTES[layout.precision].param * params, layout.dp, dp_gbps,
-                                         all_reduce=False))
-    else:
-        data_parallel = _ring_seconds(4 * params, layout.dp, dp_gbps, all_reduce=True)
+    data_parallel = sum(_gradient_seconds(params, ranks, dp_gbps, layout)
+                        for params, ranks in ((dense, layout.dp), (experts, layout.edp)))
 
     pipeline = 0.0
     if p > 1:
@@ -130,4 +172,14 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
             hardware.intra_node_gbps
         shard = layout.tp if layout.sequence_parallel else 1
         pipeline = 2 * m * v * micro_activation / shard / (stage_gbps * 1e9)
-    return StepTime(compute, bubble, tensor_parallel, data_parallel, pipeline, model_flops)
+    return StepTime(compute, bubble, tensor_parallel, data_parallel, pipeline, model_flops,
+                    expert_parallel_seconds(shape, layout, hardware))
+
+
+def _gradient_seconds(params: float, ranks: int, gbps: float, layout: Layout) -> float:
+    """fp32 gradients all-reduced over `ranks`; under ZeRO-1 reduce-scattered, then the updated weights
+    all-gathered at the parameter dtype."""
+    if layout.zero1:
+        return (_ring_seconds(4 * params, ranks, gbps, all_reduce=False)
+                + _ring_seconds(PRECISION_BYTES[layout.precision].param * params, ranks, gbps, all_reduce=False))
+    return _ring_seconds(4 * params, ranks, gbps, all_reduce=True)

@@ -19,15 +19,16 @@
 # Recompute: `selective` drops what core attention (and the MLP, if listed) would keep; `full` keeps only each
 # layer's input and rebuilds one layer at a time in backward.
 #
-# MoE layers: weights, gradients and optimizer state hold every expert (each data-parallel rank keeps all of them
-# until expert parallelism divides them by ep); activations only what a token's top_k experts and the router keep
-# (see moe_activation_bytes).
+# MoE layers: weights and gradients hold the device's share of the experts, num_experts / ep of them and a tp-th
+# of each (runtime/parallel/experts.py), and the replicated router; ZeRO-1 shards the experts' optimizer state over
+# the expert-data-parallel group (dp / ep ranks: the others hold other experts) and the rest over dp. Activations
+# hold only what a token's top_k experts and the router keep (see moe_activation_bytes).
 from __future__ import annotations
 
 import dataclasses
 
-from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, stage_moe_layers,
-                                       stage_parameters)
+from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters,
+                                       stage_expert_parameters, stage_moe_layers, stage_parameters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class StageMemory:
     logits: float                # output layer + loss working set (last stage), at the start of backward
     backward: float              # one layer's backward: its gradients, and under full recompute its activations
     in_flight: float             # micro-batches whose activations this stage holds at once
+    expert_parameters: int = 0   # of `parameters`, the experts' (ZeRO-1 shards their state over dp / ep ranks)
 
     @property
     def static(self) -> float:
@@ -150,7 +152,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     if shape.hidden_dropout > 0:
         total += 2 * mask * E * shard          # two dropout masks
     if bytes_.weight_copies:
-        total += c * layer_parameters(shape, t, moe=moe)
+        total += c * layer_parameters(shape, t, moe=moe, ep=layout.ep)
     if shape.num_query_groups % t:             # KV heads replicated: the concatenated QKV weight is saved per call
         total += (c if bytes_.weight_copies else bytes_.param) * (heads + 2) * shape.head_dim * h
     return total
@@ -160,13 +162,16 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     """What runtime/models/moe.py keeps for backward beyond the block's input, per micro-batch (as autograd's saved
     tensors show it). For each of the b·s·top_k (token, expert) assignments: its copy of the token in the expert's
     padded batch (the gate_up matmul's input), the SwiGLU intermediates as in a dense MLP (gate_up output 2f, silu
-    output f, product f), the expert's output row gathered for the routing weight's multiply and the weighted row
-    index_add keeps (h each), and the bookkeeping (five int64 indices, two fp32 weights, a keep flag). Per token:
-    the router's fp32 probabilities (softmax keeps them; with the z-loss also its fp32 logits) and their top_k sum.
-    Routing is taken as balanced: the runtime pads every expert's batch to the busiest expert's, so an uneven
-    router costs more (up to capacity_factor x this with a capacity, without bound dropless)."""
+    output f, product f; a tp-th of each under tensor parallelism), the expert's output row gathered for the
+    routing weight's multiply and the weighted row index_add keeps (h each), and the bookkeeping (five int64
+    indices, two fp32 weights, a keep flag). Per token: the router's fp32 probabilities (softmax keeps them; with
+    the z-loss also its fp32 logits) and their top_k sum. Tokens are the whole micro-batch: under sequence
+    parallelism the block gathers the sequence first. Expert parallelism changes no count: with balanced routing
+    a rank receives as many assignments for its experts as it sends away. Routing is taken as balanced: the
+    runtime pads every expert's batch to the busiest expert's, so an uneven router costs more (up to
+    capacity_factor x this with a capacity, without bound dropless)."""
     c = PRECISION_BYTES[layout.precision].compute
-    moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size
+    moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size // layout.tp
     tokens = layout.micro_batch_size * shape.seq_length
     assignments = tokens * moe.top_k
     router = 4 * moe.num_experts * (2 if moe.router_z_loss_coef else 1) + 4
@@ -185,7 +190,7 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = Fal
     c = PRECISION_BYTES[layout.precision].compute
     b, s = layout.micro_batch_size, shape.seq_length
     if moe:
-        return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * shape.ffn_hidden_size)
+        return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * (shape.ffn_hidden_size // layout.tp))
     return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp)
 
 
@@ -212,7 +217,8 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
                  kernels: Kernels = Kernels()) -> StageMemory:
     bytes_ = PRECISION_BYTES[layout.precision]
     params = stage_parameters(shape, layout, first=first, last=last)
-    sharding = layout.dp if layout.zero1 else 1
+    experts = stage_expert_parameters(shape, layout, first=first)
+    dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
     layers = shape.num_layers // layout.pp
     buffers = 0.0
     if shape.architecture == "llama":  # each layer keeps its own fp32 cos and sin tables
@@ -237,12 +243,13 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
         parameters=params,
         weights=params * bytes_.param,
         gradients=params * GRAD_BYTES,
-        optimizer=params * (MOMENT_BYTES + bytes_.master) / sharding,
+        optimizer=(MOMENT_BYTES + bytes_.master) * ((params - experts) / dense_sharding + experts / expert_sharding),
         buffers=buffers,
         activations=activations,
         logits=loss_bytes(shape, layout) if last else 0.0,
         backward=backward,
         in_flight=in_flight,
+        expert_parameters=experts,
     )
 
 

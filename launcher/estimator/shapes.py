@@ -4,6 +4,9 @@
 # MoE (model.moe, runtime/models/moe.py SparseMoE): every moe.frequency-th layer's SwiGLU MLP becomes num_experts
 # SwiGLU experts of ffn_hidden_size each (gate_up (E, h, 2f), down (E, f, h)) and a router (E, h), no biases.
 # The total count holds every expert; the active count, what one token's forward uses, only its top_k experts.
+# On a device (runtime/parallel/experts.py): E / ep experts (expert parallelism, carved out of data parallelism),
+# each split over tensor parallelism like a dense SwiGLU (gate_up (E/ep, h, 2f/tp), down (E/ep, f/tp, h)); the
+# router is replicated.
 from __future__ import annotations
 
 import dataclasses
@@ -73,6 +76,7 @@ class Layout:
     recompute: str | None        # None | full | selective
     recompute_modules: tuple[str, ...]
     precision: str
+    ep: int = 1                  # expert-parallel size: experts sharded over ep consecutive data-parallel ranks
 
     @property
     def world_size(self) -> int:
@@ -81,6 +85,12 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the data-parallel ranks holding the same experts (whose expert gradients
+        are reduced together, and over which ZeRO-1 shards the experts' optimizer state)."""
+        return self.dp // self.ep
 
     @property
     def num_micro_batches(self) -> int:
@@ -162,6 +172,7 @@ def layout_from_training(training: dict[str, Any]) -> Layout:
         recompute=model.get("activations_checkpoint_granularity"),
         recompute_modules=tuple(model.get("activations_checkpoint_recompute") or ()),
         precision=str((training.get("precision") or {}).get("type") or "fp32"),
+        ep=int(model.get("expert_model_parallel_size") or 1),
     )
 
 
@@ -173,16 +184,16 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
     return groups // tp if groups % tp == 0 else 1
 
 
-def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False) -> int:
+def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
     """Parameters of one transformer layer held by one tensor-parallel rank (tp=1: the whole layer); `moe`: the
-    layer with shape.moe's block in place of the MLP (every expert, and the router)."""
+    layer with shape.moe's block in place of the MLP (the rank's num_experts / ep experts, and the router)."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
     q_rows = shape.num_attention_heads // tp * d
     kv_rows = 2 * kv_heads_per_rank(shape, tp) * d
     qkv = h * (q_rows + kv_rows) + (q_rows + kv_rows if shape.has_bias else 0)
     proj = (shape.num_attention_heads // tp * d) * h + (h if shape.has_bias else 0)  # row-parallel: bias replicated
     if moe:
-        mlp = moe_block_parameters(shape, experts=shape.moe.num_experts)
+        mlp = moe_block_parameters(shape, experts=shape.moe.num_experts // ep, tp=tp)
     elif shape.gated_mlp:
         mlp = h * 2 * (f // tp) + (f // tp) * h
     else:
@@ -191,12 +202,16 @@ def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False) -> in
     return qkv + proj + mlp + norms
 
 
-def moe_block_parameters(shape: ModelShape, *, experts: int) -> int:
-    """An MoE block with `experts` of its SwiGLU experts counted (all of them, or a token's top_k) and the router.
-    Experts are not split over tensor-parallel ranks (the runtime refuses tp > 1 with MoE) nor yet over
-    expert-parallel ones: every data-parallel rank holds all of them."""
+def moe_block_parameters(shape: ModelShape, *, experts: int, tp: int = 1) -> int:
+    """An MoE block with `experts` of its SwiGLU experts counted (all of them, a token's top_k, or one
+    expert-parallel rank's E / ep), each expert's tp-th share of its hidden units, and the replicated router."""
+    return experts * expert_parameters(shape, tp) + shape.moe.num_experts * shape.hidden_size
+
+
+def expert_parameters(shape: ModelShape, tp: int = 1) -> int:
+    """One SwiGLU expert's weights on one tensor-parallel rank: gate_up's 2f/tp columns and down's f/tp rows."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
-    return experts * (h * 2 * f + f * h) + shape.moe.num_experts * h
+    return h * 2 * (f // tp) + (f // tp) * h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,14 +269,24 @@ def stage_moe_layers(shape: ModelShape, layout: Layout, *, first: bool) -> int:
                if shape.is_moe_layer(index))
 
 
+def stage_expert_parameters(shape: ModelShape, layout: Layout, *, first: bool) -> int:
+    """Expert weights one device of the first (or last) pipeline stage holds: E / ep experts of each of its MoE
+    layers, a tp-th of each. They are reduced and ZeRO-sharded over the expert-data-parallel group (dp / ep
+    ranks), where every other parameter is over dp."""
+    if shape.moe is None:
+        return 0
+    experts = shape.moe.num_experts // layout.ep
+    return stage_moe_layers(shape, layout, first=first) * experts * expert_parameters(shape, layout.tp)
+
+
 def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bool) -> int:
     """Parameters one device of a pipeline stage holds. Positions and norms are replicated over TP; with pipeline
     parallelism a tied output head is a separate copy on the last stage (Megatron's layout)."""
     h, t = shape.hidden_size, layout.tp
     params = layer_parameters(shape, t) * (shape.num_layers // layout.pp)
     moe_layers = stage_moe_layers(shape, layout, first=first)
-    if moe_layers:  # all experts: expert parallelism (not built yet) will divide them by ep
-        params += moe_layers * (layer_parameters(shape, t, moe=True) - layer_parameters(shape, t))
+    if moe_layers:  # the MLP replaced by this rank's experts (E / ep, a tp-th of each) and the router
+        params += moe_layers * (layer_parameters(shape, t, moe=True, ep=layout.ep) - layer_parameters(shape, t))
     if first:
         params += shape.vocab_size // t * h
         params += shape.max_position_embeddings * h if shape.architecture == "gpt" else 0

@@ -78,6 +78,8 @@ class Committed:
         """The layout that saved it, for messages: 'tp 2 pp 1 dp 2 ZeRO-1'."""
         layout = self.meta.get("layout", {})
         text = f"tp {layout.get('tp')} pp {layout.get('pp')} dp {layout.get('dp')}"
+        if layout.get("ep", 1) > 1:
+            text += f" ep {layout['ep']}"
         return text + " ZeRO-1" if layout.get("zero1") else text
 
 
@@ -182,13 +184,13 @@ class Checkpointer:
         model_pieces, optim_pieces = rank_pieces(dp, optimizer, topo)
         header = {
             "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
-            "layout": {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "tp_rank": topo.tp.rank,
-                       "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "zero1": dp.zero1},
+            "layout": {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
+                       "tp_rank": topo.tp.rank, "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "zero1": dp.zero1},
             "optim_scalars": {"step": optimizer.step_count, "sr_generator": dp.sr_generator_state()},
             "extra": host_copy(extra),
         }
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "layout": {
-            "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "zero1": dp.zero1}}
+            "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size, "zero1": dp.zero1}}
         live = {"model": model_pieces, "optim": optim_pieces}
         run_async = self.async_save and not sync
         if not (run_async and self.deferred_copy):
@@ -346,7 +348,7 @@ def full_tensors(files: list[dict]) -> FullTensors:
 
 
 def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, topo, *, rank: int,
-                    broadcast: Callable[[torch.Tensor], None] | None = None, reader: bool = True,
+                    broadcast: Callable[[torch.Tensor, Any], None] | None = None, reader: bool = True,
                     with_optimizer: bool = True, verified: bool = False) -> dict:
     """Load `checkpoint` into this rank's model and optimizer, resharding from whatever layout saved it.
     Returns this rank's saved `extra` (or rank 0's when the world size changed) and the optimizer scalars.

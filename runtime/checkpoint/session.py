@@ -129,13 +129,15 @@ class TrainingCheckpoints:
         share = self.cfg.load_on_one_replica and dp.size > 1
         device = self.device.torch_device
 
-        def broadcast(tensor: torch.Tensor) -> None:
+        def broadcast(tensor: torch.Tensor, axis) -> None:
             on_device = tensor.to(device)
-            C.broadcast(on_device, dp)
+            C.broadcast(on_device, axis)
             tensor.copy_(on_device.cpu())
 
+        # The first rank of every replica group reads: DP rank 0, and with expert parallelism every rank of the
+        # first EP group (each holds other experts).
         info = load_checkpoint(storage, checkpoint, self.model, self.optimizer, self.topo, rank=self.device.rank,
-                               broadcast=broadcast if share else None, reader=not share or dp.rank == 0,
+                               broadcast=broadcast if share else None, reader=not share or self.topo.edp.rank == 0,
                                verified=True)
         extra = info["extra"]
         self.batches.load_state_dict(extra["data"])

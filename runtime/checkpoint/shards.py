@@ -5,9 +5,11 @@
 #   dim, index     the rows of the full tensor along `dim` that the saving rank's TP shard held (None: all)
 #   shard_shape    that TP shard's shape
 #   start          where the piece begins in the shard, flattened (ZeRO-1 cuts a shard at any element)
+#   experts        for an expert-parallel shard, the experts (rows along dim 0 of the full tensor) it holds
 # and its values: `value` for weights (always whole shards), `exp_avg`/`exp_avg_sq`/`master` for optimizer state.
-# Pieces are written once per distinct value: weights by the first DP replica, TP-replicated tensors by TP rank
-# 0, optimizer state by every DP rank under ZeRO-1 (each holds different elements) and by the first otherwise.
+# Pieces are written once per distinct value: weights by the first DP replica (the first expert-data-parallel
+# replica for experts), TP-replicated tensors by TP rank 0, optimizer state by every DP rank under ZeRO-1 (each
+# holds different elements) and by the first otherwise.
 #
 # Loading reassembles one full tensor at a time from every file's pieces (files are memory-mapped: only the
 # pages needed are read) and cuts out what this rank now holds. That is the reshard: nothing in the format
@@ -30,8 +32,11 @@ TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whi
 def _geometry(plan: ShardingPlan, name: str, param: nn.Parameter) -> dict:
     placement = plan[name]
     index = placement.index.cpu() if placement.sharded else None
-    return {"dim": placement.dim, "index": index, "full_shape": plan.full_shape(name, param),
-            "shard_shape": tuple(param.shape)}
+    geometry = {"dim": placement.dim, "index": index, "full_shape": plan.full_shape(name, param),
+                "shard_shape": tuple(param.shape)}
+    if placement.expert:
+        geometry["experts"] = placement.experts.cpu()
+    return geometry
 
 
 def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
@@ -41,14 +46,15 @@ def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
     names = {id(p): name for name, p in dp.named_params}
     model_pieces: dict[str, list] = {}
     optim_pieces: dict[str, list] = {}
-    first_tp, first_dp = topo.tp.rank == 0, topo.dp.rank == 0
+    first_tp = topo.tp.rank == 0
     for name, param in dp.named_params:
-        if first_dp and (first_tp or plan[name].sharded):
+        first_replica = (topo.edp if plan[name].expert else topo.dp).rank == 0
+        if first_replica and (first_tp or plan[name].sharded):
             model_pieces.setdefault(plan.full_name(name), []).append(
                 {**_geometry(plan, name, param), "start": 0, "value": param.detach()})
-    if not (first_dp or dp.zero1):
-        return model_pieces, optim_pieces
     for bucket, exp_avg, exp_avg_sq in zip(dp.buckets, optimizer.exp_avg, optimizer.exp_avg_sq):
+        if not (bucket.axis.rank == 0 or dp.zero1):
+            continue
         for seg in bucket.segments:
             name = names[id(seg.param)]
             if not plan[name].sharded and not first_tp:
@@ -167,8 +173,9 @@ class FullTensors:
         # Pieces of one TP shard (from different ZeRO-1 ranks) are stitched in the shard's flat order first.
         shards: dict[tuple, tuple[dict, torch.Tensor, torch.Tensor]] = {}
         for piece in pieces:
-            index = piece["index"]
-            shard_id = (piece["dim"], None if index is None else tuple(index.tolist()), tuple(piece["shard_shape"]))
+            index, experts = piece["index"], piece.get("experts")
+            shard_id = (piece["dim"], None if index is None else tuple(index.tolist()), tuple(piece["shard_shape"]),
+                        None if experts is None else tuple(experts.tolist()))
             if shard_id not in shards:
                 numel = int(torch.Size(piece["shard_shape"]).numel())
                 shards[shard_id] = (piece, torch.empty(numel, dtype=full.dtype), torch.zeros(numel, dtype=torch.bool))
@@ -177,18 +184,27 @@ class FullTensors:
             flat[piece["start"]:piece["start"] + data.numel()] = data
             seen[piece["start"]:piece["start"] + data.numel()] = True
         for piece, flat, seen in shards.values():
-            shape = piece["shard_shape"]
-            if piece["dim"] is None:
-                full.view(-1).copy_(flat)
-                covered.view(-1).logical_or_(seen)
-            else:
-                full.index_copy_(piece["dim"], piece["index"], flat.view(shape))
-                covered.index_copy_(piece["dim"], piece["index"],
-                                    seen.view(shape) | covered.index_select(piece["dim"], piece["index"]))
+            _place(full, piece, flat.view(piece["shard_shape"]))
+            _place(covered, piece, seen.view(piece["shard_shape"]), accumulate=True)
         if not bool(covered.all()):
             raise ValueError(f"checkpoint is incomplete: {key} of {name} is missing "
                              f"{int((~covered).sum())} of {covered.numel()} elements")
         return full
+
+
+def _place(full: torch.Tensor, piece: dict, shard: torch.Tensor, accumulate: bool = False) -> None:
+    """Write a saved shard into the full tensor at its experts (dim 0) and TP rows (piece's dim); accumulate:
+    OR it into what is there (coverage masks)."""
+    experts = piece.get("experts")
+    target = full if experts is None else full.index_select(0, experts)
+    if piece["dim"] is None:
+        target.copy_(shard | target if accumulate else shard)
+    else:
+        rows = piece["index"]
+        target.index_copy_(piece["dim"], rows, shard | target.index_select(piece["dim"], rows) if accumulate
+                           else shard)
+    if experts is not None:
+        full.index_copy_(0, experts, target)
 
 
 @torch.no_grad()
@@ -197,8 +213,9 @@ def load_into(dp: DataParallel, optimizer, full: FullTensors | None, *, broadcas
     """Fill this rank's parameters, master weights and (with_optimizer) Adam moments from `full` (None on ranks
     that only receive). `optimizer` may be None when with_optimizer is False.
 
-    broadcast(tensor) is called on every filled tensor in the same order on every rank of a DP group: the
-    reader (DP rank 0) sends, the others receive. Without it every rank reads for itself.
+    broadcast(tensor, axis) is called on every filled tensor of a bucket in the same order on every rank of the
+    bucket's replica group `axis` (dp, or edp for experts): its rank 0 (a reader) sends, the others receive.
+    Without it every rank reads for itself.
     """
     plan = dp.plan
     names = {id(p): name for name, p in dp.named_params}
@@ -237,7 +254,7 @@ def load_into(dp: DataParallel, optimizer, full: FullTensors | None, *, broadcas
                 offset += n
         if broadcast is not None:
             for tensor in (values, have, *state.values()):
-                broadcast(tensor)
+                broadcast(tensor, bucket.axis)
         bucket.param_buffer.copy_(values.to(device))
         shard = bucket.shard
         if exp_avg is not None:

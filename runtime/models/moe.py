@@ -113,6 +113,9 @@ class SparseMoE(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.down = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        # How the experts are reached when they are spread over ranks (runtime/parallel/experts.py installs it):
+        # None is one process holding them all. The model itself stays plain.
+        self.parallel = None
         self.aux_scale = 1.0  # the train step sets it: how a micro-batch's loss is weighted in the global batch
         self.stats: dict[str, torch.Tensor] = {}  # the last forward's
         self._totals: list[dict[str, torch.Tensor]] = []  # every training forward's since step_stats read them
@@ -121,21 +124,24 @@ class SparseMoE(nn.Module):
             nn.init.normal_(weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        par = self.parallel
+        if par is not None:
+            x = par.enter(x)  # the whole micro-batch, as one process routes it (a sequence shard is gathered)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])                                              # (N, H)
         routing = route(self.router(tokens), self.top_k, activation=self.activation,
                         normalize=self.normalize_top_k)
         limit = capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         kept = kept_assignments(routing.experts, self.num_experts, limit)               # (N, k)
-        out = self._experts(tokens, routing.experts, routing.weights.to(x.dtype), kept)
+        out = self._dispatch(tokens, routing.experts, routing.weights.to(x.dtype), kept).view(shape)
         aux = self._aux_loss(routing)
-        self.stats = {"aux_loss": aux.detach(), "dropped": 1.0 - kept.float().mean(),
+        self.stats = {"aux_loss": aux.detach(), "dropped": 1.0 - kept.float().mean(), "kept": kept,
                       "load": torch.bincount(routing.experts[kept], minlength=self.num_experts)}
         if self.training:
             self._totals.append(self.stats)
             if aux.requires_grad:
                 out = attach_aux_loss(out, aux, self.aux_scale)
-        return out.view(shape)
+        return out if par is None else par.leave(out)
 
     def _aux_loss(self, routing: Routing) -> torch.Tensor:
         aux = routing.logits.new_zeros(())
@@ -145,29 +151,49 @@ class SparseMoE(nn.Module):
             aux = aux + self.z_loss_coef * router_z_loss(routing)
         return aux
 
-    def _experts(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                 kept: torch.Tensor) -> torch.Tensor:
-        """Every kept (token, slot) through its expert, as one padded batched matmul per weight: assignments sorted
-        by expert (stable: token order within an expert), padded to the busiest expert's count."""
-        E, N = self.num_experts, tokens.shape[0]
+    def _dispatch(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                  kept: torch.Tensor) -> torch.Tensor:
+        """Every kept (token, slot) through its expert and back, weighted: (N, H). Assignments are sorted by
+        expert (stable: token order within an expert), so each expert-parallel rank's share is one contiguous run;
+        the all-to-all sends those runs to their ranks and brings the results back in the same order."""
+        N = tokens.shape[0]
         flat_expert = experts.flatten()
         flat_token = torch.arange(N, device=tokens.device).repeat_interleave(self.top_k)
-        flat_weight = weights.flatten()
         keep = kept.flatten()
-        flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], flat_weight[keep]
+        flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], weights.flatten()[keep]
         order = torch.argsort(flat_expert, stable=True)
         flat_expert, flat_token, flat_weight = flat_expert[order], flat_token[order], flat_weight[order]
-        counts = torch.bincount(flat_expert, minlength=E)                               # (E,)
-        width = int(counts.max()) if flat_expert.numel() else 0
+        rows = tokens[flat_token]                                                       # (M, H)
+        if self.parallel is None:
+            results = self.experts(rows, flat_expert, presorted=True)
+        else:
+            results = self.parallel.dispatch(self, rows, flat_expert)
+        out = tokens.new_zeros(tokens.shape)
+        return out.index_add(0, flat_token, results * flat_weight.unsqueeze(-1))
+
+    def experts(self, rows: torch.Tensor, expert: torch.Tensor, *, presorted: bool) -> torch.Tensor:
+        """(R, H) rows, each through expert[r] of the experts this module holds, as one padded batched matmul per
+        weight (padded to the busiest expert's count); the results in the rows' order."""
+        E, par = self.gate_up.shape[0], self.parallel
+        order = None if presorted else torch.argsort(expert, stable=True)
+        if order is not None:
+            rows, expert = rows[order], expert[order]
+        counts = torch.bincount(expert, minlength=E)                                    # (E,)
+        width = int(counts.max()) if expert.numel() else 0
         starts = torch.cumsum(counts, dim=0) - counts
-        slot = torch.arange(flat_expert.numel(), device=tokens.device) - starts[flat_expert]
-        padded = tokens.new_zeros(E, width, tokens.shape[1])                            # (E, C, H)
-        padded[flat_expert, slot] = tokens[flat_token]
+        slot = torch.arange(expert.numel(), device=rows.device) - starts[expert]
+        padded = rows.new_zeros(E, width, rows.shape[1])                                # (E, C, H)
+        padded = padded.index_put((expert, slot), rows)
+        if par is not None:
+            padded = par.enter_experts(padded)
         gate, up = torch.bmm(padded, self.gate_up).chunk(2, dim=-1)                     # (E, C, F) each
         expert_out = torch.bmm(F.silu(gate) * up, self.down)                            # (E, C, H)
-        contributions = expert_out[flat_expert, slot] * flat_weight.unsqueeze(-1)       # (M, H)
-        out = tokens.new_zeros(tokens.shape)
-        return out.index_add(0, flat_token, contributions)
+        if par is not None:
+            expert_out = par.leave_experts(expert_out)
+        out = expert_out[expert, slot]
+        if order is not None:
+            out = out.new_empty(out.shape).index_copy(0, order, out)
+        return out
 
 
 def set_aux_scale(model: nn.Module, scale: float) -> None:

@@ -98,6 +98,39 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: AxisGroup) 
         _on_host(_reduce_scatter_single, out, full.contiguous(), axis.group)
 
 
+def all_to_all(x: torch.Tensor, axis: AxisGroup, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> torch.Tensor:
+    """Rank i sends rows in_splits[j] of x (in order) to rank j and receives out_splits[j] rows from rank j,
+    concatenated in rank order. Equal splits when both are None."""
+    if axis.size == 1:
+        return x
+    x = x.contiguous()
+    rows = x.shape[0] if out_splits is None else sum(out_splits)
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _on_host(dist.all_to_all_single, out, x, axis.group, output_split_sizes=out_splits,
+             input_split_sizes=in_splits)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Tokens to the ranks that own their experts and back: the adjoint of an all-to-all is the all-to-all with
+    the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, axis, out_splits, in_splits):
+        ctx.axis, ctx.out_splits, ctx.in_splits = axis, out_splits, in_splits
+        return all_to_all(x, axis, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.axis, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def exchange(x: torch.Tensor, axis: AxisGroup, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """all_to_all with its backward."""
+    return AllToAll.apply(x, axis, out_splits, in_splits) if axis.size > 1 else x
+
+
 def gather_along(x: torch.Tensor, dim: int, axis: AxisGroup) -> torch.Tensor:
     """Concatenate every rank's x along `dim`."""
     if axis.size == 1:
@@ -217,6 +250,25 @@ class GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return split_along(grad, -1, ctx.axis), None
+
+
+class GatherSequenceReplicated(torch.autograd.Function):
+    """Sequence shards -> full sequence for a computation every TP rank repeats in full (an MoE block routing the
+    whole micro-batch): forward Y = concat_i X_i (all-gather); backward dX_i = dY[:, shard i], since every rank's
+    dY is already the whole gradient (not a partial sum, unlike GatherFromSequence)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return gather_along(x, SEQUENCE_DIM, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, SEQUENCE_DIM, ctx.axis), None
+
+
+def gather_sequence_replicated(x, axis):
+    return GatherSequenceReplicated.apply(x, axis) if axis.size > 1 else x
 
 
 def copy_to_region(x, axis):

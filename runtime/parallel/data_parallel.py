@@ -30,7 +30,7 @@ from torch import nn
 
 from runtime.parallel import collectives as C
 from runtime.parallel.plan import plan_of
-from runtime.parallel.topology import Topology
+from runtime.parallel.topology import AxisGroup, Topology
 from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
@@ -82,6 +82,7 @@ class Segment:
 
 @dataclasses.dataclass
 class Bucket:
+    axis: AxisGroup                   # the ranks holding the same parameters: dp, or edp for experts
     params: list[nn.Parameter]
     decay: bool                       # matrices (weight decay applies) or vectors: biases and norm weights
     param_buffer: torch.Tensor        # (padded,) param dtype; the params are views into it
@@ -144,22 +145,27 @@ class DataParallel:
         self.main_grads: dict[int, MainGrad] = {}
         self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
         self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
-        # Megatron's groups: no weight decay for biases and norm weights (every 1-D parameter).
-        matrices = [p for p in self.params if p.dim() > 1]
-        vectors = [p for p in self.params if p.dim() <= 1]
+        # Megatron's groups: no weight decay for biases and norm weights (every 1-D parameter). Experts sharded
+        # by expert parallelism have buckets of their own: their replicas are the expert-data-parallel group.
+        expert = {id(p) for p in self.params if plan[names[id(p)]].expert}
+        dense = [p for p in self.params if id(p) not in expert]
+        groups = ((topo.dp, [p for p in dense if p.dim() > 1], True),
+                  (topo.dp, [p for p in dense if p.dim() <= 1], False),
+                  (topo.edp, [p for p in self.params if id(p) in expert], True))
         self.buckets: list[Bucket] = []
-        for group, decay in ((matrices, True), (vectors, False)):
+        for axis, group, decay in groups:
             # Reverse order approximates the order gradients become ready in backward.
             for chunk in _split(list(reversed(group)), config.bucket_numel):
-                self.buckets.append(self._make_bucket(chunk, decay, names))
+                self.buckets.append(self._make_bucket(chunk, decay, names, axis))
         for p in self.params:
             p.register_post_accumulate_grad_hook(functools.partial(_accumulate, self.main_grads[id(p)]))
         for alias, owner in self._aliases:
             alias.register_post_accumulate_grad_hook(functools.partial(_accumulate, self.main_grads[id(owner)]))
             alias.data = owner.data  # follow the owner into its flat buffer
 
-    def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str]) -> Bucket:
-        dp, device = self.topo.dp, params[0].device
+    def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str], dp: AxisGroup
+                     ) -> Bucket:
+        device = params[0].device
         numel = sum(p.numel() for p in params)
         padded = math.ceil(numel / dp.size) * dp.size if self.zero1 else numel
         shard_size = padded // dp.size if self.zero1 else padded
@@ -196,7 +202,7 @@ class DataParallel:
             p.data = param_buffer[offset:offset + n].view(p.shape)  # the module keeps the same Parameter object
             p.grad = None
             offset += n
-        return Bucket(params, decay, param_buffer, grad_buffer, shard, master, segments)
+        return Bucket(dp, params, decay, param_buffer, grad_buffer, shard, master, segments)
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
         """`param`'s fp32 gradient as the optimizer will read it."""
@@ -230,17 +236,18 @@ class DataParallel:
             # Both pipeline copies of a tied embedding take the sum of their gradients, so they stay equal.
             for p in self._pipeline_tied:
                 C.all_reduce(self.main_grad(p), self.topo.embedding)
-        dp = self.topo.dp
-        if dp.size == 1:
-            return
         for bucket in self.buckets:
-            # Sum, not average: train_step already divides each rank's loss by the global token count.
+            # Sum, not average: train_step already divides each rank's loss by the global token count. An
+            # expert's gradient already holds every EP rank's tokens (they were sent to it), so summing it over
+            # the expert-data-parallel group covers the whole global batch.
+            if bucket.axis.size == 1:
+                continue
             if self.zero1:
                 shard = torch.empty_like(bucket.grad_buffer[bucket.shard])
-                C.reduce_scatter_flat(shard, bucket.grad_buffer, dp)
+                C.reduce_scatter_flat(shard, bucket.grad_buffer, bucket.axis)
                 bucket.grad_buffer[bucket.shard].copy_(shard)
             else:
-                C.all_reduce(bucket.grad_buffer, dp)
+                C.all_reduce(bucket.grad_buffer, bucket.axis)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradients over every rank, each distinct value counted once."""
@@ -265,8 +272,8 @@ class DataParallel:
         if self.precision.needs_rounding:
             for param, weight in zip(self._shard_params(bucket), weights):
                 param.copy_(self._round(weight))
-        if self.zero1 and self.topo.dp.size > 1:
-            C.all_gather_flat(bucket.param_buffer, bucket.param_buffer[bucket.shard].clone(), self.topo.dp)
+        if self.zero1 and bucket.axis.size > 1:
+            C.all_gather_flat(bucket.param_buffer, bucket.param_buffer[bucket.shard].clone(), bucket.axis)
 
     def _shard_params(self, bucket: Bucket) -> list[torch.Tensor]:
         return [bucket.param_buffer[bucket.shard][seg.in_shard] for seg in bucket.segments]

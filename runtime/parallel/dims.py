@@ -6,6 +6,10 @@
 # Tensor-parallel groups are therefore runs of consecutive ranks. torchrun numbers ranks node by node, so as long
 # as tp divides the devices per node, every TP group (the chattiest one: collectives inside every layer) stays
 # inside one node; DP groups stride by tp and PP groups by tp*dp, crossing nodes where needed.
+#
+# Expert parallelism is carved out of data parallelism (Megatron's and NxD Training's layout): a DP index d is
+# (edp_rank * ep + ep_rank), so an expert-parallel group is `ep` consecutive DP ranks (the all-to-all stays as
+# close as DP allows) and an expert-data-parallel group is the DP ranks holding the same experts, striding by ep.
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +17,7 @@ import dataclasses
 from runtime.schema import rules
 
 AXES = ("tp", "dp", "pp")
+EXPERT_AXES = ("ep", "edp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +27,7 @@ class ParallelDims:
     dp: int
     world_size: int
     devices_per_node: int | None = None  # when given, TP groups are checked to stay inside a node
+    ep: int = 1                           # expert-parallel size; divides dp
 
     def __post_init__(self) -> None:
         for axis in ("tp", "pp", "dp", "world_size"):
@@ -33,19 +39,27 @@ class ParallelDims:
                 f"{self.tp * self.pp * self.dp} != world_size({self.world_size}); world_size is "
                 f"trainer.num_nodes * trainer.devices, tp is model.tensor_model_parallel_size, "
                 f"pp is model.pipeline_model_parallel_size")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"model.expert_model_parallel_size: {self.ep} must divide the data-parallel size "
+                             f"{self.dp} (experts are sharded over part of data parallelism)")
         if self.devices_per_node is not None and (problem := rules.tp_within_node(self.tp, self.devices_per_node,
                                                                                    "training.")):
             raise ValueError(problem)
 
     @classmethod
-    def infer_dp(cls, tp: int, pp: int, world_size: int, devices_per_node: int | None = None) -> "ParallelDims":
+    def infer_dp(cls, tp: int, pp: int, world_size: int, devices_per_node: int | None = None,
+                 ep: int = 1) -> "ParallelDims":
         """The usual case: data parallelism takes whatever tp and pp leave of the world."""
         if tp < 1 or pp < 1:
             raise ValueError(f"tp ({tp}) and pp ({pp}) must be >= 1")
         if problem := rules.world_divisible(world_size, f"the world size {world_size}", tp, pp, "training."):
             raise ValueError(problem)
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
-                   devices_per_node=devices_per_node)
+                   devices_per_node=devices_per_node, ep=ep)
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
 
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
@@ -55,6 +69,12 @@ def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     """Global rank -> its index along each axis: {'tp': .., 'dp': .., 'pp': ..}."""
     assert 0 <= rank < dims.world_size, (rank, dims)
     return {"tp": rank % dims.tp, "dp": (rank // dims.tp) % dims.dp, "pp": rank // (dims.tp * dims.dp)}
+
+
+def expert_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
+    """Global rank -> its index in its expert-parallel and expert-data-parallel groups: {'ep': .., 'edp': ..}."""
+    dp = rank_coords(rank, dims)["dp"]
+    return {"ep": dp % dims.ep, "edp": dp // dims.ep}
 
 
 def coords_to_rank(tp: int, dp: int, pp: int, dims: ParallelDims) -> int:
@@ -67,8 +87,10 @@ def rank_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
     Every rank appears in exactly one group per axis; groups are listed in a fixed order so every process
     creates them identically (dist.new_group must be called by all ranks in the same order).
     """
+    if axis in EXPERT_AXES:
+        return _expert_groups(dims, axis)
     if axis not in AXES:
-        raise ValueError(f"axis {axis!r} is not one of {list(AXES)}")
+        raise ValueError(f"axis {axis!r} is not one of {list(AXES + EXPERT_AXES)}")
     sizes = dims.sizes()
     others = [a for a in AXES if a != axis]
     groups = []
@@ -77,4 +99,16 @@ def rank_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
         for inner in range(sizes[others[0]]):
             fixed = {others[1]: outer, others[0]: inner}
             groups.append([coords_to_rank(**{**fixed, axis: i}, dims=dims) for i in range(sizes[axis])])
+    return sorted(groups)
+
+
+def _expert_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
+    """Each DP group split into its expert-parallel groups (runs of ep consecutive DP ranks) or its
+    expert-data-parallel groups (DP ranks ep apart)."""
+    groups = []
+    for dp_group in rank_groups(dims, "dp"):
+        if axis == "ep":
+            groups += [dp_group[i:i + dims.ep] for i in range(0, dims.dp, dims.ep)]
+        else:
+            groups += [dp_group[i::dims.ep] for i in range(dims.ep)]
     return sorted(groups)

@@ -11,12 +11,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.models.layers import Block, GeluMLP, SwiGLU
+from runtime.models.moe import SparseMoE
 from runtime.schema import rules
 from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
 from runtime.models.transformer import CausalLM
 from runtime.parallel import collectives as C
 from runtime.parallel import layers as L
 from runtime.parallel.data_parallel import DataParallelConfig, apply_data_parallel
+from runtime.parallel.experts import apply_expert_parallel
 from runtime.parallel.plan import ShardingPlan
 from runtime.parallel.topology import AxisGroup, Topology
 
@@ -47,6 +49,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     plan = ShardingPlan(topo.tp.size)
     if topo.tp.size > 1:
         plan = apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
+    if any(isinstance(m, SparseMoE) for m in model.modules()) and (topo.ep.size > 1 or topo.tp.size > 1):
+        apply_expert_parallel(model, topo, plan, sequence_parallel=sequence_parallel)
     if activation_checkpointing == "full":
         for block in model.layers:
             checkpoint_module(block)
@@ -128,6 +132,8 @@ def _parallelize_block(block: Block, axis: AxisGroup, sp: bool) -> None:
     if isinstance(mlp, GeluMLP):
         mlp.fc1 = L.ColumnParallelLinear.from_linear(mlp.fc1, axis, sequence_parallel=sp)
         mlp.fc2 = L.RowParallelLinear(mlp.fc2, axis, sequence_parallel=sp)
+    elif isinstance(mlp, SparseMoE):
+        pass  # its experts are split by apply_expert_parallel; the router stays whole on every rank
     elif isinstance(mlp, SwiGLU):
         ffn = mlp.down.in_features
         rows = L.shard_rows([ffn, ffn], axis.rank, t)  # rank keeps [gate_r | up_r]

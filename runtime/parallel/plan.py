@@ -25,10 +25,20 @@ class Placement:
     partial_grad: bool = False          # replicated, but each rank's gradient covers only its sequence shard
     pipeline_tied: bool = False         # a tied embedding's copy on the first or the last pipeline stage
     source: str | None = None           # the parameter's own name in the unsharded module, where it differs
+    # Expert parallelism: the experts (rows along dim 0 of the full tensor) this rank's EP group member holds;
+    # the same values sit on every rank of the expert-data-parallel group instead of the whole DP group.
+    experts: torch.Tensor | None = None
+    num_experts: int | None = None
 
     @property
     def sharded(self) -> bool:
+        """Split over tensor-parallel ranks."""
         return self.dim is not None
+
+    @property
+    def expert(self) -> bool:
+        """Split over expert-parallel ranks (reduced over the expert-data-parallel group)."""
+        return self.experts is not None
 
 
 REPLICATED = Placement()
@@ -82,6 +92,8 @@ class ShardingPlan:
         placement, shape = self[name], list(param.shape)
         if placement.sharded:
             shape[placement.dim] = placement.full_size
+        if placement.expert:
+            shape[0] = placement.num_experts
         return tuple(shape)
 
     def tp_copies(self, name: str) -> int:
@@ -92,6 +104,8 @@ class ShardingPlan:
     def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """What this rank holds of the full tensor."""
         placement = self[name]
+        if placement.expert:
+            full = full.index_select(0, placement.experts.to(full.device))
         if not placement.sharded:
             return full
         return full.index_select(placement.dim, placement.index.to(full.device))
@@ -100,6 +114,8 @@ class ShardingPlan:
         lines = [f"ShardingPlan(tp={self.tp_size})"]
         for name, p in self.items():
             where = f"dim {p.dim} ({p.index.numel()}/{p.full_size} rows)" if p.sharded else "replicated"
+            if p.expert:
+                where = f"experts {p.experts.tolist()} of {p.num_experts}, " + where
             flags = [f for f, on in (("partial grad", p.partial_grad), ("pipeline tied", p.pipeline_tied)) if on]
             lines.append(f"  {name}: {where}" + (f", {p.tp_copies} tp copies" if p.tp_copies not in (None, 1) else "")
                          + "".join(f", {f}" for f in flags) + (f" (of {self.full_name(name)})" if p.source else ""))

@@ -12,7 +12,8 @@ from runtime.parallel.topology import Topology
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-    """Every parameter under its unsharded name and shape, on every TP rank (collective over TP).
+    """Every parameter under its unsharded name and shape, on every TP rank (collective over TP, and over EP for
+    experts).
 
     Names match the model as build_model made it (ColumnParallelLinear keeps `weight`/`bias`; a replicated-KV
     projection's `kv_weight` folds back into its `weight`). Tied weights appear under both names, as in
@@ -22,6 +23,8 @@ def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.
     full: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         placement = plan[name]
+        if placement.expert:  # the EP group's experts, in rank order, then the TP slices of each
+            param = C.gather_along(param.detach(), 0, topo.ep)
         if not placement.sharded or tp.size == 1:
             full[name] = param.detach().clone()
             continue

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from runtime.parallel.dims import AXES, ParallelDims, rank_coords, rank_groups
+from runtime.parallel.dims import AXES, EXPERT_AXES, ParallelDims, expert_coords, rank_coords, rank_groups
 
 
 def join_world(backend: str, *, init_method: str | None = None, store=None, rank: int | None = None,
@@ -99,6 +99,17 @@ class Topology:
     pp: AxisGroup
     # First and last pipeline stage of this rank's pp group, which both hold a tied embedding (None unless pp > 1).
     embedding: AxisGroup | None = None
+    # Expert parallelism, carved out of dp: the ranks sharing out the experts (tokens go round them by
+    # all-to-all), and the ranks holding the same experts (their gradients are summed there). Without expert
+    # parallelism ep is a group of one and edp is dp itself.
+    ep: AxisGroup | None = None
+    edp: AxisGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep is None:
+            object.__setattr__(self, "ep", AxisGroup(rank=0, size=1, ranks=(self.rank,), group=None))
+        if self.edp is None:
+            object.__setattr__(self, "edp", self.dp)
 
     @classmethod
     def build(cls, dims: ParallelDims) -> "Topology":
@@ -113,9 +124,9 @@ class Topology:
             raise ValueError(f"ParallelDims.world_size={dims.world_size} but torch.distributed has "
                              f"{dist.get_world_size()} processes")
         rank = dist.get_rank()
-        coords = rank_coords(rank, dims)
+        coords = {**rank_coords(rank, dims), **expert_coords(rank, dims)}
         mine = {}
-        for axis in AXES:
+        for axis in AXES + (EXPERT_AXES if dims.ep > 1 else ()):
             for ranks in rank_groups(dims, axis):
                 # new_group is collective over the whole world: every process creates every group.
                 group = dist.new_group(ranks) if len(ranks) < dims.world_size else dist.group.WORLD
@@ -156,5 +167,6 @@ class Topology:
         return self.tp.group is not None
 
     def __repr__(self) -> str:
+        ep = f", ep={self.ep.rank}/{self.ep.size}" if self.ep.size > 1 else ""
         return (f"Topology(rank={self.rank}, tp={self.tp.rank}/{self.tp.size}, dp={self.dp.rank}/{self.dp.size}, "
-                f"pp={self.pp.rank}/{self.pp.size})")
+                f"pp={self.pp.rank}/{self.pp.size}{ep})")

@@ -341,11 +341,19 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     return problems
 
 
-def moe_layout(tp: int, p: str) -> str | None:
-    if tp > 1:
-        return (f"{p}model.tensor_model_parallel_size: {tp} with model.moe is not supported yet (experts are not "
-                f"split over tensor-parallel ranks); use tensor_model_parallel_size=1 with data or pipeline "
-                f"parallelism")
+def expert_layout(num_experts: int | None, ep: int, dp: int, p: str) -> str | None:
+    """model.expert_model_parallel_size shards the experts over part of data parallelism (Megatron's and NxD
+    Training's layout): it must divide both the data-parallel size and the number of experts."""
+    key = f"{p}model.expert_model_parallel_size"
+    if ep == 1:
+        return None
+    if num_experts is None:
+        return f"{key}: {ep} needs MoE layers (set {p}model.moe.num_experts) or 1"
+    if dp % ep:
+        return (f"{key}: {ep} must divide the data-parallel size {dp} (world / (tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size)); use a divisor of {dp}")
+    if num_experts % ep:
+        return f"{key}: {ep} must divide {p}model.moe.num_experts ({num_experts}); use a divisor of {num_experts}"
     return None
 
 # ------------------------------------------------------------------------------------------------- stage flow

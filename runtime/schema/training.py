@@ -87,6 +87,11 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
 
     _layout_rules(report, p, trainer, parallel, data)
     _shape_rules(report, p, shape, parallel, vocab)
+    world = trainer.num_nodes * trainer.devices
+    if world % (parallel.tp * parallel.pp) == 0:
+        moe = shape.get("moe")
+        report.error(rules.expert_layout(moe.num_experts if moe is not None else None, parallel.ep,
+                                         world // (parallel.tp * parallel.pp), p))
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -282,6 +287,7 @@ def _parallel(model: Section) -> ParallelConfig | None:
     values = dict(
         tp=model.int("tensor_model_parallel_size", 1, minimum=1),
         pp=model.int("pipeline_model_parallel_size", 1, minimum=1),
+        ep=model.int("expert_model_parallel_size", 1, minimum=1),
         sequence_parallel=model.bool("sequence_parallel", False),
         zero1=model.bool("zero1", False),
     )
@@ -417,7 +423,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
         for problem in rules.moe(shape.get("architecture", "llama"), moe.num_experts, moe.top_k, moe.frequency,
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p):
             report.error(problem)
-        report.error(rules.moe_layout(tp, p))
+
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

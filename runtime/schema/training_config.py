@@ -31,6 +31,7 @@ class ParallelConfig:
     zero1: bool
     activation_checkpointing: str | None  # None | full | selective
     recompute_modules: tuple[str, ...]
+    ep: int = 1                           # model.expert_model_parallel_size: experts sharded over part of dp
 
 
 @dataclass(frozen=True)

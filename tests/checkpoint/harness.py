@@ -11,10 +11,12 @@ from runtime.models import build_model
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.parallel import collectives as C
+from runtime.schema.model import MoEConfig
 from runtime.step import train_step
 from tests.runtime_parallel import harness as H
 
 NUM_LAYERS = 4
+MOE = MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,16 +24,19 @@ class L:
     tp: int = 1
     pp: int = 1
     zero1: bool = False
+    ep: int = 1
 
     def __str__(self) -> str:
-        return f"tp{self.tp}_pp{self.pp}" + ("_zero1" if self.zero1 else "")
+        return f"tp{self.tp}_pp{self.pp}" + (f"_ep{self.ep}" if self.ep > 1 else "") + ("_zero1" if self.zero1 else "")
 
 
 def build(arch: str, layout: L, seed: int):
-    cfg = H.tiny_config(arch, num_layers=NUM_LAYERS, seed=seed)
+    # "mixtral": the llama with every MLP a sparse MoE block
+    cfg = (H.tiny_config("llama", num_layers=NUM_LAYERS, seed=seed, moe=MOE) if arch == "mixtral" else
+           H.tiny_config(arch, num_layers=NUM_LAYERS, seed=seed))
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
-                                       world_size=world))
+                                       world_size=world, ep=layout.ep))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=False,
                               data_parallel=DataParallelConfig("fp32", layout.zero1))
     optimizer = ShardedAdamW(model, H.OPTIM)
@@ -61,8 +66,7 @@ def resume_and_step(arch: str, layout: L, directory: str, steps: int, one_replic
     storage, checkpoint = resolve_checkpoint(directory)
     share = one_replica and topo.dp.size > 1
     info = load_checkpoint(storage, checkpoint, model, optimizer, topo, rank=dist.get_rank(),
-                           broadcast=(lambda t: C.broadcast(t, topo.dp)) if share else None,
-                           reader=not share or topo.dp.rank == 0)
+                           broadcast=C.broadcast if share else None, reader=not share or topo.edp.rank == 0)
     full = {k: v.clone() for k, v in gather_full_state_dict(model, topo).items()}
     loaded_step = optimizer.step_count
     return {"next_loss": step(cfg, topo, model, optimizer, steps), "extra": info["extra"],

@@ -12,9 +12,18 @@ CASES = {
     # Saved by a pipeline (a tied embedding split over the first and last stage), resumed without one.
     "from_tp2_pp2": (L(tp=2, pp=2), [L(tp=1, zero1=True), L(tp=1, pp=4)]),
 }
+# Mixtral saved with its experts split over EP and TP (ZeRO-1 over the expert-data-parallel group), resumed with
+# the experts whole, over 4 EP ranks, in a pipeline, and split by TP alone.
+MOE_CASES = {
+    "from_ep2_tp2_zero1": (L(tp=2, ep=2, zero1=True), [L(tp=1), L(tp=1, ep=4, zero1=True), L(tp=1, pp=2, ep=2),
+                                                     L(tp=2)]),
+}
+CASES.update(MOE_CASES)
+PARAMS = [(arch, case) for arch in ("gpt", "llama") for case in CASES if case not in MOE_CASES]
+PARAMS += [("mixtral", case) for case in MOE_CASES]
 
 
-@pytest.fixture(scope="module", params=[(arch, case) for arch in ("gpt", "llama") for case in CASES],
+@pytest.fixture(scope="module", params=PARAMS,
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def results(request, tmp_path_factory):
     arch, case = request.param

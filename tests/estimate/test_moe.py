@@ -1,12 +1,15 @@
 """The estimator on MoE models: total and active parameters by hand (Mixtral 8x7B's published 46.7B / 12.9B),
-against the runtime's model and MFU formula, memory that holds every expert but activates top_k, and the CLI."""
+against the runtime's model and MFU formula, memory that holds every expert but activates top_k, expert and
+tensor parallelism dividing the experts (by hand for Mixtral 8x7B at TP 8 x EP 4), the all-to-all in the step
+time, and the CLI."""
 
 import dataclasses
 
 import pytest
 
 from launcher.estimator import estimate
-from launcher.estimator.compute import flops_per_token, recompute_flops_per_token
+from launcher.estimator.compute import all_to_all_bytes, flops_per_token, recompute_flops_per_token, step_time
+from launcher.estimator.hardware import HARDWARE
 from launcher.estimator.memory import layer_activation_bytes, moe_activation_bytes, peak_memory, stage_memory
 from launcher.estimator.shapes import Layout, ModelShape, count_parameters, layer_parameters, padded_vocab
 from runtime.schema.model import MoEConfig
@@ -126,6 +129,85 @@ def test_pipeline_stages_count_their_own_moe_layers():
     assert last.parameters == dense_last.parameters + 3 * extra
 
 
+def trn1_tp8(**changes) -> Layout:
+    """4 trn1 nodes (128 NeuronCores), TP 8 with sequence parallelism, ZeRO-1: DP 16, 8 micro-batches a step."""
+    base = dict(num_nodes=4, devices_per_node=32, tp=8, sequence_parallel=True, zero1=True, global_batch_size=128)
+    return layout(**{**base, **changes})
+
+
+def test_mixtral_8x7b_memory_per_device_at_tp8_ep4_by_hand():
+    h, f, V, L, d = 4096, 14336, 32000, 32, 128
+    attention = h * (32 // 8 * d + 2 * (8 // 8) * d) + (32 // 8 * d) * h   # q, k, v, o of 4 of 32 heads, 1 KV head
+    expert = 3 * h * (f // 8)                        # gate, up (columns) and down (rows): an eighth of each expert
+    experts = 8 // 4 * expert                        # EP 4: 2 of the 8 experts
+    router, norms = 8 * h, 2 * h                     # replicated over TP and EP
+    assert expert == 22_020_096 and experts == 44_040_192
+    per_device = L * (attention + experts + router + norms) + 2 * (V // 8) * h + h
+    expert_part = L * experts
+    assert per_device == 1_611_141_120 and expert_part == 1_409_286_144
+
+    memory = peak_memory(MIXTRAL_8X7B, trn1_tp8(ep=4))
+    assert memory.parameters == per_device and memory.expert_parameters == expert_part
+    assert memory.weights == 2 * per_device and memory.gradients == 4 * per_device
+    # ZeRO-1: the dense state over all 16 DP ranks, the experts' over the 16 / 4 = 4 ranks holding the same experts.
+    assert memory.optimizer == pytest.approx(12 * ((per_device - expert_part) / 16 + expert_part / 4))
+    # Activations: each assignment keeps three rows of h (its copy for the experts, the expert's output and the
+    # weighted output) and an eighth of the SwiGLU intermediates (4f / 8).
+    s = 4096
+    assert moe_activation_bytes(MIXTRAL_8X7B, trn1_tp8(ep=4)) == s * 2 * (2 * (3 * h + 4 * f // 8) + 49) + s * 36
+    assert layer_activation_bytes(MIXTRAL_8X7B, trn1_tp8(ep=4), moe=True) == \
+        layer_activation_bytes(MIXTRAL_8X7B, trn1_tp8(ep=1), moe=True)  # expert parallelism moves, not adds
+
+
+def test_memory_falls_as_ep_grows():
+    memories = {ep: peak_memory(MIXTRAL_8X7B, trn1_tp8(ep=ep)) for ep in (1, 2, 4, 8)}
+    totals = [memories[ep].total for ep in (1, 2, 4, 8)]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    one, four = memories[1], memories[4]
+    assert one.expert_parameters == 4 * four.expert_parameters  # 8 experts per device, then 2
+    assert one.parameters - one.expert_parameters == four.parameters - four.expert_parameters
+    # ZeRO-1 already spread every expert's optimizer state over all 16 DP ranks; EP hands each rank the state of
+    # its own experts instead, the same amount. Without ZeRO-1 the state falls with the experts.
+    assert four.optimizer == pytest.approx(one.optimizer)
+    plain = {ep: peak_memory(MIXTRAL_8X7B, trn1_tp8(ep=ep, zero1=False)) for ep in (1, 4)}
+    assert plain[1].optimizer - plain[4].optimizer == 12 * (one.expert_parameters - four.expert_parameters)
+    assert round(one.total / 2**30, 1) == 50.9 and round(four.total / 2**30, 1) == 27.2
+
+
+def test_all_to_all_appears_only_with_expert_parallelism():
+    trn1 = HARDWARE["trn1"]
+    assert step_time(MIXTRAL_8X7B, trn1_tp8(ep=1), trn1, 0.4).expert_parallel_s == 0
+    assert step_time(DENSE_7B, trn1_tp8(ep=4), trn1, 0.4).expert_parallel_s == 0
+    # Per MoE layer and micro-batch each rank exchanges every (token, slot) row: top_k x seq x hidden bf16 values,
+    # of which (ep - 1) / ep leave it; twice forward (dispatch, combine) and twice backward.
+    sent = 2 * 4096 * 4096 * 2
+    assert all_to_all_bytes(MIXTRAL_8X7B, trn1_tp8(ep=4)) == sent == 67_108_864
+    # EP 4 x TP 8 = 32 consecutive ranks: one trn1 node, at the 100 GB/s the TP collectives use. 8 micro-batches
+    # (128 / 16 DP ranks) x 32 layers x 4 exchanges.
+    ep4 = step_time(MIXTRAL_8X7B, trn1_tp8(ep=4), trn1, 0.4)
+    assert ep4.expert_parallel_s == pytest.approx(8 * 32 * 4 * sent * 3 / 4 / 100e9) == pytest.approx(0.5154, rel=1e-4)
+    assert ep4.total_s == pytest.approx(ep4.compute_s + ep4.bubble_s + ep4.tensor_parallel_s + ep4.data_parallel_s
+                                        + ep4.pipeline_s + ep4.expert_parallel_s)
+    # Full recompute reruns each block's forward: two more exchanges per layer.
+    full = step_time(MIXTRAL_8X7B, trn1_tp8(ep=4, recompute="full"), trn1, 0.4)
+    assert full.expert_parallel_s == pytest.approx(ep4.expert_parallel_s * 6 / 4)
+    # EP 8 x TP 8 spans two nodes: the network's 100 / 32 GB/s per NeuronCore.
+    ep8 = step_time(MIXTRAL_8X7B, trn1_tp8(ep=8), trn1, 0.4)
+    assert ep8.expert_parallel_s == pytest.approx(8 * 32 * 4 * sent * 7 / 8 / (100e9 / 32))
+    # Expert gradients are reduced over the 16 / ep ranks holding the same experts: less traffic as ep grows.
+    one = step_time(MIXTRAL_8X7B, trn1_tp8(ep=1), trn1, 0.4)
+    assert one.data_parallel_s > ep4.data_parallel_s > ep8.data_parallel_s
+
+
+def test_recipe_reads_expert_model_parallel_size():
+    training = resolved("training=mixtral/8x7b_trn2")["training"]
+    result = estimate(training)
+    assert (result.layout.tp, result.layout.dp, result.layout.ep, result.layout.edp) == (16, 4, 4, 1)
+    assert result.memory.expert_parameters > 0 and result.step.expert_parallel_s > 0
+    one = estimate({**training, "model": {**training["model"], "expert_model_parallel_size": 1}})
+    assert one.memory.total > result.memory.total and one.step.expert_parallel_s == 0
+
+
 def test_estimate_command_shows_total_and_active_parameters():
     result = nxdt("estimate", "training=mixtral/tiny", "--vocab-size", "4096")
     assert result.returncode == 0, result.stderr
@@ -134,3 +216,13 @@ def test_estimate_command_shows_total_and_active_parameters():
     assert "weights (fp32, all 4 experts)" in out and "6·N active" in out
     dense = nxdt("estimate", "training=llama/tiny", "--vocab-size", "4096").stdout
     assert "llama/tiny: 1.79 M parameters on" in dense and "active" not in dense
+
+
+def test_estimate_command_shows_the_expert_layout():
+    result = nxdt("estimate", "training=mixtral/8x7b_gpu")
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())
+    assert "tp 2 · pp 4 (virtual 8) · dp 8 · ep 4" in out
+    assert "weights (bf16, 2 of 8 experts (ep 4))" in out
+    assert "÷ dp 8, experts' ÷ dp/ep 2 (ZeRO-1)" in out
+    assert "+ ep all-to-all" in out

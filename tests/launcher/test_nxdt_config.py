@@ -89,7 +89,6 @@ def test_later_overrides_win_and_the_rules_run_on_the_result(tmp_path):
 
 
 @pytest.mark.parametrize("name,key", [
-    ("hf_mixtral_8x7b_config", "model.moe is not supported: mixture-of-experts models are not built yet"),
     ("hf_llama3_8B_SFT_config", "model_alignment_strategy.sft is not supported: the fine-tuning stage (SFT)"),
     ("hf_llama3_8B_SFT_lora_config", "model_alignment_strategy.peft is not supported: LoRA is not built yet"),
 ])
@@ -101,6 +100,127 @@ def test_what_cannot_run_is_refused_in_one_line_per_key(name, key, tmp_path):
     assert all(line.startswith("error: training=@") for line in lines), lines
     assert any(key in line for line in lines), lines
     assert not list(tmp_path.iterdir()), "a refused file wrote something"
+
+
+# Mixtral 8x7B's config.json as Mistral AI publishes it (Hugging Face mistralai/Mixtral-8x7B-v0.1), the file NxD
+# Training's model.model_config points at.
+MIXTRAL_8X7B_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "output_router_logits": False, "sliding_window": None,
+    "tie_word_embeddings": False, "initializer_range": 0.02, "attention_dropout": 0.0, "vocab_size": 32000,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "use_cache": True,
+}
+
+
+def _mixtral_file(tmp_path, dropless: bool = False, **replace: str):
+    """NxD Training's hf_mixtral_8x7b_config.yaml, or its dropless twin (hf_mixtral_8x7b_dropless_config.yaml: the
+    same file with dropless true and capacity_factor 0.0), with `replace`'s lines swapped in."""
+    text = (FIXTURES / "hf_mixtral_8x7b_config.yaml").read_text()
+    if dropless:
+        text = text.replace("    capacity_factor: 2.0", "    capacity_factor: 0.0").replace(
+            "    dropless: False", "    dropless: True").replace("name: hf_mixtral", "name: hf_mixtral_dropless")
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / ("hf_mixtral_8x7b_dropless_config.yaml" if dropless else "hf_mixtral_8x7b_config.yaml")
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("dropless,recipe", [(False, "mixtral/8x7b"), (True, "mixtral/8x7b_dropless")])
+def test_nxd_mixtral_files_dry_run_with_our_recipes_layout(dropless, recipe, tmp_path):
+    plan, ours = _training(tmp_path, f"training=@{_mixtral_file(tmp_path, dropless)}")
+    _, theirs = _training(tmp_path, f"training={recipe}")
+    for key in (*LAYOUT, "expert_model_parallel_size", "activations_checkpoint_granularity"):
+        assert ours["model"][key] == theirs["model"][key], (key, ours["model"][key], theirs["model"][key])
+    model = ours["model"]
+    assert (model["expert_model_parallel_size"], model["activations_checkpoint_granularity"]) == (1, "full")
+    for key in ("num_nodes", "devices", "accelerator", "max_steps"):
+        assert ours["trainer"][key] == theirs["trainer"][key], key
+    for key in ("num_experts", "top_k", "frequency", "dropless", "router_aux_loss_coef", "normalize_top_k_affinities"):
+        assert ours["model"]["moe"][key] == theirs["model"]["moe"][key], key
+    (script,) = launch.write(plan)
+    text = script.read_text()
+    assert "--nproc_per_node 32" in text and "#SBATCH --nodes=8" in text
+
+
+@pytest.mark.parametrize("dropless,recipe", [(False, "mixtral/8x7b"), (True, "mixtral/8x7b_dropless")])
+def test_nxd_mixtral_with_its_config_json_is_our_recipes_model(dropless, recipe, tmp_path, recipe_data_dir):
+    """The whole model, MoE included, equals our recipe's: capacity 2.0 (or dropless: NxD's capacity_factor 0.0 is
+    no capacity), top-2 renormalized, softmax router, aux loss 0.02, in every layer."""
+    config_json = tmp_path / "config.json"
+    config_json.write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
+    _, ours = _training(tmp_path, f"training=@{_mixtral_file(tmp_path, dropless)}",
+                        f"training.model.model_config={config_json}")
+    _, theirs = _training(tmp_path, f"training={recipe}", f"data_dir={recipe_data_dir}")
+    ours_cfg, report = parse_training(ours, files="error", prepared=True)
+    theirs_cfg, _ = parse_training(theirs, files="error")
+    assert report.errors == [] and ours_cfg is not None, report.errors
+    for key in (*SHAPE, "moe", "max_position_embeddings"):
+        assert getattr(ours_cfg.model, key) == getattr(theirs_cfg.model, key), key
+    assert ours_cfg.model.moe.capacity_factor == (None if dropless else 2.0)
+    assert ours_cfg.parallel.ep == theirs_cfg.parallel.ep == 1
+
+
+def test_nxd_moe_keys_left_out_take_nxd_defaults(tmp_path):
+    """NxD's Mixtral module reads each model.moe key with a default of its own (top_k 1, capacity 1.0, aux loss
+    0.02), over config.json's; and it adds no load-balancing loss when the router logits are not output."""
+    file = _mixtral_file(tmp_path, **{"    top_k: 2\n": "", "    capacity_factor: 2.0\n": "",
+                                      "    output_router_logits: True": "    output_router_logits: False",
+                                      "  expert_model_parallel_size: 1": "  expert_model_parallel_size: 2"})
+    _, training = _training(tmp_path, f"training=@{file}")
+    moe = training["model"]["moe"]
+    assert (moe["top_k"], moe["capacity_factor"], moe["router_aux_loss_coef"]) == (1, 1.0, 0.0)
+    assert training["model"]["expert_model_parallel_size"] == 2  # DP is 256 / (32 x 4) = 2
+    explained = " ".join(nxdt("explain-config", str(file), cwd=tmp_path).stdout.replace("│", " ").split())
+    assert "(not in the file) model.moe.top_k 1 training.model.moe.top_k = 1, NxD Training's default" in explained
+    assert "training.model.moe.router_aux_loss_coef = 0.0: NxD Training adds the load-balancing loss only" in explained
+
+
+def test_nxd_null_capacity_factor_is_no_capacity(tmp_path):
+    """NxD runs every token through its experts when capacity_factor is null: no default fills it in here."""
+    file = _mixtral_file(tmp_path, **{"    capacity_factor: 2.0": "    capacity_factor: null"})
+    _, training = _training(tmp_path, f"training=@{file}")
+    assert training["model"]["moe"]["capacity_factor"] is None and training["model"]["moe"]["dropless"] is False
+
+
+def test_nxd_moe_keys_we_cannot_honour_are_refused_one_line_each(tmp_path):
+    file = _mixtral_file(tmp_path, **{"routing_algorithm: top_k": "routing_algorithm: sinkhorn",
+                                      "    dropout: 0.0": "    dropout: 0.1",
+                                      "  expert_model_parallel_size: 1": "  expert_model_parallel_size: 1\n"
+                                                                         "  token_shuffle_group_size: 2"})
+    result = nxdt(f"training=@{file}", "stages=[training]", f"base_results_dir={tmp_path}/r", "--dry-run",
+                  cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"error: training=@{file}: distributed_strategy.token_shuffle_group_size is not supported: shuffling tokens "
+        f"across data-parallel ranks before routing is not built yet; set it to 1",
+        f"error: training=@{file}: model.moe.dropout is not supported: dropout in the MoE layer is not built yet; "
+        f"set it to 0.0",
+        f"error: training=@{file}: model.moe.routing_algorithm is not supported: routing other than top_k (sinkhorn) "
+        f"is not built yet; set it to top_k",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [file.name]
+
+
+@pytest.mark.parametrize("replace,message", [
+    ({"  expert_model_parallel_size: 1": "  expert_model_parallel_size: 4"},
+     "training.model.expert_model_parallel_size: 4 must divide the data-parallel size 2"),
+    ({"    top_k: 2": "    top_k: 9"}, "training.model.moe.top_k: 9 must be from 1 to num_experts (8)"),
+    ({"    capacity_factor: 2.0": "    capacity_factor: 0.0"},
+     "training.model.moe.capacity_factor: 0.0 must be a positive number; or set training.model.moe.dropless=true"),
+])
+def test_nxd_moe_values_the_schema_refuses(replace, message, tmp_path):
+    """Mapped keys meet the schema's own rules, named by our key, before anything is written."""
+    config_json = tmp_path / "config.json"
+    config_json.write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
+    with pytest.raises(UserError) as caught:
+        _training(tmp_path, f"training=@{_mixtral_file(tmp_path, **replace)}",
+                  f"training.model.model_config={config_json}")
+    assert any(problem.startswith(message) for problem in caught.value.problems), caught.value.problems
 
 
 def test_unknown_and_unreadable_files(tmp_path):
@@ -122,8 +242,13 @@ def test_explain_config_lists_every_key(tmp_path):
                 "model.rope_theta", "training.model.rotary_base", "compiler_cache_url",
                 "cluster.neuron.compile.cache", "ignored: KV heads are replicated"):
         assert row in flat, row
-    refused = nxdt("explain-config", str(FIXTURES / "hf_mixtral_8x7b_config.yaml"), cwd=tmp_path)
-    assert refused.returncode == 2 and "refused: mixture-of-experts" in " ".join(refused.stdout.split())
+    mixtral = nxdt("explain-config", str(FIXTURES / "hf_mixtral_8x7b_config.yaml"), cwd=tmp_path)
+    assert mixtral.returncode == 0, mixtral.stderr
+    flat = " ".join(mixtral.stdout.replace("│", " ").split())
+    for row in ("model.moe.top_k 2 training.model.moe.top_k", "model.moe.capacity_factor 2.0 training.model.moe",
+                "distributed_strategy.expert_model_parallel_size 1 training.model.expert_model_parallel_size",
+                "model.moe.routing_algorithm 'top_k' the default here", "model.moe.dropout 0.0 the default here"):
+        assert row in flat, row
 
 
 def test_the_documented_commands_run(tmp_path):

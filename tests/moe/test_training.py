@@ -1,6 +1,7 @@
-"""mixtral/tiny through the launcher on this machine: two data-parallel CPU workers train it, the loss falls,
-metrics.jsonl carries the MoE layers' auxiliary loss, dropped share and load imbalance every logged step, and the
-conversion stage exports the checkpoint as a MixtralForCausalLM that transformers runs to the same logits."""
+"""mixtral/tiny through the launcher on this machine: four CPU workers train it with its experts split over two
+expert-parallel ranks and two tensor-parallel ranks (ep=2 x tp=2, sequence parallel), the loss falls, metrics.jsonl
+carries the MoE layers' auxiliary loss, dropped share and load imbalance every logged step, and the conversion
+stage merges the expert shards into a MixtralForCausalLM that transformers runs to the same logits."""
 import json
 
 import pytest
@@ -19,7 +20,10 @@ def test_mixtral_tiny_trains_and_reports_its_experts(tmp_path):
     data = counting_corpus(tmp_path / "data")
     overrides = training_overrides(data, tmp_path / "results", steps=20, every=0, hidden=64,
                                    extra=("training=mixtral/tiny", "training.run.name=moe",
-                                          "training.model.moe.router_aux_loss_coef=0.05"))
+                                          "training.model.moe.router_aux_loss_coef=0.05", "training.trainer.devices=4",
+                                          "training.model.tensor_model_parallel_size=2",
+                                          "training.model.expert_model_parallel_size=2",
+                                          "training.model.sequence_parallel=true"))
     result = nxdt("cluster_type=local", *overrides, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "results" / "moe" / "training" / "metrics.jsonl")

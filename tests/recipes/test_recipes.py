@@ -15,6 +15,10 @@ INTENDED = {
     "gpt3/tiny": ("slurm", "cpu"),
     "llama/tiny": ("slurm", "cpu"),
     "mixtral/tiny": ("slurm", "cpu"),
+    "mixtral/8x7b": ("pcluster_trn1", "trn1"),
+    "mixtral/8x7b_dropless": ("pcluster_trn1", "trn1"),
+    "mixtral/8x7b_trn2": ("pcluster_trn2", "trn2"),
+    "mixtral/8x7b_gpu": ("slurm", "h100"),
     "gpt3/126m": ("slurm", "h100"),
     "gpt3/126m_cpu": ("slurm", "cpu"),
     "gpt3/400m": ("slurm", "h100"),
@@ -94,6 +98,19 @@ PUBLISHED = {
     "llama3/70b": dict(num_nodes=16, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
     "llama3_1/70b": dict(num_nodes=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
     "llama3/8b_trn2": dict(num_nodes=1, devices=64, tensor_model_parallel_size=16),
+    # NxD Training's hf_mixtral_8x7b_config.yaml (and its _dropless twin) with Mixtral 8x7B's config.json shape.
+    "mixtral/8x7b": dict(num_nodes=8, devices=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=4,
+                         expert_model_parallel_size=1, sequence_parallel=True, zero1=True, micro_batch_size=1,
+                         global_batch_size=128, encoder_seq_length=4096, max_position_embeddings=4096,
+                         num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                         num_query_groups=8, rotary_base=1e6, activations_checkpoint_granularity="full",
+                         moe=dict(num_experts=8, top_k=2, frequency=1, dropless=False, capacity_factor=2.0,
+                                  router_aux_loss_coef=0.02, router_z_loss_coef=0.0,
+                                  normalize_top_k_affinities=True, router_activation="softmax")),
+    "mixtral/8x7b_dropless": dict(num_nodes=8, tensor_model_parallel_size=32, pipeline_model_parallel_size=4,
+                                  moe=dict(num_experts=8, top_k=2, frequency=1, dropless=True, capacity_factor=None,
+                                           router_aux_loss_coef=0.02, router_z_loss_coef=0.0,
+                                           normalize_top_k_affinities=True, router_activation="softmax")),
 }
 
 
@@ -105,3 +122,38 @@ def test_published_shapes_and_layouts(recipe):
     flat = {**training["trainer"], **training["model"]}
     for key, value in PUBLISHED[recipe].items():
         assert flat[key] == value, (recipe, key, flat[key], value)
+
+
+# The MoE recipes' expert layouts: EP divides DP, and an expert-parallel group (tp x ep consecutive ranks, see
+# runtime/parallel/dims.py) stays inside one node where EP is on, so its all-to-alls never cross the network.
+EXPERT_LAYOUTS = {  # recipe -> (dp, ep)
+    "mixtral/8x7b": (2, 1),
+    "mixtral/8x7b_dropless": (2, 1),
+    "mixtral/8x7b_trn2": (4, 4),
+    "mixtral/8x7b_gpu": (8, 4),
+}
+
+
+def test_every_moe_recipe_has_its_expert_layout_checked():
+    from tests.launcher.helpers import resolved
+
+    moe = [recipe for recipe in INTENDED if recipe != "mixtral/tiny"
+           and resolved(f"training={recipe}")["training"]["model"].get("moe")]
+    assert sorted(moe) == sorted(EXPERT_LAYOUTS)
+
+
+@pytest.mark.parametrize("recipe", sorted(EXPERT_LAYOUTS))
+def test_moe_recipes_keep_expert_groups_inside_a_node(recipe):
+    from tests.launcher.helpers import resolved
+
+    training = resolved(f"training={recipe}")["training"]
+    result = estimate(training)
+    assert result.hardware.name == INTENDED[recipe][1]
+    layout = result.layout
+    assert (layout.dp, layout.ep) == EXPERT_LAYOUTS[recipe]
+    assert layout.dp % layout.ep == 0 and result.shape.moe.num_experts % layout.ep == 0
+    if layout.ep > 1:
+        assert layout.tp * layout.ep <= layout.devices_per_node
+        assert result.step.expert_parallel_s > 0
+    else:
+        assert result.step.expert_parallel_s == 0

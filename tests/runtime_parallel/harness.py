@@ -6,6 +6,8 @@ import dataclasses
 import torch
 
 from runtime.models import ModelConfig, build_model
+from runtime.models.moe import SparseMoE
+from runtime.parallel import collectives as C
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.step import eval_step, train_step
@@ -35,6 +37,7 @@ class Layout:
     activation_checkpointing: str | None = None
     recompute_modules: tuple[str, ...] = ("core_attention",)
     precision: str = "fp32"
+    ep: int = 1
 
 
 def tiny_config(arch: str, **overrides) -> ModelConfig:
@@ -66,7 +69,7 @@ def micro_batches_for(step: int, vocab: int, topo: Topology):
 
 def make_topology(layout: Layout) -> Topology:
     world = layout.tp * layout.dp
-    return Topology.build(ParallelDims(tp=layout.tp, pp=1, dp=layout.dp, world_size=world))
+    return Topology.build(ParallelDims(tp=layout.tp, pp=1, dp=layout.dp, world_size=world, ep=layout.ep))
 
 
 def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) -> dict:
@@ -77,15 +80,31 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) 
                               recompute_modules=layout.recompute_modules,
                               data_parallel=DataParallelConfig(layout.precision, layout.zero1))
     optimizer = ShardedAdamW(model, OPTIM)
-    losses, norms = [], []
+    losses, norms, dropped = [], [], []
     for step in range(steps):
         result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo), topo,
                             lr=OPTIM["lr"], clip=clip)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        dropped.append(dropped_assignments(model, topo))
     eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo), topo)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
-    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "dropped": dropped}
+
+
+def dropped_assignments(model, topo: Topology) -> list[list[int]]:
+    """Per MoE layer, which (token, slot) assignments capacity dropped this step, over the global batch: the
+    kept masks of every micro-batch in global batch order (each DP rank's, gathered in DP order), as flat
+    indices of the dropped ones. Empty without MoE layers."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            kept = torch.cat([t["kept"].flatten() for t in module._totals])
+            module._totals = []
+            everyone = torch.empty(topo.dp.size * kept.numel(), dtype=torch.float32)
+            C.all_gather_flat(everyone, kept.float(), topo.dp)
+            out.append(torch.nonzero(everyone == 0).flatten().tolist())
+    return out
 
 
 def run_suite(jobs: dict[str, tuple[str, dict, Layout]], checks: tuple[str, ...] = ()) -> dict:

@@ -36,6 +36,12 @@ TWO_RANK_JOBS.update({
     "mixtral-dp2": ("llama", {"moe": MOE}, L(dp=2)),
     "mixtral-dp2-zero1": ("llama", {"moe": MOE}, L(dp=2, zero1=True)),
     "mixtral-capacity-dp2": ("llama", {"moe": MOE_CAPACITY}, L(dp=2)),
+    # Expert parallelism: each rank holds 2 of the 4 experts; tokens cross by all-to-all.
+    "mixtral-ep2": ("llama", {"moe": MOE}, L(dp=2, ep=2)),
+    "mixtral-ep2-zero1": ("llama", {"moe": MOE}, L(dp=2, ep=2, zero1=True)),
+    "mixtral-capacity-ep2": ("llama", {"moe": MOE_CAPACITY}, L(dp=2, ep=2)),
+    # Experts split by TP (hidden units) with the router whole on both ranks; with SP the block gathers the sequence.
+    "mixtral-tp2-sp": ("llama", {"moe": MOE}, L(tp=2, sequence_parallel=True)),
 })
 FOUR_RANK_JOBS = {
     "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),
@@ -44,6 +50,9 @@ FOUR_RANK_JOBS = {
     "llama-tp2-dp2-sp-zero1": ("llama", {}, L(tp=2, dp=2, sequence_parallel=True, zero1=True)),
     # tp (4) > KV heads (2): pairs of ranks share a KV head.
     "llama-tp4-sp": ("llama", {}, L(tp=4, sequence_parallel=True)),
+    "mixtral-ep2-tp2": ("llama", {"moe": MOE}, L(tp=2, dp=2, ep=2)),
+    "mixtral-capacity-ep2-tp2-sp-zero1": ("llama", {"moe": MOE_CAPACITY},
+                                          L(tp=2, dp=2, ep=2, sequence_parallel=True, zero1=True)),
 }
 ALL_JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}
 
@@ -86,6 +95,8 @@ def test_losses_match_single_process(results):
         torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]),
                                    rtol=1e-5, atol=0)
         assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+        # With a capacity factor, the same (token, slot) assignments are dropped, counted over the global batch.
+        assert rank["dropped"] == ref["dropped"]
     assert ref["losses"][-1] < ref["losses"][0], "the reference run learns something"
 
 

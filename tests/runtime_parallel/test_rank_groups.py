@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.parallel import ParallelDims, coords_to_rank, rank_coords, rank_groups
+from runtime.parallel.dims import expert_coords
 
 NODES, DEVICES = 64, 32  # a 2048-rank world: 64 nodes of 32 workers
 
@@ -63,5 +64,43 @@ def test_tensor_parallel_wider_than_a_node_is_rejected():
 
 
 def test_unknown_axis_lists_the_axes():
-    with pytest.raises(ValueError, match=r"\['tp', 'dp', 'pp'\]"):
-        rank_groups(ParallelDims(tp=1, pp=1, dp=1, world_size=1), "ep")
+    with pytest.raises(ValueError, match=r"\['tp', 'dp', 'pp', 'ep', 'edp'\]"):
+        rank_groups(ParallelDims(tp=1, pp=1, dp=1, world_size=1), "xp")
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep", [(8, 4, 64, 8), (32, 4, 16, 8), (1, 1, 4, 2), (2, 2, 2, 2), (4, 2, 8, 1)])
+def test_expert_groups_split_every_dp_group(tp, pp, dp, ep):
+    # 64 trn1 nodes x 32 workers = 2048 ranks among them.
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp, ep=ep)
+    dp_of = {r: tuple(g) for g in rank_groups(dims, "dp") for r in g}
+    ep_groups, edp_groups = rank_groups(dims, "ep"), rank_groups(dims, "edp")
+    assert len(ep_groups) == dims.world_size // ep and all(len(g) == ep for g in ep_groups)
+    assert len(edp_groups) == dims.world_size // (dp // ep) and all(len(g) == dp // ep for g in edp_groups)
+    for axis, groups in (("ep", ep_groups), ("edp", edp_groups)):
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))  # each rank exactly once
+        for g in groups:
+            assert all(dp_of[r] == dp_of[g[0]] for r in g)  # inside one DP group: same tp and pp coordinates
+            assert [expert_coords(r, dims)[axis] for r in g] == list(range(len(g)))
+    for g in ep_groups:  # consecutive DP ranks
+        dps = [rank_coords(r, dims)["dp"] for r in g]
+        assert dps == list(range(dps[0], dps[0] + ep)) and dps[0] % ep == 0
+    for g in edp_groups:  # same experts: same ep rank, DP ranks ep apart
+        assert len({expert_coords(r, dims)["ep"] for r in g}) == 1
+    # An EP group and an EDP group meet in exactly one rank when they share a DP group.
+    for e in ep_groups[:50]:
+        for d in edp_groups:
+            if dp_of[d[0]] == dp_of[e[0]]:
+                assert len(set(e) & set(d)) == 1
+
+
+def test_expert_groups_by_hand():
+    dims = ParallelDims(tp=2, pp=1, dp=4, world_size=8, ep=2)
+    assert rank_groups(dims, "dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert rank_groups(dims, "ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert rank_groups(dims, "edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert rank_coords(6, dims) == {"tp": 0, "dp": 3, "pp": 0} and expert_coords(6, dims) == {"ep": 1, "edp": 1}
+
+
+def test_expert_parallel_must_divide_dp():
+    with pytest.raises(ValueError, match="model.expert_model_parallel_size: 3 must divide the data-parallel size 4"):
+        ParallelDims(tp=1, pp=1, dp=4, world_size=4, ep=3)

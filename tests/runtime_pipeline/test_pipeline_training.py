@@ -15,6 +15,7 @@ from tests.runtime_pipeline import harness as P
 from tests.runtime_parallel.dist_utils import run_distributed
 
 L = P.PipelineLayout
+MOE = MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02, router_z_loss_coef=0.001)
 TWO_RANK_JOBS = {
     "gpt-pp2": ("gpt", {}, L(pp=2)),
     "llama-pp2": ("llama", {}, L(pp=2)),
@@ -23,8 +24,7 @@ TWO_RANK_JOBS = {
     "gpt-pp2-uneven": ("gpt", {"num_layers": 3}, L(pp=2)),  # layers 0-1 | 2
     "llama-pp2-afab": ("llama", {}, L(pp=2, schedule="all_forward_all_backward")),
     # Mixtral: MoE layers on both stages, their auxiliary losses' gradients through the 1F1B schedule.
-    "mixtral-pp2": ("llama", {"moe": MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02,
-                                               router_z_loss_coef=0.001)}, L(pp=2)),
+    "mixtral-pp2": ("llama", {"moe": MOE}, L(pp=2)),
 }
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),
@@ -33,6 +33,9 @@ FOUR_RANK_JOBS = {
     "llama-pp2-tp2": ("llama", {}, L(pp=2, tp=2)),
     "gpt-pp2-dp2-zero1": ("gpt", {}, L(pp=2, dp=2, zero1=True)),
     "llama-pp2-dp2-zero1": ("llama", {}, L(pp=2, dp=2, zero1=True)),
+    # Expert parallelism inside each pipeline stage (the EP group is the stage's two DP ranks), and interleaved.
+    "mixtral-pp2-ep2": ("llama", {"moe": MOE}, L(pp=2, dp=2, ep=2)),
+    "mixtral-pp2-vpp2-ep2-zero1": ("llama", {"moe": MOE}, L(pp=2, vpp=2, dp=2, ep=2, zero1=True)),
 }
 ALL_JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}
 

@@ -1,0 +1,84 @@
+# Expert parallelism (and tensor parallelism inside the experts) applied to the plain SparseMoE blocks of a model.
+#
+# Experts are shared out over the expert-parallel group (carved out of data parallelism, runtime/parallel/dims.py):
+# rank r of an EP group of size e keeps experts [r*E/e, (r+1)*E/e). Each rank routes its own micro-batch exactly
+# as one process would (capacity and dropping are decided there, before anything moves), then an all-to-all sends
+# every kept assignment to the rank holding its expert and a second one brings the results back; the weighting and
+# the sum over top-k slots happen at home. Backward runs the same exchanges with the splits swapped.
+#
+# Under tensor parallelism every expert's hidden units are split like a dense SwiGLU (gate_up by columns, down by
+# rows): the rows entering the experts are identical on the TP ranks (their gradient is summed over TP), and the
+# expert outputs are partial sums (summed over TP before they are weighted, so the router's gradient is whole).
+# With sequence parallelism the block first gathers the sequence: routing and capacity see the whole micro-batch.
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.models.moe import SparseMoE
+from runtime.parallel import collectives as C
+from runtime.parallel import layers as L
+from runtime.parallel.plan import Placement, ShardingPlan
+from runtime.parallel.topology import AxisGroup, Topology
+
+
+class ExpertParallel:
+    """What a SparseMoE calls when its experts are spread over ranks (its `parallel`)."""
+
+    def __init__(self, ep: AxisGroup, tp: AxisGroup, sequence_parallel: bool):
+        self.ep, self.tp, self.sequence_parallel = ep, tp, sequence_parallel
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return C.gather_sequence_replicated(x, self.tp) if self.sequence_parallel else x
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return C.scatter_to_sequence(x, self.tp) if self.sequence_parallel else x
+
+    def enter_experts(self, padded: torch.Tensor) -> torch.Tensor:
+        return C.copy_to_region(padded, self.tp)
+
+    def leave_experts(self, out: torch.Tensor) -> torch.Tensor:
+        return C.reduce_from_region(out, self.tp)
+
+    def dispatch(self, moe: SparseMoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """rows (M, H) sorted by their (global) expert -> each through its expert, in the same order."""
+        ep = self.ep
+        if ep.size == 1:
+            return moe.experts(rows, expert, presorted=True)
+        local = moe.num_experts // ep.size
+        sent = torch.bincount(expert, minlength=moe.num_experts).view(ep.size, local)  # [r, j]: to rank r's expert j
+        got = C.all_to_all(sent.flatten(), ep).view(ep.size, local)                    # [s, j]: from rank s, mine j
+        # Split sizes are host integers: one small device-to-host copy per MoE layer and direction.
+        send_splits, recv_splits = sent.sum(dim=1).tolist(), got.sum(dim=1).tolist()
+        received = C.exchange(rows, ep, recv_splits, send_splits)                      # by source, then expert
+        mine = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(got.flatten())
+        return C.exchange(moe.experts(received, mine, presorted=False), ep, send_splits, recv_splits)
+
+
+def apply_expert_parallel(model: nn.Module, topo: Topology, plan: ShardingPlan, *, sequence_parallel: bool) -> None:
+    """Keep this rank's experts (and TP slice of each) in every SparseMoE of `model`, install the dispatch, and
+    record the experts' placements in `plan`. Parameter names do not change."""
+    ep, tp = topo.ep, topo.tp
+    for prefix, module in model.named_modules():
+        if not isinstance(module, SparseMoE):
+            continue
+        if module.num_experts % ep.size:
+            raise ValueError(f"model.expert_model_parallel_size: {ep.size} must divide model.moe.num_experts "
+                             f"({module.num_experts})")
+        local = module.num_experts // ep.size
+        experts = torch.arange(ep.rank * local, (ep.rank + 1) * local)
+        ffn = module.ffn
+        shards = {"gate_up": (2, L.shard_rows([ffn, ffn], tp.rank, tp.size), 2 * ffn),  # [gate_r | up_r]
+                  "down": (1, L.shard_rows([ffn], tp.rank, tp.size), ffn)}
+        for name, (dim, rows, full_size) in shards.items():
+            weight = getattr(module, name).detach()
+            kept = weight.index_select(0, experts)
+            if tp.size > 1:
+                kept = kept.index_select(dim, rows)
+            setattr(module, name, nn.Parameter(kept.contiguous()))
+            placement = Placement(experts=experts, num_experts=module.num_experts)
+            if tp.size > 1:
+                placement = Placement(dim=dim, index=rows, full_size=full_size, tp_copies=1, experts=experts,
+                                      num_experts=module.num_experts)
+            plan._placements[f"{prefix}.{name}"] = placement
+        module.parallel = ExpertParallel(ep, tp, sequence_parallel and tp.size > 1)
