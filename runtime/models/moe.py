@@ -8,6 +8,10 @@
 # - Capacity: with a capacity factor c, expert e takes at most ceil(c * tokens * top_k / num_experts)
 #   assignments, first come first served in (token, slot) order; the rest are dropped (their share of the
 #   output is zero and the residual carries the token). `capacity_factor=None` is dropless.
+# - Shapes: with a capacity, every expert's batch is exactly `capacity` rows (padded), so nothing about the
+#   computation's shapes depends on the routing (what XLA needs to compile one graph for every step, and how
+#   Switch/GShard and NxD Training run on accelerators). Dropless batches are as wide as the busiest expert's
+#   count: less padding, but a data-dependent shape.
 # - Load-balancing loss (Switch Transformer, as Mixtral and transformers compute it): num_experts *
 #   sum_e f_e * P_e, where f_e is the number of (token, slot) assignments to e (before dropping) over the
 #   tokens, and P_e the mean routing probability of e. Router z-loss: mean over tokens of logsumexp(logits)^2.
@@ -63,15 +67,18 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float |
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
+def arrival_positions(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(N, k) -> each (token, slot) assignment's 0-based place in its expert's queue, in (token, slot) order."""
+    one_hot = F.one_hot(experts.flatten(), num_experts)          # (N*k, E)
+    return ((one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1).view_as(experts)
+
+
 def kept_assignments(experts: torch.Tensor, num_experts: int, limit: int | None) -> torch.Tensor:
     """(N, k) bool: which (token, slot) assignments their expert takes, first come first served in (token, slot)
     order, at most `limit` per expert."""
     if limit is None:
         return torch.ones_like(experts, dtype=torch.bool)
-    flat = experts.flatten()
-    one_hot = F.one_hot(flat, num_experts)                      # (N*k, E)
-    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)    # 1-based arrival order at its expert
-    return (position <= limit).view_as(experts)
+    return arrival_positions(experts, num_experts) < limit
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -132,11 +139,19 @@ class SparseMoE(nn.Module):
         routing = route(self.router(tokens), self.top_k, activation=self.activation,
                         normalize=self.normalize_top_k)
         limit = capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-        kept = kept_assignments(routing.experts, self.num_experts, limit)               # (N, k)
-        out = self._dispatch(tokens, routing.experts, routing.weights.to(x.dtype), kept).view(shape)
+        weights = routing.weights.to(x.dtype)
+        if limit is None:
+            kept = torch.ones_like(routing.experts, dtype=torch.bool)
+            out = self._dispatch(tokens, routing.experts, weights)
+        else:
+            position = arrival_positions(routing.experts, self.num_experts)
+            kept = position < limit
+            out = self._dispatch_capacity(tokens, routing.experts, weights, position, limit)
+        out = out.view(shape)
         aux = self._aux_loss(routing)
-        self.stats = {"aux_loss": aux.detach(), "dropped": 1.0 - kept.float().mean(), "kept": kept,
-                      "load": torch.bincount(routing.experts[kept], minlength=self.num_experts)}
+        load = torch.zeros(self.num_experts, device=x.device).index_add(0, routing.experts.flatten(),
+                                                                          kept.flatten().float())
+        self.stats = {"aux_loss": aux.detach(), "dropped": 1.0 - kept.float().mean(), "kept": kept, "load": load}
         if self.training:
             self._totals.append(self.stats)
             if aux.requires_grad:
@@ -151,30 +166,43 @@ class SparseMoE(nn.Module):
             aux = aux + self.z_loss_coef * router_z_loss(routing)
         return aux
 
-    def _dispatch(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                  kept: torch.Tensor) -> torch.Tensor:
-        """Every kept (token, slot) through its expert and back, weighted: (N, H). Assignments are sorted by
-        expert (stable: token order within an expert), so each expert-parallel rank's share is one contiguous run;
-        the all-to-all sends those runs to their ranks and brings the results back in the same order."""
+    def _dispatch(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Dropless: every (token, slot) through its expert and back, weighted: (N, H). Assignments are sorted by
+        expert (stable: token order within an expert), so each expert-parallel rank's share is one contiguous run
+        for the all-to-all, which brings the results back in the same order."""
         N = tokens.shape[0]
         flat_expert = experts.flatten()
-        flat_token = torch.arange(N, device=tokens.device).repeat_interleave(self.top_k)
-        keep = kept.flatten()
-        flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], weights.flatten()[keep]
         order = torch.argsort(flat_expert, stable=True)
-        flat_expert, flat_token, flat_weight = flat_expert[order], flat_token[order], flat_weight[order]
-        rows = tokens[flat_token]                                                       # (M, H)
+        flat_expert = flat_expert[order]
+        flat_token = torch.arange(N, device=tokens.device).repeat_interleave(self.top_k)[order]
+        rows = tokens[flat_token]                                                       # (N*k, H)
         if self.parallel is None:
             results = self.experts(rows, flat_expert, presorted=True)
         else:
             results = self.parallel.dispatch(self, rows, flat_expert)
         out = tokens.new_zeros(tokens.shape)
-        return out.index_add(0, flat_token, results * flat_weight.unsqueeze(-1))
+        return out.index_add(0, flat_token, results * weights.flatten()[order].unsqueeze(-1))
+
+    def _dispatch_capacity(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                           position: torch.Tensor, limit: int) -> torch.Tensor:
+        """With a capacity: (E, limit, H) batches, assignment (t, s) in row position[t, s] of its expert's batch.
+        Dropped assignments are written to a spare row past the end, cut off before the experts and read back as
+        zeros, so every shape here is fixed by the micro-batch size alone (no masking by what was kept)."""
+        N, H = tokens.shape
+        flat_expert = experts.flatten()
+        flat_token = torch.arange(N, device=tokens.device).repeat_interleave(self.top_k)
+        row = position.flatten().clamp(max=limit)
+        padded = tokens.new_zeros(self.num_experts, limit + 1, H).index_put((flat_expert, row), tokens[flat_token])
+        padded = padded[:, :limit]
+        out = self.expert_batches(padded) if self.parallel is None else self.parallel.exchange(self, padded)
+        out = F.pad(out, (0, 0, 0, 1))                                                  # the spare row: zeros
+        results = out[flat_expert, row] * weights.flatten().unsqueeze(-1)
+        return tokens.new_zeros(tokens.shape).index_add(0, flat_token, results)
 
     def experts(self, rows: torch.Tensor, expert: torch.Tensor, *, presorted: bool) -> torch.Tensor:
-        """(R, H) rows, each through expert[r] of the experts this module holds, as one padded batched matmul per
-        weight (padded to the busiest expert's count); the results in the rows' order."""
-        E, par = self.gate_up.shape[0], self.parallel
+        """(R, H) rows, each through expert[r] of the experts this module holds, padded per expert to the busiest
+        one's count; the results in the rows' order."""
+        E = self.gate_up.shape[0]
         order = None if presorted else torch.argsort(expert, stable=True)
         if order is not None:
             rows, expert = rows[order], expert[order]
@@ -182,18 +210,22 @@ class SparseMoE(nn.Module):
         width = int(counts.max()) if expert.numel() else 0
         starts = torch.cumsum(counts, dim=0) - counts
         slot = torch.arange(expert.numel(), device=rows.device) - starts[expert]
-        padded = rows.new_zeros(E, width, rows.shape[1])                                # (E, C, H)
-        padded = padded.index_put((expert, slot), rows)
+        padded = rows.new_zeros(E, width, rows.shape[1]).index_put((expert, slot), rows)  # (E, C, H)
+        out = self.expert_batches(padded)[expert, slot]
+        if order is not None:
+            out = out[torch.argsort(order)]  # back to the rows' order (the inverse permutation)
+        return out
+
+    def expert_batches(self, padded: torch.Tensor) -> torch.Tensor:
+        """(E, C, H) -> (E, C, H): each expert's SwiGLU over its batch, two batched matmuls for all experts. Under
+        tensor parallelism each rank holds a slice of every expert's hidden units: `parallel` sums the inputs'
+        gradient and the outputs over TP."""
+        par = self.parallel
         if par is not None:
             padded = par.enter_experts(padded)
         gate, up = torch.bmm(padded, self.gate_up).chunk(2, dim=-1)                     # (E, C, F) each
-        expert_out = torch.bmm(F.silu(gate) * up, self.down)                            # (E, C, H)
-        if par is not None:
-            expert_out = par.leave_experts(expert_out)
-        out = expert_out[expert, slot]
-        if order is not None:
-            out = out.new_empty(out.shape).index_copy(0, order, out)
-        return out
+        out = torch.bmm(F.silu(gate) * up, self.down)                                   # (E, C, H)
+        return out if par is None else par.leave_experts(out)
 
 
 def set_aux_scale(model: nn.Module, scale: float) -> None:

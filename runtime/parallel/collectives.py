@@ -25,7 +25,8 @@ def _on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **k
     if not needs_host_staging(out, group):
         collective(*(t for t in (out, inp) if t is not None), group=group, **kwargs)
         return
-    host_out = out.cpu()
+    # With an input, `out` is only written: its values (possibly never materialized on the device) are not read.
+    host_out = out.cpu() if inp is None else torch.empty(out.shape, dtype=out.dtype)
     host_in = None if inp is None else inp.cpu()
     collective(*(t for t in (host_out, host_in) if t is not None), group=group, **kwargs)
     out.copy_(host_out.to(out.device))
@@ -126,8 +127,9 @@ class AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.axis, ctx.in_splits, ctx.out_splits), None, None, None
 
 
-def exchange(x: torch.Tensor, axis: AxisGroup, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    """all_to_all with its backward."""
+def exchange(x: torch.Tensor, axis: AxisGroup, out_splits: list[int] | None, in_splits: list[int] | None
+             ) -> torch.Tensor:
+    """all_to_all with its backward (None splits: equal)."""
     return AllToAll.apply(x, axis, out_splits, in_splits) if axis.size > 1 else x
 
 

@@ -1,4 +1,7 @@
 # Expert parallelism (and tensor parallelism inside the experts) applied to the plain SparseMoE blocks of a model.
+# Two exchanges, for the two ways a block batches its experts (runtime/models/moe.py): with a capacity, fixed-size
+# batches per expert go out in equal splits; dropless, the sorted assignments go out in runs whose sizes are
+# exchanged first.
 #
 # Experts are shared out over the expert-parallel group (carved out of data parallelism, runtime/parallel/dims.py):
 # rank r of an EP group of size e keeps experts [r*E/e, (r+1)*E/e). Each rank routes its own micro-batch exactly
@@ -40,8 +43,22 @@ class ExpertParallel:
     def leave_experts(self, out: torch.Tensor) -> torch.Tensor:
         return C.reduce_from_region(out, self.tp)
 
+    def exchange(self, moe: SparseMoE, padded: torch.Tensor) -> torch.Tensor:
+        """With a capacity: (E, C, H) batches of this rank's tokens, one per expert -> their outputs. Each EP rank
+        sends every other rank the batches of its experts, equal splits of fixed size (no counts to exchange, no
+        data-dependent shapes); an expert then runs the ep batches it received as one of ep * C rows."""
+        ep = self.ep
+        if ep.size == 1:
+            return moe.expert_batches(padded)
+        E, cap, H = padded.shape
+        local = E // ep.size
+        received = C.exchange(padded.reshape(E * cap, H), ep, None, None)                # (ep, local, C, H)
+        batch = received.view(ep.size, local, cap, H).transpose(0, 1).reshape(local, ep.size * cap, H)
+        out = moe.expert_batches(batch).view(local, ep.size, cap, H).transpose(0, 1).reshape(E * cap, H)
+        return C.exchange(out, ep, None, None).view(E, cap, H)
+
     def dispatch(self, moe: SparseMoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """rows (M, H) sorted by their (global) expert -> each through its expert, in the same order."""
+        """Dropless: rows (M, H) sorted by their (global) expert -> each through its expert, in the same order."""
         ep = self.ep
         if ep.size == 1:
             return moe.experts(rows, expert, presorted=True)

@@ -356,6 +356,16 @@ def expert_layout(num_experts: int | None, ep: int, dp: int, p: str) -> str | No
         return f"{key}: {ep} must divide {p}model.moe.num_experts ({num_experts}); use a divisor of {num_experts}"
     return None
 
+def dropless_on_xla(capacity_factor: float | None, accelerator: str, p: str) -> str | None:
+    """Dropless expert batches are as wide as the busiest expert's count, a shape that follows the routing: XLA
+    compiles a graph for each new one (minutes each with the Neuron compiler). A capacity fixes every shape."""
+    if capacity_factor is None and accelerator == "neuron":
+        return (f"{p}model.moe.dropless: expert batch shapes follow the routing, and the Neuron compiler compiles "
+                f"each new one; set {p}model.moe.dropless=false with a capacity_factor (NxD Training's Trn1 recipe: "
+                f"2.0) for fixed shapes")
+    return None
+
+
 # ------------------------------------------------------------------------------------------------- stage flow
 def trains_on_prepared_data(data_prefix: object, tokenizer: object, output_dir: object,
                             preparation: str) -> str | None:

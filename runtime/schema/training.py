@@ -88,10 +88,12 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     _layout_rules(report, p, trainer, parallel, data)
     _shape_rules(report, p, shape, parallel, vocab)
     world = trainer.num_nodes * trainer.devices
+    moe = shape.get("moe")
     if world % (parallel.tp * parallel.pp) == 0:
-        moe = shape.get("moe")
         report.error(rules.expert_layout(moe.num_experts if moe is not None else None, parallel.ep,
                                          world // (parallel.tp * parallel.pp), p))
+    if moe is not None and (problem := rules.dropless_on_xla(moe.capacity_factor, trainer.accelerator, p)):
+        report.warn(problem)
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))

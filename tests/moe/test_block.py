@@ -72,9 +72,34 @@ def test_capacity_drops_the_latest_arrivals_at_each_expert():
     assert int(block.stats["load"].max()) <= limit
     dropped = 1.0 - block.stats["load"].sum().item() / 32
     assert block.stats["dropped"].item() == pytest.approx(dropped) and dropped > 0
-    # A dropped assignment contributes nothing: the same block without capacity differs only there.
+    # Each token gets the weighted outputs of the experts that kept it, and nothing from those that dropped it,
+    # through the fixed-size batches (compared with one token at a time, values and input gradient).
+    xs = x.clone().requires_grad_(True)
+    out = block(xs)
+    ref_x = x.clone().requires_grad_(True)
+    expected = _one_token_at_a_time(block, ref_x, kept_assignments(route(block.router(x.reshape(-1, 16)), 2).experts,
+                                                                   4, limit))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(xs.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
     block.capacity_factor = None
     assert not torch.allclose(block(x), out)
+
+
+def _one_token_at_a_time(block, x, kept):
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = route(block.router(tokens), block.top_k)
+    rows = []
+    for t in range(tokens.shape[0]):
+        total = torch.zeros_like(tokens[t])
+        for s in range(block.top_k):
+            if kept[t, s]:
+                e = routing.experts[t, s]
+                gate, up = (tokens[t] @ block.gate_up[e]).chunk(2)
+                total = total + routing.weights[t, s] * (torch.nn.functional.silu(gate) * up) @ block.down[e]
+        rows.append(total)
+    return torch.stack(rows).view_as(x)
 
 
 def test_the_aux_loss_gradient_arrives_through_the_output():

@@ -41,8 +41,8 @@ def data(tmp_path_factory):
     return root
 
 
-def _config(data, name, *, accelerator, devices=1, gbs=4, **model):
-    raw = reference_training_config("gpt", results_dir=data / name, data_prefix=[1.0, str(data / "corpus")],
+def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
+    raw = reference_training_config(arch, results_dir=data / name, data_prefix=[1.0, str(data / "corpus")],
                                     tokenizer=data / "tokenizer.json")
     raw["trainer"].update(accelerator=accelerator, devices=devices, max_steps=STEPS, log_every_n_steps=1,
                           val_check_interval=1000, limit_val_batches=1)
@@ -99,3 +99,18 @@ def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, tp=2 + sp on xla {b}"
+
+
+def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data):
+    """Mixtral's experts split over ep=2 on XLA:CPU devices, with a capacity factor as on Trainium: every expert
+    batch and all-to-all has a fixed shape, so one graph serves every step (dropless shapes follow the routing,
+    and XLA would compile each new one)."""
+    moe = dict(arch="llama", num_query_groups=2,
+               moe={"num_experts": 4, "top_k": 2, "dropless": False, "capacity_factor": 1.0,
+                    "router_aux_loss_coef": 0.02})
+    cpu = _train(_config(data, "ep_cpu", accelerator="cpu", gbs=8, **moe))
+    xla = _train(_config(data, "ep_xla", accelerator="neuron", devices=2, gbs=8, expert_model_parallel_size=2, **moe),
+                 nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
+    assert len(cpu) == len(xla) == STEPS
+    for step, (a, b) in enumerate(zip(cpu, xla), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, ep=2 on xla {b}"
