@@ -5,6 +5,8 @@
 # expert-data-parallel group.
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 from launcher.estimator.hardware import Hardware
@@ -101,15 +103,18 @@ def _all_to_all_seconds(bytes_: float, ranks: int, gbps: float) -> float:
 
 
 def all_to_all_bytes(shape: ModelShape, layout: Layout) -> float:
-    """What one rank puts into one MoE layer's token exchange for one micro-batch: the hidden vector of every
-    kept (token, slot) assignment, top_k x micro_batch x seq x hidden values at the compute dtype. Tokens are the
-    whole micro-batch on every tensor-parallel rank (the block gathers the sequence under sequence parallelism and
-    each TP rank sends its own copy). Routing is taken as balanced: with a capacity factor below 1 only that
-    fraction of the assignments is kept and sent."""
+    """What one rank puts into one MoE layer's token exchange for one micro-batch, at the compute dtype. Dropless:
+    the hidden vector of every (token, slot) assignment, top_k x micro_batch x seq x hidden values (routing taken
+    as balanced). With a capacity factor the runtime sends fixed-size batches, num_experts x capacity rows padding
+    included: capacity_factor x that, whatever the routing. Tokens are the whole micro-batch on every
+    tensor-parallel rank (the block gathers the sequence under sequence parallelism and each TP rank sends its own
+    copy)."""
     c = PRECISION_BYTES[layout.precision].compute
     moe = shape.moe
-    kept = min(1.0, moe.capacity_factor) if moe.capacity_factor is not None else 1.0
-    return kept * moe.top_k * layout.micro_batch_size * shape.seq_length * shape.hidden_size * c
+    assignments = moe.top_k * layout.micro_batch_size * shape.seq_length
+    if moe.capacity_factor is not None:
+        assignments = moe.num_experts * math.ceil(moe.capacity_factor * assignments / moe.num_experts)
+    return assignments * shape.hidden_size * c
 
 
 def exchanges_per_moe_layer(layout: Layout) -> int:

@@ -25,6 +25,8 @@
 # hold only what a token's top_k experts and the router keep (see moe_activation_bytes).
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters,
@@ -160,22 +162,27 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
 
 def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     """What runtime/models/moe.py keeps for backward beyond the block's input, per micro-batch (as autograd's saved
-    tensors show it). For each of the b·s·top_k (token, expert) assignments: its copy of the token in the expert's
-    padded batch (the gate_up matmul's input), the SwiGLU intermediates as in a dense MLP (gate_up output 2f, silu
-    output f, product f; a tp-th of each under tensor parallelism), the expert's output row gathered for the
-    routing weight's multiply and the weighted row index_add keeps (h each), and the bookkeeping (five int64
-    indices, two fp32 weights, a keep flag). Per token: the router's fp32 probabilities (softmax keeps them; with
-    the z-loss also its fp32 logits) and their top_k sum. Tokens are the whole micro-batch: under sequence
-    parallelism the block gathers the sequence first. Expert parallelism changes no count: with balanced routing
-    a rank receives as many assignments for its experts as it sends away. Routing is taken as balanced: the
-    runtime pads every expert's batch to the busiest expert's, so an uneven router costs more (up to
-    capacity_factor x this with a capacity, without bound dropless)."""
+    tensors show it). For each row of the experts' padded batches: its copy of the token (the gate_up matmul's
+    input) and the SwiGLU intermediates as in a dense MLP (gate_up output 2f, silu output f, product f; a tp-th of
+    each under tensor parallelism). For each of the b·s·top_k (token, expert) assignments: the expert's output row
+    gathered for the routing weight's multiply and the weighted row index_add keeps (h each), and the bookkeeping
+    (five int64 indices, two fp32 weights, a keep flag). Per token: the router's fp32 probabilities (softmax keeps
+    them; with the z-loss also its fp32 logits) and their top_k sum. Tokens are the whole micro-batch: under
+    sequence parallelism the block gathers the sequence first.
+
+    With a capacity factor the batches are fixed: num_experts x capacity rows (capacity_factor x the assignments),
+    whatever the routing. Dropless they are padded to the busiest expert's count: this takes routing as balanced
+    (one row per assignment), and an uneven router costs more. Expert parallelism changes no count: a rank runs
+    num_experts / ep experts on ep ranks' batches."""
     c = PRECISION_BYTES[layout.precision].compute
     moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size // layout.tp
     tokens = layout.micro_batch_size * shape.seq_length
     assignments = tokens * moe.top_k
+    rows = assignments
+    if moe.capacity_factor is not None:
+        rows = moe.num_experts * math.ceil(moe.capacity_factor * assignments / moe.num_experts)
     router = 4 * moe.num_experts * (2 if moe.router_z_loss_coef else 1) + 4
-    return assignments * (c * (3 * h + 4 * f) + 5 * 8 + 2 * 4 + 1) + tokens * router
+    return rows * c * (h + 4 * f) + assignments * (c * 2 * h + 5 * 8 + 2 * 4 + 1) + tokens * router
 
 
 def _norm_bytes(shape: ModelShape, residual: int) -> int:

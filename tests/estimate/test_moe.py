@@ -226,3 +226,18 @@ def test_estimate_command_shows_the_expert_layout():
     assert "weights (bf16, 2 of 8 experts (ep 4))" in out
     assert "÷ dp 8, experts' ÷ dp/ep 2 (ZeRO-1)" in out
     assert "+ ep all-to-all" in out
+
+
+def test_a_capacity_fixes_the_expert_batches_whatever_the_routing():
+    # With a capacity factor the runtime pads every expert's batch to ceil(cf x tokens x top_k / E) rows and
+    # sends those fixed batches: memory and all-to-all scale with the factor, padding included.
+    h, f, s = 4096, 14336 // 8, 4096
+    capped = dataclasses.replace(MIXTRAL_8X7B, moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=2.0))
+    lay = trn1_tp8(ep=4)
+    rows = 8 * -(-2.0 * s * 2 // 8)  # 16384: twice the 8192 balanced assignments
+    assert all_to_all_bytes(capped, lay) == rows * h * 2 == 2 * all_to_all_bytes(MIXTRAL_8X7B, lay)
+    extra = (rows - 2 * s) * 2 * (h + 4 * f)  # the padded rows' token copies and SwiGLU intermediates, bf16
+    assert moe_activation_bytes(capped, lay) == moe_activation_bytes(MIXTRAL_8X7B, lay) + extra
+    # A factor below 1 drops assignments: fewer rows than the balanced load.
+    half = dataclasses.replace(MIXTRAL_8X7B, moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=0.5))
+    assert all_to_all_bytes(half, lay) == all_to_all_bytes(MIXTRAL_8X7B, lay) / 2
