@@ -103,18 +103,19 @@ def _all_to_all_seconds(bytes_: float, ranks: int, gbps: float) -> float:
 
 
 def all_to_all_bytes(shape: ModelShape, layout: Layout) -> float:
-    """What one rank puts into one MoE layer's token exchange for one micro-batch, at the compute dtype. Dropless:
-    the hidden vector of every (token, slot) assignment, top_k x micro_batch x seq x hidden values (routing taken
-    as balanced). With a capacity factor the runtime sends fixed-size batches, num_experts x capacity rows padding
-    included: capacity_factor x that, whatever the routing. Tokens are the whole micro-batch on every
-    tensor-parallel rank (the block gathers the sequence under sequence parallelism and each TP rank sends its own
-    copy)."""
+    """What one rank puts into one MoE layer's token exchange for one micro-batch, at the compute dtype. Tokens are
+    the whole micro-batch, the same on every tensor-parallel rank (the block gathers the sequence under sequence
+    parallelism). Dropless: the hidden vector of every (token, slot) assignment, top_k x micro_batch x seq x
+    hidden values (routing taken as balanced), and each TP rank sends its own copy. With a capacity factor the
+    runtime sends fixed-size batches, num_experts x capacity rows padding included (capacity_factor x the
+    assignments, whatever the routing), and each TP rank carries only its 1/tp of the rows."""
     c = PRECISION_BYTES[layout.precision].compute
     moe = shape.moe
     assignments = moe.top_k * layout.micro_batch_size * shape.seq_length
-    if moe.capacity_factor is not None:
-        assignments = moe.num_experts * math.ceil(moe.capacity_factor * assignments / moe.num_experts)
-    return assignments * shape.hidden_size * c
+    if moe.capacity_factor is None:
+        return assignments * shape.hidden_size * c
+    rows = math.ceil(math.ceil(moe.capacity_factor * assignments / moe.num_experts) / layout.tp)
+    return moe.num_experts * rows * shape.hidden_size * c
 
 
 def exchanges_per_moe_layer(layout: Layout) -> int:

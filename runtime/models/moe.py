@@ -216,11 +216,11 @@ class SparseMoE(nn.Module):
             out = out[torch.argsort(order)]  # back to the rows' order (the inverse permutation)
         return out
 
-    def expert_batches(self, padded: torch.Tensor) -> torch.Tensor:
+    def expert_batches(self, padded: torch.Tensor, *, summed: bool = True) -> torch.Tensor:
         """(E, C, H) -> (E, C, H): each expert's SwiGLU over its batch, two batched matmuls for all experts. Under
         tensor parallelism each rank holds a slice of every expert's hidden units: `parallel` sums the inputs'
-        gradient and the outputs over TP."""
-        par = self.parallel
+        gradient and the outputs over TP, unless the caller does (summed=False: this rank's partial sums)."""
+        par = self.parallel if summed else None
         if par is not None:
             padded = par.enter_experts(padded)
         gate, up = torch.bmm(padded, self.gate_up).chunk(2, dim=-1)                     # (E, C, F) each

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.models.moe import SparseMoE
@@ -46,16 +47,33 @@ class ExpertParallel:
     def exchange(self, moe: SparseMoE, padded: torch.Tensor) -> torch.Tensor:
         """With a capacity: (E, C, H) batches of this rank's tokens, one per expert -> their outputs. Each EP rank
         sends every other rank the batches of its experts, equal splits of fixed size (no counts to exchange, no
-        data-dependent shapes); an expert then runs the ep batches it received as one of ep * C rows."""
-        ep = self.ep
+        data-dependent shapes); an expert then runs the ep batches it received as one of ep * C rows.
+
+        Under tensor parallelism the batches are the same on every TP rank, so each carries only its 1/tp of the
+        rows across the EP group (the all-to-all volume falls tp-fold) and the TP group puts them together where
+        the experts run: rows gathered over TP going in, the outputs' partial sums reduce-scattered coming out
+        (instead of summed whole), and the home rows gathered again at the end."""
+        ep, tp = self.ep, self.tp
         if ep.size == 1:
             return moe.expert_batches(padded)
         E, cap, H = padded.shape
-        local = E // ep.size
-        received = C.exchange(padded.reshape(E * cap, H), ep, None, None)                # (ep, local, C, H)
-        batch = received.view(ep.size, local, cap, H).transpose(0, 1).reshape(local, ep.size * cap, H)
-        out = moe.expert_batches(batch).view(local, ep.size, cap, H).transpose(0, 1).reshape(E * cap, H)
-        return C.exchange(out, ep, None, None).view(E, cap, H)
+        local, t = E // ep.size, tp.size
+        rows = -(-cap // t)                                                              # per TP rank, per batch
+        if t > 1:
+            padded = C.scatter_to_sequence(F.pad(padded, (0, 0, 0, rows * t - cap)), tp)  # (E, rows, H), dim 1
+        received = C.exchange(padded.reshape(E * rows, H), ep, None, None).view(ep.size * local, rows, H)
+        if t > 1:
+            received = C.gather_from_sequence(received, tp)                              # (ep * local, t * rows, H)
+        width = t * rows
+        batch = received.view(ep.size, local, width, H).transpose(0, 1).reshape(local, ep.size * width, H)
+        out = moe.expert_batches(batch, summed=t == 1)                                   # partial sums when t > 1
+        out = out.view(local, ep.size, width, H).transpose(0, 1).reshape(ep.size * local, width, H)
+        if t > 1:
+            out = C.reduce_scatter_to_sequence(out.contiguous(), tp)                     # (ep * local, rows, H)
+        back = C.exchange(out.reshape(E * rows, H), ep, None, None).view(E, rows, H)
+        if t > 1:
+            back = C.gather_sequence_replicated(back, tp)[:, :cap]                       # (E, C, H)
+        return back
 
     def dispatch(self, moe: SparseMoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Dropless: rows (M, H) sorted by their (global) expert -> each through its expert, in the same order."""

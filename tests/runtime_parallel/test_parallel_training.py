@@ -19,7 +19,8 @@ L = H.Layout
 # Mixtral: every layer's MLP a sparse MoE block, with both auxiliary losses on (their gradients must average over
 # micro-batches and ranks exactly as the token loss does); dropless, and with a capacity that drops tokens.
 MOE = MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02, router_z_loss_coef=0.001)
-MOE_CAPACITY = MoEConfig(num_experts=4, top_k=2, capacity_factor=0.75, router_aux_loss_coef=0.02)
+# 0.65: each expert takes 11 of a micro-batch's 64 assignments (an odd capacity, which tp=2 pads to split it).
+MOE_CAPACITY = MoEConfig(num_experts=4, top_k=2, capacity_factor=0.65, router_aux_loss_coef=0.02)
 TWO_RANK_JOBS = {
     f"{arch}-{name}": (arch, {}, layout)
     for arch in ("gpt", "llama")
