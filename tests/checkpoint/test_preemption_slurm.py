@@ -9,9 +9,12 @@
 # to 60 seconds earlier"). With a 60 s limit and sig_time 10 that is 20-50 s after the job starts (measured
 # here: every warning came on one of those checks), after the workers began training (5-15 s in), and it leaves
 # at least one more 30 s check before the kill at the limit: time for the step, the save and the requeue.
-# The training takes longer than 50 s even on an idle machine, so the first allocation can never finish it.
+# The training takes longer than 50 s even on an idle machine, so the first allocation can never finish it. Most
+# of that is validation, which only the requeued run does: it costs wall time without changing a training loss
+# (the losses match the reference, which skips it), so the reference trains the same 200 steps in a third of
+# the time (600 steps without validation made the test a minute longer).
 #
-#   python -m pytest -q tests/checkpoint/test_preemption_slurm.py      # 2.5-4 minutes
+#   python -m pytest -q tests/checkpoint/test_preemption_slurm.py      # 2-3 minutes
 import json
 import subprocess
 import time
@@ -26,8 +29,10 @@ from tests.launcher.helpers import nxdt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# 60-90 s of training at 7-10 steps/s on two CPU workers: more than the 20-50 s an allocation leaves.
-STEPS, HIDDEN = 600, 384
+# 20-30 s of training at 7-10 steps/s on two CPU workers, and in the requeued run 40 validations of 50 batches
+# (about 1 minute more): more than the 20-50 s an allocation leaves.
+STEPS, HIDDEN = 200, 384
+VALIDATION = ("training.trainer.val_check_interval=5", "training.trainer.limit_val_batches=50")
 SIGNAL_S = 10
 # Enough allocations for a busy machine; an idle one needs two or three.
 MAX_RESTARTS = 8
@@ -54,7 +59,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluste
 
     results = tmp_path / "requeued"
     launched = nxdt(
-        "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", *_overrides(data, results),
+        "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", *_overrides(data, results), *VALIDATION,
         "training.run.time_limit=0:01:00", f"training.run.preemption_signal_s={SIGNAL_S}",
         f"training.run.max_restarts={MAX_RESTARTS}", cwd=tmp_path, env=slurm_cluster.env,
     )
