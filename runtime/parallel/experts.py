@@ -115,5 +115,5 @@ def apply_expert_parallel(model: nn.Module, topo: Topology, plan: ShardingPlan, 
             if tp.size > 1:
                 placement = Placement(dim=dim, index=rows, full_size=full_size, tp_copies=1, experts=experts,
                                       num_experts=module.num_experts)
-            plan._placements[f"{prefix}.{name}"] = placement
+            plan.place(f"{prefix}.{name}", placement)
         module.parallel = ExpertParallel(ep, tp, sequence_parallel and tp.size > 1)

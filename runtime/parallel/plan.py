@@ -76,6 +76,10 @@ class ShardingPlan:
         names = set(names)
         self._placements = {k: v for k, v in self._placements.items() if k in names}
 
+    def place(self, name: str, placement: Placement) -> None:
+        """Record where a parameter a parallelization step sharded now lives (e.g. an expert-parallel shard)."""
+        self._placements[name] = placement
+
     def mark(self, name: str, **changes) -> None:
         """Add to a parameter's placement, e.g. mark(name, partial_grad=True)."""
         self._placements[name] = dataclasses.replace(self[name], **changes)
