@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank reads the same file and fails the same way: one line is enough.
         if rank == 0:
             for line in getattr(error, "problems", None) or [_one_line(error)]:
-                print(f"error: {line}", file=sys.stderr, flush=True)
+                _say(f"error: {line}")
         return USER_ERROR_EXIT_CODE
     device = None
     try:
@@ -278,29 +278,34 @@ def main(argv: list[str] | None = None) -> int:
         device.barrier()
     except Preempted as stop:
         if device.is_main:
-            print(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued", file=sys.stderr,
-                  flush=True)
+            _say(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued")
         return PREEMPTED_EXIT_CODE
     except PreflightError as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+        _say(f"error: {_one_line(error)}")
         return PREFLIGHT_EXIT_CODE
     except CheckpointSaveFailed as error:  # a full disk or a vanished directory: the message says which
-        print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+        _say(f"error: {_one_line(error)}")
         return 1
     except RuntimeError as error:
         if device is None or device.world_size == 1 or not C.peer_lost(error):
             raise
-        print(f"error (rank {rank}): another rank stopped (its error is above); stopping too", file=sys.stderr,
-              flush=True)
+        _say(f"error (rank {rank}): another rank stopped (its error is above); stopping too")
         return 1
     except ValueError as error:
         prefix = "error" if rank == 0 else f"error (rank {rank})"
-        print(f"{prefix}: {_one_line(error)}", file=sys.stderr, flush=True)
+        _say(f"{prefix}: {_one_line(error)}")
         return USER_ERROR_EXIT_CODE
     finally:
         if device is not None:
             shutdown(device)
     return 0
+
+
+def _say(line: str) -> None:
+    """One line to stderr in a single write. Workers run unbuffered (python -u), where print() writes the text and
+    its newline separately, and another rank's line could land between them ("...stopping tooerror: ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
