@@ -241,36 +241,23 @@ class ReduceScatterToSequence(torch.autograd.Function):
 
 
 class GatherFromRegion(torch.autograd.Function):
-    """Column shards -> full last dim: forward Y = concat_i X_i (all-gather on the last dim);
-    backward dX_i = dY[..., shard i] (split), since every rank holds the same full dY."""
+    """Shards -> the whole tensor along `dim`, for a computation every rank then repeats in full (the vocabulary's
+    column shards on the last dim; an MoE block gathering the sequence to route the whole micro-batch): forward
+    Y = concat_i X_i (all-gather); backward dX_i = dY[shard i] (split), since every rank holds the same full dY
+    (not a partial sum, unlike GatherFromSequence)."""
 
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return gather_along(x, -1, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, -1, ctx.axis), None
-
-
-class GatherSequenceReplicated(torch.autograd.Function):
-    """Sequence shards -> full sequence for a computation every TP rank repeats in full (an MoE block routing the
-    whole micro-batch): forward Y = concat_i X_i (all-gather); backward dX_i = dY[:, shard i], since every rank's
-    dY is already the whole gradient (not a partial sum, unlike GatherFromSequence)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return gather_along(x, SEQUENCE_DIM, axis)
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return gather_along(x, dim, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return split_along(grad, SEQUENCE_DIM, ctx.axis), None
+        return split_along(grad, ctx.dim, ctx.axis), None, None
 
 
 def gather_sequence_replicated(x, axis):
-    return GatherSequenceReplicated.apply(x, axis) if axis.size > 1 else x
+    return GatherFromRegion.apply(x, axis, SEQUENCE_DIM) if axis.size > 1 else x
 
 
 def copy_to_region(x, axis):
@@ -294,4 +281,4 @@ def reduce_scatter_to_sequence(x, axis):
 
 
 def gather_from_region(x, axis):
-    return GatherFromRegion.apply(x, axis) if axis.size > 1 else x
+    return GatherFromRegion.apply(x, axis, -1) if axis.size > 1 else x

@@ -39,9 +39,8 @@ class ParallelDims:
                 f"{self.tp * self.pp * self.dp} != world_size({self.world_size}); world_size is "
                 f"trainer.num_nodes * trainer.devices, tp is model.tensor_model_parallel_size, "
                 f"pp is model.pipeline_model_parallel_size")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"model.expert_model_parallel_size: {self.ep} must divide the data-parallel size "
-                             f"{self.dp} (experts are sharded over part of data parallelism)")
+        if problem := rules.ep_divides_dp(self.ep, self.dp, "training."):
+            raise ValueError(problem)
         if self.devices_per_node is not None and (problem := rules.tp_within_node(self.tp, self.devices_per_node,
                                                                                    "training.")):
             raise ValueError(problem)
@@ -56,10 +55,6 @@ class ParallelDims:
             raise ValueError(problem)
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
                    devices_per_node=devices_per_node, ep=ep)
-
-    @property
-    def edp(self) -> int:
-        return self.dp // self.ep
 
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp}

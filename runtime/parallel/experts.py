@@ -24,6 +24,7 @@ from runtime.parallel import collectives as C
 from runtime.parallel import layers as L
 from runtime.parallel.plan import Placement, ShardingPlan
 from runtime.parallel.topology import AxisGroup, Topology
+from runtime.schema import rules
 
 
 class ExpertParallel:
@@ -97,23 +98,19 @@ def apply_expert_parallel(model: nn.Module, topo: Topology, plan: ShardingPlan, 
     for prefix, module in model.named_modules():
         if not isinstance(module, SparseMoE):
             continue
-        if module.num_experts % ep.size:
-            raise ValueError(f"model.expert_model_parallel_size: {ep.size} must divide model.moe.num_experts "
-                             f"({module.num_experts})")
+        if problem := rules.ep_divides_experts(ep.size, module.num_experts, "training."):
+            raise ValueError(problem)
         local = module.num_experts // ep.size
         experts = torch.arange(ep.rank * local, (ep.rank + 1) * local)
         ffn = module.ffn
         shards = {"gate_up": (2, L.shard_rows([ffn, ffn], tp.rank, tp.size), 2 * ffn),  # [gate_r | up_r]
                   "down": (1, L.shard_rows([ffn], tp.rank, tp.size), ffn)}
         for name, (dim, rows, full_size) in shards.items():
-            weight = getattr(module, name).detach()
-            kept = weight.index_select(0, experts)
+            kept = getattr(module, name).detach().index_select(0, experts)
+            tp_shard = {}
             if tp.size > 1:
                 kept = kept.index_select(dim, rows)
+                tp_shard = dict(dim=dim, index=rows, full_size=full_size, tp_copies=1)
             setattr(module, name, nn.Parameter(kept.contiguous()))
-            placement = Placement(experts=experts, num_experts=module.num_experts)
-            if tp.size > 1:
-                placement = Placement(dim=dim, index=rows, full_size=full_size, tp_copies=1, experts=experts,
-                                      num_experts=module.num_experts)
-            plan.place(f"{prefix}.{name}", placement)
+            plan.place(f"{prefix}.{name}", Placement(experts=experts, num_experts=module.num_experts, **tp_shard))
         module.parallel = ExpertParallel(ep, tp, sequence_parallel and tp.size > 1)

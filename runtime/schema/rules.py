@@ -344,17 +344,26 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
 def expert_layout(num_experts: int | None, ep: int, dp: int, p: str) -> str | None:
     """model.expert_model_parallel_size shards the experts over part of data parallelism (Megatron's and NxD
     Training's layout): it must divide both the data-parallel size and the number of experts."""
-    key = f"{p}model.expert_model_parallel_size"
     if ep == 1:
         return None
     if num_experts is None:
-        return f"{key}: {ep} needs MoE layers (set {p}model.moe.num_experts) or 1"
-    if dp % ep:
-        return (f"{key}: {ep} must divide the data-parallel size {dp} (world / (tensor_model_parallel_size x "
-                f"pipeline_model_parallel_size)); use a divisor of {dp}")
-    if num_experts % ep:
-        return f"{key}: {ep} must divide {p}model.moe.num_experts ({num_experts}); use a divisor of {num_experts}"
-    return None
+        return f"{p}model.expert_model_parallel_size: {ep} needs MoE layers (set {p}model.moe.num_experts) or 1"
+    return ep_divides_dp(ep, dp, p) or ep_divides_experts(ep, num_experts, p)
+
+
+def ep_divides_dp(ep: int, dp: int, p: str) -> str | None:
+    if ep >= 1 and dp % ep == 0:
+        return None
+    return (f"{p}model.expert_model_parallel_size: {ep} must divide the data-parallel size {dp} (world / "
+            f"(tensor_model_parallel_size x pipeline_model_parallel_size)); use a divisor of {dp}")
+
+
+def ep_divides_experts(ep: int, num_experts: int, p: str) -> str | None:
+    if num_experts % ep == 0:
+        return None
+    return (f"{p}model.expert_model_parallel_size: {ep} must divide {p}model.moe.num_experts ({num_experts}); "
+            f"use a divisor of {num_experts}")
+
 
 def dropless_on_xla(capacity_factor: float | None, accelerator: str, p: str) -> str | None:
     """Dropless expert batches are as wide as the busiest expert's count, a shape that follows the routing: XLA

@@ -87,13 +87,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
 
     _layout_rules(report, p, trainer, parallel, data)
     _shape_rules(report, p, shape, parallel, vocab)
-    world = trainer.num_nodes * trainer.devices
-    moe = shape.get("moe")
-    if world % (parallel.tp * parallel.pp) == 0:
-        report.error(rules.expert_layout(moe.num_experts if moe is not None else None, parallel.ep,
-                                         world // (parallel.tp * parallel.pp), p))
-    if moe is not None and (problem := rules.dropless_on_xla(moe.capacity_factor, trainer.accelerator, p)):
-        report.warn(problem)
+    _expert_rules(report, p, trainer, parallel, shape.get("moe"))
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -426,6 +420,16 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p):
             report.error(problem)
 
+
+
+def _expert_rules(report: Report, p: str, trainer: TrainerConfig, parallel: ParallelConfig,
+                  moe: MoEConfig | None) -> None:
+    world = trainer.num_nodes * trainer.devices
+    if world % (parallel.tp * parallel.pp) == 0:  # otherwise the layout rules said so already
+        report.error(rules.expert_layout(moe.num_experts if moe is not None else None, parallel.ep,
+                                         world // (parallel.tp * parallel.pp), p))
+    if moe is not None and (problem := rules.dropless_on_xla(moe.capacity_factor, trainer.accelerator, p)):
+        report.warn(problem)
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

@@ -102,5 +102,5 @@ def test_expert_groups_by_hand():
 
 
 def test_expert_parallel_must_divide_dp():
-    with pytest.raises(ValueError, match="model.expert_model_parallel_size: 3 must divide the data-parallel size 4"):
+    with pytest.raises(ValueError, match="training.model.expert_model_parallel_size: 3 must divide the data-parallel size 4"):
         ParallelDims(tp=1, pp=1, dp=4, world_size=4, ep=3)
