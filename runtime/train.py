@@ -36,6 +36,7 @@ from runtime.models import build_model
 from runtime.models.moe import step_stats
 from runtime.optim_schedule import LRSchedule
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
+from runtime.parallel.context import sequence_index
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
@@ -54,7 +55,7 @@ def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
         )
     devices_per_node = cfg.trainer.devices if device.world_size == expected_world else None
     dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node,
-                                 ep=cfg.parallel.ep)
+                                 ep=cfg.parallel.ep, cp=cfg.parallel.context)
     return Topology.build(dims)
 
 
@@ -74,8 +75,11 @@ def build_data(
         barrier=device.barrier,
     )
     train_set = build_split_dataset(split="train", num_samples=trainer.max_steps * data.global_batch_size, **common)
+    columns = None
+    if topo.cp.size > 1:  # long context: this rank's tokens of every sample its context group reads
+        columns = sequence_index(data.seq_length, topo.cp.rank, topo.cp.size, cfg.parallel.context_kind)
     batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.dp.rank, dp_size=topo.dp.size)
+                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns)
     train = DataParallelBatches(train_set, **batches)
     valid = None
     if trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
@@ -142,6 +146,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
         device=device.torch_device,
         data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed),
+        context=cfg.parallel.context_kind,
     )
     optimizer = ShardedAdamW(model, cfg.optim)
     train_batches, valid_batches = build_data(cfg, topo, device)

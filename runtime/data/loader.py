@@ -71,6 +71,7 @@ class DataParallelBatches:
         dp_rank: int = 0,
         dp_size: int = 1,
         consumed_samples: int = 0,
+        columns: torch.Tensor | None = None,
     ):
         _check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
         assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
@@ -78,6 +79,9 @@ class DataParallelBatches:
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
+        # Under a context group (long context), the positions of each sample this rank keeps
+        # (runtime/parallel/context.py: sequence_index); the other ranks of the group read the same samples.
+        self.columns = columns
 
     @property
     def num_micro_batches(self) -> int:
@@ -102,8 +106,11 @@ class DataParallelBatches:
             )
         samples = np.stack([self.dataset[int(i)] for i in self.rank_sample_indices(batch_start)])
         tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
-        micro = tokens.split(self.micro_batch_size)
-        return [(m[:, :-1].contiguous(), m[:, 1:].contiguous(), None) for m in micro]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if self.columns is not None:
+            inputs, labels = inputs[:, self.columns], labels[:, self.columns]
+        return [(i.contiguous(), l.contiguous(), None)
+                for i, l in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size))]
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
         batch = self.batch_at(self.consumed_samples)

@@ -30,6 +30,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
         self.reset_parameters()
+        # Seam for context parallelism: positions(T, device) of a rank's T tokens when they are not 0..T-1.
+        self.positions = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -42,8 +44,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q, k: (B, T, heads, d); tables broadcast over batch and heads.
         T = q.shape[1]
-        cos = self.cos[:T, None, :].to(q.dtype)  # (T, 1, d)
-        sin = self.sin[:T, None, :].to(q.dtype)
+        if self.positions is None:
+            cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]  # (T, 1, d)
+        else:
+            where = self.positions(T, q.device)
+            cos, sin = self.cos[where, None, :], self.sin[where, None, :]
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

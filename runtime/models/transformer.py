@@ -24,11 +24,17 @@ class Embeddings(nn.Module):
         self.word = nn.Embedding(vocab, hidden)
         self.position = nn.Embedding(max_positions, hidden) if max_positions else None
         self.dropout = nn.Dropout(dropout)
+        # Seam for context parallelism: positions(T, device) of a rank's T tokens when they are not 0..T-1.
+        self.positions = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.word(input_ids)  # (B, T, H)
         if self.position is not None:
-            h = h + self.position.weight[: input_ids.shape[1]]  # (T, H) broadcast over batch; no index gather
+            T = input_ids.shape[1]
+            if self.positions is None:
+                h = h + self.position.weight[:T]  # (T, H) broadcast over batch; no index gather
+            else:
+                h = h + self.position.weight[self.positions(T, input_ids.device)]
         return self.dropout(h)
 
 

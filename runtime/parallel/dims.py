@@ -18,6 +18,7 @@ from runtime.schema import rules
 
 AXES = ("tp", "dp", "pp")
 EXPERT_AXES = ("ep", "edp")
+CONTEXT_AXIS = "cp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ParallelDims:
     world_size: int
     devices_per_node: int | None = None  # when given, TP groups are checked to stay inside a node
     ep: int = 1                           # expert-parallel size; divides dp
+    cp: int = 1                           # context group size (ring or Ulysses); divides dp
 
     def __post_init__(self) -> None:
         for axis in ("tp", "pp", "dp", "world_size"):
@@ -41,20 +43,25 @@ class ParallelDims:
                 f"pp is model.pipeline_model_parallel_size")
         if problem := rules.ep_divides_dp(self.ep, self.dp, "training."):
             raise ValueError(problem)
+        if problem := rules.context_layout(self.cp, 1, self.dp, "training."):
+            raise ValueError(problem)
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError("training.model.context_parallel_size: cannot be combined with "
+                             "expert_model_parallel_size; set one of them to 1")
         if self.devices_per_node is not None and (problem := rules.tp_within_node(self.tp, self.devices_per_node,
                                                                                    "training.")):
             raise ValueError(problem)
 
     @classmethod
     def infer_dp(cls, tp: int, pp: int, world_size: int, devices_per_node: int | None = None,
-                 ep: int = 1) -> "ParallelDims":
+                 ep: int = 1, cp: int = 1) -> "ParallelDims":
         """The usual case: data parallelism takes whatever tp and pp leave of the world."""
         if tp < 1 or pp < 1:
             raise ValueError(f"tp ({tp}) and pp ({pp}) must be >= 1")
         if problem := rules.world_divisible(world_size, f"the world size {world_size}", tp, pp, "training."):
             raise ValueError(problem)
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), world_size=world_size,
-                   devices_per_node=devices_per_node, ep=ep)
+                   devices_per_node=devices_per_node, ep=ep, cp=cp)
 
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
@@ -72,6 +79,12 @@ def expert_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     return {"ep": dp % dims.ep, "edp": dp // dims.ep}
 
 
+def context_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
+    """Global rank -> {'cp': its place in its context group, 'data': which share of each global batch it reads}."""
+    dp = rank_coords(rank, dims)["dp"]
+    return {"cp": dp % dims.cp, "data": dp // dims.cp}
+
+
 def coords_to_rank(tp: int, dp: int, pp: int, dims: ParallelDims) -> int:
     return tp + dims.tp * (dp + dims.dp * pp)
 
@@ -84,8 +97,10 @@ def rank_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
     """
     if axis in EXPERT_AXES:
         return _expert_groups(dims, axis)
+    if axis == CONTEXT_AXIS:
+        return sorted(g[i:i + dims.cp] for g in rank_groups(dims, "dp") for i in range(0, dims.dp, dims.cp))
     if axis not in AXES:
-        raise ValueError(f"axis {axis!r} is not one of {list(AXES + EXPERT_AXES)}")
+        raise ValueError(f"axis {axis!r} is not one of {list(AXES + EXPERT_AXES) + [CONTEXT_AXIS]}")
     sizes = dims.sizes()
     others = [a for a in AXES if a != axis]
     groups = []

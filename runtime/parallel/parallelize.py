@@ -17,6 +17,7 @@ from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
 from runtime.models.transformer import CausalLM
 from runtime.parallel import collectives as C
 from runtime.parallel import layers as L
+from runtime.parallel.context import apply_context_parallel
 from runtime.parallel.data_parallel import DataParallelConfig, apply_data_parallel
 from runtime.parallel.experts import apply_expert_parallel
 from runtime.parallel.plan import ShardingPlan
@@ -27,7 +28,7 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
                       activation_checkpointing: str | None = None,
                       recompute_modules: Sequence[str] = ("core_attention",),
                       virtual_pp: int | None = None, device: torch.device | str | None = None,
-                      data_parallel: DataParallelConfig | None = None) -> nn.Module:
+                      data_parallel: DataParallelConfig | None = None, context: str = "ring") -> nn.Module:
     """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it,
     with its ShardingPlan as `sharding_plan`.
 
@@ -38,6 +39,7 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     model chunks (None or 1: one), run by train_step/eval_step through a pipeline schedule.
     device: move the parallelized model there (and re-tie a shared embedding the move may have untied).
     data_parallel: apply data parallelism last (runtime/parallel/data_parallel.py); the optimizer needs it.
+    context: how attention crosses a context group of more than one rank (topo.cp): 'ring' or 'ulysses'.
     """
     problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
                                                  activation_checkpointing)]
@@ -51,6 +53,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
         plan = apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
     if any(isinstance(m, SparseMoE) for m in model.modules()) and (topo.ep.size > 1 or topo.tp.size > 1):
         apply_expert_parallel(model, topo, plan, sequence_parallel=sequence_parallel)
+    if topo.cp.size > 1:
+        apply_context_parallel(model, topo.cp, context)
     if activation_checkpointing == "full":
         for block in model.layers:
             checkpoint_module(block)

@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from runtime.parallel.dims import AXES, EXPERT_AXES, ParallelDims, expert_coords, rank_coords, rank_groups
+from runtime.parallel.dims import (AXES, CONTEXT_AXIS, EXPERT_AXES, ParallelDims, context_coords, expert_coords,
+                                   rank_coords, rank_groups)
 
 
 def join_world(backend: str, *, init_method: str | None = None, store=None, rank: int | None = None,
@@ -104,10 +105,14 @@ class Topology:
     # parallelism ep is a group of one and edp is dp itself.
     ep: AxisGroup | None = None
     edp: AxisGroup | None = None
+    # The context group, carved out of dp too: the ranks that split each sequence (ring attention or Ulysses).
+    # A group of one without it.
+    cp: AxisGroup | None = None
 
     def __post_init__(self) -> None:
-        if self.ep is None:
-            object.__setattr__(self, "ep", AxisGroup(rank=0, size=1, ranks=(self.rank,), group=None))
+        for axis in ("ep", "cp"):
+            if getattr(self, axis) is None:
+                object.__setattr__(self, axis, AxisGroup(rank=0, size=1, ranks=(self.rank,), group=None))
         if self.edp is None:
             object.__setattr__(self, "edp", self.dp)
 
@@ -124,9 +129,9 @@ class Topology:
             raise ValueError(f"ParallelDims.world_size={dims.world_size} but torch.distributed has "
                              f"{dist.get_world_size()} processes")
         rank = dist.get_rank()
-        coords = {**rank_coords(rank, dims), **expert_coords(rank, dims)}
+        coords = {**rank_coords(rank, dims), **expert_coords(rank, dims), **context_coords(rank, dims)}
         mine = {}
-        for axis in AXES + (EXPERT_AXES if dims.ep > 1 else ()):
+        for axis in AXES + (EXPERT_AXES if dims.ep > 1 else ()) + ((CONTEXT_AXIS,) if dims.cp > 1 else ()):
             for ranks in rank_groups(dims, axis):
                 # new_group is collective over the whole world: every process creates every group.
                 group = dist.new_group(ranks) if len(ranks) < dims.world_size else dist.group.WORLD
@@ -143,6 +148,16 @@ class Topology:
     @property
     def world_size(self) -> int:
         return self.dims.world_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch this rank reads: DP ranks of one context group read the same one."""
+        return self.dp.rank // self.cp.size
+
+    @property
+    def data_size(self) -> int:
+        """How many shares each global batch is cut into (the data-parallel size without the context groups)."""
+        return self.dp.size // self.cp.size
 
     @property
     def is_first_stage(self) -> bool:
@@ -168,5 +183,6 @@ class Topology:
 
     def __repr__(self) -> str:
         ep = f", ep={self.ep.rank}/{self.ep.size}" if self.ep.size > 1 else ""
+        cp = f", cp={self.cp.rank}/{self.cp.size}" if self.cp.size > 1 else ""
         return (f"Topology(rank={self.rank}, tp={self.tp.rank}/{self.tp.size}, dp={self.dp.rank}/{self.dp.size}, "
-                f"pp={self.pp.rank}/{self.pp.size}{ep})")
+                f"pp={self.pp.rank}/{self.pp.size}{ep}{cp})")

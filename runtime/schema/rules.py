@@ -375,6 +375,75 @@ def dropless_on_xla(capacity_factor: float | None, accelerator: str, p: str) -> 
     return None
 
 
+# ----------------------------------------------------------------------------------------------- long context
+CONTEXT_KEYS = {"ring": "context_parallel_size", "ulysses": "ulysses_parallel_size"}
+
+
+def context_kind(cp: int, ulysses: int) -> str | None:
+    """Which way the sequence is split over the context group: 'ring' (context parallelism), 'ulysses', or None."""
+    return "ring" if cp > 1 else "ulysses" if ulysses > 1 else None
+
+
+def context_layout(cp: int, ulysses: int, dp: int, p: str) -> str | None:
+    """The context group (the ranks that split one sequence) is carved out of data parallelism, as Megatron's
+    context parallelism is: its size must divide the data-parallel size. One kind of split at a time."""
+    if cp > 1 and ulysses > 1:
+        return (f"{p}model.ulysses_parallel_size: {ulysses} together with context_parallel_size {cp}; split the "
+                f"sequence one way: set one of them to 1")
+    size, key = max(cp, ulysses), CONTEXT_KEYS[context_kind(cp, ulysses) or "ring"]
+    if size >= 1 and dp % size == 0:
+        return None
+    return (f"{p}model.{key}: {size} must divide the data-parallel size {dp} (world / (tensor_model_parallel_size "
+            f"x pipeline_model_parallel_size)), out of which the context group is carved; use a divisor of {dp}")
+
+
+def context_sequence(seq: int, cp: int, ulysses: int, tp: int, sequence_parallel: bool, p: str) -> str | None:
+    """Ring attention balances causal work by giving rank r the sequence chunks r and 2·cp−1−r, so the sequence
+    splits into 2·cp equal chunks; Ulysses splits it into `ulysses` contiguous ones. Sequence parallelism then
+    splits each rank's tokens over tensor parallelism."""
+    kind = context_kind(cp, ulysses)
+    if kind is None:
+        return None
+    parts = 2 * cp if kind == "ring" else ulysses
+    key, size = CONTEXT_KEYS[kind], max(cp, ulysses)
+    if seq % parts:
+        why = f"2 × {key} = {parts} (each rank holds two chunks, for causal load balance)" if kind == "ring" else \
+            f"{key} = {parts}"
+        return f"{p}model.encoder_seq_length: {seq} is not divisible by {why}; use a multiple of {parts}"
+    if sequence_parallel and tp > 1 and (seq // size) % tp:
+        return (f"{p}model.encoder_seq_length: {seq} / {key} {size} = {seq // size} tokens per rank do not split "
+                f"over tensor_model_parallel_size {tp} for sequence parallelism; use a multiple of {size * tp}")
+    return None
+
+
+def ulysses_heads(heads: int, tp: int, ulysses: int, p: str) -> str | None:
+    """Ulysses trades the sequence split for a head split around attention: each rank's heads (after tensor
+    parallelism) must divide evenly. KV heads that do not divide are replicated, so only the query heads count."""
+    if ulysses <= 1 or heads % tp or (heads // tp) % ulysses == 0:
+        return None
+    return (f"{p}model.ulysses_parallel_size: {ulysses} must divide the attention heads per tensor-parallel rank "
+            f"(num_attention_heads {heads} / tensor_model_parallel_size {tp} = {heads // tp}); use a divisor of "
+            f"{heads // tp}, or context_parallel_size")
+
+
+def context_architecture(num_experts: int | None, attention_dropout: float, cp: int, ulysses: int,
+                         p: str) -> str | None:
+    """What cannot split its sequence exactly. MoE: routing capacity and the load-balancing loss are functions of
+    the whole micro-batch's tokens, so a rank routing only its share would drop and balance differently. Ring
+    attention: it merges partial softmaxes, with no place for attention dropout's mask."""
+    kind = context_kind(cp, ulysses)
+    if kind is None:
+        return None
+    key, size = CONTEXT_KEYS[kind], max(cp, ulysses)
+    if num_experts:
+        return (f"{p}model.{key}: {size} with MoE layers (model.moe.num_experts {num_experts}): routing and its "
+                f"losses need each micro-batch's whole sequence; set {key}=1 and use expert_model_parallel_size")
+    if kind == "ring" and attention_dropout:
+        return (f"{p}model.attention_dropout: {attention_dropout} with context_parallel_size {cp}: ring attention "
+                f"has no attention dropout; set attention_dropout=0.0 (or use ulysses_parallel_size)")
+    return None
+
+
 # ------------------------------------------------------------------------------------------------- stage flow
 def trains_on_prepared_data(data_prefix: object, tokenizer: object, output_dir: object,
                             preparation: str) -> str | None:

@@ -88,6 +88,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     _layout_rules(report, p, trainer, parallel, data)
     _shape_rules(report, p, shape, parallel, vocab)
     _expert_rules(report, p, trainer, parallel, shape.get("moe"))
+    _context_rules(report, p, trainer, parallel, shape)
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -284,6 +285,8 @@ def _parallel(model: Section) -> ParallelConfig | None:
         tp=model.int("tensor_model_parallel_size", 1, minimum=1),
         pp=model.int("pipeline_model_parallel_size", 1, minimum=1),
         ep=model.int("expert_model_parallel_size", 1, minimum=1),
+        cp=model.int("context_parallel_size", 1, minimum=1),
+        ulysses=model.int("ulysses_parallel_size", 1, minimum=1),
         sequence_parallel=model.bool("sequence_parallel", False),
         zero1=model.bool("zero1", False),
     )
@@ -382,6 +385,9 @@ def _layout_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Para
     if data is None or world % (tp * pp):
         return
     dp = world // (tp * pp)
+    if dp % parallel.context:
+        return  # the context rules say so
+    dp //= parallel.context  # ranks splitting one sequence read the same samples
     problem = rules.global_batch(data.global_batch_size, data.micro_batch_size, dp, p)
     report.error(problem)
     if not problem and vpp and vpp > 1:
@@ -430,6 +436,21 @@ def _expert_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Para
                                          world // (parallel.tp * parallel.pp), p))
     if moe is not None and (problem := rules.dropless_on_xla(moe.capacity_factor, trainer.accelerator, p)):
         report.warn(problem)
+
+
+def _context_rules(report: Report, p: str, trainer: TrainerConfig, parallel: ParallelConfig, shape: dict) -> None:
+    cp, ulysses, tp = parallel.cp, parallel.ulysses, parallel.tp
+    world = trainer.num_nodes * trainer.devices
+    if world % (tp * parallel.pp) == 0:  # otherwise the layout rules said so already
+        report.error(rules.context_layout(cp, ulysses, world // (tp * parallel.pp), p))
+    if shape.get("encoder_seq_length"):
+        report.error(rules.context_sequence(shape["encoder_seq_length"], cp, ulysses, tp, parallel.sequence_parallel,
+                                            p))
+    if "num_attention_heads" in shape:
+        report.error(rules.ulysses_heads(shape["num_attention_heads"], tp, ulysses, p))
+    moe = shape.get("moe")
+    report.error(rules.context_architecture(moe.num_experts if moe is not None else None,
+                                            shape.get("attention_dropout", 0.0) or 0.0, cp, ulysses, p))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.schema import rules
 from runtime.schema.model import ModelConfig
 
 
@@ -32,6 +33,18 @@ class ParallelConfig:
     activation_checkpointing: str | None  # None | full | selective
     recompute_modules: tuple[str, ...]
     ep: int = 1                           # model.expert_model_parallel_size: experts sharded over part of dp
+    cp: int = 1                           # model.context_parallel_size: sequences split over part of dp (ring)
+    ulysses: int = 1                      # model.ulysses_parallel_size: the same group, heads all-to-all'd
+
+    @property
+    def context(self) -> int:
+        """The context group's size: the ranks that split one sequence (one of cp, ulysses is 1)."""
+        return self.cp * self.ulysses
+
+    @property
+    def context_kind(self) -> str:
+        """How attention crosses the context group: 'ring' or 'ulysses' (runtime/parallel/context.py)."""
+        return rules.context_kind(self.cp, self.ulysses) or "ring"
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,23 @@ CASES = [
     (["training=llama/tiny", "training.trainer.devices=2", "training.model.expert_model_parallel_size=2"],
      "training.model.expert_model_parallel_size: 2 needs MoE layers"),
     (["training=mixtral/tiny", "training.model.architecture=gpt"], "training.model.moe: MoE layers are Mixtral's"),
+    # Long context (context_parallel_size: ring attention; ulysses_parallel_size).
+    (["training=llama/tiny", "training.model.encoder_seq_length=130", "training.model.context_parallel_size=2"],
+     "training.model.encoder_seq_length: 130 is not divisible by 2 × context_parallel_size = 4 (each rank holds "
+     "two chunks, for causal load balance); use a multiple of 4"),
+    (["training=llama/tiny", "training.model.context_parallel_size=3"],
+     "training.model.context_parallel_size: 3 must divide the data-parallel size 2"),
+    (["training=llama/tiny", "training.trainer.devices=4", "training.model.global_batch_size=8",
+      "training.model.num_attention_heads=6", "training.model.num_query_groups=6", "training.model.hidden_size=120",
+      "training.model.tensor_model_parallel_size=2", "training.model.ulysses_parallel_size=2"],
+     "training.model.ulysses_parallel_size: 2 must divide the attention heads per tensor-parallel rank "
+     "(num_attention_heads 6 / tensor_model_parallel_size 2 = 3)"),
+    (["training=mixtral/tiny", "training.model.context_parallel_size=2"],
+     "training.model.context_parallel_size: 2 with MoE layers (model.moe.num_experts 4)"),
+    (["training=gpt3/tiny", "training.model.attention_dropout=0.1", "training.model.context_parallel_size=2"],
+     "training.model.attention_dropout: 0.1 with context_parallel_size 2: ring attention has no attention dropout"),
+    (["training=llama/tiny", "training.model.context_parallel_size=2", "training.model.ulysses_parallel_size=2"],
+     "training.model.ulysses_parallel_size: 2 together with context_parallel_size 2; split the sequence one way"),
     # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
     (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
 ]

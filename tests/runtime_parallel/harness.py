@@ -10,6 +10,7 @@ from runtime.models.moe import SparseMoE
 from runtime.parallel import collectives as C
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
+from runtime.parallel.context import sequence_index
 from runtime.step import eval_step, train_step
 
 SEQ = 16
@@ -38,6 +39,17 @@ class Layout:
     recompute_modules: tuple[str, ...] = ("core_attention",)
     precision: str = "fp32"
     ep: int = 1
+    cp: int = 1        # context parallelism (ring attention); like ep, carved out of the dp ranks below...
+    ulysses: int = 1   # ...or Ulysses. Unlike ep, `dp` here counts distinct samples (Megatron's dp): the world
+                       # is tp x dp x cp x ulysses (x pp in the pipeline tests).
+
+    @property
+    def context(self) -> int:
+        return self.cp * self.ulysses
+
+    @property
+    def context_kind(self) -> str:
+        return "ulysses" if self.ulysses > 1 else "ring"
 
 
 def tiny_config(arch: str, **overrides) -> ModelConfig:
@@ -57,19 +69,24 @@ def global_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return tokens[:, :-1], tokens[:, 1:], mask
 
 
-def micro_batches_for(step: int, vocab: int, topo: Topology):
-    """This DP rank's share of the step's global batch, cut into micro-batches."""
+def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str = "ring"):
+    """This DP rank's share of the step's global batch, cut into micro-batches; under a context group, only the
+    rank's tokens of each sample (the data loader's job in training)."""
     input_ids, labels, mask = global_batch(vocab, step)
-    per_rank = GLOBAL_BATCH // topo.dp.size
-    rows = slice(topo.dp.rank * per_rank, (topo.dp.rank + 1) * per_rank)
+    per_rank = GLOBAL_BATCH // topo.data_size
+    rows = slice(topo.data_rank * per_rank, (topo.data_rank + 1) * per_rank)
     input_ids, labels, mask = input_ids[rows], labels[rows], mask[rows]
+    if topo.cp.size > 1:
+        columns = sequence_index(SEQ, topo.cp.rank, topo.cp.size, context_kind)
+        input_ids, labels, mask = input_ids[:, columns], labels[:, columns], mask[:, columns]
     return [(input_ids[i:i + MICRO_BATCH], labels[i:i + MICRO_BATCH], mask[i:i + MICRO_BATCH])
             for i in range(0, per_rank, MICRO_BATCH)]
 
 
 def make_topology(layout: Layout) -> Topology:
-    world = layout.tp * layout.dp
-    return Topology.build(ParallelDims(tp=layout.tp, pp=1, dp=layout.dp, world_size=world, ep=layout.ep))
+    dp = layout.dp * layout.context
+    return Topology.build(ParallelDims(tp=layout.tp, pp=1, dp=dp, world_size=layout.tp * dp, ep=layout.ep,
+                                       cp=layout.context))
 
 
 def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) -> dict:
@@ -77,17 +94,17 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) 
     topo = make_topology(layout)
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
                               activation_checkpointing=layout.activation_checkpointing,
-                              recompute_modules=layout.recompute_modules,
+                              recompute_modules=layout.recompute_modules, context=layout.context_kind,
                               data_parallel=DataParallelConfig(layout.precision, layout.zero1))
     optimizer = ShardedAdamW(model, OPTIM)
     losses, norms, dropped = [], [], []
     for step in range(steps):
-        result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo), topo,
+        result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo, layout.context_kind), topo,
                             lr=OPTIM["lr"], clip=clip)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         dropped.append(dropped_assignments(model, topo))
-    eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo), topo)
+    eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo, layout.context_kind), topo)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
     return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "dropped": dropped}
 

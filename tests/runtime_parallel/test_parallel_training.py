@@ -43,6 +43,13 @@ TWO_RANK_JOBS.update({
     "mixtral-capacity-ep2": ("llama", {"moe": MOE_CAPACITY}, L(dp=2, ep=2)),
     # Experts split by TP (hidden units) with the router whole on both ranks; with SP the block gathers the sequence.
     "mixtral-tp2-sp": ("llama", {"moe": MOE}, L(tp=2, sequence_parallel=True)),
+    # Long context: each sample's sequence split over both ranks. Ring attention (chunks 0+3 and 1+2)...
+    "gpt-cp2": ("gpt", {}, L(cp=2)),
+    "llama-cp2": ("llama", {}, L(cp=2)),
+    # ...and Ulysses (GQA's two KV heads split between the ranks; one KV head is replicated to both).
+    "gpt-ulysses2": ("gpt", {}, L(ulysses=2)),
+    "llama-ulysses2": ("llama", {}, L(ulysses=2)),
+    "llama-kv1-ulysses2": ("llama", {"num_query_groups": 1}, L(ulysses=2)),
 })
 FOUR_RANK_JOBS = {
     "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),
@@ -54,6 +61,15 @@ FOUR_RANK_JOBS = {
     "mixtral-ep2-tp2": ("llama", {"moe": MOE}, L(tp=2, dp=2, ep=2)),
     "mixtral-capacity-ep2-tp2-sp-zero1": ("llama", {"moe": MOE_CAPACITY},
                                           L(tp=2, dp=2, ep=2, sequence_parallel=True, zero1=True)),
+    "gpt-cp2-tp2-sp": ("gpt", {}, L(cp=2, tp=2, sequence_parallel=True)),
+    "llama-cp2-tp2": ("llama", {}, L(cp=2, tp=2)),
+    "gpt-cp2-dp2-zero1": ("gpt", {}, L(cp=2, dp=2, zero1=True)),
+    # The ring recomputed in backward (selective recompute of core attention) still sums the same gradients.
+    "llama-cp2-dp2-zero1-selective": ("llama", {}, L(cp=2, dp=2, zero1=True, activation_checkpointing="selective")),
+    "llama-cp4": ("llama", {}, L(cp=4)),
+    "gpt-ulysses2-dp2": ("gpt", {}, L(ulysses=2, dp=2)),
+    "llama-ulysses2-dp2": ("llama", {}, L(ulysses=2, dp=2)),
+    "llama-ulysses2-tp2-sp": ("llama", {}, L(ulysses=2, tp=2, sequence_parallel=True)),
 }
 ALL_JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}
 

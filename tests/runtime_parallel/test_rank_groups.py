@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.parallel import ParallelDims, coords_to_rank, rank_coords, rank_groups
-from runtime.parallel.dims import expert_coords
+from runtime.parallel.dims import context_coords, expert_coords
 
 NODES, DEVICES = 64, 32  # a 2048-rank world: 64 nodes of 32 workers
 
@@ -64,7 +64,7 @@ def test_tensor_parallel_wider_than_a_node_is_rejected():
 
 
 def test_unknown_axis_lists_the_axes():
-    with pytest.raises(ValueError, match=r"\['tp', 'dp', 'pp', 'ep', 'edp'\]"):
+    with pytest.raises(ValueError, match=r"\['tp', 'dp', 'pp', 'ep', 'edp', 'cp'\]"):
         rank_groups(ParallelDims(tp=1, pp=1, dp=1, world_size=1), "xp")
 
 
@@ -104,3 +104,30 @@ def test_expert_groups_by_hand():
 def test_expert_parallel_must_divide_dp():
     with pytest.raises(ValueError, match="training.model.expert_model_parallel_size: 3 must divide the data-parallel size 4"):
         ParallelDims(tp=1, pp=1, dp=4, world_size=4, ep=3)
+
+
+@pytest.mark.parametrize("tp,pp,dp,cp", [(8, 4, 64, 8), (32, 1, 64, 16), (1, 1, 4, 2), (2, 2, 2, 2), (8, 8, 32, 32)])
+def test_context_groups_are_consecutive_dp_ranks_that_read_the_same_samples(tp, pp, dp, cp):
+    # The context group is carved out of data parallelism: cp consecutive DP ranks, which read the same share of
+    # every global batch (context_coords' 'data'); different groups of one DP group read different shares.
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp, cp=cp)
+    groups = rank_groups(dims, "cp")
+    assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+    dp_group_of = {r: tuple(g) for g in rank_groups(dims, "dp") for r in g}
+    for group in groups:
+        assert len(group) == cp
+        assert set(group) <= set(dp_group_of[group[0]]), "a context group stays inside its DP group"
+        assert [rank_coords(r, dims)["dp"] for r in group] == list(range(rank_coords(group[0], dims)["dp"],
+                                                                          rank_coords(group[0], dims)["dp"] + cp))
+        assert [context_coords(r, dims)["cp"] for r in group] == list(range(cp))
+        assert len({context_coords(r, dims)["data"] for r in group}) == 1
+    for dp_group in rank_groups(dims, "dp"):
+        assert sorted({context_coords(r, dims)["data"] for r in dp_group}) == list(range(dp // cp))
+
+
+def test_context_groups_by_hand():
+    dims = ParallelDims(tp=2, pp=1, dp=4, world_size=8, cp=2)
+    assert rank_groups(dims, "dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert rank_groups(dims, "cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(ValueError, match="context_parallel_size: 3 must divide the data-parallel size 4"):
+        ParallelDims(tp=2, pp=1, dp=4, world_size=8, cp=3)

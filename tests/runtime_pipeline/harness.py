@@ -25,12 +25,13 @@ class PipelineLayout:
     zero1: bool = False
     schedule: str | None = None  # None: 1F1B, or interleaved with vpp
     ep: int = 1
+    cp: int = 1  # context parallelism: like ep, carved out of the dp ranks (dp counts every replica here)
 
 
 def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, clip: float = 1.0) -> dict:
     cfg = H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides})
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size(),
-                                       ep=layout.ep))
+                                       ep=layout.ep, cp=layout.cp))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
                               virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1))
     optimizer = ShardedAdamW(model, H.OPTIM)

@@ -36,6 +36,10 @@ FOUR_RANK_JOBS = {
     # Expert parallelism inside each pipeline stage (the EP group is the stage's two DP ranks), and interleaved.
     "mixtral-pp2-ep2": ("llama", {"moe": MOE}, L(pp=2, dp=2, ep=2)),
     "mixtral-pp2-vpp2-ep2-zero1": ("llama", {"moe": MOE}, L(pp=2, vpp=2, dp=2, ep=2, zero1=True)),
+    # Context parallelism inside each stage: activations of half the sequence (chunks 0 and 3, or 1 and 2) cross
+    # the stages, and the ring runs within each stage's two ranks.
+    "gpt-pp2-cp2": ("gpt", {}, L(pp=2, dp=2, cp=2)),
+    "llama-pp2-vpp2-cp2": ("llama", {}, L(pp=2, vpp=2, dp=2, cp=2)),
 }
 ALL_JOBS = {**TWO_RANK_JOBS, **FOUR_RANK_JOBS}
 

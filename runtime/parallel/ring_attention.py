@@ -1,0 +1,183 @@
+# Ring attention: exact causal attention over a sequence split across the context group, with memory per rank
+# O(seq / cp). Each rank keeps its queries; the K/V blocks travel round the ring, one hop per step, and each
+# block's partial attention is merged into the running output by its log-sum-exp (the online softmax of flash
+# attention), so no rank ever holds the whole sequence's keys or an s x s matrix.
+#
+# Causal load balance (Megatron's layout, runtime/parallel/context.py): the sequence is cut into 2·cp chunks and
+# rank r holds chunks r and 2·cp−1−r, one early and one late. Then, for the K/V block of rank s:
+#   s == r  both diagonals are causal and the late queries see the early keys: plain causal attention over the
+#           rank's own (increasing) positions;
+#   s <  r  every query sees rank s's early chunk and none of its late one;
+#   s >  r  only the late queries see anything, and they see both of rank s's chunks.
+# Every rank does the same work at every step, whatever its place in the ring.
+#
+# Backward goes round the ring again: each block's dK/dV accumulate in a buffer that travels with the block and
+# arrives back at the block's owner after one more hop. A block's gradients come from the final output and
+# log-sum-exp (as in flash attention's backward), so nothing per step is kept from forward.
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from runtime.parallel.topology import AxisGroup, needs_host_staging
+
+KV_TAG, GRAD_TAG = 7, 8  # distinct from the pipeline's activation/gradient tags: a rank may be in both
+
+
+class _Ring:
+    """Pass tensors one hop along the context group: send to the next rank, receive from the previous one.
+    Both are started before the step's compute and finished after it, so the transfer overlaps the math."""
+
+    def __init__(self, axis: AxisGroup):
+        self.next = axis.ranks[(axis.rank + 1) % axis.size]
+        self.prev = axis.ranks[(axis.rank - 1) % axis.size]
+
+    def start(self, tensor: torch.Tensor, tag: int):
+        send = tensor.contiguous()
+        host = needs_host_staging(send)  # gloo over XLA tensors: through host memory, as every collective here
+        send_buf = send.cpu() if host else send
+        recv_buf = torch.empty_like(send_buf)
+        # irecv before isend: with gloo, either order works for a ring of non-blocking calls.
+        works = [dist.irecv(recv_buf, self.prev, tag=tag), dist.isend(send_buf, self.next, tag=tag)]
+        return works, send_buf, recv_buf, tensor.device
+
+    @staticmethod
+    def finish(pending) -> torch.Tensor:
+        works, _send_buf, recv_buf, device = pending
+        for work in works:
+            work.wait()
+        return recv_buf.to(device) if recv_buf.device != device else recv_buf
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: repeat each KV head for its group of query heads (B, ng, T, d) -> (B, nh, T, d)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The adjoint of _expand: sum each group's gradients back onto its KV head."""
+    if grad.shape[1] == kv_heads:
+        return grad
+    B, nh, T, d = grad.shape
+    return grad.view(B, kv_heads, nh // kv_heads, T, d).sum(dim=2)
+
+
+def block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, h, Tq, d), log-sum-exp (B, h, Tq) fp32) of softmax(q k^T * scale [+ causal]) v.
+
+    On CPU, the fused flash kernel SDPA itself runs (the single-process model's arithmetic); elsewhere the same
+    math spelled out (what XLA compiles; on CUDA a fused kernel would also save the block's score matrix).
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return math_block_attention(q, k, v, causal, scale)
+
+
+def block_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block, given the final output and log-sum-exp of every query row."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return math_block_attention_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+def math_block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
+
+
+def math_block_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    qf, kf, vf, gf = q.float(), k.float(), v.float(), grad_out.float()
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    dv = torch.matmul(probs.transpose(-1, -2), gf)
+    delta = (gf * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
+    dscores = probs * (torch.matmul(gf, vf.transpose(-1, -2)) - delta) * scale
+    dq, dk = torch.matmul(dscores, kf), torch.matmul(dscores.transpose(-1, -2), qf)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _future(scores: torch.Tensor) -> torch.Tensor:
+    T = scores.shape[-1]
+    return torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Fold one block's (output, log-sum-exp) into the running ones for the same query rows, in place."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """q (B, nh, 2c, d), k and v (B, ng, 2c, d): this rank's chunks (r, 2·cp−1−r) in that order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis: AxisGroup):
+        rank, size = axis.rank, axis.size
+        nh, c = q.shape[1], q.shape[2] // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        ring = _Ring(axis)
+        kv = torch.stack([k, v])
+        pending = ring.start(kv, KV_TAG) if size > 1 else None
+        out, lse = block_attention(q, _expand(k, nh), _expand(v, nh), True, scale)
+        out = out.float()
+        for step in range(1, size):
+            kv = _Ring.finish(pending)
+            if step + 1 < size:
+                pending = ring.start(kv, KV_TAG)
+            source = (rank - step) % size
+            bk, bv = _expand(kv[0], nh), _expand(kv[1], nh)
+            rows = slice(None) if source < rank else slice(c, None)  # which queries see the block (see top)
+            keys = slice(None, c) if source < rank else slice(None)   # which of its keys they see
+            block_out, block_lse = block_attention(q[:, :, rows], bk[:, :, keys], bv[:, :, keys], False, scale)
+            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.axis, ctx.scale = axis, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, scale = ctx.axis, ctx.scale
+        rank, size = axis.rank, axis.size
+        nh, ng, c = q.shape[1], k.shape[1], q.shape[2] // 2
+        grad_out = grad_out.contiguous()
+        ring = _Ring(axis)
+        kv = torch.stack([k, v])
+        pending = ring.start(kv, KV_TAG) if size > 1 else None
+        dq, dk, dv = block_attention_backward(grad_out, q, _expand(k, nh), _expand(v, nh), out, lse, True, scale)
+        dq = dq.float()
+        dkv = torch.stack([_fold(dk, ng), _fold(dv, ng)]).float()  # travels with the K/V block it belongs to
+        for step in range(1, size):
+            kv = _Ring.finish(pending)
+            dkv_pending = ring.start(dkv, GRAD_TAG)
+            if step + 1 < size:
+                pending = ring.start(kv, KV_TAG)
+            source = (rank - step) % size
+            bk, bv = _expand(kv[0], nh), _expand(kv[1], nh)
+            rows = slice(None) if source < rank else slice(c, None)  # which queries see the block (see top)
+            keys = slice(None, c) if source < rank else slice(None)   # which of its keys they see
+            bdq, bdk, bdv = block_attention_backward(grad_out[:, :, rows], q[:, :, rows], bk[:, :, keys],
+                                                     bv[:, :, keys], out[:, :, rows], lse[:, :, rows], False, scale)
+            dq[:, :, rows] += bdq
+            dkv = _Ring.finish(dkv_pending)  # the block's accumulator, sent on while this rank computed
+            dkv[0, :, :, keys] += _fold(bdk, ng)
+            dkv[1, :, :, keys] += _fold(bdv, ng)
+        if size > 1:  # the buffer in hand is the next rank's block's; ours is one hop behind
+            dkv = _Ring.finish(ring.start(dkv, GRAD_TAG))
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    return RingAttentionFunction.apply(q, k, v, axis)
