@@ -91,8 +91,11 @@ LAYOUTS = {
                     "training.model.expert_model_parallel_size=2"],
     # 2 nodes x 1 process: one pipeline stage per node, activations crossing between the nodes.
     "pp2": ["training.trainer.devices=1", "training.model.pipeline_model_parallel_size=2"],
+    # 2 nodes x 1 process: each sequence split over the two nodes (context parallelism), K/V blocks going round a
+    # ring that crosses between them.
+    "cp2": ["training=llama/tiny", "training.trainer.devices=1", "training.model.context_parallel_size=2"],
 }
-RUNS = {"tp2_dp2_ep2": "mixtral_tiny", "pp2": "gpt3_tiny"}
+RUNS = {"tp2_dp2_ep2": "mixtral_tiny", "pp2": "gpt3_tiny", "cp2": "llama_tiny"}
 
 
 @pytest.mark.slurm
@@ -120,7 +123,8 @@ def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     assert prep_nodes == {"node1", "node2"}, prep_nodes
     train_logs = sorted((results / run / "training" / "logs").glob("*_node*.log"))
     assert len(train_logs) == 2, train_logs
-    topology = {"tp2_dp2_ep2": "tp=0/2, dp=0/2, pp=0/1, ep=0/2", "pp2": "tp=0/1, dp=0/1, pp=0/2"}[layout]
+    topology = {"tp2_dp2_ep2": "tp=0/2, dp=0/2, pp=0/1, ep=0/2", "pp2": "tp=0/1, dp=0/1, pp=0/2",
+                "cp2": "tp=0/1, dp=0/2, pp=0/1, cp=0/2"}[layout]
     assert topology in logs, logs[-3000:]
     rows = _check_training_outputs(results, steps, run)
     if layout == "tp2_dp2_ep2":

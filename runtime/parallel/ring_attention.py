@@ -83,31 +83,42 @@ def block_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: f
     return math_block_attention_backward(grad_out, q, k, v, out, lse, causal, scale)
 
 
+# Query rows per tile in the spelled-out math: the transient score matrix is TILE x keys, not queries x keys.
+TILE = 1024
+
+
 def math_block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
-    return out.to(q.dtype), lse
+    outs, lses = [], []
+    for first in range(0, q.shape[2], TILE):
+        scores = _scores(q[:, :, first:first + TILE], k, causal, first, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()))
+        lses.append(lse)
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
 def math_block_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    qf, kf, vf, gf = q.float(), k.float(), v.float(), grad_out.float()
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    dk, dv, dqs = torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device), []
+    kf, vf = k.float(), v.float()
+    for first in range(0, q.shape[2], TILE):
+        rows = slice(first, first + TILE)
+        qf, gf = q[:, :, rows].float(), grad_out[:, :, rows].float()
+        probs = torch.exp(_scores(q[:, :, rows], k, causal, first, scale) - lse[:, :, rows].unsqueeze(-1))
+        dv += torch.matmul(probs.transpose(-1, -2), gf)
+        delta = (gf * out[:, :, rows].float()).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
+        dscores = probs * (torch.matmul(gf, vf.transpose(-1, -2)) - delta) * scale
+        dqs.append(torch.matmul(dscores, kf))
+        dk += torch.matmul(dscores.transpose(-1, -2), qf)
+    return torch.cat(dqs, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _scores(q, k, causal: bool, first: int, scale: float) -> torch.Tensor:
+    """fp32 q k^T * scale for query rows first.. of the block, with the causal mask (query i sees keys <= i)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    dv = torch.matmul(probs.transpose(-1, -2), gf)
-    delta = (gf * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
-    dscores = probs * (torch.matmul(gf, vf.transpose(-1, -2)) - delta) * scale
-    dq, dk = torch.matmul(dscores, kf), torch.matmul(dscores.transpose(-1, -2), qf)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _future(scores: torch.Tensor) -> torch.Tensor:
-    T = scores.shape[-1]
-    return torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1)
+        query = torch.arange(first, first + q.shape[2], device=q.device).unsqueeze(-1)
+        scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device) > query, float("-inf"))
+    return scores
 
 
 def _merge(out, lse, block_out, block_lse):

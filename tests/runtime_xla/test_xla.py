@@ -114,3 +114,15 @@ def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data):
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, ep=2 on xla {b}"
+
+
+def test_two_process_context_parallel_on_xla_matches_one_cpu_process(data):
+    """Each sequence split over cp=2 XLA:CPU devices: ring attention's spelled-out block math (what Trainium
+    compiles) and its K/V passes (point-to-point, through gloo here), Llama's RoPE at the chunks' positions."""
+    llama = dict(arch="llama", num_query_groups=2)
+    cpu = _train(_config(data, "cp_cpu", accelerator="cpu", gbs=8, **llama))
+    xla = _train(_config(data, "cp_xla", accelerator="neuron", devices=2, gbs=8, context_parallel_size=2, **llama),
+                 nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
+    assert len(cpu) == len(xla) == STEPS
+    for step, (a, b) in enumerate(zip(cpu, xla), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, cp=2 on xla {b}"
