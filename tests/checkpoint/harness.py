@@ -25,9 +25,11 @@ class L:
     pp: int = 1
     zero1: bool = False
     ep: int = 1
+    cp: int = 1  # context parallelism (ring), carved out of dp like ep
 
     def __str__(self) -> str:
-        return f"tp{self.tp}_pp{self.pp}" + (f"_ep{self.ep}" if self.ep > 1 else "") + ("_zero1" if self.zero1 else "")
+        return (f"tp{self.tp}_pp{self.pp}" + (f"_ep{self.ep}" if self.ep > 1 else "") +
+                (f"_cp{self.cp}" if self.cp > 1 else "") + ("_zero1" if self.zero1 else ""))
 
 
 def build(arch: str, layout: L, seed: int):
@@ -36,7 +38,7 @@ def build(arch: str, layout: L, seed: int):
            H.tiny_config(arch, num_layers=NUM_LAYERS, seed=seed))
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
-                                       world_size=world, ep=layout.ep))
+                                       world_size=world, ep=layout.ep, cp=layout.cp))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=False,
                               data_parallel=DataParallelConfig("fp32", layout.zero1))
     optimizer = ShardedAdamW(model, H.OPTIM)

@@ -8,9 +8,11 @@ from tests.runtime_parallel.dist_utils import run_distributed
 L = CH.L
 CASES = {
     # The case: tp=2 x dp=2 with ZeRO-1 resumed at tp=1 x dp=4 and tp=4 x dp=1, plus pipeline layouts.
-    "from_tp2_dp2_zero1": (L(tp=2, zero1=True), [L(tp=1), L(tp=4), L(tp=1, pp=2, zero1=True), L(tp=2, pp=2)]),
+    # Context parallelism (cp 4 with ZeRO-1 over all 4 dp ranks; cp 2 x tp 2) takes the same checkpoint.
+    "from_tp2_dp2_zero1": (L(tp=2, zero1=True), [L(tp=1), L(tp=4), L(tp=1, pp=2, zero1=True), L(tp=2, pp=2),
+                                                 L(tp=1, cp=4, zero1=True)]),
     # Saved by a pipeline (a tied embedding split over the first and last stage), resumed without one.
-    "from_tp2_pp2": (L(tp=2, pp=2), [L(tp=1, zero1=True), L(tp=1, pp=4)]),
+    "from_tp2_pp2": (L(tp=2, pp=2), [L(tp=1, zero1=True), L(tp=1, pp=4), L(tp=2, cp=2)]),
 }
 # Mixtral saved with its experts split over EP and TP (ZeRO-1 over the expert-data-parallel group), resumed with
 # the experts whole, over 4 EP ranks, in a pipeline, and split by TP alone.
