@@ -30,7 +30,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
         self.reset_parameters()
-        # Seam for context parallelism: positions(T, device) of a rank's T tokens when they are not 0..T-1.
+        # Seam for context parallelism: the tables at a rank's T tokens' positions when they are not 0..T-1
+        # (runtime/parallel/context.py's ContextPositions.rotary_tables).
         self.positions = None
 
     @torch.no_grad()
@@ -47,8 +48,7 @@ class RotaryEmbedding(nn.Module):
         if self.positions is None:
             cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]  # (T, 1, d)
         else:
-            where = self.positions(T, q.device)
-            cos, sin = self.cos[where, None, :], self.sin[where, None, :]
+            cos, sin = self.positions.rotary_tables(self, T, q.device)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -48,6 +48,16 @@ class ContextPositions:
             self._cache[key] = sequence_index(local_length * self.size, self.rank, self.size, self.kind).to(device)
         return self._cache[key]
 
+    def rotary_tables(self, rotary: RotaryEmbedding, local_length: int, device: torch.device):
+        """RoPE's (cos, sin) rows at the rank's positions, gathered once and shared by every layer with the same
+        tables: each layer's rotation keeps its tables for backward, and a gather per layer and micro-batch would
+        keep that many copies (one process keeps views of the buffers instead)."""
+        key = ("rope", local_length, device, rotary.head_dim, rotary.max_positions, rotary.base)
+        if key not in self._cache:
+            where = self(local_length, device)
+            self._cache[key] = (rotary.cos[where, None, :], rotary.sin[where, None, :])
+        return self._cache[key]
+
 
 class RingAttention(nn.Module):
     """CoreAttention's replacement under context parallelism (same inputs: q (B, nh, T/cp, d), k and v

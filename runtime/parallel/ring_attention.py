@@ -31,16 +31,19 @@ class _Ring:
     Both are started before the step's compute and finished after it, so the transfer overlaps the math."""
 
     def __init__(self, axis: AxisGroup):
-        self.next = axis.ranks[(axis.rank + 1) % axis.size]
+        self.next = axis.ranks[(axis.rank + 1) % axis.size]  # global ranks, as P2POp takes them
         self.prev = axis.ranks[(axis.rank - 1) % axis.size]
+        self.group = axis.group
 
     def start(self, tensor: torch.Tensor, tag: int):
         send = tensor.contiguous()
         host = needs_host_staging(send)  # gloo over XLA tensors: through host memory, as every collective here
         send_buf = send.cpu() if host else send
         recv_buf = torch.empty_like(send_buf)
-        # irecv before isend: with gloo, either order works for a ring of non-blocking calls.
-        works = [dist.irecv(recv_buf, self.prev, tag=tag), dist.isend(send_buf, self.next, tag=tag)]
+        # One batch: NCCL runs the pair as one grouped operation (separate calls, each rank first waiting to
+        # receive, would wait round the ring forever); gloo runs them side by side.
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv_buf, self.prev, self.group, tag),
+                                        dist.P2POp(dist.isend, send_buf, self.next, self.group, tag)])
         return works, send_buf, recv_buf, tensor.device
 
     @staticmethod
