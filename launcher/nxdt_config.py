@@ -33,9 +33,13 @@ MAPPED: dict[str, str] = {
     **{f"exp_manager.checkpoint_callback_params.{k}": f"training.exp_manager.checkpoint_callback_params.{k}"
        for k in ("save_top_k", "every_n_train_steps", "save_last", "dirpath")},
     "exp_manager.async_checkpointing": "training.exp_manager.checkpoint_callback_params.async_save",
+    # context_parallel_size: the same layout. NxD divides the world by tp x pp x cp for the ranks that read distinct
+    # samples; here dp = world / (tp x pp) counts every replica and dp / cp of them read distinct samples, so a file's
+    # micro-batches per step are the same. NxD's fusions.ring_attention (required with it) is what cp > 1 runs here.
+    # NxD has no Ulysses key: ulysses_parallel_size is ours alone.
     **{f"distributed_strategy.{k}": f"training.model.{k}" for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "zero1", "sequence_parallel", "expert_model_parallel_size")},
+        "zero1", "sequence_parallel", "expert_model_parallel_size", "context_parallel_size")},
     "data.micro_batch_size": "training.model.micro_batch_size",
     "data.global_batch_size": "training.model.global_batch_size",
     "data.seq_length": "training.model.data.seq_length",
@@ -125,7 +129,6 @@ UNSUPPORTED: dict[str, str] = {
     "model_alignment_strategy.orpo": "the alignment stage (ORPO) is not built yet",
     "model_alignment_strategy.peft": "LoRA is not built yet",
     "model.weight_init_only": "fine-tuning from pretrained weights is not built yet",
-    "distributed_strategy.context_parallel_size": "context parallelism is not built yet",
     "distributed_strategy.token_shuffle_group_size": "shuffling tokens across data-parallel ranks before routing "
                                                      "is not built yet; set it to 1",
     "model.moe.routing_algorithm": "routing other than top_k (sinkhorn) is not built yet; set it to top_k",
@@ -133,8 +136,8 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 # Values that are the default here and so need no mapping (a key with another value is refused).
-NEUTRAL = {"distributed_strategy.context_parallel_size": 1, "distributed_strategy.token_shuffle_group_size": 1,
-           "model.moe.routing_algorithm": "top_k", "model.moe.dropout": 0.0, "model.moe.output_router_logits": True}
+NEUTRAL = {"distributed_strategy.token_shuffle_group_size": 1, "model.moe.routing_algorithm": "top_k",
+           "model.moe.dropout": 0.0, "model.moe.output_router_logits": True}
 
 # A value that means something else here, said with another key: (value, our key, its value, why). Applied after
 # the file's own keys, so they cannot undo it.

@@ -190,6 +190,16 @@ def needs_host_staging(tensor: torch.Tensor, backend: str) -> bool:
     return tensor.device.type not in ("cpu", "cuda") and backend == "gloo"
 
 
+def flash_attention_kernels(tensor: torch.Tensor):
+    """(forward, backward) flash-attention kernels that return and take the log-sum-exp, for tensors on this
+    device, which ring attention calls block by block; None where it spells the math out instead (XLA compiles
+    that; on CUDA a fused kernel is still to be wired in). The forward is the one SDPA runs in one process."""
+    if tensor.device.type == "cpu":
+        return (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    return None
+
+
 def shutdown(device: Device | None = None) -> None:
     topology.leave_world()
     if device is not None and device._store_file:

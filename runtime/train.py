@@ -29,7 +29,7 @@ from runtime.checkpoint.manager import CheckpointSaveFailed
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
-from runtime.device import Device, init_device, shutdown
+from runtime.device import Device, flash_attention_kernels, init_device, shutdown
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
 from runtime.models import build_model
@@ -147,6 +147,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         device=device.torch_device,
         data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed),
         context=cfg.parallel.context_kind,
+        attention_kernels=flash_attention_kernels,
     )
     optimizer = ShardedAdamW(model, cfg.optim)
     train_batches, valid_batches = build_data(cfg, topo, device)

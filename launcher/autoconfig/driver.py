@@ -165,7 +165,8 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
 
     # 2. The layouts, filtered and ranked by the estimator.
     candidates = search.grid(settings["search"], nodes=budget.nodes, devices_per_node=budget.devices,
-                             num_layers=spec.num_layers, zero1_default=bool(base_training["model"].get("zero1")))
+                             num_layers=spec.num_layers, zero1_default=bool(base_training["model"].get("zero1")),
+                             seq_length=budget.seq_length)
     ranked = search.rank(base_training, candidates, device=budget.device, mfu=budget.mfu, vocab_size=budget.vocab)
     launchable = [r for r in ranked if r.rejected is None]
     console.print(report.candidates_table(ranked, max(budget.limit, budget.top_n) + 3,

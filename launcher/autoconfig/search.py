@@ -1,6 +1,6 @@
-# The layout grid of an autoconfig search: every combination of tensor, pipeline and virtual pipeline sizes,
-# micro-batch size and activation checkpointing, kept when the schema's rules accept it (runtime/schema, the same
-# rules as at launch and on the node) and the memory estimate fits the device; ranked
+# The layout grid of an autoconfig search: every combination of tensor, pipeline, virtual pipeline and context
+# parallel sizes, micro-batch size and activation checkpointing, kept when the schema's rules accept it
+# (runtime/schema, the same rules as at launch and on the node) and the memory estimate fits the device; ranked
 # by the estimator's step time. Pure functions of the base training config and the search settings.
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from launcher.estimator import Estimate, estimate
 RECOMPUTE = {None: (None, []), "selective": ("selective", ["core_attention"]),
              "selective_mlp": ("selective", ["core_attention", "mlp"]), "full": ("full", [])}
 
+# From this many tokens per sample, `auto` also tries context parallelism (NeMo's long-context recipes start at 16k;
+# below it a context group only adds ring traffic to what the activations need).
+LONG_SEQUENCE = 16384
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -25,12 +29,14 @@ class Candidate:
     recompute: str | None        # a key of RECOMPUTE
     sequence_parallel: bool
     zero1: bool
+    cp: int = 1                  # context_parallel_size: ranks of dp that split each sequence (ring attention)
 
     @property
     def tag(self) -> str:
         """Short and filesystem-safe: names the candidate's run."""
         vpp = f"_vpp{self.vpp}" if self.vpp else ""
-        return f"tp{self.tp}_pp{self.pp}{vpp}_mbs{self.micro_batch_size}_{self.recompute or 'norecompute'}"
+        cp = f"_cp{self.cp}" if self.cp > 1 else ""
+        return f"tp{self.tp}_pp{self.pp}{vpp}{cp}_mbs{self.micro_batch_size}_{self.recompute or 'norecompute'}"
 
     def settings(self) -> dict[str, Any]:
         """The candidate's keys under `training.`."""
@@ -39,6 +45,7 @@ class Candidate:
             "model.tensor_model_parallel_size": self.tp,
             "model.pipeline_model_parallel_size": self.pp,
             "model.virtual_pipeline_model_parallel_size": self.vpp,
+            "model.context_parallel_size": self.cp,
             "model.micro_batch_size": self.micro_batch_size,
             "model.sequence_parallel": self.sequence_parallel,
             "model.zero1": self.zero1,
@@ -77,27 +84,47 @@ def axis_values(search: dict[str, Any], key: str, auto: list) -> list:
     return value
 
 
+def context_sizes(seq_length: int | None, dp: int) -> list[int]:
+    """`auto` context-parallel sizes for one (tp, pp): 1, and for a long sequence the powers of two that divide the
+    data-parallel size (the context group is carved out of it) and split the sequence into 2·cp equal chunks."""
+    if not seq_length or seq_length < LONG_SEQUENCE:
+        return [1]
+    return [cp for cp in _powers_of_two(dp) if dp % cp == 0 and seq_length % (2 * cp) == 0]
+
+
 def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layers: int,
-         zero1_default: bool) -> list[Candidate]:
+         zero1_default: bool, seq_length: int | None = None) -> list[Candidate]:
     """Every combination the search names. `auto`: tp in powers of two up to the devices per node, pp up to
-    the layers (and the world), micro-batch 1..8, no virtual pipeline, each recompute mode."""
+    the layers (and the world), micro-batch 1..8, no virtual pipeline, each recompute mode, and context parallelism
+    only for a sequence of LONG_SEQUENCE tokens or more (see context_sizes). A given list of context sizes is tried
+    with every (tp, pp), and the schema's rules reject the sizes that do not divide that data-parallel size."""
     world = nodes * devices_per_node
     tps = axis_values(search, "tensor_parallel_sizes", _powers_of_two(devices_per_node))
     pps = axis_values(search, "pipeline_parallel_sizes", [p for p in _powers_of_two(min(world, num_layers))])
     vpps = axis_values(search, "virtual_pipeline_sizes", [None])
     mbss = axis_values(search, "micro_batch_sizes", [1, 2, 4, 8])
     recomputes = axis_values(search, "activations_checkpoint", [None, "selective", "full"])
+    cps = search.get("context_parallel_sizes", "auto")
+    if cps not in ("auto", None):
+        cps = axis_values(search, "context_parallel_sizes", [1])
     for mode in recomputes:
         if mode not in RECOMPUTE:
             raise UserError(f"search_config.search.activations_checkpoint: {mode!r} is not one of "
                             f"{', '.join('null' if m is None else m for m in RECOMPUTE)}")
     sequence_parallel = search.get("sequence_parallel", "auto")
     zero1 = search.get("zero1", "auto")
+
+    def contexts(tp: int, pp: int) -> list[int]:
+        if isinstance(cps, list):
+            return [int(cp) for cp in cps]
+        dp = world // (int(tp) * int(pp)) if world % (int(tp) * int(pp)) == 0 else 1
+        return context_sizes(seq_length, dp)
+
     return [
         Candidate(tp=int(tp), pp=int(pp), vpp=int(vpp) if vpp else None, micro_batch_size=int(mbs), recompute=mode,
                   sequence_parallel=tp > 1 if sequence_parallel == "auto" else bool(sequence_parallel) and tp > 1,
-                  zero1=zero1_default if zero1 == "auto" else bool(zero1))
-        for tp in tps for pp in pps for vpp in vpps for mbs in mbss for mode in recomputes
+                  zero1=zero1_default if zero1 == "auto" else bool(zero1), cp=cp)
+        for tp in tps for pp in pps for cp in contexts(tp, pp) for vpp in vpps for mbs in mbss for mode in recomputes
     ]
 
 
@@ -131,6 +158,7 @@ def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | Non
                                                     f"{result.hardware.usable_bytes / 2**30:.1f} GiB usable"))
         else:
             ranked.append(Ranked(candidate, result))
-    # Ties (equal estimates) go to the layout with fewer model-parallel ranks, then the larger micro-batch.
-    return sorted(ranked, key=lambda r: (r.rejected is not None, r.step_seconds, r.candidate.tp * r.candidate.pp,
+    # Ties (equal estimates) go to the layout with fewer ranks per sample (tp x pp x cp), then the larger micro-batch.
+    return sorted(ranked, key=lambda r: (r.rejected is not None, r.step_seconds,
+                                         r.candidate.tp * r.candidate.pp * r.candidate.cp,
                                          -r.candidate.micro_batch_size))

@@ -81,12 +81,17 @@ def render(result, recipe: str, time_limit: str | None = None):
     shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
     vpp = f" (virtual {layout.vpp})" if layout.vpp > 1 else ""
     ep = f" · ep {layout.ep}" if layout.ep > 1 else ""
+    # The context group is carved out of dp, as ep is: shown beside it, with the ranks that read distinct samples.
+    context = (f" · cp {layout.cp}" if layout.cp > 1 else f" · ulysses {layout.ulysses}" if layout.ulysses > 1
+               else "")
+    if context:
+        context += f" ({layout.batch_dp} reading distinct samples)"
     parameters = f"{_count(result.parameters.total)} parameters"
     if shape.moe is not None:  # total holds every expert; a token runs only its top_k of them
         parameters += (f" ({_count(result.parameters.active)} active: top-{shape.moe.top_k} of "
                        f"{shape.moe.num_experts} experts in {shape.num_moe_layers} of {shape.num_layers} layers)")
     title = (f"{recipe}: {parameters} on {layout.num_nodes} × {layout.devices_per_node} {hw.description} · "
-             f"tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp}{ep} · micro-batch {layout.micro_batch_size} × "
+             f"tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp}{ep}{context} · micro-batch {layout.micro_batch_size} × "
              f"{layout.num_micro_batches} · global batch {layout.global_batch_size} × seq {shape.seq_length}")
     bytes_ = PRECISION_BYTES[layout.precision]
     dtype = {2: "bf16", 4: "fp32"}
@@ -110,8 +115,9 @@ def render(result, recipe: str, time_limit: str | None = None):
                    _gib(mem.optimizer))
     if mem.buffers:
         memory.add_row("buffers (RoPE tables)", _gib(mem.buffers))
+    tokens = f", seq / {layout.context}" if layout.context > 1 else ""  # each rank's share of every sample
     memory.add_row(f"activations ({mem.in_flight:g} micro-batch(es) in flight, {recompute} recompute, "
-                   f"sequence parallel {'on' if layout.sequence_parallel else 'off'})", _gib(mem.activations))
+                   f"sequence parallel {'on' if layout.sequence_parallel else 'off'}{tokens})", _gib(mem.activations))
     peak_part = "logits and loss" if mem.logits >= mem.backward else "one layer's backward"
     memory.add_row(f"peak working set ({peak_part})", _gib(max(mem.logits, mem.backward)))
     verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
@@ -132,6 +138,9 @@ def render(result, recipe: str, time_limit: str | None = None):
     if layout.ep > 1:
         terms.append(step.expert_parallel_s)
         names += " + ep all-to-all"
+    if layout.context > 1:
+        terms.append(step.context_parallel_s)
+        names += " + cp ring K/V" if layout.cp > 1 else " + ulysses all-to-all"
     time.add_row(f"layout model: {names}",
                  " + ".join(f"{term:.3g}" for term in terms) + f" = {_duration(step.total_s)}")
     time.add_row("tokens", _count(result.tokens))

@@ -6,6 +6,8 @@
 #
 # Modules: hardware (devices), shapes (model/layout from the config, parameter counts), memory (per device),
 # compute (FLOPs, step time, time to train). `nxdt-launch estimate` prints it; autoconfig ranks layouts with it.
+# Every part is a pure function of (ModelShape, Layout): peak_memory(shape, layout, kernels).activations is what a
+# benchmark compares with a measurement, for any tp / pp / ep / context-parallel (cp, ulysses) layout.
 from __future__ import annotations
 
 import dataclasses

@@ -2,7 +2,9 @@
 # to rank autoconfig candidates), and the days a token budget takes at an assumed MFU. An MoE layer's FLOPs are
 # what a token runs: its top_k experts and the router, not every expert (6·N with N the active weights). Expert
 # parallelism adds the token exchanges (all-to-all) to the step and moves the experts' gradient reduction to the
-# expert-data-parallel group.
+# expert-data-parallel group. Long context adds the context group's exchanges (ring K/V passes, less what they
+# overlap with attention, or Ulysses' all-to-alls) and leaves gradient reduction over every data-parallel rank; each
+# rank's matrix multiplies, TP and PP messages act on its seq / context tokens.
 from __future__ import annotations
 
 import math
@@ -10,8 +12,9 @@ import math
 import dataclasses
 
 from launcher.estimator.hardware import Hardware
-from launcher.estimator.memory import PRECISION_BYTES
-from launcher.estimator.shapes import Layout, ModelShape, count_parameters, expert_parameters, stage_moe_layers
+from launcher.estimator.memory import PRECISION_BYTES, kv_block_bytes
+from launcher.estimator.shapes import (Layout, ModelShape, count_parameters, expert_parameters, kv_heads_per_rank,
+                                       stage_moe_layers)
 
 SECONDS_PER_DAY = 86400.0
 
@@ -80,11 +83,12 @@ class StepTime:
     pipeline_s: float           # activations sent between stages
     model_flops: float          # per step, all devices
     expert_parallel_s: float = 0.0  # MoE tokens sent to their experts' ranks and back (all-to-all), ep > 1
+    context_parallel_s: float = 0.0  # ring K/V passes (cp > 1) or Ulysses' all-to-alls (ulysses > 1)
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.bubble_s + self.tensor_parallel_s + self.data_parallel_s + self.pipeline_s
-                + self.expert_parallel_s)
+                + self.expert_parallel_s + self.context_parallel_s)
 
 
 def _ring_seconds(bytes_: float, ranks: int, gbps: float, *, all_reduce: bool) -> float:
@@ -111,7 +115,7 @@ def all_to_all_bytes(shape: ModelShape, layout: Layout) -> float:
     assignments, whatever the routing), and each TP rank carries only its 1/tp of the rows."""
     c = PRECISION_BYTES[layout.precision].compute
     moe = shape.moe
-    assignments = moe.top_k * layout.micro_batch_size * shape.seq_length
+    assignments = moe.top_k * layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
     if moe.capacity_factor is None:
         return assignments * shape.hidden_size * c
     rows = math.ceil(math.ceil(moe.capacity_factor * assignments / moe.num_experts) / layout.tp)
@@ -137,16 +141,90 @@ def expert_parallel_seconds(shape: ModelShape, layout: Layout, hardware: Hardwar
             * _all_to_all_seconds(all_to_all_bytes(shape, layout), layout.ep, gbps))
 
 
+def attention_reruns(layout: Layout) -> bool:
+    """Whether backward runs core attention's forward again (full recompute, or selective with core attention)."""
+    return layout.recompute == "full" or (layout.recompute == "selective"
+                                          and "core_attention" in layout.recompute_modules)
+
+
+def ring_bytes_per_layer(shape: ModelShape, layout: Layout) -> float:
+    """Bytes one rank sends to its ring neighbour per layer and micro-batch under context parallelism, with B its
+    K/V block and G the block's dK/dV in fp32 (kv_block_bytes; G = 2B in bf16): forward passes B on cp - 1 times,
+    so every rank sees every block; backward passes the blocks round again (cp - 1 times) and with them their
+    accumulators (G, cp - 1 times), then the accumulators one last hop home (G):
+    (cp - 1)·B + (cp - 1)·B + cp·G, and (cp - 1)·B more when attention's forward is rerun in backward."""
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0
+    block, grads = kv_block_bytes(shape, layout), kv_block_bytes(shape, layout, dtype_bytes=4)
+    forward = (cp - 1) * block
+    return forward * (2 if attention_reruns(layout) else 1) + (cp - 1) * block + cp * grads
+
+
+def ring_seconds_per_layer(shape: ModelShape, layout: Layout, gbps: float, flops_per_s: float) -> float:
+    """Exposed seconds of one layer's ring passes for one micro-batch. The runtime starts each pass before a block's
+    attention and waits for it after (runtime/parallel/ring_attention.py), so a pass costs only what its transfer
+    takes beyond that block's compute: per step, the step's share of the attention FLOPs compute_s charges,
+    4·b·(h/tp)·(seq/cp)² forward and twice that backward. Forward: cp - 1 passes of B. Backward: B during the
+    rank's own block, B + G during each of the next cp - 2, G during the last, and G home after it (exposed)."""
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0
+    block = kv_block_bytes(shape, layout) / (gbps * 1e9)
+    grads = kv_block_bytes(shape, layout, dtype_bytes=4) / (gbps * 1e9)
+    tokens = layout.tokens_per_sample(shape.seq_length)
+    forward_compute = 4.0 * layout.micro_batch_size * shape.hidden_size / layout.tp * tokens ** 2 / flops_per_s
+    backward_compute = 2.0 * forward_compute
+    forward = (cp - 1) * max(0.0, block - forward_compute)
+    backward = (max(0.0, block - backward_compute) + (cp - 2) * max(0.0, block + grads - backward_compute)
+                + max(0.0, grads - backward_compute) + grads)
+    return forward * (2 if attention_reruns(layout) else 1) + backward
+
+
+def ulysses_bytes_per_layer(shape: ModelShape, layout: Layout) -> float:
+    """The buffers one rank puts into Ulysses' all-to-alls per layer and micro-batch: q, k, v before core
+    attention (sequence split to head split) and the output after, each (b, seq / u, columns / tp); forward and
+    backward alike, the forward's again when attention is rerun. KV heads that do not split over u per rank are
+    replicated to every query head first, so k and v are then as wide as q."""
+    u = layout.ulysses
+    if u <= 1:
+        return 0.0
+    c = PRECISION_BYTES[layout.precision].compute
+    heads = shape.num_attention_heads // layout.tp
+    kv = kv_heads_per_rank(shape, layout.tp)
+    kv = kv if kv % u == 0 else heads
+    tokens = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
+    once = c * tokens * shape.head_dim * (heads + 2 * kv + heads)  # q, k, v, output
+    return once * (3 if attention_reruns(layout) else 2)
+
+
+def context_parallel_seconds(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float) -> float:
+    """The step's context-group traffic on one rank: micro-batches x the pipeline rank's layers x one layer's. A
+    context group is cp (or u) consecutive data-parallel ranks, tp x cp consecutive global ranks: inside a node when
+    that fits in one, over the network otherwise. Ring passes overlap the block attention they carry keys for
+    (ring_seconds_per_layer); Ulysses' all-to-alls block, each moving (u - 1) / u of its buffer."""
+    if layout.context <= 1:
+        return 0.0
+    inter_node = layout.tp * layout.context > layout.devices_per_node
+    gbps = hardware.inter_node_gbps if inter_node else hardware.intra_node_gbps
+    layers = layout.num_micro_batches * (shape.num_layers // layout.pp)
+    if layout.cp > 1:
+        flops_per_s = hardware.peak_tflops * 1e12 * mfu * gemm_efficiency(shape, layout)
+        return layers * ring_seconds_per_layer(shape, layout, gbps, flops_per_s)
+    return layers * _all_to_all_seconds(ulysses_bytes_per_layer(shape, layout), layout.ulysses, gbps)
+
+
 def gemm_efficiency(shape: ModelShape, layout: Layout) -> float:
     """A heuristic for how far small matrix multiplies fall short of peak: each device's GEMMs have
-    micro_batch x seq rows and hidden / tp columns; at 2^20 elements they reach half of the assumed efficiency."""
-    size = layout.micro_batch_size * shape.seq_length * shape.hidden_size / layout.tp
+    micro_batch x seq / context rows and hidden / tp columns; at 2^20 elements they reach half of the assumed
+    efficiency."""
+    size = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length) * shape.hidden_size / layout.tp
     return size / (size + 2**20 / 8)
 
 
 def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float) -> StepTime:
     """What one optimizer step should take with this layout: a model for ranking layouts before measuring them.
-    Communication is counted as exposed (the runtime does not overlap it with compute)."""
+    Communication is counted as exposed (the runtime does not overlap it with compute), except the ring's passes."""
     c = PRECISION_BYTES[layout.precision].compute
     tokens = layout.global_batch_size * shape.seq_length
     model_flops = flops_per_token(shape) * tokens
@@ -155,14 +233,15 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
     m, p, v = layout.num_micro_batches, layout.pp, layout.vpp
     bubble = compute * (p - 1) / (m * v) if p > 1 else 0.0
 
-    micro_activation = layout.micro_batch_size * shape.seq_length * shape.hidden_size * c
+    micro_activation = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length) * shape.hidden_size * c
     layers = shape.num_layers // p
     collectives_per_layer = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, 2 recomputed
     tensor_parallel = m * layers * collectives_per_layer * _ring_seconds(
         micro_activation, layout.tp, hardware.intra_node_gbps, all_reduce=True)
 
-    # Gradients are reduced over dp, except the experts': their replicas are the dp / ep ranks holding the same
-    # experts (the expert-data-parallel group, which spans as many nodes as dp: ranks tp * ep apart).
+    # Gradients are reduced over dp (context groups included: their ranks hold replicas too), except the experts':
+    # their replicas are the dp / ep ranks holding the same experts (the expert-data-parallel group, which spans as
+    # many nodes as dp: ranks tp * ep apart).
     # Per device, averaged over pipeline ranks: every weight is split over tp x pp, the experts also over ep.
     all_experts = shape.num_moe_layers * shape.moe.num_experts * expert_parameters(shape) if shape.moe else 0
     dense = (count_parameters(shape).total - all_experts) / (layout.tp * p)
@@ -179,7 +258,8 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
         shard = layout.tp if layout.sequence_parallel else 1
         pipeline = 2 * m * v * micro_activation / shard / (stage_gbps * 1e9)
     return StepTime(compute, bubble, tensor_parallel, data_parallel, pipeline, model_flops,
-                    expert_parallel_seconds(shape, layout, hardware))
+                    expert_parallel_seconds(shape, layout, hardware),
+                    context_parallel_seconds(shape, layout, hardware, mfu))
 
 
 def _gradient_seconds(params: float, ranks: int, gbps: float, layout: Layout) -> float:

@@ -23,6 +23,16 @@
 # of each (runtime/parallel/experts.py), and the replicated router; ZeRO-1 shards the experts' optimizer state over
 # the expert-data-parallel group (dp / ep ranks: the others hold other experts) and the rest over dp. Activations
 # hold only what a token's top_k experts and the router keep (see moe_activation_bytes).
+#
+# Long context (runtime/parallel/context.py, ring_attention.py): every activation term above counts the rank's own
+# tokens, seq / context of each sample (cp for ring attention, u for Ulysses), so activations, logits and the
+# backward working set divide by the context size; sequence parallelism then splits those tokens by tp as before.
+# Ring attention is flash-style (no s x s matrix) and keeps q, k and v as it gets them (k, v not expanded to the
+# query heads; v's view keeps the QKV output), the output and its log-sum-exp; its backward holds K/V blocks and
+# their fp32 dK/dV accumulators in flight (ring_buffer_bytes). Ulysses' core attention keeps seq x heads / (tp·u)
+# tensors, the same element count as seq / u x heads / tp: the all-to-all'd q, k, v (KV heads at one per query
+# head) and its output, which the projection does not share (it gets the output back in sequence order); only an
+# unfused score matrix (b, heads / (tp·u), s, s) divides by u once.
 from __future__ import annotations
 
 import math
@@ -110,7 +120,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     recompute = layout.recompute
     bytes_ = PRECISION_BYTES[layout.precision]
     c, r = bytes_.compute, bytes_.residual
-    b, s, h, t = layout.micro_batch_size, shape.seq_length, shape.hidden_size, layout.tp
+    b, h, t = layout.micro_batch_size, shape.hidden_size, layout.tp
+    s = layout.tokens_per_sample(shape.seq_length)  # the rank's tokens of each sample (all of them: context 1)
     E = b * s * h
     shard = 1.0 / t if layout.sequence_parallel else 1.0
     if recompute == "full":
@@ -131,19 +142,22 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     qkv = heads + 2 * kv
     if shape.architecture == "gpt":
         total += width(qkv)                    # q, k, v are views of the QKV output
-    elif attn_recomputed or kv == heads:
+    elif attn_recomputed or layout.cp > 1 or (kv == heads and layout.ulysses == 1):
         total += width(heads + kv) + width(qkv)  # rotated q, k; the QKV output lives on through v's view
     else:
-        total += width(3 * heads)              # rotated q, and k, v repeated to every query head (GQA)
+        total += width(3 * heads)              # rotated q, and k, v repeated to every query head (GQA; Ulysses)
     # The attention output, which the projection saves as its input: fused kernels return it in (b, s, heads, d)
     # memory order, so the reshape back to (b, s, h) is a view of what the kernel itself keeps for backward.
-    total += width(heads)
+    # Ulysses' kernel keeps its head-split output, and the projection gets a sequence-ordered copy.
+    total += width(heads) * (2 if layout.ulysses > 1 and not attn_recomputed else 1)
     if not attn_recomputed:
-        if kernels.flash:
+        if kernels.flash or layout.cp > 1:    # ring attention is flash-style whatever the device
             total += 4 * b * heads * s         # log-sum-exp
         else:
+            # Scaled q, k; softmax (+ mask, dropout): each of the rank's query rows against every key. Under
+            # Ulysses that is (b, heads / (tp·u), seq, seq), the same count as (b, heads / tp, seq / u, seq).
             dropout = mask + c if shape.attention_dropout > 0 else 0
-            total += width(2 * heads) + (c + dropout) * b * heads * s * s  # scaled q, k; softmax (+ mask, dropout)
+            total += width(2 * heads) + (c + dropout) * b * heads * s * shape.seq_length
     ffn = shape.ffn_hidden_size // t
     if mlp_recomputed:
         total += r * E * shard                 # the recomputed MLP's input
@@ -176,7 +190,7 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     num_experts / ep experts on ep ranks' batches."""
     c = PRECISION_BYTES[layout.precision].compute
     moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size // layout.tp
-    tokens = layout.micro_batch_size * shape.seq_length
+    tokens = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
     assignments = tokens * moe.top_k
     rows = assignments
     if moe.capacity_factor is not None:
@@ -193,12 +207,36 @@ def _norm_bytes(shape: ModelShape, residual: int) -> int:
 
 def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = False) -> float:
     """Gradients alive while backward runs through one layer: the residual stream's and two MLP-wide ones (of an
-    MoE layer, two as wide as the top_k experts' intermediates together)."""
+    MoE layer, two as wide as the top_k experts' intermediates together); with ring attention also the K/V blocks
+    in flight (ring_buffer_bytes)."""
     c = PRECISION_BYTES[layout.precision].compute
-    b, s = layout.micro_batch_size, shape.seq_length
+    b, s = layout.micro_batch_size, layout.tokens_per_sample(shape.seq_length)
     if moe:
         return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * (shape.ffn_hidden_size // layout.tp))
-    return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp)
+    return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp) + ring_buffer_bytes(shape, layout)
+
+
+def kv_block_bytes(shape: ModelShape, layout: Layout, *, dtype_bytes: int | None = None) -> float:
+    """One rank's K and V for one micro-batch, as the ring passes them: 2 x (b, seq / cp, kv_heads / tp, head_dim)
+    at the compute dtype (a replicated KV head per rank when tp exceeds the KV heads); `dtype_bytes` 4: their
+    dK/dV, which the ring accumulates in fp32."""
+    c = dtype_bytes or PRECISION_BYTES[layout.precision].compute
+    tokens = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
+    return 2 * c * tokens * kv_heads_per_rank(shape, layout.tp) * shape.head_dim
+
+
+def ring_buffer_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Ring attention's backward, per rank: the K/V block in hand and the one arriving, the fp32 dK/dV accumulator
+    in hand and the one arriving, the fp32 dq accumulator (b, heads / tp, seq / cp, head_dim), and with GQA the
+    block's K and V repeated to every query head. Nothing without context parallelism."""
+    if layout.cp <= 1:
+        return 0.0
+    c = PRECISION_BYTES[layout.precision].compute
+    tokens = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
+    heads, kv = shape.num_attention_heads // layout.tp, kv_heads_per_rank(shape, layout.tp)
+    expanded = 2 * c * tokens * heads * shape.head_dim if kv != heads else 0.0
+    return (2 * kv_block_bytes(shape, layout) + 2 * kv_block_bytes(shape, layout, dtype_bytes=4)
+            + 4 * tokens * heads * shape.head_dim + expanded)
 
 
 def loss_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -209,7 +247,7 @@ def loss_bytes(shape: ModelShape, layout: Layout) -> float:
     layer's backward then holds the logits' gradient with its own weight gradient."""
     bytes_ = PRECISION_BYTES[layout.precision]
     c, r = bytes_.compute, bytes_.residual
-    b, s, t = layout.micro_batch_size, shape.seq_length, layout.tp
+    b, s, t = layout.micro_batch_size, layout.tokens_per_sample(shape.seq_length), layout.tp
     E = b * s * shape.hidden_size
     shard = 1.0 / t if layout.sequence_parallel else 1.0
     tokens_by_vocab = b * s * shape.vocab_size / t
@@ -237,7 +275,8 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
         activations += moe_layers * in_flight * layer_activation_bytes(shape, layout, kernels, moe=True)
     if first and shape.hidden_dropout > 0 and shape.architecture == "gpt":  # the embedding's dropout mask
         mask = bytes_.compute if kernels.mask_as_activation else 1
-        activations += in_flight * mask * layout.micro_batch_size * shape.seq_length * shape.hidden_size
+        activations += (in_flight * mask * layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
+                        * shape.hidden_size)
     # The largest of the stage's layer kinds (dense, MoE): backward runs through one layer at a time.
     kinds = [moe for moe, count in ((False, layers - moe_layers), (True, moe_layers)) if count] or [False]
     rebuilt = dataclasses.replace(layout, recompute=None)

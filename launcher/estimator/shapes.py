@@ -7,6 +7,11 @@
 # On a device (runtime/parallel/experts.py): E / ep experts (expert parallelism, carved out of data parallelism),
 # each split over tensor parallelism like a dense SwiGLU (gate_up (E/ep, h, 2f/tp), down (E/ep, f/tp, h)); the
 # router is replicated.
+#
+# Long context (runtime/schema/rules.py "long context"): a context group of cp ranks (ring attention) or u ranks
+# (DeepSpeed-Ulysses) splits each sequence. Like expert parallelism it is carved out of data parallelism: dp still
+# counts every replica (gradients and ZeRO-1 go over all of them), while only dp / context ranks read distinct
+# samples; each rank holds seq / context tokens of each of its samples.
 from __future__ import annotations
 
 import dataclasses
@@ -77,6 +82,8 @@ class Layout:
     recompute_modules: tuple[str, ...]
     precision: str
     ep: int = 1                  # expert-parallel size: experts sharded over ep consecutive data-parallel ranks
+    cp: int = 1                  # context-parallel size: sequences split over cp consecutive dp ranks (ring)
+    ulysses: int = 1             # Ulysses size: the same split, with head-split attention (one of cp, ulysses is 1)
 
     @property
     def world_size(self) -> int:
@@ -93,9 +100,23 @@ class Layout:
         return self.dp // self.ep
 
     @property
+    def context(self) -> int:
+        """The context group's size: the consecutive data-parallel ranks that split one sequence."""
+        return self.cp * self.ulysses
+
+    @property
+    def batch_dp(self) -> int:
+        """Data-parallel ranks that read distinct samples: the ranks of a context group share theirs."""
+        return self.dp // self.context
+
+    def tokens_per_sample(self, seq_length: int) -> int:
+        """Tokens of each sample one rank holds outside core attention (before sequence parallelism's split)."""
+        return seq_length // self.context
+
+    @property
     def num_micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step (gradient accumulation)."""
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
+        return self.global_batch_size // (self.micro_batch_size * self.batch_dp)
 
 
 def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int:
@@ -173,6 +194,8 @@ def layout_from_training(training: dict[str, Any]) -> Layout:
         recompute_modules=tuple(model.get("activations_checkpoint_recompute") or ()),
         precision=str((training.get("precision") or {}).get("type") or "fp32"),
         ep=int(model.get("expert_model_parallel_size") or 1),
+        cp=int(model.get("context_parallel_size") or 1),
+        ulysses=int(model.get("ulysses_parallel_size") or 1),
     )
 
 

@@ -60,6 +60,28 @@ def recv(out: torch.Tensor, src: int, tag: int) -> torch.Tensor:
     return out
 
 
+def start_ring_pass(x: torch.Tensor, axis: AxisGroup, tag: int):
+    """Start sending x to the next rank of `axis` (in axis order, wrapping round) and receiving the previous
+    rank's tensor of the same shape; finish_ring_pass returns it. Both directions are one batch: NCCL runs the pair
+    as one grouped operation (separate calls, each rank first waiting to receive, would wait round the ring
+    forever); gloo runs them side by side. Staged through host memory where the backend needs it."""
+    send = x.contiguous()
+    if needs_host_staging(send, axis.group):
+        send = send.cpu()
+    received = torch.empty_like(send)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.irecv, received, axis.ranks[(axis.rank - 1) % axis.size], axis.group, tag),
+        dist.P2POp(dist.isend, send, axis.ranks[(axis.rank + 1) % axis.size], axis.group, tag)])
+    return works, send, received, x.device  # the send buffer stays referenced until the pass is finished
+
+
+def finish_ring_pass(pending) -> torch.Tensor:
+    works, _send, received, device = pending
+    for work in works:
+        work.wait()
+    return received if received.device == device else received.to(device)
+
+
 def all_reduce(x: torch.Tensor, axis: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In place; returns x."""
     if axis.size > 1:

@@ -63,12 +63,12 @@ class RingAttention(nn.Module):
     """CoreAttention's replacement under context parallelism (same inputs: q (B, nh, T/cp, d), k and v
     (B, ng, T/cp, d); same output). Its own module, so selective recompute can still target it."""
 
-    def __init__(self, axis: AxisGroup):
+    def __init__(self, axis: AxisGroup, kernels_for=None):
         super().__init__()
-        self.axis = axis
+        self.axis, self.kernels_for = axis, kernels_for
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.axis)
+        return ring_attention(q, k, v, self.axis, self.kernels_for)
 
 
 class UlyssesAttention(nn.Module):
@@ -107,8 +107,10 @@ def _heads_to_sequence(y: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
     return got.transpose(0, 1).reshape(B, g * u, T // u, d)
 
 
-def apply_context_parallel(model: CausalLM, axis: AxisGroup, kind: str) -> None:
-    """Make `model` attend across its context group and take positions from the layout (in place)."""
+def apply_context_parallel(model: CausalLM, axis: AxisGroup, kind: str, attention_kernels=None) -> None:
+    """Make `model` attend across its context group and take positions from the layout (in place).
+    attention_kernels: runtime.device.flash_attention_kernels, the fused kernels ring attention runs its blocks
+    with where the device has them (passed in: this package cannot import the device module)."""
     assert kind in KINDS, kind
     positions = ContextPositions(axis, kind)
     for module in model.modules():
@@ -116,4 +118,4 @@ def apply_context_parallel(model: CausalLM, axis: AxisGroup, kind: str) -> None:
             module.positions = positions
     for block in model.layers:
         core = block.attn.core_attention
-        block.attn.core_attention = RingAttention(axis) if kind == "ring" else UlyssesAttention(core, axis)
+        block.attn.core_attention = RingAttention(axis, attention_kernels) if kind == "ring" else UlyssesAttention(core, axis)

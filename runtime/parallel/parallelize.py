@@ -28,7 +28,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
                       activation_checkpointing: str | None = None,
                       recompute_modules: Sequence[str] = ("core_attention",),
                       virtual_pp: int | None = None, device: torch.device | str | None = None,
-                      data_parallel: DataParallelConfig | None = None, context: str = "ring") -> nn.Module:
+                      data_parallel: DataParallelConfig | None = None, context: str = "ring",
+                      attention_kernels=None) -> nn.Module:
     """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it,
     with its ShardingPlan as `sharding_plan`.
 
@@ -40,6 +41,7 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     device: move the parallelized model there (and re-tie a shared embedding the move may have untied).
     data_parallel: apply data parallelism last (runtime/parallel/data_parallel.py); the optimizer needs it.
     context: how attention crosses a context group of more than one rank (topo.cp): 'ring' or 'ulysses'.
+    attention_kernels: runtime.device.flash_attention_kernels for ring attention's blocks (None: spelled-out math).
     """
     problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
                                                  activation_checkpointing)]
@@ -54,7 +56,7 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if any(isinstance(m, SparseMoE) for m in model.modules()) and (topo.ep.size > 1 or topo.tp.size > 1):
         apply_expert_parallel(model, topo, plan, sequence_parallel=sequence_parallel)
     if topo.cp.size > 1:
-        apply_context_parallel(model, topo.cp, context)
+        apply_context_parallel(model, topo.cp, context, attention_kernels)
     if activation_checkpointing == "full":
         for block in model.layers:
             checkpoint_module(block)

@@ -19,39 +19,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from runtime.parallel.topology import AxisGroup, needs_host_staging
+from runtime.parallel import collectives as C
+from runtime.parallel.topology import AxisGroup
 
 KV_TAG, GRAD_TAG = 7, 8  # distinct from the pipeline's activation/gradient tags: a rank may be in both
-
-
-class _Ring:
-    """Pass tensors one hop along the context group: send to the next rank, receive from the previous one.
-    Both are started before the step's compute and finished after it, so the transfer overlaps the math."""
-
-    def __init__(self, axis: AxisGroup):
-        self.next = axis.ranks[(axis.rank + 1) % axis.size]  # global ranks, as P2POp takes them
-        self.prev = axis.ranks[(axis.rank - 1) % axis.size]
-        self.group = axis.group
-
-    def start(self, tensor: torch.Tensor, tag: int):
-        send = tensor.contiguous()
-        host = needs_host_staging(send)  # gloo over XLA tensors: through host memory, as every collective here
-        send_buf = send.cpu() if host else send
-        recv_buf = torch.empty_like(send_buf)
-        # One batch: NCCL runs the pair as one grouped operation (separate calls, each rank first waiting to
-        # receive, would wait round the ring forever); gloo runs them side by side.
-        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv_buf, self.prev, self.group, tag),
-                                        dist.P2POp(dist.isend, send_buf, self.next, self.group, tag)])
-        return works, send_buf, recv_buf, tensor.device
-
-    @staticmethod
-    def finish(pending) -> torch.Tensor:
-        works, _send_buf, recv_buf, device = pending
-        for work in works:
-            work.wait()
-        return recv_buf.to(device) if recv_buf.device != device else recv_buf
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -67,22 +39,22 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.view(B, kv_heads, nh // kv_heads, T, d).sum(dim=2)
 
 
-def block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(q, k, v, causal: bool, scale: float, kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, h, Tq, d), log-sum-exp (B, h, Tq) fp32) of softmax(q k^T * scale [+ causal]) v.
 
-    On CPU, the fused flash kernel SDPA itself runs (the single-process model's arithmetic); elsewhere the same
-    math spelled out (what XLA compiles; on CUDA a fused kernel would also save the block's score matrix).
+    kernels: the device's fused (forward, backward) flash kernels that take and return the log-sum-exp
+    (runtime/device.py's flash_attention_kernels: on CPU the one SDPA itself runs, so the single-process model's
+    arithmetic); None: the same math spelled out in query tiles.
     """
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if kernels is not None:
+        return kernels[0](q, k, v, 0.0, causal, scale=scale)
     return math_block_attention(q, k, v, causal, scale)
 
 
-def block_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+def block_attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, kernels=None):
     """(dq, dk, dv) of one block, given the final output and log-sum-exp of every query row."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if kernels is not None:
+        return kernels[1](grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
     return math_block_attention_backward(grad_out, q, k, v, out, lse, causal, scale)
 
 
@@ -133,65 +105,69 @@ def _merge(out, lse, block_out, block_lse):
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """q (B, nh, 2c, d), k and v (B, ng, 2c, d): this rank's chunks (r, 2·cp−1−r) in that order."""
+    """q (B, nh, 2c, d), k and v (B, ng, 2c, d): this rank's chunks (r, 2·cp−1−r) in that order; kernels_for:
+    tensor -> the device's fused kernels or None (see block_attention)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: AxisGroup):
+    def forward(ctx, q, k, v, axis: AxisGroup, kernels_for):
+        kernels = kernels_for(q) if kernels_for is not None else None
         rank, size = axis.rank, axis.size
         nh, c = q.shape[1], q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
-        ring = _Ring(axis)
         kv = torch.stack([k, v])
-        pending = ring.start(kv, KV_TAG) if size > 1 else None
-        out, lse = block_attention(q, _expand(k, nh), _expand(v, nh), True, scale)
+        pending = C.start_ring_pass(kv, axis, KV_TAG) if size > 1 else None
+        out, lse = block_attention(q, _expand(k, nh), _expand(v, nh), True, scale, kernels)
         out = out.float()
         for step in range(1, size):
-            kv = _Ring.finish(pending)
+            kv = C.finish_ring_pass(pending)
             if step + 1 < size:
-                pending = ring.start(kv, KV_TAG)
+                pending = C.start_ring_pass(kv, axis, KV_TAG)
             source = (rank - step) % size
             bk, bv = _expand(kv[0], nh), _expand(kv[1], nh)
             rows = slice(None) if source < rank else slice(c, None)  # which queries see the block (see top)
             keys = slice(None, c) if source < rank else slice(None)   # which of its keys they see
-            block_out, block_lse = block_attention(q[:, :, rows], bk[:, :, keys], bv[:, :, keys], False, scale)
+            block_out, block_lse = block_attention(q[:, :, rows], bk[:, :, keys], bv[:, :, keys], False, scale,
+                                                     kernels)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.scale = axis, scale
+        ctx.axis, ctx.scale, ctx.kernels = axis, scale, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        axis, scale = ctx.axis, ctx.scale
+        axis, scale, kernels = ctx.axis, ctx.scale, ctx.kernels
         rank, size = axis.rank, axis.size
         nh, ng, c = q.shape[1], k.shape[1], q.shape[2] // 2
         grad_out = grad_out.contiguous()
-        ring = _Ring(axis)
         kv = torch.stack([k, v])
-        pending = ring.start(kv, KV_TAG) if size > 1 else None
-        dq, dk, dv = block_attention_backward(grad_out, q, _expand(k, nh), _expand(v, nh), out, lse, True, scale)
+        pending = C.start_ring_pass(kv, axis, KV_TAG) if size > 1 else None
+        dq, dk, dv = block_attention_backward(grad_out, q, _expand(k, nh), _expand(v, nh), out, lse, True, scale,
+                                              kernels)
         dq = dq.float()
         dkv = torch.stack([_fold(dk, ng), _fold(dv, ng)]).float()  # travels with the K/V block it belongs to
         for step in range(1, size):
-            kv = _Ring.finish(pending)
-            dkv_pending = ring.start(dkv, GRAD_TAG)
+            kv = C.finish_ring_pass(pending)
+            dkv_pending = C.start_ring_pass(dkv, axis, GRAD_TAG)
             if step + 1 < size:
-                pending = ring.start(kv, KV_TAG)
+                pending = C.start_ring_pass(kv, axis, KV_TAG)
             source = (rank - step) % size
             bk, bv = _expand(kv[0], nh), _expand(kv[1], nh)
             rows = slice(None) if source < rank else slice(c, None)  # which queries see the block (see top)
             keys = slice(None, c) if source < rank else slice(None)   # which of its keys they see
             bdq, bdk, bdv = block_attention_backward(grad_out[:, :, rows], q[:, :, rows], bk[:, :, keys],
-                                                     bv[:, :, keys], out[:, :, rows], lse[:, :, rows], False, scale)
+                                                     bv[:, :, keys], out[:, :, rows], lse[:, :, rows], False, scale,
+                                                     kernels)
             dq[:, :, rows] += bdq
-            dkv = _Ring.finish(dkv_pending)  # the block's accumulator, sent on while this rank computed
+            dkv = C.finish_ring_pass(dkv_pending)  # the block's accumulator, sent on while this rank computed
             dkv[0, :, :, keys] += _fold(bdk, ng)
             dkv[1, :, :, keys] += _fold(bdv, ng)
         if size > 1:  # the buffer in hand is the next rank's block's; ours is one hop behind
-            dkv = _Ring.finish(ring.start(dkv, GRAD_TAG))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+            dkv = C.finish_ring_pass(C.start_ring_pass(dkv, axis, GRAD_TAG))
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
-    return RingAttentionFunction.apply(q, k, v, axis)
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup,
+                   kernels_for=None) -> torch.Tensor:
+    return RingAttentionFunction.apply(q, k, v, axis, kernels_for)

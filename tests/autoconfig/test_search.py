@@ -77,6 +77,47 @@ def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
     assert tight[0].rejected.startswith("estimated")
 
 
+def test_context_parallel_sizes_are_searched_for_long_sequences():
+    """auto: context parallelism only from LONG_SEQUENCE tokens, and only the powers of two that divide each (tp, pp)'s
+    data-parallel size and split the sequence into 2·cp chunks; a given list is tried with every layout."""
+    axes = {"tensor_parallel_sizes": [8, 32], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
+            "activations_checkpoint": [None]}
+    short = search.grid(axes, nodes=4, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=8192)
+    assert {c.cp for c in short} == {1}
+    long = search.grid(axes, nodes=4, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=32768)
+    by_tp = {tp: sorted(c.cp for c in long if c.tp == tp) for tp in (8, 32)}
+    assert by_tp == {8: [1, 2, 4, 8, 16], 32: [1, 2, 4]}  # dp 16 and 4
+    assert search.context_sizes(24, 8) == [1] and search.context_sizes(16384 + 2, 8) == [1]  # 2·cp must divide seq
+    given = search.grid({**axes, "context_parallel_sizes": [1, 3]}, nodes=4, devices_per_node=32, num_layers=32,
+                        zero1_default=True, seq_length=8192)
+    assert sorted(c.cp for c in given) == [1, 1, 3, 3]
+    candidate = next(c for c in long if c.cp == 4 and c.tp == 8)
+    assert candidate.tag == "tp8_pp1_cp4_mbs1_norecompute"
+    assert candidate.settings()["model.context_parallel_size"] == 4
+    with pytest.raises(UserError, match="context_parallel_sizes"):
+        search.grid({"context_parallel_sizes": 2}, nodes=1, devices_per_node=2, num_layers=4, zero1_default=False)
+
+
+def test_context_parallel_candidates_are_validated_and_ranked_by_the_estimate():
+    """Llama 3.1 8B at 32k on 32 trn1 nodes at TP 8 (dp 128): without a context group the activations do not fit a
+    NeuronCore; splitting each sequence over cp ranks divides them, the rules refuse a cp that does not divide dp,
+    and the fastest launchable layout splits the sequence."""
+    base = resolved("training=llama3_1/8b_32k")["training"]
+    candidates = search.grid({"tensor_parallel_sizes": [8], "pipeline_parallel_sizes": [1],
+                              "micro_batch_sizes": [1], "activations_checkpoint": [None, "selective_mlp"],
+                              "context_parallel_sizes": [1, 2, 3, 4]},
+                             nodes=32, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=32768)
+    ranked = search.rank(base, candidates, device="trn1", mfu=None, vocab_size=128256)
+    by_key = {(r.candidate.cp, r.candidate.recompute): r for r in ranked}
+    assert by_key[(1, None)].rejected.startswith("estimated")
+    assert "context_parallel_size: 3 must divide the data-parallel size 128" in by_key[(3, None)].rejected
+    assert by_key[(4, "selective_mlp")].rejected is None
+    assert by_key[(2, None)].estimate.memory.activations == pytest.approx(
+        by_key[(1, None)].estimate.memory.activations / 2, rel=0.02)
+    best = ranked[0]
+    assert best.rejected is None and best.candidate.cp > 1
+
+
 def test_bad_search_axes_are_user_errors():
     with pytest.raises(UserError, match="activations_checkpoint"):
         search.grid({"activations_checkpoint": ["sometimes"]}, nodes=1, devices_per_node=2, num_layers=4,

@@ -7,6 +7,7 @@ import dataclasses
 import torch.distributed as dist
 
 from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint
+from runtime.device import flash_attention_kernels
 from runtime.models import build_model
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
@@ -40,7 +41,8 @@ def build(arch: str, layout: L, seed: int):
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
                                        world_size=world, ep=layout.ep, cp=layout.cp))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=False,
-                              data_parallel=DataParallelConfig("fp32", layout.zero1))
+                              data_parallel=DataParallelConfig("fp32", layout.zero1),
+                              attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     return cfg, topo, model, optimizer
 

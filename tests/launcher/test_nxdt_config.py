@@ -354,3 +354,43 @@ def test_explain_config_shows_what_the_base_recipe_supplies(tmp_path):
     result = nxdt("explain-config", str(FIXTURES / "hf_llama3_8B_config.yaml"), cwd=tmp_path)
     flat = " ".join(result.stdout.split())
     assert "(not in the file) run.preemption_signal_s" in flat.replace("│ ", "").replace(" │", "")
+
+
+def _nxd_cp_file(tmp_path, size: int = 2):
+    """NxD Training's hf_llama3_70B_CP_config.yaml: its hf_llama3_70B_config.yaml with context_parallel_size 2 and
+    ring attention in place of flash attention (the published file differs from it in nothing else)."""
+    text = (FIXTURES / "hf_llama3_70B_config.yaml").read_text()
+    for old, new in (("  context_parallel_size: 1", f"  context_parallel_size: {size}"),
+                     ("    flash_attention: True", "    flash_attention: False\n    ring_attention: True")):
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "hf_llama3_70B_CP_config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_nxd_context_parallel_file_renders_our_context_parallel_recipe(tmp_path):
+    """distributed_strategy.context_parallel_size maps onto model.context_parallel_size: NxD's published CP file is
+    the layout of training=llama3/70b_cp (NxD's data-parallel size, world / (tp x pp x cp), is our dp / cp)."""
+    plan, ours = _training(tmp_path, f"training=@{_nxd_cp_file(tmp_path)}")
+    _, theirs = _training(tmp_path, "training=llama3/70b_cp")
+    for key in (*LAYOUT, "context_parallel_size", "activations_checkpoint_granularity"):
+        assert ours["model"][key] == theirs["model"][key], (key, ours["model"][key], theirs["model"][key])
+    assert ours["model"]["context_parallel_size"] == 2
+    for key in ("num_nodes", "devices", "accelerator", "max_steps"):
+        assert ours["trainer"][key] == theirs["trainer"][key], key
+    (script,) = launch.write(plan)
+    assert "#SBATCH --nodes=16" in script.read_text()
+    result = nxdt("explain-config", str(_nxd_cp_file(tmp_path)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    flat = " ".join(result.stdout.replace("│", " ").split())
+    assert "distributed_strategy.context_parallel_size 2 training.model.context_parallel_size" in flat
+    assert "ignored: kernel fusions are the backend's choice" in flat  # fusions.ring_attention: what cp > 1 runs
+
+
+def test_nxd_context_parallel_size_the_layout_cannot_carve_is_refused(tmp_path):
+    """The schema's long-context rules run on the mapped file: CP must divide the data-parallel size (2 here)."""
+    with pytest.raises(UserError) as caught:
+        _training(tmp_path, f"training=@{_nxd_cp_file(tmp_path, size=4)}")
+    assert any("training.model.context_parallel_size: 4 must divide the data-parallel size 2" in problem
+               for problem in caught.value.problems), caught.value.problems

@@ -41,8 +41,17 @@ INTENDED = {
     "llama3/70b": ("pcluster_trn1", "trn1"),
     "llama3/70b_trn2": ("pcluster_trn2", "trn2"),
     "llama3/70b_gpu": ("slurm", "h100"),
+    "llama3/70b_cp": ("pcluster_trn1", "trn1"),
+    "llama3/70b_cp_trn2": ("pcluster_trn2", "trn2"),
+    "llama3/70b_cp_gpu": ("slurm", "h100"),
     "llama3_1/8b": ("pcluster_trn1", "trn1"),
     "llama3_1/8b_gpu": ("slurm", "h100"),
+    "llama3_1/8b_32k": ("pcluster_trn1", "trn1"),
+    "llama3_1/8b_32k_trn2": ("pcluster_trn2", "trn2"),
+    "llama3_1/8b_32k_gpu": ("slurm", "h100"),
+    "llama3_1/8b_128k": ("pcluster_trn1", "trn1"),
+    "llama3_1/8b_128k_trn2": ("pcluster_trn2", "trn2"),
+    "llama3_1/8b_128k_gpu": ("slurm", "h100"),
     "llama3_1/70b": ("pcluster_trn1", "trn1"),
     "llama3_1/70b_gpu": ("slurm", "h100"),
 }
@@ -102,6 +111,19 @@ PUBLISHED = {
     "llama3/70b": dict(num_nodes=16, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
     "llama3_1/70b": dict(num_nodes=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
     "llama3/8b_trn2": dict(num_nodes=1, devices=64, tensor_model_parallel_size=16),
+    # NxD Training's hf_llama3_70B_CP_config.yaml.
+    "llama3/70b_cp": dict(num_nodes=16, devices=32, tensor_model_parallel_size=32, context_parallel_size=2,
+                          pipeline_model_parallel_size=8, zero1=True, sequence_parallel=True, micro_batch_size=1,
+                          global_batch_size=1024, encoder_seq_length=8192, max_position_embeddings=8192,
+                          activations_checkpoint_granularity="selective",
+                          activations_checkpoint_recompute=["core_attention", "mlp"]),
+    # NeMo 2.0's recipes/llama3_8b_128k.py layout (its node count and batch are NeMo's defaults, not copied).
+    "llama3_1/8b_128k_gpu": dict(devices=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
+                                 context_parallel_size=8, sequence_parallel=True, encoder_seq_length=131072),
+    # NeMo-Launcher's conf/training/llama/llama3_70b.yaml layout.
+    "llama3/70b_cp_gpu": dict(num_nodes=128, devices=8, tensor_model_parallel_size=4, context_parallel_size=2,
+                              pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=5,
+                              global_batch_size=2048),
     # NxD Training's hf_mixtral_8x7b_config.yaml (and its _dropless twin) with Mixtral 8x7B's config.json shape.
     "mixtral/8x7b": dict(num_nodes=8, devices=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=4,
                          expert_model_parallel_size=1, sequence_parallel=True, zero1=True, micro_batch_size=1,
@@ -161,3 +183,44 @@ def test_moe_recipes_keep_expert_groups_inside_a_node(recipe):
         assert result.step.expert_parallel_s > 0
     else:
         assert result.step.expert_parallel_s == 0
+
+
+# The long-context recipes' context groups: cp divides dp (the group is carved out of it), the sequence splits into
+# 2·cp chunks and each rank's share over tp (sequence parallelism), RoPE covers every position, and whether a group
+# (tp x cp consecutive ranks) stays inside one node, where the ring's K/V passes use the node's links.
+CONTEXT_LAYOUTS = {  # recipe -> (dp, cp, inside a node)
+    "llama3_1/8b_32k": (128, 4, True),
+    "llama3_1/8b_32k_trn2": (32, 4, True),
+    "llama3_1/8b_32k_gpu": (64, 4, True),
+    "llama3_1/8b_128k": (64, 16, False),      # TP 16 x CP 16: eight trn1 nodes
+    "llama3_1/8b_128k_trn2": (32, 16, False),  # four trn2 nodes
+    "llama3_1/8b_128k_gpu": (16, 8, False),   # NeMo's TP 4 x CP 8: four nodes
+    "llama3/70b_cp": (2, 2, False),           # NxD's TP 32 x CP 2: two trn1 nodes
+    "llama3/70b_cp_trn2": (4, 2, True),
+    "llama3/70b_cp_gpu": (64, 2, True),
+}
+
+
+def test_every_long_context_recipe_has_its_context_layout_checked():
+    from tests.launcher.helpers import resolved
+
+    split = [recipe for recipe in INTENDED
+             if max(resolved(f"training={recipe}")["training"]["model"].get(key) or 1
+                    for key in ("context_parallel_size", "ulysses_parallel_size")) > 1]
+    assert sorted(split) == sorted(CONTEXT_LAYOUTS)
+
+
+@pytest.mark.parametrize("recipe", sorted(CONTEXT_LAYOUTS))
+def test_long_context_recipes_split_the_sequence_evenly(recipe):
+    from tests.launcher.helpers import resolved
+
+    training = resolved(f"training={recipe}")["training"]
+    result = estimate(training, vocab_size=128256)
+    layout, shape = result.layout, result.shape
+    dp, cp, inside = CONTEXT_LAYOUTS[recipe]
+    assert (layout.dp, layout.cp, layout.ulysses) == (dp, cp, 1)
+    assert layout.dp % layout.cp == 0 and shape.seq_length % (2 * layout.cp) == 0
+    assert layout.tokens_per_sample(shape.seq_length) % layout.tp == 0 and layout.sequence_parallel
+    assert shape.max_position_embeddings >= shape.seq_length == training["model"]["data"]["seq_length"]
+    assert (layout.tp * layout.cp <= layout.devices_per_node) == inside
+    assert result.step.context_parallel_s > 0

@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from runtime.device import flash_attention_kernels
 from runtime.models import ModelConfig, build_model
 from runtime.models.moe import SparseMoE
 from runtime.parallel import collectives as C
@@ -95,6 +96,7 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) 
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
                               activation_checkpointing=layout.activation_checkpointing,
                               recompute_modules=layout.recompute_modules, context=layout.context_kind,
+                              attention_kernels=flash_attention_kernels,
                               data_parallel=DataParallelConfig(layout.precision, layout.zero1))
     optimizer = ShardedAdamW(model, OPTIM)
     losses, norms, dropped = [], [], []

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.device import flash_attention_kernels
 from runtime.parallel.context import sequence_index
 from runtime.parallel.ring_attention import (block_attention, block_attention_backward, math_block_attention,
                                              math_block_attention_backward)
@@ -24,6 +25,7 @@ def _inputs(kv_heads: int):
 def _attend_split(kind: str, kv_heads: int) -> dict:
     import torch.distributed as dist
 
+    from runtime.device import flash_attention_kernels
     from runtime.models.layers import CoreAttention
     from runtime.parallel import ParallelDims, Topology
     from runtime.parallel.context import RingAttention, UlyssesAttention
@@ -32,7 +34,7 @@ def _attend_split(kind: str, kv_heads: int) -> dict:
     q, k, v, upstream = _inputs(kv_heads)
     index = sequence_index(SEQ, topo.cp.rank, topo.cp.size, kind)
     q, k, v = (x[:, :, index].clone().requires_grad_() for x in (q, k, v))
-    attention = RingAttention(topo.cp) if kind == "ring" else UlyssesAttention(CoreAttention(0.0), topo.cp)
+    attention = RingAttention(topo.cp, flash_attention_kernels) if kind == "ring" else UlyssesAttention(CoreAttention(0.0), topo.cp)
     out = attention(q, k, v)
     (out * upstream[:, :, index]).sum().backward()
     return {"index": index, "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -76,10 +78,12 @@ def test_explicit_block_attention_equals_the_flash_kernel(causal, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     q, k, v, grad = (torch.randn(2, 3, 12, 8, generator=gen) for _ in range(4))
     scale = 8 ** -0.5
-    out, lse = block_attention(q, k, v, causal, scale)
+    kernels = flash_attention_kernels(q)
+    assert kernels is not None, "CPU has the fused kernels"
+    out, lse = block_attention(q, k, v, causal, scale, kernels)
     math_out, math_lse = math_block_attention(q, k, v, causal, scale)
     torch.testing.assert_close(math_out, out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(math_lse, lse, rtol=1e-5, atol=1e-6)
-    fused = block_attention_backward(grad, q, k, v, out, lse, causal, scale)
+    fused = block_attention_backward(grad, q, k, v, out, lse, causal, scale, kernels)
     for got, expected in zip(math_block_attention_backward(grad, q, k, v, out, lse, causal, scale), fused):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch.distributed as dist
 
+from runtime.device import flash_attention_kernels
 from runtime.models import build_model
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
@@ -33,7 +34,8 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, c
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size(),
                                        ep=layout.ep, cp=layout.cp))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
-                              virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1))
+                              virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1),
+                              attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []
     for step in range(steps):
