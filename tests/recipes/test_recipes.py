@@ -1,6 +1,9 @@
 """Every training recipe composes, passes the launcher's validation and the runtime's own config checks, fits
 memory by the estimator on its intended device, and renders a job script for its intended cluster (dry run)."""
 
+import copy
+import functools
+
 import pytest
 
 from launcher import launch
@@ -9,6 +12,18 @@ from launcher.paths import group_choices
 from runtime.config import load_training_config
 
 GIB = 2**30
+
+
+@functools.cache
+def _composed(recipe: str) -> dict:
+    from tests.launcher.helpers import resolved  # deferred as before: the module imports cheaply
+
+    return resolved(f"training={recipe}")["training"]
+
+
+def _training(recipe: str) -> dict:
+    """The recipe's resolved training section, composed once per test run (several checks read every recipe)."""
+    return copy.deepcopy(_composed(recipe))
 
 # recipe -> (the cluster config it is meant for, the device the estimator should pick for it)
 INTENDED = {
@@ -142,9 +157,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("recipe", sorted(PUBLISHED))
 def test_published_shapes_and_layouts(recipe):
-    from tests.launcher.helpers import resolved
-
-    training = resolved(f"training={recipe}")["training"]
+    training = _training(recipe)
     flat = {**training["trainer"], **training["model"]}
     for key, value in PUBLISHED[recipe].items():
         assert flat[key] == value, (recipe, key, flat[key], value)
@@ -161,18 +174,14 @@ EXPERT_LAYOUTS = {  # recipe -> (dp, ep)
 
 
 def test_every_moe_recipe_has_its_expert_layout_checked():
-    from tests.launcher.helpers import resolved
-
     moe = [recipe for recipe in INTENDED if recipe != "mixtral/tiny"
-           and resolved(f"training={recipe}")["training"]["model"].get("moe")]
+           and _training(recipe)["model"].get("moe")]
     assert sorted(moe) == sorted(EXPERT_LAYOUTS)
 
 
 @pytest.mark.parametrize("recipe", sorted(EXPERT_LAYOUTS))
 def test_moe_recipes_keep_expert_groups_inside_a_node(recipe):
-    from tests.launcher.helpers import resolved
-
-    training = resolved(f"training={recipe}")["training"]
+    training = _training(recipe)
     result = estimate(training)
     assert result.hardware.name == INTENDED[recipe][1]
     layout = result.layout
@@ -202,19 +211,15 @@ CONTEXT_LAYOUTS = {  # recipe -> (dp, cp, inside a node)
 
 
 def test_every_long_context_recipe_has_its_context_layout_checked():
-    from tests.launcher.helpers import resolved
-
     split = [recipe for recipe in INTENDED
-             if max(resolved(f"training={recipe}")["training"]["model"].get(key) or 1
+             if max(_training(recipe)["model"].get(key) or 1
                     for key in ("context_parallel_size", "ulysses_parallel_size")) > 1]
     assert sorted(split) == sorted(CONTEXT_LAYOUTS)
 
 
 @pytest.mark.parametrize("recipe", sorted(CONTEXT_LAYOUTS))
 def test_long_context_recipes_split_the_sequence_evenly(recipe):
-    from tests.launcher.helpers import resolved
-
-    training = resolved(f"training={recipe}")["training"]
+    training = _training(recipe)
     result = estimate(training, vocab_size=128256)
     layout, shape = result.layout, result.shape
     dp, cp, inside = CONTEXT_LAYOUTS[recipe]

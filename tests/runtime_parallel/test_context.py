@@ -3,6 +3,8 @@ inputs, in real gloo processes; the layout each rank holds; the explicit-math bl
 run) equals the CPU flash kernel. Training under cp/ulysses layouts is in test_parallel_training.py."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,22 +24,26 @@ def _inputs(kv_heads: int):
     return [torch.randn(B, n, SEQ, DIM, generator=gen) for n in (HEADS, kv_heads, kv_heads, HEADS)]  # q k v upstream
 
 
-def _attend_split(kind: str, kv_heads: int) -> dict:
+def _attend_split(cases) -> dict:
+    """Inside each process: every (kind, kv_heads) case of this world size, one spawn for all of them."""
     import torch.distributed as dist
 
-    from runtime.device import flash_attention_kernels
     from runtime.models.layers import CoreAttention
     from runtime.parallel import ParallelDims, Topology
     from runtime.parallel.context import RingAttention, UlyssesAttention
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world, cp=world))
-    q, k, v, upstream = _inputs(kv_heads)
-    index = sequence_index(SEQ, topo.cp.rank, topo.cp.size, kind)
-    q, k, v = (x[:, :, index].clone().requires_grad_() for x in (q, k, v))
-    attention = RingAttention(topo.cp, flash_attention_kernels) if kind == "ring" else UlyssesAttention(CoreAttention(0.0), topo.cp)
-    out = attention(q, k, v)
-    (out * upstream[:, :, index]).sum().backward()
-    return {"index": index, "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    out = {}
+    for kind, kv_heads in cases:
+        q, k, v, upstream = _inputs(kv_heads)
+        index = sequence_index(SEQ, topo.cp.rank, topo.cp.size, kind)
+        q, k, v = (x[:, :, index].clone().requires_grad_() for x in (q, k, v))
+        attention = (RingAttention(topo.cp, flash_attention_kernels) if kind == "ring" else
+                     UlyssesAttention(CoreAttention(0.0), topo.cp))
+        result = attention(q, k, v)
+        (result * upstream[:, :, index]).sum().backward()
+        out[kind, kv_heads] = {"index": index, "out": result.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return out
 
 
 def _full_attention(kv_heads: int) -> dict:
@@ -50,10 +56,17 @@ def _full_attention(kv_heads: int) -> dict:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-@pytest.mark.parametrize("kind,world,kv_heads", [("ring", 2, KV_HEADS), ("ring", 4, KV_HEADS), ("ring", 4, 1),
-                                                 ("ulysses", 2, KV_HEADS), ("ulysses", 4, 1)])
-def test_split_attention_equals_full_attention(kind, world, kv_heads):
-    ranks = run_distributed(_attend_split, world, args=(kind, kv_heads))
+CASES = {2: [("ring", KV_HEADS), ("ulysses", KV_HEADS)], 4: [("ring", KV_HEADS), ("ring", 1), ("ulysses", 1)]}
+
+
+@functools.cache
+def _split_results(world: int) -> list[dict]:
+    return run_distributed(_attend_split, world, args=(CASES[world],))
+
+
+@pytest.mark.parametrize("world,kind,kv_heads", [(w, kind, kv) for w, cases in CASES.items() for kind, kv in cases])
+def test_split_attention_equals_full_attention(world, kind, kv_heads):
+    ranks = [r[kind, kv_heads] for r in _split_results(world)]
     full = _full_attention(kv_heads)
     covered = torch.cat([r["index"] for r in ranks]).sort().values
     assert torch.equal(covered, torch.arange(SEQ)), "the ranks hold every position exactly once"

@@ -80,9 +80,15 @@ def test_single_process_on_xla_matches_cpu(data):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: cpu {a} xla {b}"
 
 
-def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data):
+@pytest.fixture(scope="module")
+def one_cpu_process(data):
+    """The reference of every two-process GPT test below: one CPU process, global batch 8."""
+    return _train(_config(data, "gbs8_cpu", accelerator="cpu", gbs=8))
+
+
+def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
     """dp=2, each process computing on its XLA:CPU device, gradients reduced through gloo on host copies."""
-    cpu = _train(_config(data, "dp_cpu", accelerator="cpu", gbs=8))
+    cpu = one_cpu_process
     xla = _train(_config(data, "dp_xla", accelerator="neuron", devices=2, gbs=8), nproc=2,
                  extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
     assert len(cpu) == len(xla) == STEPS
@@ -90,10 +96,10 @@ def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, dp=2 on xla {b}"
 
 
-def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data):
+def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
     """tp=2 with sequence parallelism on XLA:CPU devices. Moving a model to an XLA device makes new Parameters, so
     anything the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name."""
-    cpu = _train(_config(data, "tp_cpu", accelerator="cpu", gbs=8))
+    cpu = one_cpu_process
     xla = _train(_config(data, "tp_xla", accelerator="neuron", devices=2, gbs=8, tensor_model_parallel_size=2,
                          sequence_parallel=True), nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
     assert len(cpu) == len(xla) == STEPS
@@ -116,12 +122,11 @@ def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, ep=2 on xla {b}"
 
 
-def test_two_process_context_parallel_on_xla_matches_one_cpu_process(data):
+def test_two_process_context_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
     """Each sequence split over cp=2 XLA:CPU devices: ring attention's spelled-out block math (what Trainium
-    compiles) and its K/V passes (point-to-point, through gloo here), Llama's RoPE at the chunks' positions."""
-    llama = dict(arch="llama", num_query_groups=2)
-    cpu = _train(_config(data, "cp_cpu", accelerator="cpu", gbs=8, **llama))
-    xla = _train(_config(data, "cp_xla", accelerator="neuron", devices=2, gbs=8, context_parallel_size=2, **llama),
+    compiles) and its K/V passes (point-to-point, through gloo here), learned positions at the chunks' positions."""
+    cpu = one_cpu_process
+    xla = _train(_config(data, "cp_xla", accelerator="neuron", devices=2, gbs=8, context_parallel_size=2),
                  nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
