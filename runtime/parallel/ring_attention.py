@@ -97,8 +97,11 @@ def _scores(q, k, causal: bool, first: int, scale: float) -> torch.Tensor:
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Fold one block's (output, log-sum-exp) into the running ones for the same query rows, in place."""
-    new_lse = torch.logaddexp(lse, block_lse)
+    """Fold one block's (output, log-sum-exp) into the running ones for the same query rows, in place. Both are
+    finite (every row sees at least one key of each block it is given), and spelled out rather than logaddexp,
+    which torch-xla runs on the host (a graph break per merge)."""
+    top = torch.maximum(lse, block_lse)
+    new_lse = top + torch.log(torch.exp(lse - top) + torch.exp(block_lse - top))
     out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
     out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
