@@ -52,31 +52,15 @@ def step_starts(events, mark: str) -> list[int]:
 
 def worker(config: str, out_dir: str, threads: int) -> None:
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
 
-    import runtime.train as train_module
     from runtime.config import load_training_config
     from runtime.device import init_device, shutdown
-    from tests.estimate.measure_memory import STEP_MARK, peak_live_bytes
+    from tests.estimate.measure_memory import STEP_MARK, peak_live_bytes, profiled_train
 
     torch.set_num_threads(threads)
     device = init_device("cpu")
     cfg = load_training_config(config)
-    original = train_module.train_step
-
-    def marked_step(*args, **kwargs):
-        with record_function(STEP_MARK):
-            return original(*args, **kwargs)
-
-    train_module.train_step = marked_step
-    started = time.perf_counter()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            train_module.train(cfg, device)
-    finally:
-        train_module.train_step = original
-    seconds = time.perf_counter() - started
-    events = prof.profiler.kineto_results.events()
+    events, seconds = profiled_train(cfg, device)
     starts = step_starts(events, STEP_MARK)
     result = {"rank": device.rank, "peak_bytes": peak_live_bytes(events), "static_bytes": starts[1],
               "step_start_bytes": starts, "seconds": seconds,

@@ -107,6 +107,14 @@ def _merge(out, lse, block_out, block_lse):
     lse.copy_(new_lse)
 
 
+def _visible(source: int, rank: int, chunk: int) -> tuple[slice, slice]:
+    """(which of this rank's query rows, which of the block's keys) see another rank's K/V block (see top):
+    an earlier rank's early chunk is seen by every query, a later rank's whole block by the late queries only."""
+    if source < rank:
+        return slice(None), slice(None, chunk)
+    return slice(chunk, None), slice(None)
+
+
 class RingAttentionFunction(torch.autograd.Function):
     """q (B, nh, 2c, d), k and v (B, ng, 2c, d): this rank's chunks (r, 2·cp−1−r) in that order; kernels_for:
     tensor -> the device's fused kernels or None (see block_attention)."""
@@ -127,8 +135,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 pending = C.start_ring_pass(kv, axis, KV_TAG)
             source = (rank - step) % size
             bk, bv = _expand(kv[0], nh), _expand(kv[1], nh)
-            rows = slice(None) if source < rank else slice(c, None)  # which queries see the block (see top)
-            keys = slice(None, c) if source < rank else slice(None)   # which of its keys they see
+            rows, keys = _visible(source, rank, c)
             block_out, block_lse = block_attention(q[:, :, rows], bk[:, :, keys], bv[:, :, keys], False, scale,
                                                      kernels)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
@@ -157,8 +164,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 pending = C.start_ring_pass(kv, axis, KV_TAG)
             source = (rank - step) % size
             bk, bv = _expand(kv[0], nh), _expand(kv[1], nh)
-            rows = slice(None) if source < rank else slice(c, None)  # which queries see the block (see top)
-            keys = slice(None, c) if source < rank else slice(None)   # which of its keys they see
+            rows, keys = _visible(source, rank, c)
             bdq, bdk, bdv = block_attention_backward(grad_out[:, :, rows], q[:, :, rows], bk[:, :, keys],
                                                      bv[:, :, keys], out[:, :, rows], lse[:, :, rows], False, scale,
                                                      kernels)

@@ -38,8 +38,8 @@ def peak_live_bytes(events, first_step: int = 2) -> int:
     return peak
 
 
-def measure(path: str, device) -> dict:
-    cfg = load_training_config(path)
+def profiled_train(cfg, device):
+    """Run the runtime's own train() under the memory profiler, each train_step marked; (events, seconds)."""
     original = train_module.train_step
 
     def marked_step(*args, **kwargs):
@@ -53,8 +53,12 @@ def measure(path: str, device) -> dict:
             train_module.train(cfg, device)
     finally:
         train_module.train_step = original
-    peak = peak_live_bytes(prof.profiler.kineto_results.events())
-    return {"config": path, "peak_bytes": peak, "seconds": time.perf_counter() - started,
+    return prof.profiler.kineto_results.events(), time.perf_counter() - started
+
+
+def measure(path: str, device) -> dict:
+    events, seconds = profiled_train(load_training_config(path), device)
+    return {"config": path, "peak_bytes": peak_live_bytes(events), "seconds": seconds,
             "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
