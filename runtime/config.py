@@ -19,15 +19,15 @@ __all__ = ["CheckpointConfig", "DataConfig", "OptimConfig", "ParallelConfig", "P
            "tokenizer_vocab_size"]
 
 
-def parse_training_config(raw: Any) -> TrainingConfig:
-    """The typed config, or ConfigErrors (a ValueError) with one line per problem."""
-    cfg, report = parse_training(raw, files="error")
+def parse_training_config(raw: Any, stage: str = "training") -> TrainingConfig:
+    """The typed config, or ConfigErrors (a ValueError) with one line per problem naming `<stage>.<key>`."""
+    cfg, report = parse_training(raw, files="error", p=f"{stage}.")
     report.raise_if_any()
     assert cfg is not None
     return cfg
 
 
-def load_training_config(path: str | os.PathLike) -> TrainingConfig:
+def load_training_config(path: str | os.PathLike, stage: str = "training") -> TrainingConfig:
     """Read and check the resolved training YAML the launcher wrote (Seam 1)."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
@@ -35,7 +35,7 @@ def load_training_config(path: str | os.PathLike) -> TrainingConfig:
         raise ValueError(f"--config {str(path)!r} does not exist") from None
     except yaml.YAMLError as error:
         raise ValueError(f"--config {str(path)!r} is not valid YAML: {str(error).splitlines()[0]}") from None
-    return parse_training_config(raw)
+    return parse_training_config(raw, stage)
 
 
 def parse_model_config(model_section: Any, tokenizer_path: str) -> ModelConfig:

@@ -1,9 +1,12 @@
 # One optimizer step over a list of micro-batches (gradient accumulation), and a forward-only eval step.
 #
-# Micro-batch format: a tuple (input_ids, labels, loss_mask), each (B, T) with B = micro_batch_size:
-#   input_ids  LongTensor  tokens[:, :-1] of a (B, T+1) sample
-#   labels     LongTensor  tokens[:, 1:]
-#   loss_mask  float/bool  1 where the token counts (0 for padding / after end-of-document, if masked), or None
+# Micro-batch format: a tuple (input_ids, labels, loss_mask[, position_ids]), each (B, T), B = micro_batch_size:
+#   input_ids     LongTensor  tokens[:, :-1] of a (B, T+1) sample
+#   labels        LongTensor  tokens[:, 1:]
+#   loss_mask     float/bool  1 where the token counts (0 for padding / after end-of-document, if masked), or None
+#   position_ids  LongTensor  fine-tuning's packed rows: positions restarting at 0 at every example, which
+#                             also resets attention there (runtime.models.layers.SequenceLayout); absent or None:
+#                             one causal sequence
 #
 # Loss normalization (why it matches a single process exactly): the step's loss is the mean over every counted
 # token of the global batch, sum(loss * mask) / sum(mask). The denominator is all-reduced over DP before any
@@ -22,13 +25,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from runtime.models.layers import SequenceLayout
 from runtime.models.moe import set_aux_scale
 from runtime.parallel import collectives as C
 from runtime.parallel import pipeline
 from runtime.parallel.optimizer import ShardedAdamW
 from runtime.parallel.topology import Topology
 
-MicroBatch = tuple  # (input_ids, labels, loss_mask | None)
+MicroBatch = tuple  # (input_ids, labels, loss_mask | None[, position_ids | None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +61,9 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
                                          autocast=lambda: _autocast(optimizer, batches[0][0].device))
     else:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)  # summed on device: one sync
-        for input_ids, labels, mask in batches:
+        for input_ids, labels, mask, layout in batches:
             with _autocast(optimizer, input_ids.device):
-                per_token = model(input_ids, labels)  # (B, T) fp32
+                per_token = model(input_ids, labels, layout)  # (B, T) fp32
             local = (per_token * mask).sum()
             (local / total_tokens).backward()
             loss_sum += local.detach()
@@ -84,25 +88,28 @@ def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topol
                                          autocast=lambda: _autocast(optimizer, batches[0][0].device))
         return _global_mean(loss_sum, total_tokens, topo)
     loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
-    for input_ids, labels, mask in batches:
+    for input_ids, labels, mask, layout in batches:
         with _autocast(optimizer, input_ids.device):
-            loss_sum += (model(input_ids, labels) * mask).sum()
+            loss_sum += (model(input_ids, labels, layout) * mask).sum()
     return _global_mean(loss_sum, total_tokens, topo)
 
 
-def _unpack(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if len(micro_batch) != 3:
-        raise ValueError(f"a micro-batch is (input_ids, labels, loss_mask); got a {len(micro_batch)}-tuple")
-    input_ids, labels, mask = micro_batch
+def _unpack(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SequenceLayout | None]:
+    if len(micro_batch) not in (3, 4):
+        raise ValueError(f"a micro-batch is (input_ids, labels, loss_mask[, position_ids]); got a "
+                         f"{len(micro_batch)}-tuple")
+    input_ids, labels, mask = micro_batch[:3]
+    position_ids = micro_batch[3] if len(micro_batch) == 4 else None
     if input_ids.shape != labels.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape")
     mask = torch.ones(labels.shape, device=labels.device) if mask is None else mask.to(torch.float32)
-    return input_ids, labels, mask
+    layout = None if position_ids is None else SequenceLayout.packed(position_ids)
+    return input_ids, labels, mask, layout
 
 
 def _global_token_count(batches, topo: Topology) -> float:
     # fp32, not fp64 or int64, because not every accelerator's collectives take those (exact to 2^24 tokens).
-    count = torch.stack([mask.sum() for _, _, mask in batches]).sum().reshape(1)
+    count = torch.stack([mask.sum() for _, _, mask, _ in batches]).sum().reshape(1)
     C.all_reduce(count, topo.dp)  # TP ranks see the same tokens; DP ranks see different ones
     total = count.item()
     if total <= 0:

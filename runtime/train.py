@@ -30,6 +30,7 @@ from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import Device, flash_attention_kernels, init_device, shutdown
+from runtime.finetune import prepare_for_fine_tuning
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
 from runtime.models import build_model
@@ -63,6 +64,8 @@ def build_data(
     cfg: TrainingConfig, topo: Topology, device: Device
 ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
     """Train batches sized for max_steps, and the fixed validation batches (the same ones at every check)."""
+    if cfg.sft is not None:
+        return build_sft_data(cfg, topo, device)
     data, trainer = cfg.data, cfg.trainer
     common = dict(
         data_prefix=data.data_prefix,
@@ -87,6 +90,34 @@ def build_data(
             split="valid", num_samples=trainer.limit_val_batches * data.global_batch_size, **common
         )
         valid = DataParallelBatches(valid_set, **batches)
+    return train, valid
+
+
+def build_sft_data(cfg: TrainingConfig, topo: Topology, device: Device
+                   ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
+    """Fine-tuning: chat records tokenized once (cached beside the data), packed into rows, read in epochs."""
+    from runtime.sft.dataset import build_sft_dataset, epoch_samples
+
+    sft, data, trainer = cfg.sft, cfg.data, cfg.trainer
+    common = dict(tokenizer_path=cfg.tokenizer_path, seq_length=data.seq_length, chat_template=sft.chat_template,
+                  packing=sft.packing, truncation=sft.truncation, cache_dir=data.index_mapping_dir,
+                  num_workers=max(data.num_workers, 1), is_builder=device.local_rank == 0, barrier=device.barrier)
+    batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
+                   dp_rank=topo.data_rank, dp_size=topo.data_size)
+    train_rows = build_sft_dataset(list(sft.train_files), **common)
+    if device.is_main:
+        stats = train_rows.stats
+        print(f"fine-tuning data: {stats.get('examples')} examples in {stats.get('rows')} rows of {data.seq_length} "
+              f"tokens ({'packed' if sft.packing else 'one per row'}; padding {stats.get('padding_fraction', 0):.1%}"
+              f", truncated {stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)})", flush=True)
+    train = DataParallelBatches(epoch_samples(train_rows, trainer.max_steps * data.global_batch_size, cfg.seed),
+                                **batches)
+    valid = None
+    if sft.validation_files and trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
+        valid_rows = build_sft_dataset(list(sft.validation_files), **common)
+        # Validation reads the same rows at every check, in file order (seed-independent) when they suffice.
+        valid = DataParallelBatches(epoch_samples(valid_rows, trainer.limit_val_batches * data.global_batch_size,
+                                                  cfg.seed), **batches)
     return train, valid
 
 
@@ -137,6 +168,13 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
     topo = build_topology(cfg, device)
     device.manual_seed(cfg.seed)
     model = build_model(cfg.model)
+    # Fine-tuning: the starting weights (model.restore_from_path) and LoRA adapters, before any sharding.
+    prepare_for_fine_tuning(model, restore_from_path=cfg.restore_from_path, lora=cfg.lora, seed=cfg.seed)
+    if device.is_main and (cfg.restore_from_path or cfg.lora):
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"fine-tuning from {cfg.restore_from_path or 'random init'}: {trainable:,} of "
+              f"{model.num_params():,} parameters train" + (f" (LoRA rank {cfg.lora.rank} on "
+              f"{', '.join(cfg.lora.target_modules)})" if cfg.lora else ""), flush=True)
     model = parallelize_model(
         model,
         topo,
@@ -259,10 +297,12 @@ def _one_line(error: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
+    parser.add_argument("--stage", default="training", choices=("training", "fine_tuning", "peft"),
+                        help="the stage this config is (names its keys in errors); fine_tuning and peft run here too")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
-        cfg = load_training_config(args.config)
+        cfg = load_training_config(args.config, args.stage)
     except ValueError as error:
         # Every rank reads the same file and fails the same way: one line is enough.
         if rank == 0:

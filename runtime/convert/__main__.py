@@ -2,7 +2,10 @@
 
 mode: export   merge a runtime checkpoint saved under any tp x pp x dp (x ZeRO-1) layout into a Hugging Face
                model directory (config.json, safetensors, tokenizer files; optionally the Adam moments under
-               HF names in optimizer/), which transformers' from_pretrained loads.
+               HF names in optimizer/), which transformers' from_pretrained loads. A LoRA run's checkpoint
+               (adapters only) is joined to its base (model.restore_from_path) by conversion.lora: merged
+               (adapters folded into the weights), adapter (the base plus a PEFT adapter in adapter/) or both
+               (the merged model, with base/ and adapter/ beside it).
 mode: import   read a Hugging Face GPT-2 or Llama directory and write a runtime checkpoint (weights only) that
                training resumes from under any layout (training.exp_manager.resume_from_checkpoint=<it>).
 
@@ -22,8 +25,12 @@ from runtime.checkpoint import full_tensors, read_config, read_rank_files, resol
 from runtime.checkpoint.shards import TIED
 from runtime.config import parse_model_config, tokenizer_vocab_size
 from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
+from runtime.convert.peft import ADAPTER_DIR, adapters, check_peft_exportable, load_base, lora_of, save_adapter, \
+    to_peft
 from runtime.models import ModelConfig
+from runtime.models.lora import merge_lora
 from runtime.schema.conversion import ConversionConfig, parse_conversion
+from runtime.schema.training_config import LoraConfig
 
 # Written into every exported directory: what it was exported from, so that running the stage again knows
 # its own output (same checkpoint and settings: nothing to do; an older export of ours: replaced) from files
@@ -38,6 +45,13 @@ def export(cfg: ConversionConfig) -> Path:
     source = {"checkpoint": f"{storage.root}/{checkpoint.name}", "step": checkpoint.step,
               "files": checkpoint.meta.get("files"), "include_optimizer": cfg.include_optimizer,
               "tokenizer": str(tokenizer)}
+    where = f"checkpoint {storage.root}/{checkpoint.name}"
+    lora = lora_of(training, where)
+    if lora is None and cfg.lora != "merged":
+        raise ValueError(f"conversion.lora={cfg.lora}: {where} is not a LoRA run's (its config.yaml has no "
+                         f"model.peft.peft_scheme lora), so it has no adapter to export; set conversion.lora=merged")
+    if lora is not None:  # the base and the export's form are part of what was exported
+        source.update(lora=cfg.lora, restore_from_path=training["model"].get("restore_from_path"))
     out = Path(cfg.output_dir)
     previous = _provenance(out)
     if previous == source:
@@ -48,6 +62,11 @@ def export(cfg: ConversionConfig) -> Path:
         raise ValueError(f"conversion.output_dir {str(out)!r} holds files this stage did not export; set "
                          f"conversion.overwrite=true to replace them, or choose another conversion.output_dir")
     model_cfg = parse_model_config(training["model"], str(tokenizer))
+    if lora is not None:
+        _export_lora(cfg, lora, training, model_cfg, storage, checkpoint, source, str(tokenizer), where)
+        print(f"exported the LoRA run's {where} (step {checkpoint.step}, conversion.lora={cfg.lora}) to {out}"
+              + (f" (replacing the export of {previous['checkpoint']})" if previous else ""))
+        return out
     full = full_tensors(read_rank_files(storage, checkpoint))
     names = set(state_shapes(model_cfg))
     state = {name: full.get(name, "value") for name in names
@@ -67,6 +86,44 @@ def export(cfg: ConversionConfig) -> Path:
     print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at {checkpoint.layout}) "
           f"to {out}{replaced}")
     return out
+
+
+def _export_lora(cfg: ConversionConfig, lora: LoraConfig, training: dict, model_cfg: ModelConfig, storage,
+                 checkpoint, source: dict, tokenizer: str, where: str) -> None:
+    """A LoRA run's checkpoint (adapters only) + its base (model.restore_from_path), as conversion.lora asks:
+    merged: output_dir is the base with W += scale * B A folded in; adapter: output_dir is the base and
+    output_dir/adapter the PEFT adapter; both: output_dir is merged, with base/ and adapter/ inside."""
+    if cfg.lora != "merged":
+        check_peft_exportable(model_cfg)
+    elif cfg.include_optimizer:
+        raise ValueError("conversion.include_optimizer=true: a LoRA run's optimizer state covers its adapters "
+                         "only, which a merged export does not keep; set conversion.lora=adapter or both")
+    full = full_tensors(read_rank_files(storage, checkpoint))
+    trained = adapters({n: full.get(n, "value") for n in full.names() if full.has(n, "value")}, model_cfg, lora)
+    base = load_base(training, model_cfg, where)
+    out = Path(cfg.output_dir).absolute()
+
+    def write_adapter(directory: Path, base_dir: Path) -> None:
+        state, config = to_peft(trained, model_cfg, lora, base_model_name_or_path=str(base_dir))
+        moments = {}
+        if cfg.include_optimizer:
+            found = {key: {n: full.get(n, key) for n in trained if full.has(n, key)}
+                     for key in ("exp_avg", "exp_avg_sq")}
+            moments = {key: to_peft(m, model_cfg, lora)[0] for key, m in found.items() if m}
+            if not moments:
+                print("the checkpoint has no optimizer state; exported the adapter only", file=sys.stderr)
+        save_adapter(directory / ADAPTER_DIR, state, config, moments)
+
+    def finish(directory: Path) -> None:
+        if cfg.lora == "adapter":
+            write_adapter(directory, out)
+        elif cfg.lora == "both":
+            save_hf_directory(directory / "base", base, model_cfg, tokenizer)
+            write_adapter(directory, out / "base")
+        (directory / PROVENANCE).write_text(json.dumps(source, indent=2) + "\n")
+
+    weights = base if cfg.lora == "adapter" else merge_lora({**base, **trained}, model_cfg, lora.scale)
+    save_hf_directory(out, weights, model_cfg, tokenizer, overwrite=True, also=finish)
 
 
 def _provenance(out: Path) -> dict | None:

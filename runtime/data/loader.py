@@ -97,7 +97,8 @@ class DataParallelBatches:
         """(input_ids, labels, loss_mask) micro-batches: ids and labels (micro_batch_size, seq_length) int64.
 
         loss_mask is None (every token counts): samples run across document boundaries, as in Megatron's
-        default GPT pretraining, so there is no padding to mask.
+        default GPT pretraining, so there is no padding to mask. Fine-tuning rows (runtime/sft) give
+        (input_ids, labels, loss_mask, position_ids) instead: loss on assistant tokens only, packed examples.
         """
         if batch_start + self.global_batch_size > len(self.dataset):
             raise IndexError(
@@ -105,6 +106,11 @@ class DataParallelBatches:
                 f"for this split"
             )
         samples = np.stack([self.dataset[int(i)] for i in self.rank_sample_indices(batch_start)])
+        if samples.ndim == 3:  # fine-tuning rows (runtime/sft): (N, 4, seq_length), already shifted and masked
+            rows = torch.from_numpy(samples.astype(np.int64, copy=False))
+            fields = [rows[:, k].contiguous() for k in range(4)]  # input_ids, labels, loss_mask, position_ids
+            fields[2] = fields[2].float()
+            return list(zip(*(f.split(self.micro_batch_size) for f in fields)))
         tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         if self.columns is not None:

@@ -3,9 +3,34 @@
 # so every forward here reads its sizes from the tensors or from attributes that parallelize_model updates.
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """Where a row's tokens sit when they are not one causal sequence at positions 0..T-1: several fine-tuning
+    examples packed in a row, or new tokens after a KV cache. Passed down the layers as an argument, not kept on a
+    module, so activation recompute and pipeline schedules (which interleave micro-batches) see the right one.
+
+    positions: (B, T) int64, each token's position (RoPE or learned), restarting at 0 for each packed example.
+    mask: (B, 1, T, S) bool, True where query t may attend key s (S = T, or the cache's length).
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def packed(cls, position_ids: torch.Tensor) -> "SequenceLayout":
+        """Examples laid end to end, each starting at position 0: causal attention within an example only, so a
+        packed row gives each example exactly the loss it has alone."""
+        T = position_ids.shape[1]
+        example = (position_ids == 0).cumsum(dim=1)  # (B, T): which example each token belongs to
+        causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+        return cls(position_ids, ((example[:, :, None] == example[:, None, :]) & causal).unsqueeze(1))
 
 
 class RMSNorm(nn.Module):
@@ -42,10 +67,13 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q, k: (B, T, heads, d); tables broadcast over batch and heads.
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q, k: (B, T, heads, d); tables broadcast over batch and heads. positions: (B, T), a SequenceLayout's.
         T = q.shape[1]
-        if self.positions is None:
+        if positions is not None:
+            cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, d)
+        elif self.positions is None:
             cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]  # (T, 1, d)
         else:
             cos, sin = self.positions.rotary_tables(self, T, q.device)
@@ -66,14 +94,16 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (B, nh, T, d); k, v: (B, ng, T, d) with nh a multiple of ng (GQA).
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        # q: (B, nh, T, d); k, v: (B, ng, S, d) with nh a multiple of ng (GQA). mask: a SequenceLayout's, else
+        # plain causal (S = T).
         if k.shape[1] != q.shape[1]:
             # Expanding here keeps SDPA on its fastest kernel; enable_gqa is not fused on every backend.
             repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)  # (B, nh, T, d)
+            k = k.repeat_interleave(repeat, dim=1)  # (B, nh, S, d)
             v = v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0)
 
 
@@ -93,16 +123,23 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention(dropout)
         self.proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
         self.rotary = rotary
+        # Seam for generation (runtime/generate.py): an object whose update(k, v) appends this step's keys and
+        # values (B, T, ng, d) and returns all of them so far; the SequenceLayout's mask then covers them.
+        self.kv_cache = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, (nh + 2 ng) d); T is the full sequence even when x is a sequence shard
         B, T = qkv.shape[:2]
         nh, ng, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([nh * d, ng * d, ng * d], dim=-1)
         q, k, v = q.view(B, T, nh, d), k.view(B, T, ng, d), v.view(B, T, ng, d)
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
-        y = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, d)
+            q, k = self.rotary(q, k, None if layout is None else layout.positions)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(k, v)  # (B, S, ng, d): the cached tokens, then these
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that.
+        y = self.core_attention(q, k, v) if layout is None else self.core_attention(q, k, v, layout.mask)
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
         return self.proj(y)
 
@@ -141,8 +178,8 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), layout))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from runtime.schema.model import ModelConfig
-from runtime.models.layers import Block, RotaryEmbedding, TokenCrossEntropy
+from runtime.models.layers import Block, RotaryEmbedding, SequenceLayout, TokenCrossEntropy
 from runtime.models.moe import SparseMoE
 
 # Linears that write into the residual stream get Megatron's scaled init, std / sqrt(2 * num_layers),
@@ -27,11 +27,13 @@ class Embeddings(nn.Module):
         # Seam for context parallelism: positions(T, device) of a rank's T tokens when they are not 0..T-1.
         self.positions = None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.word(input_ids)  # (B, T, H)
         if self.position is not None:
             T = input_ids.shape[1]
-            if self.positions is None:
+            if positions is not None:  # a SequenceLayout's (B, T)
+                h = h + self.position.weight[positions]
+            elif self.positions is None:
                 h = h + self.position.weight[:T]  # (T, H) broadcast over batch; no index gather
             else:
                 h = h + self.position.weight[self.positions(T, input_ids.device)]
@@ -51,15 +53,16 @@ class CausalLM(nn.Module):
         self.gather_vocab = nn.Identity()
         self.loss_fn = TokenCrossEntropy()
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                layout: SequenceLayout | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V); with labels (B, T) -> per-token loss (B, T) in fp32.
 
         The loss path hands the logits straight to the loss (no gather over vocab shards, no shifted copy);
-        callers apply their own mask and normalization.
+        callers apply their own mask and normalization. layout: packed examples or a KV cache (SequenceLayout).
         """
-        h = self.embed(input_ids)
+        h = self.embed(input_ids, None if layout is None else layout.positions)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if layout is None else layer(h, layout)
         logits = self.output(self.final_norm(h))  # (B, T, V), or (B, T, V/tp) under tensor parallelism
         if labels is None:
             return self.gather_vocab(logits)

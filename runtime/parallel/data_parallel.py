@@ -134,6 +134,11 @@ class DataParallel:
                              if p.requires_grad and id(p) not in alias_ids]
         if not self.named_params:
             raise ValueError("the model has no trainable parameters")
+        # Frozen weights (a LoRA model's base) get no buffers, gradients or optimizer state; they only take the
+        # precision's parameter dtype, so the forward sees one dtype.
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != self.precision.param_dtype:
+                p.data = p.data.to(self.precision.param_dtype)
         self.plan = plan
         self.params = [p for _, p in self.named_params]
         names = {id(p): name for name, p in self.named_params}

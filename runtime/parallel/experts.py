@@ -111,6 +111,6 @@ def apply_expert_parallel(model: nn.Module, topo: Topology, plan: ShardingPlan, 
             if tp.size > 1:
                 kept = kept.index_select(dim, rows)
                 tp_shard = dict(dim=dim, index=rows, full_size=full_size, tp_copies=1)
-            setattr(module, name, nn.Parameter(kept.contiguous()))
+            setattr(module, name, nn.Parameter(kept.contiguous(), requires_grad=getattr(module, name).requires_grad))
             plan.place(f"{prefix}.{name}", Placement(experts=experts, num_experts=module.num_experts, **tp_shard))
         module.parallel = ExpertParallel(ep, tp, sequence_parallel and tp.size > 1)

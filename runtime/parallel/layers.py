@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models.layers import cross_entropy
+from runtime.models.lora import LoRA
 from runtime.parallel import collectives as C
 from runtime.parallel.plan import Placement
 from runtime.parallel.topology import AxisGroup
@@ -36,8 +37,47 @@ def shard_rows(sizes: Sequence[int], rank: int, size: int) -> torch.Tensor:
 def _param_from(full: torch.Tensor, index: torch.Tensor, dim: int, *, copies: int = 1,
                 source: str | None = None) -> tuple[nn.Parameter, Placement]:
     """Rows `index` of `full` along `dim` as a new parameter, and its placement (held by `copies` TP ranks)."""
-    param = nn.Parameter(full.detach().index_select(dim, index).contiguous())
+    # A frozen weight (the base of a LoRA model) stays frozen in its shards.
+    param = nn.Parameter(full.detach().index_select(dim, index).contiguous(), requires_grad=full.requires_grad)
     return param, Placement(dim=dim, index=index, full_size=full.shape[dim], tp_copies=copies, source=source)
+
+
+def column_parallel_lora(lora: LoRA | None, axis: AxisGroup, local_rows: dict[str, int] | None = None
+                         ) -> LoRA | None:
+    """The adapters of a column-parallel layer: B_t keeps this rank's chunk of target t's output rows (the same
+    rows as the base weight's segment), A_t is whole on every rank. A's gradient on one rank covers only that
+    rank's output rows, so it is marked partial: summed over TP. local_rows: segments whose local size is not
+    rows / tp (a replicated KV head)."""
+    if lora is None:
+        return None
+    local_rows = local_rows or {}
+    A, B, placements = {}, {}, {}
+    for target, param in lora.B.items():
+        index = shard_rows([param.shape[0]], axis.rank, axis.size)
+        B[target], placements[f"B.{target}"] = _param_from(param, index, 0)
+        A[target] = lora.A[target].detach().clone()
+        placements[f"A.{target}"] = Placement(partial_grad=True)
+    segments = [(t, local_rows.get(t, rows // axis.size)) for t, rows in lora.segments]
+    sharded = LoRA(segments, {t: a.data for t, a in A.items()}, {t: b.data for t, b in B.items()}, lora.scale, 0.0)
+    sharded.dropout, sharded.placements = lora.dropout, placements
+    return sharded
+
+
+def row_parallel_lora(lora: LoRA | None, axis: AxisGroup) -> LoRA | None:
+    """The adapters of a row-parallel layer: A_t keeps this rank's input columns, B_t is whole. The delta is
+    added to the partial sum before the reduction, so B's gradient on one rank is partial: summed over TP."""
+    if lora is None:
+        return None
+    A, B, placements = {}, {}, {}
+    for target, param in lora.A.items():
+        index = shard_rows([param.shape[1]], axis.rank, axis.size)
+        A[target], placements[f"A.{target}"] = _param_from(param, index, 1)
+        B[target] = lora.B[target].detach().clone()
+        placements[f"B.{target}"] = Placement(partial_grad=True)
+    sharded = LoRA(lora.segments, {t: a.data for t, a in A.items()}, {t: b.data for t, b in B.items()},
+                   lora.scale, 0.0)
+    sharded.dropout, sharded.placements = lora.dropout, placements
+    return sharded
 
 
 class ColumnParallelLinear(nn.Module):
@@ -53,6 +93,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.placements = dict(placements)
         self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.lora: LoRA | None = None  # adapters (runtime/models/lora.py), sharded by column_parallel_lora
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, axis: AxisGroup, *, sequence_parallel: bool,
@@ -64,7 +105,9 @@ class ColumnParallelLinear(nn.Module):
         bias = None
         if linear.bias is not None:
             bias, placements["bias"] = _param_from(linear.bias, rows, 0)
-        return cls(weight, bias, axis, sequence_parallel, placements)
+        layer = cls(weight, bias, axis, sequence_parallel, placements)
+        layer.lora = column_parallel_lora(getattr(linear, "lora", None), axis)
+        return layer
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -72,7 +115,9 @@ class ColumnParallelLinear(nn.Module):
         return C.copy_to_region(x, self.axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._input(x), self.weight, self.bias)
+        x = self._input(x)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class _SumOverReplicas(torch.autograd.Function):
@@ -125,12 +170,17 @@ class ReplicatedKVColumnParallelLinear(ColumnParallelLinear):
         super().__init__(weight, bias, axis, sequence_parallel, placements)
         self.kv_slot, self.num_kv_slots = kv_slot, num_kv_heads
         self.kv_weight, self.kv_bias = kv_weight, kv_bias
+        # Adapters on q only (a schema rule keeps k/v adapters off replicated heads); k and v rows are one head.
+        self.lora = column_parallel_lora(getattr(linear, "lora", None), axis,
+                                         {"k_proj": head_dim, "v_proj": head_dim})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sync = lambda w: _SumOverReplicas.apply(w, self.axis, self.kv_slot, self.num_kv_slots)
         weight = torch.cat([self.weight, sync(self.kv_weight)])  # rows [q_r | k_g | v_g]
         bias = torch.cat([self.bias, sync(self.kv_bias)]) if self.bias is not None else None
-        return F.linear(self._input(x), weight, bias)
+        x = self._input(x)
+        y = F.linear(x, weight, bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RowParallelLinear(nn.Module):
@@ -145,13 +195,17 @@ class RowParallelLinear(nn.Module):
         cols = shard_rows([linear.in_features], axis.rank, axis.size)
         self.placements = {}
         self.weight, self.placements["weight"] = _param_from(linear.weight, cols, 1)
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad) \
+            if linear.bias is not None else None
         if self.bias is not None and sequence_parallel:
             self.placements["bias"] = Placement(partial_grad=True)
         self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.lora = row_parallel_lora(getattr(linear, "lora", None), axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # (B, T, out), a partial sum
+        if self.lora is not None:
+            partial = self.lora(x, partial)  # its delta is partial too: reduced with the base
         if self.sequence_parallel:
             y = C.reduce_scatter_to_sequence(partial, self.axis)  # (B, T/t, out)
         else:

@@ -26,8 +26,21 @@ CONVERSION_MODES = Choices(("export", "import"))
 # demands one (S3-compatible stores that reject the others).
 S3_CHECKSUMS = Choices(("when_supported", "when_required"))
 
+# Fine-tuning (the fine_tuning and peft stages). NeMo's peft.peft_scheme; "none" is full-parameter SFT.
+PEFT_SCHEMES = Choices((None, "lora"), {"none": None})
+# model.data.truncation: what happens to an example longer than seq_length + 1 tokens.
+TRUNCATIONS = Choices(("right", "left", "drop"))
+# model.data.chat_template: a built-in by name; null reads the tokenizer's tokenizer_config.json.
+CHAT_TEMPLATES = ("chatml", "llama3", "plain")
+# model.peft.target_modules: Hugging Face / PEFT / NxD Training projection names, and the groups NeMo and NxD
+# Training name (qkv_proj is NxD Training's fused QKV; attention_qkv etc. NeMo's).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "attention_qkv": ("q_proj", "k_proj", "v_proj"),
+               "attention_dense": ("o_proj",), "mlp_fc1": ("gate_proj", "up_proj"), "mlp_fc2": ("down_proj",),
+               "all_linear": LORA_MODULES}
+
 # The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data.
-TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo"))
+TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo", "exact_match"))
 
 # The data_preparation stage.
 DATA_SOURCES = Choices(("demo", "files", "urls"))

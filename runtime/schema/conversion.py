@@ -5,7 +5,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.schema import choices as C
-from runtime.schema.reader import Report, Section
+from runtime.schema.reader import Choices, Report, Section
+
+# conversion.lora: how an export writes a LoRA run's checkpoint (adapters only, base from restore_from_path).
+LORA_EXPORTS = Choices(("merged", "adapter", "both"))
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,7 @@ class ConversionConfig:
     include_optimizer: bool
     overwrite: bool
     hf_checkpoint_dir: str | None    # import: the Hugging Face directory read
+    lora: str = "merged"             # export of a LoRA run: merged | adapter (PEFT, in adapter/) | both
 
 
 def parse_conversion(raw: Any, p: str = "conversion.") -> tuple[ConversionConfig | None, Report]:
@@ -33,11 +37,14 @@ def parse_conversion(raw: Any, p: str = "conversion.") -> tuple[ConversionConfig
         include_optimizer=s.bool("include_optimizer", False),
         overwrite=s.bool("overwrite", False),
         hf_checkpoint_dir=s.str("hf_checkpoint_dir", None),
+        lora=s.choice("lora", LORA_EXPORTS, "merged"),
     )
     if mode == "export" and values["output_dir"] is None and not report.errors:
         report.error(f"{p}output_dir: missing; the Hugging Face directory to write, e.g. {p}output_dir=/fsx/hf_model")
     if mode == "import" and values["hf_checkpoint_dir"] is None and not report.errors:
         report.error(f"{p}hf_checkpoint_dir: missing; give the Hugging Face model directory to import")
+    if mode == "import" and values["lora"] != "merged" and not report.errors:
+        report.error(f"{p}lora: {values['lora']} applies to export only; an import writes the full weights")
     if report.errors:
         return None, report
     return ConversionConfig(**values), report

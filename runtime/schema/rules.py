@@ -444,6 +444,73 @@ def context_architecture(num_experts: int | None, attention_dropout: float, cp: 
     return None
 
 
+# ------------------------------------------------------------------------------------------------ fine-tuning
+def lora_rank(rank: int, p: str) -> str | None:
+    if rank <= 0:
+        return f"{p}model.peft.lora_rank: {rank} must be a positive integer (8, 16 and 32 are usual)"
+    return None
+
+
+def lora_alpha(alpha: float, p: str) -> str | None:
+    if alpha <= 0:
+        return f"{p}model.peft.lora_alpha: {alpha} must be > 0 (the adapters' scale is lora_alpha / lora_rank)"
+    return None
+
+
+def lora_dropout(value: float, p: str) -> str | None:
+    if not 0.0 <= value < 1.0:
+        return f"{p}model.peft.lora_dropout: {value} must be in [0, 1)"
+    return None
+
+
+def lora_targets(names: tuple[str, ...], architecture: str | None, p: str) -> str | None:
+    """The projections LoRA adapts, by Hugging Face name; GPT's MLP has no gate (its fc1 is up_proj)."""
+    from runtime.schema.choices import LORA_GROUPS, LORA_MODULES
+
+    key = f"{p}model.peft.target_modules"
+    if not names:
+        return f"{key}: empty; name the projections to adapt, e.g. [q_proj, v_proj] (valid: {', '.join(LORA_MODULES)})"
+    for name in names:
+        if name not in LORA_MODULES and name not in LORA_GROUPS:
+            from runtime.schema.reader import closest
+
+            valid = ", ".join(LORA_MODULES + tuple(LORA_GROUPS))
+            return f"{key}: {name!r} is not a projection LoRA can adapt; {closest(name, valid.split(', '))}valid: {valid}"
+        if architecture == "gpt" and name == "gate_proj":
+            return f"{key}: gate_proj: GPT's MLP has no gate projection; adapt up_proj / down_proj (fc1 / fc2)"
+    return None
+
+
+def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str) -> str | None:
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if num_experts and mlp:
+        return (f"{p}model.peft.target_modules: {', '.join(mlp)} on a mixture-of-experts model: adapters on experts "
+                f"are not built; adapt the attention projections only (q_proj, k_proj, v_proj, o_proj)")
+    return None
+
+
+def lora_replicated_kv(targets: tuple[str, ...], kv_heads: int, tp: int, p: str) -> str | None:
+    kv = [t for t in targets if t in ("k_proj", "v_proj")]
+    if kv and tp > kv_heads:
+        return (f"{p}model.peft.target_modules: {', '.join(kv)} with tensor_model_parallel_size {tp} above the "
+                f"{kv_heads} KV heads (replicated KV heads): adapt q_proj / o_proj only, or lower tp to {kv_heads}")
+    return None
+
+
+def packing_context(packing: bool, context: int, p: str) -> str | None:
+    if packing and context > 1:
+        return (f"{p}model.data.packing: true with a context group of {context} ranks: packed examples under "
+                f"context parallelism are not built; set model.data.packing=false or context/ulysses size 1")
+    return None
+
+
+def fine_tuning_data(has_sft: bool, has_prefix: bool, p: str) -> str | None:
+    if has_sft and has_prefix:
+        return (f"{p}model.data: both data_prefix (pretraining) and train_ds (fine-tuning) are set; keep "
+                f"train_ds.file_names for fine-tuning, or set model.data.train_ds=null to pretrain")
+    return None
+
+
 # ------------------------------------------------------------------------------------------------- stage flow
 def trains_on_prepared_data(data_prefix: object, tokenizer: object, output_dir: object,
                             preparation: str) -> str | None:

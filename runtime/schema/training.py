@@ -15,8 +15,9 @@ from runtime.schema import rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
-from runtime.schema.training_config import (CheckpointConfig, DataConfig, OptimConfig, ParallelConfig,
-                                            PrecisionConfig, SchedConfig, TrainerConfig, TrainingConfig)
+from runtime.schema.training_config import (CheckpointConfig, DataConfig, LoraConfig, OptimConfig, ParallelConfig,
+                                            PrecisionConfig, SchedConfig, SFTDataConfig, TrainerConfig,
+                                            TrainingConfig)
 
 PREFIX = "training."
 FILE_MODES = ("error", "warn", "skip")
@@ -74,7 +75,10 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     trainer = _trainer(trainer_s, p, report)
     shape, vocab, tokenizer_path = _model_shape(model_s, p, report, file_checks, vocab_size)
     parallel = _parallel(model_s)
-    data = _data(model_s, shape.get("encoder_seq_length"), file_checks, p)
+    sft = _sft_data(model_s, file_checks, p)
+    data = _data(model_s, shape.get("encoder_seq_length"), file_checks, p, sft_data=sft is not None)
+    lora = parse_lora(model_s, shape.get("architecture"), p)
+    restore_from = _restore_from(model_s, shape, file_checks, p)
     optim = _optim(model_s, trainer.max_steps if trainer else None, p)
     precision = precision_s.choice("type", C.PRECISION_TYPES, "fp32")
     checkpoint = _checkpoint(exp, run, p)
@@ -89,6 +93,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     _shape_rules(report, p, shape, parallel, vocab)
     _expert_rules(report, p, trainer, parallel, shape.get("moe"))
     _context_rules(report, p, trainer, parallel, shape)
+    _fine_tuning_rules(report, p, parallel, shape, sft, lora)
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -101,7 +106,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         model=ModelConfig.from_model_section(shape, vocab), tokenizer_path=tokenizer_path,
         tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, wandb_kwargs=wandb_kwargs, plot=plot,
         checkpoint=checkpoint,
-        raw=raw,
+        raw=raw, restore_from_path=restore_from, sft=sft, lora=lora,
     ), report
 
 
@@ -298,14 +303,16 @@ def _parallel(model: Section) -> ParallelConfig | None:
                           recompute_modules=tuple(dict.fromkeys(modules)), **values)
 
 
-def _data(model: Section, seq_length: int | None, files: _Files, p: str) -> DataConfig | None:
+def _data(model: Section, seq_length: int | None, files: _Files, p: str, sft_data: bool = False
+          ) -> DataConfig | None:
     data = model.section("data")
     data_seq = data.int("seq_length", seq_length, minimum=1) if seq_length else None
     if data_seq is not None and seq_length is not None:
         model.report.error(rules.data_seq_length(data_seq, seq_length, p))
     micro, global_ = model.int("micro_batch_size", minimum=1), model.int("global_batch_size", minimum=1)
     index_dir = data.raw("index_mapping_dir", None)
-    data_prefix = data.raw("data_prefix")
+    data_prefix = data.raw("data_prefix", None if sft_data else REQUIRED)
+    model.report.error(rules.fine_tuning_data(sft_data, data_prefix is not None, p))
     key = data.key("data_prefix")
     if data_prefix is not None:
         try:
@@ -327,11 +334,112 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str) -> Data
     if splits is not None:
         model.report.error(rules.splits(splits, p))
     workers = data.int("num_workers", 0, minimum=0)
-    if None in (micro, global_, splits, workers, data_prefix) or seq_length is None:
+    if None in (micro, global_, splits, workers) or (data_prefix is None and not sft_data) or seq_length is None:
         return None
     return DataConfig(data_prefix=data_prefix, splits_string=splits, seq_length=seq_length, micro_batch_size=micro,
                       global_batch_size=global_, index_mapping_dir=None if index_dir is None else str(index_dir),
                       num_workers=workers)
+
+
+SFT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
+    """model.data.train_ds / validation_ds (NeMo's fine-tuning keys): chat or prompt/completion records."""
+    data = model.section("data")
+    data.choice("truncation", C.TRUNCATIONS, "right")  # read (marked seen) even for pretraining configs
+    data.raw("packing", None), data.raw("chat_template", None), data.raw("validation_ds", None)
+    if data.raw("train_ds", None) is None:
+        return None
+    lists = {}
+    for split in ("train_ds", "validation_ds"):
+        section = data.section(split)
+        names = section.strings("file_names") if section.data else ()
+        if names is None:
+            return None
+        if split == "train_ds" and not names:
+            model.report.error(f"{section.key('file_names')}: missing; list the .jsonl/.jsonl.gz/.parquet files to "
+                               f"fine-tune on")
+            return None
+        for name in names:
+            if not name.endswith(SFT_SUFFIXES):
+                model.report.error(f"{section.key('file_names')}: {name!r} is not a {', '.join(SFT_SUFFIXES)} file")
+            elif files.inputs_checked and not is_remote(name) and not Path(name).is_file():
+                files.problem(f"{section.key('file_names')}: {name} does not exist; run the data_preparation that "
+                              f"writes it or fix the path")
+        lists[split] = tuple(names)
+    template = data.str("chat_template", None)
+    if template is not None and template not in C.CHAT_TEMPLATES and not Path(template).is_file():
+        model.report.error(f"{data.key('chat_template')}: {template!r} is neither a built-in template "
+                           f"({', '.join(C.CHAT_TEMPLATES)}) nor a jinja2 file; null uses the tokenizer's own")
+        return None
+    values = dict(packing=data.bool("packing", True), truncation=data.choice("truncation", C.TRUNCATIONS, "right"))
+    if any(v is None for v in values.values()):
+        return None
+    return SFTDataConfig(train_files=lists["train_ds"], validation_files=lists["validation_ds"],
+                         chat_template=template, **values)
+
+
+def parse_lora(model: Section, architecture: str | None, p: str) -> LoraConfig | None:
+    """model.peft (NxD Training's keys): peft_scheme lora, lora_rank, lora_alpha, lora_dropout, target_modules."""
+    if model.raw("peft", None) is None:
+        return None
+    peft = model.section("peft")
+    if peft.choice("peft_scheme", C.PEFT_SCHEMES, None) is None:
+        for key in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"):
+            peft.raw(key, None)
+        return None
+    rank = peft.int("lora_rank", 16)
+    alpha = peft.float("lora_alpha", 32.0)
+    dropout = peft.float("lora_dropout", 0.0)
+    targets = peft.strings("target_modules")
+    if None in (rank, alpha, dropout, targets):
+        return None
+    problems = [rules.lora_rank(rank, p), rules.lora_alpha(alpha, p), rules.lora_dropout(dropout, p),
+                rules.lora_targets(targets, architecture, p)]
+    for problem in problems:
+        model.report.error(problem)
+    if any(problems):
+        return None
+    expanded = [m for name in targets for m in C.LORA_GROUPS.get(name, (name,))]
+    if architecture == "gpt":
+        expanded = [m for m in expanded if m != "gate_proj"]  # a group naming the MLP's input: GPT's is up_proj
+    return LoraConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=tuple(dict.fromkeys(expanded)))
+
+
+_RESTORE_SHAPE = ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups")
+
+
+def _restore_from(model: Section, shape: dict, files: _Files, p: str) -> str | None:
+    """model.restore_from_path: the weights fine-tuning starts from (NeMo's key; NxD Training's is
+    exp_manager.resume_from_checkpoint with model.weight_init_only). A Hugging Face directory is checked against
+    the model keys here, before anything is submitted; a checkpoint of ours when it is loaded."""
+    path = model.str("restore_from_path", None)
+    if path is None or not files.inputs_checked or is_remote(path):
+        return path
+    key = model.key("restore_from_path")
+    directory = Path(path)
+    if not directory.exists():
+        files.problem(f"{key}: {path} does not exist; point it at a Hugging Face model directory or a checkpoint")
+        return path
+    if not (directory / "config.json").is_file():
+        return path  # a checkpoint of ours (runtime/finetune.py reads and checks it)
+    try:
+        theirs = hf_model_keys(read_hf_config(str(directory / "config.json")))
+    except (ValueError, TypeError, KeyError) as error:
+        model.report.error(f"{key}: {directory / 'config.json'}: {error}")
+        return path
+    for name in _RESTORE_SHAPE:
+        mine = shape.get(name) if name != "num_query_groups" else shape.get(name) or shape.get("num_attention_heads")
+        other = theirs.get(name) if name != "num_query_groups" else theirs.get(name) or theirs.get(
+            "num_attention_heads")
+        if mine is not None and other is not None and mine != other:
+            model.report.error(f"{key}: {path} holds a model with {name} {other} but model.{name} is {mine}; set "
+                               f"model.model_config={directory / 'config.json'} to take its shape, or choose "
+                               f"weights of this model")
+            break
+    return path
 
 
 def _optim(model: Section, max_steps: int | None, p: str) -> OptimConfig | None:
@@ -451,6 +559,18 @@ def _context_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Par
     moe = shape.get("moe")
     report.error(rules.context_architecture(moe.num_experts if moe is not None else None,
                                             shape.get("attention_dropout", 0.0) or 0.0, cp, ulysses, p))
+
+
+def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: dict, sft: SFTDataConfig | None,
+                       lora: LoraConfig | None) -> None:
+    if sft is not None:
+        report.error(rules.packing_context(sft.packing, parallel.context, p))
+    if lora is not None:
+        moe = shape.get("moe")
+        report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p))
+        if "num_attention_heads" in shape:
+            kv = shape.get("num_query_groups") or shape["num_attention_heads"]
+            report.error(rules.lora_replicated_kv(lora.target_modules, kv, parallel.tp, p))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

@@ -49,13 +49,38 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_prefix: Any  # [w1, p1, ...] list or a blend file / prefix path; see runtime/schema/data_prefix.py
+    data_prefix: Any  # [w1, p1, ...] list or a blend file / prefix path (runtime/schema/data_prefix.py); None: sft
     splits_string: str
     seq_length: int
     micro_batch_size: int
     global_batch_size: int
     index_mapping_dir: str | None
     num_workers: int
+
+
+@dataclass(frozen=True)
+class SFTDataConfig:
+    """model.data for fine-tuning: chat / prompt-completion records instead of a pretraining data_prefix."""
+
+    train_files: tuple[str, ...]        # model.data.train_ds.file_names (.jsonl, .jsonl.gz, .parquet)
+    validation_files: tuple[str, ...]   # model.data.validation_ds.file_names; () means none
+    chat_template: str | None           # a built-in name (choices.CHAT_TEMPLATES), or None: the tokenizer's own
+    packing: bool                       # several examples per sequence, attention reset at each boundary
+    truncation: str                     # right | left | drop (choices.TRUNCATIONS)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """model.peft with peft_scheme: lora (NxD Training's keys)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]     # canonical names from choices.LORA_MODULES, groups expanded
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)
@@ -117,3 +142,8 @@ class TrainingConfig:
     plot: bool  # metrics.png at the end of training (runtime/plot.py)
     checkpoint: CheckpointConfig
     raw: dict = field(repr=False, compare=False)  # the whole YAML, for the W&B run config
+    # Fine-tuning: the weights to start from (model.restore_from_path: a Hugging Face directory or a checkpoint of
+    # ours, weights only), chat data instead of data_prefix, and LoRA adapters (None: every weight trains).
+    restore_from_path: str | None = None
+    sft: SFTDataConfig | None = None
+    lora: LoraConfig | None = None

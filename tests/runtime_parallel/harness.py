@@ -7,11 +7,13 @@ import torch
 
 from runtime.device import flash_attention_kernels
 from runtime.models import ModelConfig, build_model
+from runtime.models.lora import apply_lora
 from runtime.models.moe import SparseMoE
 from runtime.parallel import collectives as C
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.parallel.context import sequence_index
+from runtime.schema.training_config import LoraConfig
 from runtime.step import eval_step, train_step
 
 SEQ = 16
@@ -70,10 +72,32 @@ def global_batch(vocab: int, step: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return tokens[:, :-1], tokens[:, 1:], mask
 
 
-def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str = "ring"):
+def packed_positions(rows: int, seq: int = SEQ) -> torch.Tensor:
+    """Fine-tuning's packed rows: positions restarting at 0 at each example (row r holds examples of lengths
+    3 + r % 4, then 5, then the rest), which resets attention there (runtime.models.layers.SequenceLayout)."""
+    positions = []
+    for row in range(rows):
+        lengths, left = [], seq
+        for length in (3 + row % 4, 5):
+            lengths.append(min(length, left))
+            left -= lengths[-1]
+        lengths.append(left)
+        positions.append(torch.cat([torch.arange(n) for n in lengths if n]))
+    return torch.stack(positions)
+
+
+def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str = "ring", packed: bool = False):
     """This DP rank's share of the step's global batch, cut into micro-batches; under a context group, only the
-    rank's tokens of each sample (the data loader's job in training)."""
+    rank's tokens of each sample (the data loader's job in training). packed: fine-tuning rows, with position ids
+    and the loss on each example's second half only (its "assistant" tokens)."""
     input_ids, labels, mask = global_batch(vocab, step)
+    if packed:
+        positions = packed_positions(GLOBAL_BATCH)
+        mask = mask * (positions % 2 == 1)  # a loss mask that is not the padding mask
+        per_rank = GLOBAL_BATCH // topo.data_size
+        rows = slice(topo.data_rank * per_rank, (topo.data_rank + 1) * per_rank)
+        fields = [t[rows] for t in (input_ids, labels, mask, positions)]
+        return [tuple(t[i:i + MICRO_BATCH] for t in fields) for i in range(0, per_rank, MICRO_BATCH)]
     per_rank = GLOBAL_BATCH // topo.data_size
     rows = slice(topo.data_rank * per_rank, (topo.data_rank + 1) * per_rank)
     input_ids, labels, mask = input_ids[rows], labels[rows], mask[rows]
@@ -90,10 +114,34 @@ def make_topology(layout: Layout) -> Topology:
                                        cp=layout.context))
 
 
-def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) -> dict:
-    """Train `steps` steps; returns per-step losses and grad norms, the final eval loss and the full weights."""
+LORA = LoraConfig(rank=4, alpha=32.0, dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                   "gate_proj", "up_proj", "down_proj"))
+
+
+def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
+    """build_model's model, for full fine-tuning ('sft') as is, for 'lora' frozen with adapters on every projection
+    (GPT has no gate), each adapter's B drawn non-zero so the adapters act from the first step."""
+    model = build_model(cfg)
+    if fine_tuning == "lora":
+        targets = tuple(t for t in LORA.target_modules if cfg.architecture == "llama" or t != "gate_proj")
+        apply_lora(model, dataclasses.replace(LORA, target_modules=targets), seed=cfg.seed)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora.B." in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    return model
+
+
+def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0, fine_tuning: str | None = None
+          ) -> dict:
+    """Train `steps` steps; returns per-step losses and grad norms, the final eval loss and the full weights.
+    fine_tuning: None (pretraining batches), 'sft' (packed rows, every weight trains) or 'lora'."""
     topo = make_topology(layout)
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
+    packed = fine_tuning is not None
+    model = fine_tuning_model(cfg, fine_tuning)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model = parallelize_model(model, topo, sequence_parallel=layout.sequence_parallel,
                               activation_checkpointing=layout.activation_checkpointing,
                               recompute_modules=layout.recompute_modules, context=layout.context_kind,
                               attention_kernels=flash_attention_kernels,
@@ -101,14 +149,36 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0) 
     optimizer = ShardedAdamW(model, OPTIM)
     losses, norms, dropped = [], [], []
     for step in range(steps):
-        result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo, layout.context_kind), topo,
-                            lr=OPTIM["lr"], clip=clip)
+        result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo, layout.context_kind,
+                                                                packed), topo, lr=OPTIM["lr"], clip=clip)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         dropped.append(dropped_assignments(model, topo))
-    eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo, layout.context_kind), topo)
+    eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo, layout.context_kind, packed), topo)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
-    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "dropped": dropped}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "dropped": dropped,
+            "initial": initial}
+
+
+def assert_learns(run: dict) -> None:
+    """The run did train. A LoRA run on these random tiny models barely moves the loss in 10 steps (the frozen
+    random embedding and head dominate), so there: the adapters moved and every base weight is bitwise as built."""
+    adapters = [name for name in run["state"] if ".lora." in name]
+    if not adapters:
+        assert run["losses"][-1] < run["losses"][0], "the reference run learns something"
+        return
+    for name, before in run["initial"].items():
+        if ".lora." in name:
+            assert not torch.equal(run["state"][name], before.float()), f"adapter {name} did not train"
+        else:
+            assert torch.equal(run["state"][name], before.float()), f"frozen base weight {name} changed"
+
+
+def train_job(arch: str, overrides: dict, layout: Layout) -> dict:
+    """One job: model config overrides, plus `fine_tuning` ('sft' | 'lora') which is not a model key."""
+    overrides = dict(overrides)
+    fine_tuning = overrides.pop("fine_tuning", None)
+    return train(tiny_config(arch, **overrides), layout, fine_tuning=fine_tuning)
 
 
 def dropped_assignments(model, topo: Topology) -> list[list[int]]:
@@ -129,7 +199,7 @@ def dropped_assignments(model, topo: Topology) -> list[list[int]]:
 def run_suite(jobs: dict[str, tuple[str, dict, Layout]], checks: tuple[str, ...] = ()) -> dict:
     """Inside each distributed process: train every job (name -> (arch, config overrides, layout)) and run the
     named extra checks; one spawn serves a whole test module. Every rank returns its own view."""
-    out = {name: train(tiny_config(arch, **overrides), layout) for name, (arch, overrides, layout) in jobs.items()}
+    out = {name: train_job(arch, overrides, layout) for name, (arch, overrides, layout) in jobs.items()}
     for check in checks:
         out[check] = CHECKS[check]()
     return out

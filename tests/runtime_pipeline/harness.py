@@ -30,20 +30,23 @@ class PipelineLayout:
 
 
 def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, clip: float = 1.0) -> dict:
+    overrides = dict(overrides)
+    fine_tuning = overrides.pop("fine_tuning", None)  # 'sft' | 'lora': packed rows (tests/runtime_parallel/harness)
+    packed = fine_tuning is not None
     cfg = H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides})
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size(),
                                        ep=layout.ep, cp=layout.cp))
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=layout.sequence_parallel,
+    model = parallelize_model(H.fine_tuning_model(cfg, fine_tuning), topo, sequence_parallel=layout.sequence_parallel,
                               virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1),
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []
     for step in range(steps):
-        result = train_step(model, optimizer, H.micro_batches_for(step, cfg.vocab_size, topo), topo,
+        result = train_step(model, optimizer, H.micro_batches_for(step, cfg.vocab_size, topo, packed=packed), topo,
                             lr=H.OPTIM["lr"], clip=clip, schedule=layout.schedule)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    eval_loss = eval_step(model, H.micro_batches_for(steps, cfg.vocab_size, topo), topo)
+    eval_loss = eval_step(model, H.micro_batches_for(steps, cfg.vocab_size, topo, packed=packed), topo)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
     plan = {name: {"sharded": p.sharded, "tp_copies": model.sharding_plan.tp_copies(name),
                    "partial_grad": p.partial_grad, "pipeline_tied": p.pipeline_tied}
@@ -61,4 +64,4 @@ def run_suite(jobs: dict) -> dict:
 
 
 def reference(arch: str, overrides: dict) -> dict:
-    return H.train(H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides}), H.Layout())
+    return H.train_job(arch, {"num_layers": NUM_LAYERS, **overrides}, H.Layout())

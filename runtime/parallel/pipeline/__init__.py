@@ -68,7 +68,7 @@ def collect_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: 
     run = ScheduleRun(stage, p2p, batches, 1.0, forward_only=True, collect=collect)
     run.run(schedule_actions(stage, len(batches), forward_only=True))
     out = []
-    for index, (input_ids, _, _) in enumerate(batches):
+    for index, (input_ids, *_) in enumerate(batches):
         value = run.collected.get(index)
         if value is None:
             value = torch.empty(out_shape(input_ids), dtype=torch.float32, device=input_ids.device)

@@ -56,7 +56,8 @@ class ScheduleRun:
 
     def _forward(self, chunk_index: int, micro_batch: int) -> None:
         chunk = self.stage.chunks[chunk_index]
-        input_ids, labels, mask = self.batches[micro_batch]
+        input_ids, labels, mask, *rest = self.batches[micro_batch]
+        layout = rest[0] if rest else None  # packed examples' SequenceLayout (runtime.step builds it)
         if chunk.is_first:
             x = input_ids
         else:
@@ -64,7 +65,7 @@ class ScheduleRun:
             x.requires_grad_(not self.forward_only)
         started = time.perf_counter()
         with self.autocast():
-            out = chunk(x, labels if chunk.is_last and self.collect is None else None)
+            out = chunk(x, labels if chunk.is_last and self.collect is None else None, layout)
         if chunk.is_last and self.collect is not None:
             self.collected[micro_batch] = self.collect(out, labels)
             self._record("F", started)

@@ -43,12 +43,13 @@ class PipelineChunk(nn.Module):
             self.final_norm, self.output = model.final_norm, model.output
             self.loss_fn, self.gather_vocab = model.loss_fn, model.gather_vocab
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, layout=None):
         """First stage: input_ids (B, T); otherwise the previous stage's hidden states (B, T[/tp], H).
-        Last stage: per-token loss (B, T) with labels, logits without; otherwise hidden states for the next."""
-        h = self.embed(x) if self.is_first else x
+        Last stage: per-token loss (B, T) with labels, logits without; otherwise hidden states for the next.
+        layout: the micro-batch's SequenceLayout (packed examples), which every stage rebuilds from its batch."""
+        h = self.embed(x, None if layout is None else layout.positions) if self.is_first else x
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if layout is None else layer(h, layout)
         if not self.is_last:
             return h
         logits = self.output(self.final_norm(h))

@@ -1,0 +1,156 @@
+# LoRA (Hu et al., 2021): low-rank adapters beside the model's projections, applied to a built model the way
+# parallelism is (torchtitan style): build_model -> [load pretrained weights] -> apply_lora -> parallelize_model.
+#
+# The base weights keep their names and places (`layers.0.attn.qkv.weight`), are frozen (requires_grad False, so
+# data parallelism gives them no gradient buffer and the optimizer no state) and stay bitwise what was loaded.
+# Each adapted projection gets a `lora` child holding, per adapted target t, A_t (rank x in) and B_t (out_t x rank):
+# `layers.0.attn.qkv.lora.A.q_proj`, `...lora.B.q_proj`. Our QKV and gate/up projections are fused, so one
+# Linear carries up to three targets, each over its own segment of output rows; targets use the Hugging Face
+# names, which is also how the PEFT export (runtime/convert/peft.py) names them.
+#
+#   y = x W^T + b + scale * concat_s [ B_s A_s dropout(x)  if s is adapted, else 0 ],  scale = alpha / rank
+#
+# Tensor parallelism (runtime/parallel/layers.py) shards the adapters with their base layer: B by output rows in a
+# column-parallel layer, A by input columns in a row-parallel one; the other factor is replicated.
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.schema.model import ModelConfig
+from runtime.schema.training_config import LoraConfig
+
+
+class LoRA(nn.Module):
+    """The adapters of one projection. `segments`: (target name, rows) of the projection's output in order, as
+    this rank holds it; only the names in A/B are adapted."""
+
+    def __init__(self, segments: list[tuple[str, int]], A: dict[str, torch.Tensor], B: dict[str, torch.Tensor],
+                 scale: float, dropout: float):
+        super().__init__()
+        self.segments, self.scale = list(segments), scale
+        self.A = nn.ParameterDict({t: nn.Parameter(a) for t, a in A.items()})
+        self.B = nn.ParameterDict({t: nn.Parameter(b) for t, b in B.items()})
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.placements: dict = {}  # set by tensor parallelism (ShardingPlan.collect reads it)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (..., out) the base projection's output for input x (..., in): y plus the adapters' deltas."""
+        x = self.dropout(x)
+        parts = y.split([rows for _, rows in self.segments], dim=-1) if len(self.segments) > 1 else (y,)
+        out = []
+        for (target, _), part in zip(self.segments, parts):
+            if target in self.A:
+                part = part + self.scale * F.linear(F.linear(x, self.A[target]), self.B[target])
+            out.append(part)
+        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear (same weight and bias Parameters, same names) with a `lora` child added to its output."""
+
+    lora: LoRA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora(x, F.linear(x, self.weight, self.bias))
+
+
+def projection_segments(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Module path within a block -> its output segments by Hugging Face name (the unsharded sizes)."""
+    d = cfg.hidden_size // cfg.num_attention_heads
+    segments = {"attn.qkv": [("q_proj", cfg.num_attention_heads * d), ("k_proj", cfg.kv_heads * d),
+                             ("v_proj", cfg.kv_heads * d)],
+                "attn.proj": [("o_proj", cfg.hidden_size)]}
+    if cfg.moe is not None:
+        return segments  # experts carry no adapters (a schema rule refuses MLP targets on MoE models)
+    if cfg.architecture == "llama":
+        segments["mlp.gate_up"] = [("gate_proj", cfg.ffn_hidden_size), ("up_proj", cfg.ffn_hidden_size)]
+        segments["mlp.down"] = [("down_proj", cfg.hidden_size)]
+    else:
+        segments["mlp.fc1"] = [("up_proj", cfg.ffn_hidden_size)]
+        segments["mlp.fc2"] = [("down_proj", cfg.hidden_size)]
+    return segments
+
+
+@torch.no_grad()
+def apply_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
+    """Freeze every weight of `model` (a CausalLM as build_model made it, pretrained or not) and add adapters on
+    `lora.target_modules`. A is drawn as PEFT does (kaiming-uniform, bound 1/sqrt(in)) from a generator seeded by
+    `seed`, in module order, on the full model: the same adapters whatever the layout. B starts at zero, so the
+    adapted model starts as the base model."""
+    cfg: ModelConfig = model.cfg
+    for param in model.parameters():
+        param.requires_grad_(False)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 7919)  # not the base init's stream
+    targets = set(lora.target_modules)
+    for i, block in enumerate(model.layers):
+        for path, segments in projection_segments(cfg).items():
+            chosen = [(t, rows) for t, rows in segments if t in targets]
+            if not chosen:
+                continue
+            parent_path, name = path.rsplit(".", 1)
+            parent = block.get_submodule(parent_path)
+            linear = getattr(parent, name)
+            A = {t: torch.empty(lora.rank, linear.in_features).uniform_(
+                -1 / math.sqrt(linear.in_features), 1 / math.sqrt(linear.in_features), generator=gen)
+                .to(linear.weight.dtype) for t, _ in chosen}
+            B = {t: torch.zeros(rows, lora.rank, dtype=linear.weight.dtype) for t, rows in chosen}
+            adapted = LoRALinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                 device="meta")
+            adapted.weight, adapted.bias = linear.weight, linear.bias
+            adapted.lora = LoRA(segments, A, B, lora.scale, lora.dropout).to(linear.weight.device)
+            setattr(parent, name, adapted)
+    return model
+
+
+_ADAPTER = re.compile(r"^(?P<module>.+)\.lora\.(?P<factor>[AB])\.(?P<target>\w+)$")
+
+
+def is_adapter(name: str) -> bool:
+    return _ADAPTER.match(name) is not None
+
+
+def adapter_names(name: str) -> tuple[str, str, str] | None:
+    """`layers.0.attn.qkv.lora.A.q_proj` -> ('layers.0.attn.qkv', 'A', 'q_proj'); None for other parameters."""
+    match = _ADAPTER.match(name)
+    return None if match is None else (match["module"], match["factor"], match["target"])
+
+
+@torch.no_grad()
+def merge_lora(state: dict[str, torch.Tensor], cfg: ModelConfig, scale: float) -> dict[str, torch.Tensor]:
+    """A full (unsharded) state dict with adapters -> the base model's state dict with W_s += scale * B_s A_s
+    folded into each adapted segment's rows (in fp32, then back to the weight's dtype). What a merged export
+    writes: a plain model that computes what the adapted one does."""
+    merged = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
+    segments = projection_segments(cfg)
+    for name, A in state.items():
+        parts = adapter_names(name)
+        if parts is None or parts[1] != "A":
+            continue
+        module, _, target = parts
+        local = module.split(".", 2)[2]  # layers.<i>.attn.qkv -> attn.qkv
+        offset = 0
+        for segment, rows in segments[local]:
+            if segment == target:
+                break
+            offset += rows
+        else:
+            raise ValueError(f"{name}: no {target} segment in {module}")
+        weight = merged[f"{module}.weight"].clone()
+        B = state[f"{module}.lora.B.{target}"]
+        delta = scale * (B.float() @ A.float())
+        weight[offset:offset + B.shape[0]] = (weight[offset:offset + B.shape[0]].float() + delta).to(weight.dtype)
+        merged[f"{module}.weight"] = weight
+    return merged
+
+
+def lora_modules(model: nn.Module) -> list[LoRA]:
+    return [m for m in model.modules() if isinstance(m, LoRA)]
+
+
+__all__ = ["LoRA", "LoRALinear", "adapter_names", "apply_lora", "is_adapter", "lora_modules", "merge_lora",
+           "projection_segments"]

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: chat records, chat templates with assistant-only loss masks, packed training rows."""

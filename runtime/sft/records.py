@@ -1,0 +1,138 @@
+"""Reading SFT records from .jsonl, .jsonl.gz and .parquet files as validated chat conversations.
+
+A record is either `{"messages": [{"role": ..., "content": ...}, ...]}` or `{"prompt": ..., "completion": ...}`;
+the second becomes a user message and an assistant message, so everything downstream sees one shape. Every
+problem is a ValueError of one line that starts with where it is (`file:line` for JSON lines, `file:row N`
+for parquet, 0-based as pyarrow counts) and ends with what to do about it.
+
+A .gz is read to its end-of-stream marker before any record is returned: a truncated download must fail, not
+train on the half that arrived.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.schema.training import SFT_SUFFIXES
+
+ROLES = ("system", "user", "assistant")
+FILES_KEY = "model.data.train_ds.file_names"
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class Record:
+    where: str                  # "file:line" (JSON lines) or "file:row N" (parquet), for error messages
+    messages: list[Message]
+
+
+def read_records(path: str | os.PathLike) -> list[Record]:
+    """Every record of one file, validated; a file without records is an error."""
+    path = os.fspath(path)
+    if path.endswith(".parquet"):
+        records = _parquet_records(path)
+    elif path.endswith((".jsonl", ".jsonl.gz")):
+        records = _jsonl_records(path)
+    else:
+        raise ValueError(f"{path}: unknown input format; SFT inputs end in {', '.join(SFT_SUFFIXES)}")
+    if not records:
+        raise ValueError(f"{path}: the file holds no records; remove it from the inputs or write records into it")
+    return records
+
+
+def read_all(paths: list[str | os.PathLike]) -> list[Record]:
+    """The records of every file, files in the order given."""
+    if not paths:
+        raise ValueError(f"no SFT input files; list them in {FILES_KEY} ({', '.join(SFT_SUFFIXES)})")
+    return [record for path in paths for record in read_records(path)]
+
+
+def to_messages(value: Any, where: str) -> list[Message]:
+    """One record as a list of messages: checked roles, string contents, at least one assistant turn."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, not {type(value).__name__}; write "
+                         '{"messages": [...]} or {"prompt": ..., "completion": ...}')
+    if "messages" in value:
+        messages = value["messages"]
+    elif "prompt" in value and "completion" in value:
+        messages = [{"role": "user", "content": value["prompt"]},
+                    {"role": "assistant", "content": value["completion"]}]
+    else:
+        raise ValueError(f"{where}: the record has keys {sorted(value)}; it needs \"messages\" or both "
+                         "\"prompt\" and \"completion\"")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    checked = []
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}: message {number} is {type(message).__name__}, not an object; write "
+                             '{"role": ..., "content": ...}')
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"{where}: message {number} has role {role!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: message {number} ({role}) has content of type {type(content).__name__}; "
+                             "content must be a string")
+        checked.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in checked):
+        raise ValueError(f"{where}: the record has no assistant message, so nothing to learn from; add one or "
+                         "remove the record")
+    return checked
+
+
+def _jsonl_records(path: str) -> list[Record]:
+    records = []
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as lines:
+            try:
+                for number, line in enumerate(lines, start=1):
+                    if not line.strip():
+                        continue  # blank lines (a trailing newline pair, say) are no records
+                    where = f"{path}:{number}"
+                    try:
+                        value = json.loads(line)
+                    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both
+                        raise ValueError(f"{where}: not valid JSON ({_first_line(err)}); fix or remove the "
+                                         "line") from None
+                    records.append(Record(where, to_messages(value, where)))
+            except ValueError:
+                # Damaged gzip data first shows as a garbled line; read to the end (the CRC) before blaming it.
+                while path.endswith(".gz") and lines.read(1 << 20):
+                    pass
+                raise
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        # EOFError: the stream stops before gzip's end marker; the others: damaged bytes or a failed CRC.
+        raise ValueError(f"{path}: truncated or corrupt gzip ({_first_line(err)}); fetch or write the file "
+                         "again") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or err}); check the path in the inputs") from None
+    return records
+
+
+def _parquet_records(path: str) -> list[Record]:
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise ValueError(f"{path}: reading .parquet needs pyarrow; pip install 'nxdt-launch[parquet]'") from None
+    try:
+        rows = parquet.read_table(path).to_pylist()
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise ValueError(f"{path}: not a readable parquet file ({_first_line(err)}); fetch or write the file "
+                         "again") from None
+    return [Record(f"{path}:row {index}", to_messages(_drop_nulls(row), f"{path}:row {index}"))
+            for index, row in enumerate(rows)]
+
+
+def _drop_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    """A table with both layouts has nulls in the columns a row does not use; a null is an absent key."""
+    return {key: value for key, value in row.items() if value is not None}
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
