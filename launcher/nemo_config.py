@@ -4,6 +4,8 @@
 A NeMo-Launcher file already speaks our keys: those pass through unchanged, with their `${base_results_dir}`,
 `${data_dir}` and `${training...}` interpolations resolved in the launch config, as NeMo-Launcher resolves them.
 NeMo-only keys are ignored (with the reason) when their value changes nothing here, and refused when it would.
+NeMo-Launcher's fine_tuning and peft files (model.restore_from_path, model.data.train_ds / validation_ds,
+model.peft) speak our keys too, apart from LoRA's sizes under model.peft.lora_tuning, which are mapped.
 """
 
 from __future__ import annotations
@@ -96,7 +98,29 @@ IGNORED: dict[str, tuple[tuple | None, str]] = {
     "model.data.reset_position_ids": ((False,), "documents are not separated inside a sequence"),
     "model.data.reset_attention_mask": ((False,), "documents are not separated inside a sequence"),
     "model.data.eod_mask_loss": ((False,), "the end-of-document token is trained on"),
+    # Fine-tuning (NeMo-Launcher's fine_tuning and peft stages).
+    "model.answer_only_loss": ((True,), "the loss covers the assistant's answers only"),
+    "model.save_nemo_on_validation_end": (None, "no .nemo files; the conversion stage exports"),
+    "model.peft.restore_from_path": ((None,), "starting from saved adapters is not built (a peft run resumes its "
+                                              "own)"),
+    "model.peft.lora_tuning.column_init_method": (None, "A starts random and B at zero: training starts from the "
+                                                        "restored model"),
+    "model.peft.lora_tuning.row_init_method": (("zero",), "B starts at zero"),
+    "model.peft.lora_tuning.layer_selection": ((None,), "adapters go on every layer"),
+    "model.peft.lora_tuning.weight_tying": ((False,), "each layer has adapters of its own"),
+    "model.peft.lora_tuning.position_embedding_strategy": ((None,), "used with weight_tying only"),
 }
+
+# NeMo's LoRA sizes -> ours (NeMo's target_modules names, attention_qkv and the like, are accepted as they are).
+LORA_MAPPED = {"model.peft.lora_tuning.adapter_dim": "model.peft.lora_rank",
+               "model.peft.lora_tuning.alpha": "model.peft.lora_alpha",
+               "model.peft.lora_tuning.adapter_dropout": "model.peft.lora_dropout",
+               "model.peft.lora_tuning.target_modules": "model.peft.target_modules"}
+# NeMo-Launcher's fine-tuning run keys: they name the run (run.name: ${.task_name}_${.model_train_name}), so they
+# are kept for those interpolations, and mean nothing else here.
+RUN_NAMING = ("run.model_train_name", "run.task_name", "run.convert_name", "run.convert_dir")
+# NeMo's model.peft.peft_scheme values; the others (adapter, ptuning, ia3, ...) are methods not built here.
+PEFT_SCHEMES = {"lora": "lora", "none": None, None: None}
 
 # trainer.precision (with model.megatron_amp_O2) -> precision.type
 PRECISIONS = {("bf16", True): "mixed_precision", ("bf16-mixed", True): "mixed_precision",
@@ -111,11 +135,41 @@ def is_nemo(data: dict[str, Any]) -> bool:
         ("hydra" in data or "run" in data) and "tensor_model_parallel_size" in model
 
 
+def nemo_stage(data: dict[str, Any]) -> tuple[str, str]:
+    """The stage a NeMo-Launcher file configures, and the key that says so: LoRA (model.peft.peft_scheme: lora) is
+    the peft stage; starting weights or chat data (model.restore_from_path, model.data.train_ds) fine_tuning."""
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    peft = model.get("peft") if isinstance(model.get("peft"), dict) else {}
+    if str(peft.get("peft_scheme")).lower() == "lora":
+        return "peft", "model.peft.peft_scheme: lora"
+    data = model.get("data") if isinstance(model.get("data"), dict) else {}
+    if model.get("restore_from_path") is not None:
+        return "fine_tuning", "model.restore_from_path"
+    if data.get("train_ds") is not None:
+        return "fine_tuning", "model.data.train_ds"
+    return "training", ""
+
+
 def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) -> None:
     """Sort every key of a flattened NeMo file: ours (unchanged), mapped, ignored or refused."""
     amp_o2 = bool(flat.get("model.megatron_amp_O2", False))
     for key, value in flat.items():
-        if key == "trainer.precision":
+        if key in RUN_NAMING:
+            put(key, value)
+            row(key, value, "kept: NeMo-Launcher names the run with it")
+        elif key in LORA_MAPPED:
+            put(LORA_MAPPED[key], value)
+            row(key, value, f"training.{LORA_MAPPED[key]}")
+        elif key == "model.peft.peft_scheme":
+            if value not in PEFT_SCHEMES:
+                error(key, f"{value!r} is not built here: LoRA (lora) is, or none for full fine-tuning")
+                continue
+            put(key, PEFT_SCHEMES[value])
+            row(key, value, f"training.{key}")
+        elif key == "model.restore_from_path" and str(value).endswith(".nemo"):
+            error(key, f"{value!r}: a .nemo archive is not read here; give the Hugging Face model directory it was "
+                       "converted from, or a checkpoint of ours")
+        elif key == "trainer.precision":
             target = PRECISIONS.get((value, amp_o2))
             if target is None:
                 error(key, f"{value!r} has no counterpart here (fp16 is not supported); use bf16 or 32")

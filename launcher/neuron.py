@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.job import Job
+from launcher.stages import TRAINING_STAGES
 
 PRECISION_ENV: dict[str, tuple[dict[str, str], str]] = {
     "fp32": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0"}, "--auto-cast none"),
@@ -207,7 +208,7 @@ def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
 
     cache_url = f"{cache_location(cfg)}/{model_key(job.stage_config)}"
     compile_step = None
-    if neuron["compile"]["enabled"] and job.stage == "training":
+    if neuron["compile"]["enabled"] and job.stage in TRAINING_STAGES:
         steps = int(neuron["compile"]["steps"])
         key = graph_key(job, env["NEURON_CC_FLAGS"], cache_url)
         # A directory cache holds its markers; one on S3 has them on the shared file system instead, where the

@@ -2,7 +2,11 @@
 support onto our training keys (and the Neuron compiler keys onto cluster.neuron), names the keys it ignores as
 warnings, and refuses the keys it cannot honour in one error. `nxdt-launch explain-config FILE` prints the mapping.
 
-The result is registered as a Hydra config (training=<name>) on top of the family's base recipe, so the user's own
+NxD Training fine-tunes from the same kind of file: with `model_alignment_strategy.peft` it is the peft stage (LoRA,
+`peft=@FILE`), with `model_alignment_strategy.sft` or `model.weight_init_only` the fine_tuning stage
+(`fine_tuning=@FILE`); the stage a file is given as must be the one it configures.
+
+The result is registered as a Hydra config (<stage>=<name>) on top of the family's base recipe, so the user's own
 overrides on the same command line still win and every rule of the schema runs on the result.
 Pure apart from reading the file (and the config.json it points at): nothing is written.
 """
@@ -20,7 +24,8 @@ from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
 from launcher.resolvers import register_resolvers
 
-# NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place.
+# NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place. A
+# fine-tuning file's keys land under its own stage (fine_tuning. or peft.) instead of training.
 MAPPED: dict[str, str] = {
     "name": "training.run.name",
     "seed": "training.model.seed",
@@ -65,7 +70,19 @@ MAPPED: dict[str, str] = {
     "compiler_cache_url": "cluster.neuron.compile.cache",
     "aync_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",  # NxD's own spelling
     "async_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",
+    # Fine-tuning: NxD's SFT packing and LoRA keys are the schema's own (model.data.packing, model.peft.*).
+    "model_alignment_strategy.sft.packing": "training.model.data.packing",
+    **{f"model_alignment_strategy.peft.{k}": f"training.model.peft.{k}" for k in (
+        "lora_rank", "lora_alpha", "lora_dropout", "target_modules")},
 }
+
+# A fine-tuning file's data: NxD's SFT train_dir and val_dir are the chat files (one file or a list each); its
+# weights: exp_manager.resume_from_checkpoint with model.weight_init_only: true (weights only, a fresh run).
+FINE_TUNING_MAPPED = {
+    "data.train_dir": "training.model.data.train_ds.file_names",
+    "data.val_dir": "training.model.data.validation_ds.file_names",
+}
+WEIGHTS_FROM = "exp_manager.resume_from_checkpoint"
 
 # PyTorch Lightning reads a float here as a fraction of an epoch (0.0: none); nxdt-launch counts steps/batches.
 FRACTIONS = ("trainer.val_check_interval", "trainer.limit_val_batches")
@@ -107,11 +124,19 @@ IGNORED: dict[str, str] = {
     "bucket_size_collectives": "collectives are bucketed by the runtime",
     "neuron_rt_exec_timeout": "the Neuron runtime's default applies",
     "neuron_experimental_compress_rg": "the Neuron runtime's default applies",
-    "data.dev_choose_samples": "not needed: every sample is used",
+    "data.dev_choose_samples": "NxD's debugging subset of the data; every record of the data files is used",
     "exp_manager.ckpt_ptl_version": "checkpoints use nxdt-launch's own format",
     "model.transpose_nki_inputs": "a Neuron kernel detail",
     "precision.fp32_grads_cc": "gradients are reduced in fp32 in every precision type",
-    "data.val_dir": "validation uses the validation split of data_prefix (splits_string)",
+    "data.val_dir": "pretraining validates on the validation split of data_prefix (splits_string)",
+    "model_alignment_strategy.peft.lora_verbose": "the adapters are listed in the log",
+    "model_alignment_strategy.peft.save_lora_base": "a LoRA run's checkpoints hold its adapters; the base weights are "
+                                                    "model.restore_from_path, read again on resume",
+    "model_alignment_strategy.peft.merge_lora": "the conversion stage exports a LoRA run merged or as a PEFT adapter "
+                                                "(conversion.lora)",
+    "model_alignment_strategy.peft.save_lora_config_adapter": "the conversion stage writes a PEFT adapter's "
+                                                              "adapter_config.json (conversion.lora)",
+    "model_alignment_strategy.peft.merge_sharded_lora": "checkpoints are resharded on load whatever the layout",
     "model.moe.sinkhorn_iterations": "used only by sinkhorn routing; routing here is top_k",
     "model.moe.sinkhorn_tol": "used only by sinkhorn routing; routing here is top_k",
 }
@@ -124,11 +149,11 @@ DIFFERS = {
 
 # What nxdt-launch cannot do yet: refused, with where it is heading.
 UNSUPPORTED: dict[str, str] = {
-    "model_alignment_strategy.sft": "the fine-tuning stage (SFT) is not built yet",
     "model_alignment_strategy.dpo": "the alignment stage (DPO) is not built yet",
     "model_alignment_strategy.orpo": "the alignment stage (ORPO) is not built yet",
-    "model_alignment_strategy.peft": "LoRA is not built yet",
-    "model.weight_init_only": "fine-tuning from pretrained weights is not built yet",
+    "model_alignment_strategy.peft.lora_bias": "trainable biases beside the adapters are not built; set it to none",
+    "model_alignment_strategy.peft.load_lora_from_ckpt": "starting from saved adapters is not built (a peft run "
+                                                         "resumes its own); set it to False",
     "distributed_strategy.token_shuffle_group_size": "shuffling tokens across data-parallel ranks before routing "
                                                      "is not built yet; set it to 1",
     "model.moe.routing_algorithm": "routing other than top_k (sinkhorn) is not built yet; set it to top_k",
@@ -137,7 +162,9 @@ UNSUPPORTED: dict[str, str] = {
 
 # Values that are the default here and so need no mapping (a key with another value is refused).
 NEUTRAL = {"distributed_strategy.token_shuffle_group_size": 1, "model.moe.routing_algorithm": "top_k",
-           "model.moe.dropout": 0.0, "model.moe.output_router_logits": True}
+           "model.moe.dropout": 0.0, "model.moe.output_router_logits": True,
+           "model_alignment_strategy.peft.lora_bias": "none",
+           "model_alignment_strategy.peft.load_lora_from_ckpt": False}
 
 # A value that means something else here, said with another key: (value, our key, its value, why). Applied after
 # the file's own keys, so they cannot undo it.
@@ -162,12 +189,14 @@ class Mapping:
     """What one NxD Training file becomes."""
 
     source: Path
-    training: dict[str, Any]                  # the training group's config (a defaults list + our keys)
+    training: dict[str, Any]                  # the stage's config (a defaults list + our keys)
     cluster: dict[str, Any]                   # cluster.* overrides (the Neuron compiler keys)
     rows: list[tuple[str, Any, str]] = field(default_factory=list)   # (key in the file, value, what became of it)
     dialect: str = "NxD Training"
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    stage: str = "training"                   # the stage the file configures: training | fine_tuning | peft
+    stage_reason: str = ""                    # which of its keys says so
 
     @property
     def name(self) -> str:
@@ -181,7 +210,7 @@ def is_file_choice(value: str) -> bool:
     return value.startswith("@")
 
 
-def load(path: str) -> tuple[dict[str, Any], bool]:
+def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
     """The file, and whether it is NeMo-Launcher's. An NxD Training file is resolved on its own (its
     interpolations, e.g. ${trainer.max_steps}, refer to its own keys); a NeMo-Launcher file's refer to the launch
     config (${base_results_dir}, ${training.run.name}) and are left for it to resolve."""
@@ -190,40 +219,68 @@ def load(path: str) -> tuple[dict[str, Any], bool]:
 
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UserError(f"training=@{path}: no such file; give the path of an NxD Training or NeMo-Launcher "
-                        f"training YAML")
+        raise UserError(f"{group}=@{path}: no such file; give the path of an NxD Training or NeMo-Launcher "
+                        f"{group} YAML")
     register_resolvers()
     try:
         loaded = OmegaConf.load(file)
         raw = OmegaConf.to_container(loaded, resolve=False)
         if not isinstance(raw, dict):
-            raise UserError(f"training=@{path}: holds {type(raw).__name__}, not a training config mapping")
+            raise UserError(f"{group}=@{path}: holds {type(raw).__name__}, not a {group} config mapping")
         if nemo_config.is_nemo(raw):
             return raw, True
         return OmegaConf.to_container(loaded, resolve=True), False
     except (OmegaConfBaseException, ValueError, OSError) as error:
-        raise UserError(f"training=@{path}: cannot be read as YAML ({str(error).splitlines()[0]})") from None
+        raise UserError(f"{group}=@{path}: cannot be read as YAML ({str(error).splitlines()[0]})") from None
 
 
-def map_file(path: str) -> Mapping:
-    data, nemo = load(path)
+def nxd_stage(data: dict[str, Any]) -> tuple[str, str]:
+    """The stage an NxD Training file configures, and the key that says so."""
+    alignment = data.get("model_alignment_strategy") if isinstance(data.get("model_alignment_strategy"), dict) else {}
+    if alignment.get("peft"):
+        return "peft", "model_alignment_strategy.peft (LoRA)"
+    if "sft" in alignment:
+        return "fine_tuning", "model_alignment_strategy.sft"
+    if ((data.get("model") or {}) if isinstance(data.get("model"), dict) else {}).get("weight_init_only"):
+        return "fine_tuning", "model.weight_init_only"
+    return "training", ""
+
+
+def map_file(path: str, group: str | None = None) -> Mapping:
+    """`group`: the stage it was given as (<group>=@FILE), which names it in errors; None: the stage it configures."""
+    data, nemo = load(path, group or "training")
     if nemo:
-        return _map_nemo(path, data)
+        return _map_nemo(path, data, group)
+    stage, reason = nxd_stage(data)
+    at = f"{group or stage}=@{path}"
     flat = _flatten(data, {**IGNORED, **UNSUPPORTED})
-    result = Mapping(Path(path), {}, {})
+    result = Mapping(Path(path), {}, {}, stage=stage, stage_reason=reason)
     training: dict[str, Any] = {}
+    weights = stage != "training" and bool((data.get("model") or {}).get("weight_init_only"))
     for key, value in flat.items():
         top = longest_prefix(key, UNSUPPORTED)
         if top is not None and NEUTRAL.get(key, object()) != value:
-            result.errors.append(f"training=@{path}: {key} is not supported: {UNSUPPORTED[top]}")
+            result.errors.append(f"{at}: {key} is not supported: {UNSUPPORTED[top]}")
             result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
+        elif stage != "training" and (key in FINE_TUNING_MAPPED or (weights and key == WEIGHTS_FROM)):
+            target = FINE_TUNING_MAPPED.get(key, "training.model.restore_from_path")
+            converted = value if key == WEIGHTS_FROM or value is None or isinstance(value, list) else [value]
+            _put(training, target[len("training."):], converted)
+            result.rows.append((key, value, target if converted == value else f"{target} = {converted!r}"))
+        elif key == "model.encoder_seq_length" and flat.get("data.seq_length") not in (None, value):
+            # NxD's SFT files train on data.seq_length and keep the model's own length for its positions.
+            result.rows.append((key, value, f"ignored: sequences are data.seq_length ({flat['data.seq_length']}) "
+                                            f"long; positions come from max_position_embeddings"))
+        elif key == "model.weight_init_only":
+            result.rows.append((key, value, f"with {WEIGHTS_FROM}: training.model.restore_from_path" if value
+                                else "the default here"))
         elif key in NULL_MEANS and value is None:
             _put(training, MAPPED[key][len("training."):], None)
             result.rows.append((key, value, f"{MAPPED[key]} = None: {NULL_MEANS[key]}"))
         elif key in MAPPED and value is None:
             result.rows.append((key, value, "null: the base recipe's value stays"))
         elif key in FRACTIONS and isinstance(value, float) and value != 0:
-            result.errors.append(f"training=@{path}: {key}: {value!r} is a fraction of an epoch (PyTorch Lightning's "
+            result.errors.append(f"{at}: {key}: {value!r} is a fraction of an epoch (PyTorch Lightning's "
                                  f"float form); nxdt-launch counts steps: give a whole number")
             result.rows.append((key, value, "refused: a fraction of an epoch"))
         elif key in MAPPED:
@@ -245,10 +302,10 @@ def map_file(path: str) -> Mapping:
             expected, why = DIFFERS[key]
             result.rows.append((key, value, "the default here" if value != expected else f"differs: {why}"))
             if value == expected:
-                result.warnings.append(f"training=@{path}: {key}: {value!r} is ignored: {why}")
+                result.warnings.append(f"{at}: {key}: {value!r} is ignored: {why}")
         else:
             result.rows.append((key, value, "unknown"))
-            result.errors.append(f"training=@{path}: {key} is not an NxD Training key nxdt-launch knows; remove it "
+            result.errors.append(f"{at}: {key} is not an NxD Training key nxdt-launch knows; remove it "
                                  f"(`nxdt-launch explain-config {path}` lists every key and what it maps to)")
     if result.errors:
         return result
@@ -256,27 +313,53 @@ def map_file(path: str) -> Mapping:
         if flat.get(key, object()) == trigger:
             _put(training, target[len("training."):], implied)
     result.rows += _nxd_moe_defaults(training)
-    if data.get("model_source") == "hf" and (data.get("data") or {}).get("train_dir"):
+    if stage == "training" and data.get("model_source") == "hf" and (data.get("data") or {}).get("train_dir"):
         result.warnings.append(
-            f"training=@{path}: data.train_dir: NxD Training's hf configs point it at a Hugging Face datasets "
+            f"{at}: data.train_dir: NxD Training's hf configs point it at a Hugging Face datasets "
             f"directory; nxdt-launch trains on Megatron indexed data: prepare it with stages=[data_preparation] and "
             f"point training.model.data.data_prefix at the result")
-    result.training = _with_base(training, data)
-    result.rows += _from_base(result.training)
+    if weights and flat.get(WEIGHTS_FROM) is None:
+        result.errors.append(f"{at}: model.weight_init_only: True without {WEIGHTS_FROM}: there are no weights to "
+                             f"start from; set {WEIGHTS_FROM} to a Hugging Face model directory")
+    elif weights:
+        result.warnings.append(f"{at}: {WEIGHTS_FROM}: {flat[WEIGHTS_FROM]} becomes {stage}.model.restore_from_path, "
+                               f"which reads a Hugging Face model directory or an nxdt-launch checkpoint, not NxD "
+                               f"Training's own checkpoint format: point it at the Hugging Face model NxD's "
+                               f"checkpoint was converted from")
+    if stage == "peft":
+        _put(training, "model.peft.peft_scheme", "lora")
+        result.rows.append(("(implied) model_alignment_strategy.peft", "lora",
+                            "training.model.peft.peft_scheme = 'lora'"))
+    result.training = _with_base(training, data, stage)
+    result.rows += _from_base(result.training, stage)
+    result.rows = _under_stage(result.rows, stage)
     ignored = [key for key, _, what in result.rows if what.startswith("ignored: ")]
     if ignored:
-        result.warnings.append(f"training=@{path}: {len(ignored)} keys ignored, whose effect nxdt-launch has already "
+        result.warnings.append(f"{at}: {len(ignored)} keys ignored, whose effect nxdt-launch has already "
                                f"or that tune NxD's own implementation ({', '.join(ignored[:3])}, ...); "
                                f"`nxdt-launch explain-config {path}` lists each with the reason")
     return result
 
 
-def _with_base(training: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+def _under_stage(rows: list[tuple[str, Any, str]], stage: str) -> list[tuple[str, Any, str]]:
+    """Rows name our keys under `training.`; a fine-tuning file's are its stage's."""
+    if stage == "training":
+        return rows
+    return [(key, value, re.sub(r"(^|with \S+: )training\.", rf"\g<1>{stage}.", what)) for key, value, what in rows]
+
+
+def _with_base(training: dict[str, Any], data: dict[str, Any], stage: str = "training") -> dict[str, Any]:
     """On top of the family's smallest recipe (run keys, checkpoint defaults, data splits): the file's keys, and
     nulls for every shape key that config.json (model.model_config) supplies, so nothing of the base's shape
-    leaks into the imported model."""
+    leaks into the imported model. A fine-tuning file sits on <stage>/llama/tiny, without its demo data."""
     model = training.setdefault("model", {})
     family = "gpt3/tiny" if "gpt" in str(data.get("name", "")) and "model_config" not in model else "llama/tiny"
+    if stage != "training":
+        family = "llama/tiny"
+        model.setdefault("restore_from_path", None)
+        sft = model.setdefault("data", {})
+        sft.setdefault("train_ds", {}).setdefault("file_names", [])
+        sft.setdefault("validation_ds", {}).setdefault("file_names", [])
     training.setdefault("trainer", {})["accelerator"] = "neuron"  # NxD Training runs on Trainium
     if "model_config" in model:
         for key in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -297,7 +380,7 @@ def _with_base(training: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]
     training.setdefault("run", {}).setdefault("time_limit", "UNLIMITED")
     if model.get("virtual_pipeline_model_parallel_size") == 1:
         model["virtual_pipeline_model_parallel_size"] = None  # NxD writes 1 for "no interleaving"
-    return {"defaults": [f"/training/{family}@_here_", "_self_"], **training}
+    return {"defaults": [f"/{stage}/{family}@_here_", "_self_"], **training}
 
 
 def _nxd_moe_defaults(training: dict[str, Any]) -> list[tuple[str, Any, str]]:
@@ -315,23 +398,23 @@ def _nxd_moe_defaults(training: dict[str, Any]) -> list[tuple[str, Any, str]]:
     return rows
 
 
-def _from_base(training: dict[str, Any]) -> list[tuple[str, Any, str]]:
+def _from_base(training: dict[str, Any], stage: str = "training") -> list[tuple[str, Any, str]]:
     """Rows for the keys the file leaves to the base recipe, so explain-config shows every value that will run."""
     from omegaconf import OmegaConf
 
     from launcher.paths import conf_dir
 
-    recipe = training["defaults"][0].removeprefix("/training/").removesuffix("@_here_")
+    recipe = training["defaults"][0].removeprefix("/").removesuffix("@_here_")  # e.g. training/llama/tiny
     chain, seen = [recipe], {}
     while chain:  # the recipe's own defaults first, then the recipe over them
         name = chain.pop()
-        data = OmegaConf.to_container(OmegaConf.load(conf_dir() / "training" / f"{name}.yaml"), resolve=False)
-        parents = [d.removeprefix("/training/").removesuffix("@_here_") for d in data.get("defaults", [])
-                   if isinstance(d, str) and d.startswith("/training/")]
+        data = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{name}.yaml"), resolve=False)
+        parents = [d.removeprefix("/").removesuffix("@_here_") for d in data.get("defaults", [])
+                   if isinstance(d, str) and d.startswith("/") and d.endswith("@_here_")]
         seen = {**_flatten({k: v for k, v in data.items() if k != "defaults"}), **seen}
         chain += parents
     given = _flatten({k: v for k, v in training.items() if k != "defaults"})
-    return [(f"(not in the file) {key}", value, f"training.{key}, from the base recipe training/{recipe}")
+    return [(f"(not in the file) {key}", value, f"{stage}.{key}, from the base recipe {recipe}")
             for key, value in sorted(seen.items()) if key not in given]
 
 
@@ -359,19 +442,21 @@ def _our_keys() -> set[str]:
     from launcher.paths import conf_dir
 
     keys = {"model.num_query_groups", "model.rotary_base", "model.model_config"}
-    for recipe in ("gpt3/tiny", "llama/tiny"):
-        data = OmegaConf.to_container(OmegaConf.load(conf_dir() / "training" / f"{recipe}.yaml"), resolve=False)
+    for recipe in ("training/gpt3/tiny", "training/llama/tiny", "fine_tuning/llama/tiny", "peft/llama/tiny"):
+        data = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{recipe}.yaml"), resolve=False)
         keys |= set(_flatten({k: v for k, v in data.items() if k != "defaults"}))
     return keys - {"run.results_dir"}  # nemo_config.IGNORED says why
 
 
-def _map_nemo(path: str, data: dict[str, Any]) -> Mapping:
-    result = Mapping(Path(path), {}, {}, dialect="NeMo-Launcher")
+def _map_nemo(path: str, data: dict[str, Any], group: str | None = None) -> Mapping:
+    stage, reason = nemo_config.nemo_stage(data)
+    at = f"{group or stage}=@{path}"
+    result = Mapping(Path(path), {}, {}, dialect="NeMo-Launcher", stage=stage, stage_reason=reason)
     training: dict[str, Any] = {}
     ignored: list[str] = []
 
     def error(key: str, why: str) -> None:
-        result.errors.append(f"training=@{path}: {key} {why}")
+        result.errors.append(f"{at}: {key} {why}")
         result.rows.append((key, flat[key], "refused: " + why))
 
     flat = _flatten(data, set(nemo_config.IGNORED))
@@ -387,9 +472,15 @@ def _map_nemo(path: str, data: dict[str, Any]) -> Mapping:
         _put(training, every, flat["trainer.val_check_interval"])
         result.rows.append((every, None, f"training.{every} = trainer.val_check_interval (NeMo saves at validation)"))
     family = "llama/tiny" if training.get("model", {}).get("architecture") == "llama" else "gpt3/tiny"
-    result.training = {"defaults": [f"/training/{family}@_here_", "_self_"], **training}
+    if stage != "training":  # the fine-tuning base, without its demo data and weights
+        family, model = "llama/tiny", training.setdefault("model", {})
+        model.setdefault("restore_from_path", None)
+        for split in ("train_ds", "validation_ds"):
+            model.setdefault("data", {}).setdefault(split, {}).setdefault("file_names", [])
+    result.training = {"defaults": [f"/{stage}/{family}@_here_", "_self_"], **training}
+    result.rows = _under_stage(result.rows, stage)
     if ignored:
-        result.warnings.append(f"training=@{path}: {len(ignored)} NeMo keys ignored, whose effect nxdt-launch has "
+        result.warnings.append(f"{at}: {len(ignored)} NeMo keys ignored, whose effect nxdt-launch has "
                                f"already or that only tune NeMo's own implementation ({', '.join(ignored[:3])}, "
                                f"...); `nxdt-launch explain-config {path}` lists each with the reason")
     return result
@@ -424,21 +515,35 @@ def _hydra_value(value: Any) -> str:
     return "'" + value.replace("'", "\\'") + "'"
 
 
+# The groups a file may be given to: the stages whose config is a training config.
+FILE_GROUPS = ("training", "fine_tuning", "peft")
+
+
 def expand(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """`training=@FILE` -> `training=<registered name>` plus the file's cluster overrides, placed where it stood
-    so that later overrides win. Returns (overrides, warnings); a file with refused keys is a UserError."""
+    """`training=@FILE` (`fine_tuning=@FILE`, `peft=@FILE`) -> `<group>=<registered name>` plus the file's cluster
+    overrides, placed where it stood so that later overrides win. A fine-tuning file also names the run, as a
+    training file does through training.run.name, unless run_name is given. Returns (overrides, warnings); a file
+    with refused keys, or given as another stage than the one it configures, is a UserError."""
     out, warnings = [], []
+    named = any(o.partition("=")[0].lstrip("+") == "run_name" for o in overrides)
     for override in overrides:
         key, sep, value = override.partition("=")
-        if key.lstrip("+") != "training" or not sep or not is_file_choice(value):
+        group = key.lstrip("+")
+        if group not in FILE_GROUPS or not sep or not is_file_choice(value):
             out.append(override)
             continue
-        mapping = map_file(value[1:])
+        mapping = map_file(value[1:], group)
+        if mapping.stage != group:  # first: the file's other mistakes are named by the right stage then
+            what = f"it fine-tunes ({mapping.stage_reason})" if mapping.stage_reason else "it pretrains"
+            raise UserError(f"{group}=@{value[1:]}: {what}, so it runs as the {mapping.stage} stage: launch it with "
+                            f"stages=[{mapping.stage}] {mapping.stage}=@{value[1:]}")
         if mapping.errors:
             raise UserError(*mapping.errors)
         from hydra.core.config_store import ConfigStore
 
-        ConfigStore.instance().store(group="training", name=mapping.name, node=mapping.training)
-        out += [f"training={mapping.name}", *cluster_overrides(mapping)]
+        ConfigStore.instance().store(group=group, name=mapping.name, node=mapping.training)
+        out += [f"{group}={mapping.name}", *cluster_overrides(mapping)]
+        if group != "training" and not named:
+            out.append(f"run_name=${{{group}.run.name}}")
         warnings += mapping.warnings
     return out, warnings

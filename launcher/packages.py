@@ -23,6 +23,8 @@ RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch
 STAGE_MODULES = {
     "data_preparation": ("numpy", "tokenizers"),
     "training": ("torch", "numpy", "tokenizers"),
+    "fine_tuning": ("torch", "numpy", "tokenizers", "jinja2"),
+    "peft": ("torch", "numpy", "tokenizers", "jinja2"),
     "conversion": ("torch", "safetensors"),
     "evaluation": ("torch", "tokenizers"),
 }

@@ -12,6 +12,18 @@ def _divide_ceil(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
+def _trained(key: str, *, _root_):
+    """`${trained:run.results_dir}`: that key of the first stage of this launch that trains (training, fine_tuning
+    or peft; training when none runs), so the conversion, the evaluation and the run's name follow the model this
+    launch makes: a fine-tuning launch converts and evaluates its fine-tuned checkpoints."""
+    from omegaconf import OmegaConf
+
+    stages = _root_.get("stages")
+    listed = list(stages) if OmegaConf.is_list(stages) else []  # a malformed `stages` is validate.py's to name
+    stage = next((s for s in listed if s in ("training", "fine_tuning", "peft") and s in _root_), "training")
+    return OmegaConf.select(_root_, f"{stage}.{key}")
+
+
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
@@ -20,6 +32,7 @@ def register_resolvers() -> None:
         "divide_ceil": _divide_ceil,
         "divide_floor": lambda a, b: int(a) // int(b),
         "cwd": os.getcwd,
+        "trained": _trained,
     }
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

@@ -8,10 +8,15 @@ from typing import Any, Callable
 
 from launcher.job import Job
 
-STAGES = ("data_preparation", "training", "conversion", "evaluation")
+# The stages that run the trainer (runtime.train): the same job shape, checkpoints, preemption and metrics.
+TRAINING_STAGES = ("training", "fine_tuning", "peft")
+STAGES = ("data_preparation", "training", "fine_tuning", "peft", "conversion", "evaluation")
+# Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job.
+# fine_tuning is full-parameter SFT, peft is LoRA; the trainer is told which with --stage, which names their keys.
+TRAINER_STAGES = ("training", "fine_tuning", "peft")
 
 
-def _job(cfg: dict[str, Any], stage: str, module: str, **sizing: Any) -> Job:
+def _job(cfg: dict[str, Any], stage: str, module: str, *args: str, **sizing: Any) -> Job:
     stage_cfg = cfg[stage]
     run = stage_cfg["run"]
     results_dir = Path(run["results_dir"])
@@ -19,7 +24,7 @@ def _job(cfg: dict[str, Any], stage: str, module: str, **sizing: Any) -> Job:
         stage=stage,
         run_name=cfg["run_name"],
         results_dir=results_dir,
-        program=("-m", module, "--config", str(results_dir / f"{stage}_config.yaml")),
+        program=("-m", module, "--config", str(results_dir / f"{stage}_config.yaml"), *args),
         time_limit=str(run["time_limit"]),
         dependency=run.get("dependency") or "afterok",
         stage_config=stage_cfg,
@@ -40,15 +45,31 @@ def data_preparation(cfg: dict[str, Any], *, tasks: int | None = None) -> Job:
     )
 
 
-def training(cfg: dict[str, Any]) -> Job:
-    trainer, run = cfg["training"]["trainer"], cfg["training"]["run"]
+def _trainer_job(cfg: dict[str, Any], stage: str) -> Job:
+    """A stage the trainer runs: torchrun over num_nodes x devices, preemptible like training. Only training's
+    command line stays as it always was; the others name their stage."""
+    trainer, run = cfg[stage]["trainer"], cfg[stage]["run"]
     # A recipe without the preemption keys gets a script that handles no signals (validate.py checks values).
     return _job(
-        cfg, "training", "runtime.train",
+        cfg, stage, "runtime.train", *(() if stage == "training" else ("--stage", stage)),
         nodes=int(trainer["num_nodes"]), nproc_per_node=int(trainer["devices"]), distributed=True,
         preemption_signal_s=int(run.get("preemption_signal_s") or 0) or None,
         max_restarts=int(run.get("max_restarts") or 0),
     )
+
+
+def training(cfg: dict[str, Any]) -> Job:
+    return _trainer_job(cfg, "training")
+
+
+def fine_tuning(cfg: dict[str, Any]) -> Job:
+    """Full-parameter SFT from model.restore_from_path on model.data.train_ds (NeMo-Launcher's fine_tuning)."""
+    return _trainer_job(cfg, "fine_tuning")
+
+
+def peft(cfg: dict[str, Any]) -> Job:
+    """LoRA adapters on frozen weights from model.restore_from_path (NeMo-Launcher's peft)."""
+    return _trainer_job(cfg, "peft")
 
 
 def conversion(cfg: dict[str, Any]) -> Job:
@@ -66,6 +87,8 @@ def evaluation(cfg: dict[str, Any]) -> Job:
 BUILDERS: dict[str, Callable[[dict[str, Any]], Job]] = {
     "data_preparation": data_preparation,
     "training": training,
+    "fine_tuning": fine_tuning,
+    "peft": peft,
     "conversion": conversion,
     "evaluation": evaluation,
 }
@@ -74,6 +97,8 @@ BUILDERS: dict[str, Callable[[dict[str, Any]], Job]] = {
 PROGRAMS = {
     "data_preparation": "runtime.data_prep",
     "training": "runtime.train",
+    "fine_tuning": "runtime.train",
+    "peft": "runtime.train",
     "conversion": "runtime.convert",
     "evaluation": "runtime.evaluate",
 }

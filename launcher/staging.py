@@ -47,6 +47,10 @@ PULLS = {
     "data_preparation": [("input.files", OBJECT), ("tokenizer.model", OBJECT), ("tokenizer.vocab_file", OBJECT),
                          ("tokenizer.merge_file", OBJECT), ("tokenizer.train.files", OBJECT)],
     "training": [("model.tokenizer.model", OBJECT), ("model.data.data_prefix", None)],
+    # Fine-tuning's chat files and tokenizer are staged like training's; starting weights on S3 are a checkpoint
+    # of ours (read from S3 directly, NATIVE below).
+    **{stage: [("model.tokenizer.model", OBJECT), ("model.data.train_ds.file_names", OBJECT),
+               ("model.data.validation_ds.file_names", OBJECT)] for stage in ("fine_tuning", "peft")},
     "conversion": [("tokenizer_model", OBJECT)],
     "evaluation": [("tokenizer_model", OBJECT)],
 }
@@ -55,6 +59,8 @@ SCRATCH = {"data_preparation": ["download.dir"], "training": ["model.data.index_
 # Keys (and everything under them) whose program reads S3 itself, or reports it cannot: never staged or localized.
 # Checkpoints go to S3 directly (runtime/checkpoint/storage.py); evaluation task files are local by contract.
 NATIVE = {"training": ["exp_manager.checkpoint_callback_params.dirpath", "exp_manager.resume_from_checkpoint"],
+          **{stage: ["exp_manager.checkpoint_callback_params.dirpath", "exp_manager.resume_from_checkpoint",
+                     "model.restore_from_path"] for stage in ("fine_tuning", "peft")},
           "conversion": ["checkpoint_dir", "hf_checkpoint_dir"], "evaluation": ["checkpoint_dir", "tasks"]}
 
 

@@ -4,13 +4,14 @@ one line per problem, naming the key, the bad value and the fix. `problems()` re
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from typing import Any
 
 from launcher import remote, staging
 from launcher.paths import group_choices
 from launcher.slurm import expand_hostlist, split_hostlist
-from launcher.stages import PROGRAMS, STAGES
+from launcher.stages import PROGRAMS, STAGES, TRAINER_STAGES
 from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
@@ -37,7 +38,7 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
     # A stage whose program is missing is already reported; its own checks would only add noise.
     stages = [s for s in cfg["stages"] if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
     for stage in stages:
-        if stage != "training":  # the training schema checks its own run keys, with the same rules
+        if stage not in TRAINER_STAGES:  # the training schema checks its own run keys, with the same rules
             errors += _stage_run(cfg[stage]["run"], stage)
         errors += _results_dir_pattern(cfg[stage]["run"], stage, cfg)
     if "training" in stages:
@@ -49,6 +50,11 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         warnings += report.warnings
         if "data_preparation" in stages:
             errors += _trains_on_prepared_data(cfg)
+    for stage in ("fine_tuning", "peft"):
+        if stage in stages:
+            stage_errors, stage_warnings = _fine_tuning(cfg, stage, stages, dry_run=dry_run)
+            errors += stage_errors
+            warnings += stage_warnings
     # The other stages' programs run the same parsers on the node.
     if "conversion" in stages:
         errors += parse_conversion(cfg["conversion"])[1].errors
@@ -74,6 +80,52 @@ def _trains_on_prepared_data(cfg: dict[str, Any]) -> list[str]:
     problem = rules.trains_on_prepared_data(data.get("data_prefix"), tokenizer.get("model"),
                                             preparation.get("output_dir"), str(preparation["run"].get("name")))
     return [problem] if problem else []
+
+
+def _fine_tuning(cfg: dict[str, Any], stage: str, stages: list[str], *, dry_run: bool
+                 ) -> tuple[list[str], list[str]]:
+    """The fine_tuning / peft stage config through the training schema (the trainer runs it with --stage), and which
+    of the two stages it is. Inputs this launch makes are not looked for: the data and tokenizer when this launch's
+    data_preparation writes them, the starting weights when they are this launch's training checkpoints."""
+    section = cfg[stage]
+    model = section.get("model") if isinstance(section.get("model"), dict) else {}
+    prepared = "data_preparation" in stages and _prepares_inputs(cfg["data_preparation"], model)
+    if "training" in stages and _restores_from_training(cfg, model.get("restore_from_path")):
+        # The checkpoints do not exist yet; the trainer checks them against the model when it loads them.
+        section = {**section, "model": {**model, "restore_from_path": None}}
+    _, report = parse_training(section, files="warn" if dry_run else "error", prepared=prepared, p=f"{stage}.")
+    return report.errors, report.warnings
+
+
+def _inside(path: Any, directory: Any) -> bool:
+    """`path` is `directory` or lies in it (s3:// URLs alike: normpath treats both sides the same way)."""
+    if not isinstance(path, str) or not isinstance(directory, str) or not path or not directory:
+        return False
+    path, directory = os.path.normpath(path), os.path.normpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _prepares_inputs(preparation: dict[str, Any], model: dict[str, Any]) -> bool:
+    """Whether this launch's data_preparation writes some of the fine-tuning inputs: a chat file or the tokenizer
+    lies in its output_dir (data_preparation=sft_demo writes both). Otherwise each is looked for as usual."""
+    data = model.get("data") if isinstance(model.get("data"), dict) else {}
+    tokenizer = model.get("tokenizer") if isinstance(model.get("tokenizer"), dict) else {}
+    paths = [tokenizer.get("model")]
+    for split in ("train_ds", "validation_ds"):
+        names = (data.get(split) or {}).get("file_names") if isinstance(data.get(split), dict) else None
+        paths += names if isinstance(names, list) else [names]
+    return any(_inside(path, preparation.get("output_dir")) for path in paths)
+
+
+def _restores_from_training(cfg: dict[str, Any], path: Any) -> bool:
+    """model.restore_from_path names this launch's training checkpoints (the directory, or one step in it)."""
+    training = cfg.get("training")
+    if not isinstance(training, dict) or not isinstance(training.get("run"), dict):
+        return False
+    exp = training.get("exp_manager") if isinstance(training.get("exp_manager"), dict) else {}
+    params = exp.get("checkpoint_callback_params") if isinstance(exp.get("checkpoint_callback_params"), dict) else {}
+    directory = params.get("dirpath") or f"{training['run'].get('results_dir')}/checkpoints"
+    return _inside(path, str(directory))
 
 
 def shape(cfg: dict[str, Any]) -> list[str]:

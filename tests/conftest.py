@@ -8,3 +8,15 @@ pytest_plugins = ["tests.slurm_cluster", "tests.s3_server", "tests.recipe_data"]
 def _own_run_index(tmp_path_factory, monkeypatch):
     """Every launch records its run in the user's run index (launcher/run_index.py): a test's go to its own."""
     monkeypatch.setenv("NXDT_USER_CONFIG_DIR", str(tmp_path_factory.mktemp("nxdt-config")))
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning OpenMP threads slow
+    every step (and decoding's many small matmuls) down many times over: a test module asks for one thread."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

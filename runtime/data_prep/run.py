@@ -4,6 +4,8 @@
     mine   = shards[task_index::num_tasks]
     tokenizer ready in output_dir (trained once, see tokenizer.py) -> for each of mine not already done:
     tokenize it with workers_per_node processes -> try to finalize (blend.txt, summary.json)
+
+input.source synthetic_instructions is one task that writes the fine-tuning demo (runtime/sft/synthetic.py).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from runtime.data_prep import plan
-from runtime.schema.data_preparation import StageConfig, UserError
+from runtime.schema.data_preparation import SYNTHETIC, StageConfig, UserError
 from runtime.data_prep.encode import EncoderSpec, init_worker
 from runtime.data_prep.finalize import try_finalize
 from runtime.io.files import sha256_file
@@ -39,6 +41,8 @@ def _tokenizer_files_exist(cfg: StageConfig) -> bool:
 
 
 def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) -> bool:
+    if cfg.input.source == SYNTHETIC:
+        return _synthetic_instructions(cfg, task_index, reporter)
     shards = plan.build_shards(cfg)
     mine = plan.shards_for_task(shards, task_index, num_tasks)
     reporter.log(f"{len(mine)} of {len(shards)} shards: {', '.join(s.name for s in mine[:8])}"
@@ -68,6 +72,27 @@ def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) 
     if todo:
         _tokenize(cfg, todo, spec, expected, reporter)
     return try_finalize(cfg, shards, expected, reporter.log)
+
+
+def _synthetic_instructions(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
+    """The instruction demo the fine-tuning recipes read: train/valid/test.jsonl, tokenizer.json and
+    tokenizer_config.json, summary.json in output_dir. Task 0 writes it; a second task (none is planned) would
+    only race it."""
+    from runtime.sft.synthetic import write_demo
+
+    if task_index != 0:
+        reporter.log(f"{SYNTHETIC} is written by task 0 alone; nothing to do here")
+        return False
+    settings = cfg.synthetic_instructions
+    try:
+        wrote = write_demo(cfg.output_dir, num_train=settings.num_train, num_valid=settings.num_valid,
+                           num_test=settings.num_test, seed=settings.seed, vocab_size=settings.vocab_size)
+    except ValueError as error:  # parse_config checks the same bounds; named here should they ever differ
+        raise UserError(f"{SYNTHETIC}: {error}") from None
+    counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test records"
+    reporter.log(f"{SYNTHETIC}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, tokenizer of "
+                 f"{settings.vocab_size} tokens, seed {settings.seed} -> {cfg.output_dir}")
+    return True
 
 
 def _tokenize(cfg: StageConfig, todo: list[plan.Shard], spec: EncoderSpec, expected, reporter: Reporter) -> None:

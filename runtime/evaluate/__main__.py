@@ -8,6 +8,8 @@ Loads the newest complete checkpoint of a training run (or a named one) under th
     {type: loss, data_prefix: ...} the same on any indexed dataset
     {type: last_word | multiple_choice, path: ...}   zero-shot tasks from local lm-eval-style files
     {type: synthetic_demo, corpus: <dir of demo .jsonl>}   the built-in task the demo model learns
+    {type: exact_match, path: <chat .jsonl>, baseline: true}   generated answers against references, before
+                                   (the run's starting weights) and after (runtime/evaluate/exact_match.py)
 
 Results go to <run.results_dir>/results.json and a table on stdout. Mistakes end with one `error: ...` line
 and exit code 2.
@@ -15,6 +17,7 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import hashlib
 import json
@@ -30,8 +33,10 @@ from runtime.checkpoint import resolve_checkpoint
 from runtime.config import TrainingConfig, parse_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import init_device, shutdown
-from runtime.evaluate.model import LoadedModel, forward_logprobs_fn, load_model
-from runtime.evaluate.report import print_table, write_results
+from runtime.evaluate.exact_match import evaluate_exact_match, load_exact_match
+from runtime.evaluate.model import LoadedModel, forward_logprobs_fn, load_baseline, load_model
+from runtime.evaluate.report import print_table, print_user_error, write_results
+from runtime.io.files import atomic_write_bytes
 from runtime.metrics import format_duration
 from runtime.evaluate.synthetic import build_demo_task
 from runtime.evaluate.tasks import evaluate_task, load_task
@@ -87,6 +92,20 @@ class Progress:
         print(f"{self.label}: {done}/{total} requests, {format_duration(left)} left", flush=True)
 
 
+def _exact_match_task(spec, loaded: LoadedModel, device, tokenizer_path: str, batch_size: int, max_length: int,
+                      results_dir: Path, baseline, progress: Progress) -> dict:
+    """Scores one exact_match task; its completions (and the baseline's) go to tasks/<name>.completions.jsonl."""
+    task = load_exact_match(spec.name, spec.options)
+    run_template = ((loaded.training.get("model") or {}).get("data") or {}).get("chat_template")
+    result, rows = evaluate_exact_match(task, loaded.model, tokenizer_path=tokenizer_path, chat_template=run_template,
+                                        batch_size=batch_size, max_length=max_length,
+                                        baseline=baseline() if baseline else None, progress=progress)
+    if device.is_main:
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        atomic_write_bytes(results_dir / "tasks" / f"{spec.name}.completions.jsonl", lines.encode())
+    return result
+
+
 def run_tasks(cfg: EvaluationConfig, loaded: LoadedModel, device, results_dir: Path) -> list[dict]:
     tokenizer_path = cfg.tokenizer_model or loaded.training["model"]["tokenizer"]["model"]
     tokenize = _tokenizer(str(tokenizer_path))
@@ -97,6 +116,14 @@ def run_tasks(cfg: EvaluationConfig, loaded: LoadedModel, device, results_dir: P
     # no training config beyond its model, and can still run the zero-shot tasks).
     needs_data = any(spec.type == "loss" for spec in cfg.tasks)
     training = parse_training_config(loaded.training) if needs_data else None
+
+    @functools.cache
+    def starting_weights():  # built once, when the first task with baseline: true asks
+        model, where = load_baseline(loaded, device)
+        if device.is_main:
+            print(f"baseline: {where}", flush=True)
+        return model, where
+
     results = []
     for number, spec in enumerate(cfg.tasks, start=1):
         started = time.perf_counter()
@@ -120,6 +147,9 @@ def run_tasks(cfg: EvaluationConfig, loaded: LoadedModel, device, results_dir: P
             task = load_task({"name": spec.name, "type": "multiple_choice", "path": str(path)})
             result = evaluate_task(task, tokenize, forward, max_length=max_length, batch_size=batch_size,
                                    progress=report)
+        elif spec.type == "exact_match":
+            result = _exact_match_task(spec, loaded, device, str(tokenizer_path), batch_size, max_length,
+                                       results_dir, starting_weights if spec.options["baseline"] else None, report)
         else:
             task = load_task({**options, "name": spec.name, "type": spec.type})
             result = evaluate_task(task, tokenize, forward, max_length=max_length, batch_size=batch_size,
@@ -161,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         raw = yaml.safe_load(Path(args.config).read_text())
         cfg, report = parse_evaluation(raw)
         report.raise_if_any()
+        for spec in cfg.tasks:  # a missing file or a bad record fails now, not after the model has loaded
+            if spec.type == "exact_match":
+                load_exact_match(spec.name, spec.options)
         settings = settings_digest(raw)
         done = earlier_results(cfg, settings)
         if done is not None:  # every rank reads the same file and leaves the same way
@@ -185,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         device.barrier()  # leave together (rank 0 was writing): see runtime/train.py main
     except (ValueError, FileNotFoundError, KeyError) as error:
         if rank == 0:
-            message = f"{error!s}" if not isinstance(error, KeyError) else f"{error.args[0]} is missing"
-            for line in getattr(error, "problems", None) or [" ".join(message.split())]:
-                print(f"error: {line}", file=sys.stderr, flush=True)
+            print_user_error(error)
         return 2
     finally:
         if device is not None:

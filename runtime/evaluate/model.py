@@ -1,6 +1,7 @@
 # The model side of evaluation: a checkpoint loaded under the evaluation's own tp x pp (x vpp) layout, whatever
 # layout trained it (runtime/checkpoint reshards on load), and the two things the tasks need from it: per-token
-# scores for zero-shot tasks (scoring.LogprobFn) and the mean loss over an indexed dataset.
+# scores for zero-shot tasks (scoring.LogprobFn) and the mean loss over an indexed dataset; and the weights the
+# run started from (load_baseline), for tasks that score before and after.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch
 
 from runtime.checkpoint import load_checkpoint, read_config, resolve_checkpoint
 from runtime.config import parse_model_config
+from runtime.finetune import load_pretrained, prepare_from_config
 from runtime.models import ModelConfig, build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, Topology, parallelize_model
 from runtime.parallel.pipeline import collect_pipeline
@@ -23,6 +25,7 @@ class LoadedModel:
     location: str                     # where the checkpoint was
     step: int
     saved_layout: str                 # the layout that trained it, for messages
+    vpp: int | None = None            # virtual pipeline stages it was loaded with
 
 
 def load_model(location: str, name: str | None, *, tp: int, pp: int, vpp: int | None, device,
@@ -34,13 +37,33 @@ def load_model(location: str, name: str | None, *, tp: int, pp: int, vpp: int | 
     dims = ParallelDims.infer_dp(tp, pp, device.world_size, None)
     topo = Topology.build(dims)
     device.manual_seed(cfg.seed)
-    # Data parallelism (fp32) owns the flat weight buffers the checkpoint is loaded into; no optimizer needed.
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, virtual_pp=vpp,
-                              device=device.torch_device, data_parallel=DataParallelConfig())
+    # A LoRA run's checkpoint holds only its adapters: first the base it started from, then the adapters.
+    model = _place(prepare_from_config(build_model(cfg), training), topo, vpp, device)
     load_checkpoint(storage, checkpoint, model, None, topo, rank=device.rank, with_optimizer=False)
     model.eval()
     return LoadedModel(model, topo, cfg, training, f"{storage.root}/{checkpoint.name}",
-                       checkpoint.step, checkpoint.layout)
+                       checkpoint.step, checkpoint.layout, vpp)
+
+
+def _place(model: torch.nn.Module, topo: Topology, vpp: int | None, device) -> torch.nn.Module:
+    # Data parallelism (fp32) owns the flat weight buffers the checkpoint is loaded into; no optimizer needed.
+    return parallelize_model(model, topo, sequence_parallel=False, virtual_pp=vpp, device=device.torch_device,
+                             data_parallel=DataParallelConfig())
+
+
+def load_baseline(loaded: LoadedModel, device) -> tuple[torch.nn.Module, str]:
+    """The weights the checkpoint's run started from, under the same layout, and a description of them: its
+    model.restore_from_path (without any LoRA adapters, which start as zero updates), else the random init of
+    its model config's seed, which is exactly what training built at step 0."""
+    restore = (loaded.training.get("model") or {}).get("restore_from_path")
+    device.manual_seed(loaded.cfg.seed)
+    model = build_model(loaded.cfg)
+    if restore:
+        load_pretrained(model, str(restore))
+    model = _place(model, loaded.topo, loaded.vpp, device)
+    model.eval()
+    where = f"model.restore_from_path {restore}" if restore else f"random init (model.seed {loaded.cfg.seed})"
+    return model, where
 
 
 def _scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

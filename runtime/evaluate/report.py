@@ -7,6 +7,7 @@ sources (a validation-loss pass, say) render the same way.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -56,3 +57,11 @@ def render_table(results: list[dict[str, Any]]) -> Table:
 
 def print_table(results: list[dict[str, Any]], console: Console | None = None) -> None:
     (console or Console()).print(render_table(results))
+
+
+def print_user_error(error: Exception) -> None:
+    """A user mistake (ValueError, FileNotFoundError, a missing key) as `error: ...` lines on stderr, one per
+    problem, as every stage program ends: the evaluation stage and `python -m runtime.sample`."""
+    message = f"{error!s}" if not isinstance(error, KeyError) else f"{error.args[0]} is missing"
+    for line in getattr(error, "problems", None) or [" ".join(message.split())]:
+        print(f"error: {line}", file=sys.stderr, flush=True)

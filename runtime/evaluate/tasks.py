@@ -153,7 +153,8 @@ def encode_pair(tokenize: Callable[[str], list[int]], context: str, continuation
     return context_tokens, tokenize(continuation)
 
 
-def _mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
+def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
+    """Mean and lm-eval's stderr (sample standard deviation / sqrt(n); None when n < 2) of per-example scores."""
     mean = sum(values) / len(values)
     if len(values) < 2:
         return mean, None
@@ -187,7 +188,7 @@ def evaluate_task(task: Task, tokenize: Callable[[str], list[int]], forward_logp
 
     result: dict[str, Any] = {"task": task.name, "type": task.kind, "num_examples": len(examples)}
     if task.kind == "last_word":
-        acc, acc_stderr = _mean_and_stderr([float(s[0][1]) for s in per_example])
+        acc, acc_stderr = mean_and_stderr([float(s[0][1]) for s in per_example])
         mean_loglik = sum(s[0][0] for s in per_example) / len(examples)
         result.update(acc=acc, acc_stderr=acc_stderr, ppl=_safe_exp(-mean_loglik))
     else:
@@ -197,8 +198,8 @@ def evaluate_task(task: Task, tokenize: Callable[[str], list[int]], forward_logp
             hits.append(float(_argmax(logliks) == example.gold))
             normalized = [loglik / len(choice) for loglik, choice in zip(logliks, example.choices)]
             norm_hits.append(float(_argmax(normalized) == example.gold))
-        acc, acc_stderr = _mean_and_stderr(hits)
-        acc_norm, acc_norm_stderr = _mean_and_stderr(norm_hits)
+        acc, acc_stderr = mean_and_stderr(hits)
+        acc_norm, acc_norm_stderr = mean_and_stderr(norm_hits)
         result.update(acc=acc, acc_stderr=acc_stderr, acc_norm=acc_norm, acc_norm_stderr=acc_norm_stderr)
     return result
 

@@ -43,7 +43,7 @@ LORA_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "attention_qkv": ("q_
 TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo", "exact_match"))
 
 # The data_preparation stage.
-DATA_SOURCES = Choices(("demo", "files", "urls"))
+DATA_SOURCES = Choices(("demo", "files", "urls", "synthetic_instructions"))
 TOKENIZER_FORMATS = Choices(("huggingface", "sentencepiece"))   # data_preparation.tokenizer.library
 BAD_LINE_POLICIES = Choices(("skip", "fail"))
 TOKEN_DTYPES = Choices(("auto", "uint16", "int32", "int64"))

@@ -16,6 +16,10 @@ from runtime.schema import rules
 from runtime.schema.reader import ConfigErrors, Report, Section
 
 P = "data_preparation."
+# input.source: synthetic_instructions writes runtime/sft/synthetic.py's instruction demo (chat records and the
+# tokenizer the fine_tuning and peft stages read) instead of tokenizing a corpus.
+SYNTHETIC = "synthetic_instructions"
+SOURCES = DATA_SOURCES
 
 
 class UserError(ConfigErrors):
@@ -42,6 +46,17 @@ class RunConfig:
 class DemoConfig:
     num_shards: int = 2
     max_mb: float = 4.0
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """runtime.sft.synthetic.write_demo's arguments (input.source: synthetic_instructions)."""
+
+    num_train: int = 20000
+    num_valid: int = 500
+    num_test: int = 500
+    seed: int = 1234
+    vocab_size: int = 512   # its byte-level BPE: 256 bytes, 4 special tokens and merges; at least 300
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,7 @@ class StageConfig:
     output: OutputConfig = OutputConfig()
     download: DownloadConfig = DownloadConfig()
     demo: DemoConfig = DemoConfig()
+    synthetic_instructions: SyntheticConfig = SyntheticConfig()
     chunk_mb: float = 1.0
     log_interval_s: float = 30.0
     max_array_tasks: int = 1000
@@ -123,7 +139,7 @@ def _input(s: Section) -> dict:
     numbers = s.raw("file_numbers", None)
     if numbers is not None and (isinstance(numbers, bool) or not isinstance(numbers, (str, int))):
         s.report.error(f"{s.key('file_numbers')}: {numbers!r} must be a string like \"0,3,5-7\"")
-    values = dict(source=s.choice("source", DATA_SOURCES), files=s.strings("files"), urls=s.strings("urls"),
+    values = dict(source=s.choice("source", SOURCES), files=s.strings("files"), urls=s.strings("urls"),
                   file_numbers=None if numbers is None else str(numbers), text_key=s.str("text_key", "text"),
                   on_bad_line=s.choice("on_bad_line", BAD_LINE_POLICIES, "skip"),
                   max_record_mb=s.float("max_record_mb", InputConfig.max_record_mb),
@@ -150,7 +166,17 @@ def _train(s: Section) -> dict | None:
     return values
 
 
-def _tokenizer(s: Section) -> dict:
+def _synthetic(s: Section) -> dict:
+    defaults = SyntheticConfig()
+    values = {name: s.int(name, getattr(defaults, name), minimum=1)
+              for name in ("num_train", "num_valid", "num_test")}
+    values.update(seed=s.int("seed", defaults.seed),
+                  vocab_size=s.int("vocab_size", defaults.vocab_size, minimum=300))
+    s.done()
+    return values
+
+
+def _tokenizer(s: Section, source: str | None) -> dict:
     train = s.section("train")
     values = dict(library=s.choice("library", TOKENIZER_FORMATS, "huggingface"), model=s.str("model", None),
                   vocab_file=s.str("vocab_file", None), merge_file=s.str("merge_file", None),
@@ -161,6 +187,11 @@ def _tokenizer(s: Section) -> dict:
     s.done()
     error, path = s.report.error, s.path
     given = [k for k in ("model", "vocab_file", "train") if values[k]]
+    if source == SYNTHETIC:
+        if given:
+            error(f"{path}.{given[0]}: input.source {SYNTHETIC!r} writes its own tokenizer (tokenizer.json and "
+                  f"tokenizer_config.json in output_dir); remove {path}")
+        return values
     if not given:
         error(f"{path}: set one of model (a tokenizer file), vocab_file + merge_file (GPT-2 BPE), or train (a new "
               "tokenizer trained on the corpus)")
@@ -217,11 +248,13 @@ def parse_config(data: Any) -> StageConfig:
     demo = top.section("demo")
     demo_values = dict(num_shards=demo.int("num_shards", 2, minimum=1), max_mb=demo.float("max_mb", 4.0, above=0.0))
     demo.done()
+    synthetic = _synthetic(top.section(SYNTHETIC))
     values = dict(output_dir=top.str("output_dir"), workers_per_node=top.int("workers_per_node", 1, minimum=1),
                   chunk_mb=top.float("chunk_mb", 1.0, above=0.0),
                   log_interval_s=top.float("log_interval_s", 30.0, above=0.0),
                   max_array_tasks=top.int("max_array_tasks", 1000, minimum=1))
-    inputs, tokenizer = _input(top.section("input")), _tokenizer(top.section("tokenizer"))
+    inputs = _input(top.section("input"))
+    tokenizer = _tokenizer(top.section("tokenizer"), inputs["source"])
     output, download = _output(top.section("output")), _download(top.section("download"))
     top.done()
     if inputs["source"] == "urls" and not download["dir"]:
@@ -235,4 +268,4 @@ def parse_config(data: Any) -> StageConfig:
     return StageConfig(run=RunConfig(**run), input=InputConfig(**inputs),
                        tokenizer=TokenizerConfig(train=TrainConfig(**train) if train else None, **tokenizer),
                        output=OutputConfig(**output), download=DownloadConfig(**download),
-                       demo=DemoConfig(**demo_values), **values)
+                       demo=DemoConfig(**demo_values), synthetic_instructions=SyntheticConfig(**synthetic), **values)

@@ -7,7 +7,7 @@ from typing import Any
 from runtime.schema import choices as C
 from runtime.schema import rules
 from runtime.schema.choices import TASK_TYPES
-from runtime.schema.reader import Report, Section
+from runtime.schema.reader import Choices, Report, Section
 
 # Tasks by name: the loss over the training data's validation or test split.
 BUILTIN_TASKS = {"validation_loss": "valid", "test_loss": "test"}
@@ -17,7 +17,8 @@ BUILTIN_TASKS = {"validation_loss": "valid", "test_loss": "test"}
 class TaskSpec:
     name: str
     type: str                  # one of TASK_TYPES
-    options: dict              # the task's own keys (path, data_prefix, corpus, limit, ...), read by runtime/evaluate
+    options: dict              # the task's own keys (path, data_prefix, corpus, limit, ...), read by runtime/evaluate;
+                               # exact_match's already typed here (_exact_match_options)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig
                                        values["tp"], values["pp"], p))
     report.error(rules.tp_within_node(values["tp"], values["devices"], p))
     report.error(rules.virtual_needs_pipeline(vpp, values["pp"], p))
+    generating = [spec.name for spec in tasks if spec.type == "exact_match"]
+    if generating and values["pp"] > 1:
+        report.error(f"{p}model.pipeline_model_parallel_size: {values['pp']}, but task {generating[0]!r} "
+                     f"(exact_match) generates text, which runs at pipeline_model_parallel_size 1 only; set it to "
+                     f"1 (tensor parallelism is fine) or evaluate that task in a separate run")
     if report.errors:
         return None, report
     return EvaluationConfig(virtual_pp=vpp, tasks=tasks, **values, **optional), report
@@ -89,7 +95,24 @@ def _tasks(specs: Any, p: str, report: Report) -> tuple[TaskSpec, ...]:
                 continue
             default_name = "demo_code_lines" if kind == "synthetic_demo" else kind
             options = {k: v for k, v in spec.items() if k not in ("name", "type")}
+            if kind == "exact_match":
+                options = _exact_match_options(spec, key, report)
+                if options is None:
+                    continue
             tasks.append(TaskSpec(str(spec.get("name") or default_name), kind, options))
         else:
             report.error(f"{key}: {spec!r} is neither a built-in task name nor a mapping")
     return tuple(tasks)
+
+
+def _exact_match_options(spec: dict, key: str, report: Report) -> dict | None:
+    """{type: exact_match, path, limit, max_new_tokens, baseline, chat_template}, typed; None after an error.
+    The file itself is read by runtime/evaluate/exact_match.py (an earlier stage of the launch may write it)."""
+    errors = len(report.errors)
+    s = Section(spec, key, report)
+    s.seen.update(("name", "type"))  # read by _tasks
+    options = dict(path=s.str("path"), limit=s.int("limit", None, minimum=1),
+                   max_new_tokens=s.int("max_new_tokens", 64, minimum=1), baseline=s.bool("baseline", False),
+                   chat_template=s.choice("chat_template", Choices((None, *C.CHAT_TEMPLATES)), None))
+    s.done()
+    return None if len(report.errors) > errors else options

@@ -15,7 +15,8 @@ from runtime.schema.reader import ConfigErrors, Report
 from runtime.schema.rules import padded_vocab_size
 
 # The config.json model types our models compute exactly (runtime/convert/hf.py maps their weights).
-HF_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+# mistral: Llama's layers and weight names (MistralForCausalLM), accepted without a sliding window.
+HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,8 @@ def hf_model_keys(hf_config: dict, tokenizer_vocab_size: int | None = None) -> d
                 "rotary_base": float(rope.get("rope_theta", get("rope_theta", theta)))}
         if model_type == "mixtral":
             keys["moe"] = _mixtral_moe(hf_config, get, positions)
+        if model_type == "mistral":
+            _full_attention(hf_config, positions)
     keys.update({"max_position_embeddings": positions, "encoder_seq_length": positions,
                  "share_embeddings_and_output_weights": bool(get("tie_word_embeddings", model_type == "gpt2")),
                  "make_vocab_size_divisible_by": vocab_divisor(vocab, tokenizer_vocab_size)})
@@ -181,10 +184,7 @@ def hf_model_keys(hf_config: dict, tokenizer_vocab_size: int | None = None) -> d
 def _mixtral_moe(hf_config: dict, get: Any, positions: int) -> dict[str, Any]:
     """Mixtral's MoE keys -> `model.moe` as the stage YAML holds it (MoEConfig's fields; the parsers type it).
     Mixtral's router is a softmax over all experts, top_k renormalized, dropless, in every layer."""
-    window = hf_config.get("sliding_window")
-    if window is not None and int(window) < positions:
-        raise ValueError(f"config.json sliding_window={window} is not supported: our attention sees the whole "
-                         f"sequence; supported: null or at least max_position_embeddings ({positions})")
+    _full_attention(hf_config, positions)
     _require(hf_config, "router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
     # transformers adds router_aux_loss_coef * the load-balancing loss only with output_router_logits; the
     # coefficient is still the model's recipe, so training here uses it (computed per layer, see models/moe.py).
@@ -192,6 +192,13 @@ def _mixtral_moe(hf_config: dict, get: Any, positions: int) -> dict[str, Any]:
             "frequency": 1, "capacity_factor": None,
             "router_aux_loss_coef": float(get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
             "normalize_top_k_affinities": True, "router_activation": "softmax"}
+
+
+def _full_attention(hf_config: dict, positions: int) -> None:
+    window = hf_config.get("sliding_window")
+    if window is not None and int(window) < positions:
+        raise ValueError(f"config.json sliding_window={window} is not supported: our attention sees the whole "
+                         f"sequence; supported: null or at least max_position_embeddings ({positions})")
 
 
 def _require(hf_config: dict, key: str, supported: tuple, default: Any) -> None:

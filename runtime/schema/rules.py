@@ -504,6 +504,21 @@ def packing_context(packing: bool, context: int, p: str) -> str | None:
     return None
 
 
+def stage_scheme(stage: str, lora: bool) -> str | None:
+    """The peft stage trains LoRA adapters and nothing else; fine_tuning trains every weight (NeMo's split)."""
+    from runtime.schema.reader import show
+
+    if stage == "peft" and not lora:
+        return ("peft.model.peft.peft_scheme: null in the peft stage, which trains LoRA adapters; set "
+                "peft.model.peft.peft_scheme=lora (with lora_rank, lora_alpha, target_modules), or run "
+                "stages=[fine_tuning] to train every weight")
+    if stage == "fine_tuning" and lora:
+        return (f"fine_tuning.model.peft.peft_scheme: {show('lora')} in the fine_tuning stage, which trains every "
+                f"weight; use the peft stage for LoRA (stages=[peft] peft=<recipe>), or set "
+                f"fine_tuning.model.peft.peft_scheme=null")
+    return None
+
+
 def fine_tuning_data(has_sft: bool, has_prefix: bool, p: str) -> str | None:
     if has_sft and has_prefix:
         return (f"{p}model.data: both data_prefix (pretraining) and train_ds (fine-tuning) are set; keep "

@@ -78,6 +78,13 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     sft = _sft_data(model_s, file_checks, p)
     data = _data(model_s, shape.get("encoder_seq_length"), file_checks, p, sft_data=sft is not None)
     lora = parse_lora(model_s, shape.get("architecture"), p)
+    peft = model_s.data.get("peft")
+    scheme = peft.get("peft_scheme") if isinstance(peft, dict) else None
+    if scheme in C.PEFT_SCHEMES and (problem := rules.stage_scheme(p.rstrip("."), C.PEFT_SCHEMES.canonical(scheme)
+                                                                   == "lora")):
+        # LoRA keys in the wrong stage: the stage is the mistake, not the keys' values.
+        report.errors[:] = [e for e in report.errors if not e.startswith(f"{p}model.peft.")]
+        report.error(problem)
     restore_from = _restore_from(model_s, shape, file_checks, p)
     optim = _optim(model_s, trainer.max_steps if trainer else None, p)
     precision = precision_s.choice("type", C.PRECISION_TYPES, "fp32")
@@ -94,6 +101,9 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     _expert_rules(report, p, trainer, parallel, shape.get("moe"))
     _context_rules(report, p, trainer, parallel, shape)
     _fine_tuning_rules(report, p, parallel, shape, sft, lora)
+    if sft is not None and sft.chat_template is None and file_checks.inputs_checked and tokenizer_path \
+            and not is_remote(tokenizer_path):
+        report.error(_tokenizer_template(tokenizer_path, p))
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -367,6 +377,8 @@ def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
             elif files.inputs_checked and not is_remote(name) and not Path(name).is_file():
                 files.problem(f"{section.key('file_names')}: {name} does not exist; run the data_preparation that "
                               f"writes it or fix the path")
+            elif files.inputs_checked and not is_remote(name):
+                model.report.error(_bad_record(name, section.key("file_names")))
         lists[split] = tuple(names)
     template = data.str("chat_template", None)
     if template is not None and template not in C.CHAT_TEMPLATES and not Path(template).is_file():
@@ -378,6 +390,23 @@ def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
         return None
     return SFTDataConfig(train_files=lists["train_ds"], validation_files=lists["validation_ds"],
                          chat_template=template, **values)
+
+
+LAUNCH_SCAN_BYTES = 256 * 2**20  # records of smaller local JSONL files are checked at launch; the job checks all
+
+
+def _bad_record(path: str, key: str) -> str | None:
+    """The first malformed record of a local JSONL file (no assistant turn, an unknown role, bad JSON), named by
+    file:line before anything is queued. Bigger files and parquet are read by the job, before its first step."""
+    if path.endswith(".parquet") or Path(path).stat().st_size > LAUNCH_SCAN_BYTES:
+        return None
+    from runtime.sft.records import read_records  # standard library only, like this module
+
+    try:
+        read_records(path)
+    except ValueError as error:
+        return f"{key}: {' '.join(str(error).split())}"
+    return None
 
 
 def parse_lora(model: Section, architecture: str | None, p: str) -> LoraConfig | None:
@@ -559,6 +588,27 @@ def _context_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Par
     moe = shape.get("moe")
     report.error(rules.context_architecture(moe.num_experts if moe is not None else None,
                                             shape.get("attention_dropout", 0.0) or 0.0, cp, ulysses, p))
+
+
+def _tokenizer_template(tokenizer_path: str, p: str) -> str | None:
+    """model.data.chat_template: null reads the tokenizer's own template (tokenizer_config.json beside its
+    tokenizer.json, as transformers keeps it): a tokenizer without one is found here, before the job is queued."""
+    import json
+
+    tokenizer = Path(tokenizer_path)
+    if not tokenizer.exists():
+        return None  # model.tokenizer.model's own check names it
+    config = (tokenizer if tokenizer.is_dir() else tokenizer.parent) / "tokenizer_config.json"
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    except FileNotFoundError:
+        template = None
+    except (OSError, ValueError, AttributeError):
+        return f"{p}model.data.chat_template: null reads {config}, which is not a JSON object"
+    if template:
+        return None
+    return (f"{p}model.data.chat_template: null uses the tokenizer's own template, but {config} has no "
+            f"chat_template; set model.data.chat_template to one of {', '.join(C.CHAT_TEMPLATES)}")
 
 
 def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: dict, sft: SFTDataConfig | None,

@@ -78,3 +78,21 @@ def test_a_lora_runs_adapters_alone_are_not_a_starting_point(tmp_path):
     location = write_full_checkpoint(str(tmp_path / "lora"), 5, adapters, config={"model": {}})
     with pytest.raises(ValueError, match=r"a LoRA run saves its adapters only"):
         load_pretrained(build_model(ours()), location)
+
+
+def test_starts_from_a_mistral_directory(tmp_path):
+    """Mistral (v0.3: no sliding window) is Llama's layers under Llama's weight names: fine_tuning=mistral/7b."""
+    config = transformers.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        rope_theta=1e6, rms_norm_eps=1e-5, sliding_window=None, head_dim=8)
+    torch.manual_seed(0)
+    theirs = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.mul_(5.0) if p.dim() > 1 else p.add_(torch.randn(p.shape) * 0.1)
+    theirs.save_pretrained(tmp_path / "mistral")
+    model = build_model(ours(rotary_base=1e6))
+    load_pretrained(model, str(tmp_path / "mistral"))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), theirs(ids).logits, rtol=0, atol=1e-5)

@@ -88,18 +88,203 @@ def test_later_overrides_win_and_the_rules_run_on_the_result(tmp_path):
             "group stays inside one node; use a divisor of 32") in caught.value.problems
 
 
-@pytest.mark.parametrize("name,key", [
-    ("hf_llama3_8B_SFT_config", "model_alignment_strategy.sft is not supported: the fine-tuning stage (SFT)"),
-    ("hf_llama3_8B_SFT_lora_config", "model_alignment_strategy.peft is not supported: LoRA is not built yet"),
+# NxD Training's SFT and LoRA examples (hf_llama3_8B_SFT_config.yaml, hf_llama3_8B_SFT_lora_config.yaml): the same
+# kind of file, run as the fine_tuning and the peft stage.
+SFT = FIXTURES / "hf_llama3_8B_SFT_config.yaml"
+LORA = FIXTURES / "hf_llama3_8B_SFT_lora_config.yaml"
+
+
+def _stage(tmp_path, stage, *overrides):
+    plan = launch.make_plan(["cluster=pcluster_trn1", "cluster_type=slurm", "data_dir=/data",
+                             f"base_results_dir={tmp_path}", f"stages=[{stage}]", *overrides],
+                            dry_run=True, produced_by="test")
+    return plan, plan.cfg[stage]
+
+
+@pytest.mark.parametrize("stage,file", [("fine_tuning", SFT), ("peft", LORA)])
+def test_nxd_fine_tuning_files_run_as_their_stage(stage, file, tmp_path):
+    plan, ours = _stage(tmp_path, stage, f"{stage}=@{file}")
+    model = ours["model"]
+    assert model["data"]["train_ds"]["file_names"] == ["/home/ubuntu/training.jsonl"]
+    assert model["data"]["validation_ds"]["file_names"] == ["/home/ubuntu/validation.jsonl"]
+    assert model["data"]["packing"] is True and model["data"]["data_prefix"] is None
+    # weight_init_only: true with resume_from_checkpoint: the starting weights, not a run to resume.
+    assert model["restore_from_path"] == "/home/ubuntu/pretrained_ckpt/"
+    assert ours["exp_manager"]["resume_from_checkpoint"] is None
+    # NxD trains on data.seq_length; its model's encoder_seq_length (8192) only sized the positions.
+    assert (model["encoder_seq_length"], model["data"]["seq_length"], model["max_position_embeddings"]) == \
+        (4096, 4096, 8192)
+    assert (ours["trainer"]["num_nodes"], ours["trainer"]["devices"]) == (1, 32)
+    assert (model["tensor_model_parallel_size"], model["global_batch_size"]) == (32, 64)
+    assert model["tokenizer"]["model"] == "/home/ubuntu/llama3_tokenizer/tokenizer.json"
+    if stage == "peft":
+        assert model["peft"] == {"peft_scheme": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+                                 "target_modules": ["qkv_proj"]}
+        assert model["zero1"] is False and ours["precision"]["type"] == "autocast"
+    else:
+        assert (model.get("peft") or {}).get("peft_scheme") is None and model["zero1"] is True
+    # The run is the file's (name: hf_llama), as a training file names it through training.run.name.
+    (script,) = launch.write(plan)
+    assert script == tmp_path / "hf_llama" / stage / f"{stage}.sbatch"
+    assert f"--stage {stage}" in script.read_text()
+    assert any("not NxD Training's own checkpoint format" in w for w in plan.warnings)
+
+
+def test_nxd_lora_at_tp_32_meets_the_kv_head_rule(tmp_path):
+    """NxD runs LoRA on Llama 3 8B at TP 32 with its 8 KV heads replicated; k and v adapters here need a whole KV
+    head per rank: with the model's config.json read, the schema names the fix, and the fix on the same line runs."""
+    config = f"peft.model.model_config={FIXTURES / 'llama3_8b_config.json'}"
+    with pytest.raises(UserError) as caught:
+        _stage(tmp_path, "peft", f"peft=@{LORA}", config)
+    assert ("peft.model.peft.target_modules: k_proj, v_proj with tensor_model_parallel_size 32 above the 8 KV heads "
+            "(replicated KV heads): adapt q_proj / o_proj only, or lower tp to 8") in caught.value.problems
+    _, ours = _stage(tmp_path, "peft", f"peft=@{LORA}", config, "peft.model.tensor_model_parallel_size=8")
+    assert ours["model"]["tensor_model_parallel_size"] == 8
+
+
+@pytest.mark.parametrize("given,file,expected", [
+    ("training", SFT, "it fine-tunes (model_alignment_strategy.sft), so it runs as the fine_tuning stage: launch it "
+                      "with stages=[fine_tuning] fine_tuning=@"),
+    ("training", LORA, "it fine-tunes (model_alignment_strategy.peft (LoRA)), so it runs as the peft stage: launch it "
+                       "with stages=[peft] peft=@"),
+    ("fine_tuning", LORA, "it fine-tunes (model_alignment_strategy.peft (LoRA)), so it runs as the peft stage: launch "
+                          "it with stages=[peft] peft=@"),
 ])
-def test_what_cannot_run_is_refused_in_one_line_per_key(name, key, tmp_path):
-    result = nxdt(f"training=@{FIXTURES / name}.yaml", "stages=[training]", f"base_results_dir={tmp_path}/r",
-                  "--dry-run", cwd=tmp_path)
+def test_a_file_given_as_another_stage_names_its_own(given, file, expected, tmp_path):
+    result = nxdt(f"{given}=@{file}", f"stages=[{given}]", f"base_results_dir={tmp_path}/r", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {given}=@{file}: {expected}{file}"]
+    assert not list(tmp_path.iterdir()), "a refused file wrote something"
+
+
+@pytest.mark.parametrize("replace,expected", [
+    ({"  peft:\n      lora_rank: 16": "  dpo:\n    beta: 0.1\n  peft:\n      lora_rank: 16"},
+     "model_alignment_strategy.dpo is not supported: the alignment stage (DPO) is not built yet"),
+    ({'lora_bias: "none"': 'lora_bias: "all"'},
+     "model_alignment_strategy.peft.lora_bias is not supported: trainable biases beside the adapters are not built"),
+    ({"load_lora_from_ckpt: False": "load_lora_from_ckpt: True"},
+     "model_alignment_strategy.peft.load_lora_from_ckpt is not supported: starting from saved adapters is not built"),
+    ({"  resume_from_checkpoint: /home/ubuntu/pretrained_ckpt/\n": ""},
+     "model.weight_init_only: True without exp_manager.resume_from_checkpoint: there are no weights to start from"),
+])
+def test_what_cannot_run_is_refused_in_one_line_per_key(replace, expected, tmp_path):
+    text = LORA.read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    file = tmp_path / "lora.yaml"
+    file.write_text(text)
+    result = nxdt(f"peft=@{file}", "stages=[peft]", f"base_results_dir={tmp_path}/r", "--dry-run", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert all(line.startswith("error: training=@") for line in lines), lines
-    assert any(key in line for line in lines), lines
-    assert not list(tmp_path.iterdir()), "a refused file wrote something"
+    assert len(lines) == 1 and lines[0].startswith(f"error: peft=@{file}: {expected}"), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.yaml"]
+
+
+def test_explain_config_shows_the_fine_tuning_keys(tmp_path):
+    result = nxdt("explain-config", str(LORA), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    flat = " ".join(result.stdout.replace("│", " ").split())
+    for row in ("model_alignment_strategy.peft.lora_rank 16 peft.model.peft.lora_rank",
+                "model_alignment_strategy.sft.packing True peft.model.data.packing",
+                "exp_manager.resume_from_checkpoint '/home/ubuntu/pretrained_ckpt/' peft.model.restore_from_path",
+                "data.val_dir '/home/ubuntu/validation.jsonl' peft.model.data.validation_ds.file_names",
+                "model_alignment_strategy.peft.merge_lora False ignored: the conversion stage exports a LoRA run",
+                "(not in the file) run.preemption_signal_s 120 peft.run.preemption_signal_s, from the base recipe "
+                "peft/llama/tiny"):
+        assert row in flat, row
+
+
+# NeMo-Launcher's conf/peft/llama/squad.yaml and conf/fine_tuning/llama/squad.yaml, their fine-tuning keys (the
+# layout and data keys, trimmed: what the mapping reads).
+NEMO_PEFT = """\
+run:
+  name: ${.task_name}_${.model_train_name}
+  time_limit: "04:00:00"
+  dependency: "singleton"
+  model_train_name: llama2_7b
+  task_name: "squad"
+trainer:
+  devices: 8
+  num_nodes: 1
+  accelerator: gpu
+  precision: bf16
+  max_steps: 2000
+  log_every_n_steps: 10
+  val_check_interval: 200
+  gradient_clip_val: 1.0
+exp_manager:
+  resume_if_exists: True
+  create_checkpoint_callback: True
+  checkpoint_callback_params:
+    save_top_k: 1
+model:
+  seed: 1234
+  tensor_model_parallel_size: 1
+  pipeline_model_parallel_size: 1
+  global_batch_size: 128
+  micro_batch_size: 1
+  restore_from_path: /fsx/hf/Llama-2-7b-hf
+  megatron_amp_O2: True
+  answer_only_loss: True
+  peft:
+    peft_scheme: "lora"
+    restore_from_path: null
+    lora_tuning:
+      target_modules: ['attention_qkv']
+      adapter_dim: 32
+      alpha: 32
+      adapter_dropout: 0.0
+      column_init_method: 'xavier'
+      row_init_method: 'zero'
+      layer_selection: null
+      weight_tying: False
+      position_embedding_strategy: null
+  data:
+    train_ds:
+      file_names: [/fsx/squad/train.jsonl]
+    validation_ds:
+      file_names: [/fsx/squad/validation.jsonl]
+  optim:
+    name: fused_adam
+    lr: 1e-4
+"""
+
+
+def test_nemo_peft_file_maps_its_lora_keys(tmp_path):
+    file = tmp_path / "squad.yaml"
+    file.write_text(NEMO_PEFT)
+    plan, ours = _stage(tmp_path, "peft", f"peft=@{file}", "cluster=slurm")
+    model = ours["model"]
+    assert model["peft"] == {"peft_scheme": "lora", "lora_rank": 32, "lora_alpha": 32, "lora_dropout": 0.0,
+                             "target_modules": ["attention_qkv"]}
+    assert model["restore_from_path"] == "/fsx/hf/Llama-2-7b-hf"
+    assert model["data"]["train_ds"]["file_names"] == ["/fsx/squad/train.jsonl"]
+    assert model["data"]["validation_ds"]["file_names"] == ["/fsx/squad/validation.jsonl"]
+    assert ours["precision"]["type"] == "mixed_precision" and model["optim"]["lr"] == 1e-4
+    assert plan.cfg["run_name"] == "squad_llama2_7b"
+    # Without LoRA it is NeMo-Launcher's fine_tuning stage.
+    file.write_text(NEMO_PEFT.replace('peft_scheme: "lora"', 'peft_scheme: "none"'))
+    _, ours = _stage(tmp_path, "fine_tuning", f"fine_tuning=@{file}", "cluster=slurm")
+    assert ours["model"]["peft"]["peft_scheme"] is None
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ('peft_scheme: "lora"', 'peft_scheme: "ptuning"',
+     "model.peft.peft_scheme 'ptuning' is not built here: LoRA (lora) is, or none for full fine-tuning"),
+    ("restore_from_path: /fsx/hf/Llama-2-7b-hf", "restore_from_path: /fsx/llama2_7b.nemo",
+     "model.restore_from_path '/fsx/llama2_7b.nemo': a .nemo archive is not read here"),
+    ("weight_tying: False", "weight_tying: True", "model.peft.lora_tuning.weight_tying True is not supported"),
+])
+def test_nemo_fine_tuning_keys_we_cannot_honour(old, new, expected, tmp_path):
+    file = tmp_path / "squad.yaml"
+    file.write_text(NEMO_PEFT.replace(old, new))
+    stage = "fine_tuning" if "ptuning" in new else "peft"
+    result = nxdt(f"{stage}=@{file}", f"stages=[{stage}]", f"base_results_dir={tmp_path}/r", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert any(line.startswith(f"error: {stage}=@{file}: {expected}") for line in result.stderr.splitlines()), \
+        result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["squad.yaml"]
 
 
 # Mixtral 8x7B's config.json as Mistral AI publishes it (Hugging Face mistralai/Mixtral-8x7B-v0.1), the file NxD

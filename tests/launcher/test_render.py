@@ -64,6 +64,9 @@ CASES = [
     # preemption: requeue on USR1 without asking Slurm for the signal; and no signal handling at all.
     ("training", "slurm_requeue_only", ["training.run.preemption_signal_s=0", "training.run.max_restarts=5"]),
     ("training", "slurm_no_preemption", ["training.run.preemption_signal_s=null", "training.run.max_restarts=0"]),
+    # Fine-tuning runs the trainer like training (torchrun, preemption, requeue), naming its stage with --stage.
+    ("fine_tuning", "local", []),
+    ("peft", "slurm", ["peft.trainer.num_nodes=2", "cluster.partition=compute"]),
     ("conversion", "local", []),
     ("conversion", "slurm", []),
     ("evaluation", "local", []),

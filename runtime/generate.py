@@ -1,0 +1,183 @@
+# Text generation from a CausalLM (runtime/models), tensor-parallel or not: a KV cache per attention layer and
+# `generate`, which prefills a batch of prompts and then decodes one token per step. It only calls the model's
+# forward with a SequenceLayout, so LoRA adapters and tensor parallelism need nothing special here.
+#
+#     tokens = generate(model, [[5, 9, 2], [7]], max_new_tokens=32, stop_ids={3}, pad_id=0)   # greedy
+#     tokens = generate(model, prompts, max_new_tokens=32, stop_ids={3}, temperature=0.8, top_p=0.9, seed=7)
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from runtime.models.layers import Attention, RotaryEmbedding, SequenceLayout
+from runtime.models.transformer import CausalLM
+
+
+class KVCache:
+    """One attention layer's keys and values, preallocated to `max_length` positions.
+
+    The buffers take their shape from the first update, (batch, max_length, ng, d) with ng the heads this rank
+    computes, so under tensor parallelism each rank caches only its share. update() returns the whole buffer
+    (not just the filled part): every decode step then has the same shapes (what XLA and CUDA graphs want), and
+    the SequenceLayout's mask is False over the positions not written yet. The buffers start at zero, because a
+    masked key still meets a 0 weight in the softmax-times-values product and 0 * NaN would be NaN.
+    """
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self.length = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, ng, d = k.shape
+        if self.k is None:
+            self.k = k.new_zeros(B, self.max_length, ng, d)
+            self.v = v.new_zeros(B, self.max_length, ng, d)
+        assert self.length + T <= self.max_length, "KVCache: more tokens than the cache was sized for"
+        # A tensor index rather than a slice: the written positions change every step, the graph does not.
+        index = torch.arange(self.length, self.length + T, device=k.device)
+        self.k.index_copy_(1, index, k)
+        self.v.index_copy_(1, index, v)
+        self.length += T
+        return self.k, self.v  # (B, max_length, ng, d)
+
+
+@contextmanager
+def kv_caches(model: nn.Module, max_length: int) -> Iterator[list[KVCache]]:
+    """A fresh KVCache on every Attention of `model` for the duration of the block, removed afterwards (also on
+    error), so the model is a plain model again outside it."""
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    caches = [KVCache(max_length) for _ in attentions]
+    for attention, cache in zip(attentions, caches):
+        attention.kv_cache = cache
+    try:
+        yield caches
+    finally:
+        for attention in attentions:
+            attention.kv_cache = None
+
+
+def check_generatable(model: nn.Module) -> None:
+    """ValueError (one line) for the layouts generation does not support."""
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"generation needs the whole model on each rank, not a {type(model).__name__}: load it "
+                         "with pipeline_model_parallel_size 1 (pipeline parallelism is not supported)")
+    if any(getattr(m, "sequence_parallel", False) for m in model.modules()):
+        raise ValueError("generation does not support sequence parallelism: load the model with "
+                         "sequence_parallel false (tensor parallelism alone is fine)")
+    if model.embed.positions is not None or any(isinstance(m, RotaryEmbedding) and m.positions is not None
+                                                for m in model.modules()):
+        raise ValueError("generation does not support context parallelism: load the model with "
+                         "context_parallel_size 1")
+
+
+def check_settings(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """ValueError (one line, naming the setting) for values generate() cannot use; callers may check early."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: {max_new_tokens!r} must be a positive integer")
+    if not temperature >= 0:
+        raise ValueError(f"temperature: {temperature!r} must be >= 0 (0 is greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: {top_p!r} must be in (0, 1]")
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             stop_ids: Iterable[int] = (), temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             pad_id: int = 0, vocab_size: int | None = None) -> list[list[int]]:
+    """The new tokens of each prompt, without the stop token that ended it.
+
+    Prompts of different lengths run as one batch, left-padded with `pad_id`: the mask hides the pads from
+    every real token and each row's positions start at 0 on its first real token, so a row gets exactly the
+    tokens it gets alone (tests/generate). A row stops at its first token in `stop_ids` (which counts towards
+    `max_new_tokens`), after `max_new_tokens`, or when its next token would need a position past the model's
+    max_position_embeddings; the batch stops when every row has.
+
+    temperature 0 is greedy (argmax; ties go to the lower id). Otherwise tokens are sampled from
+    softmax(logits / temperature) cut to the top-p nucleus, on the CPU with a generator seeded by `seed`, so
+    the draws are the same on every device and every tensor-parallel rank (which all hold the same gathered
+    logits) and the same seed gives the same tokens. vocab_size: only ids below it are generated (the model's
+    vocabulary is padded past the tokenizer's). Every rank of a tensor-parallel group must call this with the
+    same arguments.
+    """
+    check_generatable(model)
+    check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if not prompts:
+        return []
+    max_positions = model.cfg.max_position_embeddings
+    lengths = [len(p) for p in prompts]
+    for number, length in enumerate(lengths):
+        if not 1 <= length <= max_positions:
+            raise ValueError(f"prompt {number} has {length} tokens; a prompt needs 1 to {max_positions} "
+                             f"(the model's max_position_embeddings): shorten it")
+    # Token j of a row is fed back at position length + j, which must exist, except for the last one.
+    budgets = [min(max_new_tokens, max_positions - length + 1) for length in lengths]
+    stops = set(stop_ids)
+    device = next(model.parameters()).device
+    B, T0, steps = len(prompts), max(lengths), max(budgets)
+    S = T0 + steps - 1                                          # the cache: prompts, then every token fed back
+    pads = torch.tensor([T0 - n for n in lengths])
+    ids = torch.full((B, T0), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, T0 - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+    # (B, S): which cache positions hold real tokens; the decode positions open one per step.
+    valid = (torch.arange(S)[None, :] >= pads[:, None]) & (torch.arange(S)[None, :] < T0)
+    # Prefill: causal over real keys; a pad query sees only itself, so no row of the mask is empty (SDPA would
+    # give NaN, and a NaN key or value poisons even the queries that give it weight 0).
+    causal = torch.ones(T0, S, dtype=torch.bool).tril()
+    eye = torch.eye(T0, S, dtype=torch.bool)
+    mask = causal & (valid[:, None, :] | eye)                   # (B, T0, S)
+    positions = (torch.arange(T0)[None, :] - pads[:, None]).clamp(min=0)  # (B, T0)
+    lengths_t = torch.tensor(lengths)
+
+    generator = torch.Generator().manual_seed(seed)
+    out: list[list[int]] = [[] for _ in prompts]
+    active = [True] * B
+    was_training = model.training
+    model.eval()  # no dropout: greedy must be deterministic
+    try:
+        with kv_caches(model, S):
+            layout = SequenceLayout(positions.to(device), mask.unsqueeze(1).to(device))
+            logits = model(ids.to(device), layout=layout)[:, -1]                   # (B, V)
+            for step in range(steps):
+                tokens = _choose(logits, temperature, top_p, generator, vocab_size)  # (B,) on CPU
+                for row, token in enumerate(tokens.tolist()):
+                    if not active[row]:
+                        continue
+                    if token in stops:
+                        active[row] = False
+                        continue
+                    out[row].append(token)
+                    active[row] = step + 1 < budgets[row]
+                if not any(active):
+                    break
+                fed = torch.tensor([t if a else pad_id for t, a in zip(tokens.tolist(), active)])[:, None]
+                valid[:, T0 + step] = True  # finished rows keep a (harmless) token there too
+                # A finished row's position may run past the table: clamp it, nothing reads that row any more.
+                position = (lengths_t + step).clamp(max=max_positions - 1)[:, None]  # (B, 1)
+                layout = SequenceLayout(position.to(device), valid[:, None, None, :].to(device))  # (B, 1, 1, S)
+                logits = model(fed.to(device), layout=layout)[:, -1]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+            vocab_size: int | None) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens on the CPU: argmax, or a top-p sample drawn from `generator`."""
+    logits = logits[:, :vocab_size].float().cpu()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    picked = torch.multinomial(sorted_probs, 1, generator=generator)              # (B, 1) in sorted order
+    return order.gather(-1, picked).squeeze(-1)

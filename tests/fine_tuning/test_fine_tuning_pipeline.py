@@ -1,0 +1,108 @@
+"""The fine-tuning stages end to end through the real CLI: full SFT from a Hugging Face Llama directory written by
+transformers, exported; LoRA from that run's own checkpoint, exported merged and as a PEFT adapter that `peft`
+loads; and stages=[data_preparation,fine_tuning] on the real 2-node Slurm cluster."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.schema.rules import padded_vocab_size
+from runtime.sft.synthetic import write_demo
+from tests.launcher.helpers import nxdt
+
+transformers = pytest.importorskip("transformers")
+# conf/fine_tuning/llama/tiny.yaml's shape (llama/tiny's).
+SHAPE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+SHORT = ["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
+         "trainer.devices=1", "trainer.preflight=false", "model.global_batch_size=4", "model.micro_batch_size=2",
+         "model.encoder_seq_length=128", "model.optim.sched.warmup_steps=1",
+         "exp_manager.create_tensorboard_logger=false", "exp_manager.create_metrics_plot=false"]
+
+
+def _demo(data: Path) -> int:
+    """The synthetic instruction set, small; returns the padded vocabulary the tiny recipe builds from it."""
+    write_demo(data / "sft_demo", num_train=300, num_valid=20, num_test=20, seed=3, vocab_size=512)
+    tokenizer = json.loads((data / "sft_demo" / "tokenizer.json").read_text())
+    size = len(tokenizer["model"]["vocab"]) + sum(t["id"] >= len(tokenizer["model"]["vocab"])
+                                                   for t in tokenizer.get("added_tokens", []))
+    return padded_vocab_size(size, 128)
+
+
+def _hf_llama(directory: Path, vocab: int):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=128, **SHAPE)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def _stage(stage: str, *overrides: str) -> list[str]:
+    return [f"{stage}.{o}" for o in SHORT + list(overrides)]
+
+
+def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return transformers.LlamaForCausalLM.from_pretrained(directory).eval()(ids).logits
+
+
+def test_fine_tunes_a_hugging_face_llama_then_lora_from_our_checkpoint(tmp_path):
+    vocab = _demo(tmp_path / "data")
+    base = _hf_llama(tmp_path / "hf_base", vocab)
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    common = ["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results"]
+
+    # 1. Full SFT from the Hugging Face directory, exported in one command.
+    sft = nxdt(*common, "stages=[fine_tuning,conversion]", "fine_tuning=llama/tiny",
+               *_stage("fine_tuning", f"model.restore_from_path={tmp_path}/hf_base"), cwd=tmp_path, timeout=900)
+    assert sft.returncode == 0, sft.stdout[-3000:] + sft.stderr[-3000:]
+    run = tmp_path / "results" / "llama_tiny_sft"
+    log = (run / "fine_tuning" / "logs").glob("*.log")
+    text = "".join(p.read_text() for p in log)
+    assert f"fine-tuning from {tmp_path}/hf_base" in text and "step 6 | val_loss" in text, text[-2000:]
+    exported = run / "conversion" / "hf_model"
+    with torch.no_grad():
+        before = base(ids).logits
+    after = _logits(exported, ids)
+    assert after.shape == before.shape and not torch.allclose(after, before, atol=1e-4), "it trained"
+
+    # 2. LoRA from that run's own checkpoint (weights only), exported merged and as a PEFT adapter.
+    peft_lib = pytest.importorskip("peft")
+    lora = nxdt(*common, "stages=[peft,conversion]", "peft=llama/tiny", "conversion.lora=both",
+                *_stage("peft", f"model.restore_from_path={run}/fine_tuning/checkpoints"), cwd=tmp_path,
+                timeout=900)
+    assert lora.returncode == 0, lora.stdout[-3000:] + lora.stderr[-3000:]
+    lora_run = tmp_path / "results" / "llama_tiny_lora"
+    checkpoint = sorted((lora_run / "peft" / "checkpoints").glob("step_*"))[-1]
+    saved = sum(p.stat().st_size for p in checkpoint.rglob("*.pt"))
+    assert saved < 2_000_000, f"a LoRA checkpoint holds the adapters alone ({saved} bytes)"
+    merged_dir = lora_run / "conversion" / "hf_model"
+    merged = _logits(merged_dir, ids)
+    torch.testing.assert_close(_logits(merged_dir / "base", ids), after, rtol=0, atol=1e-5)  # the SFT weights
+    with torch.no_grad():
+        adapted = peft_lib.PeftModel.from_pretrained(
+            transformers.LlamaForCausalLM.from_pretrained(merged_dir / "base"), merged_dir / "adapter").eval()(ids)
+    torch.testing.assert_close(adapted.logits, merged, rtol=0, atol=1e-5)
+    assert not torch.allclose(merged, after, atol=1e-5), "the adapters trained"
+
+
+@pytest.mark.slurm
+def test_fine_tuning_on_two_slurm_nodes(slurm_cluster, tmp_path):
+    results = tmp_path / "results"
+    result = nxdt("cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",
+                  f"data_dir={tmp_path}/data", "stages=[data_preparation,fine_tuning]", "data_preparation=sft_demo",
+                  "data_preparation.synthetic_instructions.num_train=400", "fine_tuning=llama/tiny",
+                  "fine_tuning.trainer.num_nodes=2", *_stage("fine_tuning"), cwd=tmp_path, env=slurm_cluster.env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads((results / "llama_tiny_sft" / "launch.json").read_text())
+    states = [slurm_cluster.wait_job(str(s["job_id"]), 600) for s in record["stages"]]
+    logs = nxdt("logs", "llama_tiny_sft", "--results-dir", str(results), env=slurm_cluster.env).stdout
+    assert states == ["COMPLETED"] * 2, logs[-4000:]
+    assert len(sorted((results / "llama_tiny_sft" / "fine_tuning" / "logs").glob("*_node*.log"))) == 2
+    assert "dp=0/2" in logs and "step 6 | val_loss" in logs, logs[-3000:]
+    rows = [json.loads(line) for line in (results / "llama_tiny_sft" / "fine_tuning" / "metrics.jsonl").read_text()
+            .splitlines() if line.strip()]
+    assert rows[0]["step"] == 1 and rows[-1]["step"] == 6 and "val_loss" in rows[-1], rows[-2:]
