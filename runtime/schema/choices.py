@@ -28,6 +28,8 @@ S3_CHECKSUMS = Choices(("when_supported", "when_required"))
 
 # Fine-tuning (the fine_tuning and peft stages). NeMo's peft.peft_scheme; "none" is full-parameter SFT.
 PEFT_SCHEMES = Choices((None, "lora"), {"none": None})
+# model.data.train_ds / validation_ds file_names: the record files fine-tuning reads (runtime/sft/records.py).
+SFT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 # model.data.truncation: what happens to an example longer than seq_length + 1 tokens.
 TRUNCATIONS = Choices(("right", "left", "drop"))
 # model.data.chat_template: a built-in by name; null reads the tokenizer's tokenizer_config.json.

@@ -351,7 +351,6 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str, sft_dat
                       num_workers=workers)
 
 
-SFT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 
 def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
@@ -372,8 +371,8 @@ def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
                                f"fine-tune on")
             return None
         for name in names:
-            if not name.endswith(SFT_SUFFIXES):
-                model.report.error(f"{section.key('file_names')}: {name!r} is not a {', '.join(SFT_SUFFIXES)} file")
+            if not name.endswith(C.SFT_SUFFIXES):
+                model.report.error(f"{section.key('file_names')}: {name!r} is not a {', '.join(C.SFT_SUFFIXES)} file")
             elif files.inputs_checked and not is_remote(name) and not Path(name).is_file():
                 files.problem(f"{section.key('file_names')}: {name} does not exist; run the data_preparation that "
                               f"writes it or fix the path")

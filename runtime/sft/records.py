@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.schema.training import SFT_SUFFIXES
+from runtime.schema.choices import SFT_SUFFIXES
 
 ROLES = ("system", "user", "assistant")
 FILES_KEY = "model.data.train_ds.file_names"
