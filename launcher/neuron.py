@@ -247,13 +247,13 @@ def problems(cfg: dict[str, Any]) -> list[str]:
                       "/fsx/neuron-compile-cache, or an s3:// URL (null: <base_results_dir>/neuron-compile-cache)")
     if "\n" in str(neuron["compiler_flags"] or ""):
         errors.append("cluster.neuron.compiler_flags: must be one line of neuronx-cc flags")
-    trainer = ((cfg.get("training") or {}).get("trainer")) or {}
     workers = HARDWARE[neuron["hardware"]].workers_per_node
-    if "training" in (cfg.get("stages") or []) and trainer.get("accelerator") == "neuron" \
-            and trainer.get("devices") != workers:
-        lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""
-        errors.append(
-            f"training.trainer.devices: {trainer.get('devices')!r} workers per node, but {neuron['hardware']}"
-            f"{lnc} nodes have {workers} NeuronCores, one worker each; set training.trainer.devices={workers}"
-        )
+    for stage in (s for s in cfg.get("stages") or [] if s in TRAINING_STAGES):
+        trainer = ((cfg.get(stage) or {}).get("trainer")) or {}
+        if trainer.get("accelerator") == "neuron" and trainer.get("devices") != workers:
+            lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""
+            errors.append(
+                f"{stage}.trainer.devices: {trainer.get('devices')!r} workers per node, but {neuron['hardware']}"
+                f"{lnc} nodes have {workers} NeuronCores, one worker each; set {stage}.trainer.devices={workers}"
+            )
     return errors

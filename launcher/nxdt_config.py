@@ -2,9 +2,11 @@
 support onto our training keys (and the Neuron compiler keys onto cluster.neuron), names the keys it ignores as
 warnings, and refuses the keys it cannot honour in one error. `nxdt-launch explain-config FILE` prints the mapping.
 
-NxD Training fine-tunes from the same kind of file: with `model_alignment_strategy.peft` it is the peft stage (LoRA,
-`peft=@FILE`), with `model_alignment_strategy.sft` or `model.weight_init_only` the fine_tuning stage
-(`fine_tuning=@FILE`); the stage a file is given as must be the one it configures.
+NxD Training fine-tunes and aligns from the same kind of file: with `model_alignment_strategy.dpo` or `orpo` it is
+the alignment stage (`alignment=@FILE`; NxD's older DPO files keep the section under `data.alignment_strategy`), with
+`model_alignment_strategy.peft` the peft stage (LoRA, `peft=@FILE`), with `model_alignment_strategy.sft` or
+`model.weight_init_only` the fine_tuning stage (`fine_tuning=@FILE`); the stage a file is given as must be the one
+it configures.
 
 The result is registered as a Hydra config (<stage>=<name>) on top of the family's base recipe, so the user's own
 overrides on the same command line still win and every rule of the schema runs on the result.
@@ -24,8 +26,13 @@ from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
 from launcher.resolvers import register_resolvers
 
+# NxD Training's preference-alignment keys, per strategy (model_alignment_strategy.<strategy>.<key>).
+ALIGNMENT_KEYS = {"dpo": ("kl_beta", "loss_type", "max_dpo_prompt_length", "precompute_ref_log_probs",
+                          "truncation_mode"),
+                  "orpo": ("beta", "max_prompt_length", "truncation_mode")}
+
 # NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place. A
-# fine-tuning file's keys land under its own stage (fine_tuning. or peft.) instead of training.
+# fine-tuning or alignment file's keys land under its own stage (fine_tuning., peft. or alignment.) instead.
 MAPPED: dict[str, str] = {
     "name": "training.run.name",
     "seed": "training.model.seed",
@@ -74,6 +81,11 @@ MAPPED: dict[str, str] = {
     "model_alignment_strategy.sft.packing": "training.model.data.packing",
     **{f"model_alignment_strategy.peft.{k}": f"training.model.peft.{k}" for k in (
         "lora_rank", "lora_alpha", "lora_dropout", "target_modules")},
+    # Alignment: NxD's DPO and ORPO keys are the schema's own, in the same section (the alignment stage's
+    # model_alignment_strategy.<strategy>); NxD's older DPO files keep it under data.alignment_strategy.
+    **{f"{section}.{strategy}.{k}": f"training.model_alignment_strategy.{strategy}.{k}"
+       for section in ("model_alignment_strategy", "data.alignment_strategy")
+       for strategy, keys in ALIGNMENT_KEYS.items() for k in keys},
 }
 
 # A fine-tuning file's data: NxD's SFT train_dir and val_dir are the chat files (one file or a list each); its
@@ -149,8 +161,6 @@ DIFFERS = {
 
 # What nxdt-launch cannot do yet: refused, with where it is heading.
 UNSUPPORTED: dict[str, str] = {
-    "model_alignment_strategy.dpo": "the alignment stage (DPO) is not built yet",
-    "model_alignment_strategy.orpo": "the alignment stage (ORPO) is not built yet",
     "model_alignment_strategy.peft.lora_bias": "trainable biases beside the adapters are not built; set it to none",
     "model_alignment_strategy.peft.load_lora_from_ckpt": "starting from saved adapters is not built (a peft run "
                                                          "resumes its own); set it to False",
@@ -195,7 +205,7 @@ class Mapping:
     dialect: str = "NxD Training"
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    stage: str = "training"                   # the stage the file configures: training | fine_tuning | peft
+    stage: str = "training"                   # the stage it configures: training | fine_tuning | peft | alignment
     stage_reason: str = ""                    # which of its keys says so
 
     @property
@@ -237,6 +247,9 @@ def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
 def nxd_stage(data: dict[str, Any]) -> tuple[str, str]:
     """The stage an NxD Training file configures, and the key that says so."""
     alignment = data.get("model_alignment_strategy") if isinstance(data.get("model_alignment_strategy"), dict) else {}
+    if strategies := alignment_strategies(data):
+        section, strategy = strategies[0]
+        return "alignment", f"{section}.{strategy}"
     if alignment.get("peft"):
         return "peft", "model_alignment_strategy.peft (LoRA)"
     if "sft" in alignment:
@@ -244,6 +257,18 @@ def nxd_stage(data: dict[str, Any]) -> tuple[str, str]:
     if ((data.get("model") or {}) if isinstance(data.get("model"), dict) else {}).get("weight_init_only"):
         return "fine_tuning", "model.weight_init_only"
     return "training", ""
+
+
+def alignment_strategies(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """(section, strategy) for each DPO / ORPO subsection an NxD Training file holds: under model_alignment_strategy,
+    or data.alignment_strategy in NxD's older DPO files."""
+    found = []
+    for section in ("model_alignment_strategy", "data.alignment_strategy"):
+        node: Any = data
+        for part in section.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        found += [(section, s) for s in ALIGNMENT_KEYS if isinstance(node, dict) and s in node]
+    return found
 
 
 def map_file(path: str, group: str | None = None) -> Mapping:
@@ -265,6 +290,8 @@ def map_file(path: str, group: str | None = None) -> Mapping:
         elif stage != "training" and (key in FINE_TUNING_MAPPED or (weights and key == WEIGHTS_FROM)):
             target = FINE_TUNING_MAPPED.get(key, "training.model.restore_from_path")
             converted = value if key == WEIGHTS_FROM or value is None or isinstance(value, list) else [value]
+            if key == "data.val_dir" and value is None:
+                converted = []  # NxD's val_dir: null is no validation files
             _put(training, target[len("training."):], converted)
             result.rows.append((key, value, target if converted == value else f"{target} = {converted!r}"))
         elif key == "model.encoder_seq_length" and flat.get("data.seq_length") not in (None, value):
@@ -326,10 +353,19 @@ def map_file(path: str, group: str | None = None) -> Mapping:
                                f"which reads a Hugging Face model directory or an nxdt-launch checkpoint, not NxD "
                                f"Training's own checkpoint format: point it at the Hugging Face model NxD's "
                                f"checkpoint was converted from")
-    if stage == "peft":
+    if stage == "peft" or (stage == "alignment" and isinstance(data.get("model_alignment_strategy"), dict)
+                           and data["model_alignment_strategy"].get("peft")):  # DPO / ORPO with LoRA
         _put(training, "model.peft.peft_scheme", "lora")
         result.rows.append(("(implied) model_alignment_strategy.peft", "lora",
                             "training.model.peft.peft_scheme = 'lora'"))
+    if stage == "alignment":
+        strategies = sorted({strategy for _, strategy in alignment_strategies(data)})
+        if len(strategies) > 1:
+            result.errors.append(f"{at}: model_alignment_strategy: both {' and '.join(strategies)} are set; an "
+                                 f"alignment run has one strategy: keep one section")
+            return result
+        training["strategy"] = strategies[0]
+        result.rows.append((f"(implied) {reason}", strategies[0], f"training.strategy = {strategies[0]!r}"))
     result.training = _with_base(training, data, stage)
     result.rows += _from_base(result.training, stage)
     result.rows = _under_stage(result.rows, stage)
@@ -355,7 +391,8 @@ def _with_base(training: dict[str, Any], data: dict[str, Any], stage: str = "tra
     model = training.setdefault("model", {})
     family = "gpt3/tiny" if "gpt" in str(data.get("name", "")) and "model_config" not in model else "llama/tiny"
     if stage != "training":
-        family = "llama/tiny"
+        # An alignment file sits on the tiny recipe of its strategy: the other's section would be a second strategy.
+        family = f"llama/tiny_{training['strategy']}" if stage == "alignment" else "llama/tiny"
         model.setdefault("restore_from_path", None)
         sft = model.setdefault("data", {})
         sft.setdefault("train_ds", {}).setdefault("file_names", [])
@@ -516,14 +553,15 @@ def _hydra_value(value: Any) -> str:
 
 
 # The groups a file may be given to: the stages whose config is a training config.
-FILE_GROUPS = ("training", "fine_tuning", "peft")
+FILE_GROUPS = ("training", "fine_tuning", "peft", "alignment")
 
 
 def expand(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """`training=@FILE` (`fine_tuning=@FILE`, `peft=@FILE`) -> `<group>=<registered name>` plus the file's cluster
-    overrides, placed where it stood so that later overrides win. A fine-tuning file also names the run, as a
-    training file does through training.run.name, unless run_name is given. Returns (overrides, warnings); a file
-    with refused keys, or given as another stage than the one it configures, is a UserError."""
+    """`training=@FILE` (`fine_tuning=@FILE`, `peft=@FILE`, `alignment=@FILE`) -> `<group>=<registered name>` plus
+    the file's cluster overrides, placed where it stood so that later overrides win. A fine-tuning or alignment file
+    also names the run, as a training file does through training.run.name, unless run_name is given. Returns
+    (overrides, warnings); a file with refused keys, or given as another stage than the one it configures, is a
+    UserError."""
     out, warnings = [], []
     named = any(o.partition("=")[0].lstrip("+") == "run_name" for o in overrides)
     for override in overrides:
@@ -534,7 +572,8 @@ def expand(overrides: list[str]) -> tuple[list[str], list[str]]:
             continue
         mapping = map_file(value[1:], group)
         if mapping.stage != group:  # first: the file's other mistakes are named by the right stage then
-            what = f"it fine-tunes ({mapping.stage_reason})" if mapping.stage_reason else "it pretrains"
+            verb = "aligns" if mapping.stage == "alignment" else "fine-tunes"
+            what = f"it {verb} ({mapping.stage_reason})" if mapping.stage_reason else "it pretrains"
             raise UserError(f"{group}=@{value[1:]}: {what}, so it runs as the {mapping.stage} stage: launch it with "
                             f"stages=[{mapping.stage}] {mapping.stage}=@{value[1:]}")
         if mapping.errors:

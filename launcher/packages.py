@@ -25,6 +25,7 @@ STAGE_MODULES = {
     "training": ("torch", "numpy", "tokenizers"),
     "fine_tuning": ("torch", "numpy", "tokenizers", "jinja2"),
     "peft": ("torch", "numpy", "tokenizers", "jinja2"),
+    "alignment": ("torch", "numpy", "tokenizers", "jinja2"),
     "conversion": ("torch", "safetensors"),
     "evaluation": ("torch", "tokenizers"),
 }

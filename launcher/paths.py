@@ -21,5 +21,5 @@ def group_choices(group: str) -> list[str]:
     return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
 
 
-CONFIG_GROUPS = ("cluster", "data_preparation", "training", "fine_tuning", "peft", "conversion", "evaluation",
-                 "cluster_validation", "search_config")
+CONFIG_GROUPS = ("cluster", "data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion",
+                 "evaluation", "cluster_validation", "search_config")

@@ -9,11 +9,14 @@ from typing import Any, Callable
 from launcher.job import Job
 
 # The stages that run the trainer (runtime.train): the same job shape, checkpoints, preemption and metrics.
-TRAINING_STAGES = ("training", "fine_tuning", "peft")
-STAGES = ("data_preparation", "training", "fine_tuning", "peft", "conversion", "evaluation")
+TRAINING_STAGES = ("training", "fine_tuning", "peft", "alignment")
+STAGES = ("data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion", "evaluation")
 # Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job.
-# fine_tuning is full-parameter SFT, peft is LoRA; the trainer is told which with --stage, which names their keys.
-TRAINER_STAGES = ("training", "fine_tuning", "peft")
+# fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or
+# LoRA); the trainer is told which with --stage, which names their keys.
+TRAINER_STAGES = ("training", "fine_tuning", "peft", "alignment")
+# The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
+FINE_TUNING_STAGES = ("fine_tuning", "peft", "alignment")
 
 
 def _job(cfg: dict[str, Any], stage: str, module: str, *args: str, **sizing: Any) -> Job:
@@ -72,6 +75,12 @@ def peft(cfg: dict[str, Any]) -> Job:
     return _trainer_job(cfg, "peft")
 
 
+def alignment(cfg: dict[str, Any]) -> Job:
+    """Preference alignment (DPO or ORPO, NxD Training's model_alignment_strategy) from model.restore_from_path on
+    prompt/chosen/rejected pairs."""
+    return _trainer_job(cfg, "alignment")
+
+
 def conversion(cfg: dict[str, Any]) -> Job:
     return _job(cfg, "conversion", "runtime.convert", nodes=1, nproc_per_node=1, distributed=False)
 
@@ -89,6 +98,7 @@ BUILDERS: dict[str, Callable[[dict[str, Any]], Job]] = {
     "training": training,
     "fine_tuning": fine_tuning,
     "peft": peft,
+    "alignment": alignment,
     "conversion": conversion,
     "evaluation": evaluation,
 }
@@ -99,6 +109,7 @@ PROGRAMS = {
     "training": "runtime.train",
     "fine_tuning": "runtime.train",
     "peft": "runtime.train",
+    "alignment": "runtime.train",
     "conversion": "runtime.convert",
     "evaluation": "runtime.evaluate",
 }

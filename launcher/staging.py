@@ -11,6 +11,7 @@ Which keys move data, per stage (anything else that is s3:// is refused, naming 
 | ---------------- | ---------------------------------------------------------- | --------------- | ----------------------- |
 | data_preparation | input.files, tokenizer.{model,vocab_file,merge_file}, tokenizer.train.files | output_dir | download.dir |
 | training         | model.tokenizer.model, model.data.data_prefix (blend file or prefixes) | -   | model.data.index_mapping_dir |
+| fine_tuning, peft, alignment | model.tokenizer.model, model.data.{train_ds,validation_ds}.file_names | - | -   |
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.stages import FINE_TUNING_STAGES
 from runtime.io.manifest import BLEND, INDEXED, OBJECT, PUSH_TREE, mirror
 from runtime.io.s3 import is_s3, split_url
 from runtime.schema.reader import Report, Section
@@ -47,10 +49,10 @@ PULLS = {
     "data_preparation": [("input.files", OBJECT), ("tokenizer.model", OBJECT), ("tokenizer.vocab_file", OBJECT),
                          ("tokenizer.merge_file", OBJECT), ("tokenizer.train.files", OBJECT)],
     "training": [("model.tokenizer.model", OBJECT), ("model.data.data_prefix", None)],
-    # Fine-tuning's chat files and tokenizer are staged like training's; starting weights on S3 are a checkpoint
-    # of ours (read from S3 directly, NATIVE below).
+    # Fine-tuning's chat files (alignment's preference files) and tokenizer are staged like training's; starting
+    # weights on S3 are a checkpoint of ours (read from S3 directly, NATIVE below).
     **{stage: [("model.tokenizer.model", OBJECT), ("model.data.train_ds.file_names", OBJECT),
-               ("model.data.validation_ds.file_names", OBJECT)] for stage in ("fine_tuning", "peft")},
+               ("model.data.validation_ds.file_names", OBJECT)] for stage in FINE_TUNING_STAGES},
     "conversion": [("tokenizer_model", OBJECT)],
     "evaluation": [("tokenizer_model", OBJECT)],
 }
@@ -60,7 +62,7 @@ SCRATCH = {"data_preparation": ["download.dir"], "training": ["model.data.index_
 # Checkpoints go to S3 directly (runtime/checkpoint/storage.py); evaluation task files are local by contract.
 NATIVE = {"training": ["exp_manager.checkpoint_callback_params.dirpath", "exp_manager.resume_from_checkpoint"],
           **{stage: ["exp_manager.checkpoint_callback_params.dirpath", "exp_manager.resume_from_checkpoint",
-                     "model.restore_from_path"] for stage in ("fine_tuning", "peft")},
+                     "model.restore_from_path"] for stage in FINE_TUNING_STAGES},
           "conversion": ["checkpoint_dir", "hf_checkpoint_dir"], "evaluation": ["checkpoint_dir", "tasks"]}
 
 

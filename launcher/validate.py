@@ -11,7 +11,7 @@ from typing import Any
 from launcher import remote, staging
 from launcher.paths import group_choices
 from launcher.slurm import expand_hostlist, split_hostlist
-from launcher.stages import PROGRAMS, STAGES, TRAINER_STAGES
+from launcher.stages import FINE_TUNING_STAGES, PROGRAMS, STAGES, TRAINER_STAGES
 from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
@@ -50,7 +50,7 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         warnings += report.warnings
         if "data_preparation" in stages:
             errors += _trains_on_prepared_data(cfg)
-    for stage in ("fine_tuning", "peft"):
+    for stage in FINE_TUNING_STAGES:
         if stage in stages:
             stage_errors, stage_warnings = _fine_tuning(cfg, stage, stages, dry_run=dry_run)
             errors += stage_errors
@@ -84,13 +84,15 @@ def _trains_on_prepared_data(cfg: dict[str, Any]) -> list[str]:
 
 def _fine_tuning(cfg: dict[str, Any], stage: str, stages: list[str], *, dry_run: bool
                  ) -> tuple[list[str], list[str]]:
-    """The fine_tuning / peft stage config through the training schema (the trainer runs it with --stage), and which
-    of the two stages it is. Inputs this launch makes are not looked for: the data and tokenizer when this launch's
-    data_preparation writes them, the starting weights when they are this launch's training checkpoints."""
+    """The fine_tuning / peft / alignment stage config through the training schema (the trainer runs it with
+    --stage), and which of them it is. Inputs this launch makes are not looked for: the data and tokenizer when this
+    launch's data_preparation writes them, the starting weights when they are the checkpoints of a trainer stage that
+    runs before it in this launch (training, or fine_tuning before alignment)."""
     section = cfg[stage]
     model = section.get("model") if isinstance(section.get("model"), dict) else {}
     prepared = "data_preparation" in stages and _prepares_inputs(cfg["data_preparation"], model)
-    if "training" in stages and _restores_from_training(cfg, model.get("restore_from_path")):
+    earlier = [s for s in stages[:stages.index(stage)] if s in TRAINER_STAGES]
+    if any(_restores_from(cfg, s, model.get("restore_from_path")) for s in earlier):
         # The checkpoints do not exist yet; the trainer checks them against the model when it loads them.
         section = {**section, "model": {**model, "restore_from_path": None}}
     _, report = parse_training(section, files="warn" if dry_run else "error", prepared=prepared, p=f"{stage}.")
@@ -106,8 +108,9 @@ def _inside(path: Any, directory: Any) -> bool:
 
 
 def _prepares_inputs(preparation: dict[str, Any], model: dict[str, Any]) -> bool:
-    """Whether this launch's data_preparation writes some of the fine-tuning inputs: a chat file or the tokenizer
-    lies in its output_dir (data_preparation=sft_demo writes both). Otherwise each is looked for as usual."""
+    """Whether this launch's data_preparation writes some of the fine-tuning inputs: a chat (or preference) file or
+    the tokenizer lies in its output_dir (data_preparation=sft_demo and preference_demo write both). Otherwise each
+    is looked for as usual."""
     data = model.get("data") if isinstance(model.get("data"), dict) else {}
     tokenizer = model.get("tokenizer") if isinstance(model.get("tokenizer"), dict) else {}
     paths = [tokenizer.get("model")]
@@ -117,14 +120,14 @@ def _prepares_inputs(preparation: dict[str, Any], model: dict[str, Any]) -> bool
     return any(_inside(path, preparation.get("output_dir")) for path in paths)
 
 
-def _restores_from_training(cfg: dict[str, Any], path: Any) -> bool:
-    """model.restore_from_path names this launch's training checkpoints (the directory, or one step in it)."""
-    training = cfg.get("training")
-    if not isinstance(training, dict) or not isinstance(training.get("run"), dict):
+def _restores_from(cfg: dict[str, Any], stage: str, path: Any) -> bool:
+    """model.restore_from_path names the checkpoints of this launch's `stage` (the directory, or one step in it)."""
+    trainer = cfg.get(stage)
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("run"), dict):
         return False
-    exp = training.get("exp_manager") if isinstance(training.get("exp_manager"), dict) else {}
+    exp = trainer.get("exp_manager") if isinstance(trainer.get("exp_manager"), dict) else {}
     params = exp.get("checkpoint_callback_params") if isinstance(exp.get("checkpoint_callback_params"), dict) else {}
-    directory = params.get("dirpath") or f"{training['run'].get('results_dir')}/checkpoints"
+    directory = params.get("dirpath") or f"{trainer['run'].get('results_dir')}/checkpoints"
     return _inside(path, str(directory))
 
 
@@ -184,11 +187,14 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
 
 
 def _run_name_key(cfg: dict[str, Any]) -> str:
-    """run_name defaults to ${training.run.name}: name the key the user most likely typed."""
-    training = cfg.get("training")
-    run = training.get("run") if isinstance(training, dict) else None
-    if isinstance(run, dict) and run.get("name") == cfg.get("run_name"):
-        return "training.run.name"
+    """run_name defaults to ${trained:run.name}, the run name of the launch's first trainer stage: name the key the
+    user most likely typed."""
+    listed = cfg.get("stages") if isinstance(cfg.get("stages"), list) else []
+    for stage in [*(s for s in listed if s in TRAINER_STAGES), "training"]:
+        section = cfg.get(stage)
+        run = section.get("run") if isinstance(section, dict) else None
+        if isinstance(run, dict) and run.get("name") == cfg.get("run_name"):
+            return f"{stage}.run.name"
     return "run_name"
 
 

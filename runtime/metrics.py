@@ -170,7 +170,7 @@ class MetricsLogger:
             print(
                 f"step {self._progress(step, mean_step)} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s | {mean_step:.3f} s/step | {tflops:.3f} TFLOP/s/dev | mfu {mfu} | "
-                f"mem {memory_gib:.2f} GiB",
+                f"mem {memory_gib:.2f} GiB" + _shown(extra),
                 flush=True,
             )
             self._write(record)
@@ -183,10 +183,12 @@ class MetricsLogger:
         pace = self._steady_time / self._steady_steps if self._steady_steps else mean_step
         return f"{step}/{self.max_steps} (eta {format_duration(max(self.max_steps - step, 0) * pace)})"
 
-    def record_validation(self, step: int, val_loss: float) -> None:
+    def record_validation(self, step: int, val_loss: float, extra: dict[str, float] | None = None) -> None:
+        """extra: the objective's other figures (the alignment stage's rewards), written as val_<name>."""
         if self.is_main:
-            print(f"step {step} | val_loss {val_loss:.4f}", flush=True)
-            self._write({"step": step, "val_loss": float(val_loss)})
+            values = {f"val_{k}": float(v) for k, v in (extra or {}).items()}
+            print(f"step {step} | val_loss {val_loss:.4f}" + _shown(values), flush=True)
+            self._write({"step": step, "val_loss": float(val_loss), **values})
 
     def _write(self, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
@@ -194,7 +196,8 @@ class MetricsLogger:
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tensorboard is not None:
             for name, value in scalars.items():
-                self._tensorboard.add_scalar(f"train/{name}" if name != "val_loss" else "val/loss", value, step)
+                tag = f"val/{name[4:]}" if name.startswith("val_") else f"train/{name}"
+                self._tensorboard.add_scalar(tag, value, step)
             self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
@@ -206,6 +209,14 @@ class MetricsLogger:
             self._tensorboard.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+# Figures worth a place on the console line besides the loss (the rest are in metrics.jsonl).
+_CONSOLE = ("reward_accuracy", "reward_margin", "val_reward_accuracy", "val_reward_margin")
+
+
+def _shown(values: dict | None) -> str:
+    return "".join(f" | {k} {values[k]:.3f}" for k in _CONSOLE if values and k in values)
 
 
 def format_duration(seconds: float) -> str:

@@ -1,18 +1,24 @@
 # One optimizer step over a list of micro-batches (gradient accumulation), and a forward-only eval step.
 #
-# Micro-batch format: a tuple (input_ids, labels, loss_mask[, position_ids]), each (B, T), B = micro_batch_size:
+# Micro-batch format: a tuple (input_ids, labels, loss_mask[, position_ids[, pair_ids]]), each (B, T),
+# B = micro_batch_size:
 #   input_ids     LongTensor  tokens[:, :-1] of a (B, T+1) sample
 #   labels        LongTensor  tokens[:, 1:]
 #   loss_mask     float/bool  1 where the token counts (0 for padding / after end-of-document, if masked), or None
 #   position_ids  LongTensor  fine-tuning's packed rows: positions restarting at 0 at every example, which
 #                             also resets attention there (runtime.models.layers.SequenceLayout); absent or None:
 #                             one causal sequence
+#   pair_ids      LongTensor  the alignment stage's (B/2,) pair indices: rows [:B/2] chosen, [B/2:] rejected
+#                             (runtime/alignment/objective.py looks up their reference log-probabilities)
 #
 # Loss normalization (why it matches a single process exactly): the step's loss is the mean over every counted
 # token of the global batch, sum(loss * mask) / sum(mask). The denominator is all-reduced over DP before any
 # backward, each micro-batch backpropagates its own sum(loss * mask) / global_count, and the DP reduction sums
 # gradients. That is the same function of the same tokens however the global batch is split into micro-batches
 # and DP ranks (gradient accumulation = global_batch / (micro_batch * dp) micro-batches per rank).
+#
+# The same holds for any objective whose loss is a sum over micro-batches of terms divided by global totals: the
+# preference losses of the alignment stage (runtime/alignment/objective.py) are sums over pairs / global pairs.
 #
 # With pipeline parallelism (pp > 1, the model a PipelineStageModel) the micro-batch loop becomes a pipeline
 # schedule (runtime/parallel/pipeline): 1F1B, or interleaved 1F1B with virtual stages, forward-only for eval.
@@ -27,50 +33,57 @@ from torch import nn
 
 from runtime.models.layers import SequenceLayout
 from runtime.models.moe import set_aux_scale
+from runtime.objective import TOKEN_MEAN, TokenMean
 from runtime.parallel import collectives as C
 from runtime.parallel import pipeline
 from runtime.parallel.optimizer import ShardedAdamW
 from runtime.parallel.topology import Topology
 
-MicroBatch = tuple  # (input_ids, labels, loss_mask | None[, position_ids | None])
+MicroBatch = tuple  # (input_ids, labels, loss_mask | None[, position_ids | None[, pair_ids]])
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    loss: float        # token-weighted mean over the whole global batch, identical on every rank
+    loss: float        # the objective over the whole global batch (token-weighted mean), identical on every rank
     grad_norm: float   # global L2 norm before clipping
+    metrics: dict = dataclasses.field(default_factory=dict)  # the objective's other figures (preference rewards)
 
 
 def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequence[MicroBatch],
-               topo: Topology, *, lr: float, clip: float | None, schedule: str | None = None) -> StepResult:
+               topo: Topology, *, lr: float, clip: float | None, schedule: str | None = None,
+               objective: TokenMean | None = None) -> StepResult:
     """Forward/backward every micro-batch, reduce gradients (data parallelism), clip by the global norm, step
     AdamW.
 
     schedule (pp > 1 only): one of pipeline.SCHEDULES; None picks 1F1B, or interleaved with virtual stages.
+    objective: TOKEN_MEAN (None), or the alignment stage's preference objective.
     """
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
+    objective = objective or TOKEN_MEAN
+    batches = objective.prepare(model, [_unpack(mb) for mb in micro_batches], topo)
     model.train()
-    batches = [_unpack(mb) for mb in micro_batches]
-    total_tokens = _global_token_count(batches, topo)
+    totals = _global_totals(objective, batches, topo)
     grads = optimizer.data_parallel
     grads.zero_grad()
     set_aux_scale(model, 1.0 / (len(batches) * topo.dp.size))  # MoE layers' auxiliary loss, averaged like the loss
     if topo.pp.size > 1:
-        loss_sum = pipeline.run_pipeline(model, batches, topo, total_tokens, forward_only=False, schedule=schedule,
-                                         autocast=lambda: _autocast(optimizer, batches[0][0].device))
+        stats = pipeline.run_pipeline(model, batches, topo, totals, forward_only=False, schedule=schedule,
+                                      autocast=lambda: autocast_for(optimizer, batches[0][0].device), objective=objective)
     else:
-        loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)  # summed on device: one sync
-        for input_ids, labels, mask, layout in batches:
-            with _autocast(optimizer, input_ids.device):
+        stats = None  # summed on device: one sync
+        for batch in batches:
+            input_ids, labels, _, layout, *_ = batch
+            with autocast_for(optimizer, input_ids.device):
                 per_token = model(input_ids, labels, layout)  # (B, T) fp32
-            local = (per_token * mask).sum()
-            (local / total_tokens).backward()
-            loss_sum += local.detach()
+            loss, local = objective(per_token, batch, totals)
+            loss.backward()
+            stats = local if stats is None else stats + local
     grads.reduce_gradients()
     grad_norm = optimizer.clip_grad_norm(clip)
     optimizer.step(lr)
-    return StepResult(loss=_global_mean(loss_sum, total_tokens, topo), grad_norm=grad_norm)
+    loss, metrics = objective.report(_global_sum(stats, topo), totals)
+    return StepResult(loss=loss, grad_norm=grad_norm, metrics=metrics)
 
 
 @torch.no_grad()
@@ -80,50 +93,62 @@ def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topol
 
     Pass the optimizer to evaluate under its precision's autocast (the weights' dtype applies regardless).
     """
+    return eval_objective(model, micro_batches, topo, optimizer)[0]
+
+
+@torch.no_grad()
+def eval_objective(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topology,
+                   optimizer: ShardedAdamW | None = None, objective: TokenMean | None = None
+                   ) -> tuple[float, dict[str, float]]:
+    """Forward-only: the objective's loss and metrics over the micro-batches of every DP rank."""
+    objective = objective or TOKEN_MEAN
+    batches = objective.prepare(model, [_unpack(mb) for mb in micro_batches], topo)
     model.eval()
-    batches = [_unpack(mb) for mb in micro_batches]
-    total_tokens = _global_token_count(batches, topo)
+    totals = _global_totals(objective, batches, topo)
     if topo.pp.size > 1:
-        loss_sum = pipeline.run_pipeline(model, batches, topo, total_tokens, forward_only=True,
-                                         autocast=lambda: _autocast(optimizer, batches[0][0].device))
-        return _global_mean(loss_sum, total_tokens, topo)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
-    for input_ids, labels, mask, layout in batches:
-        with _autocast(optimizer, input_ids.device):
-            loss_sum += (model(input_ids, labels, layout) * mask).sum()
-    return _global_mean(loss_sum, total_tokens, topo)
+        stats = pipeline.run_pipeline(model, batches, topo, totals, forward_only=True, objective=objective,
+                                      autocast=lambda: autocast_for(optimizer, batches[0][0].device))
+    else:
+        stats = None
+        for batch in batches:
+            input_ids, labels, _, layout, *_ = batch
+            with autocast_for(optimizer, input_ids.device):
+                local = objective(model(input_ids, labels, layout), batch, totals)[1]
+            stats = local if stats is None else stats + local
+    return objective.report(_global_sum(stats, topo), totals)
 
 
-def _unpack(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, SequenceLayout | None]:
-    if len(micro_batch) not in (3, 4):
-        raise ValueError(f"a micro-batch is (input_ids, labels, loss_mask[, position_ids]); got a "
+def _unpack(micro_batch: MicroBatch) -> tuple:
+    """(input_ids, labels, loss_mask as float, SequenceLayout | None[, pair_ids])."""
+    if len(micro_batch) not in (3, 4, 5):
+        raise ValueError(f"a micro-batch is (input_ids, labels, loss_mask[, position_ids[, pair_ids]]); got a "
                          f"{len(micro_batch)}-tuple")
     input_ids, labels, mask = micro_batch[:3]
-    position_ids = micro_batch[3] if len(micro_batch) == 4 else None
+    position_ids = micro_batch[3] if len(micro_batch) >= 4 else None
     if input_ids.shape != labels.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape")
     mask = torch.ones(labels.shape, device=labels.device) if mask is None else mask.to(torch.float32)
     layout = None if position_ids is None else SequenceLayout.packed(position_ids)
-    return input_ids, labels, mask, layout
+    return (input_ids, labels, mask, layout, *micro_batch[4:])
 
 
-def _global_token_count(batches, topo: Topology) -> float:
+def _global_totals(objective: TokenMean, batches: list, topo: Topology) -> list[float]:
     # fp32, not fp64 or int64, because not every accelerator's collectives take those (exact to 2^24 tokens).
-    count = torch.stack([mask.sum() for _, _, mask, _ in batches]).sum().reshape(1)
-    C.all_reduce(count, topo.dp)  # TP ranks see the same tokens; DP ranks see different ones
-    total = count.item()
-    if total <= 0:
+    totals = objective.totals(batches).to(torch.float32)
+    C.all_reduce(totals, topo.dp)  # TP ranks see the same tokens; DP ranks see different ones
+    values = totals.tolist()
+    if values[0] <= 0:
         raise ValueError("every loss_mask in the global batch is zero: nothing to train on")
-    return total
+    return values
 
 
-def _global_mean(loss_sum: torch.Tensor, total_tokens: float, topo: Topology) -> float:
-    loss_sum = loss_sum.reshape(1)
-    C.all_reduce(loss_sum, topo.dp)
-    return loss_sum.item() / total_tokens
+def _global_sum(stats: torch.Tensor, topo: Topology) -> list[float]:
+    stats = stats.reshape(-1)
+    C.all_reduce(stats, topo.dp)
+    return stats.tolist()
 
 
-def _autocast(optimizer: ShardedAdamW | None, device: torch.device):
+def autocast_for(optimizer: ShardedAdamW | None, device: torch.device):
     dtype = optimizer.data_parallel.precision.autocast_dtype if optimizer is not None else None
     if dtype is None:
         return contextlib.nullcontext()

@@ -41,7 +41,7 @@ from runtime.parallel.context import sequence_index
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
-from runtime.step import eval_step, train_step
+from runtime.step import eval_objective, train_step
 
 USER_ERROR_EXIT_CODE = 2
 
@@ -64,6 +64,8 @@ def build_data(
     cfg: TrainingConfig, topo: Topology, device: Device
 ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
     """Train batches sized for max_steps, and the fixed validation batches (the same ones at every check)."""
+    if cfg.alignment is not None:
+        return build_preference_data(cfg, topo, device)
     if cfg.sft is not None:
         return build_sft_data(cfg, topo, device)
     data, trainer = cfg.data, cfg.trainer
@@ -121,6 +123,65 @@ def build_sft_data(cfg: TrainingConfig, topo: Topology, device: Device
     return train, valid
 
 
+def build_preference_data(cfg: TrainingConfig, topo: Topology, device: Device
+                          ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
+    """Alignment: preference pairs tokenized once (cached beside the data), read in epochs; a sample is a pair."""
+    from runtime.alignment.data import build_preference_dataset
+    from runtime.sft.dataset import epoch_samples
+
+    sft, data, trainer, alignment = cfg.sft, cfg.data, cfg.trainer, cfg.alignment
+    common = dict(tokenizer_path=cfg.tokenizer_path, seq_length=data.seq_length, chat_template=sft.chat_template,
+                  max_prompt_length=alignment.max_prompt_length, truncation_mode=alignment.truncation_mode,
+                  limit_key=alignment.limit_key, cache_dir=data.index_mapping_dir,
+                  num_workers=max(data.num_workers, 1), is_builder=device.local_rank == 0, barrier=device.barrier)
+    batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
+                   dp_rank=topo.data_rank, dp_size=topo.data_size)
+    pairs = build_preference_dataset(list(sft.train_files), **common)
+    if device.is_main:
+        stats = pairs.stats
+        print(f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
+              f"{stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)}), {alignment.strategy} with beta "
+              f"{alignment.beta}", flush=True)
+    train = DataParallelBatches(epoch_samples(pairs, trainer.max_steps * data.global_batch_size, cfg.seed), **batches)
+    train.pairs = pairs  # the reference log-probs are computed over these (runtime/alignment/reference.py)
+    valid = None
+    if sft.validation_files and trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
+        valid_pairs = build_preference_dataset(list(sft.validation_files), **common)
+        valid = DataParallelBatches(epoch_samples(valid_pairs, trainer.limit_val_batches * data.global_batch_size,
+                                                  cfg.seed), **batches)
+        valid.pairs = valid_pairs
+    return train, valid
+
+
+def build_objective(cfg: TrainingConfig, model, optimizer, train: DataParallelBatches,
+                    valid: DataParallelBatches | None, topo: Topology, device: Device):
+    """The step's objective: the token mean, or the alignment stage's preference loss with its references
+    (computed here, before any checkpoint is loaded: the model still holds the starting weights)."""
+    if cfg.alignment is None:
+        return None, None
+    from runtime.alignment.objective import PreferenceObjective
+    from runtime.alignment.reference import live_scorer, reference_key, reference_table
+    from runtime.step import autocast_for
+
+    alignment = cfg.alignment
+    if alignment.strategy == "orpo":
+        objective = PreferenceObjective("orpo", alignment.beta)
+        return objective, objective
+    autocast = lambda: autocast_for(optimizer, device.torch_device)  # noqa: E731
+    if not alignment.precompute_ref_log_probs:  # LoRA (the schema's rule): the base model, adapters off
+        objective = PreferenceObjective("dpo", alignment.beta, alignment.loss_type, live=live_scorer(topo, autocast))
+        return objective, objective
+    key = reference_key(cfg.restore_from_path, cfg.model, cfg.seed, cfg.precision.type, cfg.lora is not None)
+    common = dict(micro_batch_size=cfg.data.micro_batch_size, device=device.torch_device, model_key=key,
+                  autocast=autocast, is_writer=device.is_main, barrier=device.barrier)
+    tables = [reference_table(model, batches.pairs, topo, describe=name, **common)
+              for name, batches in (("train", train), ("validation", valid)) if batches is not None]
+    objectives = [PreferenceObjective("dpo", alignment.beta, alignment.loss_type,
+                                      references=lambda ids, table=table: table[ids.to(table.device)])
+                  for table in tables]
+    return objectives[0], objectives[1] if len(objectives) > 1 else None
+
+
 def _to_device(micro_batches, device: Device):
     def move(t):
         return None if t is None else t.to(device.torch_device, non_blocking=True)
@@ -128,15 +189,16 @@ def _to_device(micro_batches, device: Device):
     return [tuple(move(t) for t in micro_batch) for micro_batch in micro_batches]
 
 
-def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, topo: Topology, device: Device) -> float:
-    """Mean per-token loss over the first `num_batches` validation global batches (the same ones every time, so
-    successive values are comparable), over every data-parallel rank."""
+def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, topo: Topology, device: Device,
+             objective=None) -> tuple[float, dict]:
+    """The objective (mean per-token loss) over the first `num_batches` validation global batches (the same ones
+    every time, so successive values are comparable), over every data-parallel rank; and its other metrics."""
     micro_batches = []
     for index in range(num_batches):
         micro_batches += _to_device(valid.batch_at(index * valid.global_batch_size), device)
-    loss = eval_step(model, micro_batches, topo, optimizer)
+    loss, metrics = eval_objective(model, micro_batches, topo, optimizer, objective)
     device.step_boundary()
-    return loss
+    return loss, metrics
 
 
 @contextlib.contextmanager
@@ -189,6 +251,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
     )
     optimizer = ShardedAdamW(model, cfg.optim)
     train_batches, valid_batches = build_data(cfg, topo, device)
+    objective, valid_objective = build_objective(cfg, model, optimizer, train_batches, valid_batches, topo, device)
     sched = cfg.optim.sched
     schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
                           sched.min_lr)
@@ -199,7 +262,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         cfg.results_dir,
         is_main=device.is_main,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        tokens_per_step=data.global_batch_size * data.seq_length,
+        # A preference pair is two rows through the model.
+        tokens_per_step=data.global_batch_size * data.seq_length * (2 if cfg.alignment else 1),
         flops_per_token=flops_per_token(
             model_cfg.num_layers, model_cfg.hidden_size, model_cfg.ffn_hidden_size, model_cfg.num_attention_heads,
             model_cfg.kv_heads, model_cfg.vocab_size, data.seq_length, gated_mlp=model_cfg.architecture == "llama",
@@ -236,7 +300,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
             started = time.perf_counter()
             lr = schedule(step)
             micro_batches = _to_device(train_batches.next_batch(), device)
-            result = train_step(model, optimizer, micro_batches, topo, lr=lr, clip=cfg.trainer.gradient_clip_val)
+            result = train_step(model, optimizer, micro_batches, topo, lr=lr, clip=cfg.trainer.gradient_clip_val,
+                                objective=objective)
             device.step_boundary()
             loss, grad_norm = float(result.loss), float(result.grad_norm)  # .item() waits for the step to finish
             device.synchronize()
@@ -246,11 +311,12 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
             done = step + 1
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
                                 memory_gib=device.memory_gib(),
-                                extra=step_stats(model, report=metrics.should_log(done)))
+                                extra={**result.metrics, **step_stats(model, report=metrics.should_log(done))})
             if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
                                               or done == cfg.trainer.max_steps):
-                val_loss = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo, device)
-                metrics.record_validation(done, val_loss)
+                val_loss, val_metrics = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo,
+                                                 device, valid_objective)
+                metrics.record_validation(done, val_loss, val_metrics)
             checkpoints.after_step(done)
             signum = watch.agreed() if watch is not None else None
             if signum is not None and done < cfg.trainer.max_steps:
@@ -297,8 +363,9 @@ def _one_line(error: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
-    parser.add_argument("--stage", default="training", choices=("training", "fine_tuning", "peft"),
-                        help="the stage this config is (names its keys in errors); fine_tuning and peft run here too")
+    parser.add_argument("--stage", default="training", choices=("training", "fine_tuning", "peft", "alignment"),
+                        help="the stage this config is (names its keys in errors); fine_tuning, peft and alignment "
+                             "run here too")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0") or 0)
     try:

@@ -1,7 +1,8 @@
 """`nxdt-launch explain-config FILE`: what each key of an NxD Training or NeMo-Launcher YAML becomes here.
 
 Every key of the file is listed with its value and its fate: the nxdt-launch key it maps to, ignored (and why),
-or refused (and why). Exit 0 when the file can be launched as `training=@FILE`, 2 when it has refused keys."""
+or refused (and why). Exit 0 when the file can be launched as `training=@FILE` (a fine-tuning or alignment file as
+its own stage: `alignment=@FILE`, ...), 2 when it has refused keys."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from launcher.errors import UserError
 @click.command(name="explain-config")
 @click.argument("file", type=click.Path(dir_okay=False))
 def command(file: str) -> None:
-    """Show how an NxD Training or NeMo-Launcher YAML maps onto nxdt-launch keys (launch: training=@FILE)."""
+    """Show how an NxD Training or NeMo-Launcher YAML maps onto nxdt-launch keys (launch: training=@FILE, or
+    fine_tuning=, peft=, alignment=@FILE for the stage the file configures)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -32,4 +34,6 @@ def command(file: str) -> None:
         console.print(f"warning: {line}", highlight=False, markup=False)
     if mapping.errors:
         raise UserError(*mapping.errors)
-    console.print(f"launch it with: nxdt-launch training=@{file}", highlight=False, markup=False)
+    stage = mapping.stage  # a fine-tuning or alignment file runs as its own stage
+    command = f"training=@{file}" if stage == "training" else f"stages=[{stage}] {stage}=@{file}"
+    console.print(f"launch it with: nxdt-launch {command}", highlight=False, markup=False)

@@ -106,6 +106,14 @@ class DataParallelBatches:
                 f"for this split"
             )
         samples = np.stack([self.dataset[int(i)] for i in self.rank_sample_indices(batch_start)])
+        if samples.ndim == 4:  # preference pairs (runtime/alignment): (N, 2, 4, seq_length), chosen and rejected
+            pairs = torch.from_numpy(samples.astype(np.int64, copy=False))
+            out = []
+            for part in pairs.split(self.micro_batch_size):
+                rows = torch.cat([part[:, 0], part[:, 1]])  # one forward batch: the chosen rows, then the rejected
+                out.append((rows[:, 0].contiguous(), rows[:, 1].contiguous(), rows[:, 2].float(), None,
+                            part[:, 0, 3, 0].contiguous()))  # the pair ids (reference log-probs are looked up by them)
+            return out
         if samples.ndim == 3:  # fine-tuning rows (runtime/sft): (N, 4, seq_length), already shifted and masked
             rows = torch.from_numpy(samples.astype(np.int64, copy=False))
             fields = [rows[:, k].contiguous() for k in range(4)]  # input_ids, labels, loss_mask, position_ids

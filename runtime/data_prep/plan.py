@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from runtime.schema.data_preparation import SYNTHETIC, StageConfig, UserError, parse_config
+from runtime.schema.data_preparation import SYNTHETIC_SOURCES, StageConfig, UserError, parse_config
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -143,10 +143,10 @@ def build_shards(cfg: StageConfig) -> list[Shard]:
 
 def _build_shards(cfg: StageConfig, errors: list[str]) -> list[Shard]:
     source = cfg.input.source
-    if source == SYNTHETIC:
-        # One task writes the whole set (runtime.sft.synthetic.write_demo): its splits and tokenizer come from one
-        # random stream, so they cannot be split between tasks.
-        return [Shard(0, SYNTHETIC, cfg.output_dir)]
+    if source in SYNTHETIC_SOURCES:
+        # One task writes the whole set (runtime.sft.synthetic / runtime.alignment.synthetic write_demo): its
+        # splits and tokenizer come from one random stream, so they cannot be split between tasks.
+        return [Shard(0, source, cfg.output_dir)]
     if source == "demo":
         raw = os.path.join(cfg.output_dir, "raw")
         return [Shard(i, f"demo_{i:02d}", os.path.join(raw, f"demo_{i:02d}.jsonl"))

@@ -5,7 +5,8 @@
     tokenizer ready in output_dir (trained once, see tokenizer.py) -> for each of mine not already done:
     tokenize it with workers_per_node processes -> try to finalize (blend.txt, summary.json)
 
-input.source synthetic_instructions is one task that writes the fine-tuning demo (runtime/sft/synthetic.py).
+input.source synthetic_instructions is one task that writes the fine-tuning demo (runtime/sft/synthetic.py);
+synthetic_preferences likewise writes the alignment demo's preference pairs (runtime/alignment/synthetic.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from runtime.data_prep import plan
-from runtime.schema.data_preparation import SYNTHETIC, StageConfig, UserError
+from runtime.schema.data_preparation import SYNTHETIC, SYNTHETIC_PREFERENCES, StageConfig, UserError
 from runtime.data_prep.encode import EncoderSpec, init_worker
 from runtime.data_prep.finalize import try_finalize
 from runtime.io.files import sha256_file
@@ -43,6 +44,8 @@ def _tokenizer_files_exist(cfg: StageConfig) -> bool:
 def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) -> bool:
     if cfg.input.source == SYNTHETIC:
         return _synthetic_instructions(cfg, task_index, reporter)
+    if cfg.input.source == SYNTHETIC_PREFERENCES:
+        return _synthetic_preferences(cfg, task_index, reporter)
     shards = plan.build_shards(cfg)
     mine = plan.shards_for_task(shards, task_index, num_tasks)
     reporter.log(f"{len(mine)} of {len(shards)} shards: {', '.join(s.name for s in mine[:8])}"
@@ -92,6 +95,26 @@ def _synthetic_instructions(cfg: StageConfig, task_index: int, reporter: Reporte
     counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test records"
     reporter.log(f"{SYNTHETIC}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, tokenizer of "
                  f"{settings.vocab_size} tokens, seed {settings.seed} -> {cfg.output_dir}")
+    return True
+
+
+def _synthetic_preferences(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
+    """The preference demo the alignment stage reads: train/valid/test.jsonl of {prompt, chosen, rejected},
+    tokenizer.json and tokenizer_config.json, summary.json in output_dir; task 0 alone, as above."""
+    from runtime.alignment.synthetic import write_demo
+
+    if task_index != 0:
+        reporter.log(f"{SYNTHETIC_PREFERENCES} is written by task 0 alone; nothing to do here")
+        return False
+    settings = cfg.synthetic_preferences
+    try:
+        wrote = write_demo(cfg.output_dir, num_train=settings.num_train, num_valid=settings.num_valid,
+                           num_test=settings.num_test, seed=settings.seed, vocab_size=settings.vocab_size)
+    except ValueError as error:  # parse_config checks the same bounds; named here should they ever differ
+        raise UserError(f"{SYNTHETIC_PREFERENCES}: {error}") from None
+    counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test pairs"
+    reporter.log(f"{SYNTHETIC_PREFERENCES}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, "
+                 f"tokenizer of {settings.vocab_size} tokens, seed {settings.seed} -> {cfg.output_dir}")
     return True
 
 

@@ -14,6 +14,7 @@
 # column-parallel layer, A by input columns in a row-parallel one; the other factor is replicated.
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -37,9 +38,12 @@ class LoRA(nn.Module):
         self.B = nn.ParameterDict({t: nn.Parameter(b) for t, b in B.items()})
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.placements: dict = {}  # set by tensor parallelism (ShardingPlan.collect reads it)
+        self.enabled = True  # adapters_off: the base model alone (DPO's reference with LoRA)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (..., out) the base projection's output for input x (..., in): y plus the adapters' deltas."""
+        if not self.enabled:
+            return y
         x = self.dropout(x)
         parts = y.split([rows for _, rows in self.segments], dim=-1) if len(self.segments) > 1 else (y,)
         out = []
@@ -152,5 +156,19 @@ def lora_modules(model: nn.Module) -> list[LoRA]:
     return [m for m in model.modules() if isinstance(m, LoRA)]
 
 
-__all__ = ["LoRA", "LoRALinear", "adapter_names", "apply_lora", "is_adapter", "lora_modules", "merge_lora",
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Inside: the model computes its base projections alone, as before apply_lora (bitwise: the adapters'
+    deltas are not added at all)."""
+    modules = lora_modules(model)
+    for module in modules:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.enabled = True
+
+
+__all__ = ["LoRA", "LoRALinear", "adapter_names", "adapters_off", "apply_lora", "is_adapter", "lora_modules", "merge_lora",
            "projection_segments"]

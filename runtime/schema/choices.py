@@ -41,11 +41,18 @@ LORA_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "attention_qkv": ("q_
                "attention_dense": ("o_proj",), "mlp_fc1": ("gate_proj", "up_proj"), "mlp_fc2": ("down_proj",),
                "all_linear": LORA_MODULES}
 
+# Preference alignment (the alignment stage): model_alignment_strategy.<strategy> (NxD Training's keys).
+ALIGNMENT_STRATEGIES = Choices(("dpo", "orpo"))
+DPO_LOSS_TYPES = Choices(("sigmoid", "ipo"))
+# truncation_mode: keep_start cuts a prompt over the limit to its first tokens; keep_end never cuts the prompt's
+# end (next to the response), so a prompt over the limit is refused by name (runtime/alignment/data.py).
+PROMPT_TRUNCATIONS = Choices(("keep_start", "keep_end"))
+
 # The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data.
 TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo", "exact_match"))
 
 # The data_preparation stage.
-DATA_SOURCES = Choices(("demo", "files", "urls", "synthetic_instructions"))
+DATA_SOURCES = Choices(("demo", "files", "urls", "synthetic_instructions", "synthetic_preferences"))
 TOKENIZER_FORMATS = Choices(("huggingface", "sentencepiece"))   # data_preparation.tokenizer.library
 BAD_LINE_POLICIES = Choices(("skip", "fail"))
 TOKEN_DTYPES = Choices(("auto", "uint16", "int32", "int64"))

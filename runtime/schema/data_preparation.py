@@ -17,8 +17,12 @@ from runtime.schema.reader import ConfigErrors, Report, Section
 
 P = "data_preparation."
 # input.source: synthetic_instructions writes runtime/sft/synthetic.py's instruction demo (chat records and the
-# tokenizer the fine_tuning and peft stages read) instead of tokenizing a corpus.
+# tokenizer the fine_tuning and peft stages read) instead of tokenizing a corpus; synthetic_preferences writes
+# runtime/alignment/synthetic.py's preference pairs (and tokenizer) for the alignment stage. Each has its own
+# settings section of the same name.
 SYNTHETIC = "synthetic_instructions"
+SYNTHETIC_PREFERENCES = "synthetic_preferences"
+SYNTHETIC_SOURCES = (SYNTHETIC, SYNTHETIC_PREFERENCES)
 SOURCES = DATA_SOURCES
 
 
@@ -57,6 +61,14 @@ class SyntheticConfig:
     num_test: int = 500
     seed: int = 1234
     vocab_size: int = 512   # its byte-level BPE: 256 bytes, 4 special tokens and merges; at least 300
+
+
+@dataclass(frozen=True)
+class SyntheticPreferencesConfig(SyntheticConfig):
+    """runtime.alignment.synthetic.write_demo's arguments (input.source: synthetic_preferences)."""
+
+    num_valid: int = 256
+    num_test: int = 512
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,7 @@ class StageConfig:
     download: DownloadConfig = DownloadConfig()
     demo: DemoConfig = DemoConfig()
     synthetic_instructions: SyntheticConfig = SyntheticConfig()
+    synthetic_preferences: SyntheticPreferencesConfig = SyntheticPreferencesConfig()
     chunk_mb: float = 1.0
     log_interval_s: float = 30.0
     max_array_tasks: int = 1000
@@ -166,8 +179,7 @@ def _train(s: Section) -> dict | None:
     return values
 
 
-def _synthetic(s: Section) -> dict:
-    defaults = SyntheticConfig()
+def _synthetic(s: Section, defaults: SyntheticConfig) -> dict:
     values = {name: s.int(name, getattr(defaults, name), minimum=1)
               for name in ("num_train", "num_valid", "num_test")}
     values.update(seed=s.int("seed", defaults.seed),
@@ -187,9 +199,9 @@ def _tokenizer(s: Section, source: str | None) -> dict:
     s.done()
     error, path = s.report.error, s.path
     given = [k for k in ("model", "vocab_file", "train") if values[k]]
-    if source == SYNTHETIC:
+    if source in SYNTHETIC_SOURCES:
         if given:
-            error(f"{path}.{given[0]}: input.source {SYNTHETIC!r} writes its own tokenizer (tokenizer.json and "
+            error(f"{path}.{given[0]}: input.source {source!r} writes its own tokenizer (tokenizer.json and "
                   f"tokenizer_config.json in output_dir); remove {path}")
         return values
     if not given:
@@ -248,7 +260,8 @@ def parse_config(data: Any) -> StageConfig:
     demo = top.section("demo")
     demo_values = dict(num_shards=demo.int("num_shards", 2, minimum=1), max_mb=demo.float("max_mb", 4.0, above=0.0))
     demo.done()
-    synthetic = _synthetic(top.section(SYNTHETIC))
+    synthetic = _synthetic(top.section(SYNTHETIC), SyntheticConfig())
+    preferences = _synthetic(top.section(SYNTHETIC_PREFERENCES), SyntheticPreferencesConfig())
     values = dict(output_dir=top.str("output_dir"), workers_per_node=top.int("workers_per_node", 1, minimum=1),
                   chunk_mb=top.float("chunk_mb", 1.0, above=0.0),
                   log_interval_s=top.float("log_interval_s", 30.0, above=0.0),
@@ -268,4 +281,5 @@ def parse_config(data: Any) -> StageConfig:
     return StageConfig(run=RunConfig(**run), input=InputConfig(**inputs),
                        tokenizer=TokenizerConfig(train=TrainConfig(**train) if train else None, **tokenizer),
                        output=OutputConfig(**output), download=DownloadConfig(**download),
-                       demo=DemoConfig(**demo_values), synthetic_instructions=SyntheticConfig(**synthetic), **values)
+                       demo=DemoConfig(**demo_values), synthetic_instructions=SyntheticConfig(**synthetic),
+                       synthetic_preferences=SyntheticPreferencesConfig(**preferences), **values)

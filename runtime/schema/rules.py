@@ -553,3 +553,49 @@ def trains_on_prepared_data(data_prefix: object, tokenizer: object, output_dir: 
     return (f"training.model.data.data_prefix: {elsewhere!r} is not what data_preparation ({preparation}) writes "
             f"(it writes {out}); set training.model.data.data_prefix={out}/blend.txt{also}, choose the "
             f"data_preparation config that prepares {elsewhere!r}, or leave data_preparation out of stages")
+
+
+# ------------------------------------------------------------------------------------------------ alignment
+def preference_beta(beta: float, key: str) -> str | None:
+    if beta <= 0:
+        return (f"{key}: {beta} must be > 0 (how strongly the policy is held to the reference; NxD Training's "
+                f"recipes use 0.01-0.1)")
+    return None
+
+
+def prompt_limit(limit: int, seq_length: int | None, key: str) -> str | None:
+    if limit < 1:
+        return f"{key}: {limit} must be a positive number of tokens"
+    if seq_length is not None and limit >= seq_length:
+        return (f"{key}: {limit} leaves no room for the response in a row of seq_length {seq_length}; set it "
+                f"below seq_length (half of it is usual)")
+    return None
+
+
+def reference_source(precompute: bool, lora: bool, p: str) -> str | None:
+    """Without precomputed references, the reference is the base model with its adapters switched off: only LoRA
+    has one without holding a second model."""
+    if not precompute and not lora:
+        return (f"{p}model_alignment_strategy.dpo.precompute_ref_log_probs: false trains every weight, so the "
+                f"reference would be a second model in memory; set it to true (computed once before training) or "
+                f"use LoRA (model.peft.peft_scheme=lora)")
+    return None
+
+
+def alignment_layout(context: int, packing: bool | None, p: str) -> str | None:
+    if context > 1:
+        return (f"{p}model.context_parallel_size: a context group of {context} ranks in the alignment stage: a "
+                f"pair's log-probabilities are summed over whole sequences; set context_parallel_size and "
+                f"ulysses_parallel_size to 1")
+    if packing:
+        return (f"{p}model.data.packing: true in the alignment stage: each pair is its own two rows (chosen and "
+                f"rejected side by side); remove model.data.packing or set it to false")
+    return None
+
+
+def alignment_stage(stage: str, strategies: tuple[str, ...]) -> str | None:
+    """model_alignment_strategy.dpo/orpo belong to the alignment stage, which reads them."""
+    if strategies and stage != "alignment":
+        return (f"{stage}.model_alignment_strategy.{strategies[0]}: preference alignment runs in the alignment "
+                f"stage; use stages=[alignment] alignment=<recipe>, or remove model_alignment_strategy.{strategies[0]}")
+    return None

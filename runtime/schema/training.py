@@ -7,6 +7,7 @@
 # tokenizer and data are not looked for when this launch's data_preparation stage makes them (`prepared`).
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from runtime.schema import rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
-from runtime.schema.training_config import (CheckpointConfig, DataConfig, LoraConfig, OptimConfig, ParallelConfig,
+from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, LoraConfig, OptimConfig,
+                                            ParallelConfig,
                                             PrecisionConfig, SchedConfig, SFTDataConfig, TrainerConfig,
                                             TrainingConfig)
 
@@ -75,8 +77,16 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     trainer = _trainer(trainer_s, p, report)
     shape, vocab, tokenizer_path = _model_shape(model_s, p, report, file_checks, vocab_size)
     parallel = _parallel(model_s)
-    sft = _sft_data(model_s, file_checks, p)
+    stage = p.rstrip(".")
+    packing_set = model_s.section("data").raw("packing", None)
+    sft = _sft_data(model_s, file_checks, p, pairs=stage == "alignment")
     data = _data(model_s, shape.get("encoder_seq_length"), file_checks, p, sft_data=sft is not None)
+    alignment = _alignment(root, p, shape.get("encoder_seq_length"), report) if stage == "alignment" else None
+    if stage != "alignment":
+        strategies = root.section("model_alignment_strategy")
+        report.error(rules.alignment_stage(stage, tuple(k for k in ("dpo", "orpo") if strategies.has(k))))
+    elif sft is not None:
+        sft = dataclasses.replace(sft, packing=False)  # pairs are never packed (alignment_layout names the key)
     lora = parse_lora(model_s, shape.get("architecture"), p)
     peft = model_s.data.get("peft")
     scheme = peft.get("peft_scheme") if isinstance(peft, dict) else None
@@ -100,7 +110,17 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     _shape_rules(report, p, shape, parallel, vocab)
     _expert_rules(report, p, trainer, parallel, shape.get("moe"))
     _context_rules(report, p, trainer, parallel, shape)
-    _fine_tuning_rules(report, p, parallel, shape, sft, lora)
+    _fine_tuning_rules(report, p, parallel, shape, sft if alignment is None else None, lora)
+    if alignment is not None:
+        report.error(rules.alignment_layout(parallel.context, packing_set, p))
+        if sft is None:
+            report.error(f"{p}model.data.train_ds.file_names: missing; list the preference files (.jsonl with "
+                         f"prompt, chosen, rejected) to align on")
+        if alignment.strategy == "dpo":
+            report.error(rules.reference_source(alignment.precompute_ref_log_probs, lora is not None, p))
+        if sft is not None and file_checks.inputs_checked and tokenizer_path and not is_remote(tokenizer_path):
+            for name in sft.train_files + sft.validation_files:
+                report.error(_long_prompt(name, tokenizer_path, sft.chat_template, shape, alignment, p))
     if sft is not None and sft.chat_template is None and file_checks.inputs_checked and tokenizer_path \
             and not is_remote(tokenizer_path):
         report.error(_tokenizer_template(tokenizer_path, p))
@@ -116,7 +136,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         model=ModelConfig.from_model_section(shape, vocab), tokenizer_path=tokenizer_path,
         tokenizer_vocab_size=vocab, seed=seed, tensorboard=tensorboard, wandb=wandb, wandb_kwargs=wandb_kwargs, plot=plot,
         checkpoint=checkpoint,
-        raw=raw, restore_from_path=restore_from, sft=sft, lora=lora,
+        raw=raw, restore_from_path=restore_from, sft=sft, lora=lora, alignment=alignment,
     ), report
 
 
@@ -353,8 +373,9 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str, sft_dat
 
 
 
-def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
-    """model.data.train_ds / validation_ds (NeMo's fine-tuning keys): chat or prompt/completion records."""
+def _sft_data(model: Section, files: _Files, p: str, pairs: bool = False) -> SFTDataConfig | None:
+    """model.data.train_ds / validation_ds (NeMo's fine-tuning keys): chat or prompt/completion records, or with
+    `pairs` (the alignment stage) preference records: prompt, chosen, rejected."""
     data = model.section("data")
     data.choice("truncation", C.TRUNCATIONS, "right")  # read (marked seen) even for pretraining configs
     data.raw("packing", None), data.raw("chat_template", None), data.raw("validation_ds", None)
@@ -377,7 +398,7 @@ def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
                 files.problem(f"{section.key('file_names')}: {name} does not exist; run the data_preparation that "
                               f"writes it or fix the path")
             elif files.inputs_checked and not is_remote(name):
-                model.report.error(_bad_record(name, section.key("file_names")))
+                model.report.error(_bad_record(name, section.key("file_names"), pairs))
         lists[split] = tuple(names)
     template = data.str("chat_template", None)
     if template is not None and template not in C.CHAT_TEMPLATES and not Path(template).is_file():
@@ -394,17 +415,73 @@ def _sft_data(model: Section, files: _Files, p: str) -> SFTDataConfig | None:
 LAUNCH_SCAN_BYTES = 256 * 2**20  # records of smaller local JSONL files are checked at launch; the job checks all
 
 
-def _bad_record(path: str, key: str) -> str | None:
-    """The first malformed record of a local JSONL file (no assistant turn, an unknown role, bad JSON), named by
-    file:line before anything is queued. Bigger files and parquet are read by the job, before its first step."""
+def _bad_record(path: str, key: str, pairs: bool = False) -> str | None:
+    """The first malformed record of a local JSONL file (no assistant turn, an unknown role, bad JSON; a pair
+    without chosen), named by file:line before anything is queued. Bigger files and parquet are read by the job,
+    before its first step."""
     if path.endswith(".parquet") or Path(path).stat().st_size > LAUNCH_SCAN_BYTES:
         return None
-    from runtime.sft.records import read_records  # standard library only, like this module
+    # Standard library only, like this module.
+    from runtime.alignment.records import read_preference_records
+    from runtime.sft.records import read_records
 
     try:
-        read_records(path)
+        (read_preference_records if pairs else read_records)(path)
     except ValueError as error:
         return f"{key}: {' '.join(str(error).split())}"
+    return None
+
+
+def _alignment(root: Section, p: str, seq_length: int | None, report: Report) -> AlignmentConfig | None:
+    """strategy and model_alignment_strategy.<strategy> (NxD Training's section; the strategy is also read from
+    which subsection is there, as NxD Training does)."""
+    strategies = root.section("model_alignment_strategy")
+    present = tuple(k for k in C.ALIGNMENT_STRATEGIES if strategies.raw(k, None) is not None)
+    strategy = root.choice("strategy", C.ALIGNMENT_STRATEGIES, present[0] if len(present) == 1 else REQUIRED)
+    strategies.done()
+    if strategy is None:
+        return None
+    for other in present:
+        if other != strategy:
+            report.error(f"{strategies.key(other)}: set while {root.key('strategy')} is {strategy}; remove it or set "
+                         f"{root.key('strategy')}={other}")
+    s = strategies.section(strategy)
+    if strategy == "dpo":
+        beta_key, limit_key = "kl_beta", "max_dpo_prompt_length"
+        loss_type = s.choice("loss_type", C.DPO_LOSS_TYPES, "sigmoid")
+        precompute = s.bool("precompute_ref_log_probs", True)
+    else:
+        beta_key, limit_key, loss_type, precompute = "beta", "max_prompt_length", "orpo", False
+    beta = s.float(beta_key, 0.1)
+    limit = s.int(limit_key, (seq_length or 2) // 2)
+    mode = s.choice("truncation_mode", C.PROMPT_TRUNCATIONS, "keep_start")
+    s.done()
+    if beta is not None:
+        report.error(rules.preference_beta(beta, s.key(beta_key)))
+    if limit is not None:
+        report.error(rules.prompt_limit(limit, seq_length, s.key(limit_key)))
+    if None in (beta, limit, mode, loss_type, precompute):
+        return None
+    return AlignmentConfig(strategy=strategy, beta=beta, loss_type=loss_type, max_prompt_length=limit,
+                           truncation_mode=mode, precompute_ref_log_probs=precompute)
+
+
+def _long_prompt(path: str, tokenizer_path: str, chat_template: str | None, shape: dict,
+                 alignment: AlignmentConfig, p: str) -> str | None:
+    """A prompt over the limit under keep_end, found at launch when the tokenizer library is here (head nodes and
+    laptops may not have it: the job then finds it before its first step)."""
+    if path.endswith(".parquet") or not Path(path).is_file() or Path(path).stat().st_size > LAUNCH_SCAN_BYTES \
+            or alignment.truncation_mode != "keep_end" or "encoder_seq_length" not in shape:
+        return None
+    try:
+        from runtime.alignment.data import check_preference_file
+    except ImportError:  # no numpy / tokenizers on this machine
+        return None
+    try:
+        check_preference_file(path, tokenizer_path, chat_template, shape["encoder_seq_length"],
+                              alignment.max_prompt_length, alignment.truncation_mode, p + alignment.limit_key)
+    except ValueError as error:
+        return " ".join(str(error).split())
     return None
 
 

@@ -84,6 +84,23 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class AlignmentConfig:
+    """The alignment stage: model_alignment_strategy.<strategy> (NxD Training's keys), preference pairs as data."""
+
+    strategy: str                    # dpo | orpo (choices.ALIGNMENT_STRATEGIES)
+    beta: float                      # dpo: kl_beta, the pull toward the reference; orpo: beta, the odds-ratio weight
+    loss_type: str                   # dpo: sigmoid | ipo; orpo: "orpo"
+    max_prompt_length: int           # dpo: max_dpo_prompt_length; orpo: max_prompt_length (tokens)
+    truncation_mode: str             # keep_start | keep_end (choices.PROMPT_TRUNCATIONS)
+    precompute_ref_log_probs: bool   # dpo: reference log-probs once before training (else LoRA's base, each step)
+
+    @property
+    def limit_key(self) -> str:
+        name = "max_dpo_prompt_length" if self.strategy == "dpo" else "max_prompt_length"
+        return f"model_alignment_strategy.{self.strategy}.{name}"
+
+
+@dataclass(frozen=True)
 class SchedConfig:
     name: str
     warmup_steps: int
@@ -147,3 +164,5 @@ class TrainingConfig:
     restore_from_path: str | None = None
     sft: SFTDataConfig | None = None
     lora: LoraConfig | None = None
+    # The alignment stage (DPO / ORPO): sft then holds the preference files, read as pairs (runtime/alignment).
+    alignment: AlignmentConfig | None = None

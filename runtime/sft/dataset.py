@@ -235,13 +235,13 @@ def _digest(path: str | os.PathLike) -> str:
     return sha256_file(path) if Path(path).is_file() else "absent"
 
 
-def _save(description: Path, arrays: dict[str, np.ndarray], stats: dict, params: dict) -> None:
+def _save(description: Path, arrays: dict[str, np.ndarray], stats: dict, params: dict, what: str = "SFT") -> None:
     """Arrays first, each renamed into place whole; the description (with their checksums) last, so a reader that
-    finds it finds every array complete."""
+    finds it finds every array complete. The preference data (runtime/alignment/data.py) shares this cache."""
     try:
         description.parent.mkdir(parents=True, exist_ok=True)
         checksums = {}
-        for name in _ARRAYS:
+        for name in arrays:
             path = description.with_suffix(f".{name}.npy")
             temporary = temp_name(path)
             with open(temporary, "wb") as f:
@@ -250,20 +250,21 @@ def _save(description: Path, arrays: dict[str, np.ndarray], stats: dict, params:
             os.replace(temporary, path)
         atomic_write_json(description, {"params": params, "stats": stats, "sha256": checksums})
     except OSError as err:
-        raise ValueError(f"cannot write the SFT cache in {description.parent} ({err.strerror or err}); set the "
+        raise ValueError(f"cannot write the {what} cache in {description.parent} ({err.strerror or err}); set the "
                          "cache directory (cache_dir) to a writable one") from None
 
 
-def _load(description: Path) -> tuple[dict[str, np.ndarray], dict] | None:
+def _load(description: Path, names: tuple[str, ...] = _ARRAYS,
+          what: str = "SFT") -> tuple[dict[str, np.ndarray], dict] | None:
     """The cached arrays and stats; None when there is no cache; ValueError naming a file that does not match."""
     saved = read_json(description)
     if saved is None:
         return None
     arrays = {}
-    for name in _ARRAYS:
+    for name in names:
         path = description.with_suffix(f".{name}.npy")
         if not path.is_file() or sha256_file(path) != saved.get("sha256", {}).get(name):
-            raise ValueError(f"{path}: the SFT cache file is missing or does not match its checksum in "
+            raise ValueError(f"{path}: the {what} cache file is missing or does not match its checksum in "
                              f"{description.name}; delete {description.parent} to rebuild it")
         arrays[name] = np.load(path, mmap_mode="r")
     return arrays, saved["stats"]

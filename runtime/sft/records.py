@@ -15,7 +15,7 @@ import json
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from runtime.schema.choices import SFT_SUFFIXES
 
@@ -23,6 +23,7 @@ ROLES = ("system", "user", "assistant")
 FILES_KEY = "model.data.train_ds.file_names"
 
 Message = dict[str, str]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,22 @@ class Record:
 
 def read_records(path: str | os.PathLike) -> list[Record]:
     """Every record of one file, validated; a file without records is an error."""
+    return read_with(path, lambda value, where: Record(where, to_messages(value, where)))
+
+
+def read_with(path: str | os.PathLike, convert: Callable[[Any, str], T], what: str = "SFT") -> list[T]:
+    """convert(parsed value, where) for every record of one file, in order: the reading, the errors and the gzip
+    check of read_records for other record shapes (preference pairs). `what` names the inputs in errors."""
     path = os.fspath(path)
     if path.endswith(".parquet"):
-        records = _parquet_records(path)
+        values = _parquet_records(path, convert)
     elif path.endswith((".jsonl", ".jsonl.gz")):
-        records = _jsonl_records(path)
+        values = _jsonl_records(path, convert)
     else:
-        raise ValueError(f"{path}: unknown input format; SFT inputs end in {', '.join(SFT_SUFFIXES)}")
-    if not records:
+        raise ValueError(f"{path}: unknown input format; {what} inputs end in {', '.join(SFT_SUFFIXES)}")
+    if not values:
         raise ValueError(f"{path}: the file holds no records; remove it from the inputs or write records into it")
-    return records
+    return values
 
 
 def read_all(paths: list[str | os.PathLike]) -> list[Record]:
@@ -85,8 +92,8 @@ def to_messages(value: Any, where: str) -> list[Message]:
     return checked
 
 
-def _jsonl_records(path: str) -> list[Record]:
-    records = []
+def _jsonl_records(path: str, convert: Callable[[Any, str], T]) -> list[T]:
+    values = []
     try:
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rb") as lines:
@@ -100,7 +107,7 @@ def _jsonl_records(path: str) -> list[Record]:
                     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both
                         raise ValueError(f"{where}: not valid JSON ({_first_line(err)}); fix or remove the "
                                          "line") from None
-                    records.append(Record(where, to_messages(value, where)))
+                    values.append(convert(value, where))
             except ValueError:
                 # Damaged gzip data first shows as a garbled line; read to the end (the CRC) before blaming it.
                 while path.endswith(".gz") and lines.read(1 << 20):
@@ -112,10 +119,10 @@ def _jsonl_records(path: str) -> list[Record]:
                          "again") from None
     except OSError as err:
         raise ValueError(f"{path}: cannot read ({err.strerror or err}); check the path in the inputs") from None
-    return records
+    return values
 
 
-def _parquet_records(path: str) -> list[Record]:
+def _parquet_records(path: str, convert: Callable[[Any, str], T]) -> list[T]:
     try:
         import pyarrow.parquet as parquet
     except ImportError:
@@ -125,8 +132,7 @@ def _parquet_records(path: str) -> list[Record]:
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
         raise ValueError(f"{path}: not a readable parquet file ({_first_line(err)}); fetch or write the file "
                          "again") from None
-    return [Record(f"{path}:row {index}", to_messages(_drop_nulls(row), f"{path}:row {index}"))
-            for index, row in enumerate(rows)]
+    return [convert(_drop_nulls(row), f"{path}:row {index}") for index, row in enumerate(rows)]
 
 
 def _drop_nulls(row: dict[str, Any]) -> dict[str, Any]:

@@ -159,7 +159,8 @@ def test_a_file_given_as_another_stage_names_its_own(given, file, expected, tmp_
 
 @pytest.mark.parametrize("replace,expected", [
     ({"  peft:\n      lora_rank: 16": "  dpo:\n    beta: 0.1\n  peft:\n      lora_rank: 16"},
-     "model_alignment_strategy.dpo is not supported: the alignment stage (DPO) is not built yet"),
+     "it aligns (model_alignment_strategy.dpo), so it runs as the alignment stage: launch it with "
+     "stages=[alignment] alignment=@"),
     ({'lora_bias: "none"': 'lora_bias: "all"'},
      "model_alignment_strategy.peft.lora_bias is not supported: trainable biases beside the adapters are not built"),
     ({"load_lora_from_ckpt: False": "load_lora_from_ckpt: True"},

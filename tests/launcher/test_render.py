@@ -67,6 +67,9 @@ CASES = [
     # Fine-tuning runs the trainer like training (torchrun, preemption, requeue), naming its stage with --stage.
     ("fine_tuning", "local", []),
     ("peft", "slurm", ["peft.trainer.num_nodes=2", "cluster.partition=compute"]),
+    # Alignment (DPO, ORPO) is the trainer's job again, with --stage alignment.
+    ("alignment", "local", []),
+    ("alignment", "slurm", ["alignment.trainer.num_nodes=2", "cluster.partition=compute"]),
     ("conversion", "local", []),
     ("conversion", "slurm", []),
     ("evaluation", "local", []),

@@ -1,8 +1,10 @@
 """Tiny models and a training loop shared by the single-process references and the distributed ranks."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
+import pytest
 import torch
 
 from runtime.device import flash_attention_kernels
@@ -14,7 +16,7 @@ from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, To
                               parallelize_model)
 from runtime.parallel.context import sequence_index
 from runtime.schema.training_config import LoraConfig
-from runtime.step import eval_step, train_step
+from runtime.step import eval_objective, train_step
 
 SEQ = 16
 GLOBAL_BATCH = 8
@@ -118,11 +120,52 @@ LORA = LoraConfig(rank=4, alpha=32.0, dropout=0.0, target_modules=("q_proj", "k_
                                                                    "gate_proj", "up_proj", "down_proj"))
 
 
+# Preference alignment jobs: the objective, and whether the model has LoRA adapters ('dpo-lora' scores its
+# reference live, with the adapters off; the others look it up in a fixed table).
+PREFERENCE = {"dpo": ("dpo", "sigmoid"), "ipo": ("dpo", "ipo"), "orpo": ("orpo", "orpo"), "dpo-lora": ("dpo", "sigmoid")}
+
+
+def preference_micro_batches(step: int, vocab: int, topo: Topology) -> list[tuple]:
+    """GLOBAL_BATCH pairs per step (chosen: this step's sequences, rejected: another step's), the response being
+    each row's tokens from position 4 on (within its unequal mask); this DP rank's pairs, MICRO_BATCH pairs per
+    micro-batch as the loader cuts them: (input_ids, labels, loss_mask, None, pair_ids), chosen rows first."""
+    chosen, rejected = global_batch(vocab, step), global_batch(vocab, step + 500)
+    response = (torch.arange(SEQ) >= 4).float()
+    per_rank = GLOBAL_BATCH // topo.data_size
+    first = topo.data_rank * per_rank
+    out = []
+    for start in range(first, first + per_rank, MICRO_BATCH):
+        rows = slice(start, start + MICRO_BATCH)
+        ids, labels, mask = (torch.cat([c[rows], r[rows]]) for c, r in zip(chosen, rejected))
+        out.append((ids, labels, mask * response, None, torch.arange(start, start + MICRO_BATCH) + step * GLOBAL_BATCH))
+    return out
+
+
+def preference_objective(kind: str, topo: Topology):
+    from runtime.alignment.objective import PreferenceObjective
+    from runtime.alignment.reference import live_scorer
+
+    strategy, loss_type = PREFERENCE[kind]
+    if kind == "dpo-lora":
+        return PreferenceObjective(strategy, 0.1, loss_type, live=live_scorer(topo, contextlib.nullcontext))
+    # Reference sums near the tiny models' starting log-probs (about -4.9 per token, 4-12 response tokens).
+    table = -(torch.rand(GLOBAL_BATCH * 16, 2, generator=torch.Generator().manual_seed(3)) * 20 + 25)
+    return PreferenceObjective(strategy, 0.1, loss_type, references=lambda ids: table[ids])
+
+
+def step_inputs(kind: str | None, step: int, vocab: int, topo: Topology, context_kind: str = "ring"):
+    """(micro-batches, objective) of one step for a job kind: None (pretraining), 'sft'/'lora' (packed rows) or
+    a preference kind (PREFERENCE)."""
+    if kind in PREFERENCE:
+        return preference_micro_batches(step, vocab, topo), preference_objective(kind, topo)
+    return micro_batches_for(step, vocab, topo, context_kind, kind is not None), None
+
+
 def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
     """build_model's model, for full fine-tuning ('sft') as is, for 'lora' frozen with adapters on every projection
     (GPT has no gate), each adapter's B drawn non-zero so the adapters act from the first step."""
     model = build_model(cfg)
-    if fine_tuning == "lora":
+    if fine_tuning in ("lora", "dpo-lora"):
         targets = tuple(t for t in LORA.target_modules if cfg.architecture == "llama" or t != "gate_proj")
         apply_lora(model, dataclasses.replace(LORA, target_modules=targets), seed=cfg.seed)
         gen = torch.Generator().manual_seed(5)
@@ -136,9 +179,9 @@ def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
 def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0, fine_tuning: str | None = None
           ) -> dict:
     """Train `steps` steps; returns per-step losses and grad norms, the final eval loss and the full weights.
-    fine_tuning: None (pretraining batches), 'sft' (packed rows, every weight trains) or 'lora'."""
+    fine_tuning: None (pretraining batches), 'sft' (packed rows, every weight trains), 'lora', or a preference
+    kind (PREFERENCE)."""
     topo = make_topology(layout)
-    packed = fine_tuning is not None
     model = fine_tuning_model(cfg, fine_tuning)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     model = parallelize_model(model, topo, sequence_parallel=layout.sequence_parallel,
@@ -148,16 +191,19 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0, 
                               data_parallel=DataParallelConfig(layout.precision, layout.zero1))
     optimizer = ShardedAdamW(model, OPTIM)
     losses, norms, dropped = [], [], []
+    metrics = []
     for step in range(steps):
-        result = train_step(model, optimizer, micro_batches_for(step, cfg.vocab_size, topo, layout.context_kind,
-                                                                packed), topo, lr=OPTIM["lr"], clip=clip)
+        batches, objective = step_inputs(fine_tuning, step, cfg.vocab_size, topo, layout.context_kind)
+        result = train_step(model, optimizer, batches, topo, lr=OPTIM["lr"], clip=clip, objective=objective)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        metrics.append(result.metrics)
         dropped.append(dropped_assignments(model, topo))
-    eval_loss = eval_step(model, micro_batches_for(steps, cfg.vocab_size, topo, layout.context_kind, packed), topo)
+    batches, objective = step_inputs(fine_tuning, steps, cfg.vocab_size, topo, layout.context_kind)
+    eval_loss, eval_metrics = eval_objective(model, batches, topo, objective=objective)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
     return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "dropped": dropped,
-            "initial": initial}
+            "initial": initial, "metrics": metrics, "eval_metrics": eval_metrics}
 
 
 def assert_learns(run: dict) -> None:
@@ -174,8 +220,16 @@ def assert_learns(run: dict) -> None:
             assert torch.equal(run["state"][name], before.float()), f"frozen base weight {name} changed"
 
 
+def assert_metrics_match(rank: dict, ref: dict) -> None:
+    """The objective's other figures (preference rewards, accuracy, log-probs) per step and at eval."""
+    for got, want in zip(rank["metrics"] + [rank["eval_metrics"]], ref["metrics"] + [ref["eval_metrics"]]):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
 def train_job(arch: str, overrides: dict, layout: Layout) -> dict:
-    """One job: model config overrides, plus `fine_tuning` ('sft' | 'lora') which is not a model key."""
+    """One job: model config overrides, plus `fine_tuning` ('sft' | 'lora' | a PREFERENCE kind), not a model key."""
     overrides = dict(overrides)
     fine_tuning = overrides.pop("fine_tuning", None)
     return train(tiny_config(arch, **overrides), layout, fine_tuning=fine_tuning)

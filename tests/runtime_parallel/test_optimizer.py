@@ -83,7 +83,7 @@ def test_train_step_rejects_malformed_micro_batches():
     model = build_model(H.tiny_config("gpt"))
     optimizer = ShardedAdamW(apply_data_parallel(model, topo, DataParallelConfig()), H.OPTIM)
     x = torch.zeros(2, 8, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"\(input_ids, labels, loss_mask\[, position_ids\]\)"):
+    with pytest.raises(ValueError, match=r"\(input_ids, labels, loss_mask\[, position_ids\[, pair_ids\]\]\)"):
         train_step(model, optimizer, [(x, x)], topo, lr=1e-3, clip=1.0)
     with pytest.raises(ValueError, match="every loss_mask"):
         train_step(model, optimizer, [(x, x, torch.zeros(2, 8))], topo, lr=1e-3, clip=1.0)

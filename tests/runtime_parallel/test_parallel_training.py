@@ -58,6 +58,15 @@ TWO_RANK_JOBS.update({
     "llama-lora-tp2": ("llama", {"fine_tuning": "lora"}, L(tp=2)),
     "llama-lora-dp2-zero1": ("llama", {"fine_tuning": "lora"}, L(dp=2, zero1=True)),
     "gpt-lora-tp2-sp": ("gpt", {"fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
+    # Preference alignment: a pair's chosen and rejected rows in one micro-batch, the loss a sum over pairs divided
+    # by the global pair count. Full-parameter against a reference table, LoRA against its base (adapters off,
+    # scored inside the step under the same layout); IPO and ORPO (NLL over the global chosen tokens) once each.
+    "llama-dpo-tp2-sp": ("llama", {"fine_tuning": "dpo"}, L(tp=2, sequence_parallel=True)),
+    "llama-dpo-dp2-zero1": ("llama", {"fine_tuning": "dpo"}, L(dp=2, zero1=True)),
+    "llama-dpo-lora-tp2-sp": ("llama", {"fine_tuning": "dpo-lora"}, L(tp=2, sequence_parallel=True)),
+    "llama-dpo-lora-dp2-zero1": ("llama", {"fine_tuning": "dpo-lora"}, L(dp=2, zero1=True)),
+    "llama-ipo-tp2-sp": ("llama", {"fine_tuning": "ipo"}, L(tp=2, sequence_parallel=True)),
+    "llama-orpo-dp2-zero1": ("llama", {"fine_tuning": "orpo"}, L(dp=2, zero1=True)),
 })
 FOUR_RANK_JOBS = {
     "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),
@@ -122,6 +131,7 @@ def test_losses_match_single_process(results):
         torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]),
                                    rtol=1e-5, atol=0)
         assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+        H.assert_metrics_match(rank, ref)
         # With a capacity factor, the same (token, slot) assignments are dropped, counted over the global batch.
         assert rank["dropped"] == ref["dropped"]
     H.assert_learns(ref)

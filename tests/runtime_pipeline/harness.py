@@ -10,7 +10,7 @@ from runtime.device import flash_attention_kernels
 from runtime.models import build_model
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
-from runtime.step import eval_step, train_step
+from runtime.step import eval_objective, train_step
 from tests.runtime_parallel import harness as H
 
 NUM_LAYERS = 4
@@ -31,8 +31,8 @@ class PipelineLayout:
 
 def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, clip: float = 1.0) -> dict:
     overrides = dict(overrides)
-    fine_tuning = overrides.pop("fine_tuning", None)  # 'sft' | 'lora': packed rows (tests/runtime_parallel/harness)
-    packed = fine_tuning is not None
+    # 'sft' | 'lora': packed rows; 'dpo', 'dpo-lora', ...: preference pairs (tests/runtime_parallel/harness)
+    fine_tuning = overrides.pop("fine_tuning", None)
     cfg = H.tiny_config(arch, **{"num_layers": NUM_LAYERS, **overrides})
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size(),
                                        ep=layout.ep, cp=layout.cp))
@@ -41,19 +41,24 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, c
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []
+    metrics = []
     for step in range(steps):
-        result = train_step(model, optimizer, H.micro_batches_for(step, cfg.vocab_size, topo, packed=packed), topo,
-                            lr=H.OPTIM["lr"], clip=clip, schedule=layout.schedule)
+        batches, objective = H.step_inputs(fine_tuning, step, cfg.vocab_size, topo)
+        result = train_step(model, optimizer, batches, topo, lr=H.OPTIM["lr"], clip=clip, schedule=layout.schedule,
+                            objective=objective)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    eval_loss = eval_step(model, H.micro_batches_for(steps, cfg.vocab_size, topo, packed=packed), topo)
+        metrics.append(result.metrics)
+    batches, objective = H.step_inputs(fine_tuning, steps, cfg.vocab_size, topo)
+    eval_loss, eval_metrics = eval_objective(model, batches, topo, objective=objective)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
     plan = {name: {"sharded": p.sharded, "tp_copies": model.sharding_plan.tp_copies(name),
                    "partial_grad": p.partial_grad, "pipeline_tied": p.pipeline_tied}
             for name, p in model.sharding_plan.items()}
     # Parallel state lives in the plan and data parallelism, never on a parameter.
     attributes = sorted({key for param in model.parameters() for key in vars(param)})
-    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state,
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "metrics": metrics,
+            "eval_metrics": eval_metrics,
             "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "tp_rank": topo.tp.rank,
             "plan": plan, "parameter_attributes": attributes}
 

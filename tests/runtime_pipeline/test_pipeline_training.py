@@ -29,6 +29,10 @@ TWO_RANK_JOBS = {
     # Fine-tuning through the 1F1B schedule: every stage rebuilds the packed rows' attention mask from its batch.
     "llama-sft-pp2": ("llama", {"fine_tuning": "sft"}, L(pp=2)),
     "llama-lora-pp2-vpp2": ("llama", {"fine_tuning": "lora"}, L(pp=2, vpp=2)),
+    # Preference alignment: the last stage computes the pair losses; LoRA's reference is scored through the
+    # forward-only schedule with the adapters off, inside the step.
+    "llama-dpo-pp2": ("llama", {"fine_tuning": "dpo"}, L(pp=2)),
+    "llama-dpo-lora-pp2": ("llama", {"fine_tuning": "dpo-lora"}, L(pp=2)),
 }
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),
@@ -83,6 +87,7 @@ def test_losses_match_single_process(results):
         torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]),
                                    rtol=1e-5, atol=0)
         assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+        H.assert_metrics_match(rank, ref)
     H.assert_learns(ref)
 
 

@@ -41,21 +41,25 @@ def schedule_actions(stage: PipelineStageModel, num_micro_batches: int, *, forwa
     return all_forward_all_backward(pp, rank, num_micro_batches)
 
 
-def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology, total_tokens: float, *,
-                 forward_only: bool,
+def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology,
+                 total_tokens: float | Sequence[float], *, forward_only: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 schedule: str | None = None, timeline: list | None = None) -> torch.Tensor:
-    """Run this rank's schedule over `batches`; returns sum(loss * mask) over them, the same on every pp rank."""
+                 schedule: str | None = None, timeline: list | None = None,
+                 objective: Callable | None = None) -> torch.Tensor:
+    """Run this rank's schedule over `batches`; returns the objective's statistics summed over them (the token
+    mean's: sum(loss * mask), a scalar), the same on every pp rank. total_tokens: the objective's totals."""
     if not isinstance(stage, PipelineStageModel):
         raise TypeError(f"pp > 1 needs the model parallelize_model split into stages, got {type(stage).__name__}")
     p2p = P2P(prev_rank=topo.prev_stage_rank, next_rank=topo.next_stage_rank)
     run = ScheduleRun(stage, p2p, batches, total_tokens, forward_only=forward_only, autocast=autocast,
-                      timeline=timeline)
+                      timeline=timeline, objective=objective)
     actions = schedule_actions(stage, len(batches), forward_only=forward_only, schedule=schedule)
-    loss_sum = run.run(actions).reshape(1)
-    C.all_reduce(loss_sum, topo.pp)  # only the last stage holds a non-zero sum
+    stats = run.run(actions)
+    shape = stats.shape if objective is not None else ()
+    stats = stats.reshape(-1).contiguous()
+    C.all_reduce(stats, topo.pp)  # only the last stage holds non-zero sums
     stage.peak_in_flight = run.peak_in_flight  # for benchmarks/pipeline.py
-    return loss_sum.reshape(())
+    return stats.reshape(shape)
 
 
 def collect_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology,

@@ -1,9 +1,10 @@
 # Run one rank's schedule (a list of Actions): forward and backward passes of its model chunks, with activations
 # received from the previous stage and sent to the next, and their gradients the other way.
 #
-# Loss normalization is train_step's: the last stage backpropagates sum(loss * mask) / total_tokens of each
-# micro-batch (total_tokens counted over the global batch before any backward), so gradients match the
-# single-process run however the batch is split. The loss sum stays on the last stage; the caller reduces it.
+# Loss normalization is train_step's: the last stage hands each micro-batch's per-token losses to the step's
+# objective (runtime/step.py TokenMean: sum(loss * mask) / total_tokens, total_tokens counted over the global batch
+# before any backward), so gradients match the single-process run however the batch is split. The objective's
+# statistics stay on the last stage; the caller reduces them.
 from __future__ import annotations
 
 import contextlib
@@ -12,24 +13,28 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime.objective import TOKEN_MEAN
 from runtime.parallel.pipeline.actions import Action
 from runtime.parallel.pipeline.p2p import P2P
 from runtime.parallel.pipeline.stages import PipelineStageModel
 
 
 class ScheduleRun:
-    """State of one schedule run on one rank; `run()` returns this rank's summed sum(loss * mask) (0 off the
-    last stage)."""
+    """State of one schedule run on one rank; `run()` returns this rank's summed objective statistics (for the
+    token mean, sum(loss * mask); zeros off the last stage)."""
 
-    def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[tuple], total_tokens: float, *,
-                 forward_only: bool, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 timeline: list | None = None, collect: Callable | None = None):
+    def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[tuple],
+                 total_tokens: float | Sequence[float], *, forward_only: bool,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 timeline: list | None = None, collect: Callable | None = None, objective: Callable | None = None):
         self.stage, self.p2p, self.batches = stage, p2p, batches
-        self.total_tokens, self.forward_only, self.autocast = total_tokens, forward_only, autocast
+        self.totals = list(total_tokens) if isinstance(total_tokens, (list, tuple)) else [total_tokens]
+        self.objective = objective or TOKEN_MEAN
+        self.forward_only, self.autocast = forward_only, autocast
         self.timeline = timeline  # when a list: (kind, start, end) of each pass's compute, receives excluded
         first = next(stage.parameters())
         self.dtype, self.device = first.dtype, first.device
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+        self.loss_sum: torch.Tensor | None = None  # the objective's statistics, summed over micro-batches
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, mb) -> (in, out)
         self.peak_in_flight = 0  # most micro-batch activations held at once (all chunks)
         # Forward-only scoring: the last stage hands collect(logits, labels) each micro-batch's full-vocabulary
@@ -52,12 +57,15 @@ class ScheduleRun:
         finally:
             self.p2p.finish()
         assert not self._saved, f"schedule left activations behind: {sorted(self._saved)}"
+        if self.loss_sum is None:  # not the last stage: zeros, to sum over pp
+            self.loss_sum = torch.zeros(self.objective.num_stats, dtype=torch.float32, device=self.batches[0][0].device)
         return self.loss_sum
 
     def _forward(self, chunk_index: int, micro_batch: int) -> None:
         chunk = self.stage.chunks[chunk_index]
-        input_ids, labels, mask, *rest = self.batches[micro_batch]
-        layout = rest[0] if rest else None  # packed examples' SequenceLayout (runtime.step builds it)
+        batch = self.batches[micro_batch]
+        input_ids, labels = batch[0], batch[1]
+        layout = batch[3] if len(batch) > 3 else None  # packed examples' SequenceLayout (runtime.step builds it)
         if chunk.is_first:
             x = input_ids
         else:
@@ -71,9 +79,8 @@ class ScheduleRun:
             self._record("F", started)
             return
         if chunk.is_last:
-            local = (out * mask).sum()
-            self.loss_sum += local.detach()
-            out = local / self.total_tokens
+            out, stats = self.objective(out, batch, self.totals)
+            self.loss_sum = stats if self.loss_sum is None else self.loss_sum + stats
         else:
             expected = self.activation_shape(input_ids)
             assert tuple(out.shape) == expected and out.dtype == self.dtype, (

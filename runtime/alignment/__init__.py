@@ -1,0 +1,1 @@
+# Preference alignment (DPO, ORPO): preference-pair records, their tokenized dataset, and a synthetic demo set.

@@ -1,0 +1,1 @@
+# Tests of the preference-pair data pipeline and its synthetic demo set.
