@@ -13,17 +13,17 @@ def _divide_ceil(a: int, b: int) -> int:
 
 
 def _trained(key: str, *, _root_):
-    """`${trained:run.results_dir}`: that key of the first stage of this launch that trains (training, fine_tuning,
+    """`${trained:run.results_dir}`: that key of the last stage of this launch that trains (training, fine_tuning,
     peft or alignment; training when none runs), so the conversion, the evaluation and the run's name follow the
-    model this launch makes: a fine-tuning launch converts and evaluates its fine-tuned checkpoints, an alignment
-    launch its aligned ones."""
+    model this launch ends with: a fine-tuning launch converts and evaluates its fine-tuned checkpoints,
+    stages=[fine_tuning,alignment,conversion] its aligned ones."""
     from omegaconf import OmegaConf
 
     from launcher.stages import TRAINER_STAGES  # stages.py imports nothing of the launcher's but job.py
 
     stages = _root_.get("stages")
     listed = list(stages) if OmegaConf.is_list(stages) else []  # a malformed `stages` is validate.py's to name
-    stage = next((s for s in listed if s in TRAINER_STAGES and s in _root_), "training")
+    stage = next((s for s in reversed(listed) if s in TRAINER_STAGES and s in _root_), "training")
     return OmegaConf.select(_root_, f"{stage}.{key}")
 
 

@@ -187,10 +187,10 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
 
 
 def _run_name_key(cfg: dict[str, Any]) -> str:
-    """run_name defaults to ${trained:run.name}, the run name of the launch's first trainer stage: name the key the
+    """run_name defaults to ${trained:run.name}, the run name of the launch's last trainer stage: name the key the
     user most likely typed."""
     listed = cfg.get("stages") if isinstance(cfg.get("stages"), list) else []
-    for stage in [*(s for s in listed if s in TRAINER_STAGES), "training"]:
+    for stage in [*(s for s in reversed(listed) if s in TRAINER_STAGES), "training"]:
         section = cfg.get(stage)
         run = section.get("run") if isinstance(section, dict) else None
         if isinstance(run, dict) and run.get("name") == cfg.get("run_name"):

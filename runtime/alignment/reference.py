@@ -71,6 +71,11 @@ def reference_table(model: nn.Module, dataset, topo: Topology, *, micro_batch_si
     """(pairs, 2) reference log-prob sums of `dataset` (runtime/alignment/data.py PreferenceDataset), on `device`:
     read from the cache beside the dataset's when it is there and intact, else computed and written (by
     is_writer). model_key names the starting weights (reference_key)."""
+    if os.environ.get("NXDT_COMPILE") == "1":
+        # The Neuron compile step (neuron_parallel_compile, whose tensors hold no real values): one micro-batch
+        # compiles the scoring graph; nothing is cached, so the real run computes the real table.
+        _compute(model, dataset, topo, micro_batch_size, device, autocast, limit=micro_batch_size * topo.data_size)
+        return torch.zeros(len(dataset), 2, dtype=torch.float32, device=device)
     path = Path(dataset.cache_dir) / f"ref_{dataset.cache_key}_{model_key}.npy"
     table = _load(path, len(dataset))
     # Every rank must agree on whether to compute: one that found the file and one that did not would deadlock.
@@ -101,10 +106,10 @@ def reference_key(restore_from_path: str | None, model_cfg, seed: int, precision
 
 
 def _compute(model: nn.Module, dataset, topo: Topology, micro_batch_size: int, device: torch.device,
-             autocast: Callable) -> torch.Tensor:
-    pairs = len(dataset)
+             autocast: Callable, limit: int | None = None) -> torch.Tensor:
+    pairs = len(dataset) if limit is None else min(len(dataset), limit)
     per_rank = -(-pairs // (topo.data_size * micro_batch_size)) * micro_batch_size  # equal work on every DP rank
-    table = torch.zeros(pairs, 2, dtype=torch.float32, device=device)
+    table = torch.zeros(len(dataset), 2, dtype=torch.float32, device=device)
     first = topo.data_rank * per_rank
     for start in range(first, first + per_rank, micro_batch_size):
         indices = [i for i in range(start, start + micro_batch_size)]
@@ -142,8 +147,12 @@ def _load(path: Path, pairs: int) -> np.ndarray | None:
     saved = read_json(path.with_suffix(".json"))
     if saved is None:
         return None
-    if not path.is_file() or sha256_file(path) != saved.get("sha256") or saved.get("pairs") != pairs:
-        print(f"warning: {path}: the reference log-probs do not match their checksum in {path.with_suffix('.json').name}"
-              f"; recomputing them", file=sys.stderr, flush=True)
+    problem = None
+    if not path.is_file() or sha256_file(path) != saved.get("sha256"):
+        problem = f"do not match their checksum in {path.with_suffix('.json').name}"
+    elif saved.get("pairs") != pairs:
+        problem = f"hold {saved.get('pairs')} pairs, not the data's {pairs}"
+    if problem:
+        print(f"warning: {path}: the reference log-probs {problem}; recomputing them", file=sys.stderr, flush=True)
         return None
     return np.load(path)

@@ -130,7 +130,7 @@ def test_preference_demo_is_one_task_that_writes_the_pairs(tmp_path):
     from runtime.schema.data_preparation import parse_config
 
     stage = _stage(tmp_path)
-    assert stage["synthetic_preferences"] == {"num_train": 20000, "num_valid": 256, "num_test": 512,
+    assert stage["synthetic_preferences"] == {"num_train": 4000, "num_valid": 256, "num_test": 512,
                                               "seed": 1234, "vocab_size": 512}
     stage["synthetic_preferences"].update(num_train=60, num_valid=10, num_test=10)
     assert count_tasks(stage) == 1 and check_inputs(stage) == []

@@ -105,10 +105,12 @@ def test_conversion_and_evaluation_follow_the_aligned_model():
     assert cfg["conversion"]["tokenizer_model"] == alignment["model"]["tokenizer"]["model"]
     assert cfg["conversion"]["run"]["name"] == "convert_llama_tiny_dpo"
     assert cfg["evaluation"]["trainer"]["accelerator"] == alignment["trainer"]["accelerator"]
-    # The first trainer stage of the launch names the run: SFT then DPO converts the SFT model unless told.
+    # The last trainer stage of the launch names the run and is what is converted: SFT then DPO exports the
+    # aligned model.
     chained = resolved("stages=[fine_tuning,alignment,conversion]")
-    assert chained["run_name"] == "llama_tiny_sft"
-    assert chained["conversion"]["checkpoint_dir"] == "/results/llama_tiny_sft/fine_tuning/checkpoints"
+    assert chained["run_name"] == "llama_tiny_dpo"
+    assert chained["conversion"]["checkpoint_dir"] == "/results/llama_tiny_dpo/alignment/checkpoints"
+    assert chained["fine_tuning"]["run"]["results_dir"] == "/results/llama_tiny_dpo/fine_tuning"
 
 
 def test_a_lora_alignment_is_converted_from_its_own_checkpoints(tmp_path):

@@ -112,14 +112,14 @@ def _launcher_errors(overrides, tmp_path, *, dry_run):
     return caught.value.problems
 
 
-def _runtime_errors(overrides, tmp_path, capsys):
+def _runtime_errors(overrides, tmp_path, capsys, stage="training"):
     """The stage config exactly as the launcher would write it, loaded by the training program on the node."""
     from runtime.train import main
 
-    path = tmp_path / "training_config.yaml"
-    path.write_text(yaml.safe_dump(resolve(compose(overrides))["training"], sort_keys=False))
+    path = tmp_path / f"{stage}_config.yaml"
+    path.write_text(yaml.safe_dump(resolve(compose(overrides))[stage], sort_keys=False))
     capsys.readouterr()
-    assert main(["--config", str(path)]) == 2
+    assert main(["--config", str(path), "--stage", stage]) == 2
     return [line.removeprefix("error: ") for line in capsys.readouterr().err.splitlines()]
 
 
