@@ -22,7 +22,7 @@ from launcher.commands import FiniteFloatRange
 from launcher.completion import complete_override, complete_run, complete_stage
 from launcher.errors import UserError
 from launcher.paths import CONFIG_GROUPS, group_choices
-from launcher.stages import TRAINING_STAGES
+from launcher.stages import TRAINER_STAGES
 
 
 def _console():
@@ -289,13 +289,13 @@ def status(run: str | None, results_dir: Path) -> None:
         table.add_row(entry["stage"], str(entry["job_id"]), str(state), entry["log_dir"])
     console.print(table)
     for entry, state in rows:
-        progress = runs.training_progress(entry) if entry["stage"] in TRAINING_STAGES and state.state == "RUNNING" else None
+        progress = runs.training_progress(entry) if entry["stage"] in TRAINER_STAGES and state.state == "RUNNING" else None
         if progress:
             click.echo(f"{entry['stage']}: {progress}")
     from runtime.io import run_lock
 
     for entry in record["stages"]:
-        holder = run_lock.holder(Path(entry["log_dir"]).parent) if entry["stage"] in TRAINING_STAGES else None
+        holder = run_lock.holder(Path(entry["log_dir"]).parent) if entry["stage"] in TRAINER_STAGES else None
         if holder is not None:
             click.echo(f"training is held by {run_lock.describe(holder)} (its {run_lock.LOCK} lock)")
 

@@ -102,7 +102,7 @@ def busy_runs(jobs: list[Job]) -> list[str]:
 
     problems = []
     for job in jobs:
-        holder = run_lock.holder(job.results_dir) if job.stage in stages.TRAINING_STAGES else None
+        holder = run_lock.holder(job.results_dir) if job.stage in stages.TRAINER_STAGES else None
         if holder is not None:
             problems.append(f"{job.stage}.run.results_dir: {job.results_dir} is being trained by "
                             f"{run_lock.describe(holder)}; wait for it to finish or cancel it "

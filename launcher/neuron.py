@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.job import Job
-from launcher.stages import TRAINING_STAGES
+from launcher.stages import TRAINER_STAGES
 
 PRECISION_ENV: dict[str, tuple[dict[str, str], str]] = {
     "fp32": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0"}, "--auto-cast none"),
@@ -208,7 +208,7 @@ def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
 
     cache_url = f"{cache_location(cfg)}/{model_key(job.stage_config)}"
     compile_step = None
-    if neuron["compile"]["enabled"] and job.stage in TRAINING_STAGES:
+    if neuron["compile"]["enabled"] and job.stage in TRAINER_STAGES:
         steps = int(neuron["compile"]["steps"])
         key = graph_key(job, env["NEURON_CC_FLAGS"], cache_url)
         # A directory cache holds its markers; one on S3 has them on the shared file system instead, where the
@@ -248,7 +248,7 @@ def problems(cfg: dict[str, Any]) -> list[str]:
     if "\n" in str(neuron["compiler_flags"] or ""):
         errors.append("cluster.neuron.compiler_flags: must be one line of neuronx-cc flags")
     workers = HARDWARE[neuron["hardware"]].workers_per_node
-    for stage in (s for s in cfg.get("stages") or [] if s in TRAINING_STAGES):
+    for stage in (s for s in cfg.get("stages") or [] if s in TRAINER_STAGES):
         trainer = ((cfg.get(stage) or {}).get("trainer")) or {}
         if trainer.get("accelerator") == "neuron" and trainer.get("devices") != workers:
             lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher import records, remote, run_index, slurm
-from launcher.stages import TRAINING_STAGES
+from launcher.stages import TRAINER_STAGES
 from launcher.errors import UserError
 from runtime.io.files import json_lines
 
@@ -277,12 +277,12 @@ def _cancel_local(run_dir: Path, record: dict[str, Any], *, timeout_s: float) ->
         if stage_pid is not None:
             name = entry["stage"]
             if name not in asked:  # noted before the signal, so that its exit code already reads as cancelled
-                asked[name] = ("SIGUSR1 to its workers (save a checkpoint, stop)" if name in TRAINING_STAGES
+                asked[name] = ("SIGUSR1 to its workers (save a checkpoint, stop)" if name in TRAINER_STAGES
                               else "SIGTERM")
                 records.write_cancel(run_dir, record, list(asked), "; ".join(f"{k}: {v}" for k, v in asked.items()))
-                if name not in TRAINING_STAGES:
+                if name not in TRAINER_STAGES:
                     _signal(stage_pid, signal.SIGTERM, group=True)
-            if name in TRAINING_STAGES and not termed:
+            if name in TRAINER_STAGES and not termed:
                 for worker in _workers(table, stage_pid):
                     if worker not in usr1_sent and _catches_usr1(worker):
                         _signal(worker, signal.SIGUSR1)

@@ -8,10 +8,9 @@ from typing import Any, Callable
 
 from launcher.job import Job
 
-# The stages that run the trainer (runtime.train): the same job shape, checkpoints, preemption and metrics.
-TRAINING_STAGES = ("training", "fine_tuning", "peft", "alignment")
 STAGES = ("data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion", "evaluation")
-# Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job.
+# Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job
+# (the same job shape, checkpoints, preemption and metrics).
 # fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or
 # LoRA); the trainer is told which with --stage, which names their keys.
 TRAINER_STAGES = ("training", "fine_tuning", "peft", "alignment")

@@ -98,58 +98,69 @@ def build_data(
 def build_sft_data(cfg: TrainingConfig, topo: Topology, device: Device
                    ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
     """Fine-tuning: chat records tokenized once (cached beside the data), packed into rows, read in epochs."""
-    from runtime.sft.dataset import build_sft_dataset, epoch_samples
+    from functools import partial
 
-    sft, data, trainer = cfg.sft, cfg.data, cfg.trainer
-    common = dict(tokenizer_path=cfg.tokenizer_path, seq_length=data.seq_length, chat_template=sft.chat_template,
-                  packing=sft.packing, truncation=sft.truncation, cache_dir=data.index_mapping_dir,
-                  num_workers=max(data.num_workers, 1), is_builder=device.local_rank == 0, barrier=device.barrier)
-    batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.data_rank, dp_size=topo.data_size)
-    train_rows = build_sft_dataset(list(sft.train_files), **common)
-    if device.is_main:
-        stats = train_rows.stats
-        print(f"fine-tuning data: {stats.get('examples')} examples in {stats.get('rows')} rows of {data.seq_length} "
-              f"tokens ({'packed' if sft.packing else 'one per row'}; padding {stats.get('padding_fraction', 0):.1%}"
-              f", truncated {stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)})", flush=True)
-    train = DataParallelBatches(epoch_samples(train_rows, trainer.max_steps * data.global_batch_size, cfg.seed),
-                                **batches)
-    valid = None
-    if sft.validation_files and trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
-        valid_rows = build_sft_dataset(list(sft.validation_files), **common)
-        # Validation reads the same rows at every check, in file order (seed-independent) when they suffice.
-        valid = DataParallelBatches(epoch_samples(valid_rows, trainer.limit_val_batches * data.global_batch_size,
-                                                  cfg.seed), **batches)
-    return train, valid
+    from runtime.sft.dataset import build_sft_dataset
+
+    sft, data = cfg.sft, cfg.data
+    build = partial(build_sft_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=data.seq_length,
+                    chat_template=sft.chat_template, packing=sft.packing, truncation=sft.truncation,
+                    **_cache_args(cfg, device))
+
+    def describe(stats: dict) -> str:
+        return (f"fine-tuning data: {stats.get('examples')} examples in {stats.get('rows')} rows of "
+                f"{data.seq_length} tokens ({'packed' if sft.packing else 'one per row'}; padding "
+                f"{stats.get('padding_fraction', 0):.1%}, truncated {stats.get('truncated', 0)}, dropped "
+                f"{stats.get('dropped', 0)})")
+
+    return _record_epochs(cfg, topo, device, build, describe)
 
 
 def build_preference_data(cfg: TrainingConfig, topo: Topology, device: Device
                           ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
     """Alignment: preference pairs tokenized once (cached beside the data), read in epochs; a sample is a pair."""
+    from functools import partial
+
     from runtime.alignment.data import build_preference_dataset
+
+    alignment = cfg.alignment
+    build = partial(build_preference_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=cfg.data.seq_length,
+                    chat_template=cfg.sft.chat_template, max_prompt_length=alignment.max_prompt_length,
+                    truncation_mode=alignment.truncation_mode, limit_key=alignment.limit_key,
+                    **_cache_args(cfg, device))
+
+    def describe(stats: dict) -> str:
+        return (f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
+                f"{stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)}), {alignment.strategy} with beta "
+                f"{alignment.beta}")
+
+    return _record_epochs(cfg, topo, device, build, describe)
+
+
+def _cache_args(cfg: TrainingConfig, device: Device) -> dict:
+    """Tokenized once per node, by local rank 0, into the cache beside the data (or index_mapping_dir)."""
+    return dict(cache_dir=cfg.data.index_mapping_dir, num_workers=max(cfg.data.num_workers, 1),
+                is_builder=device.local_rank == 0, barrier=device.barrier)
+
+
+def _record_epochs(cfg: TrainingConfig, topo: Topology, device: Device, build, describe
+                   ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
+    """The train files' samples (build(files)) read in seeded epochs for max_steps, and the validation files'
+    (the same samples at every check, in file order when they suffice)."""
     from runtime.sft.dataset import epoch_samples
 
-    sft, data, trainer, alignment = cfg.sft, cfg.data, cfg.trainer, cfg.alignment
-    common = dict(tokenizer_path=cfg.tokenizer_path, seq_length=data.seq_length, chat_template=sft.chat_template,
-                  max_prompt_length=alignment.max_prompt_length, truncation_mode=alignment.truncation_mode,
-                  limit_key=alignment.limit_key, cache_dir=data.index_mapping_dir,
-                  num_workers=max(data.num_workers, 1), is_builder=device.local_rank == 0, barrier=device.barrier)
+    sft, data, trainer = cfg.sft, cfg.data, cfg.trainer
     batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
                    dp_rank=topo.data_rank, dp_size=topo.data_size)
-    pairs = build_preference_dataset(list(sft.train_files), **common)
+    rows = build(list(sft.train_files))
     if device.is_main:
-        stats = pairs.stats
-        print(f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
-              f"{stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)}), {alignment.strategy} with beta "
-              f"{alignment.beta}", flush=True)
-    train = DataParallelBatches(epoch_samples(pairs, trainer.max_steps * data.global_batch_size, cfg.seed), **batches)
-    train.pairs = pairs  # the reference log-probs are computed over these (runtime/alignment/reference.py)
+        print(describe(rows.stats), flush=True)
+    train = DataParallelBatches(epoch_samples(rows, trainer.max_steps * data.global_batch_size, cfg.seed), **batches)
     valid = None
     if sft.validation_files and trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
-        valid_pairs = build_preference_dataset(list(sft.validation_files), **common)
-        valid = DataParallelBatches(epoch_samples(valid_pairs, trainer.limit_val_batches * data.global_batch_size,
+        valid_rows = build(list(sft.validation_files))
+        valid = DataParallelBatches(epoch_samples(valid_rows, trainer.limit_val_batches * data.global_batch_size,
                                                   cfg.seed), **batches)
-        valid.pairs = valid_pairs
     return train, valid
 
 
@@ -174,7 +185,8 @@ def build_objective(cfg: TrainingConfig, model, optimizer, train: DataParallelBa
     key = reference_key(cfg.restore_from_path, cfg.model, cfg.seed, cfg.precision.type, cfg.lora is not None)
     common = dict(micro_batch_size=cfg.data.micro_batch_size, device=device.torch_device, model_key=key,
                   autocast=autocast, is_writer=device.is_main, barrier=device.barrier)
-    tables = [reference_table(model, batches.pairs, topo, describe=name, **common)
+    # The pairs under the epoch reader (runtime/sft/dataset.py epoch_samples keeps them as .dataset).
+    tables = [reference_table(model, batches.dataset.dataset, topo, describe=name, **common)
               for name, batches in (("train", train), ("validation", valid)) if batches is not None]
     objectives = [PreferenceObjective("dpo", alignment.beta, alignment.loss_type,
                                       references=lambda ids, table=table: table[ids.to(table.device)])

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from launcher.errors import UserError
-from launcher.stages import TRAINING_STAGES
+from launcher.stages import TRAINER_STAGES
 
 
 @click.command(name="plot")
@@ -32,7 +32,7 @@ def command(run: str, output: Path | None, results_dir: Path) -> None:
     if record.get("remote"):
         raise UserError(f"run {run!r} was launched on {record['remote'].get('host')}: its metrics are there; "
                         f"run nxdt-launch plot on that head node")
-    training = [entry for entry in record["stages"] if entry["stage"] in TRAINING_STAGES]
+    training = [entry for entry in record["stages"] if entry["stage"] in TRAINER_STAGES]
     if not training:
         raise UserError(f"run {run!r} has no training stage to plot")
     try:

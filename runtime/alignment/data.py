@@ -27,7 +27,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -37,7 +36,7 @@ import numpy as np
 from runtime.alignment.records import FILES_KEY, PreferenceRecord, read_all_preferences, read_preference_records
 from runtime.schema.choices import PROMPT_TRUNCATIONS
 from runtime.sft.chat import ChatTokenizer
-from runtime.sft.dataset import _digest, _load, _save
+from runtime.sft.dataset import _digest, cached_arrays
 
 # Bump when tokenizing or truncating changes, so stale caches are never reused.
 _FORMAT = 1
@@ -117,21 +116,8 @@ def build_preference_dataset(files: list[str | os.PathLike], tokenizer_path: str
         return _encode(read_all_preferences(files), chat, tokenizer_path, chat_template, limits, num_workers,
                        files)
 
-    cached = None
-    if is_builder:
-        try:
-            cached = _load(description, _ARRAYS, "preference")
-        except ValueError as err:  # a damaged cache is rebuilt, never used; say so, since it should not happen
-            print(f"warning: {err}; rebuilding it", file=sys.stderr, flush=True)
-        if cached is None:
-            cached = build()
-            _save(description, *cached, params, "preference")
-    if barrier is not None:
-        barrier()
-    if not is_builder:
-        cached = _load(description, _ARRAYS, "preference")
-        if cached is None:  # a node-local cache_dir the builder did not write: tokenize here, in memory
-            cached = build()
+    cached = cached_arrays(description, build, params, names=_ARRAYS, what="preference", is_builder=is_builder,
+                           barrier=barrier)
     return PreferenceDataset(cached[0], limits.seq_length, chat.pad_id, cached[1], key, directory)
 
 

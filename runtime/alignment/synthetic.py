@@ -32,16 +32,13 @@ order (instead of reversed) stayed at 0.47 and a sum off by one at 0.50, chance,
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import sys
-from pathlib import Path
 from typing import Callable
 
-from runtime.io.files import atomic_write_bytes, atomic_write_json
-from runtime.sft.synthetic import TASKS, _check_counts, tokenizer_config, train_tokenizer
+from runtime.sft.synthetic import TASKS, _check_counts, demo_main, write_demo_files
 
 
 def _unsorted(prompt: str, answer: str) -> str | None:
@@ -115,67 +112,22 @@ def write_demo(output_dir: str | os.PathLike, *, num_train: int = 20000, num_val
     is replaced atomically and summary.json goes last, so an interrupted run is redone, never taken as done.
     """
     _check_counts(num_train=num_train, num_valid=num_valid, num_test=num_test)
-    if vocab_size < 300:
-        raise ValueError(f"vocab_size={vocab_size} is below 300; use at least 256 bytes + the special tokens "
-                         "+ some merges (the default is 512)")
-    out = Path(output_dir)
     # The mistakes too: a directory written before one was changed is not the same data.
     settings = {"num_train": num_train, "num_valid": num_valid, "num_test": num_test, "seed": seed,
                 "vocab_size": vocab_size, "corruptions": {task: f.__name__.lstrip("_")
                                                           for task, f in CORRUPTIONS.items()}}
-    summary_path = out / "summary.json"
-    if _already_written(out, settings):
-        return False
-    summary_path.unlink(missing_ok=True)
-    splits = make_splits(num_train, num_valid, num_test, seed)
-    for name, records in splits.items():
-        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        atomic_write_bytes(out / f"{name}.jsonl", lines.encode("utf-8"))
     # Role names too, so "user" and "assistant" become single tokens; both responses, so each is spelled alike.
-    texts = [text for r in splits["train"] for text in ("user", "assistant", r["prompt"], r["chosen"],
-                                                        r["rejected"])]
-    tokenizer_json = train_tokenizer(texts, vocab_size)
-    atomic_write_bytes(out / "tokenizer.json", tokenizer_json.encode("utf-8"))
-    atomic_write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer_json))
-    counts = {name: {task: 0 for task in CORRUPTIONS} for name in splits}
-    for name, records in splits.items():
-        for r in records:
-            counts[name][task_of(r)] += 1
-    atomic_write_json(summary_path, {**settings, "counts": counts, "files": sorted(_FILES)})
-    return True
-
-
-_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl", "tokenizer.json", "tokenizer_config.json")
-
-
-def _already_written(out: Path, settings: dict) -> bool:
-    try:
-        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    same = isinstance(summary, dict) and all(summary.get(k) == v for k, v in settings.items())
-    return same and all((out / f).is_file() for f in _FILES)
+    return write_demo_files(
+        output_dir, settings, lambda: make_splits(num_train, num_valid, num_test, seed),
+        lambda train: [text for r in train for text in ("user", "assistant", r["prompt"], r["chosen"],
+                                                        r["rejected"])],
+        task_of, CORRUPTIONS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.alignment.synthetic",
-                                     description="Write a synthetic preference dataset (prompt, chosen, rejected) "
-                                                 "and its tokenizer.")
-    parser.add_argument("--output-dir", required=True, help="directory for the jsonl splits and tokenizer")
-    parser.add_argument("--num-train", type=int, default=20000, help="training pairs (default 20000)")
-    parser.add_argument("--num-valid", type=int, default=256, help="validation pairs (default 256)")
-    parser.add_argument("--num-test", type=int, default=512, help="held-out test pairs (default 512)")
-    parser.add_argument("--seed", type=int, default=1234, help="everything follows from it (default 1234)")
-    parser.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (default 512)")
-    args = parser.parse_args(argv)
-    try:
-        wrote = write_demo(args.output_dir, num_train=args.num_train, num_valid=args.num_valid,
-                           num_test=args.num_test, seed=args.seed, vocab_size=args.vocab_size)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"{'wrote' if wrote else 'already written, nothing to do:'} {args.output_dir}")
-    return 0
+    return demo_main(argv, prog="python -m runtime.alignment.synthetic", write=write_demo, noun="pairs",
+                     description="Write a synthetic preference dataset (prompt, chosen, rejected) and its tokenizer.",
+                     num_valid=256, num_test=512)
 
 
 if __name__ == "__main__":

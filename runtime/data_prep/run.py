@@ -42,10 +42,8 @@ def _tokenizer_files_exist(cfg: StageConfig) -> bool:
 
 
 def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) -> bool:
-    if cfg.input.source == SYNTHETIC:
-        return _synthetic_instructions(cfg, task_index, reporter)
-    if cfg.input.source == SYNTHETIC_PREFERENCES:
-        return _synthetic_preferences(cfg, task_index, reporter)
+    if cfg.input.source in _SYNTHETIC_WRITERS:
+        return _synthetic(cfg, task_index, reporter)
     shards = plan.build_shards(cfg)
     mine = plan.shards_for_task(shards, task_index, num_tasks)
     reporter.log(f"{len(mine)} of {len(shards)} shards: {', '.join(s.name for s in mine[:8])}"
@@ -77,44 +75,33 @@ def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) 
     return try_finalize(cfg, shards, expected, reporter.log)
 
 
-def _synthetic_instructions(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
-    """The instruction demo the fine-tuning recipes read: train/valid/test.jsonl, tokenizer.json and
+# input.source -> the module whose write_demo writes it, and what its records are (runtime/sft/synthetic.py,
+# runtime/alignment/synthetic.py; their settings sections are named like the source).
+_SYNTHETIC_WRITERS = {SYNTHETIC: ("runtime.sft.synthetic", "records"),
+                      SYNTHETIC_PREFERENCES: ("runtime.alignment.synthetic", "pairs")}
+
+
+def _synthetic(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
+    """A demo the fine-tuning or alignment recipes read: train/valid/test.jsonl, tokenizer.json and
     tokenizer_config.json, summary.json in output_dir. Task 0 writes it; a second task (none is planned) would
     only race it."""
-    from runtime.sft.synthetic import write_demo
+    import importlib
 
+    source = cfg.input.source
+    module, noun = _SYNTHETIC_WRITERS[source]
     if task_index != 0:
-        reporter.log(f"{SYNTHETIC} is written by task 0 alone; nothing to do here")
+        reporter.log(f"{source} is written by task 0 alone; nothing to do here")
         return False
-    settings = cfg.synthetic_instructions
+    settings = getattr(cfg, source)
     try:
-        wrote = write_demo(cfg.output_dir, num_train=settings.num_train, num_valid=settings.num_valid,
-                           num_test=settings.num_test, seed=settings.seed, vocab_size=settings.vocab_size)
+        wrote = importlib.import_module(module).write_demo(
+            cfg.output_dir, num_train=settings.num_train, num_valid=settings.num_valid, num_test=settings.num_test,
+            seed=settings.seed, vocab_size=settings.vocab_size)
     except ValueError as error:  # parse_config checks the same bounds; named here should they ever differ
-        raise UserError(f"{SYNTHETIC}: {error}") from None
-    counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test records"
-    reporter.log(f"{SYNTHETIC}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, tokenizer of "
+        raise UserError(f"{source}: {error}") from None
+    counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test {noun}"
+    reporter.log(f"{source}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, tokenizer of "
                  f"{settings.vocab_size} tokens, seed {settings.seed} -> {cfg.output_dir}")
-    return True
-
-
-def _synthetic_preferences(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
-    """The preference demo the alignment stage reads: train/valid/test.jsonl of {prompt, chosen, rejected},
-    tokenizer.json and tokenizer_config.json, summary.json in output_dir; task 0 alone, as above."""
-    from runtime.alignment.synthetic import write_demo
-
-    if task_index != 0:
-        reporter.log(f"{SYNTHETIC_PREFERENCES} is written by task 0 alone; nothing to do here")
-        return False
-    settings = cfg.synthetic_preferences
-    try:
-        wrote = write_demo(cfg.output_dir, num_train=settings.num_train, num_valid=settings.num_valid,
-                           num_test=settings.num_test, seed=settings.seed, vocab_size=settings.vocab_size)
-    except ValueError as error:  # parse_config checks the same bounds; named here should they ever differ
-        raise UserError(f"{SYNTHETIC_PREFERENCES}: {error}") from None
-    counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test pairs"
-    reporter.log(f"{SYNTHETIC_PREFERENCES}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, "
-                 f"tokenizer of {settings.vocab_size} tokens, seed {settings.seed} -> {cfg.output_dir}")
     return True
 
 

@@ -119,22 +119,31 @@ def build_sft_dataset(files: list[str | os.PathLike], tokenizer_path: str | os.P
         tokens, loss, lengths = _encode(read_all(files), chat, tokenizer_path, chat_template, num_workers)
         return _layout(tokens, loss, lengths, int(seq_length), bool(packing), truncation, files)
 
+    cached = cached_arrays(description, build, params, is_builder=is_builder, barrier=barrier)
+    return SFTDataset(cached[0], int(seq_length), chat.pad_id, cached[1])
+
+
+def cached_arrays(description: Path, build: Callable[[], tuple[dict[str, np.ndarray], dict]], params: dict, *,
+                  names: tuple[str, ...] = _ARRAYS, what: str = "SFT", is_builder: bool = True,
+                  barrier: Callable[[], None] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays, stats) from the cache at `description`, built and written there by the builder when absent or
+    damaged; the others read it after `barrier`. Shared with the preference pairs (runtime/alignment/data.py)."""
     cached = None
     if is_builder:
         try:
-            cached = _load(description)
+            cached = _load(description, names, what)
         except ValueError as err:  # a damaged cache is rebuilt, never used; say so, since it should not happen
             print(f"warning: {err}; rebuilding it", file=sys.stderr, flush=True)
         if cached is None:
             cached = build()
-            _save(description, *cached, params)
+            _save(description, *cached, params, what)
     if barrier is not None:
         barrier()
     if not is_builder:
-        cached = _load(description)
+        cached = _load(description, names, what)
         if cached is None:  # a node-local cache_dir the builder did not write: tokenize here, in memory
             cached = build()
-    return SFTDataset(cached[0], int(seq_length), chat.pad_id, cached[1])
+    return cached
 
 
 def _encode(records: list[Record], chat: ChatTokenizer, tokenizer_path, chat_template: str | None,

@@ -141,35 +141,47 @@ def write_demo(output_dir: str | os.PathLike, *, num_train: int = 20000, num_val
     is replaced atomically and summary.json goes last, so an interrupted run is redone, never taken as done.
     """
     _check_counts(num_train=num_train, num_valid=num_valid, num_test=num_test)
+    # The task list too: a directory written before a task was added or dropped is not the same data.
+    settings = {"num_train": num_train, "num_valid": num_valid, "num_test": num_test, "seed": seed,
+                "vocab_size": vocab_size, "tasks": list(TASKS)}
+    # Role names too, so "user" and "assistant" become single tokens like the special tokens around them.
+    return write_demo_files(
+        output_dir, settings, lambda: make_splits(num_train, num_valid, num_test, seed),
+        lambda train: [part for r in train for m in r["messages"] for part in (m["role"], m["content"])],
+        task_of, TASKS)
+
+
+DEMO_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl", "tokenizer.json", "tokenizer_config.json")
+
+
+def write_demo_files(output_dir: str | os.PathLike, settings: dict, make_splits: Callable[[], dict[str, list[dict]]],
+                     tokenizer_texts: Callable[[list[dict]], list[str]], task_of: Callable[[dict], str],
+                     tasks) -> bool:
+    """What every synthetic demo writes (this one, runtime/alignment/synthetic.py's): the splits as JSON lines, a
+    byte-level BPE trained on tokenizer_texts(train) with its ChatML tokenizer_config.json, and summary.json last
+    (settings, records per task and split). False, writing nothing, when summary.json holds the same settings."""
+    vocab_size = settings["vocab_size"]
     if vocab_size < 300:
         raise ValueError(f"vocab_size={vocab_size} is below 300; use at least 256 bytes + the special tokens "
                          "+ some merges (the default is 512)")
     out = Path(output_dir)
-    # The task list too: a directory written before a task was added or dropped is not the same data.
-    settings = {"num_train": num_train, "num_valid": num_valid, "num_test": num_test, "seed": seed,
-                "vocab_size": vocab_size, "tasks": list(TASKS)}
     summary_path = out / "summary.json"
     if _already_written(out, settings):
         return False
     summary_path.unlink(missing_ok=True)
-    splits = make_splits(num_train, num_valid, num_test, seed)
+    splits = make_splits()
     for name, records in splits.items():
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         atomic_write_bytes(out / f"{name}.jsonl", lines.encode("utf-8"))
-    # Role names too, so "user" and "assistant" become single tokens like the special tokens around them.
-    texts = [part for r in splits["train"] for m in r["messages"] for part in (m["role"], m["content"])]
-    tokenizer_json = train_tokenizer(texts, vocab_size)
+    tokenizer_json = train_tokenizer(tokenizer_texts(splits["train"]), vocab_size)
     atomic_write_bytes(out / "tokenizer.json", tokenizer_json.encode("utf-8"))
     atomic_write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer_json))
-    counts = {name: {task: 0 for task in TASKS} for name in splits}
+    counts = {name: {task: 0 for task in tasks} for name in splits}
     for name, records in splits.items():
         for r in records:
             counts[name][task_of(r)] += 1
-    atomic_write_json(summary_path, {**settings, "counts": counts, "files": sorted(_FILES)})
+    atomic_write_json(summary_path, {**settings, "counts": counts, "files": sorted(DEMO_FILES)})
     return True
-
-
-_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl", "tokenizer.json", "tokenizer_config.json")
 
 
 def _already_written(out: Path, settings: dict) -> bool:
@@ -178,7 +190,7 @@ def _already_written(out: Path, settings: dict) -> bool:
     except (OSError, ValueError):
         return False
     same = isinstance(summary, dict) and all(summary.get(k) == v for k, v in settings.items())
-    return same and all((out / f).is_file() for f in _FILES)
+    return same and all((out / f).is_file() for f in DEMO_FILES)
 
 
 def task_of(record: dict) -> str:
@@ -193,19 +205,25 @@ def _check_counts(**counts: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.sft.synthetic",
-                                     description="Write a synthetic chat dataset with exact answers and its "
-                                                 "tokenizer.")
+    return demo_main(argv, prog="python -m runtime.sft.synthetic", write=write_demo, noun="records",
+                     description="Write a synthetic chat dataset with exact answers and its tokenizer.",
+                     num_valid=500, num_test=500)
+
+
+def demo_main(argv: list[str] | None, *, prog: str, description: str, write: Callable[..., bool], noun: str,
+              num_valid: int, num_test: int) -> int:
+    """The command line of a synthetic demo writer (this one, runtime/alignment/synthetic.py's)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--output-dir", required=True, help="directory for the jsonl splits and tokenizer")
-    parser.add_argument("--num-train", type=int, default=20000, help="training records (default 20000)")
-    parser.add_argument("--num-valid", type=int, default=500, help="validation records (default 500)")
-    parser.add_argument("--num-test", type=int, default=500, help="held-out test records (default 500)")
+    parser.add_argument("--num-train", type=int, default=20000, help=f"training {noun} (default 20000)")
+    parser.add_argument("--num-valid", type=int, default=num_valid, help=f"validation {noun} (default {num_valid})")
+    parser.add_argument("--num-test", type=int, default=num_test, help=f"held-out test {noun} (default {num_test})")
     parser.add_argument("--seed", type=int, default=1234, help="everything follows from it (default 1234)")
     parser.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (default 512)")
     args = parser.parse_args(argv)
     try:
-        wrote = write_demo(args.output_dir, num_train=args.num_train, num_valid=args.num_valid,
-                           num_test=args.num_test, seed=args.seed, vocab_size=args.vocab_size)
+        wrote = write(args.output_dir, num_train=args.num_train, num_valid=args.num_valid, num_test=args.num_test,
+                      seed=args.seed, vocab_size=args.vocab_size)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
