@@ -145,7 +145,7 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
     from hydra import initialize_config_dir
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
-    from launcher import nxdt_config
+    from launcher import nxdt_config, targets
 
     register_resolvers()
     overrides, file_warnings = nxdt_config.expand(list(overrides))
@@ -156,7 +156,15 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
     overrides = [_with_open_map_prefix(o) for o in overrides]
     try:
         with initialize_config_dir(str(conf_dir()), version_base=None, job_name="nxdt_launch"):
-            return hydra_compose("config", overrides=overrides)
+            cfg = hydra_compose("config", overrides=overrides)
+            # The cluster's layout of the recipe, under the typed keys; or the recipe that is that layout.
+            if (recipe := targets.apply(cfg)) is not None:
+                overrides = [o for o in overrides if o.partition("=")[0] != "training"] + [f"training={recipe}"]
+                cfg = hydra_compose("config", overrides=overrides)
+                if targets.apply(cfg) is not None:
+                    raise UserError(f"training={recipe}: a target's own recipe must be pinned to its layout; "
+                                    f"set `targets: null` in it")
+        return cfg
     except OverrideParseException as e:
         bad = typed[overrides.index(_first_unparsable(overrides))] if overrides else ""
         first_line = str(e).splitlines()[0].replace(f"'{_with_open_map_prefix(bad)}'", f"'{bad}'")

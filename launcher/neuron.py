@@ -250,7 +250,13 @@ def problems(cfg: dict[str, Any]) -> list[str]:
     workers = HARDWARE[neuron["hardware"]].workers_per_node
     for stage in (s for s in cfg.get("stages") or [] if s in TRAINER_STAGES):
         trainer = ((cfg.get(stage) or {}).get("trainer")) or {}
-        if trainer.get("accelerator") == "neuron" and trainer.get("devices") != workers:
+        if trainer.get("accelerator") != "neuron":
+            errors.append(
+                f"{stage}.trainer.accelerator: {trainer.get('accelerator')!r}, but cluster.neuron.hardware is "
+                f"{neuron['hardware']}: its nodes have NeuronCores and no GPUs; drop the override or set "
+                f"{stage}.trainer.accelerator=neuron {stage}.trainer.devices={workers} (docs/recipes.md lists each "
+                f"recipe's {neuron['hardware']} layout), or choose a GPU cluster (cluster=slurm)")
+        elif trainer.get("devices") != workers:
             lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""
             errors.append(
                 f"{stage}.trainer.devices: {trainer.get('devices')!r} workers per node, but {neuron['hardware']}"

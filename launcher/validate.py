@@ -48,6 +48,10 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
                                    prepared="data_preparation" in stages)
         errors += report.errors
         warnings += report.warnings
+        if not report.errors:
+            fit_errors, fit_warnings = memory_fit(cfg)
+            errors += fit_errors
+            warnings += fit_warnings
         if "data_preparation" in stages:
             errors += _trains_on_prepared_data(cfg)
     for stage in FINE_TUNING_STAGES:
@@ -70,6 +74,38 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
         warnings += input_warnings
     errors += cluster(cfg.get("cluster") or {})
     return errors, warnings
+
+
+def memory_fit(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(errors, warnings): a training layout whose weights, gradients and optimizer state alone need more memory per
+    device than the GPU or NeuronCore has, by the estimator, cannot start: refused here rather than after the queue
+    wait. Activations on top of that are a warning: the estimator's activation model is an upper bound (NxD
+    Training's published Llama 3 70B layout runs on trn1 and reads 18.6 of 13.9 GiB). CPU workers share the host's
+    memory, which varies: not judged; nor is a vocabulary the estimator cannot know here (no tokenizer file)."""
+    from launcher.errors import UserError
+    from launcher.estimator import estimate
+
+    training = cfg["training"]
+    if (training.get("trainer") or {}).get("accelerator") not in ("gpu", "neuron"):
+        return [], []
+    neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    try:
+        result = estimate(training, neuron_hardware=neuron)
+    except UserError:
+        return [], []
+    gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
+    where = f"the {usable / gib:.1f} GiB usable on {result.hardware.description}"
+    fixes = ("(nxdt-launch estimate training=... shows where the memory goes; docs/recipes.md lists each recipe's "
+             "layouts)")
+    if memory.static > usable:
+        return [f"training.model: weights, gradients and optimizer state need {memory.static / gib:.1f} GiB per "
+                f"device by the estimator, more than {where}; raise tensor_model_parallel_size or "
+                f"pipeline_model_parallel_size, or set zero1=true {fixes}"], []
+    if memory.total > usable:
+        return [], [f"training.model: this layout needs {memory.total / gib:.1f} GiB per device by the estimator "
+                    f"(activations {memory.activations / gib:.1f}), more than {where}; if it runs out of memory, "
+                    f"set activations_checkpoint_granularity=full or raise the parallel sizes {fixes}"]
+    return [], []
 
 
 def _trains_on_prepared_data(cfg: dict[str, Any]) -> list[str]:

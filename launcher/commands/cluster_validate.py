@@ -1,7 +1,8 @@
 """`nxdt-launch cluster-validate [OVERRIDES...]`: node health and collective tests that name bad nodes.
 
     nxdt-launch cluster-validate                                   # every idle node of cluster.partition
-    nxdt-launch cluster-validate cluster.nodelist=[node1,node2] devices=32 accelerator=neuron
+    nxdt-launch cluster-validate cluster=pcluster_trn1             # Neuron: 32 workers, nccom-test, EFA env
+    nxdt-launch cluster-validate cluster.nodelist=[node1,node2] devices=8 accelerator=gpu
     nxdt-launch cluster-validate cluster_type=local devices=2      # this machine alone
     nxdt-launch cluster-validate --show                            # print the last report again
 

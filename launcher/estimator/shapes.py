@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from launcher.errors import UserError
+from runtime.schema.choices import RECOMPUTE_MODULES
 from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
@@ -191,7 +192,9 @@ def layout_from_training(training: dict[str, Any]) -> Layout:
         sequence_parallel=bool(model.get("sequence_parallel")),
         zero1=bool(model.get("zero1")),
         recompute=model.get("activations_checkpoint_granularity"),
-        recompute_modules=tuple(model.get("activations_checkpoint_recompute") or ()),
+        # NxD Training's class names (CoreAttention, LlamaMLP) are the same modules as ours.
+        recompute_modules=tuple(RECOMPUTE_MODULES.canonical(m) for m in model.get("activations_checkpoint_recompute")
+                                or ()),
         precision=str((training.get("precision") or {}).get("type") or "fp32"),
         ep=int(model.get("expert_model_parallel_size") or 1),
         cp=int(model.get("context_parallel_size") or 1),

@@ -102,7 +102,7 @@ def test_context_parallel_candidates_are_validated_and_ranked_by_the_estimate():
     """Llama 3.1 8B at 32k on 32 trn1 nodes at TP 8 (dp 128): without a context group the activations do not fit a
     NeuronCore; splitting each sequence over cp ranks divides them, the rules refuse a cp that does not divide dp,
     and the fastest launchable layout splits the sequence."""
-    base = resolved("training=llama3_1/8b_32k")["training"]
+    base = resolved("training=llama3_1/8b_32k", "cluster=pcluster_trn1")["training"]
     candidates = search.grid({"tensor_parallel_sizes": [8], "pipeline_parallel_sizes": [1],
                               "micro_batch_sizes": [1], "activations_checkpoint": [None, "selective_mlp"],
                               "context_parallel_sizes": [1, 2, 3, 4]},

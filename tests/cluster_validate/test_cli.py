@@ -4,6 +4,7 @@ run renders one job over the requested nodes, and a local run validates this mac
 import json
 
 import pytest
+import yaml
 
 from launcher import validate
 from launcher.commands.cluster_validate import expand_hostlist
@@ -36,6 +37,27 @@ def test_dry_run_renders_one_job_over_the_node_list(tmp_path):
     assert f"-m csp_tools.cluster_validate --config {job_dir}/cluster_validation_config.yaml" in sbatch
     assert "torch.distributed.run" not in sbatch, "one agent per node; it starts the workers itself"
     assert not (job_dir / "cluster_validation.json").exists()
+
+
+@pytest.mark.parametrize("cluster, workers", [("pcluster_trn1", 32), ("pcluster_trn1n", 32), ("pcluster_trn2", 64)])
+def test_a_trainium_cluster_validates_its_neuron_cores_with_no_further_flags(tmp_path, cluster, workers):
+    """The cluster decides the hardware (launcher/targets.py): Neuron workers, nccom-test and the EFA environment
+    the training script exports, without accelerator= or devices=."""
+    result = nxdt("cluster-validate", f"cluster={cluster}", "cluster_type=slurm", "cluster.nodelist=['trn[1-2]']",
+                  f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    job_dir = tmp_path / "results/cluster_validation/cluster_validation"
+    config = yaml.safe_load((job_dir / "cluster_validation_config.yaml").read_text())
+    assert (config["accelerator"], config["devices"]) == ("neuron", workers)
+    assert config["nccom_test"]["enabled"] == "auto"
+    sbatch = (job_dir / "cluster_validation.sbatch").read_text()
+    assert "export FI_PROVIDER=efa\n" in sbatch and "export FI_EFA_USE_DEVICE_RDMA=1\n" in sbatch
+    plain = nxdt("cluster-validate", "cluster=slurm", "cluster_type=slurm", "cluster.nodelist=['n[1-2]']",
+                 f"base_results_dir={tmp_path}/plain", f"data_dir={tmp_path}", "--dry-run", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    config = yaml.safe_load((tmp_path / "plain/cluster_validation/cluster_validation/cluster_validation_config.yaml")
+                            .read_text())
+    assert (config["accelerator"], config["devices"]) == ("cpu", 1)
 
 
 def test_local_run_validates_this_machine_and_show_prints_it_again(tmp_path):

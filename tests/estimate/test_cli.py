@@ -7,7 +7,7 @@ from tests.launcher.helpers import nxdt
 
 
 def test_estimate_prints_memory_and_time():
-    result = nxdt("estimate", "training=llama3/8b")
+    result = nxdt("estimate", "training=llama3/8b", "cluster=pcluster_trn1")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "llama3/8b: 8.03 B parameters on 4 × 32 trn1.32xlarge" in out

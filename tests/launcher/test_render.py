@@ -48,6 +48,9 @@ CASES = [
                                              f"training.precision.type={precision}"])
       for cluster, workers in (("pcluster_trn1", 32), ("pcluster_trn2", 64))
       for precision in ("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast")],
+    # The headline command: one recipe, the cluster's layout (launcher/targets.py, docs/recipes.md).
+    *[("training", f"gpt3_175b.{cluster}", ["training=gpt3/175b", f"cluster={cluster}"])
+      for cluster in ("pcluster_trn1", "pcluster_trn2", "slurm")],
     # trn1n, without the compile step and with the compile cache on S3.
     ("training", "pcluster_trn1n_nocompile", ["cluster=pcluster_trn1n", "training.trainer.devices=32",
                                               "training.trainer.accelerator=neuron", "training.precision.type=bf16SR",

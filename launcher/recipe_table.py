@@ -1,0 +1,139 @@
+"""docs/recipes.md's table: every training recipe on every target it names, as `nxdt-launch --dry-run` would
+launch it (composed, every rule run, the memory checked by the estimator), one row each.
+
+    python -m launcher.recipe_table          # prints the table; tests/recipes/test_recipe_table.py compares it
+
+A recipe that sets `targets: null` is a target's own layout: it appears as the layout of its base's row. The tiny
+recipes have no targets and run on this machine's CPU (cluster=local)."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.errors import UserError
+from launcher.paths import conf_dir, group_choices
+
+# target -> the cluster config that means it
+CLUSTERS = {"trn1": "pcluster_trn1", "trn2": "pcluster_trn2", "gpu": "slurm", "cpu": "local"}
+GIB = 2**30
+DEMO_VOCAB = 4096
+
+
+@dataclass(frozen=True)
+class Row:
+    recipe: str
+    target: str
+    layout: str          # the recipe that holds this target's layout (the recipe itself, or its variant)
+    nodes: int
+    workers: int         # per node
+    parallel: str        # TP × PP (× VPP), CP, EP
+    recompute: str
+    batch: str           # micro-batch / global batch
+    precision: str
+    memory_gib: float    # per device, by the estimator
+    usable_gib: float
+
+    def markdown(self) -> str:
+        return (f"| `{self.recipe}` | {self.target} | `{self.layout}` | {self.nodes} × {self.workers} | "
+                f"{self.parallel} | {self.recompute} | {self.batch} | {self.precision} | "
+                f"{self.memory_gib:.1f} / {self.usable_gib:.1f} |")
+
+
+def pinned(recipe: str) -> bool:
+    """A target's own layout (`targets: null` in its file)."""
+    import yaml
+
+    text = yaml.safe_load((conf_dir() / "training" / f"{recipe}.yaml").read_text()) or {}
+    return "targets" in text and text["targets"] is None
+
+
+def _parallel(model: dict) -> str:
+    text = f"TP {model['tensor_model_parallel_size']} × PP {model['pipeline_model_parallel_size']}"
+    if model.get("virtual_pipeline_model_parallel_size"):
+        text += f" × VPP {model['virtual_pipeline_model_parallel_size']}"
+    for key, name in (("context_parallel_size", "CP"), ("expert_model_parallel_size", "EP")):
+        if (model.get(key) or 1) > 1:
+            text += f", {name} {model[key]}"
+    return text + (", SP" if model.get("sequence_parallel") else "")
+
+
+def _recompute(model: dict) -> str:
+    granularity = model.get("activations_checkpoint_granularity")
+    if granularity == "selective":
+        return "selective (" + ", ".join(model.get("activations_checkpoint_recompute") or []) + ")"
+    return granularity or "none"
+
+
+def row(recipe: str, target: str, results: Path, data: Path) -> Row:
+    """The launch of `recipe` on `target`'s cluster, or the UserError that refuses it."""
+    from launcher import launch
+    from launcher.estimator import estimate
+
+    plan = launch.make_plan([f"training={recipe}", f"cluster={CLUSTERS[target]}", "stages=[training]",
+                             f"cluster_type={'local' if target == 'cpu' else 'slurm'}", f"base_results_dir={results}",
+                             f"data_dir={data}"], dry_run=True, produced_by="docs/recipes.md")
+    training = plan.cfg["training"]
+    model, trainer = training["model"], training["trainer"]
+    neuron = ((plan.cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    try:
+        result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB)
+    except UserError:  # the tiny recipes' demo tokenizer, built by data preparation: its 4096 tokens
+        result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB, vocab_size=DEMO_VOCAB)
+    return Row(recipe=recipe, target=target, layout=_layout_name(plan), nodes=int(trainer["num_nodes"]),
+               workers=int(trainer["devices"]), parallel=_parallel(model), recompute=_recompute(model),
+               batch=f"{model['micro_batch_size']} / {model['global_batch_size']}",
+               precision=str(training["precision"]["type"]), memory_gib=result.memory.total / GIB,
+               usable_gib=result.hardware.usable_bytes / GIB)
+
+
+def _layout_name(plan) -> str:
+    """The recipe whose run name the plan carries (each recipe names its run after itself: gpt3_175b_trn1)."""
+    name = str(plan.cfg["training"]["run"]["name"])
+    by_run = {choice.replace("/", "_").replace(".", "_"): choice for choice in group_choices("training")}
+    return by_run.get(name.replace(".", "_"), name)
+
+
+def targets_of(recipe: str) -> list[str]:
+    """The targets a recipe launches on: trn1, trn2 and gpu for one that names layouts, else its own (cpu for the
+    tiny recipes)."""
+    from launcher.compose import compose
+
+    if _names_targets(recipe):
+        return ["trn1", "trn2", "gpu"]
+    return ["cpu" if compose([f"training={recipe}", "cluster=local"]).training.trainer.accelerator == "cpu"
+            else "gpu"]
+
+
+def _names_targets(recipe: str) -> bool:
+    import yaml
+
+    seen = recipe
+    while seen:
+        text = yaml.safe_load((conf_dir() / "training" / f"{seen}.yaml").read_text()) or {}
+        if "targets" in text:
+            return text["targets"] is not None
+        parents = [d for d in text.get("defaults") or [] if isinstance(d, str) and d.startswith("/training/")]
+        seen = parents[0].removeprefix("/training/").split("@")[0] if parents else ""
+    return False
+
+
+def rows() -> list[Row]:
+    with tempfile.TemporaryDirectory() as tmp:
+        results, data = Path(tmp) / "results", Path(tmp) / "data"
+        return [row(recipe, target, results, data) for recipe in group_choices("training") if not pinned(recipe)
+                for target in targets_of(recipe)]
+
+
+HEADER = ("| recipe | target | layout | nodes × workers | parallelism | recompute | micro / global batch | "
+          "precision | GiB per device (est. / usable) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def markdown() -> str:
+    return "\n".join([HEADER, *(r.markdown() for r in rows())]) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,162 @@
+#!/bin/bash
+# nxdt-launch: stage training of run gpt3_175b_trn1 (slurm executor).
+# Produced by: nxdt-launch training=gpt3/175b cluster=pcluster_trn1
+# Resolved stage config: /results/gpt3_175b_trn1/training/training_config.yaml
+#SBATCH --job-name=nxdt:gpt3_175b_trn1:training
+#SBATCH --nodes=32
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=26-00:00:00
+#SBATCH --output=/results/gpt3_175b_trn1/training/logs/training_%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --partition=trn1
+#SBATCH --exclusive
+set -euo pipefail
+# Cluster setup lines, run as written.
+export PATH="/opt/aws/neuron/bin:$PATH"
+# The cluster's venv (cluster.venv), on every node: its python runs the stage, its bin/ is on PATH.
+source /opt/nxdt/venv/bin/activate
+# Collectives between Neuron nodes over EFA (cluster.neuron.efa); training and cluster-validate set the same.
+export FI_PROVIDER=efa
+export FI_EFA_USE_DEVICE_RDMA=1
+# libfabric must be told to be fork-safe on kernels older than 5.13 (no copy-on-fork for pinned memory).
+if [ "$(printf '%s\n' 5.13 "$(uname -r)" | sort -V | sed -n 1p)" != 5.13 ]; then export FI_EFA_FORK_SAFE=1; fi
+# Each worker holds many sockets and files open.
+ulimit -n 65535 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+# Trainium (trn1): runtime and compiler settings derived from training.precision.type as NxD
+# Training derives them (docs/parallelcluster.md). The cluster's and the launch's env_vars below win.
+export MALLOC_ARENA_MAX=64
+export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=3
+export NEURON_FUSE_SOFTMAX=1
+export XLA_USE_BF16=1
+export XLA_DOWNCAST_BF16=0
+export NEURON_RT_STOCHASTIC_ROUNDING_EN=1
+export NEURON_CC_FLAGS='--model-type=transformer --distribution-strategy=llm-training --target=trn1 --enable-mixed-precision-accumulation'
+export NXDT_NEURON_HARDWARE=trn1
+export NXDT_STAGE=training
+export NXDT_RUN_DIR=/results/gpt3_175b_trn1
+# cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
+export NXDT_S3_ENDPOINT_URL=''
+export NXDT_S3_MAX_CONCURRENCY=8
+export NXDT_S3_MULTIPART_CHUNK_MB=64
+export NXDT_S3_RETRIES=10
+export NXDT_S3_CHECKSUMS=when_supported
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_175b_trn1/training/logs
+mkdir -p "$LOG_DIR"
+
+# Which array task or job this is, and how often Slurm has requeued it: every log name carries both.
+JOB_TAG="${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID:-0}"
+RESTART="${SLURM_RESTART_COUNT:-0}"
+# `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue. An allocation
+# that requeues the job writes none: the job is not over, and its last allocation writes the real code.
+REQUEUED=0
+trap 'CODE=$?; [ "$REQUEUED" = 1 ] || echo "$CODE" > "$LOG_DIR/training_${JOB_TAG}.exit"' EXIT
+rm -f "$LOG_DIR/training_${JOB_TAG}.exit"  # an earlier allocation's, if Slurm requeued the job itself
+
+# USR1 asks the training to save a checkpoint and stop, so that the job can requeue itself and resume.
+# Slurm sends it 120 s before the time limit (--signal above; slurmctld looks every 30 s,
+# so it may come up to 30 s sooner).
+# By hand: `scancel --batch --signal=USR1 <job>`. This shell passes it to srun, srun to every process of the
+# step (torchrun on each node, which passes it on too, and its workers), and the workers finish their step,
+# save and exit 75. TERM means Slurm is ending the job (scancel, the time limit, a preemption): Slurm sends it
+# to every process itself (srun would take a TERM as "kill the step now"), and whether the job runs again is
+# Slurm's decision, so this shell only notes it.
+MAX_RESTARTS=3  # training.run.max_restarts
+SIGNALLED=""
+STEP_PID=""
+on_signal() {
+  echo "nxdt: training job $JOB_TAG restart $RESTART: SIG$1"
+  if [ "$SIGNALLED" != TERM ]; then SIGNALLED=$1; fi
+  if [ "$1" = USR1 ] && [ -n "$STEP_PID" ]; then kill -s USR1 "$STEP_PID" 2>/dev/null || true; fi
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+# Rendezvous on the allocation's first node, at the address slurmd itself is reached at. (sed, not head: head
+# would exit before scontrol finished writing, and pipefail would end the job on scontrol's SIGPIPE.)
+MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
+# One IPv4 address: a multi-NIC node's name may resolve to several, and every node must dial the same one.
+MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR == 1 { print $1 }' || true)
+export MASTER_ADDR="${MASTER_IP:-$MASTER_ADDR}"
+export MASTER_PORT=$(( 44000 + SLURM_JOB_ID % 1000 ))
+
+# What each node runs: one torchrun that starts this node's 32 workers (runtime.torchrun:
+# torchrun ending a failure in one line, with the failing worker's exit code). The compile step and training
+# both call this one function, so their flags and environment cannot drift apart; only the stage config
+# ($STAGE_CONFIG) and the neuron_parallel_compile wrapper ($NXDT_COMPILE=1) differ.
+export STAGE_CONFIG=/results/gpt3_175b_trn1/training/training_config.yaml
+node_main() {
+  # Compiled graphs of this model, one cache that every node shares (a shared directory or S3): a node that
+  # replaces another finds them, and the compile step's marker speaks for every node.
+  export NEURON_COMPILE_CACHE_URL=/fsx/neuron-compile-cache/gpt-c36113f710a8
+  local wrapper=()
+  if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
+  exec "${wrapper[@]}" "$PYTHON" -m runtime.torchrun \
+    --nnodes 32 --node_rank "$SLURM_NODEID" --nproc_per_node 32 \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 120 \
+    -m runtime.train --config "$STAGE_CONFIG"
+}
+export -f node_main
+
+# Compile first: the same command under neuron_parallel_compile for 10 steps (training_compile_config.yaml),
+# unless the marker says the cache already holds these graphs: it is written below once every node compiled
+# without a failure, and named by what the graphs depend on (launcher/neuron.py graph_key), so a requeue, a
+# restart or the next launch of the same model and layout skips the step.
+COMPILED_MARKER=/fsx/neuron-compile-cache/gpt-c36113f710a8/nxdt-compiled/649e52450e32364b
+if [ -e "$COMPILED_MARKER" ]; then
+  echo "nxdt: training job $JOB_TAG restart $RESTART: compile step skipped, the cache holds these graphs ($COMPILED_MARKER)"
+else
+  echo "nxdt: training job $JOB_TAG restart $RESTART: neuron_parallel_compile on $SLURM_JOB_NODELIST"
+  STAGE_CONFIG=/results/gpt3_175b_trn1/training/training_compile_config.yaml NXDT_COMPILE=1 \
+  srun --nodes=32 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node%n.log" \
+    bash -c node_main
+  # Every node must report that no graph failed to compile before training starts.
+  for NODE in $(seq 0 31); do
+    COMPILE_LOG="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_compile_node${NODE}.log"
+    SUMMARY=$(grep -o 'Total failed compilations: [0-9]*' "$COMPILE_LOG" 2>/dev/null | tail -n 1 || true)
+    if [ "$SUMMARY" != 'Total failed compilations: 0' ]; then
+      echo "nxdt: compile step on node $NODE: ${SUMMARY:-no summary line} in $COMPILE_LOG; not starting training" >&2
+      exit 1
+    fi
+  done
+  mkdir -p "$(dirname "$COMPILED_MARKER")"
+  echo "compiled by job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST, $(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+    > "$COMPILED_MARKER"
+fi
+
+echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
+# In the background, so that a signal is handled at once: bash runs a trap only between commands, and `wait` is
+# one that a trapped signal interrupts (it then returns > 128 while the step goes on).
+if [ -z "$SIGNALLED" ]; then
+  srun --nodes=32 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_node%n.log" \
+    bash -c node_main &
+  STEP_PID=$!
+  while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID" || true; done
+  STEP_EXIT=0
+  wait "$STEP_PID" || STEP_EXIT=$?
+else
+  STEP_EXIT=143  # signalled before the step could start (during the compile step, say): no time left to train
+fi
+if [ "$SIGNALLED" = USR1 ] || { [ -z "$SIGNALLED" ] && [ "$STEP_EXIT" = 75 ]; }; then
+  ENDED="nxdt: training job $JOB_TAG restart $RESTART ended (exit $STEP_EXIT${SIGNALLED:+ after SIG$SIGNALLED})"
+  if [ "$RESTART" -lt "$MAX_RESTARTS" ]; then
+    echo "$ENDED: scontrol requeue $SLURM_JOB_ID (restart $((RESTART + 1)) of at most $MAX_RESTARTS)"
+    REQUEUED=1
+    trap - TERM  # the requeue ends this allocation with a TERM
+    if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+    REQUEUED=0
+    echo "nxdt: scontrol requeue $SLURM_JOB_ID failed; launch the run again to resume it" >&2
+  else
+    echo "$ENDED; training.run.max_restarts is $MAX_RESTARTS: not requeueing;" \
+      "launch the run again to resume it" >&2
+  fi
+  exit 75  # runtime/preemption.py PREEMPTED_EXIT_CODE: stopped at a checkpoint, not finished
+fi
+if [ "$STEP_EXIT" != 0 ]; then exit "$STEP_EXIT"; fi

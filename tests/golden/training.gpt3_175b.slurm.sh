@@ -1,0 +1,105 @@
+#!/bin/bash
+# nxdt-launch: stage training of run gpt3_175b (slurm executor).
+# Produced by: nxdt-launch training=gpt3/175b cluster=slurm
+# Resolved stage config: /results/gpt3_175b/training/training_config.yaml
+#SBATCH --job-name=nxdt:gpt3_175b:training
+#SBATCH --nodes=128
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=26-00:00:00
+#SBATCH --output=/results/gpt3_175b/training/logs/training_%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --exclusive
+set -euo pipefail
+export NXDT_STAGE=training
+export NXDT_RUN_DIR=/results/gpt3_175b
+# cluster.s3, for every S3 client this stage makes (runtime/io/s3.py reads them); an empty endpoint is AWS S3.
+export NXDT_S3_ENDPOINT_URL=''
+export NXDT_S3_MAX_CONCURRENCY=8
+export NXDT_S3_MULTIPART_CHUNK_MB=64
+export NXDT_S3_RETRIES=10
+export NXDT_S3_CHECKSUMS=when_supported
+export PYTHON=/opt/venv/bin/python
+LOG_DIR=/results/gpt3_175b/training/logs
+mkdir -p "$LOG_DIR"
+
+# Which array task or job this is, and how often Slurm has requeued it: every log name carries both.
+JOB_TAG="${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID:-0}"
+RESTART="${SLURM_RESTART_COUNT:-0}"
+# `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue. An allocation
+# that requeues the job writes none: the job is not over, and its last allocation writes the real code.
+REQUEUED=0
+trap 'CODE=$?; [ "$REQUEUED" = 1 ] || echo "$CODE" > "$LOG_DIR/training_${JOB_TAG}.exit"' EXIT
+rm -f "$LOG_DIR/training_${JOB_TAG}.exit"  # an earlier allocation's, if Slurm requeued the job itself
+
+# USR1 asks the training to save a checkpoint and stop, so that the job can requeue itself and resume.
+# Slurm sends it 120 s before the time limit (--signal above; slurmctld looks every 30 s,
+# so it may come up to 30 s sooner).
+# By hand: `scancel --batch --signal=USR1 <job>`. This shell passes it to srun, srun to every process of the
+# step (torchrun on each node, which passes it on too, and its workers), and the workers finish their step,
+# save and exit 75. TERM means Slurm is ending the job (scancel, the time limit, a preemption): Slurm sends it
+# to every process itself (srun would take a TERM as "kill the step now"), and whether the job runs again is
+# Slurm's decision, so this shell only notes it.
+MAX_RESTARTS=3  # training.run.max_restarts
+SIGNALLED=""
+STEP_PID=""
+on_signal() {
+  echo "nxdt: training job $JOB_TAG restart $RESTART: SIG$1"
+  if [ "$SIGNALLED" != TERM ]; then SIGNALLED=$1; fi
+  if [ "$1" = USR1 ] && [ -n "$STEP_PID" ]; then kill -s USR1 "$STEP_PID" 2>/dev/null || true; fi
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+# Rendezvous on the allocation's first node, at the address slurmd itself is reached at. (sed, not head: head
+# would exit before scontrol finished writing, and pipefail would end the job on scontrol's SIGPIPE.)
+MASTER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(scontrol show node "$MASTER_NODE" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"
+# One IPv4 address: a multi-NIC node's name may resolve to several, and every node must dial the same one.
+MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR == 1 { print $1 }' || true)
+export MASTER_ADDR="${MASTER_IP:-$MASTER_ADDR}"
+export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+
+# What each node runs: one torchrun that starts this node's 8 workers (runtime.torchrun:
+# torchrun ending a failure in one line, with the failing worker's exit code).
+node_main() {
+  exec "$PYTHON" -m runtime.torchrun \
+    --nnodes 128 --node_rank "$SLURM_NODEID" --nproc_per_node 8 \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 120 \
+    -m runtime.train --config /results/gpt3_175b/training/training_config.yaml
+}
+export -f node_main
+
+echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
+# In the background, so that a signal is handled at once: bash runs a trap only between commands, and `wait` is
+# one that a trapped signal interrupts (it then returns > 128 while the step goes on).
+if [ -z "$SIGNALLED" ]; then
+  srun --nodes=128 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_node%n.log" \
+    bash -c node_main &
+  STEP_PID=$!
+  while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID" || true; done
+  STEP_EXIT=0
+  wait "$STEP_PID" || STEP_EXIT=$?
+else
+  STEP_EXIT=143  # signalled before the step could start (during the compile step, say): no time left to train
+fi
+if [ "$SIGNALLED" = USR1 ] || { [ -z "$SIGNALLED" ] && [ "$STEP_EXIT" = 75 ]; }; then
+  ENDED="nxdt: training job $JOB_TAG restart $RESTART ended (exit $STEP_EXIT${SIGNALLED:+ after SIG$SIGNALLED})"
+  if [ "$RESTART" -lt "$MAX_RESTARTS" ]; then
+    echo "$ENDED: scontrol requeue $SLURM_JOB_ID (restart $((RESTART + 1)) of at most $MAX_RESTARTS)"
+    REQUEUED=1
+    trap - TERM  # the requeue ends this allocation with a TERM
+    if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+    REQUEUED=0
+    echo "nxdt: scontrol requeue $SLURM_JOB_ID failed; launch the run again to resume it" >&2
+  else
+    echo "$ENDED; training.run.max_restarts is $MAX_RESTARTS: not requeueing;" \
+      "launch the run again to resume it" >&2
+  fi
+  exit 75  # runtime/preemption.py PREEMPTED_EXIT_CODE: stopped at a checkpoint, not finished
+fi
+if [ "$STEP_EXIT" != 0 ]; then exit "$STEP_EXIT"; fi

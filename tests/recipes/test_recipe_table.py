@@ -1,0 +1,28 @@
+"""docs/recipes.md's table is what the launcher does: every recipe on every target it names composes, passes every
+rule of a launch (the memory check by the estimator among them) and fits; the table in the doc is the one
+`python -m launcher.recipe_table` prints. NXDT_UPDATE_GOLDEN=1 rewrites the doc's table; review the diff."""
+
+import os
+
+from launcher import recipe_table
+from tests.launcher.helpers import REPO
+
+DOC = REPO / "docs" / "recipes.md"
+
+
+def test_every_recipe_on_every_target_fits_and_the_doc_holds_the_table():
+    rows = recipe_table.rows()
+    for row in rows:
+        assert row.memory_gib <= row.usable_gib, row
+    # The targets a recipe names are the ones it lands on: Trainium layouts on Neuron workers, GPU ones on 8 GPUs.
+    assert {r.target for r in rows} == {"trn1", "trn2", "gpu", "cpu"}
+    for row in rows:
+        assert row.workers == {"trn1": 32, "trn2": 64, "gpu": 8}.get(row.target, row.workers), row
+    table = "\n".join([recipe_table.HEADER, *(r.markdown() for r in rows)]) + "\n"
+    text = DOC.read_text()
+    start = text.index(recipe_table.HEADER)
+    end = text.index("\n\n", start) + 1
+    if os.environ.get("NXDT_UPDATE_GOLDEN") == "1":
+        DOC.write_text(text[:start] + table + text[end:])
+        text = DOC.read_text()
+    assert text[start:text.index("\n\n", start) + 1] == table, "docs/recipes.md: NXDT_UPDATE_GOLDEN=1 rewrites it"
