@@ -157,7 +157,8 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
     try:
         with initialize_config_dir(str(conf_dir()), version_base=None, job_name="nxdt_launch"):
             cfg = hydra_compose("config", overrides=overrides)
-            # The cluster's layout of the recipe, under the typed keys; or the recipe that is that layout.
+            # The recipe that holds the training recipe's layout for the cluster's hardware, with the same
+            # overrides (launcher/targets.py).
             if (recipe := targets.apply(cfg)) is not None:
                 overrides = [o for o in overrides if o.partition("=")[0] != "training"] + [f"training={recipe}"]
                 cfg = hydra_compose("config", overrides=overrides)

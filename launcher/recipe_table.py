@@ -14,6 +14,7 @@ from pathlib import Path
 
 from launcher.errors import UserError
 from launcher.paths import conf_dir, group_choices
+from launcher.targets import TARGETS
 
 # target -> the cluster config that means it
 CLUSTERS = {"trn1": "pcluster_trn1", "trn2": "pcluster_trn2", "gpu": "slurm", "cpu": "local"}
@@ -41,12 +42,25 @@ class Row:
                 f"{self.memory_gib:.1f} / {self.usable_gib:.1f} |")
 
 
-def pinned(recipe: str) -> bool:
-    """A target's own layout (`targets: null` in its file)."""
+def targets_of_file(recipe: str) -> tuple[bool, dict | None]:
+    """(set in the recipe's own file, the `targets` mapping it composes with): read along its Hydra defaults
+    chain, as Hydra merges it (the nearest file that sets `targets` decides; null pins a target's own layout)."""
     import yaml
 
-    text = yaml.safe_load((conf_dir() / "training" / f"{recipe}.yaml").read_text()) or {}
-    return "targets" in text and text["targets"] is None
+    seen, own = recipe, True
+    while seen:
+        text = yaml.safe_load((conf_dir() / "training" / f"{seen}.yaml").read_text()) or {}
+        if "targets" in text:
+            return own, text["targets"]
+        parents = [d for d in text.get("defaults") or [] if isinstance(d, str) and d.startswith("/training/")]
+        seen, own = (parents[0].removeprefix("/training/").split("@")[0] if parents else ""), False
+    return False, None
+
+
+def pinned(recipe: str) -> bool:
+    """A target's own layout (`targets: null` in its file)."""
+    own, mapping = targets_of_file(recipe)
+    return own and mapping is None
 
 
 def _parallel(model: dict) -> str:
@@ -81,49 +95,30 @@ def row(recipe: str, target: str, results: Path, data: Path) -> Row:
         result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB)
     except UserError:  # the tiny recipes' demo tokenizer, built by data preparation: its 4096 tokens
         result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB, vocab_size=DEMO_VOCAB)
-    return Row(recipe=recipe, target=target, layout=_layout_name(plan), nodes=int(trainer["num_nodes"]),
+    layout = (targets_of_file(recipe)[1] or {}).get(target) or recipe  # the recipe launch.make_plan composed
+    return Row(recipe=recipe, target=target, layout=layout, nodes=int(trainer["num_nodes"]),
                workers=int(trainer["devices"]), parallel=_parallel(model), recompute=_recompute(model),
                batch=f"{model['micro_batch_size']} / {model['global_batch_size']}",
                precision=str(training["precision"]["type"]), memory_gib=result.memory.total / GIB,
                usable_gib=result.hardware.usable_bytes / GIB)
 
 
-def _layout_name(plan) -> str:
-    """The recipe whose run name the plan carries (each recipe names its run after itself: gpt3_175b_trn1)."""
-    name = str(plan.cfg["training"]["run"]["name"])
-    by_run = {choice.replace("/", "_").replace(".", "_"): choice for choice in group_choices("training")}
-    return by_run.get(name.replace(".", "_"), name)
-
-
-def targets_of(recipe: str) -> list[str]:
+def targets_for(recipe: str) -> list[str]:
     """The targets a recipe launches on: trn1, trn2 and gpu for one that names layouts, else its own (cpu for the
     tiny recipes)."""
     from launcher.compose import compose
 
-    if _names_targets(recipe):
-        return ["trn1", "trn2", "gpu"]
+    if targets_of_file(recipe)[1] is not None:
+        return list(TARGETS)
     return ["cpu" if compose([f"training={recipe}", "cluster=local"]).training.trainer.accelerator == "cpu"
             else "gpu"]
-
-
-def _names_targets(recipe: str) -> bool:
-    import yaml
-
-    seen = recipe
-    while seen:
-        text = yaml.safe_load((conf_dir() / "training" / f"{seen}.yaml").read_text()) or {}
-        if "targets" in text:
-            return text["targets"] is not None
-        parents = [d for d in text.get("defaults") or [] if isinstance(d, str) and d.startswith("/training/")]
-        seen = parents[0].removeprefix("/training/").split("@")[0] if parents else ""
-    return False
 
 
 def rows() -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         results, data = Path(tmp) / "results", Path(tmp) / "data"
         return [row(recipe, target, results, data) for recipe in group_choices("training") if not pinned(recipe)
-                for target in targets_of(recipe)]
+                for target in targets_for(recipe)]
 
 
 HEADER = ("| recipe | target | layout | nodes × workers | parallelism | recompute | micro / global batch | "

@@ -20,10 +20,11 @@ every stage afterwards, so the runtime never sees it."""
 from __future__ import annotations
 
 from launcher.errors import UserError
+from launcher.neuron import DEFAULTS as NEURON_DEFAULTS
 from launcher.neuron import HARDWARE as NEURON_HARDWARE
 from launcher.stages import TRAINER_STAGES
 
-TARGETS = ("trn1", "trn2", "gpu")
+TARGETS = ("trn1", "trn2", "gpu")   # the keys of a recipe's `targets`
 
 
 def cluster_target(cfg) -> str | None:
@@ -33,7 +34,7 @@ def cluster_target(cfg) -> str | None:
 
     if OmegaConf.select(cfg, "cluster.neuron", default=None) is None:
         return "gpu"
-    name = OmegaConf.select(cfg, "cluster.neuron.hardware", default=None) or "trn1"
+    name = OmegaConf.select(cfg, "cluster.neuron.hardware", default=None) or NEURON_DEFAULTS["hardware"]
     return name if name in NEURON_HARDWARE else None
 
 

@@ -26,3 +26,15 @@ def test_every_recipe_on_every_target_fits_and_the_doc_holds_the_table():
         DOC.write_text(text[:start] + table + text[end:])
         text = DOC.read_text()
     assert text[start:text.index("\n\n", start) + 1] == table, "docs/recipes.md: NXDT_UPDATE_GOLDEN=1 rewrites it"
+
+
+def test_no_recipe_inherits_another_recipes_targets():
+    """`targets` merges down the defaults chain: a recipe that did not set its own would send a launch to its
+    parent's layouts (gpt3/6.7b to gpt3/5b_trn1)."""
+    from launcher.paths import group_choices
+    from launcher.targets import TARGETS
+
+    for recipe in group_choices("training"):
+        own, mapping = recipe_table.targets_of_file(recipe)
+        assert own or mapping is None, f"{recipe}: set `targets` in its own file (null to pin it)"
+        assert set(mapping or {}) <= set(TARGETS), recipe
