@@ -1,16 +1,21 @@
-"""Checkpoint save, async stall and load for a >= 300M-parameter GPT (fp32, AdamW state), one process on CPU.
+"""Checkpoint save, load, reshard load and async stall for a >= 300M-parameter GPT (fp32, AdamW state) on CPU.
 
-Ours (runtime/checkpoint) side by side with two references in the same run:
+Ours (runtime/checkpoint, a sync save and a load that checks every block it reads) side by side with two
+references in the same run, the order rotated each repeat, medians of `--repeats`:
   torch.save       model.state_dict() and the Adam moments in one file, then fsync (what a hand-written
                    trainer does), and torch.load back
   DCP              torch.distributed.checkpoint.save / load of the same state dict (the library the issue
                    names; single process)
-Every writer fsyncs its files, so the numbers are the disk's, not the page cache's.
+Every writer fsyncs its files, so the save numbers are the disk's, not the page cache's; loads read what the
+saves left in the page cache, as a resume on the same node would.
+
+Reshard: the same model saved at tp=2 (two gloo processes, spawned first) and loaded into the tp=1 model,
+against the same-layout load of ours, alternating, after one untimed load of each.
 
 The async figure is the stall: from the save() call until its write has finished, how much longer the training
 steps that ran took than as many plain steps (median of `--repeats`).
 
-    python benchmarks/checkpoint.py [--layers 24 --hidden 1024] [--dir /tmp/nxdt-ckpt-bench]
+    python benchmarks/checkpoint.py [--layers 24 --hidden 1024] [--repeats 3] [--dir /tmp/nxdt-ckpt-bench]
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint  # noqa: E402
+from runtime.checkpoint.shards import HostStaging, rank_pieces  # noqa: E402
 from runtime.models import ModelConfig, build_model  # noqa: E402
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model  # noqa: E402
 from runtime.step import train_step  # noqa: E402
@@ -39,16 +45,33 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def _setup(args):
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", init_method=f"file://{args.dir}/.pg", rank=0, world_size=1)
-    topo = Topology.build(ParallelDims(tp=1, pp=1, dp=1, world_size=1))
+def _model(args, tp: int):
+    topo = Topology.build(ParallelDims(tp=tp, pp=1, dp=1, world_size=tp))
     cfg = ModelConfig(architecture="gpt", vocab_size=32768, hidden_size=args.hidden, num_layers=args.layers,
                       num_attention_heads=args.hidden // 64, ffn_hidden_size=4 * args.hidden,
                       max_position_embeddings=args.seq, share_embeddings_and_output_weights=True)
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, data_parallel=DataParallelConfig())
     optimizer = ShardedAdamW(model, {"lr": 1e-4})
     return cfg, topo, model, optimizer
+
+
+def _setup(args):
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method=f"file://{args.dir}/.pg", rank=0, world_size=1)
+    return _model(args, tp=1)
+
+
+def _save_tp2(rank: int, args) -> None:
+    """One of the two processes that save the tp=2 checkpoint the reshard load reads."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{args.dir}/.pg_tp2", rank=rank, world_size=2)
+    _, topo, model, optimizer = _model(args, tp=2)
+    for moment in optimizer.exp_avg + optimizer.exp_avg_sq:
+        moment.uniform_()  # state that checksums like trained state, not pages of zeros
+    Checkpointer(Path(args.dir) / "tp2", rank=rank, world_size=2, token="0", async_save=False).save(
+        1, model, optimizer, topo, extra={"step": 1}, config={})
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _batch(cfg, args, step):
@@ -74,6 +97,10 @@ def main() -> None:
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    load_before = os.getloadavg()[0]
+    import torch.multiprocessing as mp
+
+    mp.spawn(_save_tp2, args=(args,), nprocs=2, join=True)  # before this process's model takes its memory
     cfg, topo, model, optimizer = _setup(args)
     params = sum(p.numel() for p in model.data_parallel.params)
     step = lambda i: train_step(model, optimizer, _batch(cfg, args, i), topo, lr=1e-4, clip=1.0)  # noqa: E731
@@ -84,19 +111,24 @@ def main() -> None:
     print(f"model: {params / 1e6:.0f}M parameters; weights + Adam moments {state_bytes / 2**30:.2f} GiB; "
           f"{torch.get_num_threads()} threads")
 
-    # One Checkpointer for ours, as in training: its host staging buffers are allocated at the first save and
-    # reused after (the first save also pays for mapping them; it is reported separately).
-    ours = Checkpointer(root / "ours", rank=0, world_size=1, token="0", async_save=False, keep_last=1)
-    started = time.perf_counter()
-    ours.save(1, model, optimizer, topo, extra={"step": 1}, config={})
-    first_save = time.perf_counter() - started
-    import torch.distributed.checkpoint as dcp
-
+    # What an async save holds training for when other cores do the writing: the copy of this rank's pieces into
+    # the host staging buffers, which stay allocated for the run (the first copy also maps them).
+    staging, pieces = HostStaging(), rank_pieces(model.data_parallel, optimizer, topo)
     copies = []
+    for _ in range(args.repeats + 1):
+        started = time.perf_counter()
+        staging.copy(pieces)
+        copies.append(time.perf_counter() - started)
+    first_copy, copies = copies[0], copies[1:]
+    del staging, pieces
+
+    # One Checkpointer for ours, as in training; a sync save writes the live host tensors where they are.
+    ours = Checkpointer(root / "ours", rank=0, world_size=1, token="0", async_save=False, keep_last=1)
+    ours.save(1, model, optimizer, topo, extra={"step": 1}, config={})
+    import torch.distributed.checkpoint as dcp
 
     def save_ours(r):
         ours.save(2 + r, model, optimizer, topo, extra={"step": 2 + r}, config={})
-        copies.append(ours.last_timings["snapshot_s"])  # the copy into the (warm) host staging buffers
 
     def load_ours(r):
         storage, committed = resolve_checkpoint(str(root / "ours"))
@@ -138,6 +170,24 @@ def main() -> None:
             load(r)
             times[name][1].append(time.perf_counter() - started)
     rows = {name: (statistics.median(s), statistics.median(l)) for name, (s, l) in times.items()}
+    shutil.rmtree(root / "dcp", ignore_errors=True)  # leave the page cache to the two checkpoints compared next
+    (root / "torch.pt").unlink(missing_ok=True)
+
+    # Reshard: the tp=2 checkpoint into this tp=1 model, against ours saved at tp=1 (the same layout).
+    def load_from(location):
+        storage, committed = resolve_checkpoint(str(location))
+        started = time.perf_counter()
+        load_checkpoint(storage, committed, model, optimizer, topo, rank=0)
+        return time.perf_counter() - started
+
+    loads = {"same layout (tp=1 into tp=1)": root / "ours", "reshard (tp=2 into tp=1)": root / "tp2"}
+    reshard_times = {name: [] for name in loads}
+    for location in loads.values():
+        load_from(location)  # untimed: both checkpoints in the page cache alike
+    for r in range(args.repeats):
+        for name in list(loads)[r % 2:] + list(loads)[:r % 2]:
+            reshard_times[name].append(load_from(loads[name]))
+    reshard = {name: statistics.median(t) for name, t in reshard_times.items()}
 
     # The stall of an async save: the steps run while a save is in flight (from the save() call until the write
     # has finished, at least one step), against as many plain steps.
@@ -167,14 +217,25 @@ def main() -> None:
     host_bytes = asynchronous.last_host_bytes
     stall, steps_in_flight = statistics.median(s for s, _ in stalls), statistics.median(n for _, n in stalls)
 
+    print(f"\nload average (1 min): {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after")
+    print(f"median of {args.repeats}; every repeat in seconds, in run order of the repeats:")
+    listed = lambda values: ", ".join(f"{t:.2f}" for t in values)  # noqa: E731
+    for name, (save_list, load_list) in times.items():
+        print(f"  {name}: save {listed(save_list)}; load {listed(load_list)}")
     print("\n| | save (s) | load (s) | save ratio to ours | load ratio to ours |\n| --- | --- | --- | --- | --- |")
     for name, (save_s, load_s) in rows.items():
         print(f"| {name} | {save_s:.2f} | {load_s:.2f} | {save_s / rows['ours'][0]:.2f} | "
               f"{load_s / rows['ours'][1]:.2f} |")
+    print("\n| ours, load | seconds (median) | every repeat | ratio to the same-layout load |\n"
+          "| --- | --- | --- | --- |")
+    same = reshard["same layout (tp=1 into tp=1)"]
+    for name, median in reshard.items():
+        print(f"| {name} | {median:.2f} | {listed(reshard_times[name])} | "
+              f"{median / same:.2f} |")
     copy_s = statistics.median(copies)
     print(f"\ncopy of the state into the warm host staging buffers (what an async save holds training for when "
           f"other cores do the writing): {copy_s:.2f} s = {100 * copy_s / rows['ours'][0]:.1f}% of the sync save")
-    print(f"first save of a run (maps the host staging buffers): {first_save:.2f} s")
+    print(f"the first copy of a run (also maps the host staging buffers): {first_copy:.2f} s")
     print(f"\nasync: plain step {step_s:.2f} s; {steps_in_flight:.0f} steps ran while the save was in flight, "
           f"{stall:.2f} s longer than plain steps = {100 * stall / rows['ours'][0]:.1f}% of the sync save; "
           f"host copy {host_bytes / 2**30:.2f} GiB (one save in flight at a time)")

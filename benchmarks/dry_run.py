@@ -1,13 +1,18 @@
-"""Process wall time of `nxdt-launch stages=[training] training=gpt3/175b cluster_type=slurm --dry-run`,
-median of several runs, next to references timed in the same run:
+"""Process wall time and CPU time (user + sys of the child) of
+`nxdt-launch stages=[training] training=gpt3/175b cluster_type=slurm --dry-run`, median of several runs, next to
+references timed in the same run:
 
+- cache warm / cold / off: the launch cache (launcher/cache.py) holding this launch's config and compiled templates,
+  emptied before each run (compose, then store), or switched off (NXDT_LAUNCH_CACHE=off, compose only);
+- on pcluster_trn1: the cluster switches the recipe to gpt3/175b_trn1 (launcher/targets.py), two composes uncached;
 - python -c pass: the interpreter's own start-up, the floor for any Python launcher;
 - Hydra compose alone: what composing our conf/ costs without validation, rendering or writing;
 - import torch: what a launcher that imported torch at start-up would pay before doing anything.
 
 NeMo-Framework-Launcher itself is not installable here (not on PyPI), so it is not in the table.
 With --baseline REV the same dry run of an earlier commit (a git worktree of REV) is timed in the same run,
-interleaved with ours, so a change's cost is a ratio measured under the same load.
+interleaved with ours (warm and cold cache), so a change's cost is a ratio measured under the same load.
+CPU time is the better figure on a shared machine: other work stretches wall time, not the CPU a run uses.
 
     python benchmarks/dry_run.py [--runs 11] [--baseline REV]
 """
@@ -15,39 +20,64 @@ interleaved with ours, so a change's cost is a ratio measured under the same loa
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def wall(cmd: list[str], runs: int, cwd: Path = REPO) -> float:
-    times = []
+def timed(cmd: list[str], runs: int, cwd: Path = REPO, env: dict[str, str] | None = None,
+          before: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of `cmd`; CPU is the child's user + sys time (os.wait4). `before` runs ahead of
+    each run, untimed."""
+    walls, cpus = [], []
     for _ in range(runs):
+        if before:
+            before()
         start = time.perf_counter()
-        subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        child = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(child.pid, 0)
+        walls.append(time.perf_counter() - start)
+        cpus.append(usage.ru_utime + usage.ru_stime)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed (exit {os.waitstatus_to_exitcode(status)}) in {cwd}")
+    return statistics.median(walls), statistics.median(cpus)
 
 
-def versus_baseline(rev: str, cmd: list[str], runs: int) -> tuple[float, float]:
-    """Median wall of `cmd` run in this checkout and in a worktree of `rev`, alternating run by run."""
+def versus_baseline(rev: str, commands: dict[str, list[str]], runs: int, cache: Path) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) of each command in this checkout, warm and cold cache, and in a worktree of `rev`,
+    alternating run by run. Keys: "<name>, <warm|cold|rev>"."""
+    warm, cold = {"NXDT_LAUNCH_CACHE": str(cache)}, {"NXDT_LAUNCH_CACHE": str(cache / "cold")}
     with tempfile.TemporaryDirectory() as tree:
         subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            ours, theirs = [], []
-            wall(cmd, 2, Path(tree))  # `python -m launcher.cli` from the worktree imports the worktree's launcher
+            samples: dict[str, list[tuple[float, float]]] = {}
+            for cmd in commands.values():
+                timed(cmd, 2, Path(tree))  # `python -m launcher.cli` from the worktree imports the worktree's launcher
+                timed(cmd, 2, env=warm)
             for _ in range(runs):
-                ours.append(wall(cmd, 1))
-                theirs.append(wall(cmd, 1, Path(tree)))
-            return statistics.median(ours), statistics.median(theirs)
+                for name, cmd in commands.items():
+                    samples.setdefault(f"{name}, warm", []).append(timed(cmd, 1, env=warm))
+                    samples.setdefault(f"{name}, cold", []).append(
+                        timed(cmd, 1, env=cold, before=lambda: _empty(cache / "cold")))
+                    samples.setdefault(f"{name}, {rev}", []).append(timed(cmd, 1, Path(tree)))
+            return {name: (statistics.median(s[0] for s in pairs), statistics.median(s[1] for s in pairs))
+                    for name, pairs in samples.items()}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, check=True)
+
+
+def _empty(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:
@@ -55,34 +85,49 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=11)
     parser.add_argument("--baseline", help="a git revision whose dry run is timed beside ours")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as cache_root:
+        cache = Path(cache_root)
+        warm, off = {"NXDT_LAUNCH_CACHE": str(cache)}, {"NXDT_LAUNCH_CACHE": "off"}
+        cold = {"NXDT_LAUNCH_CACHE": str(cache / "cold")}
         compose = (
             "from launcher.compose import compose, resolve; "
             "resolve(compose(['stages=[training]', 'training=gpt3/175b']))"
         )
-        rows = {
-            "nxdt-launch 175B training --dry-run": [
-                sys.executable, "-m", "launcher.cli", "stages=[training]", "training=gpt3/175b",
-                "cluster_type=slurm", "--dry-run", f"base_results_dir={out}",
-            ],
-            "python -c pass": [sys.executable, "-c", "pass"],
-            "Hydra compose of conf/ alone": [sys.executable, "-c", compose],
-            "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-        }
-        wall(rows["nxdt-launch 175B training --dry-run"], 2)  # warm the file cache and .pyc files
+        dry_run = [sys.executable, "-m", "launcher.cli", "stages=[training]", "training=gpt3/175b",
+                   "cluster_type=slurm", "--dry-run", f"base_results_dir={out}"]
+        trn1 = [*dry_run, "cluster=pcluster_trn1"]
         if args.baseline:
-            ours, theirs = versus_baseline(args.baseline, rows["nxdt-launch 175B training --dry-run"], args.runs)
-            print(f"| dry run | median wall (s), {args.runs} runs, interleaved | ratio to {args.baseline} |")
-            print("| --- | --- | --- |")
-            print(f"| this checkout | {ours:.3f} | {ours / theirs:.2f} |")
-            print(f"| {args.baseline} | {theirs:.3f} | 1.00 |")
+            commands = {"175B": dry_run, "175B on pcluster_trn1": trn1}
+            medians = versus_baseline(args.baseline, commands, args.runs, cache)
+            print(f"| dry run | median wall (s), {args.runs} runs, interleaved | median CPU (s) "
+                  f"| CPU ratio to {args.baseline} |")
+            print("| --- | --- | --- | --- |")
+            for name in commands:
+                theirs_cpu = medians[f"{name}, {args.baseline}"][1]
+                for label, key in ((f"{name}, this checkout, cache warm", "warm"),
+                                   (f"{name}, this checkout, cache cold", "cold"),
+                                   (f"{name}, {args.baseline}", args.baseline)):
+                    wall, cpu = medians[f"{name}, {key}"]
+                    print(f"| {label} | {wall:.3f} | {cpu:.3f} | {cpu / theirs_cpu:.2f} |")
             return
-        medians = {name: wall(cmd, args.runs) for name, cmd in rows.items()}
-    ours = medians["nxdt-launch 175B training --dry-run"]
-    print(f"| command | median wall (s), {args.runs} runs | ratio to the dry run |")
-    print("| --- | --- | --- |")
-    for name, seconds in medians.items():
-        print(f"| {name} | {seconds:.3f} | {seconds / ours:.2f} |")
+        rows: dict[str, tuple[list[str], dict[str, str], Callable[[], None] | None]] = {
+            "nxdt-launch 175B training --dry-run, cache warm": (dry_run, warm, None),
+            "nxdt-launch 175B training --dry-run, cache cold": (dry_run, cold, lambda: _empty(cache / "cold")),
+            "nxdt-launch 175B training --dry-run, cache off": (dry_run, off, None),
+            "the same on pcluster_trn1 (175b_trn1), cache warm": (trn1, warm, None),
+            "the same on pcluster_trn1 (175b_trn1), cache cold": (trn1, cold, lambda: _empty(cache / "cold")),
+            "python -c pass": ([sys.executable, "-c", "pass"], off, None),
+            "Hydra compose of conf/ alone": ([sys.executable, "-c", compose], off, None),
+            "python -c 'import torch'": ([sys.executable, "-c", "import torch"], off, None),
+        }
+        for cmd in (dry_run, trn1):
+            timed(cmd, 2, env=warm)  # warm the file cache, the launch cache and any .pyc files
+        medians = {name: timed(cmd, args.runs, env=env, before=before) for name, (cmd, env, before) in rows.items()}
+    ours_wall, ours_cpu = medians["nxdt-launch 175B training --dry-run, cache warm"]
+    print(f"| command | median wall (s), {args.runs} runs | median CPU (s), user + sys | CPU ratio to the dry run |")
+    print("| --- | --- | --- | --- |")
+    for name, (wall, cpu) in medians.items():
+        print(f"| {name} | {wall:.3f} | {cpu:.3f} | {cpu / ours_cpu:.2f} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
     nxdt-launch status [RUN]    nxdt-launch logs RUN [STAGE] [-f]    nxdt-launch cancel RUN
     eval "$(_NXDT_LAUNCH_COMPLETE=bash_source nxdt-launch)"   # tab completion (docs/cli.md)
 
-Only click and rich are imported at start; Hydra and Jinja load when a launch needs them, and torch never.
+Only click and rich are imported at start; Jinja loads when a launch renders, Hydra only when its config is not in
+the launch cache (launcher/cache.py), and torch never.
 """
 
 from __future__ import annotations

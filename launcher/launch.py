@@ -20,8 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import neuron, packages, records, remote, slurm, stages, staging, validate
-from launcher.compose import compose, resolve
+from launcher import cache, neuron, packages, records, remote, slurm, stages, staging, validate
 from launcher.errors import UserError
 from launcher.job import Job
 from launcher.render import render
@@ -64,8 +63,7 @@ def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[
 
 
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
-    file_warnings: list[str] = []
-    cfg = resolve(compose(overrides, file_warnings))
+    cfg, file_warnings = cache.resolved(overrides)  # Hydra's compose, or its result for the same inputs
     if errors := validate.shape(cfg):  # what every check below reads
         raise UserError(*errors)
     dry_run = dry_run or bool(cfg.get("dry_run"))

@@ -89,8 +89,6 @@ IGNORED: dict[str, tuple[tuple | None, str]] = {
     "model.apex_transformer_log_level": (None, "no apex"),
     "model.nsys_profile": (None, "no Nsight profiling hooks"),
     "model.optim.bucket_cap_mb": (None, "gradient buckets are sized by the runtime"),
-    "model.optim.overlap_grad_sync": (None, "the runtime's own choice"),
-    "model.optim.overlap_param_sync": (None, "the runtime's own choice"),
     "model.optim.contiguous_grad_buffer": (None, "gradients live in flat buckets already"),
     "model.data.data_impl": (("mmap",), "Megatron's mmap indexed format is the one read"),
     "model.data.skip_warmup": (None, "no page-cache warmup"),
@@ -116,6 +114,11 @@ LORA_MAPPED = {"model.peft.lora_tuning.adapter_dim": "model.peft.lora_rank",
                "model.peft.lora_tuning.alpha": "model.peft.lora_alpha",
                "model.peft.lora_tuning.adapter_dropout": "model.peft.lora_dropout",
                "model.peft.lora_tuning.target_modules": "model.peft.target_modules"}
+# The distributed optimizer's overlap switches -> Megatron-core's names, which the runtime reads. Only a false is
+# carried over: overlap is opt-in in the runtime for now (runtime/parallel/data_parallel.py), and a NeMo file's true
+# must not switch on what the recipe it translates to leaves off.
+OVERLAP = {"model.optim.overlap_grad_sync": "model.overlap_grad_reduce",
+           "model.optim.overlap_param_sync": "model.overlap_param_gather"}
 # NeMo-Launcher's fine-tuning run keys: they name the run (run.name: ${.task_name}_${.model_train_name}), so they
 # are kept for those interpolations, and mean nothing else here.
 RUN_NAMING = ("run.model_train_name", "run.task_name", "run.convert_name", "run.convert_dir")
@@ -160,6 +163,10 @@ def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) ->
         elif key in LORA_MAPPED:
             put(LORA_MAPPED[key], value)
             row(key, value, f"training.{LORA_MAPPED[key]}")
+        elif key in OVERLAP:
+            if value is False:
+                put(OVERLAP[key], False)
+            row(key, value, f"training.{OVERLAP[key]}" if value is False else "ignored: overlap is opt-in here (training.model.overlap_grad_reduce)")
         elif key == "model.peft.peft_scheme":
             if value not in PEFT_SCHEMES:
                 error(key, f"{value!r} is not built here: LoRA (lora) is, or none for full fine-tuning")

@@ -35,8 +35,11 @@ def _comment(value: Any) -> str:
 def _environment():
     import jinja2
 
+    from launcher.cache import template_cache
+
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
+        bytecode_cache=template_cache(__file__),  # compiled once per template text, not per launch
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -1,11 +1,20 @@
 """The OmegaConf resolvers NeMo-Launcher's configs use (${multiply:...}, ${cwd:}, ...), registered before any
 config is loaded: by compose.py for the launch config, by nxdt_config.py for a training file given as @FILE.
-A module of its own so that neither of those has to import the other."""
+A module of its own so that neither of those has to import the other.
+
+What the resolvers read from outside the config is known to the launch cache (launcher/cache.py): the
+working directory is part of its key, and the environment variables that ${oc.env:NAME} reads are recorded while
+a config composes and resolves (recording_env), so that an entry is used only while they hold the same values."""
 
 from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
+from typing import Iterator
+
+# NAME -> its value (None: unset) for every ${oc.env:NAME} read while recording_env() is open; None otherwise.
+_env_reads: dict[str, str | None] | None = None
 
 
 def _divide_ceil(a: int, b: int) -> int:
@@ -27,6 +36,27 @@ def _trained(key: str, *, _root_):
     return OmegaConf.select(_root_, f"{stage}.{key}")
 
 
+def _env(key, *default):
+    """OmegaConf's own ${oc.env:NAME[,DEFAULT]}, unchanged, noting which variable it read and what it held."""
+    from omegaconf.resolvers.oc import env
+
+    if _env_reads is not None:
+        _env_reads[str(key)] = os.environ.get(str(key))
+    return env(key, *default)
+
+
+@contextmanager
+def recording_env() -> Iterator[dict[str, str | None]]:
+    """The environment variables ${oc.env:...} reads inside the block, as {NAME: value or None when unset}."""
+    global _env_reads
+    reads: dict[str, str | None] = {}
+    previous, _env_reads = _env_reads, reads
+    try:
+        yield reads
+    finally:
+        _env_reads = previous
+
+
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
@@ -36,6 +66,7 @@ def register_resolvers() -> None:
         "divide_floor": lambda a, b: int(a) // int(b),
         "cwd": os.getcwd,
         "trained": _trained,
+        "oc.env": _env,
     }
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

@@ -16,9 +16,12 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from runtime.peak_probe import Probe, cache_path, cached_probe, machine_key, read_cpuinfo
 
 # Dense BF16 peak TFLOP/s per device (one torch device: a NeuronCore, a GPU).
 PEAK_TFLOPS = {
@@ -55,14 +58,13 @@ def flops_per_token(
 
 # fp32 FLOPs per cycle per core of the widest fused multiply-add the CPU has: two FMA pipes of 16 (AVX-512),
 # 8 (AVX2) or 4 (SSE/NEON) fp32 lanes, 2 FLOPs each. An upper bound: AMD Zen 4 executes AVX-512 at half this
-# rate, and turbo clocks are not in /proc/cpuinfo (so the bound errs high, never low, on the width side).
+# rate. Turbo clocks are not in /proc/cpuinfo, so on the clock side it can err low: cpu_peak covers that.
 _FP32_FLOPS_PER_CYCLE = (("avx512f", 64), ("avx2", 32), ("sse2", 16), ("asimd", 16))
 
 
 def cpu_peak_tflops(cpuinfo: str, threads: int) -> tuple[float, str] | None:
     """Theoretical fp32 peak of `threads` cores from /proc/cpuinfo (clock x FMA width), or None if it says too
-    little. A measured matmul is no peak: it reads 40% lower at 2048^2 than at 4096^2 here and drops with load,
-    which is how MFU on a CPU came out above 100%. Against the theoretical peak it cannot."""
+    little."""
     mhz = [float(line.split(":", 1)[1]) for line in cpuinfo.splitlines() if line.lower().startswith("cpu mhz")]
     flags = set()
     for line in cpuinfo.splitlines():
@@ -76,20 +78,47 @@ def cpu_peak_tflops(cpuinfo: str, threads: int) -> tuple[float, str] | None:
             f"cpu: {threads} core{'s' if threads > 1 else ''} x {ghz:.2f} GHz x {per_cycle} fp32 FLOP/cycle")
 
 
-def peak_tflops(hardware: str) -> tuple[float | None, str]:
-    """(peak TFLOP/s per device, where it came from): the table for known accelerators; for a CPU the theoretical
-    peak of the cores this process computes on (torch's intra-op threads); None where neither is known."""
+@dataclass(frozen=True)
+class Peak:
+    """A device's peak TFLOP/s (None: unknown, so no MFU), where it came from, and on a CPU the matmul probe."""
+
+    tflops: float | None
+    source: str
+    probe: Probe | None = None
+
+    def fields(self) -> dict:
+        """What every training record in metrics.jsonl carries, so a reader can judge the MFU beside it."""
+        probe = {"probe_tflops": self.probe.tflops, "probe_size": self.probe.size} if self.probe else {}
+        return {"peak_tflops": self.tflops, "peak_source": self.source, **probe}
+
+    def describe(self) -> str:
+        text = f"peak {self.tflops:.3f} TFLOP/s ({self.source})" if self.tflops else self.source
+        return text + (f"; matmul probe {self.probe.tflops:.3f} TFLOP/s at {self.probe.size}^2" if self.probe else "")
+
+
+def peak_tflops(hardware: str) -> Peak:
+    """The table for known accelerators; for a CPU, `cpu_peak` of the cores this process computes on (torch's
+    intra-op threads), its probe cached per machine; None where neither is known."""
     if hardware in PEAK_TFLOPS:
-        return PEAK_TFLOPS[hardware], f"table:{hardware}"
+        return Peak(PEAK_TFLOPS[hardware], f"table:{hardware}")
     if hardware == "cpu":  # device.py's name for a CPU; its peak is computed, not looked up
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-        found = cpu_peak_tflops(cpuinfo, min(torch.get_num_threads(), os.cpu_count() or 1))
-        if found is not None:
-            return found
-    return None, f"no peak known for {hardware}: MFU not reported"
+        return cpu_peak(read_cpuinfo(), min(torch.get_num_threads(), os.cpu_count() or 1), cache_path())
+    return Peak(None, f"no peak known for {hardware}: MFU not reported")
+
+
+def cpu_peak(cpuinfo: str, threads: int, cache: Path) -> Peak:
+    """The higher of the theoretical peak and the best matmul rate ever measured on this machine (runtime/
+    peak_probe.py). The theoretical one is an upper bound when /proc/cpuinfo says enough, so MFU stays <= 100% by
+    construction and a probe slowed by load cannot pull the peak down. The probe covers CPUs whose cpuinfo says
+    too little, and where it reads above the theory, the theory was wrong: turbo (on the 2-core CI machine
+    cpuinfo says 2.6 GHz, and a 2048^2 matmul runs at 74 FLOP/cycle of that, above AVX-512's 64)."""
+    probe = cached_probe(machine_key(cpuinfo, threads), cache)
+    theory = cpu_peak_tflops(cpuinfo, threads)
+    if theory is not None and theory[0] >= probe.tflops:
+        return Peak(theory[0], theory[1], probe)
+    above = f", above the theoretical {theory[0]:.3f} of {theory[1]}" if theory else ""
+    plural = "s" if threads > 1 else ""
+    return Peak(probe.tflops, f"probe: best fp32 matmul on {threads} thread{plural}{above}", probe)
 
 
 class MetricsLogger:
@@ -104,7 +133,7 @@ class MetricsLogger:
         tokens_per_step: int,
         flops_per_token: float,
         num_devices: int,
-        peak_tflops: float | None,
+        peak: Peak | None = None,
         tensorboard: bool = True,
         wandb: bool = False,
         wandb_kwargs: dict | None = None,
@@ -117,7 +146,8 @@ class MetricsLogger:
         # Every step after this process's first (which pays for warm-up, compilation, a resume): the ETA's pace.
         self._steady_time, self._steady_steps, self._seen = 0.0, 0, 0
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.num_devices, self.peak = num_devices, peak_tflops
+        self.num_devices, self.peak = num_devices, peak or Peak(None, "no peak given")
+        self._warned_mfu = False
         self._window_time, self._window_steps = 0.0, 0
         self._jsonl = self._tensorboard = self._wandb = None
         if not is_main:
@@ -160,8 +190,9 @@ class MetricsLogger:
             "tokens_per_s": tokens_per_s,
             "step_time_s": mean_step,
             "tflops_per_device": tflops,
-            "mfu": tflops / self.peak if self.peak else None,
+            **self._mfu(step, tflops),
             "memory_gib": memory_gib,
+            **self.peak.fields(),
             **(extra or {}),  # e.g. the MoE layers' moe_aux_loss, moe_tokens_dropped, moe_load_imbalance
         }
         self._window_time, self._window_steps = 0.0, 0
@@ -175,6 +206,21 @@ class MetricsLogger:
             )
             self._write(record)
         return record
+
+    def _mfu(self, step: int, tflops: float) -> dict:
+        """{"mfu": ...}; above 1 the peak is wrong, not the step: reported as 1, with the raw figure as mfu_raw and
+        a warning (once) that names where the peak came from."""
+        if not self.peak.tflops:
+            return {"mfu": None}
+        mfu = tflops / self.peak.tflops
+        if mfu <= 1:
+            return {"mfu": mfu}
+        if self.is_main and not self._warned_mfu:
+            self._warned_mfu = True
+            print(f"warning: step {step}: MFU {100 * mfu:.0f}% against a peak of {self.peak.tflops:.3f} TFLOP/s "
+                  f"({self.peak.source}) that this run exceeds; reported as 100%, the raw figure as mfu_raw",
+                  file=sys.stderr, flush=True)
+        return {"mfu": 1.0, "mfu_raw": mfu}
 
     def _progress(self, step: int, mean_step: float) -> str:
         """"12/40 (eta 0:00:06)": the pace of the steady steps so far (this window's if there are none yet)."""
@@ -193,7 +239,8 @@ class MetricsLogger:
     def _write(self, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         step = record["step"]
-        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        scalars = {k: v for k, v in record.items()
+                   if k not in _NOT_CHARTED and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tensorboard is not None:
             for name, value in scalars.items():
                 tag = f"val/{name[4:]}" if name.startswith("val_") else f"train/{name}"
@@ -210,6 +257,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
 
+
+# Not charted: the step is the x axis; the peak figures, in every record of metrics.jsonl, are the same all run.
+_NOT_CHARTED = ("step", "peak_tflops", "probe_tflops", "probe_size")
 
 # Figures worth a place on the console line besides the loss (the rest are in metrics.jsonl).
 _CONSOLE = ("reward_accuracy", "reward_margin", "val_reward_accuracy", "val_reward_margin")

@@ -65,7 +65,7 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     model.train()
     totals = _global_totals(objective, batches, topo)
     grads = optimizer.data_parallel
-    grads.zero_grad()
+    grads.zero_grad(len(batches))  # buckets start reducing during the last micro-batch's backward
     set_aux_scale(model, 1.0 / (len(batches) * topo.dp.size))  # MoE layers' auxiliary loss, averaged like the loss
     if topo.pp.size > 1:
         stats = pipeline.run_pipeline(model, batches, topo, totals, forward_only=False, schedule=schedule,

@@ -257,7 +257,9 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         recompute_modules=cfg.parallel.recompute_modules,
         virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
         device=device.torch_device,
-        data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed),
+        data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed,
+                                         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                                         overlap_param_gather=cfg.parallel.overlap_param_gather),
         context=cfg.parallel.context_kind,
         attention_kernels=flash_attention_kernels,
     )
@@ -269,7 +271,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                           sched.min_lr)
 
     model_cfg, data = cfg.model, cfg.data
-    peak, peak_source = peak_tflops(device.hardware)
+    # Only the main rank reports MFU; the others neither pay for a CPU's matmul probe nor disturb it.
+    peak = peak_tflops(device.hardware) if device.is_main else None
     metrics = MetricsLogger(
         cfg.results_dir,
         is_main=device.is_main,
@@ -282,7 +285,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
             **_moe_flops(model_cfg),
         ),
         num_devices=device.world_size,
-        peak_tflops=peak,
+        peak=peak,
         tensorboard=cfg.tensorboard,
         wandb=cfg.wandb,
         wandb_kwargs=cfg.wandb_kwargs,
@@ -291,9 +294,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         max_steps=cfg.trainer.max_steps,
     )
     if device.is_main:
-        peak_text = f"peak {peak:.3f} TFLOP/s ({peak_source})" if peak else peak_source
         print(f"training {cfg.run_name}: {topo!r} world {device.world_size} on {device.hardware}; "
-              f"{peak_text}; results in {cfg.results_dir}", flush=True)
+              f"{peak.describe()}; results in {cfg.results_dir}", flush=True)
         if cfg.tensorboard:
             print(f"tensorboard: tensorboard --logdir {shlex.quote(os.path.join(cfg.results_dir, 'tensorboard'))}",
                   flush=True)

@@ -10,6 +10,18 @@ def _own_run_index(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("NXDT_USER_CONFIG_DIR", str(tmp_path_factory.mktemp("nxdt-config")))
 
 
+@pytest.fixture(scope="session")
+def _launch_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nxdt-launch-cache")
+
+
+@pytest.fixture(autouse=True)
+def _own_launch_cache(_launch_cache_dir, monkeypatch):
+    """Launches reuse the configs earlier ones composed (launcher/cache.py): the tests' go to a cache of this
+    session's own, never the user's (tests/launcher/test_launch_cache.py gives each of its tests a fresh one)."""
+    monkeypatch.setenv("NXDT_LAUNCH_CACHE", str(_launch_cache_dir))
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine spinning OpenMP threads slow

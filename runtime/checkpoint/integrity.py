@@ -1,59 +1,33 @@
-# Rank-file checksums. Each rank hashes its file while the storage makes it durable (the fsync of a local file,
-# the upload of an S3 one), so the hash costs no time on the save's critical path; the digest goes into the
-# rank's .done marker and rank 0 copies every rank's into COMMIT. Before anything is loaded, the files are
-# checked against COMMIT: a flipped byte, a truncated or a missing file is named, and resume falls back to an
-# older checkpoint instead of training on it. Checkpoints from before checksums are checked by opening each file.
+# Rank-file checksums. A rank file (format 2, rankfile.py) carries the crc32 of every 1 MiB block of its tensors
+# in its index, computed from memory while the file is written; the rank's .done marker holds the file's size
+# and the sha256 of that index, and rank 0 copies every rank's into COMMIT. So checking costs nothing on the
+# save's critical path, and a load that reads only some byte ranges still checks every byte it uses. Before a
+# resume, the ranks check the candidate's files against COMMIT, each its share, every block: a flipped byte, a
+# truncated or a missing file is named, and resume falls back to an older checkpoint instead of training on it.
+# Format-1 files (a torch.save zip, whole-file sha256) are checked as they were; files from before checksums
+# by opening them.
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-import threading
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from runtime.checkpoint.rankfile import FOOTER, DamagedFile, RankFile, check_rank_file, is_rank_file
 from runtime.io.files import sha256_file
 
-ALGORITHM = "sha256"  # hashlib's OpenSSL SHA-256 runs at >1.5 GB/s and releases the GIL while it hashes
+ALGORITHM = "sha256"  # format 1's whole-file checksum; hashlib's SHA-256 releases the GIL while it hashes
 
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose files do not match what its COMMIT marker recorded; the message names the file."""
 
 
-def _digest(f) -> dict:
-    digest = sha256_file(f)
-    return {ALGORITHM: digest, "bytes": f.tell()}
-
-
 def file_digest(path: str) -> dict:
     with open(path, "rb") as f:
-        return _digest(f)
-
-
-def digest_while(path: str, publish: Callable[[], None]) -> dict:
-    """file_digest(path), computed on a second thread while `publish()` runs. The file is opened first, so
-    publishing may rename or remove it."""
-    result: dict = {}
-    f = open(path, "rb")
-
-    def run() -> None:
-        try:
-            with f:
-                result["digest"] = _digest(f)
-        except BaseException as error:  # re-raised below, on the caller's thread
-            result["error"] = error
-
-    worker = threading.Thread(target=run, name="nxdt-checkpoint-digest", daemon=True)
-    worker.start()
-    try:
-        publish()
-    finally:
-        worker.join()
-    if "error" in result:
-        raise result["error"]
-    return result["digest"]
+        return {ALGORITHM: sha256_file(f), "bytes": f.tell()}
 
 
 def _readable_copy(storage, key: str) -> tuple[str, str | None]:
@@ -67,11 +41,41 @@ def _readable_copy(storage, key: str) -> tuple[str, str | None]:
     return path, scratch
 
 
+def _check_indexed(storage, key: str, expected: dict | None) -> str | None:
+    """Every block of a format-2 rank file, read by range (in parallel, nothing downloaded whole)."""
+    try:
+        file = RankFile(storage, key, expected)
+    except DamagedFile as problem:
+        return str(problem)
+    try:
+        with ThreadPoolExecutor(storage.read_workers, thread_name_prefix="nxdt-checkpoint-check") as pool:
+            check_rank_file(file, pool)
+    except DamagedFile as problem:
+        return str(problem)
+    finally:
+        file.close()
+    return None
+
+
+def _has_footer(storage, key: str) -> bool:
+    reader = storage.reader(key)
+    try:
+        tail = bytearray(FOOTER.size)
+        got = reader.read_into(max(0, reader.size - FOOTER.size), [memoryview(tail)])
+        return is_rank_file(bytes(tail[:got]))
+    finally:
+        reader.close()
+
+
 def check_file(storage, name: str, filename: str, expected: dict | None) -> str | None:
     """Why `filename` of checkpoint `name` cannot be trusted, or None when it can."""
     key = f"{name}/{filename}"
     if not storage.exists(key):
         return f"{filename} is missing"
+    if expected is not None and "index_sha256" in expected:
+        return _check_indexed(storage, key, expected)
+    if expected is None and _has_footer(storage, key):  # format 2 without a COMMIT record: its own checksums
+        return _check_indexed(storage, key, None)
     path, scratch = _readable_copy(storage, key)
     try:
         if expected is None:  # written before checksums: at least the file must open

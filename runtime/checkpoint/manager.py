@@ -7,11 +7,15 @@
 #       COMMIT                             JSON metadata, written last by rank 0 once every rank's .done exists,
 #                                          with every rank file's size and checksum (runtime/checkpoint/integrity.py)
 #
+# A rank file is raw tensor bytes and an index of them (format 2, runtime/checkpoint/rankfile.py; format 1, a
+# torch.save zip, still loads). Loading is runtime/checkpoint/loading.py's.
+#
 # Every rank writes its own file and then its .done marker; rank 0 waits (polling the storage, not a collective:
 # the wait runs on a background thread while training goes on) for all of them and writes COMMIT. Only a
 # directory with COMMIT is ever loaded or counted; retention runs only after a commit, and deletes the oldest
 # committed directories beyond keep_last plus any uncommitted leftovers of crashed saves.
 #
+# A sync save of host tensors writes them where they are (the caller waits, so nothing changes under the write).
 # Async saves: the state is copied to host memory and written by a background thread. On CPU the copy itself is
 # deferred too: it runs in the background while the next step's forward and backward read (never write) the
 # weights, and the optimizer's next update waits for it (a pre-step hook). One save in flight at a time, so host
@@ -19,27 +23,24 @@
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import re
 import secrets
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint, digest_while
-from runtime.checkpoint.shards import FullTensors, HostStaging, host_copy, load_into, rank_pieces
-from runtime.checkpoint.storage import Storage, open_storage
+from runtime.checkpoint.rankfile import write_rank_file
+from runtime.checkpoint.shards import HostStaging, host_copy, rank_pieces
+from runtime.checkpoint.storage import LocalStorage, Storage, open_storage
 from runtime.parallel.data_parallel import data_parallel_of
 
-FORMAT = 1
+FORMAT = 2  # 1: a torch.save zip per rank (read still); 2: raw bytes and an index (rankfile.py)
 COMMIT = "COMMIT"
 _DIR = re.compile(r"^step_(\d{8})\.([0-9a-f]+)$")
 
@@ -123,21 +124,19 @@ def resolve_checkpoint(location: str, name: str | None = None) -> tuple[Storage,
     return storage, found[-1]
 
 
-def _put_rank_file(storage: Storage, key: str, obj: Any) -> dict:
-    """torch.save into the storage's spool file, then publish it under `key` in one step; returns its size and
-    checksum, hashed while it is published."""
+def _on_host(tree) -> bool:
+    return all(t.is_cpu for t in HostStaging._tensors(tree, []))
+
+
+def _put_rank_file(storage: Storage, key: str, header: dict, pieces: dict) -> dict:
+    """Write the rank file into the storage's spool file, then publish it under `key` in one step; returns its
+    size and the checksum of its index (which holds every block's checksum)."""
     spool = storage.spool_path(key)
     try:
-        try:
-            with open(spool, "wb") as f:
-                torch.save(obj, f)
-        except RuntimeError as error:
-            # torch's zip writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos":
-            # ask the file system, while the partial file still takes its space, whether that is what happened.
-            if shutil.disk_usage(os.path.dirname(spool) or ".").free < 4 * 2**20:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), spool) from error
-            raise
-        return digest_while(spool, lambda: storage.put_file(key, spool))
+        # A local spool is the file itself (renamed into place): start the disk on it while it is written.
+        digest = write_rank_file(spool, header, pieces, flush_early=isinstance(storage, LocalStorage))
+        storage.put_file(key, spool)
+        return digest
     finally:
         if os.path.exists(spool):
             os.unlink(spool)
@@ -193,7 +192,7 @@ class Checkpointer:
             "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size, "zero1": dp.zero1}}
         live = {"model": model_pieces, "optim": optim_pieces}
         run_async = self.async_save and not sync
-        if not (run_async and self.deferred_copy):
+        if run_async and not self.deferred_copy or not run_async and not _on_host(live):
             live = self._staging.copy(live)  # device -> host now; the background thread only writes
         self.last_timings = {"snapshot_s": time.perf_counter() - started}
         self._copied.clear()
@@ -241,7 +240,7 @@ class Checkpointer:
             self.last_host_bytes = self._staging.nbytes
             self._copied.set()
             copied = time.perf_counter()
-            digest = _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", {**header, **state})
+            digest = _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", header, state)
             if self.rank == 0 and config is not None:
                 _put_config(self.storage, name, config)
             self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", json.dumps(digest).encode())
@@ -291,101 +290,9 @@ class Checkpointer:
             if not in_flight:
                 self.storage.delete_prefix(dirname)
 
-    # ---- loading -----------------------------------------------------------------------------------------
-
     def latest(self) -> Committed | None:
         found = committed_checkpoints(self.storage)
         return found[-1] if found else None
-
-
-def verify(storage: Storage, checkpoint: Committed) -> None:
-    """Every rank file of `checkpoint` against its COMMIT marker; DamagedCheckpoint names the first bad one."""
-    problem = check_checkpoint(storage, checkpoint)
-    if problem is not None:
-        raise DamagedCheckpoint(f"checkpoint {storage.root}/{checkpoint.name} is damaged: {problem}")
-
-
-def _load(storage: Storage, key: str, path: str) -> dict:
-    try:
-        return torch.load(path, mmap=True, weights_only=True)
-    except Exception as error:  # noqa: BLE001 - a damaged zip surfaces as several kinds of error
-        raise DamagedCheckpoint(f"{storage.root}/{key} cannot be read: {' '.join(str(error).split())[:160]}") \
-            from error
-
-
-def read_rank_files(storage: Storage, checkpoint: Committed | str, *, verified: bool = False) -> list[dict]:
-    """Every rank file of `checkpoint` (a Committed or a directory name; checked against COMMIT first unless
-    `verified`), memory-mapped where the storage is a file system (S3 objects are downloaded to a temporary
-    directory, mapped, and the directory removed at once: the mapping keeps them)."""
-    if isinstance(checkpoint, str):
-        name, checkpoint = checkpoint, _committed(storage, checkpoint)
-        if checkpoint is None:
-            raise ValueError(f"checkpoint {storage.root}/{name} is incomplete (no {COMMIT} marker)")
-    if not verified:
-        verify(storage, checkpoint)
-    name = checkpoint.name
-    keys = [k for k in storage.list(name) if re.search(r"/rank_\d{5}\.pt$", k)]
-    files = []
-    for key in keys:
-        path = storage.local_path(key)
-        if path is None:
-            scratch = tempfile.mkdtemp(prefix="nxdt_ckpt_load_")
-            path = os.path.join(scratch, os.path.basename(key))
-            storage.get_file(key, path)
-            data = _load(storage, key, path)
-            shutil.rmtree(scratch, ignore_errors=True)  # the mapping keeps the bytes alive
-        else:
-            data = _load(storage, key, path)
-        files.append(data)
-    if not files:
-        raise DamagedCheckpoint(f"checkpoint {storage.root}/{name} has no rank files")
-    return files
-
-
-def full_tensors(files: list[dict]) -> FullTensors:
-    return FullTensors(((n, p) for f in files for n, ps in f["model"].items() for p in ps),
-                       ((n, p) for f in files for n, ps in f["optim"].items() for p in ps))
-
-
-def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, topo, *, rank: int,
-                    broadcast: Callable[[torch.Tensor, Any], None] | None = None, reader: bool = True,
-                    with_optimizer: bool = True, verified: bool = False) -> dict:
-    """Load `checkpoint` into this rank's model and optimizer, resharding from whatever layout saved it.
-    Returns this rank's saved `extra` (or rank 0's when the world size changed) and the optimizer scalars.
-    The model needs data parallelism applied (it owns the buffers loaded into); optimizer may be None when
-    with_optimizer is False. verified: the caller has checked the files against COMMIT (resume does, together
-    over every rank); otherwise a reader checks them all itself."""
-    if with_optimizer and optimizer is None:
-        raise ValueError("load_checkpoint: with_optimizer=True needs the optimizer to load the moments into")
-    files = read_rank_files(storage, checkpoint, verified=verified) if reader else None
-    full = full_tensors(files) if files is not None else None
-    dp = data_parallel_of(model)
-    load_into(dp, optimizer, full, broadcast=broadcast, with_optimizer=with_optimizer)
-    same_world = checkpoint.meta.get("world_size") == topo.dims.world_size
-    if files is None:
-        files = _headers(storage, checkpoint.name, rank if same_world else 0)
-    by_rank = {f["rank"]: f for f in files}
-    own = by_rank.get(rank) if same_world else None
-    source = own or by_rank.get(0) or files[0]
-    scalars = source["optim_scalars"]
-    if with_optimizer:
-        optimizer.step_count = int(scalars["step"])
-        dp.load_sr_generator_state(scalars["sr_generator"])
-    return {"extra": source["extra"], "same_world": same_world}
-
-
-def _headers(storage: Storage, name: str, rank: int) -> list[dict]:
-    """The one rank file a rank that did not read the weights still needs, for the step, data position and RNG
-    state: its own when the world size is unchanged, rank 0's otherwise."""
-    key = f"{name}/{_rank_file(rank)}"
-    path = storage.local_path(key)
-    if path is not None:
-        return [_load(storage, key, path)]
-    try:
-        return [torch.load(io.BytesIO(storage.get_bytes(key)), weights_only=True)]
-    except Exception as error:  # noqa: BLE001
-        raise DamagedCheckpoint(f"{storage.root}/{key} cannot be read: {' '.join(str(error).split())[:160]}") \
-            from error
 
 
 def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict) -> str:
@@ -399,20 +306,10 @@ def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.
     digest = _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
         "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout,
         "optim_scalars": {"step": 0, "sr_generator": None},
-        "extra": {"step": step, "data": {"consumed_samples": 0}}, "model": pieces, "optim": {}})
+        "extra": {"step": step, "data": {"consumed_samples": 0}}}, {"model": pieces, "optim": {}})
     _put_config(storage, name, config)
     storage.put_bytes(f"{name}/{_done_file(0)}", json.dumps(digest).encode())
     meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": layout, "committed_at": time.time(),
             "source": "import", "files": {_rank_file(0): digest}}
     storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
     return f"{storage.root}/{name}"
-
-
-def read_config(storage: Storage, checkpoint: Committed) -> dict:
-    """The resolved training config saved with a checkpoint."""
-    import yaml
-
-    key = f"{checkpoint.name}/config.yaml"
-    if not storage.exists(key):
-        raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} has no config.yaml")
-    return yaml.safe_load(storage.get_bytes(key))

@@ -10,8 +10,8 @@ import time
 import torch
 
 from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint
-from runtime.checkpoint.manager import (Checkpointer, Committed, committed_checkpoints, load_checkpoint,
-                                        resolve_checkpoint)
+from runtime.checkpoint.loading import load_checkpoint
+from runtime.checkpoint.manager import Checkpointer, Committed, committed_checkpoints, resolve_checkpoint
 from runtime.checkpoint.shards import rank_pieces
 from runtime.parallel.data_parallel import data_parallel_of
 from runtime.config import CheckpointConfig

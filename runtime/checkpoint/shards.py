@@ -11,11 +11,11 @@
 # replica for experts), TP-replicated tensors by TP rank 0, optimizer state by every DP rank under ZeRO-1 (each
 # holds different elements) and by the first otherwise.
 #
-# Loading reassembles one full tensor at a time from every file's pieces (files are memory-mapped: only the
-# pages needed are read) and cuts out what this rank now holds. That is the reshard: nothing in the format
-# depends on the saving layout. torch.distributed.checkpoint reshards too, but only rectangular chunks of
-# DTensors; a fused QKV row set or a replicated KV head is not one, and a ZeRO-1 shard is a range of a
-# flattened bucket, so the format is our own.
+# Loading fills each bucket from a source: reshard.RangedSource reads from the rank files only the byte ranges
+# this rank now holds (that is the reshard: nothing in the format depends on the saving layout); FullTensors
+# reassembles whole tensors from pieces already in memory (checkpoints of format 1, conversion).
+# torch.distributed.checkpoint reshards too, but only rectangular chunks of DTensors; a fused QKV row set or a
+# replicated KV head is not one, and a ZeRO-1 shard is a range of a flattened bucket, so the format is our own.
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -23,10 +23,11 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from runtime.checkpoint.reshard import TIED, Target
 from runtime.parallel.data_parallel import DataParallel
 from runtime.parallel.plan import ShardingPlan
 
-TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whichever name a rank holds
+__all__ = ["TIED", "FullTensors", "HostStaging", "host_copy", "load_into", "rank_pieces"]
 
 
 def _geometry(plan: ShardingPlan, name: str, param: nn.Parameter) -> dict:
@@ -163,6 +164,19 @@ class FullTensors:
     def has(self, name: str, key: str) -> bool:
         return (self._resolve(name, key), key) in self._pieces
 
+    def full_shape(self, name: str, key: str = "value") -> tuple | None:
+        pieces = self._pieces.get((self._resolve(name, key), key))
+        return tuple(pieces[0]["full_shape"]) if pieces else None
+
+    def fill(self, name: str, target: Target, lo: int, hi: int, outs: dict) -> None:
+        """As RangedSource.fill, from the whole tensor (cut for each target: fine for the small checkpoints of
+        format 1 and for imports; new checkpoints load by range)."""
+        for out, key in outs.values():
+            out.copy_(target.take(self.get(name, key)).reshape(-1)[lo:hi])
+
+    def run(self) -> None:
+        pass
+
     def get(self, name: str, key: str) -> torch.Tensor | None:
         pieces = self._pieces.get((self._resolve(name, key), key))
         if not pieces:
@@ -208,14 +222,16 @@ def _place(full: torch.Tensor, piece: dict, shard: torch.Tensor, accumulate: boo
 
 
 @torch.no_grad()
-def load_into(dp: DataParallel, optimizer, full: FullTensors | None, *, broadcast: Callable | None = None,
+def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None = None,
               with_optimizer: bool = True) -> None:
-    """Fill this rank's parameters, master weights and (with_optimizer) Adam moments from `full` (None on ranks
-    that only receive). `optimizer` may be None when with_optimizer is False.
+    """Fill this rank's parameters, master weights and (with_optimizer) Adam moments from `source` (a
+    RangedSource or FullTensors; None on ranks that only receive). `optimizer` may be None when with_optimizer
+    is False.
 
     broadcast(tensor, axis) is called on every filled tensor of a bucket in the same order on every rank of the
     bucket's replica group `axis` (dp, or edp for experts): its rank 0 (a reader) sends, the others receive.
-    Without it every rank reads for itself.
+    Without it every rank reads for itself: the whole bucket's weights and only its own shard of the optimizer
+    state, straight into the live buffers when they are on the host.
     """
     plan = dp.plan
     names = {id(p): name for name, p in dp.named_params}
@@ -223,46 +239,69 @@ def load_into(dp: DataParallel, optimizer, full: FullTensors | None, *, broadcas
                                                                                           for _ in dp.buckets)
     for bucket, (exp_avg, exp_avg_sq) in zip(dp.buckets, moments):
         device = bucket.param_buffer.device
-        # Whole-bucket (unsharded) state, as a DP rank without ZeRO-1 would hold it; each rank keeps its shard.
-        # Only the states this optimizer holds are assembled (and broadcast): no moments when they are not
-        # wanted, no master copy for fp32 weights.
         padded = bucket.param_buffer.numel()
+        # Only the states this optimizer holds are read (and broadcast): no moments when they are not wanted,
+        # no master copy for fp32 weights. With a broadcast, the whole bucket's state, as a DP rank without
+        # ZeRO-1 would hold it (each receiver keeps its own shard); without, this rank's shard.
         keys = (["exp_avg", "exp_avg_sq"] if with_optimizer else []) + (["master"] if bucket.master is not None
                                                                           else [])
-        values = torch.zeros(padded, dtype=bucket.param_buffer.dtype)
-        state = {key: torch.zeros(padded, dtype=torch.float32) for key in keys}
+        span = slice(0, padded) if broadcast is not None else bucket.shard
+        live = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "master": bucket.master}
+        in_place = broadcast is None and bucket.param_buffer.is_cpu  # host memory: read into it directly
+        if in_place:  # zeroed below only where the checkpoint has nothing for them
+            values, state = bucket.param_buffer, {key: live[key] for key in keys}
+        else:
+            values = torch.zeros(padded, dtype=bucket.param_buffer.dtype)
+            state = {key: torch.zeros(span.stop - span.start, dtype=torch.float32) for key in keys}
         have = torch.zeros(len(keys), dtype=torch.float32)  # which of them the checkpoint has
-        if full is not None:
+        if source is not None:
             offset = 0
             for param in bucket.params:
                 local, n = names[id(param)], param.numel()
                 name = plan.full_name(local)
-                value = full.get(name, "value")
-                if value is None:
+                if not source.has(name, "value"):
                     raise ValueError(f"checkpoint has no weights for {name}: it was saved from a different model")
-                expected = plan.full_shape(local, param)
-                if tuple(value.shape) != tuple(expected):
-                    raise ValueError(f"checkpoint holds {name} with shape {tuple(value.shape)} but this model's is "
+                saved, expected = source.full_shape(name, "value"), plan.full_shape(local, param)
+                if tuple(saved) != tuple(expected):
+                    raise ValueError(f"checkpoint holds {name} with shape {tuple(saved)} but this model's is "
                                      f"{tuple(expected)}: the checkpoint was saved from a different model config")
-                values[offset:offset + n] = plan.local_slice(local, value).reshape(-1).to(values.dtype)
-                for i, key in enumerate(keys):
-                    if with_optimizer and full.has(name, key):
-                        state[key][offset:offset + n] = plan.local_slice(local, full.get(name, key)).reshape(-1)
+                target = Target.of(plan, local, param)
+                weights = {"value": (values[offset:offset + n], "value")}
+                lo, hi = max(offset, span.start), min(offset + n, span.stop)
+                outs = {}
+                for i, key in enumerate(keys if lo < hi else ()):
+                    dest = state[key][lo - span.start:hi - span.start]
+                    if with_optimizer and source.has(name, key):
+                        outs[key] = (dest, key)
                         have[i] = 1
                     elif key == "master":  # fp32 weights serve as the master copy of a bf16 run
-                        state[key][offset:offset + n] = plan.local_slice(local, value).reshape(-1).float()
+                        outs[key] = (dest, "value")
+                    else:
+                        dest.zero_()
+                if (lo, hi) == (offset, offset + n):  # one plan for the weights and the whole state
+                    source.fill(name, target, 0, n, {**weights, **outs})
+                else:
+                    source.fill(name, target, 0, n, weights)
+                    if outs:
+                        source.fill(name, target, lo - offset, hi - offset, outs)
                 offset += n
+            values[offset:].zero_()  # ZeRO-1 padding
+            for tensor in state.values():
+                tensor[max(0, offset - span.start):].zero_()
+            source.run()
         if broadcast is not None:
             for tensor in (values, have, *state.values()):
                 broadcast(tensor, bucket.axis)
-        bucket.param_buffer.copy_(values.to(device))
-        shard = bucket.shard
+        mine = slice(bucket.shard.start - span.start, bucket.shard.stop - span.start)
+        if not in_place:
+            bucket.param_buffer.copy_(values.to(device))
+            if bucket.master is not None:
+                bucket.master.copy_(state["master"][mine].to(device))
         if exp_avg is not None:
             if with_optimizer and have[0] and have[1]:
-                exp_avg.copy_(state["exp_avg"][shard].to(device))
-                exp_avg_sq.copy_(state["exp_avg_sq"][shard].to(device))
+                if not in_place:
+                    exp_avg.copy_(state["exp_avg"][mine].to(device))
+                    exp_avg_sq.copy_(state["exp_avg_sq"][mine].to(device))
             else:
                 exp_avg.zero_()
                 exp_avg_sq.zero_()
-        if bucket.master is not None:
-            bucket.master.copy_(state["master"][shard].to(device))

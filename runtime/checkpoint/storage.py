@@ -1,7 +1,8 @@
 # Where checkpoints live: a local (or shared) directory, or s3://bucket/prefix. The checkpoint code only needs
-# a handful of whole-object operations, so both are small classes with the same methods rather than an
-# fsspec-style file system: objects are written whole from a local file and read back whole into a local file
-# (torch.load then maps it), which is also the shape S3 is good at.
+# a handful of object operations, so both are small classes with the same methods rather than an fsspec-style
+# file system: objects are written whole from a local file, and read whole or by byte range (a loading rank
+# reads only the ranges of the rank files it needs: runtime/checkpoint/rankfile.py). That is also the shape S3
+# is good at: one PUT (multipart for large objects) per file, ranged GETs in parallel.
 #
 # Local writes go to a temporary name, are fsynced and renamed into place: a reader (or a crash) never sees half
 # an object. S3 PUTs are atomic per object already; boto3's managed transfer splits large ones into parallel
@@ -35,6 +36,15 @@ class Storage(Protocol):
     def delete_prefix(self, prefix: str) -> None: ...
     def delete(self, key: str) -> None: ...
     def local_path(self, key: str) -> str | None: ...    # a path torch.load can map directly, when there is one
+    def reader(self, key: str) -> "RangeReader": ...     # byte-range reads of one object (FileNotFoundError if none)
+    read_workers: int                                    # parallel range reads worth running against this storage
+
+
+class RangeReader(Protocol):
+    size: int
+
+    def read_into(self, offset: int, buffers: list[memoryview]) -> int: ...  # bytes read (fewer only at the end)
+    def close(self) -> None: ...
 
 
 def open_storage(location: str | os.PathLike, s3_settings: S3Settings | None = None) -> Storage:
@@ -55,10 +65,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _LocalReader:
+    """pread(2) into the caller's buffers: the bytes go from the page cache straight to their destination."""
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def read_into(self, offset: int, buffers: list[memoryview]) -> int:
+        buffers = [b for b in buffers if len(b)]
+        done = 0
+        while buffers:
+            got = os.preadv(self._fd, buffers[:1024], offset + done)  # at most IOV_MAX buffers per call
+            if got == 0:
+                break
+            done += got
+            while buffers and got >= len(buffers[0]):
+                got -= len(buffers[0])
+                buffers.pop(0)
+            if got:
+                buffers[0] = buffers[0][got:]
+        return done
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class LocalStorage:
     def __init__(self, root: str):
         self.root = str(root)
         self._root = Path(root)
+        # Ranged reads from the page cache are memory copies plus block checksums: a few threads per rank.
+        self.read_workers = max(2, min(8, os.cpu_count() or 2))
 
     def _path(self, key: str) -> Path:
         return self._root / key
@@ -115,6 +153,9 @@ class LocalStorage:
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
 
+    def reader(self, key: str) -> _LocalReader:
+        return _LocalReader(self._path(key))
+
 
 class S3Storage:
     """s3://bucket/prefix through the one S3 client (runtime/io/s3.py)."""
@@ -126,6 +167,8 @@ class S3Storage:
         self.prefix = prefix.strip("/")
         self.root = url.rstrip("/")
         self.s3, self.transfer = s3.client(settings)  # None: from the job script's environment
+        # Ranged GETs wait on the network: as many in flight as a managed transfer runs parts.
+        self.read_workers = max(4, self.transfer.max_request_concurrency)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -190,3 +233,42 @@ class S3Storage:
 
     def local_path(self, key: str) -> str | None:
         return None
+
+    def reader(self, key: str) -> "_S3Reader":
+        return _S3Reader(self, self._key(key))
+
+
+class _S3Reader:
+    """Ranged GETs of one object through the storage's client (boto3 clients are safe to share across threads)."""
+
+    def __init__(self, storage: S3Storage, key: str):
+        from botocore.exceptions import ClientError
+
+        self._s3, self._bucket, self._key = storage.s3, storage.bucket, key
+        try:
+            self.size = int(self._s3.head_object(Bucket=self._bucket, Key=key)["ContentLength"])
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"s3://{self._bucket}/{key}") from None
+            raise
+
+    def read_into(self, offset: int, buffers: list[memoryview]) -> int:
+        total = sum(len(b) for b in buffers)
+        if total == 0 or offset >= self.size:
+            return 0
+        body = self._s3.get_object(Bucket=self._bucket, Key=self._key,
+                                   Range=f"bytes={offset}-{min(offset + total, self.size) - 1}")["Body"]
+        done = 0
+        for buffer in buffers:
+            filled = 0
+            while filled < len(buffer):
+                chunk = body.read(len(buffer) - filled)
+                if not chunk:
+                    return done
+                buffer[filled:filled + len(chunk)] = chunk
+                filled += len(chunk)
+                done += len(chunk)
+        return done
+
+    def close(self) -> None:
+        pass

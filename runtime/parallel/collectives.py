@@ -6,6 +6,8 @@
 # Every helper is a no-op on a group of size 1, so the single-process path pays nothing.
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -58,6 +60,27 @@ def recv(out: torch.Tensor, src: int, tag: int) -> torch.Tensor:
     if buffer is not out:
         out.copy_(buffer.to(out.device))
     return out
+
+
+def start_recv(out: torch.Tensor, src: int, tag: int) -> Callable[[], torch.Tensor]:
+    """Post a receive into `out` from global rank `src`; returns wait(), which blocks until it is there and
+    returns out. Staged through a host buffer where the backend needs it, copied to out's device only in wait().
+
+    Posted now on gloo, which matches receives by (src, tag) in posting order, apart from any send, and moves the
+    data once the receive is posted, in its own thread. Elsewhere it is posted in wait(), as recv does: NCCL runs a
+    pair's sends and receives in posting order on one stream, so a receive posted ahead of a send to that peer
+    would hold the send back, while the peer may need what it carries before it can send what the receive awaits."""
+    if dist.get_backend() != "gloo":
+        return lambda: recv(out, src, tag)
+    buffer = torch.empty(out.shape, dtype=out.dtype) if needs_host_staging(out) else out
+    work = dist.irecv(buffer, src, tag=tag)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        if buffer is not out:
+            out.copy_(buffer.to(out.device))
+        return out
+    return wait
 
 
 def start_ring_pass(x: torch.Tensor, axis: AxisGroup, tag: int):
@@ -119,6 +142,60 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: AxisGroup) 
         out.copy_(full)
     else:
         _on_host(_reduce_scatter_single, out, full.contiguous(), axis.group)
+
+
+class Pending:
+    """A collective started with async_op: wait() finishes it (and copies a host-staged result back)."""
+
+    __slots__ = ("work", "out", "host_out", "keep")
+
+    def __init__(self, work, out: torch.Tensor, host_out: torch.Tensor | None, keep: tuple):
+        self.work, self.out, self.host_out = work, out, host_out
+        self.keep = keep  # inputs the backend may still be reading until the work is done
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.host_out is not None:
+                self.out.copy_(self.host_out.to(self.out.device))
+        self.keep = ()
+
+
+def _start_on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **kwargs) -> Pending:
+    """_on_host with async_op: the same call, returned unfinished."""
+    if not needs_host_staging(out, group):
+        work = collective(*(t for t in (out, inp) if t is not None), group=group, async_op=True, **kwargs)
+        return Pending(work, out, None, (inp,))
+    host_out = out.cpu() if inp is None else torch.empty(out.shape, dtype=out.dtype)
+    host_in = None if inp is None else inp.cpu()
+    work = collective(*(t for t in (host_out, host_in) if t is not None), group=group, async_op=True, **kwargs)
+    return Pending(work, out, host_out, (host_in,))
+
+
+def start_all_reduce(x: torch.Tensor, axis: AxisGroup) -> Pending:
+    """all_reduce (sum, in place), started: x holds the sum once the result is waited on."""
+    if axis.size == 1:
+        return Pending(None, x, None, ())
+    return _start_on_host(dist.all_reduce, x, None, axis.group, op=SUM)
+
+
+def start_reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, axis: AxisGroup) -> Pending:
+    """reduce_scatter_flat, started; `full` must not change until it is waited on."""
+    assert full.numel() == out.numel() * axis.size, (full.shape, out.shape, axis.size)
+    if axis.size == 1:
+        out.copy_(full)
+        return Pending(None, out, None, ())
+    return _start_on_host(_reduce_scatter_single, out, full.contiguous(), axis.group)
+
+
+def start_all_gather_flat(out: torch.Tensor, shard: torch.Tensor, axis: AxisGroup) -> Pending:
+    """all_gather_flat, started; `shard` is kept alive until it is waited on."""
+    assert out.numel() == shard.numel() * axis.size, (out.shape, shard.shape, axis.size)
+    if axis.size == 1:
+        out.copy_(shard)
+        return Pending(None, out, None, ())
+    return _start_on_host(_all_gather_single, out, shard.contiguous(), axis.group)
 
 
 def all_to_all(x: torch.Tensor, axis: AxisGroup, out_splits: list[int] | None = None,

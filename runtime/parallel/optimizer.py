@@ -81,6 +81,7 @@ class ShardedAdamW:
                             [exp_avg_sq[seg.in_shard] for seg in bucket.segments],
                             lr, self.cfg.weight_decay if bucket.decay else 0.0)
             dp.write_back(bucket, weights)
+        dp.finish_write_back()  # ZeRO-1: the all-gathers started bucket by bucket above
         self._clip_coef = 1.0
 
     def _adamw(self, weights, grads, exp_avgs, exp_avg_sqs, lr: float, weight_decay: float) -> None:

@@ -49,7 +49,7 @@ def _newest(storage):
 
 
 @pytest.mark.parametrize("damage, expected", [
-    (lambda f: _flip(f), "rank_00000.pt does not match its sha256 checksum (damaged)"),
+    (lambda f: _flip(f), "rank_00000.pt does not match its crc32 checksum at bytes "),
     (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "rank_00000.pt holds"),
     (lambda f: f.unlink(), "rank_00000.pt is missing"),
 ], ids=["flipped-bytes", "truncated", "deleted"])
@@ -69,7 +69,7 @@ def test_commit_records_every_rank_file_and_a_garbage_commit_is_named(tmp_path):
     newest = _newest(storage)
     recorded = newest.meta["files"]["rank_00000.pt"]
     assert recorded["bytes"] == (tmp_path / newest.name / "rank_00000.pt").stat().st_size
-    assert len(recorded["sha256"]) == 64
+    assert len(recorded["index_sha256"]) == 64  # the index holds every block's crc32
     (tmp_path / newest.name / "COMMIT").write_text("{not json")
     assert check_checkpoint(storage, _newest(storage)) == "COMMIT is not the JSON object nxdt writes"
 
@@ -98,7 +98,7 @@ def test_a_damaged_object_on_s3_is_named(aws_env):
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0x01
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    assert check_checkpoint(storage, newest) == "rank_00000.pt does not match its sha256 checksum (damaged)"
+    assert check_checkpoint(storage, newest).startswith("rank_00000.pt does not match its crc32 checksum at bytes ")
 
 
 # ---- end to end ------------------------------------------------------------------------------------------

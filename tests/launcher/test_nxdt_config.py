@@ -580,3 +580,15 @@ def test_nxd_context_parallel_size_the_layout_cannot_carve_is_refused(tmp_path):
         _training(tmp_path, f"training=@{_nxd_cp_file(tmp_path, size=4)}")
     assert any("training.model.context_parallel_size: 4 must divide the data-parallel size 2" in problem
                for problem in caught.value.problems), caught.value.problems
+
+
+def test_nemo_overlap_switches_map_to_megatron_core_names(tmp_path, recipe_data_dir):
+    """NeMo's distributed optimizer's overlap_grad_sync / overlap_param_sync: a false turns the runtime's overlap
+    off (model.overlap_grad_reduce / overlap_param_gather); a true is the runtime's default and changes nothing."""
+    text = NEMO_5B.read_text().replace("overlap_grad_sync: True", "overlap_grad_sync: False")
+    (tmp_path / "no_overlap.yaml").write_text(text)
+    common = ["stages=[training]", "cluster_type=slurm", f"base_results_dir={tmp_path}/r", f"data_dir={recipe_data_dir}",
+              *HF_TOKENIZER]
+    model = launch.make_plan([*common, f"training=@{tmp_path}/no_overlap.yaml"], dry_run=True,
+                             produced_by="test").cfg["training"]["model"]
+    assert model["overlap_grad_reduce"] is False and "overlap_param_gather" not in model

@@ -26,6 +26,10 @@ MICRO_BATCH = 2
 # bounds that amplification so parameter comparisons measure the sharding, not rounding.
 OPTIM = {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-6}
 
+# Small gradient buckets: the tiny models' gradients reduce in many buckets, which start during backward as their
+# parameters' last gradients land (runtime/parallel/data_parallel.py), so every layout runs the overlapped path.
+BUCKET_NUMEL = 2048
+
 TINY = {
     "gpt": dict(architecture="gpt", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
                 ffn_hidden_size=64, max_position_embeddings=SEQ, share_embeddings_and_output_weights=True),
@@ -188,7 +192,8 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0, 
                               activation_checkpointing=layout.activation_checkpointing,
                               recompute_modules=layout.recompute_modules, context=layout.context_kind,
                               attention_kernels=flash_attention_kernels,
-                              data_parallel=DataParallelConfig(layout.precision, layout.zero1))
+                              data_parallel=DataParallelConfig(layout.precision, layout.zero1,
+                                                                bucket_numel=BUCKET_NUMEL))
     optimizer = ShardedAdamW(model, OPTIM)
     losses, norms, dropped = [], [], []
     metrics = []

@@ -37,7 +37,7 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = 10, c
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size(),
                                        ep=layout.ep, cp=layout.cp))
     model = parallelize_model(H.fine_tuning_model(cfg, fine_tuning), topo, sequence_parallel=layout.sequence_parallel,
-                              virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1),
+                              virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1, bucket_numel=H.BUCKET_NUMEL),
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []

@@ -1,6 +1,7 @@
 # Pipeline parallelism: a model split into stages by layers (stages.py), schedules that order each rank's forward
-# and backward passes (one file each), point-to-point exchange between neighbouring stages (p2p.py), and the
-# executor that runs a schedule (executor.py). runtime/step.py calls run_pipeline when pp > 1.
+# and backward passes (one file each), point-to-point exchange between neighbouring stages (p2p.py: receives posted
+# one action early; NXDT_PP_EARLY_RECV=0 posts them just in time), and the executor that runs a schedule
+# (executor.py). runtime/step.py calls run_pipeline when pp > 1.
 from __future__ import annotations
 
 import contextlib
@@ -45,14 +46,17 @@ def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topo
                  total_tokens: float | Sequence[float], *, forward_only: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  schedule: str | None = None, timeline: list | None = None,
-                 objective: Callable | None = None) -> torch.Tensor:
+                 objective: Callable | None = None, early_receives: bool | None = None,
+                 events: list | None = None) -> torch.Tensor:
     """Run this rank's schedule over `batches`; returns the objective's statistics summed over them (the token
-    mean's: sum(loss * mask), a scalar), the same on every pp rank. total_tokens: the objective's totals."""
+    mean's: sum(loss * mask), a scalar), the same on every pp rank. total_tokens: the objective's totals.
+    early_receives: post receives ahead of their passes (None: NXDT_PP_EARLY_RECV, on unless "0"); events: when a
+    list, what ScheduleRun records in it (post, received, computed per action)."""
     if not isinstance(stage, PipelineStageModel):
         raise TypeError(f"pp > 1 needs the model parallelize_model split into stages, got {type(stage).__name__}")
     p2p = P2P(prev_rank=topo.prev_stage_rank, next_rank=topo.next_stage_rank)
     run = ScheduleRun(stage, p2p, batches, total_tokens, forward_only=forward_only, autocast=autocast,
-                      timeline=timeline, objective=objective)
+                      timeline=timeline, objective=objective, early_receives=early_receives, events=events)
     actions = schedule_actions(stage, len(batches), forward_only=forward_only, schedule=schedule)
     stats = run.run(actions)
     shape = stats.shape if objective is not None else ()

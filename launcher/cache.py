@@ -1,0 +1,256 @@
+"""nxdt-launch's own cache: the launch config of an earlier launch with the same inputs, so that a repeated launch
+skips Hydra, and the job-script templates compiled to Python code.
+
+Composing conf/ (Hydra's defaults chain, twice when the cluster switches the recipe: launcher/targets.py) and
+resolving it costs most of a dry run, and importing Hydra and OmegaConf most of the rest. The result is a plain
+dict that depends on nothing but what its key names:
+
+- the overrides, as typed, in order;
+- every file under the conf directory (NXDT_CONF_DIR or conf/): its path, mtime and size;
+- every .py file of the launcher package (a code change invalidates), the Python version, and Hydra's and
+  OmegaConf's version files;
+- the working directory (${cwd:});
+- and, checked on reading, the value of every environment variable ${oc.env:NAME} read (launcher/resolvers.py).
+
+A hit imports neither Hydra nor OmegaConf. Nothing that failed is stored, so a mistake is reported by compose.py
+every time, as before. Not cached: a file choice (training=@FILE, read from outside conf/), an override of
+`hydra.*` (hydra.searchpath adds config directories), choices registered in this process's ConfigStore, a config
+that could call a resolver other than those whose result these inputs fix (${now:...}), a value that JSON would
+not give back unchanged, and files changed in the last two seconds (mtimes are coarser than the clock; as git's
+"racily clean" entries). A damaged entry is recomposed and replaced.
+
+Templates go through Jinja's own bytecode cache, which compiles again when a template's text changes; its key
+adds Jinja's version and launcher/render.py, which sets up the environment the code is generated for.
+
+    NXDT_LAUNCH_CACHE=off          # compose and compile every time
+    NXDT_LAUNCH_CACHE=/tmp/cache   # the cache directory; default $XDG_CACHE_HOME/nxdt-launch (~/.cache/nxdt-launch)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher.paths import CONFIG_GROUPS, conf_dir
+
+ENV = "NXDT_LAUNCH_CACHE"
+OFF = ("off", "0", "false", "no")
+FORMAT = 1
+MAX_ENTRIES = 256        # the least recently used beyond these are removed when an entry is written
+RACY_NS = 2_000_000_000  # a file changed this recently may change again without its mtime moving
+
+# Resolvers whose result the key fixes: ours (launcher/resolvers.py; cwd is in the key, oc.env is recorded) and
+# OmegaConf's that read only the config. Not oc.create/oc.decode: they turn a string into interpolations.
+DETERMINISTIC = {"multiply", "divide_ceil", "divide_floor", "trained", "cwd", "oc.env", "oc.select", "oc.deprecated",
+                 "oc.dict.keys", "oc.dict.values"}
+RESOLVER_CALL = re.compile(r"\$\{\s*([\w.\-]+)\s*:")
+PLAIN = (str, int, float, bool, type(None))
+
+
+def cache_dir() -> Path | None:
+    """None when the cache is off."""
+    setting = os.environ.get(ENV, "").strip()
+    if setting.lower() in OFF:
+        return None
+    return Path(setting or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nxdt-launch")
+
+
+@dataclass(frozen=True)
+class Key:
+    digest: str
+    racy: bool   # a keyed file changed within RACY_NS: read from the cache, never written to it
+
+
+def resolved(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """compose.resolve(compose.compose(overrides)) and compose's warnings, from the cache when nothing it reads has
+    changed; a UserError exactly as compose.py raises it otherwise."""
+    where = cache_dir()
+    key = cache_key(overrides) if where is not None else None
+    path = where / "compose" / f"{key.digest}.json" if key is not None else None
+    if path is not None and (hit := load(path)) is not None:
+        return hit
+    from launcher.compose import compose, resolve
+    from launcher.resolvers import recording_env
+
+    warnings: list[str] = []
+    with recording_env() as env_reads:
+        cfg = resolve(compose(overrides, warnings))
+    if path is not None and not key.racy and storable(cfg, overrides):
+        store(path, {"env": env_reads, "warnings": warnings, "config": cfg})
+    return cfg, warnings
+
+
+def cache_key(overrides: list[str]) -> Key | None:
+    """None when these overrides read something the key cannot name."""
+    for override in overrides:
+        name, _, value = override.partition("=")
+        name = name.lstrip("+~")
+        if name == "hydra" or name.startswith("hydra.") or value.startswith("@"):
+            return None
+    if _registered_choices():
+        return None
+    try:
+        cwd = os.getcwd()
+        conf = conf_dir()
+        files = _stamps(conf, lambda name: True) + _stamps(Path(__file__).parent, lambda name: name.endswith(".py"))
+        versions = [_package_file("hydra", "__init__.py"), _package_file("omegaconf", "version.py")]
+    except OSError:  # a working directory or a file that is gone: compose reports what matters
+        return None
+    if None in versions:
+        return None
+    material = json.dumps([FORMAT, sys.version, cwd, str(conf), list(overrides), versions, files])
+    newest = max((mtime for _, mtime, _ in files), default=0)
+    return Key(hashlib.sha256(material.encode()).hexdigest(), racy=newest > time.time_ns() - RACY_NS)
+
+
+def _stamps(root: Path, wanted) -> list[tuple[str, int, int]]:
+    """(path, mtime_ns, size) of every wanted file under root, in a fixed order."""
+    stamps = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(names):
+            if wanted(name):
+                path = os.path.join(folder, name)
+                stat = os.stat(path)
+                stamps.append((path, stat.st_mtime_ns, stat.st_size))
+    if not stamps:
+        raise FileNotFoundError(root)
+    return stamps
+
+
+def _package_file(package: str, name: str) -> str | None:
+    """The text of a package's file that holds its version, found without importing it."""
+    from importlib.util import find_spec
+
+    spec = find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0])
+    return f"{folder}:{(folder / name).read_text()}"
+
+
+def _registered_choices() -> bool:
+    """Whether this process registered config choices in Hydra's ConfigStore (a training=@FILE launch before this
+    one, in tests or autoconfig): a config composed here could depend on them."""
+    module = sys.modules.get("hydra.core.config_store")
+    if module is None:
+        return False
+    repo = module.ConfigStore.instance().repo
+    return any(group in repo for group in CONFIG_GROUPS)
+
+
+def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
+    """The entry's (config, warnings), or None when there is none, it is damaged, or an environment variable it
+    read has changed."""
+    try:
+        data = path.read_bytes()
+        header, _, body = data.partition(b"\n")
+        if json.loads(header) != {"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest()}:
+            return None
+        entry = json.loads(body)
+        if any(os.environ.get(name) != value for name, value in entry["env"].items()):
+            return None
+        cfg, warnings = entry["config"], entry["warnings"]
+        if not isinstance(cfg, dict) or not isinstance(warnings, list):
+            return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    try:
+        os.utime(path)  # recently used: kept when old entries are removed
+    except OSError:
+        pass
+    return cfg, warnings
+
+
+def storable(cfg: dict[str, Any], overrides: list[str]) -> bool:
+    """Whether the entry would give back exactly this config: its values come back from JSON unchanged, and every
+    resolver the config could call (anywhere in conf/ or the overrides) is one whose result the key fixes."""
+    if not _plain(cfg):
+        return False
+    texts = list(overrides)
+    try:
+        for folder, _, names in os.walk(conf_dir(), followlinks=True):
+            texts += [Path(folder, name).read_text(errors="replace") for name in names]
+    except OSError:
+        return False
+    return all(name in DETERMINISTIC for text in texts for name in RESOLVER_CALL.findall(text))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return type(value) in PLAIN
+
+
+def store(path: Path, entry: dict[str, Any]) -> None:
+    """Written whole or not at all (a temporary file renamed over it); a cache that cannot be written is skipped."""
+    import tempfile
+
+    body = json.dumps(entry, separators=(",", ":")).encode()
+    header = json.dumps({"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest()}).encode()
+    temporary = None
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(header + b"\n" + body)
+        os.replace(temporary, path)
+        temporary = None
+        _prune(path.parent)
+    except OSError:
+        pass
+    finally:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+
+
+def _prune(folder: Path) -> None:
+    entries = []
+    for path in folder.glob("*.json"):
+        try:
+            entries.append((path.stat().st_mtime_ns, path))
+        except OSError:  # removed by another launch meanwhile
+            continue
+    for _, path in sorted(entries)[:-MAX_ENTRIES]:
+        path.unlink(missing_ok=True)
+
+
+def template_cache(environment_source: str):
+    """A Jinja bytecode cache under the cache directory, or None when the cache is off. `environment_source`: the
+    file that sets up the Jinja environment the code is generated for (its options shape that code)."""
+    where = cache_dir()
+    if where is None:
+        return None
+    import jinja2
+
+    class TemplateCache(jinja2.FileSystemBytecodeCache):
+        """Jinja's, keyed also on what the generated code depends on besides the template's text, and never a
+        reason for a launch to fail: a damaged file compiles again, an unwritable directory is skipped."""
+
+        def get_cache_key(self, name, filename=None):
+            stat = os.stat(environment_source)
+            return super().get_cache_key(f"{name}|{jinja2.__version__}|{stat.st_mtime_ns}|{stat.st_size}", filename)
+
+        def load_bytecode(self, bucket):
+            try:
+                super().load_bytecode(bucket)
+            except Exception:  # the pickled checksum or the marshalled code is damaged: Jinja raises varied errors
+                bucket.reset()
+
+        def dump_bytecode(self, bucket):
+            try:
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                super().dump_bytecode(bucket)
+            except OSError:
+                pass
+
+    return TemplateCache(str(where / "templates"))
