@@ -82,7 +82,10 @@ def test_capacity_drops_the_latest_arrivals_at_each_expert():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     out.square().sum().backward()
     expected.square().sum().backward()
-    torch.testing.assert_close(xs.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
+    # The gradient sums the same terms in another order (batched matmuls against one token at a time): a few fp32
+    # ulps apart, which the CPU's kernels decide (2.9e-6 on a 0.075 gradient on one machine). A dropped assignment
+    # counted, or a kept one lost, moves it by a whole expert's contribution, orders of magnitude more.
+    torch.testing.assert_close(xs.grad, ref_x.grad, rtol=1e-4, atol=1e-5)
     block.capacity_factor = None
     assert not torch.allclose(block(x), out)
 
