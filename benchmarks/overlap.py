@@ -137,11 +137,11 @@ class Pipeline:
         self.model = parallelize_model(build_model(model_config(args)), self.topo,
                                        data_parallel=DataParallelConfig("fp32"))
         self.optimizer = ShardedAdamW(self.model, {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]})
-        self.early, self.args, self.p2p = early, args, p2p
+        self.early, self.args, self.switch = early, args, p2p.EARLY_RECEIVES_ENV
 
     def step(self, step: int) -> None:
         from runtime.step import train_step
-        os.environ["NXDT_PP_EARLY_RECV"] = "1" if self.early else "0"
+        os.environ[self.switch] = "1" if self.early else "0"  # train_step reads it at every schedule run
         train_step(self.model, self.optimizer, batches(self.args, step, 0, self.args.pp_micro_batches), self.topo,
                    lr=1e-4, clip=1.0)
 
