@@ -115,8 +115,8 @@ LORA_MAPPED = {"model.peft.lora_tuning.adapter_dim": "model.peft.lora_rank",
                "model.peft.lora_tuning.adapter_dropout": "model.peft.lora_dropout",
                "model.peft.lora_tuning.target_modules": "model.peft.target_modules"}
 # The distributed optimizer's overlap switches -> Megatron-core's names, which the runtime reads. Only a false is
-# carried over: overlap is opt-in in the runtime for now (runtime/parallel/data_parallel.py), and a NeMo file's true
-# must not switch on what the recipe it translates to leaves off.
+# carried over: overlap is on by default in the runtime as in NeMo, so a true changes nothing and the translated
+# file stays the recipe it matches.
 OVERLAP = {"model.optim.overlap_grad_sync": "model.overlap_grad_reduce",
            "model.optim.overlap_param_sync": "model.overlap_param_gather"}
 # NeMo-Launcher's fine-tuning run keys: they name the run (run.name: ${.task_name}_${.model_train_name}), so they
@@ -163,10 +163,11 @@ def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) ->
         elif key in LORA_MAPPED:
             put(LORA_MAPPED[key], value)
             row(key, value, f"training.{LORA_MAPPED[key]}")
-        elif key in OVERLAP:
+        elif key in OVERLAP:  # on by default here, as in NeMo: only a false is written
             if value is False:
                 put(OVERLAP[key], False)
-            row(key, value, f"training.{OVERLAP[key]}" if value is False else "ignored: overlap is opt-in here (training.model.overlap_grad_reduce)")
+            row(key, value, f"training.{OVERLAP[key]}" if value is False else
+                f"the default here (training.{OVERLAP[key]}: true)")
         elif key == "model.peft.peft_scheme":
             if value not in PEFT_SCHEMES:
                 error(key, f"{value!r} is not built here: LoRA (lora) is, or none for full fine-tuning")

@@ -200,8 +200,10 @@ def flash_attention_kernels(tensor: torch.Tensor):
     return None
 
 
-def shutdown(device: Device | None = None) -> None:
-    topology.leave_world()
+def shutdown(device: Device | None = None, *, drain: bool = True) -> None:
+    """Leave the world; drain: wait for the process groups' threads (topology.leave_world says why), which a
+    clean exit wants and an error path, with a collective perhaps still waiting on a dead peer, must not."""
+    topology.leave_world(drain=drain)
     if device is not None and device._store_file:
         with contextlib.suppress(OSError):
             os.unlink(device._store_file)

@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in getattr(error, "problems", None) or [_one_line(error)]:
                 _say(f"error: {line}")
         return USER_ERROR_EXIT_CODE
-    device = None
+    device, clean = None, False
     try:
         device = init_device(cfg.trainer.accelerator)
         if cfg.trainer.preflight and device.world_size > 1:
@@ -399,11 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         if device.is_main and cfg.plot:
             _draw(cfg.results_dir)
         # Leave together: rank 0 released the run lock, closed its metric sinks and drew metrics.png since train()'s
-        # last barrier. A rank that tears its process group down and exits while another is still busy can abort in
-        # gloo's teardown ("terminate called without an active exception": seen on the 2-node Slurm cluster and in
-        # 2-process runs when rank 0 drew after leaving the group).
+        # last barrier, and a rank must not tear its groups down while another still talks to it.
         device.barrier()
+        clean = True
     except Preempted as stop:
+        clean = True  # every rank stopped at the same step, past a barrier
         if device.is_main:
             _say(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued")
         return PREEMPTED_EXIT_CODE
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR_EXIT_CODE
     finally:
         if device is not None:
-            shutdown(device)
+            shutdown(device, drain=clean)
     return 0
 
 

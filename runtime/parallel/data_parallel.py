@@ -54,11 +54,8 @@ class DataParallelConfig:
     zero1: bool = False                        # shard master weights (and the optimizer's moments) over DP
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     seed: int = 0                              # stochastic-rounding noise, the same on every rank
-    # Off by default for now: with an async deferred-copy checkpoint beside ZeRO-1 training, one run in about ten
-    # of tests/checkpoint/test_manager.py's async test aborted ("terminate called without an active exception")
-    # with overlap on, none with it off; until that is understood, overlap is opt-in.
-    overlap_grad_reduce: bool = False          # start each bucket's reduction during backward (see the header)
-    overlap_param_gather: bool = False         # ZeRO-1: all-gather bucket k while bucket k + 1 is updated
+    overlap_grad_reduce: bool = True           # start each bucket's reduction during backward (see the header)
+    overlap_param_gather: bool = True          # ZeRO-1: all-gather bucket k while bucket k + 1 is updated
 
 
 class MainGrad:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
+import os
+import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -15,14 +19,21 @@ from runtime.parallel.dims import (AXES, CONTEXT_AXIS, EXPERT_AXES, ParallelDims
 
 
 def join_world(backend: str, *, init_method: str | None = None, store=None, rank: int | None = None,
-               world_size: int | None = None, device_id=None) -> tuple[int, int]:
+               world_size: int | None = None, device_id=None,
+               timeout: datetime.timedelta | None = None) -> tuple[int, int]:
     """Join the default process group (once per process); returns (rank, world size)."""
     if not dist.is_initialized():
+        # torch.distributed.nn.functional's functions take group=group.WORLD as a default argument, so importing
+        # it once the world exists (torch's sharded-tensor code does, lazily) pins the world group in those
+        # defaults for good, and leave_world could never free it. Imported before, the defaults hold None.
+        import torch.distributed.nn.functional  # noqa: F401
         kwargs: dict[str, Any] = {"init_method": init_method} if store is None else {"store": store}
         if rank is not None:
             kwargs.update(rank=rank, world_size=world_size)
         if device_id is not None:
             kwargs["device_id"] = device_id  # binds NCCL's communicator to this rank's GPU up front
+        if timeout is not None:
+            kwargs["timeout"] = timeout
         dist.init_process_group(backend, **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
@@ -58,11 +69,67 @@ def world_barrier(device_ids: list[int] | None = None) -> None:
     dist.barrier(device_ids=device_ids) if device_ids is not None else dist.barrier()
 
 
-def leave_world() -> None:
+def leave_world(*, drain: bool = True) -> int:
+    """Leave the default group and release every group Topology.build made; returns how many groups are still
+    held somewhere (0 after a clean run: the test harness asserts it).
+
+    drain: wait until the groups' worker threads have finished and exited. Why: gloo finishes each collective
+    on a worker thread of its own, and the last reference to the tensors a collective used can be dropped
+    there, which takes the GIL. If that happens once the interpreter has begun to finalize, CPython ends the
+    thread with pthread_exit, the forced unwind crosses a noexcept destructor, and the process aborts with
+    "terminate called without an active exception" although the run succeeded. A barrier makes it likely: it
+    holds weak references to the work in flight when it was issued, so that work's tensors are dropped only
+    with the barrier's own work, just after every rank has passed it and may already be exiting. Freeing a
+    group joins its workers (the bindings let go of the GIL while they do), so after this no worker is left
+    to race the interpreter's exit. Off on error paths: a worker still inside a collective a dead peer will
+    never finish would hold the join until gloo's timeout."""
     global _host_staging
     if dist.is_initialized():
         dist.destroy_process_group()
     _host_staging = None
+    if not drain:
+        return 0
+    for axis in _axes:
+        object.__setattr__(axis, "group", None)  # frozen for callers; the groups are gone now
+    _axes.clear()
+    gc.collect()  # groups referenced only from cycles (a model's hooks) are freed now, not at finalization
+    alive = sum(ref() is not None for ref in _groups)
+    _groups.clear()
+    if alive or backend_threads():
+        print(f"nxdt: warning: {alive} process groups are still referenced after leaving the world and "
+              f"{len(backend_threads())} of their threads still run: they may abort this process's exit",
+              file=sys.stderr, flush=True)
+    return alive
+
+
+def backend_threads() -> list[str]:
+    """The names of this process's threads that belong to a gloo process group (its workers and transport
+    loops), from /proc; [] where there is no /proc. After leave_world() there must be none."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return [name for name in names if name.startswith(("pt_gloo", "gloo_"))]
+
+
+# What Topology.build handed out, so that leave_world can release it: each AxisGroup (their groups are set to
+# None there) and a weak reference to each group, to count the ones something else still holds.
+_axes: list["AxisGroup"] = []
+_groups: list[weakref.ref] = []
+
+
+def _register(axis: "AxisGroup") -> "AxisGroup":
+    _axes.append(axis)
+    if axis.group is not None and not any(ref() is axis.group for ref in _groups):
+        _groups.append(weakref.ref(axis.group))
+    return axis
 
 
 # Whether a collective has to copy a tensor through host memory because the group's backend cannot address the
@@ -136,13 +203,15 @@ class Topology:
                 # new_group is collective over the whole world: every process creates every group.
                 group = dist.new_group(ranks) if len(ranks) < dims.world_size else dist.group.WORLD
                 if rank in ranks:
-                    mine[axis] = AxisGroup(rank=coords[axis], size=len(ranks), ranks=tuple(ranks), group=group)
+                    mine[axis] = _register(AxisGroup(rank=coords[axis], size=len(ranks), ranks=tuple(ranks),
+                                                     group=group))
         if dims.pp > 1:
             for ranks in rank_groups(dims, "pp"):
                 ends = [ranks[0], ranks[-1]]
                 group = dist.new_group(ends) if len(ends) < dims.world_size else dist.group.WORLD
                 if rank in ends:
-                    mine["embedding"] = AxisGroup(rank=ends.index(rank), size=2, ranks=tuple(ends), group=group)
+                    mine["embedding"] = _register(AxisGroup(rank=ends.index(rank), size=2, ranks=tuple(ends),
+                                                          group=group))
         return cls(dims=dims, rank=rank, **mine)
 
     @property

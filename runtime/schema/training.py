@@ -325,8 +325,8 @@ def _parallel(model: Section) -> ParallelConfig | None:
         sequence_parallel=model.bool("sequence_parallel", False),
         zero1=model.bool("zero1", False),
         # Megatron-core's DDP names; NeMo's optim.overlap_grad_sync / overlap_param_sync map onto them.
-        overlap_grad_reduce=model.bool("overlap_grad_reduce", False),  # opt-in for now: runtime/parallel/data_parallel.py
-        overlap_param_gather=model.bool("overlap_param_gather", False),
+        overlap_grad_reduce=model.bool("overlap_grad_reduce", True),  # as torch DDP and Megatron-core default
+        overlap_param_gather=model.bool("overlap_param_gather", True),
     )
     vpp = model.int("virtual_pipeline_model_parallel_size", None, minimum=1)
     granularity = model.choice("activations_checkpoint_granularity", C.CHECKPOINT_GRANULARITIES, None)

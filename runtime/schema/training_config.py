@@ -35,8 +35,8 @@ class ParallelConfig:
     ep: int = 1                           # model.expert_model_parallel_size: experts sharded over part of dp
     cp: int = 1                           # model.context_parallel_size: sequences split over part of dp (ring)
     ulysses: int = 1                      # model.ulysses_parallel_size: the same group, heads all-to-all'd
-    overlap_grad_reduce: bool = False     # gradient buckets reduced during backward (runtime/parallel/data_parallel.py)
-    overlap_param_gather: bool = False    # ZeRO-1's parameter all-gather overlapped with the optimizer's update
+    overlap_grad_reduce: bool = True      # gradient buckets reduced during backward (runtime/parallel/data_parallel.py)
+    overlap_param_gather: bool = True     # ZeRO-1's parameter all-gather overlapped with the optimizer's update
 
     @property
     def context(self) -> int:

@@ -35,10 +35,18 @@ def _worker(rank: int, world_size: int, backend: str, tmp: str, fn, args, timeou
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import datetime
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+    from runtime.parallel.topology import backend_threads, join_world, leave_world
+    join_world(backend, init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank, world_size=world_size,
+               timeout=datetime.timedelta(seconds=timeout_s))
+    clean = False
     try:
         result = fn(*args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        clean = True
     finally:
-        dist.destroy_process_group()
+        # As the runtime leaves (see leave_world): without the drain, a gloo worker can still be dropping a
+        # collective's tensors when the interpreter finalizes, and the rank aborts after passing.
+        held = leave_world(drain=clean)
+    assert held == 0, f"{held} process groups are still referenced after the run: their threads outlive it"
+    assert not backend_threads(), f"gloo threads outlive leave_world: {backend_threads()}"
