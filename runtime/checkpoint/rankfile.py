@@ -21,12 +21,18 @@ import json
 import os
 import struct
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+try:
+    # The same CRC-32 as zlib's, computed with ISA-L's carry-less-multiply kernels: 16 GB/s against zlib's 2 on
+    # this machine, which is what checking every block of a load costs (python-isal, the runtime extra's).
+    from isal.isal_zlib import crc32
+except ImportError:  # the same values, 8x slower
+    from zlib import crc32
 
 MAGIC = b"NXDTRNK2"
 FOOTER = struct.Struct("<8sQQI4x")
@@ -53,7 +59,7 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def block_crcs(data: memoryview) -> list[int]:
-    return [zlib.crc32(data[i:i + BLOCK]) for i in range(0, len(data), BLOCK)]
+    return [crc32(data[i:i + BLOCK]) for i in range(0, len(data), BLOCK)]
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -160,7 +166,7 @@ def write_rank_file(path: str, header: dict, pieces: dict, *, flush_early: bool 
         torch.save({**header, "block_bytes": BLOCK, "pieces": json.dumps(listed, separators=(",", ":"))}, buffer)
         data = buffer.getvalue()
         _pwrite_all(fd, data, offset)
-        _pwrite_all(fd, FOOTER.pack(MAGIC, offset, len(data), zlib.crc32(data)), offset + len(data))
+        _pwrite_all(fd, FOOTER.pack(MAGIC, offset, len(data), crc32(data)), offset + len(data))
     finally:
         if flusher is not None:
             flusher.close()
@@ -203,7 +209,7 @@ class RankFile:
         data = self.read(offset, length)
         if expected is not None and hashlib.sha256(data).hexdigest() != expected["index_sha256"]:
             raise DamagedFile(f"{self.name} does not match its sha256 checksum (damaged index)")
-        if zlib.crc32(data) != crc:
+        if crc32(data) != crc:
             raise DamagedFile(f"{self.name} does not match its crc32 checksum (damaged index)")
         try:
             header = torch.load(io.BytesIO(data), weights_only=True)
@@ -339,7 +345,7 @@ def _check(task: _Task, buffers: list[memoryview]) -> None:
         at = 0
         while at < len(buffer):
             take = min(left, len(buffer) - at)
-            crc = zlib.crc32(buffer[at:at + take], crc)
+            crc = crc32(buffer[at:at + take], crc)
             at, left = at + take, left - take
             if left == 0:
                 if block >= len(crcs) or crc != crcs[block]:

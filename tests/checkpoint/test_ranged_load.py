@@ -269,3 +269,18 @@ def test_a_newer_format_is_one_line(tmp_path):
     [checkpoint] = committed_checkpoints(storage)
     with pytest.raises(ValueError, match=r"is in format 3, newer than this nxdt reads \(formats 1 to 2\)"):
         load_checkpoint(storage, checkpoint, model, optimizer, topo, rank=0)
+
+
+def test_block_checksums_are_zlibs_crc32_from_isal():
+    """The runtime extra's ISA-L CRC-32 is what rank files use, and it is zlib's: files written before (and by a
+    runtime without isal) check the same."""
+    import zlib
+
+    from isal import isal_zlib
+
+    from runtime.checkpoint import rankfile
+    assert rankfile.crc32 is isal_zlib.crc32
+    data = torch.randint(0, 256, (3 * rankfile.BLOCK + 17,), dtype=torch.uint8).numpy().tobytes()
+    assert rankfile.block_crcs(memoryview(data)) == [zlib.crc32(data[i:i + rankfile.BLOCK])
+                                                     for i in range(0, len(data), rankfile.BLOCK)]
+    assert rankfile.crc32(data[100:], rankfile.crc32(data[:100])) == zlib.crc32(data)  # chained, as loads check
