@@ -24,14 +24,18 @@ def _on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **k
     """Run `collective(out[, inp], group=...)`, through host copies when the group's backend cannot address the
     tensors' device: gloo over XLA tensors, as the XLA:CPU tests run (see runtime/device.py). A capability check,
     not a device switch: on gloo with CPU tensors, nccl and xla, this is a plain call."""
-    if not needs_host_staging(out, group):
-        collective(*(t for t in (out, inp) if t is not None), group=group, **kwargs)
-        return
-    # With an input, `out` is only written: its values (possibly never materialized on the device) are not read.
-    host_out = out.cpu() if inp is None else torch.empty(out.shape, dtype=out.dtype)
-    host_in = None if inp is None else inp.cpu()
+    host_out, host_in = _staged(out, inp, group)
     collective(*(t for t in (host_out, host_in) if t is not None), group=group, **kwargs)
-    out.copy_(host_out.to(out.device))
+    if host_out is not out:
+        out.copy_(host_out.to(out.device))
+
+
+def _staged(out: torch.Tensor, inp: torch.Tensor | None, group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tensors a collective runs on: out and inp themselves, or host copies where the backend needs them."""
+    if not needs_host_staging(out, group):
+        return out, inp
+    # With an input, `out` is only written: its values (possibly never materialized on the device) are not read.
+    return (out.cpu() if inp is None else torch.empty(out.shape, dtype=out.dtype)), (None if inp is None else inp.cpu())
 
 
 SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
@@ -164,13 +168,9 @@ class Pending:
 
 def _start_on_host(collective, out: torch.Tensor, inp: torch.Tensor | None, group, **kwargs) -> Pending:
     """_on_host with async_op: the same call, returned unfinished."""
-    if not needs_host_staging(out, group):
-        work = collective(*(t for t in (out, inp) if t is not None), group=group, async_op=True, **kwargs)
-        return Pending(work, out, None, (inp,))
-    host_out = out.cpu() if inp is None else torch.empty(out.shape, dtype=out.dtype)
-    host_in = None if inp is None else inp.cpu()
+    host_out, host_in = _staged(out, inp, group)
     work = collective(*(t for t in (host_out, host_in) if t is not None), group=group, async_op=True, **kwargs)
-    return Pending(work, out, host_out, (host_in,))
+    return Pending(work, out, None if host_out is out else host_out, (host_in,))
 
 
 def start_all_reduce(x: torch.Tensor, axis: AxisGroup) -> Pending:
