@@ -89,8 +89,9 @@ def leave_world(*, drain: bool = True) -> int:
     _host_staging = None
     if not drain:
         return 0
-    for axis in _axes:
-        object.__setattr__(axis, "group", None)  # frozen for callers; the groups are gone now
+    for ref in _axes:
+        if (axis := ref()) is not None:
+            object.__setattr__(axis, "group", None)  # frozen for callers; the groups are gone now
     _axes.clear()
     gc.collect()  # groups referenced only from cycles (a model's hooks) are freed now, not at finalization
     alive = sum(ref() is not None for ref in _groups)
@@ -119,14 +120,17 @@ def backend_threads() -> list[str]:
     return [name for name in names if name.startswith(("pt_gloo", "gloo_"))]
 
 
-# What Topology.build handed out, so that leave_world can release it: each AxisGroup (their groups are set to
-# None there) and a weak reference to each group, to count the ones something else still holds.
-_axes: list["AxisGroup"] = []
+# What Topology.build handed out, so that leave_world can release it: a weak reference to each AxisGroup (their
+# groups are set to None there) and to each group, to count the ones something else still holds. Weak: a
+# long-lived process (a test session, a notebook) that builds many topologies must not keep them all.
+_axes: list[weakref.ref] = []
 _groups: list[weakref.ref] = []
 
 
 def _register(axis: "AxisGroup") -> "AxisGroup":
-    _axes.append(axis)
+    _axes[:] = [ref for ref in _axes if ref() is not None]
+    _axes.append(weakref.ref(axis))
+    _groups[:] = [ref for ref in _groups if ref() is not None]
     if axis.group is not None and not any(ref() is axis.group for ref in _groups):
         _groups.append(weakref.ref(axis.group))
     return axis
