@@ -45,6 +45,9 @@ class Shard:
         return os.path.join(cfg.output_dir, f"{self.name}_text_document")
 
 
+MAX_FILE_NUMBERS = 100_000  # a range is expanded into a list before anything is read: bound it
+
+
 def parse_file_numbers(spec: str, key: str = "input.file_numbers") -> list[int]:
     """NeMo-Launcher's syntax: "0,3,5-7" -> [0, 3, 5, 6, 7], in the order given; ranges are inclusive."""
     numbers: list[int] = []
@@ -57,6 +60,9 @@ def parse_file_numbers(spec: str, key: str = "input.file_numbers") -> list[int]:
         high = int(match.group(2)) if match.group(2) is not None else low
         if high < low:
             raise UserError(f"{key} = {spec!r}: the range {part!r} runs backwards; write {high}-{low}")
+        if len(numbers) + high - low + 1 > MAX_FILE_NUMBERS:
+            raise UserError(f"{key} = {spec!r}: names more than {MAX_FILE_NUMBERS} files; list the numbers of the "
+                            f"files the job reads (or several jobs' shares)")
         numbers.extend(range(low, high + 1))
     seen: set[int] = set()
     for n in numbers:

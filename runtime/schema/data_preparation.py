@@ -46,6 +46,9 @@ class RunConfig:
     node_array_size: int
 
 
+DEMO_MAX_SHARDS = 64  # the standard library's ~450 files at most (~220 at the default 4 MB)
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     num_shards: int = 2
@@ -258,7 +261,9 @@ def parse_config(data: Any) -> StageConfig:
     top = Section(data, P.rstrip("."), report)
     run = _run(top.section("run"))
     demo = top.section("demo")
-    demo_values = dict(num_shards=demo.int("num_shards", 2, minimum=1), max_mb=demo.float("max_mb", 4.0, above=0.0))
+    demo_values = dict(num_shards=demo.int("num_shards", 2, minimum=1, maximum=DEMO_MAX_SHARDS, why=(
+        " (the demo corpus is a few hundred files of this Python's standard library: more shards would be near "
+        "empty)")), max_mb=demo.float("max_mb", 4.0, above=0.0))
     demo.done()
     synthetic = _synthetic(top.section(SYNTHETIC), SyntheticConfig())
     preferences = _synthetic(top.section(SYNTHETIC_PREFERENCES), SyntheticPreferencesConfig())

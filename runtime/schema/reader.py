@@ -115,7 +115,8 @@ class Section:
             return None
         return None if value is None else dict(value)
 
-    def int(self, name: str, default: Any = REQUIRED, minimum: int | None = None) -> int | None:
+    def int(self, name: str, default: Any = REQUIRED, minimum: int | None = None, maximum: int | None = None,
+            why: str = "") -> int | None:
         value = self.raw(name, default)
         if value is None:
             return None
@@ -127,6 +128,9 @@ class Section:
         if minimum is not None and value < minimum:
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             self.report.error(f"{self.key(name)}: {show(value)} must be {what}")
+            return None
+        if maximum is not None and value > maximum:
+            self.report.error(f"{self.key(name)}: {show(value)} must be at most {maximum}{why}")
             return None
         return int(value)
 
