@@ -56,3 +56,32 @@ def test_save_keep_last_two_and_resume_from_s3(tmp_path, s3, aws_env, monkeypatc
     second_lines = [line for line in second.stdout.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1].split("/")[0]) for line in second_lines] == [9, 10, 11, 12]  # "9/12"
     assert logged[9] < logged[1] - 0.5
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_ranged_loads_from_s3_fill_rows_in_place_and_check_them(tmp_path, aws_env, verify):
+    """Column shards (2 KiB rows) of an S3 rank file into a tp=1 target and a ZeRO-1 range of it: ranged GETs
+    widened to whole checksum blocks, into the reading threads' buffers and scattered from there."""
+    import torch
+
+    from runtime.checkpoint.rankfile import RankFile, write_rank_file
+    from runtime.checkpoint.reshard import RangedSource, Target
+
+    bucket = f"nxdt-{uuid.uuid4().hex[:12]}"
+    aws_env.client().create_bucket(Bucket=bucket)
+    full = torch.randn(3000, 1024, generator=torch.Generator().manual_seed(2))  # 12 MiB: several blocks
+    halves = [torch.arange(0, 512), torch.arange(512, 1024)]
+    write_rank_file(str(tmp_path / "rank_00000.pt"), {"rank": 0}, {"model": {"w": [
+        {"dim": 1, "index": rows, "full_shape": (3000, 1024), "shard_shape": (3000, 512), "start": 0,
+         "value": full.index_select(1, rows).contiguous()} for rows in halves]}, "optim": {}})
+    storage = open_storage(f"s3://{bucket}/ck", S3Settings(endpoint_url=aws_env.endpoint))
+    storage.put_file("rank_00000.pt", str(tmp_path / "rank_00000.pt"))
+    source = RangedSource([RankFile(storage, "rank_00000.pt")], verify=verify, workers=2)
+    ranges = [(0, full.numel()), (1000 * 1024 + 7, 2500 * 1024 + 3)]
+    outs = [torch.full((hi - lo,), float("nan")) for lo, hi in ranges]
+    for (lo, hi), out in zip(ranges, outs):
+        source.fill("w", Target((3000, 1024), {}), lo, hi, {"value": (out, "value")})
+    source.run()
+    source.close()
+    for (lo, hi), out in zip(ranges, outs):
+        assert torch.equal(out, full.reshape(-1)[lo:hi])
