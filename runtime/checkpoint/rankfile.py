@@ -10,7 +10,8 @@
 # into the rank's .done marker and COMMIT, so it vouches for the block checksums and through them for every
 # byte. A loading rank reads the footer, the index, then only the byte ranges it needs (reshard.py decides
 # which), each widened to whole blocks so that every byte it uses is checked; the reads run on a small thread
-# pool, straight into their destination where the layouts allow (pread and crc32 both let go of the GIL).
+# pool, straight into their destination where the layouts allow (pread and crc32 both let go of the GIL), or,
+# for a scatter, checked and handed over from a mapping of the file (locally) or a buffer (S3).
 # A save writes each tensor's bytes from memory (no serialization, no copy) while another thread computes the
 # block checksums from the same memory, and (locally) a third starts the disk on what is written.
 from __future__ import annotations
@@ -252,9 +253,9 @@ class RankFile:
 @dataclass
 class Read:
     """Elements [first, stop) of one record into `dest` (contiguous, the record's dtype, stop - first elements),
-    or, with `sink`, chunk by chunk through a buffer of the reading thread: sink(first element, chunk) is called
-    with each `chunk` elements (the last may be fewer) once they are read and checked, while they are still in
-    the cache. A sink read starts on a block boundary and its chunks are whole blocks."""
+    or, with `sink`, chunk by chunk from a mapping of the file or a buffer of the reading thread: sink(first
+    element, chunk) is called with each `chunk` elements (the last may be fewer) once they are checked, while
+    they are still in the cache. A sink read starts on a block boundary and its chunks are whole blocks."""
 
     file: RankFile
     record: dict
@@ -276,6 +277,7 @@ class _Task:
     tail: int = 0
     verify: bool = True
     sink: Callable[[int, torch.Tensor], None] | None = None
+    step: int = 0                   # with sink: bytes per sink call (whole blocks)
 
 
 def _tasks(read: Read, verify: bool) -> list[_Task]:
@@ -287,11 +289,14 @@ def _tasks(read: Read, verify: bool) -> list[_Task]:
     if read.sink is not None:
         step = read.chunk * size
         assert not verify or (lo % BLOCK == 0 and step % BLOCK == 0), (lo, step)
+        # A mapped task is mapped whole and handed to the sink chunk by chunk; a read one is one chunk.
+        span = step * max(1, TASK // step) if hasattr(read.file.reader, "map") else step
         tasks = []
-        for a in range(lo, hi, step):
-            b = min(a + step, hi)
+        for a in range(lo, hi, span):
+            b = min(a + span, hi)
             end = min(-(-b // BLOCK) * BLOCK, total) if verify else b
-            tasks.append(_Task(read.file, read.record, a, end, None, tail=end - b, verify=verify, sink=read.sink))
+            tasks.append(_Task(read.file, read.record, a, end, None, tail=end - b, verify=verify, sink=read.sink,
+                               step=step))
         return tasks
     if read.dest is None:
         return [_Task(read.file, read.record, a, min(a + TASK, total), None)
@@ -319,27 +324,47 @@ def _thread_buffer(nbytes: int) -> memoryview:
 
 def _run(task: _Task) -> None:
     if task.sink is not None:
-        buffers = [_thread_buffer(task.stop - task.start)]
-    elif task.dest is None:
+        return _run_sink(task)
+    if task.dest is None:
         buffers = [memoryview(bytearray(task.stop - task.start))]
     else:  # scratch for the partial blocks at the ends, allocated only now: at most two blocks per running task
         buffers = [memoryview(bytearray(task.head)), task.dest, memoryview(bytearray(task.tail))]
-    offset = task.record["offset"] + task.start
-    got = task.file.reader.read_into(offset, buffers)
-    if got != task.stop - task.start:
-        raise DamagedFile(f"{task.file.name} ends at byte {offset + got}, before byte {offset + task.stop - task.start}"
-                          f" (truncated)")
+    _read(task.file, task.record, task.start, task.stop, buffers)
     if task.verify:
-        _check(task, buffers)
-    if task.sink is not None:
-        dtype = dtype_of(task.record)
-        task.sink(task.start // dtype.itemsize,
-                  torch.frombuffer(buffers[0], dtype=dtype, count=(task.stop - task.tail - task.start) // dtype.itemsize))
+        _check(task.file, task.record, task.start, buffers)
 
 
-def _check(task: _Task, buffers: list[memoryview]) -> None:
-    crcs, total = task.record["crc32"], record_bytes(task.record)
-    block = task.start // BLOCK
+def _read(file: RankFile, record: dict, start: int, stop: int, buffers: list[memoryview]) -> None:
+    offset = record["offset"] + start
+    got = file.reader.read_into(offset, buffers)
+    if got != stop - start:
+        raise DamagedFile(f"{file.name} ends at byte {offset + got}, before byte {offset + stop - start} (truncated)")
+
+
+def _run_sink(task: _Task) -> None:
+    """Hand the sink the task's bytes a chunk at a time, each checked just before (so it is in the cache): from a
+    mapping of the whole task where the reader maps (no copy before the sink's), else read into a buffer."""
+    file, record, dtype = task.file, task.record, dtype_of(task.record)
+    data_stop = task.stop - task.tail
+    mapped = file.reader.map(record["offset"] + task.start, task.stop - task.start) \
+        if hasattr(file.reader, "map") else None
+    for a in range(task.start, data_stop, task.step):
+        b = min(a + task.step, data_stop)
+        end = task.stop if b == data_stop else b  # the last chunk checks the tail's block too
+        if mapped is not None:
+            chunk = mapped[a - task.start:end - task.start]
+        else:
+            chunk = _thread_buffer(end - a)
+            _read(file, record, a, end, [chunk])
+        if task.verify:
+            _check(file, record, a, [chunk])
+        task.sink(a // dtype.itemsize, torch.frombuffer(chunk, dtype=dtype, count=(b - a) // dtype.itemsize))
+
+
+def _check(file: RankFile, record: dict, start: int, buffers: list[memoryview]) -> None:
+    """Check the blocks that `buffers` (the record's bytes from `start`, a block boundary) hold."""
+    crcs, total = record["crc32"], record_bytes(record)
+    block = start // BLOCK
     left, crc = min(BLOCK, total - block * BLOCK), 0
     for buffer in buffers:
         at = 0
@@ -349,8 +374,8 @@ def _check(task: _Task, buffers: list[memoryview]) -> None:
             at, left = at + take, left - take
             if left == 0:
                 if block >= len(crcs) or crc != crcs[block]:
-                    first = task.record["offset"] + block * BLOCK
-                    raise DamagedFile(f"{task.file.name} does not match its crc32 checksum at bytes {first}-"
+                    first = record["offset"] + block * BLOCK
+                    raise DamagedFile(f"{file.name} does not match its crc32 checksum at bytes {first}-"
                                       f"{first + min(BLOCK, total - block * BLOCK)} (damaged)")
                 block += 1
                 left, crc = min(BLOCK, total - block * BLOCK), 0

@@ -9,11 +9,12 @@
 # For each saved shard that meets the target, the intersection is cut into blocks contiguous in both S and T
 # (one block when the layouts agree; one per run of rows for a dim-0 TP reshard), and each block's bytes are
 # read from the pieces that hold them straight into the target's memory. Where the blocks would be many and
-# small (a shard along dim 1 of a matrix: one per row), the rows of S that hold the intersection are read a few
-# MiB at a time into the reading thread's buffer and scattered from there while they are in the cache (or, when
-# ZeRO-1 cut the shard into several pieces, read into one buffer and scattered after). Coverage is tracked on
-# the grid of selected rows: a target row no saved piece holds is named as an incomplete checkpoint. Duplicated
-# shards (replicated KV heads) are read once. The index arithmetic is selection.py's.
+# small (a shard along dim 1 of a matrix: one per row), the rows of S that hold the intersection are checked and
+# scattered a few MiB at a time straight from a mapping of the local file (from S3, through the reading thread's
+# buffer), or, when ZeRO-1 cut the shard into several pieces, read into one buffer and scattered after. Which
+# shards fill a target, and how, is planned once per layout (every layer's tensors share it). Coverage is
+# tracked on the grid of selected rows: a target row no saved piece holds is named as an incomplete checkpoint.
+# Duplicated shards (replicated KV heads) are read once. The index arithmetic is selection.py's.
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whi
 # A shard's intersection with a target is read block by block, straight into the target, when it is at most
 # selection.MAX_BLOCKS contiguous blocks of MIN_BLOCK_BYTES or more on average; otherwise it is scattered.
 MIN_BLOCK_BYTES = 64 << 10
-CHUNK_BYTES = 4 << 20  # a scattered span is read and scattered this much at a time, while it is in the cache
+CHUNK_BYTES = 4 << 20  # a scattered span is checked and scattered this much at a time, while it is in the cache
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class RangedSource:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="nxdt-checkpoint-read")
         self._reads: list[Read] = []
         self._after: list[list] = []  # per target, what runs once its reads are in
+        self._layouts: dict[tuple, tuple] = {}  # see _layout
         self._arena = _Arena()
 
     def close(self) -> None:
@@ -192,11 +194,28 @@ class RangedSource:
         direct = (window.start, window.stop) == (0, math.prod(window.shape)) and dtype == out.dtype
         into = out.view(window.shape) if direct else self._arena.take(math.prod(window.shape), dtype).view(
             window.shape)
+        planned, missing, rows = self._layout(shards, window)
+        if missing:
+            raise ValueError(f"checkpoint is incomplete: {key} of {name} is missing {missing} of {rows} rows")
+        job: list = []
+        for geometry, plan in planned:
+            self._plan(shards[geometry], plan, into, job)
+        if not direct:
+            job.append(lambda: out.copy_(into.reshape(-1)[window.start:window.stop]))
+        if job:
+            self._after.append(job)
+
+    def _layout(self, shards: dict, window: "_Window") -> tuple[list, int, int]:
+        """The plans of the shards that fill `window` (duplicates left out) and how many of its selected rows none
+        holds. The same for every key and every tensor of the same layout (each layer's), so computed once."""
+        key = (window.key(), tuple((g, s.full_shape, s.dtype) for g, s in shards.items()))
+        if key in self._layouts:
+            return self._layouts[key]
         selected = sorted(set(window.wanted).union(*(s.rows for s in shards.values())))
         covered = torch.zeros([window.shape[d] for d in selected], dtype=torch.bool)
-        job: list = []
+        planned = []
         for geometry, shard in shards.items():
-            plan = window.plan(geometry, shard)
+            plan = window.plan(shard)
             if plan is None:
                 continue
             if selected:
@@ -205,15 +224,9 @@ class RangedSource:
                 covered[plan.mark(selected)] = True
             else:
                 covered.fill_(True)
-            self._plan(shard, plan, into, job)
-        if not bool(covered.all()):
-            missing = int((~covered).sum())
-            raise ValueError(f"checkpoint is incomplete: {key} of {name} is missing {missing} of {covered.numel()} "
-                             f"rows")
-        if not direct:
-            job.append(lambda: out.copy_(into.reshape(-1)[window.start:window.stop]))
-        if job:
-            self._after.append(job)
+            planned.append((geometry, plan))
+        self._layouts[key] = planned, int((~covered).sum()), covered.numel()
+        return self._layouts[key]
 
     def _plan(self, shard: _Shard, plan: "_Plan", window: torch.Tensor, job: list) -> None:
         blocks = plan.blocks if shard.dtype == window.dtype else None
@@ -234,7 +247,7 @@ class RangedSource:
         shard.covering(low, high)  # raises if part of what is needed was saved by no piece
         unit = _rows_per_unit(row * shard.dtype.itemsize)
         if unit:
-            # Whole rows, in chunks of whole checksum blocks, each scattered from the reading thread's buffer
+            # Whole rows, in chunks of whole checksum blocks, each scattered from the mapping (or a buffer)
             # while it is in the cache: when one piece holds the span from its first element (no ZeRO-1 cut).
             first_row -= first_row % unit
             found = shard.covering(first_row * row, last_row * row, strict=False)
@@ -318,22 +331,21 @@ class _Plan:
 
 
 class _Window:
-    """The rows of a target one fill() writes, and per saved geometry its plan (the same for every key)."""
+    """The rows of a target one fill() writes."""
 
     def __init__(self, shape: tuple, wanted: dict, start: int, stop: int):
         self.shape, self.wanted, self.start, self.stop = shape, wanted, start, stop
-        self._plans: dict = {}
 
-    def plan(self, geometry: tuple, shard: _Shard) -> _Plan | None:
-        if geometry not in self._plans:
-            positions = shard.positions(self.wanted, self.shape)
-            plan = None
-            if positions is not None:
-                saved, wanted = [p for p, _ in positions], [t for _, t in positions]
-                blocks = contiguous_blocks(saved, wanted, shard.shape, self.shape)
-                if blocks is not None and len(blocks) > 1 and (sum(n for _, _, n in blocks) * shard.dtype.itemsize
-                                                               < MIN_BLOCK_BYTES * len(blocks)):
-                    blocks = None
-                plan = _Plan(saved, wanted, blocks)
-            self._plans[geometry] = plan
-        return self._plans[geometry]
+    def key(self) -> tuple:
+        return self.shape, tuple((dim, _key(rows)) for dim, rows in sorted(self.wanted.items()))
+
+    def plan(self, shard: _Shard) -> _Plan | None:
+        positions = shard.positions(self.wanted, self.shape)
+        if positions is None:
+            return None
+        saved, wanted = [p for p, _ in positions], [t for _, t in positions]
+        blocks = contiguous_blocks(saved, wanted, shard.shape, self.shape)
+        if blocks is not None and len(blocks) > 1 and (sum(n for _, _, n in blocks) * shard.dtype.itemsize
+                                                       < MIN_BLOCK_BYTES * len(blocks)):
+            blocks = None
+        return _Plan(saved, wanted, blocks)

@@ -6,6 +6,7 @@
 # load, and a newer format is one line.
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from runtime.checkpoint.integrity import DamagedCheckpoint, file_digest
 from runtime.checkpoint.rankfile import RankFile, write_rank_file
 from runtime.checkpoint.reshard import RangedSource, Target
 from runtime.checkpoint.shards import rank_pieces
+from runtime.checkpoint.storage import _LocalReader
 from runtime.models import ModelConfig, build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
 from runtime.parallel.data_parallel import data_parallel_of
@@ -152,16 +154,26 @@ def test_a_rank_reads_only_its_share(tmp_path):
     assert storage.read == out.numel() * 4
 
 
-@pytest.mark.parametrize("verify", [True, False])
-def test_column_shards_spanning_many_blocks(tmp_path, verify):
-    """tp=2 along dim 1 of a 16 MiB matrix (8 MiB shards, 512-byte rows) into tp=1 and tp=4 targets and ZeRO-1
-    ranges of them: the scattered path, chunk by chunk, each chunk's blocks checked."""
+def _write_column_shards(tmp_path) -> torch.Tensor:
     full = torch.randn(16384, 256, generator=torch.Generator().manual_seed(1))
-    halves = HALVES(256)
     write_rank_file(str(tmp_path / "rank_00000.pt"), {"rank": 0}, {"model": {"w": [
         {"dim": 1, "index": rows, "full_shape": (16384, 256), "shard_shape": (16384, 128), "start": 0,
-         "value": full.index_select(1, rows).contiguous()} for rows in halves]}, "optim": {}})
-    source = RangedSource([RankFile(open_storage(tmp_path), "rank_00000.pt")], verify=verify, workers=2)
+         "value": full.index_select(1, rows).contiguous()} for rows in HALVES(256)]}, "optim": {}})
+    return full
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("reader", ["mapped", "read"])
+def test_column_shards_spanning_many_blocks(tmp_path, monkeypatch, verify, reader):
+    """tp=2 along dim 1 of a 16 MiB matrix (8 MiB shards, 512-byte rows) into tp=1 and tp=4 targets and ZeRO-1
+    ranges of them: the scattered path, chunk by chunk, each chunk's blocks checked; from a mapping of the local
+    file, and read into a buffer where the reader cannot map (S3's)."""
+    full = _write_column_shards(tmp_path)
+    maps = []
+    unwrapped = _LocalReader.map
+    monkeypatch.setattr(_LocalReader, "map", lambda self, *a: maps.append(a) or unwrapped(self, *a))
+    storage = open_storage(tmp_path) if reader == "mapped" else _Counting(open_storage(tmp_path))
+    source = RangedSource([RankFile(storage, "rank_00000.pt")], verify=verify, workers=2)
     targets = [Target((16384, 256), {}), Target((16384, 64), {1: torch.arange(96, 160)})]
     expected, outs = [], []
     for target in targets:
@@ -174,13 +186,25 @@ def test_column_shards_spanning_many_blocks(tmp_path, verify):
     source.run()
     for want, got in zip(expected, outs):
         assert torch.equal(want, got)
+    assert bool(maps) == (reader == "mapped")
     path = tmp_path / "rank_00000.pt"
     data = bytearray(path.read_bytes())
     data[12 << 20] ^= 1  # in the second shard's second MiB
     path.write_bytes(bytes(data))
-    source = RangedSource([RankFile(open_storage(tmp_path), "rank_00000.pt")], verify=True, workers=2)
+    source = RangedSource([RankFile(storage, "rank_00000.pt")], verify=True, workers=2)
     source.fill("w", targets[0], 0, full.numel(), {"value": (torch.empty(full.numel()), "value")})
     with pytest.raises(ValueError, match=r"rank_00000.pt does not match its crc32 checksum at bytes 12582912-"):
+        source.run()
+
+
+def test_a_rank_file_cut_short_after_its_index_was_read_is_named(tmp_path):
+    """The scattered path maps the file where it can: a file that has since lost the bytes is not mapped (which
+    would kill the process with SIGBUS on the first missing page) but read, and named truncated."""
+    full = _write_column_shards(tmp_path)
+    source = RangedSource([RankFile(open_storage(tmp_path), "rank_00000.pt")], verify=True, workers=2)
+    source.fill("w", Target((16384, 256), {}), 0, full.numel(), {"value": (torch.empty(full.numel()), "value")})
+    os.truncate(tmp_path / "rank_00000.pt", 12 << 20)
+    with pytest.raises(ValueError, match=r"rank_00000.pt ends at byte 12582912, before byte \d+ \(truncated\)"):
         source.run()
 
 
