@@ -6,13 +6,16 @@
 #
 # When the signal comes: slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends --signal's
 # warning at the first check that finds the job within sig_time + 30 s of its end (sbatch(1): "may be sent up
-# to 60 seconds earlier"). With a 60 s limit and sig_time 10 that is 20-50 s after the job starts (measured
-# here: every warning came on one of those checks), after the workers began training (5-15 s in), and it leaves
-# at least one more 30 s check before the kill at the limit: time for the step, the save and the requeue.
-# The training takes longer than 50 s even on an idle machine, so the first allocation can never finish it. Most
-# of that is validation, which only the requeued run does: it costs wall time without changing a training loss
-# (the losses match the reference, which skips it), so the reference trains the same 200 steps in a third of
-# the time (600 steps without validation made the test a minute longer).
+# to 60 seconds earlier"). With a 60 s limit and sig_time 20 that is 10-40 s after the job starts, and it
+# leaves at least one more 30 s check before the kill at the limit: time for the step, the save and the requeue.
+# The training must take longer than 40 s even on a fast idle machine, so that the first allocation can never
+# finish it. With sig_time 10 (a 20-50 s window) one CI run finished all 200 steps before the warning came
+# and the requeued run had nothing left to resume. Most of the training's time is validation, which only
+# the Slurm run does: it costs wall time without changing a training loss (the losses match the reference,
+# which skips it), so the reference trains the same 200 steps in a third of the time (600 steps without
+# validation made the test a minute longer). A warning that comes before the workers installed their handler
+# (they start training 5-15 s in) kills them instead: that allocation is requeued without a checkpoint, and
+# the next one is signalled mid-training in the same way.
 #
 #   python -m pytest -q tests/checkpoint/test_preemption_slurm.py      # 2-3 minutes
 import json
@@ -29,11 +32,12 @@ from tests.launcher.helpers import nxdt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# 20-30 s of training at 7-10 steps/s on two CPU workers, and in the requeued run 40 validations of 50 batches
-# (about 1 minute more): more than the 20-50 s an allocation leaves.
+# 20-30 s of training at 7-10 steps/s on two CPU workers, and in the Slurm run 40 validations of 50 batches
+# (30-40 s more): more than the 10-40 s before the warning. Measured on an idle 2-core machine: the warning came
+# 35-37 s into the first allocation, after 118-135 of the 200 steps; all 200 need about 55 s.
 STEPS, HIDDEN = 200, 384
 VALIDATION = ("training.trainer.val_check_interval=5", "training.trainer.limit_val_batches=50")
-SIGNAL_S = 10
+SIGNAL_S = 20
 # Enough allocations for a busy machine; an idle one needs two or three.
 MAX_RESTARTS = 8
 # Both runs: one worker on each of two nodes, one thread each (the thread count changes fp32 sums).
