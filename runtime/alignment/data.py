@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +36,7 @@ from runtime.alignment.records import FILES_KEY, PreferenceRecord, read_all_pref
 from runtime.schema.choices import PROMPT_TRUNCATIONS
 from runtime.sft.chat import ChatTokenizer
 from runtime.sft.dataset import _digest, cached_arrays
+from runtime.workers import OrderedPool
 
 # Bump when tokenizing or truncating changes, so stale caches are never reused.
 _FORMAT = 1
@@ -149,11 +149,10 @@ def _encode(records: list[PreferenceRecord], chat: ChatTokenizer, tokenizer_path
     size = max(1, min(2048, math.ceil(len(records) / (4 * max(1, num_workers)))))
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     if num_workers > 1 and len(chunks) > 1:
-        # spawn, not fork: the caller may hold torch's and the tokenizer's thread pools, which fork does not copy.
-        with multiprocessing.get_context("spawn").Pool(num_workers, _start_worker,
-                                                       (os.fspath(tokenizer_path), chat_template)) as pool:
-            # starmap keeps the chunks' order, so the result equals one worker's
-            parts = pool.starmap(_encode_chunk, [(chunk, limits) for chunk in chunks])
+        # runtime/workers.py: spawned workers, and a worker that dies is an error (multiprocessing.Pool hangs).
+        with OrderedPool(num_workers, _start_worker, (os.fspath(tokenizer_path), chat_template)) as pool:
+            # in the chunks' order, so the result equals one worker's
+            parts = list(pool.map(_encode_chunk, [(chunk, limits) for chunk in chunks]))
     else:
         parts = [_encode_chunk(chunk, limits, chat) for chunk in chunks]
     token_offsets = np.cumsum([0] + [len(p["tokens"]) for p in parts])

@@ -10,8 +10,6 @@ synthetic_preferences likewise writes the alignment demo's preference pairs (run
 """
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from runtime.data_prep import plan
@@ -22,6 +20,7 @@ from runtime.io.files import sha256_file
 from runtime.data_prep.progress import Reporter
 from runtime.data_prep.shard import done_summary, ensure_input, fingerprint, process_shard
 from runtime.data_prep.tokenizer import encoder_spec, prepare_tokenizer
+from runtime.workers import OrderedPool
 
 
 def run_task(cfg: StageConfig, task_index: int = 0, num_tasks: int = 1, reporter: Reporter | None = None) -> bool:
@@ -106,13 +105,7 @@ def _synthetic(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
 
 
 def _tokenize(cfg: StageConfig, todo: list[plan.Shard], spec: EncoderSpec, expected, reporter: Reporter) -> None:
-    workers = cfg.workers_per_node
-    # spawn, not fork: the parent may hold tokenizer thread pools and rich's refresh thread, which a fork
-    # would copy in an unknown state.
-    executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=init_worker, initargs=(spec,))
-    try:
+    # Not ProcessPoolExecutor: it hangs if a worker is killed while sending a result (runtime/workers.py).
+    with OrderedPool(cfg.workers_per_node, init_worker, (spec,)) as pool:
         for shard in todo:
-            process_shard(cfg, shard, spec, expected(shard), executor, workers, reporter)
-    finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+            process_shard(cfg, shard, spec, expected(shard), pool, reporter)

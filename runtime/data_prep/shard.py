@@ -13,8 +13,6 @@ import os
 import socket
 import time
 from collections import deque
-from concurrent.futures import Executor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from runtime.data_prep.indexed import IndexedDatasetWriter
 from runtime.data_prep.plan import Shard, url_basename
 from runtime.data_prep.progress import Reporter
 from runtime.data_prep.readers import iter_chunks
+from runtime.workers import OrderedPool, WorkerDied
 
 _EXAMPLES = 10          # bad lines quoted in the log and the summary, per shard
 
@@ -84,7 +83,7 @@ class _Tally:
 
 
 def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: dict[str, Any],
-                  executor: Executor, workers: int, reporter: Reporter) -> dict[str, Any]:
+                  pool: OrderedPool, reporter: Reporter) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     removed = remove_temps(out, f"{shard.name}_text_document.")
     if removed:
@@ -95,7 +94,12 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     writer = IndexedDatasetWriter(tmp_bin, tmp_idx, np.dtype(spec.dtype))
     tally, started, wall_started = _Tally(), time.monotonic(), time.time()
     reporter.start(shard.name, os.path.getsize(path))
-    pending: deque = deque()
+    pending: deque = deque()  # (position, records too long) of each chunk sent and not yet taken back
+
+    def chunks():
+        for chunk in iter_chunks(path, cfg.input.text_key, int(cfg.chunk_mb * 1e6), max_record_bytes(cfg)):
+            pending.append((chunk.position, chunk.too_long))
+            yield (chunk,)
 
     def take(result: EncodedChunk, position: int, too_long: list[tuple[int, int]]) -> None:
         for number, size in too_long:
@@ -126,29 +130,23 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     try:
         # The reader raises DataError if the input ends early (a truncated .gz or .zst), after the chunks before
         # it were encoded: the except clauses below then discard everything, and no summary is written.
-        for chunk in iter_chunks(path, cfg.input.text_key, int(cfg.chunk_mb * 1e6), max_record_bytes(cfg)):
-            pending.append((executor.submit(encode_chunk, chunk), chunk.position, chunk.too_long))
-            if len(pending) >= 2 * workers:
-                future, position, too_long = pending.popleft()
-                take(future.result(), position, too_long)
-        while pending:
-            future, position, too_long = pending.popleft()
-            take(future.result(), position, too_long)
+        for result in pool.map(encode_chunk, chunks(), ahead=2):
+            take(result, *pending.popleft())
         if tally.documents == 0:
             raise DataError(f"{path}: no tokens written ({tally.bad} bad lines, {tally.empty} empty documents, "
                             f"{tally.too_long} records over input.max_record_mb; text key {cfg.input.text_key!r}); "
                             "the shard is not marked complete")
         bin_bytes, idx_bytes = writer.finish()
     except EngineMismatch as err:
-        _discard(writer, pending, tmp_bin, tmp_idx)
+        _discard(writer, tmp_bin, tmp_idx)
         raise DataError(f"{path}: tiktoken and tokenizers disagree at {err}; set tokenizer.engine: huggingface "
                         "and rerun") from None
-    except BrokenProcessPool:
-        _discard(writer, pending, tmp_bin, tmp_idx)
-        raise DataError(f"a tokenizer worker died while encoding {path} (killed, or out of memory?); rerun "
-                        "to redo this shard, with fewer workers_per_node if memory is short") from None
+    except WorkerDied as err:
+        _discard(writer, tmp_bin, tmp_idx)
+        raise DataError(f"a tokenizer worker died while encoding {path}: {err}; rerun to redo this shard, with "
+                        "fewer workers_per_node if memory is short (the OOM killer sends SIGKILL)") from None
     except BaseException:
-        _discard(writer, pending, tmp_bin, tmp_idx)
+        _discard(writer, tmp_bin, tmp_idx)
         raise
     reporter.finish()
     # .bin and .idx first, the summary last: the summary is what says "done".
@@ -174,9 +172,8 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     return summary
 
 
-def _discard(writer: IndexedDatasetWriter, pending: deque, *tmp_paths: Path) -> None:
-    for future, _, _ in pending:
-        future.cancel()
+def _discard(writer: IndexedDatasetWriter, *tmp_paths: Path) -> None:
+    """The tasks still in flight are the caller's to stop: the pool's exit kills its workers on an error."""
     writer.abort()
     for tmp in tmp_paths:
         Path(tmp).unlink(missing_ok=True)

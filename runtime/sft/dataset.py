@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from runtime.io.files import atomic_write_json, read_json, sha256_file, temp_nam
 from runtime.schema.choices import TRUNCATIONS
 from runtime.sft.chat import ChatTokenizer
 from runtime.sft.records import FILES_KEY, Record, read_all
+from runtime.workers import OrderedPool
 
 # Bump when tokenizing, truncating or packing changes, so stale caches are never reused.
 _FORMAT = 1
@@ -152,10 +152,10 @@ def _encode(records: list[Record], chat: ChatTokenizer, tokenizer_path, chat_tem
     size = max(1, min(2048, math.ceil(len(records) / (4 * max(1, num_workers)))))
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     if num_workers > 1 and len(chunks) > 1:
-        # spawn, not fork: the caller may hold torch's and the tokenizer's thread pools, which fork does not copy.
-        with multiprocessing.get_context("spawn").Pool(num_workers, _start_worker,
-                                                       (os.fspath(tokenizer_path), chat_template)) as pool:
-            parts = pool.map(_encode_chunk, chunks)  # map keeps the chunks' order, so the result equals 1 worker's
+        # runtime/workers.py: spawned workers, and a worker that dies is an error (multiprocessing.Pool hangs).
+        with OrderedPool(num_workers, _start_worker, (os.fspath(tokenizer_path), chat_template)) as pool:
+            # in the chunks' order, so the result equals one worker's
+            parts = list(pool.map(_encode_chunk, [(chunk,) for chunk in chunks]))
     else:
         parts = [_encode_chunk(chunk, chat) for chunk in chunks]
     return tuple(np.concatenate([part[k] for part in parts]) for k in range(3))
