@@ -9,7 +9,8 @@ limit. This was measured here: SIGKILL to one of two data_prep workers hung the 
 always hangs when a worker dies (bpo-22393).
 
 Here each worker has its own two pipes, and the parent holds only its own ends. A worker that dies, at any
-point, closes its ends, and the parent's next read from it ends in EOF: WorkerDied. Tasks go round-robin
+point, closes its ends, and the parent's next read from it ends in EOF: WorkerDied. The other way round, a
+parent that dies (kill -9 of the task) closes its ends, and its workers leave at their next read or write. Tasks go round-robin
 (task i to worker i % n). So the results of one worker's pipe come back in submission order, and reading
 them in turn gives every result in order. A feeder thread per worker writes its tasks. The parent never
 blocks writing a task while the worker blocks writing a result to a parent that is not reading.
@@ -108,10 +109,6 @@ class OrderedPool:
         context = multiprocessing.get_context("spawn")
         self._workers = [_Worker(context, initializer, initargs) for _ in range(max(1, workers))]
         self._submitted = self._returned = 0
-
-    @property
-    def size(self) -> int:
-        return len(self._workers)
 
     def in_flight(self) -> int:
         return self._submitted - self._returned

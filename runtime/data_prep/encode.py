@@ -11,8 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -99,15 +97,6 @@ def init_worker(spec: EncoderSpec) -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker = (spec, load_encoder(spec))
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A task killed with SIGKILL cannot stop its workers, which would wait for work forever: they notice
-    that they were re-parented and leave on their own."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
 
 
 def _text_of(record: Any, key: str) -> tuple[str | None, str | None]:
