@@ -48,7 +48,7 @@ from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Top
 from runtime.schema.choices import LORA_MODULES  # noqa: E402
 from runtime.schema.rules import padded_vocab_size  # noqa: E402
 from runtime.schema.training_config import LoraConfig  # noqa: E402
-from runtime.sft.chat import ChatTokenizer  # noqa: E402
+from runtime.schema.chat import ChatTokenizer  # noqa: E402
 from runtime.sft.dataset import build_sft_dataset, epoch_samples  # noqa: E402
 from runtime.sft.synthetic import write_demo  # noqa: E402
 from runtime.step import train_step  # noqa: E402

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from runtime.micro_batch import MicroBatch  # noqa: E402
 from runtime.models import ModelConfig, build_model  # noqa: E402
 from runtime.parallel import ParallelDims, Topology, parallelize_model  # noqa: E402
 from runtime.parallel.pipeline import run_pipeline  # noqa: E402
@@ -88,7 +89,7 @@ def _stage(pp: int, vpp: int, layer_s: float):
 def _batches(m: int, vocab: int):
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (m, MICRO_BATCH, SEQ + 1), generator=gen)
-    return [(t[:, :-1], t[:, 1:], torch.ones(MICRO_BATCH, SEQ)) for t in tokens]
+    return [MicroBatch(t[:, :-1], t[:, 1:], torch.ones(MICRO_BATCH, SEQ)).prepare() for t in tokens]
 
 
 def _measure(pp: int, vpp: int, schedule: str, m: int, layer_s: float, trials: int) -> dict:

@@ -12,14 +12,13 @@ the launch cache (launcher/cache.py), and torch never.
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
 import click
 from click.shell_completion import CompletionItem
 
-from launcher.commands import FiniteFloatRange
+from launcher.commands import FiniteFloatRange, command_line
 from launcher.completion import complete_override, complete_run, complete_stage
 from launcher.errors import UserError
 from launcher.paths import CONFIG_GROUPS, group_choices
@@ -203,18 +202,14 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     if not plan.dry_run and plan.executor == "local":
         code = steps.run_local(plan, scripts, record, console)
         from launcher import records
+        from runtime.schema.facts import PREEMPTED_EXIT_CODE
 
         if code != 0 and (cancelled := records.cancelled_stages(plan.run_dir, record)):
-            # 75: the training saved a checkpoint and stopped (runtime/preemption.py): the run resumes from it.
-            resume = "; it saved a checkpoint: launch the same command again to resume" if code == 75 else ""
+            # The training saved a checkpoint and stopped (runtime/preemption.py): the run resumes from it.
+            resume = ("; it saved a checkpoint: launch the same command again to resume"
+                      if code == PREEMPTED_EXIT_CODE else "")
             console.print(f"cancelled by nxdt-launch cancel: {', '.join(cancelled)}{resume}", highlight=False)
     ctx.exit(code)
-
-
-def command_line(ctx: click.Context) -> str:
-    """The command as typed (recorded in every script and launch record): run()'s argv, not this process's."""
-    argv = (ctx.find_root().obj or {}).get("argv", sys.argv[1:])
-    return "nxdt-launch " + shlex.join(argv)
 
 
 def _print_plan(console, plan, record) -> None:

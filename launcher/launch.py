@@ -37,6 +37,7 @@ class Plan:
     dry_run: bool
     remote: dict[str, Any] | None = None   # cluster.remote of a remote launch
     files: list[tuple[Path, Path, int]] = field(default_factory=list)  # written: (here, on the cluster, mode)
+    unchecked: list[str] = field(default_factory=list)  # what a dry run rendered without asking (the cluster's state)
 
     @property
     def run_dir(self) -> Path:

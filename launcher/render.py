@@ -17,6 +17,7 @@ from launcher.job import Job
 from launcher.paths import templates_dir
 from launcher.validate import SBATCH_KEYS
 from runtime.io import s3
+from runtime.schema.facts import PREEMPTED_EXIT_CODE
 from runtime.schema.s3 import parse_s3
 
 TEMPLATES = {"slurm": "sbatch.sh.j2", "local": "local.sh.j2"}
@@ -192,4 +193,5 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         env=job_env(cfg),
         s3_env=s3_env(cfg),
         python=python(cfg),
+        preempted_exit_code=PREEMPTED_EXIT_CODE,
     )

@@ -21,6 +21,7 @@ from launcher import records, remote, run_index, slurm
 from launcher.stages import TRAINER_STAGES
 from launcher.errors import UserError
 from runtime.io.files import json_lines
+from runtime.schema.facts import PREEMPTED_EXIT_CODE
 
 # Slurm states after which a job writes no more output (slurm.FINISHED, plus what `status` says when a job has
 # left the queue and nothing else knows it). Anything else may still write.
@@ -78,8 +79,8 @@ def stage_states(record: dict[str, Any]) -> list[tuple[dict[str, Any], slurm.Job
             code = _local_exit_file_code(entry, record)
         if code is not None:
             if entry["stage"] in cancelled and code != 0:
-                # 75: runtime/preemption.py PREEMPTED_EXIT_CODE, the training saved a checkpoint and stopped.
-                how = "stopped at a checkpoint" if code == 75 else f"exit {code}"
+                # The training saved a checkpoint and stopped (runtime/preemption.py).
+                how = "stopped at a checkpoint" if code == PREEMPTED_EXIT_CODE else f"exit {code}"
                 rows.append((entry, slurm.JobState("CANCELLED", how)))
             elif code == 0:
                 rows.append((entry, slurm.JobState("COMPLETED")))

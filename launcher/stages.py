@@ -19,6 +19,8 @@ FINE_TUNING_STAGES = ("fine_tuning", "peft", "alignment")
 
 
 def _job(cfg: dict[str, Any], stage: str, module: str, *args: str, **sizing: Any) -> Job:
+    from runtime.schema.choices import DEFAULT_DEPENDENCY  # here: tab completion imports this module, not the schema
+
     stage_cfg = cfg[stage]
     run = stage_cfg["run"]
     results_dir = Path(run["results_dir"])
@@ -28,7 +30,7 @@ def _job(cfg: dict[str, Any], stage: str, module: str, *args: str, **sizing: Any
         results_dir=results_dir,
         program=("-m", module, "--config", str(results_dir / f"{stage}_config.yaml"), *args),
         time_limit=str(run["time_limit"]),
-        dependency=run.get("dependency") or "afterok",
+        dependency=run.get("dependency") or DEFAULT_DEPENDENCY,
         stage_config=stage_cfg,
         **sizing,
     )
@@ -112,7 +114,3 @@ PROGRAMS = {
     "conversion": "runtime.convert",
     "evaluation": "runtime.evaluate",
 }
-
-
-def build_jobs(cfg: dict[str, Any]) -> list[Job]:
-    return [BUILDERS[stage](cfg) for stage in cfg["stages"]]

@@ -252,7 +252,8 @@ def _stage_run(run: dict[str, Any], stage: str) -> list[str]:
         errors.append(problem)
     if problem := rules.results_dir(run.get("results_dir"), f"{stage}."):
         errors.append(problem)
-    if problem := choices.DEPENDENCIES.problem(f"{stage}.run.dependency", run.get("dependency") or "afterok"):
+    dependency = run.get("dependency") or choices.DEFAULT_DEPENDENCY
+    if problem := choices.DEPENDENCIES.problem(f"{stage}.run.dependency", dependency):
         errors.append(problem)
     return errors
 

@@ -25,7 +25,7 @@ class Device:
     rank: int
     world_size: int
     local_rank: int
-    hardware: str  # a key of metrics.PEAK_TFLOPS when known ("trn1", "H100", "H200"), else a description
+    hardware: str  # a key of facts.PEAK_TFLOPS (runtime/schema/facts.py) when known, else a description
     _xla: dict = field(default_factory=dict, repr=False)  # lazily imported torch_xla modules
     _store_file: str | None = field(default=None, repr=False)  # the single-process group's rendezvous file
 
@@ -92,9 +92,10 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _cuda_hardware(index: int) -> str:
+    """The peak table's key for a GPU it knows ("NVIDIA H100 80GB HBM3" is h100), else torch's name for it."""
     name = torch.cuda.get_device_name(index)
-    for known in ("H200", "H100"):
-        if known in name:
+    for known in ("h200", "h100"):
+        if known in name.lower():
             return known
     return name
 

@@ -1,15 +1,8 @@
 # Training metrics: what a step cost (FLOPs, throughput, MFU) and where it is written (stdout, metrics.jsonl,
 # TensorBoard, optionally W&B). Only the main rank writes; every rank may call these methods.
 #
-# FLOPs per token (model FLOPs, the convention behind MFU in the PaLM and Megatron papers):
-#     6 * N  +  12 * L * h * T
-# N counts the weights that take part in a matrix multiply per token: per layer the attention projections
-# (h*(h + 2*kv) for q,k,v with kv = query_groups * head_dim, plus h*h for the output) and the MLP (2*h*ffn, or
-# 3*h*ffn for a gated SwiGLU MLP), plus the output layer h*vocab; the input embedding is a lookup and is left
-# out. Each such weight costs 2 FLOPs per token forward and 4 backward, hence 6N. The attention term: per
-# layer and token, QK^T and the weighted sum of V are 2*T*h multiply-adds each = 4*T*h FLOPs forward, times
-# 3 for forward + backward = 12*L*h*T (full, non-causal count, as PaLM does). Recomputation under activation
-# checkpointing is not counted: MFU measures useful work.
+# The FLOPs-per-token formula and the accelerators' peak table are runtime/schema/facts.py's, which the launcher's
+# estimator reads too, so the MFU a run reports and the one an estimate assumes mean the same thing.
 from __future__ import annotations
 
 import json
@@ -22,38 +15,18 @@ from pathlib import Path
 import torch
 
 from runtime.peak_probe import Probe, cache_path, cached_probe, machine_key, read_cpuinfo
-
-# Dense BF16 peak TFLOP/s per device (one torch device: a NeuronCore, a GPU).
-PEAK_TFLOPS = {
-    "trn1": 95.0,  # Trainium1 NeuronCore-v2 (190 per chip of two cores)
-    "H100": 989.0,  # H100 SXM
-    "H200": 989.0,
-}
+from runtime.schema.facts import PEAK_TFLOPS, flops_per_token
+from runtime.schema.model import ModelConfig
 
 
-def flops_per_token(
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    vocab_size: int,
-    seq_length: int,
-    gated_mlp: bool,
-    moe_layers: int = 0,
-    moe_top_k: int = 0,
-    moe_num_experts: int = 0,
-) -> float:
-    """Training FLOPs (forward + backward) per token; see the formula at the top of this file. Of an MoE layer
-    only what a token uses counts: its top_k experts' MLPs and the router (hidden x num_experts)."""
-    head_dim = hidden_size // num_attention_heads
-    kv_dim = num_query_groups * head_dim
-    attention = hidden_size * (hidden_size + 2 * kv_dim) + hidden_size * hidden_size
-    mlp = (3 if gated_mlp else 2) * hidden_size * ffn_hidden_size
-    moe_mlp = moe_top_k * mlp + hidden_size * moe_num_experts
-    matmul_weights = (num_layers * attention + (num_layers - moe_layers) * mlp + moe_layers * moe_mlp
-                      + hidden_size * vocab_size)
-    return 6.0 * matmul_weights + 12.0 * num_layers * hidden_size * seq_length
+def model_flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    """flops_per_token of a model as the runtime builds it; of an MoE model, the layers model.moe makes MoE."""
+    moe = model.moe
+    moe_args = {"moe_layers": sum(moe.is_moe_layer(i) for i in range(model.num_layers)), "moe_top_k": moe.top_k,
+                "moe_num_experts": moe.num_experts} if moe else {}
+    return flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+                           model.kv_heads, model.vocab_size, seq_length, gated_mlp=model.architecture == "llama",
+                           **moe_args)
 
 
 # fp32 FLOPs per cycle per core of the widest fused multiply-add the CPU has: two FMA pipes of 16 (AVX-512),

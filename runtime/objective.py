@@ -3,9 +3,12 @@
 # neither, so both can import it.
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from runtime.micro_batch import PreparedBatch
 
 
 class TokenMean:
@@ -18,15 +21,15 @@ class TokenMean:
 
     num_stats = 1  # the length of the statistics __call__ returns
 
-    def prepare(self, model: Any, batches: list, topo: Any) -> list:
+    def prepare(self, model: Any, batches: list[PreparedBatch], topo: Any) -> list[PreparedBatch]:
         return batches
 
-    def totals(self, batches: list) -> torch.Tensor:
-        return torch.stack([mask.sum() for _, _, mask, *_ in batches]).sum().reshape(1)
+    def totals(self, batches: list[PreparedBatch]) -> torch.Tensor:
+        return torch.stack([batch.loss_mask.sum() for batch in batches]).sum().reshape(1)
 
-    def __call__(self, per_token: torch.Tensor, batch: tuple, totals: list[float]
+    def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals: list[float]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        local = (per_token * batch[2]).sum()
+        local = (per_token * batch.loss_mask).sum()
         return local / totals[0], local.detach().reshape(1)
 
     def report(self, stats: list[float], totals: list[float]) -> tuple[float, dict[str, float]]:

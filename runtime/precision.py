@@ -11,6 +11,7 @@
 #
 # Adam moments are fp32 in every mode. bf16SR keeps no fp32 copy of the weights: each update is computed in fp32
 # from the bf16 weight and rounded back stochastically, which keeps small updates from vanishing on average.
+# The table itself is runtime/schema/facts.py PRECISION_POLICIES (dtypes by name), which the estimator reads too.
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ import dataclasses
 import torch
 
 from runtime.schema import choices
+from runtime.schema.facts import PRECISION_POLICIES
 
 PRECISION_TYPES = tuple(choices.PRECISION_TYPES)
 
@@ -35,12 +37,11 @@ class Precision:
         return self.param_dtype != torch.float32
 
 
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # facts.DTYPE_BYTES' names
 _POLICIES = {
-    "fp32": Precision("fp32", torch.float32, False, False, None),
-    "bf16SR": Precision("bf16SR", torch.bfloat16, False, True, None),
-    "mixed_precision": Precision("mixed_precision", torch.bfloat16, True, False, None),
-    "mixed_precisionSR": Precision("mixed_precisionSR", torch.bfloat16, True, True, None),
-    "autocast": Precision("autocast", torch.float32, False, False, torch.bfloat16),
+    name: Precision(name, _TORCH_DTYPES[policy.param], policy.master_weights, policy.stochastic_rounding,
+                    _TORCH_DTYPES[policy.autocast] if policy.autocast else None)
+    for name, policy in PRECISION_POLICIES.items()
 }
 
 

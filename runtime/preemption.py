@@ -12,9 +12,8 @@ import torch
 
 from runtime.parallel import collectives as C
 from runtime.parallel import topology
+from runtime.schema.facts import PREEMPTED_EXIT_CODE  # noqa: F401 (the launcher reads it too; train.py from here)
 
-# "Temporary failure, try again" (sysexits.h EX_TEMPFAIL): the job script requeues on it.
-PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 

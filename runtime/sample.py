@@ -37,7 +37,7 @@ class Prompt:
 
 def encode_prompt(text: str, tokenizer_path: str, chat_template: str | None, raw: bool) -> Prompt:
     """The prompt's tokens and how to stop and decode, with the chat template when there is one and not raw."""
-    from runtime.sft.chat import ChatTokenizer, tokenizer_files
+    from runtime.schema.chat import ChatTokenizer, tokenizer_files
 
     tokenizer_json, config_json = tokenizer_files(tokenizer_path)
     config = json.loads(config_json.read_text(encoding="utf-8")) if config_json.is_file() else {}

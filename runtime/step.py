@@ -1,15 +1,8 @@
 # One optimizer step over a list of micro-batches (gradient accumulation), and a forward-only eval step.
 #
-# Micro-batch format: a tuple (input_ids, labels, loss_mask[, position_ids[, pair_ids]]), each (B, T),
-# B = micro_batch_size:
-#   input_ids     LongTensor  tokens[:, :-1] of a (B, T+1) sample
-#   labels        LongTensor  tokens[:, 1:]
-#   loss_mask     float/bool  1 where the token counts (0 for padding / after end-of-document, if masked), or None
-#   position_ids  LongTensor  fine-tuning's packed rows: positions restarting at 0 at every example, which
-#                             also resets attention there (runtime.models.layers.SequenceLayout); absent or None:
-#                             one causal sequence
-#   pair_ids      LongTensor  the alignment stage's (B/2,) pair indices: rows [:B/2] chosen, [B/2:] rejected
-#                             (runtime/alignment/objective.py looks up their reference log-probabilities)
+# Micro-batches are runtime/micro_batch.py's MicroBatch (input_ids, labels, loss_mask, position_ids, pair_ids;
+# a plain tuple of the first 3 to 5 in that order is read as one), prepared once into the PreparedBatch the model,
+# the objective and the pipeline read (the mask as float, the positions as a SequenceLayout).
 #
 # Loss normalization (why it matches a single process exactly): the step's loss is the mean over every counted
 # token of the global batch, sum(loss * mask) / sum(mask). The denominator is all-reduced over DP before any
@@ -31,15 +24,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from runtime.models.layers import SequenceLayout
+from runtime.micro_batch import MicroBatch, PreparedBatch
 from runtime.models.moe import set_aux_scale
 from runtime.objective import TOKEN_MEAN, TokenMean
 from runtime.parallel import collectives as C
 from runtime.parallel import pipeline
 from runtime.parallel.optimizer import ShardedAdamW
 from runtime.parallel.topology import Topology
-
-MicroBatch = tuple  # (input_ids, labels, loss_mask | None[, position_ids | None[, pair_ids]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +40,7 @@ class StepResult:
     metrics: dict = dataclasses.field(default_factory=dict)  # the objective's other figures (preference rewards)
 
 
-def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequence[MicroBatch],
+def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequence[MicroBatch | tuple],
                topo: Topology, *, lr: float, clip: float | None, schedule: str | None = None,
                objective: TokenMean | None = None) -> StepResult:
     """Forward/backward every micro-batch, reduce gradients (data parallelism), clip by the global norm, step
@@ -61,7 +52,7 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
     objective = objective or TOKEN_MEAN
-    batches = objective.prepare(model, [_unpack(mb) for mb in micro_batches], topo)
+    batches = objective.prepare(model, _prepare(micro_batches), topo)
     model.train()
     totals = _global_totals(objective, batches, topo)
     grads = optimizer.data_parallel
@@ -69,13 +60,13 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     set_aux_scale(model, 1.0 / (len(batches) * topo.dp.size))  # MoE layers' auxiliary loss, averaged like the loss
     if topo.pp.size > 1:
         stats = pipeline.run_pipeline(model, batches, topo, totals, forward_only=False, schedule=schedule,
-                                      autocast=lambda: autocast_for(optimizer, batches[0][0].device), objective=objective)
+                                      autocast=lambda: autocast_for(optimizer, batches[0].input_ids.device),
+                                      objective=objective)
     else:
         stats = None  # summed on device: one sync
         for batch in batches:
-            input_ids, labels, _, layout, *_ = batch
-            with autocast_for(optimizer, input_ids.device):
-                per_token = model(input_ids, labels, layout)  # (B, T) fp32
+            with autocast_for(optimizer, batch.input_ids.device):
+                per_token = model(batch.input_ids, batch.labels, batch.layout)  # (B, T) fp32
             loss, local = objective(per_token, batch, totals)
             loss.backward()
             stats = local if stats is None else stats + local
@@ -87,7 +78,7 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
 
 
 @torch.no_grad()
-def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topology,
+def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch | tuple], topo: Topology,
               optimizer: ShardedAdamW | None = None) -> float:
     """Forward-only: the token-weighted mean loss over the micro-batches of every DP rank.
 
@@ -97,42 +88,31 @@ def eval_step(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topol
 
 
 @torch.no_grad()
-def eval_objective(model: nn.Module, micro_batches: Sequence[MicroBatch], topo: Topology,
+def eval_objective(model: nn.Module, micro_batches: Sequence[MicroBatch | tuple], topo: Topology,
                    optimizer: ShardedAdamW | None = None, objective: TokenMean | None = None
                    ) -> tuple[float, dict[str, float]]:
     """Forward-only: the objective's loss and metrics over the micro-batches of every DP rank."""
     objective = objective or TOKEN_MEAN
-    batches = objective.prepare(model, [_unpack(mb) for mb in micro_batches], topo)
+    batches = objective.prepare(model, _prepare(micro_batches), topo)
     model.eval()
     totals = _global_totals(objective, batches, topo)
     if topo.pp.size > 1:
         stats = pipeline.run_pipeline(model, batches, topo, totals, forward_only=True, objective=objective,
-                                      autocast=lambda: autocast_for(optimizer, batches[0][0].device))
+                                      autocast=lambda: autocast_for(optimizer, batches[0].input_ids.device))
     else:
         stats = None
         for batch in batches:
-            input_ids, labels, _, layout, *_ = batch
-            with autocast_for(optimizer, input_ids.device):
-                local = objective(model(input_ids, labels, layout), batch, totals)[1]
+            with autocast_for(optimizer, batch.input_ids.device):
+                local = objective(model(batch.input_ids, batch.labels, batch.layout), batch, totals)[1]
             stats = local if stats is None else stats + local
     return objective.report(_global_sum(stats, topo), totals)
 
 
-def _unpack(micro_batch: MicroBatch) -> tuple:
-    """(input_ids, labels, loss_mask as float, SequenceLayout | None[, pair_ids])."""
-    if len(micro_batch) not in (3, 4, 5):
-        raise ValueError(f"a micro-batch is (input_ids, labels, loss_mask[, position_ids[, pair_ids]]); got a "
-                         f"{len(micro_batch)}-tuple")
-    input_ids, labels, mask = micro_batch[:3]
-    position_ids = micro_batch[3] if len(micro_batch) >= 4 else None
-    if input_ids.shape != labels.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape")
-    mask = torch.ones(labels.shape, device=labels.device) if mask is None else mask.to(torch.float32)
-    layout = None if position_ids is None else SequenceLayout.packed(position_ids)
-    return (input_ids, labels, mask, layout, *micro_batch[4:])
+def _prepare(micro_batches: Sequence[MicroBatch | tuple]) -> list[PreparedBatch]:
+    return [MicroBatch.of(micro_batch).prepare() for micro_batch in micro_batches]
 
 
-def _global_totals(objective: TokenMean, batches: list, topo: Topology) -> list[float]:
+def _global_totals(objective: TokenMean, batches: list[PreparedBatch], topo: Topology) -> list[float]:
     # fp32, not fp64 or int64, because not every accelerator's collectives take those (exact to 2^24 tokens).
     totals = objective.totals(batches).to(torch.float32)
     C.all_reduce(totals, topo.dp)  # TP ranks see the same tokens; DP ranks see different ones

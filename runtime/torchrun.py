@@ -6,8 +6,9 @@ Takes exactly torchrun's arguments and starts the workers the same way. What dif
 torchrun re-raises a worker's failure as its own ChildFailedError (a traceback and a 20-line box around "exitcode:
 2") and exits 1 whatever the worker said. The worker has already printed its reason on one `error:` line, so this
 prints one line naming the worker and exits with that worker's code: a user mistake stays 2, a checkpointed stop
-for requeue stays 75 (runtime/preemption.py), so the job script can tell them apart. A worker killed by a signal
-exits 128 + the signal, as a shell reports it; so does torchrun itself when it is signalled.
+for requeue stays 75 (PREEMPTED_EXIT_CODE, runtime/schema/facts.py), so the job script can tell them apart. A
+worker killed by a signal exits 128 + the signal, as a shell reports it; so does torchrun itself when it is
+signalled.
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import Device, flash_attention_kernels, init_device, shutdown
 from runtime.finetune import prepare_for_fine_tuning
 from runtime.io import run_lock
-from runtime.metrics import MetricsLogger, flops_per_token, peak_tflops
+from runtime.metrics import MetricsLogger, model_flops_per_token, peak_tflops
+from runtime.micro_batch import MicroBatch
 from runtime.models import build_model
 from runtime.models.moe import step_stats
 from runtime.optim_schedule import LRSchedule
@@ -194,11 +195,8 @@ def build_objective(cfg: TrainingConfig, model, optimizer, train: DataParallelBa
     return objectives[0], objectives[1] if len(objectives) > 1 else None
 
 
-def _to_device(micro_batches, device: Device):
-    def move(t):
-        return None if t is None else t.to(device.torch_device, non_blocking=True)
-
-    return [tuple(move(t) for t in micro_batch) for micro_batch in micro_batches]
+def _to_device(micro_batches: list[MicroBatch], device: Device) -> list[MicroBatch]:
+    return [micro_batch.to(device.torch_device) for micro_batch in micro_batches]
 
 
 def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, topo: Topology, device: Device,
@@ -270,7 +268,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
     schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
                           sched.min_lr)
 
-    model_cfg, data = cfg.model, cfg.data
+    data = cfg.data
     # Only the main rank reports MFU; the others neither pay for a CPU's matmul probe nor disturb it.
     peak = peak_tflops(device.hardware) if device.is_main else None
     metrics = MetricsLogger(
@@ -279,11 +277,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         # A preference pair is two rows through the model.
         tokens_per_step=data.global_batch_size * data.seq_length * (2 if cfg.alignment else 1),
-        flops_per_token=flops_per_token(
-            model_cfg.num_layers, model_cfg.hidden_size, model_cfg.ffn_hidden_size, model_cfg.num_attention_heads,
-            model_cfg.kv_heads, model_cfg.vocab_size, data.seq_length, gated_mlp=model_cfg.architecture == "llama",
-            **_moe_flops(model_cfg),
-        ),
+        flops_per_token=model_flops_per_token(cfg.model, data.seq_length),
         num_devices=device.world_size,
         peak=peak,
         tensorboard=cfg.tensorboard,
@@ -346,14 +340,6 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         if watch is not None:
             watch.close()
         metrics.close()
-
-
-def _moe_flops(model_cfg) -> dict:
-    moe = model_cfg.moe
-    if moe is None:
-        return {}
-    layers = sum(moe.is_moe_layer(i) for i in range(model_cfg.num_layers))
-    return {"moe_layers": layers, "moe_top_k": moe.top_k, "moe_num_experts": moe.num_experts}
 
 
 def _draw(results_dir: str) -> None:

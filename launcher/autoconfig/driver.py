@@ -9,9 +9,13 @@ from typing import Any
 
 from launcher.autoconfig import report, runner, search, sizing
 from launcher.compose import compose, resolve
-from launcher.errors import UserError
+from launcher.errors import UserError, print_not_checked
 from launcher.estimator.hardware import DEVICE_NAMES, Hardware, detect, hardware_for
 from launcher.estimator.shapes import padded_vocab, vocab_size_for
+from runtime.schema.data_preparation import UserError as PreparationError
+from runtime.schema.data_preparation import parse_config as parse_preparation
+from runtime.schema.data_preparation import trained_vocab_size
+from runtime.schema.training import is_remote, tokenizer_vocab
 
 DEFAULT_SEARCH = "gpt3/tiny"
 TRAIN_SETTINGS = ("num_nodes", "devices_per_node", "device", "days", "tokens_in_billions", "model_size_in_b",
@@ -77,6 +81,7 @@ class Budget:
     minutes: int                 # per trial
     limit: int                   # trials
     top_n: int
+    unchecked: tuple[str, ...] = ()   # what a dry run sized the model without (a tokenizer not made yet)
 
 
 def _positive(settings: dict[str, Any], key: str, *, number: type = int, optional: bool = False) -> Any:
@@ -91,7 +96,45 @@ def _positive(settings: dict[str, Any], key: str, *, number: type = int, optiona
     return number(value)
 
 
-def read_budget(train: dict[str, Any], composed: dict[str, Any]) -> Budget:
+def vocabulary(training: dict[str, Any], preparation: Any, override: int | None, *,
+               dry_run: bool) -> tuple[int, list[str]]:
+    """The unpadded vocabulary the model is sized for, and what a dry run could not check to find it:
+    train_settings.vocab_size, else model_config's, the tokenizer file's, or a known tokenizer's named in its path
+    (vocab_size_for). A tokenizer file that is not here is judged by the training schema's one rule on it: an error
+    for a real search (its trials would train on it), a warning in a dry run, which sizes the model for the
+    vocabulary the data_preparation config trains into that path (the demo's 4096) before it has run."""
+    model = training["model"]
+    path = str((model.get("tokenizer") or {}).get("model") or "")
+    unseen = bool(path) and not is_remote(path) and not Path(path).is_file()
+    if override or model.get("model_config") is not None:
+        return vocab_size_for(training, override), []
+    try:
+        vocab = vocab_size_for(training)
+    except UserError:
+        if not path:
+            raise
+    else:
+        named = f"{path} is not on this machine; sized for the {vocab} tokens of the tokenizer its name says"
+        return vocab, [f"training.model.tokenizer.model: {named}"] if unseen and dry_run else []
+    _, rule = tokenizer_vocab(path, files="warn" if dry_run else "error")
+    if rule.errors:
+        raise UserError(*rule.errors)
+    planned = None
+    if isinstance(preparation, dict):
+        try:
+            planned = trained_vocab_size(parse_preparation(preparation), path)
+        except PreparationError:
+            planned = None  # a data_preparation config with mistakes makes nothing to size for
+    if planned is None:
+        found = rule.warnings[0] if rule.warnings else \
+            f"training.model.tokenizer.model: {path} cannot be read here"
+        raise UserError(f"{found}; or set search_config.train_settings.vocab_size=N to size the model without it")
+    return planned, [f"training.model.tokenizer.model: {path} does not exist yet (nxdt-launch "
+                     f"stages=[data_preparation] makes it); the model is sized for the {planned} tokens it will have "
+                     f"(data_preparation.tokenizer.train.vocab_size)"]
+
+
+def read_budget(train: dict[str, Any], composed: dict[str, Any], *, dry_run: bool = False) -> Budget:
     unknown = sorted(set(train) - set(TRAIN_SETTINGS))
     if unknown:
         raise UserError(f"search_config.train_settings.{unknown[0]}: unknown key; valid: {', '.join(TRAIN_SETTINGS)}")
@@ -109,12 +152,7 @@ def read_budget(train: dict[str, Any], composed: dict[str, Any]) -> Budget:
     device = train.get("device")
     if device is not None and device not in DEVICE_NAMES:
         raise UserError(f"search_config.train_settings.device: {device!r} is not one of {', '.join(DEVICE_NAMES)}")
-    try:
-        vocab = vocab_size_for(base, numbers["vocab_size"])
-    except UserError:
-        raise UserError(f"training.model.tokenizer.model: {model['tokenizer']['model']} does not exist; prepare "
-                        "the data first (e.g. nxdt-launch stages=[data_preparation]) or set "
-                        "search_config.train_settings.vocab_size") from None
+    vocab, unchecked = vocabulary(base, composed.get("data_preparation"), numbers["vocab_size"], dry_run=dry_run)
 
     devices = numbers["devices_per_node"] or int(trainer["devices"])
     neuron = ((composed.get("cluster") or {}).get("neuron") or {}).get("hardware")
@@ -130,6 +168,7 @@ def read_budget(train: dict[str, Any], composed: dict[str, Any]) -> Budget:
         days=days, model_size=size * 1e9 if size else None, vocab=vocab, device=device, hardware=hardware,
         mfu=numbers["assumed_mfu"] or hardware.default_mfu, max_steps=numbers["max_steps_per_run"],
         minutes=numbers["max_minutes_per_run"], limit=numbers["limit_search_runs"], top_n=numbers["top_n"],
+        unchecked=tuple(unchecked),
     )
 
 
@@ -141,7 +180,9 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
     name, recipe, results_dir = str(settings["name"]), str(settings["base_recipe"]), Path(settings["results_dir"])
     recipe_overrides = [f"training={recipe}", *launch_overrides]
     composed = resolve(compose(recipe_overrides))
-    budget = read_budget(settings["train_settings"], composed)
+    dry_run = dry_run or bool(composed.get("dry_run"))  # dry_run=true, as for a launch
+    budget = read_budget(settings["train_settings"], composed, dry_run=dry_run)
+    print_not_checked(budget.unchecked)
     architecture = str(composed["training"]["model"]["architecture"])
     divisible = int(composed["training"]["model"].get("make_vocab_size_divisible_by") or 128)
 

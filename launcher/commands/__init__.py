@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import math
+import shlex
+import sys
 
 import click
+
+
+def command_line(ctx: click.Context) -> str:
+    """The command as typed (recorded in every script and launch record): run()'s argv, not this process's."""
+    argv = (ctx.find_root().obj or {}).get("argv", sys.argv[1:])
+    return "nxdt-launch " + shlex.join(argv)
 
 
 class FiniteFloatRange(click.FloatRange):

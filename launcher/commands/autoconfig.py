@@ -26,8 +26,9 @@ def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> No
     from rich.console import Console
 
     from launcher.autoconfig import driver
-    from launcher.cli import command_line
+    from launcher.commands import command_line
 
+    dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)  # `nxdt-launch --dry-run autoconfig` too
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     produced_by = command_line(ctx)
     ctx.exit(driver.run(list(overrides), dry_run=dry_run, produced_by=produced_by, console=console))

@@ -9,7 +9,9 @@
 Overrides are Hydra's, composed with the launch config; keys of the `cluster_validation` group may be given
 without their prefix (`devices=2` is `cluster_validation.devices=2`). One job runs the agent on every node
 (csp_tools/cluster_validate); this command waits for it, prints the report and exits 1 when a node failed,
-after writing `cluster.exclude=[...]` to exclude_override.txt for later launches.
+after writing `cluster.exclude=[...]` to exclude_override.txt for later launches. A dry run prints the job script
+and asks Slurm nothing: with `nodes: null` it renders DRY_RUN_NODES nodes and says on stderr that which nodes are
+idle was not checked.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from pathlib import Path
 import click
 
 from launcher.commands import FiniteFloatRange
-from launcher.errors import UserError
+from launcher.errors import UserError, print_not_checked
 from launcher.slurm import expand_hostlist, split_hostlist
 from runtime.schema import rules
+from runtime.schema.choices import DEFAULT_DEPENDENCY
 from runtime.schema.rules import slurm_seconds
 
 STAGE = "cluster_validation"
+# What a dry run renders for `nodes: null` (every idle node) without asking Slurm: the fewest nodes the pair and
+# all-nodes tests run on.
+DRY_RUN_NODES = 2
 _TOP_LEVEL = ("stages", "cluster_type", "dry_run", "run_name", "base_results_dir", "data_dir", "launcher_scripts_path",
               "env_vars", "container", "container_mounts", "python", "cluster", "data_preparation", "training",
               "conversion", "evaluation", STAGE)
@@ -57,28 +63,36 @@ def idle_nodes(partition: str | None) -> list[str]:
     return list(dict.fromkeys(done.stdout.split()))
 
 
-def choose_nodes(cfg: dict, executor: str) -> tuple[int, list[str], list[str]]:
-    """(node count, nodelist to render, errors): cluster.nodelist, else a count, else every idle node."""
+def choose_nodes(cfg: dict, executor: str, *, dry_run: bool = False) -> tuple[int, list[str], list[str], list[str]]:
+    """(node count, nodelist to render, errors, what was not checked): cluster.nodelist, else a count, else every
+    idle node. A dry run does not ask Slurm which nodes are idle: the answer changes by the minute, and a dry run
+    renders the same wherever it runs (a laptop, a head node whose nodes are all busy). It renders DRY_RUN_NODES
+    nodes of the partition, without a node list, and says so."""
     cluster = cfg.get("cluster") or {}
     wanted = cfg[STAGE].get("nodes")
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
-        return 1, [], [f"{STAGE}.nodes: {wanted!r} must be a positive integer or null (every idle node)"]
+        return 1, [], [f"{STAGE}.nodes: {wanted!r} must be a positive integer or null (every idle node)"], []
     if executor == "local":
         if wanted not in (None, 1):
             return 1, [], [f"{STAGE}.nodes: {wanted}: a local run validates this machine only; use "
-                           f"{STAGE}.nodes=1 or cluster_type=slurm"]
-        return 1, [], []
+                           f"{STAGE}.nodes=1 or cluster_type=slurm"], []
+        return 1, [], [], []
     listed = [n for item in cluster.get("nodelist") or [] for n in expand_hostlist(str(item))]
     if listed:
-        return (wanted or len(listed)), list(cluster.get("nodelist")), []
+        return (wanted or len(listed)), list(cluster.get("nodelist")), [], []
     if wanted:
-        return wanted, [], []
+        return wanted, [], [], []
+    where = f"partition {cluster.get('partition')}" if cluster.get("partition") else "the default partition"
+    if dry_run:
+        return DRY_RUN_NODES, [], [], [
+            f"which nodes of {where} are idle ({STAGE}.nodes=null validates every idle one; a dry run does not ask "
+            f"Slurm): rendered for {DRY_RUN_NODES} nodes without a node list; set {STAGE}.nodes=N or "
+            f"cluster.nodelist=[...] to render those"]
     excluded = {n for item in cluster.get("exclude") or [] for n in expand_hostlist(str(item))}
     idle = [n for n in idle_nodes(cluster.get("partition")) if n not in excluded]
     if not idle:
-        where = f"partition {cluster.get('partition')}" if cluster.get("partition") else "the default partition"
-        return 1, [], [f"{STAGE}.nodes: no idle node in {where}; set {STAGE}.nodes=N or cluster.nodelist=[...]"]
-    return len(idle), idle, []
+        return 1, [], [f"{STAGE}.nodes: no idle node in {where}; set {STAGE}.nodes=N or cluster.nodelist=[...]"], []
+    return len(idle), idle, [], []
 
 
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
@@ -132,7 +146,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         errors.append("container: the local executor runs this machine's Python; set container=null")
     if errors:
         raise UserError(*errors)
-    nodes, nodelist, errors = choose_nodes(cfg, executor)
+    nodes, nodelist, errors, unchecked = choose_nodes(cfg, executor, dry_run=dry_run)
     if errors:
         raise UserError(*errors)
     cluster["nodelist"] = nodelist
@@ -142,12 +156,13 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     job = Job(
         stage=STAGE, run_name=name, results_dir=results_dir, nodes=nodes, nproc_per_node=1, distributed=False,
         program=("-m", "csp_tools.cluster_validate", "--config", str(results_dir / f"{STAGE}_config.yaml")),
-        time_limit=str(run["time_limit"]), dependency="afterok",
+        time_limit=str(run["time_limit"]), dependency=DEFAULT_DEPENDENCY,
         stage_config={**cfg[STAGE], "launch": {"cluster_exclude": list(cluster.get("exclude") or []),
                                                "nodes": nodes, "executor": executor}},
     )
     plan_cfg = {**cfg, "run_name": name, "cluster": cluster}
-    return launch.Plan(plan_cfg, executor, reason, [job], [], produced_by, dry_run), time_limit
+    plan = launch.Plan(plan_cfg, executor, reason, [job], [], produced_by, dry_run, unchecked=unchecked)
+    return plan, time_limit
 
 
 def _console():
@@ -209,7 +224,7 @@ def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool, no_wa
             timeout: float | None) -> None:
     """Node health and collective tests over Slurm nodes (or this machine) that name bad nodes."""
     from launcher import launch
-    from launcher.cli import command_line
+    from launcher.commands import command_line
     from launcher.slurm import SlurmError
 
     dry_run = dry_run or (ctx.obj or {}).get("dry_run", False)
@@ -235,6 +250,8 @@ def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool, no_wa
     console.print(f"cluster validation on {where} · {plan.executor} executor ({plan.executor_reason})")
     console.print(f"script: {scripts[0]}")
     if plan.dry_run:
+        click.echo(plan.local_path(scripts[0]).read_text(), nl=False)  # as written, never through rich markup
+        print_not_checked(plan.unchecked)
         ctx.exit(0)
     if plan.executor == "local":
         code = launch.run_local(plan, scripts, record, console)

@@ -77,6 +77,7 @@ def render(result, recipe: str, time_limit: str | None = None):
     from rich.table import Table
 
     from launcher.estimator.memory import PRECISION_BYTES
+    from runtime.schema.facts import PRECISION_POLICIES
 
     shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
     vpp = f" (virtual {layout.vpp})" if layout.vpp > 1 else ""
@@ -94,7 +95,6 @@ def render(result, recipe: str, time_limit: str | None = None):
              f"tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp}{ep}{context} · micro-batch {layout.micro_batch_size} × "
              f"{layout.num_micro_batches} · global batch {layout.global_batch_size} × seq {shape.seq_length}")
     bytes_ = PRECISION_BYTES[layout.precision]
-    dtype = {2: "bf16", 4: "fp32"}
     sharded = f", ÷ dp {layout.dp} (ZeRO-1)" if layout.zero1 and layout.dp > 1 else ""
     if sharded and shape.moe is not None and layout.ep > 1:  # experts' state: over the ranks holding those experts
         sharded = f", ÷ dp {layout.dp}, experts' ÷ dp/ep {layout.edp} (ZeRO-1)"
@@ -109,7 +109,7 @@ def render(result, recipe: str, time_limit: str | None = None):
     if shape.moe is not None:
         experts = (f", all {shape.moe.num_experts} experts" if layout.ep == 1 else
                    f", {shape.moe.num_experts // layout.ep} of {shape.moe.num_experts} experts (ep {layout.ep})")
-    memory.add_row(f"weights ({dtype[bytes_.param]}{experts})", _gib(mem.weights))
+    memory.add_row(f"weights ({PRECISION_POLICIES[layout.precision].param}{experts})", _gib(mem.weights))
     memory.add_row("gradients (fp32 accumulation buffer)", _gib(mem.gradients))
     memory.add_row(f"optimizer (Adam moments{' + fp32 master' if bytes_.master else ''}{sharded})",
                    _gib(mem.optimizer))

@@ -15,29 +15,29 @@ from launcher.estimator.hardware import Hardware
 from launcher.estimator.memory import PRECISION_BYTES, kv_block_bytes
 from launcher.estimator.shapes import (Layout, ModelShape, count_parameters, expert_parameters, kv_heads_per_rank,
                                        stage_moe_layers)
+from runtime.schema import facts
 
 SECONDS_PER_DAY = 86400.0
 
 
+def _shape_args(shape: ModelShape) -> dict:
+    """The shape as runtime/schema/facts.py's FLOPs formula takes it (the runtime's MFU passes the same keys)."""
+    moe = {"moe_layers": shape.num_moe_layers, "moe_top_k": shape.moe.top_k,
+           "moe_num_experts": shape.moe.num_experts} if shape.moe else {}
+    return dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+                num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+                vocab_size=shape.vocab_size, gated_mlp=shape.gated_mlp, **moe)
+
+
 def matmul_weights(shape: ModelShape) -> int:
-    """Weights that take part in a matrix multiply per token: every layer's projections and MLP (of an MoE layer
-    the token's top_k experts and the h x num_experts router), and the output layer (the input embedding is a
-    lookup). Biases and norms are left out, as in runtime/metrics.py."""
-    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
-    attention = h * (h + 2 * shape.num_query_groups * d) + h * h
-    mlp = (3 if shape.gated_mlp else 2) * h * f
-    moe_layers = shape.num_moe_layers
-    if moe_layers:
-        moe_mlp = shape.moe.top_k * mlp + h * shape.moe.num_experts
-        return (shape.num_layers * attention + (shape.num_layers - moe_layers) * mlp + moe_layers * moe_mlp
-                + h * shape.vocab_size)
-    return shape.num_layers * (attention + mlp) + h * shape.vocab_size
+    """Weights that take part in a matrix multiply per token (facts.matmul_weights): every layer's projections and
+    MLP (of an MoE layer the token's top_k experts and the h x num_experts router), and the output layer."""
+    return facts.matmul_weights(**_shape_args(shape))
 
 
 def flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token, forward + backward: 6 per matmul weight plus attention's 12 * L * h * s (QK^T and
-    the weighted sum of V, full non-causal count as PaLM). Identical to runtime.metrics.flops_per_token."""
-    return 6.0 * matmul_weights(shape) + 12.0 * shape.num_layers * shape.hidden_size * shape.seq_length
+    """Training FLOPs per token, forward + backward: facts.flops_per_token, the formula the runtime's MFU uses."""
+    return facts.flops_per_token(seq_length=shape.seq_length, **_shape_args(shape))
 
 
 def recompute_flops_per_token(shape: ModelShape, layout: Layout) -> float:

@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 from launcher.errors import UserError
+from runtime.schema.facts import PEAK_TFLOPS  # the runtime's MFU divides by the same table
 
 GIB = 2**30
 GB = 10**9
@@ -18,7 +19,7 @@ class Hardware:
     name: str                    # trn1 | trn2 | h100 | h200 | cpu
     description: str
     memory_bytes: float          # per device
-    peak_tflops: float           # dense BF16 per device (CPU: an assumed figure, see below)
+    peak_tflops: float           # dense BF16 per device, facts.PEAK_TFLOPS (CPU: an assumed figure, see below)
     devices_per_node: int
     intra_node_gbps: float       # GB/s one device moves in a collective inside a node
     inter_node_gbps: float       # GB/s one device moves when its collective crosses nodes (NIC shared by the node)
@@ -33,24 +34,25 @@ class Hardware:
         return self.memory_bytes * self.usable_fraction - self.process_overhead_bytes
 
 
-# trn1.32xlarge: 16 Trainium1 chips = 32 NeuronCore-v2, 512 GiB HBM (16 GiB per core), 190 BF16 TFLOP/s per chip,
-# 800 Gbps EFA per node. trn2.48xlarge at LNC=2 (two physical NeuronCore-v3 per logical core, the default for
-# training): 16 Trainium2 chips x 4 logical cores = 64 workers; 96 GiB HBM and 667 dense BF16 TFLOP/s per chip,
-# 3.2 Tbps EFAv3 per node. H100/H200 SXM: 8 per node, NVLink 900 GB/s (450 each way), 400 Gbps per GPU.
+# trn1.32xlarge: 16 Trainium1 chips = 32 NeuronCore-v2, 512 GiB HBM (16 GiB per core), 800 Gbps EFA per node.
+# trn2.48xlarge at LNC=2 (two physical NeuronCore-v3 per logical core, the default for training): 16 Trainium2
+# chips x 4 logical cores = 64 workers; 96 GiB HBM per chip, 3.2 Tbps EFAv3 per node. H100/H200 SXM: 8 per node,
+# NVLink 900 GB/s (450 each way), 400 Gbps per GPU. Peak FLOP/s: runtime/schema/facts.py.
 HARDWARE: dict[str, Hardware] = {
-    "trn1": Hardware("trn1", "trn1.32xlarge NeuronCore-v2", 16 * GIB, 95.0, 32, 100.0, 100.0 / 32, 0.40,
-                     process_overhead_bytes=0.5 * GIB),
-    "trn2": Hardware("trn2", "trn2.48xlarge logical NeuronCore (LNC=2)", 24 * GIB, 667.0 / 4, 64, 200.0,
+    "trn1": Hardware("trn1", "trn1.32xlarge NeuronCore-v2", 16 * GIB, PEAK_TFLOPS["trn1"], 32, 100.0, 100.0 / 32,
+                     0.40, process_overhead_bytes=0.5 * GIB),
+    "trn2": Hardware("trn2", "trn2.48xlarge logical NeuronCore (LNC=2)", 24 * GIB, PEAK_TFLOPS["trn2"], 64, 200.0,
                      400.0 / 64, 0.40, process_overhead_bytes=0.5 * GIB),
-    "h100": Hardware("h100", "H100 SXM 80 GB", 80 * GB, 989.0, 8, 360.0, 50.0, 0.40,
+    "h100": Hardware("h100", "H100 SXM 80 GB", 80 * GB, PEAK_TFLOPS["h100"], 8, 360.0, 50.0, 0.40,
                      process_overhead_bytes=1.0 * GIB),
-    "h200": Hardware("h200", "H200 SXM 141 GB", 141 * GB, 989.0, 8, 360.0, 50.0, 0.40,
+    "h200": Hardware("h200", "H200 SXM 141 GB", 141 * GB, PEAK_TFLOPS["h200"], 8, 360.0, 50.0, 0.40,
                      process_overhead_bytes=1.0 * GIB),
 }
 DEVICE_NAMES = (*HARDWARE, "cpu")
 
-# A CPU worker's achieved fp32 matmul rate varies tenfold between a laptop core and a server socket; the runtime
-# measures it at start (runtime/metrics.py). Estimates use this figure per worker process unless told otherwise.
+# A CPU worker's achieved fp32 matmul rate varies tenfold between a laptop core and a server socket, so the peak
+# table has no CPU row: the runtime measures it at start (runtime/metrics.py). Estimates use this figure per worker
+# process unless told otherwise.
 CPU_ASSUMED_TFLOPS = 0.2
 
 

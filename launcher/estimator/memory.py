@@ -41,6 +41,7 @@ import dataclasses
 
 from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters,
                                        stage_expert_parameters, stage_moe_layers, stage_parameters)
+from runtime.schema.facts import DTYPE_BYTES, PRECISION_POLICIES, PrecisionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +53,17 @@ class PrecisionBytes:
     weight_copies: bool  # autocast keeps a bf16 copy of every weight it multiplies until backward
 
 
-PRECISION_BYTES = {
-    "fp32": PrecisionBytes(4, 0, 4, 4, False),
-    "bf16SR": PrecisionBytes(2, 0, 2, 2, False),
-    "mixed_precision": PrecisionBytes(2, 4, 2, 2, False),
-    "mixed_precisionSR": PrecisionBytes(2, 4, 2, 2, False),
-    "autocast": PrecisionBytes(4, 0, 2, 4, True),
-}
-GRAD_BYTES = 4                  # fp32 gradient buffer (the main gradients)
-MOMENT_BYTES = 8                # Adam exp_avg + exp_avg_sq, fp32
+def _precision_bytes(policy: PrecisionPolicy) -> PrecisionBytes:
+    """The runtime's precision policy (runtime/schema/facts.py) in bytes."""
+    return PrecisionBytes(param=DTYPE_BYTES[policy.param],
+                          master=DTYPE_BYTES["fp32"] if policy.master_weights else 0,
+                          compute=DTYPE_BYTES[policy.compute], residual=DTYPE_BYTES[policy.param],
+                          weight_copies=policy.autocast is not None)
+
+
+PRECISION_BYTES = {name: _precision_bytes(policy) for name, policy in PRECISION_POLICIES.items()}
+GRAD_BYTES = DTYPE_BYTES["fp32"]         # fp32 gradient buffer (the main gradients)
+MOMENT_BYTES = 2 * DTYPE_BYTES["fp32"]   # Adam exp_avg + exp_avg_sq, fp32
 
 
 @dataclasses.dataclass(frozen=True)

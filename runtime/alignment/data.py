@@ -1,17 +1,16 @@
 """Preference pairs tokenized once, truncated, cached: the rows DPO and ORPO train on.
 
 Each pair is two examples that share their first P tokens, the prompt: prompt + chosen and prompt + rejected,
-rendered by the chat template and tokenized piece by piece as in SFT (runtime/sft/chat.py). The prompt ends
+rendered by the chat template and tokenized piece by piece as in SFT (runtime/schema/chat.py). The prompt ends
 with the generation header (<|im_start|>assistant\\n): the header is context both responses are scored under,
 so it belongs to the prompt. The loss mask is 1 on the response's assistant tokens (with the end-of-turn marker
 the template writes, so stopping is part of what is compared) and 0 everywhere in the prompt, including the
 assistant turns of a multi-turn prompt.
 
-Truncation (NxD Training's truncation_mode), prompt first, then the responses:
-    P > max_prompt_length:  keep_start keeps the prompt's first max_prompt_length tokens;
-                            keep_end refuses the pair by file:line (it never cuts a prompt)
-    each response:          cut at its end so that prompt + response <= seq_length + 1 tokens
-    a pair where either response has no loss token left is dropped (stats["dropped"])
+Tokenizing and truncating (keep_start cuts a long prompt, keep_end refuses it by file:line, responses are cut to
+fit, a pair without a loss token left is dropped: stats["dropped"]) are runtime/schema/preference_pairs.py's, which
+a launch runs on small local files too; this module stores the result as arrays, in worker processes.
+
 An example of n tokens fills n - 1 positions of a row, exactly like SFT's rows: input_ids t[:-1], labels t[1:],
 loss_mask m[1:], then padding (pad id, label 0, mask 0). Pairs are not packed: DPO compares the two sums of
 log-probabilities of one pair, which one row per response keeps simple.
@@ -24,17 +23,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
-from runtime.alignment.records import FILES_KEY, PreferenceRecord, read_all_preferences, read_preference_records
-from runtime.schema.choices import PROMPT_TRUNCATIONS
-from runtime.sft.chat import ChatTokenizer
+from runtime.schema.chat import ChatTokenizer
+from runtime.schema.preference_pairs import (DEFAULT_LIMIT_KEY, Limits, check_limits, chunks, encode_pairs,
+                                             every_pair_dropped)
+from runtime.schema.records import FILES_KEY, PreferenceRecord, read_all_preferences
 from runtime.sft.dataset import _digest, cached_arrays
 from runtime.workers import OrderedPool
 
@@ -44,14 +43,6 @@ _FORMAT = 1
 # loss flags | bounds: per pair [start, prompt end, chosen end, rejected end] in tokens | records: the pair's
 # record number in the files (dropped pairs leave gaps)
 _ARRAYS = ("tokens", "loss", "bounds", "records")
-DEFAULT_LIMIT_KEY = "model_alignment_strategy.dpo.max_dpo_prompt_length"
-
-
-class _Limits(NamedTuple):
-    seq_length: int
-    max_prompt_length: int
-    truncation_mode: str
-    limit_key: str
 
 
 class PreferenceDataset(Sequence):
@@ -99,7 +90,7 @@ def build_preference_dataset(files: list[str | os.PathLike], tokenizer_path: str
 
     Only `is_builder` writes the cache; `barrier` (when given) runs after it, so the others find it complete.
     `limit_key` is the config key of max_prompt_length, named in errors."""
-    limits = _check_limits(seq_length, max_prompt_length, truncation_mode, limit_key)
+    limits = check_limits(seq_length, max_prompt_length, truncation_mode, limit_key)
     files = [os.fspath(f) for f in files]
     if not files:
         raise ValueError(f"no preference files; list them in {FILES_KEY}")
@@ -121,52 +112,26 @@ def build_preference_dataset(files: list[str | os.PathLike], tokenizer_path: str
     return PreferenceDataset(cached[0], limits.seq_length, chat.pad_id, cached[1], key, directory)
 
 
-def check_preference_file(path: str | os.PathLike, tokenizer_path: str | os.PathLike, chat_template: str | None,
-                          seq_length: int, max_prompt_length: int, truncation_mode: str,
-                          limit_key: str = DEFAULT_LIMIT_KEY) -> None:
-    """The first problem of one file as a one-line ValueError (a bad record, a prompt over the limit under
-    keep_end, no pair left after truncation); the launcher runs it on small local files before queueing."""
-    limits = _check_limits(seq_length, max_prompt_length, truncation_mode, limit_key)
-    chat = ChatTokenizer(tokenizer_path, chat_template)
-    _encode(read_preference_records(path), chat, tokenizer_path, chat_template, limits, 1, [os.fspath(path)])
-
-
-def _check_limits(seq_length: int, max_prompt_length: int, truncation_mode: str, limit_key: str) -> _Limits:
-    mode_key = f"{limit_key.rpartition('.')[0]}.truncation_mode" if "." in limit_key else "truncation_mode"
-    if problem := PROMPT_TRUNCATIONS.problem(mode_key, truncation_mode):
-        raise ValueError(problem)
-    if int(seq_length) < 1:
-        raise ValueError(f"model.data.seq_length = {seq_length}; it must be a positive number of tokens")
-    if int(max_prompt_length) < 1:
-        raise ValueError(f"{limit_key} = {max_prompt_length}; it must be a positive number of tokens (below "
-                         "model.data.seq_length, to leave room for the responses)")
-    return _Limits(int(seq_length), int(max_prompt_length), truncation_mode, limit_key)
-
-
 def _encode(records: list[PreferenceRecord], chat: ChatTokenizer, tokenizer_path, chat_template: str | None,
-            limits: _Limits, num_workers: int, files: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+            limits: Limits, num_workers: int, files: list[str]) -> tuple[dict[str, np.ndarray], dict]:
     """The cache arrays and stats of `records`, in order; in worker processes when num_workers > 1."""
-    size = max(1, min(2048, math.ceil(len(records) / (4 * max(1, num_workers)))))
-    chunks = [records[i:i + size] for i in range(0, len(records), size)]
-    if num_workers > 1 and len(chunks) > 1:
+    pieces = chunks(records, num_workers)
+    if num_workers > 1 and len(pieces) > 1:
         # runtime/workers.py: spawned workers, and a worker that dies is an error (multiprocessing.Pool hangs).
         with OrderedPool(num_workers, _start_worker, (os.fspath(tokenizer_path), chat_template)) as pool:
             # in the chunks' order, so the result equals one worker's
-            parts = list(pool.map(_encode_chunk, [(chunk, limits) for chunk in chunks]))
+            parts = list(pool.map(_encode_chunk, [(chunk, limits) for chunk in pieces]))
     else:
-        parts = [_encode_chunk(chunk, limits, chat) for chunk in chunks]
+        parts = [_encode_chunk(chunk, limits, chat) for chunk in pieces]
     token_offsets = np.cumsum([0] + [len(p["tokens"]) for p in parts])
-    record_offsets = np.cumsum([0] + [len(chunk) for chunk in chunks])
+    record_offsets = np.cumsum([0] + [len(chunk) for chunk in pieces])
     bounds = np.concatenate([p["bounds"] + token_offsets[i] for i, p in enumerate(parts)]).reshape(-1, 4)
     arrays = {"tokens": np.concatenate([p["tokens"] for p in parts]),
               "loss": np.concatenate([p["loss"] for p in parts]), "bounds": bounds.astype(np.int64),
               "records": np.concatenate([p["records"] + record_offsets[i] for i, p in enumerate(parts)])}
     counts = np.sum([p["counts"] for p in parts], axis=0)
     if len(bounds) == 0:
-        raise ValueError(f"every pair of {', '.join(files)} was dropped: none leaves a response token within "
-                         f"model.data.seq_length = {limits.seq_length} after a prompt of up to {limits.limit_key} = "
-                         f"{limits.max_prompt_length} tokens; raise model.data.seq_length or lower "
-                         f"{limits.limit_key}")
+        raise ValueError(every_pair_dropped(files, limits))
     stats = {"pairs": len(records), "kept": len(bounds), "dropped": int(counts[0]), "truncated": int(counts[1]),
              "prompts_truncated": int(counts[2]), "prompt_tokens": int((bounds[:, 1] - bounds[:, 0]).sum()),
              "response_tokens": int((bounds[:, 3] - bounds[:, 1]).sum()),
@@ -183,51 +148,11 @@ def _start_worker(tokenizer_path: str, chat_template: str | None) -> None:
     _worker_chat = ChatTokenizer(tokenizer_path, chat_template)
 
 
-def _encode_chunk(records: list[PreferenceRecord], limits: _Limits,
+def _encode_chunk(records: list[PreferenceRecord], limits: Limits,
                   chat: ChatTokenizer | None = None) -> dict[str, np.ndarray]:
     """One chunk's tokens, loss flags, bounds (from the chunk's first token), record numbers (from its first
     record) and counts [dropped, truncated, prompts truncated]."""
-    chat = chat or _worker_chat
-    where = [r.where for r in records for _ in range(2)]
-    examples = chat.encode_examples([r.prompt + side for r in records for side in (r.chosen, r.rejected)], where)
-    tokens: list[int] = []
-    loss: list[int] = []
-    bounds, kept, counts = [], [], [0, 0, 0]
-    for number, record in enumerate(records):
-        (chosen, chosen_mask), (rejected, rejected_mask) = examples[2 * number], examples[2 * number + 1]
-        try:
-            # The template's prompt with the generation header, tokenized as the pieces before the first response
-            # message are: the shared prefix both examples must start with.
-            prompt = chat.prompt_ids(record.prompt + record.chosen[:1])
-        except ValueError as err:
-            raise ValueError(f"{record.where}: {err}") from None
-        length = len(prompt)
-        if chosen[:length] != prompt or rejected[:length] != prompt:
-            raise ValueError(f"{record.where}: chat template {chat.name} does not render the prompt the same before "
-                             "chosen and rejected, so the pair has no shared prompt; use a prefix-stable template")
-        prompt_cut = length > limits.max_prompt_length
-        if prompt_cut and limits.truncation_mode == "keep_end":
-            raise ValueError(f"{record.where}: the prompt is {length} tokens, over {limits.limit_key}="
-                             f"{limits.max_prompt_length}; truncation_mode keep_end never cuts a prompt (it keeps "
-                             "the end next to the response whole): raise the limit, shorten the prompt or use "
-                             "keep_start")
-        prompt = prompt[:limits.max_prompt_length]
-        room = max(0, limits.seq_length + 1 - len(prompt))
-        responses = [(chosen[length:], chosen_mask[length:]), (rejected[length:], rejected_mask[length:])]
-        cut = [(ids[:room], mask[:room]) for ids, mask in responses]
-        if not all(any(mask) for _, mask in cut):  # the prompt's own tokens never carry loss
-            counts[0] += 1
-            continue
-        counts[1] += prompt_cut or any(len(ids) > room for ids, _ in responses)
-        counts[2] += prompt_cut
-        start = len(tokens)
-        tokens += prompt
-        loss += [0] * len(prompt)
-        for ids, mask in cut:
-            tokens += ids
-            loss += mask
-        bounds.append((start, start + len(prompt), start + len(prompt) + len(cut[0][0]), len(tokens)))
-        kept.append(number)
-    return {"tokens": np.array(tokens, dtype=np.int32), "loss": np.array(loss, dtype=np.uint8),
-            "bounds": np.array(bounds, dtype=np.int64).reshape(-1, 4), "records": np.array(kept, dtype=np.int64),
-            "counts": np.array(counts, dtype=np.int64)}
+    pairs = encode_pairs(records, limits, chat or _worker_chat)
+    return {"tokens": np.array(pairs.tokens, dtype=np.int32), "loss": np.array(pairs.loss, dtype=np.uint8),
+            "bounds": np.array(pairs.bounds, dtype=np.int64).reshape(-1, 4),
+            "records": np.array(pairs.kept, dtype=np.int64), "counts": np.array(pairs.counts, dtype=np.int64)}

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.micro_batch import PreparedBatch
+
 # The statistics summed over a step's pairs (indices into the vector each micro-batch returns).
 STATS = ("nll", "preference", "chosen_reward", "rejected_reward", "correct", "chosen_logps", "rejected_logps",
          "pairs")
@@ -64,7 +66,7 @@ def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
 
 
 class PreferenceObjective:
-    """DPO / IPO / ORPO over micro-batches (input_ids, labels, loss_mask, layout, pair_ids) of m pairs = 2m rows.
+    """DPO / IPO / ORPO over micro-batches of m pairs = 2m rows, each with its pair_ids (runtime/micro_batch.py).
 
     references: for DPO and IPO, pair ids (m,) -> (m, 2) reference log-prob sums of (chosen, rejected) on the
     batch's device; or live(model, batch) scores the batch with the adapters off. ORPO needs neither."""
@@ -73,7 +75,7 @@ class PreferenceObjective:
 
     def __init__(self, strategy: str, beta: float, loss_type: str = "sigmoid",
                  references: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 live: Callable[[nn.Module, tuple], torch.Tensor] | None = None):
+                 live: Callable[[nn.Module, PreparedBatch], torch.Tensor] | None = None):
         if strategy not in ("dpo", "orpo"):
             raise ValueError(f"alignment strategy {strategy!r} is not dpo or orpo")
         if strategy == "dpo" and (references is None) == (live is None):
@@ -81,32 +83,31 @@ class PreferenceObjective:
         self.strategy, self.beta, self.loss_type = strategy, float(beta), loss_type
         self.references, self.live = references, live
 
-    def prepare(self, model: nn.Module, batches: list, topo) -> list:
+    def prepare(self, model: nn.Module, batches: list[PreparedBatch], topo) -> list[PreparedBatch]:
         """Each batch gains its (2m,) reference log-prob sums, chosen rows first (DPO), or None (ORPO)."""
         out = []
         for batch in batches:
-            if len(batch) != 5 or batch[0].shape[0] != 2 * batch[4].shape[0]:
-                raise ValueError("an alignment micro-batch is (input_ids, labels, loss_mask, None, pair_ids) with "
-                                 "2 rows (chosen, rejected) per pair id")
+            if batch.pair_ids is None or batch.input_ids.shape[0] != 2 * batch.pair_ids.shape[0]:
+                raise ValueError("an alignment micro-batch has pair_ids, and 2 rows (chosen, rejected) per pair id")
             reference = None
             if self.strategy == "dpo":
                 if self.live is not None:
                     reference = self.live(model, batch)
                 else:
-                    table = self.references(batch[4])  # (m, 2)
+                    table = self.references(batch.pair_ids)  # (m, 2)
                     reference = torch.cat([table[:, 0], table[:, 1]]).to(torch.float32)
-            out.append((*batch[:4], reference))
+            out.append(batch._replace(reference=reference))
         return out
 
-    def totals(self, batches: list) -> torch.Tensor:
+    def totals(self, batches: list[PreparedBatch]) -> torch.Tensor:
         """Pairs, and chosen response tokens (ORPO's NLL is a mean over those), in this rank's micro-batches."""
-        pairs = sum(batch[0].shape[0] // 2 for batch in batches)
-        chosen = torch.stack([batch[2][:batch[0].shape[0] // 2].sum() for batch in batches]).sum()
+        pairs = sum(batch.input_ids.shape[0] // 2 for batch in batches)
+        chosen = torch.stack([batch.loss_mask[:batch.input_ids.shape[0] // 2].sum() for batch in batches]).sum()
         return torch.stack([torch.tensor(float(pairs), device=chosen.device), chosen])
 
-    def __call__(self, per_token: torch.Tensor, batch: tuple, totals: list[float]
+    def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals: list[float]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask, reference = batch[2], batch[4]
+        mask, reference = batch.loss_mask, batch.reference
         m = per_token.shape[0] // 2
         logps, counts = sequence_log_probs(per_token, mask)
         nll = (per_token[:m] * mask[:m]).sum()

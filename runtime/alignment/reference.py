@@ -23,6 +23,7 @@ from torch import nn
 
 from runtime.alignment.objective import sequence_log_probs
 from runtime.io.files import atomic_write_json, read_json, sha256_file, temp_name
+from runtime.micro_batch import PreparedBatch
 from runtime.models.lora import adapters_off
 from runtime.parallel import collectives as C
 from runtime.parallel.topology import Topology
@@ -31,10 +32,10 @@ _FORMAT = 1
 
 
 @torch.no_grad()
-def score_batch(model: nn.Module, batch: tuple, topo: Topology, autocast: Callable) -> torch.Tensor:
-    """(rows,) summed response log-probs of one micro-batch (input_ids, labels, loss_mask, layout, ...), forward
-    only, in eval mode; the same on every rank of the batch's TP and PP groups."""
-    input_ids, labels, mask, layout = batch[:4]
+def score_batch(model: nn.Module, batch: PreparedBatch, topo: Topology, autocast: Callable) -> torch.Tensor:
+    """(rows,) summed response log-probs of one micro-batch, forward only, in eval mode; the same on every rank of
+    the batch's TP and PP groups."""
+    input_ids, labels, mask, layout = batch.input_ids, batch.labels, batch.loss_mask, batch.layout
     was_training = model.training
     model.eval()
     try:
@@ -46,7 +47,7 @@ def score_batch(model: nn.Module, batch: tuple, topo: Topology, autocast: Callab
                 return F.cross_entropy(flat, labels.flatten(), reduction="none").view(labels.shape)
 
             with autocast():
-                losses = collect_pipeline(model, [(input_ids, labels, mask)], topo, per_token,
+                losses = collect_pipeline(model, [PreparedBatch(input_ids, labels, mask)], topo, per_token,
                                           lambda ids: tuple(ids.shape))[0]
         else:
             with autocast():
@@ -56,9 +57,9 @@ def score_batch(model: nn.Module, batch: tuple, topo: Topology, autocast: Callab
         model.train(was_training)
 
 
-def live_scorer(topo: Topology, autocast: Callable) -> Callable[[nn.Module, tuple], torch.Tensor]:
+def live_scorer(topo: Topology, autocast: Callable) -> Callable[[nn.Module, PreparedBatch], torch.Tensor]:
     """LoRA without precomputed references: the base model (adapters off) scores each batch as it comes."""
-    def score(model: nn.Module, batch: tuple) -> torch.Tensor:
+    def score(model: nn.Module, batch: PreparedBatch) -> torch.Tensor:
         with adapters_off(model):
             return score_batch(model, batch, topo, autocast)
 
@@ -116,7 +117,7 @@ def _compute(model: nn.Module, dataset, topo: Topology, micro_batch_size: int, d
         # Past the end: score pair 0 again and drop it, so every rank runs the same micro-batches.
         samples = torch.from_numpy(np.stack([dataset[i if i < pairs else 0] for i in indices]))
         both = torch.cat([samples[:, 0], samples[:, 1]]).to(device)  # chosen rows, then rejected rows
-        batch = (both[:, 0], both[:, 1], both[:, 2].float(), None)
+        batch = PreparedBatch(both[:, 0], both[:, 1], both[:, 2].float())
         logps = score_batch(model, batch, topo, autocast)
         m = len(indices)
         for row, index in enumerate(indices):

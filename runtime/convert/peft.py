@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from runtime.convert.pretrained import read_pretrained  # one reader of starting weights, as training uses
 from runtime.models.lora import adapter_names, is_adapter, projection_segments
 from runtime.schema.model import ModelConfig
 from runtime.schema.reader import Report, Section
@@ -40,8 +41,6 @@ def lora_of(training: dict, where: str) -> LoraConfig | None:
 def load_base(training: dict, cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
     """The full base weights (our names) of a LoRA run: from its model.restore_from_path, a Hugging Face
     directory or a checkpoint of ours, checked to hold every weight of `cfg` at its shape."""
-    from runtime.finetune import read_pretrained  # one reader of starting weights, as training uses
-
     path = (training.get("model") or {}).get("restore_from_path")
     if not path:
         raise ValueError(f"model.restore_from_path: missing from the config.yaml of {where}; a LoRA checkpoint "

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.data.blend import BlendedDataset, blend_index
+from runtime.micro_batch import MicroBatch
 from runtime.schema import rules
 from runtime.schema.data_prefix import parse_data_prefix
 from runtime.data.gpt_dataset import GPTDataset, split_document_ranges
@@ -93,12 +94,14 @@ class DataParallelBatches:
         first = batch_start + self.dp_rank * per_rank
         return np.arange(first, first + per_rank)
 
-    def batch_at(self, batch_start: int) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
-        """(input_ids, labels, loss_mask) micro-batches: ids and labels (micro_batch_size, seq_length) int64.
+    def batch_at(self, batch_start: int) -> list[MicroBatch]:
+        """The micro-batches of the global batch at `batch_start`: ids and labels (micro_batch_size, seq_length)
+        int64.
 
-        loss_mask is None (every token counts): samples run across document boundaries, as in Megatron's
-        default GPT pretraining, so there is no padding to mask. Fine-tuning rows (runtime/sft) give
-        (input_ids, labels, loss_mask, position_ids) instead: loss on assistant tokens only, packed examples.
+        Pretraining has no loss_mask (every token counts): samples run across document boundaries, as in
+        Megatron's default GPT pretraining, so there is no padding to mask. Fine-tuning rows (runtime/sft) add
+        loss_mask and position_ids: loss on assistant tokens only, packed examples. Preference pairs
+        (runtime/alignment) add loss_mask and pair_ids, with micro_batch_size pairs as twice as many rows.
         """
         if batch_start + self.global_batch_size > len(self.dataset):
             raise IndexError(
@@ -111,22 +114,22 @@ class DataParallelBatches:
             out = []
             for part in pairs.split(self.micro_batch_size):
                 rows = torch.cat([part[:, 0], part[:, 1]])  # one forward batch: the chosen rows, then the rejected
-                out.append((rows[:, 0].contiguous(), rows[:, 1].contiguous(), rows[:, 2].float(), None,
-                            part[:, 0, 3, 0].contiguous()))  # the pair ids (reference log-probs are looked up by them)
+                out.append(MicroBatch(rows[:, 0].contiguous(), rows[:, 1].contiguous(), rows[:, 2].float(),
+                                      pair_ids=part[:, 0, 3, 0].contiguous()))
             return out
         if samples.ndim == 3:  # fine-tuning rows (runtime/sft): (N, 4, seq_length), already shifted and masked
             rows = torch.from_numpy(samples.astype(np.int64, copy=False))
             fields = [rows[:, k].contiguous() for k in range(4)]  # input_ids, labels, loss_mask, position_ids
             fields[2] = fields[2].float()
-            return list(zip(*(f.split(self.micro_batch_size) for f in fields)))
+            return [MicroBatch(*parts) for parts in zip(*(f.split(self.micro_batch_size) for f in fields))]
         tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         if self.columns is not None:
             inputs, labels = inputs[:, self.columns], labels[:, self.columns]
-        return [(i.contiguous(), l.contiguous(), None)
+        return [MicroBatch(i.contiguous(), l.contiguous())
                 for i, l in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size))]
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor, None]]:
+    def next_batch(self) -> list[MicroBatch]:
         batch = self.batch_at(self.consumed_samples)
         self.consumed_samples += self.global_batch_size
         return batch

@@ -58,8 +58,9 @@ def _loss_task(loaded: LoadedModel, training: TrainingConfig, device, name: str,
                                   micro_batch_size=data.micro_batch_size, dp_rank=dp.rank, dp_size=dp.size)
     micro = []
     for index in range(limit_batches):
-        for ids, labels, mask in batches.batch_at(index * data.global_batch_size):
-            micro.append((ids.to(device.torch_device), labels.to(device.torch_device), mask))
+        for batch in batches.batch_at(index * data.global_batch_size):
+            micro.append(batch._replace(input_ids=batch.input_ids.to(device.torch_device),
+                                        labels=batch.labels.to(device.torch_device)))
     loss = eval_step(loaded.model, micro, loaded.topo)
     device.step_boundary()
     tokens = limit_batches * data.global_batch_size * data.seq_length

@@ -3,9 +3,9 @@
     {name: sft_demo_test, type: exact_match, path: data/sft_demo/test.jsonl, limit: 200, max_new_tokens: 48,
      baseline: true, chat_template: null}
 
-The file holds chat records as fine-tuning reads them (runtime/sft/records.py: {"messages": [...]} or
+The file holds chat records as fine-tuning reads them (runtime/schema/records.py: {"messages": [...]} or
 {"prompt", "completion"}). The prompt is every message before the record's last assistant message, rendered with
-the chat template and its generation prompt exactly as fine-tuning rendered it (runtime/sft/chat.py); the
+the chat template and its generation prompt exactly as fine-tuning rendered it (runtime/schema/chat.py); the
 reference is that last message's content. Decoding is greedy, up to max_new_tokens or the template's end of turn.
 `exact_match` is the fraction of records whose decoded completion, stripped of surrounding whitespace, equals the
 stripped reference; `exact_match_stderr` the sample standard deviation / sqrt(n), as for acc.
@@ -40,7 +40,7 @@ class ExactMatchTask:
 def load_exact_match(name: str, options: dict[str, Any]) -> ExactMatchTask:
     """From the options runtime/schema/evaluation.py typed; reads the file once, so a bad record fails (one line,
     file:line) before the model loads."""
-    from runtime.sft.records import read_records
+    from runtime.schema.records import read_records
 
     task = ExactMatchTask(name=name, **options)
     if not Path(task.path).is_file():
@@ -51,8 +51,8 @@ def load_exact_match(name: str, options: dict[str, Any]) -> ExactMatchTask:
 
 
 def chat_examples(task: ExactMatchTask, tokenizer_path: str, chat_template: str | None):
-    """(the ChatTokenizer, [(prompt ids, reference text)]): the one place this task meets runtime/sft/chat.py."""
-    from runtime.sft.chat import ChatTokenizer, generation_examples
+    """(the ChatTokenizer, [(prompt ids, reference text)]): the one place this task meets runtime/schema/chat.py."""
+    from runtime.schema.chat import ChatTokenizer, generation_examples
 
     try:
         chat = ChatTokenizer(tokenizer_path, task.chat_template or chat_template)

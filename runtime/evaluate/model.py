@@ -11,6 +11,7 @@ import torch
 from runtime.checkpoint import load_checkpoint, read_config, resolve_checkpoint
 from runtime.config import parse_model_config
 from runtime.finetune import load_pretrained, prepare_from_config
+from runtime.micro_batch import PreparedBatch
 from runtime.models import ModelConfig, build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, Topology, parallelize_model
 from runtime.parallel.pipeline import collect_pipeline
@@ -84,7 +85,7 @@ def forward_logprobs_fn(loaded: LoadedModel, device):
         input_ids, targets = input_ids.to(device.torch_device), targets.to(device.torch_device)
         if topo.pp.size > 1:
             # One micro-batch per row keeps every stage busy on different rows (the schedule's whole point).
-            rows = [(input_ids[i:i + 1], targets[i:i + 1], None) for i in range(input_ids.shape[0])]
+            rows = [PreparedBatch(input_ids[i:i + 1], targets[i:i + 1], None) for i in range(input_ids.shape[0])]
             parts = collect_pipeline(model, rows, topo, _scores,
                                      out_shape=lambda ids: (*ids.shape, 2))
             scores = torch.cat(parts)

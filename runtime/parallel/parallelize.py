@@ -1,7 +1,8 @@
 # Apply parallelism to a plain model from runtime/models, in place and in a fixed order (torchtitan style):
-# tensor parallelism (+ sequence parallelism), activation checkpointing, the pipeline split, the move to the
-# device, then data parallelism (flat buffers, gradient reduction, ZeRO-1 ownership). The result carries its
-# ShardingPlan (`model.sharding_plan`), the one record of where every parameter's values live.
+# tensor parallelism (+ sequence parallelism), expert parallelism (MoE blocks), context parallelism (ring or
+# Ulysses attention), activation checkpointing, the pipeline split, the move to the device, then data parallelism
+# (flat buffers, gradient reduction, ZeRO-1 ownership). The result carries its ShardingPlan
+# (`model.sharding_plan`), the one record of where every parameter's values live.
 from __future__ import annotations
 
 from typing import Sequence

@@ -105,15 +105,6 @@ class ShardingPlan:
         copies = self[name].tp_copies
         return self.tp_size if copies is None else copies
 
-    def local_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """What this rank holds of the full tensor."""
-        placement = self[name]
-        if placement.expert:
-            full = full.index_select(0, placement.experts.to(full.device))
-        if not placement.sharded:
-            return full
-        return full.index_select(placement.dim, placement.index.to(full.device))
-
     def __repr__(self) -> str:
         lines = [f"ShardingPlan(tp={self.tp_size})"]
         for name, p in self.items():

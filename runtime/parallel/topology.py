@@ -233,14 +233,6 @@ class Topology:
         return self.dp.size // self.cp.size
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp.rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp.rank == self.pp.size - 1
-
-    @property
     def prev_stage_rank(self) -> int:
         """Global rank of the previous pipeline stage (the last one for the first stage: virtual stages wrap)."""
         return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
@@ -249,10 +241,6 @@ class Topology:
     def next_stage_rank(self) -> int:
         """Global rank of the next pipeline stage (the first one for the last stage: virtual stages wrap)."""
         return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.tp.group is not None
 
     def __repr__(self) -> str:
         ep = f", ep={self.ep.rank}/{self.ep.size}" if self.ep.size > 1 else ""

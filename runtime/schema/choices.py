@@ -21,6 +21,8 @@ CHECKPOINT_GRANULARITIES = Choices((None, "full", "selective"))
 RECOMPUTE_MODULES = Choices(("core_attention", "mlp"), {"CoreAttention": "core_attention", "LlamaMLP": "mlp",
                                                         "MLP": "mlp"})
 DEPENDENCIES = Choices(("afterok", "afterany", "singleton"))
+# A stage without run.dependency runs only after the one before it succeeded (never training on failed data prep).
+DEFAULT_DEPENDENCY = "afterok"
 CONVERSION_MODES = Choices(("export", "import"))
 # cluster.s3.checksums, botocore's names: CRC checksums on every request that can carry one, or only where S3
 # demands one (S3-compatible stores that reject the others).
@@ -28,7 +30,7 @@ S3_CHECKSUMS = Choices(("when_supported", "when_required"))
 
 # Fine-tuning (the fine_tuning and peft stages). NeMo's peft.peft_scheme; "none" is full-parameter SFT.
 PEFT_SCHEMES = Choices((None, "lora"), {"none": None})
-# model.data.train_ds / validation_ds file_names: the record files fine-tuning reads (runtime/sft/records.py).
+# model.data.train_ds / validation_ds file_names: the record files fine-tuning reads (records.py).
 SFT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 # model.data.truncation: what happens to an example longer than seq_length + 1 tokens.
 TRUNCATIONS = Choices(("right", "left", "drop"))
@@ -45,7 +47,7 @@ LORA_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "attention_qkv": ("q_
 ALIGNMENT_STRATEGIES = Choices(("dpo", "orpo"))
 DPO_LOSS_TYPES = Choices(("sigmoid", "ipo"))
 # truncation_mode: keep_start cuts a prompt over the limit to its first tokens; keep_end never cuts the prompt's
-# end (next to the response), so a prompt over the limit is refused by name (runtime/alignment/data.py).
+# end (next to the response), so a prompt over the limit is refused by name (preference_pairs.py).
 PROMPT_TRUNCATIONS = Choices(("keep_start", "keep_end"))
 
 # The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data.

@@ -6,6 +6,7 @@ would be accepted, and all of them are reported together.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,3 +289,14 @@ def parse_config(data: Any) -> StageConfig:
                        output=OutputConfig(**output), download=DownloadConfig(**download),
                        demo=DemoConfig(**demo_values), synthetic_instructions=SyntheticConfig(**synthetic),
                        synthetic_preferences=SyntheticPreferencesConfig(**preferences), **values)
+
+
+def trained_vocab_size(cfg: StageConfig, tokenizer: str) -> int | None:
+    """The vocabulary of the tokenizer this stage trains, when `tokenizer` is where the stage writes it
+    (<output_dir>/tokenizer.json, runtime/data_prep/tokenizer.py): what a model trained on the stage's output is
+    sized for before the stage has run (tokenizer.train.vocab_size, special tokens included). None for any other
+    path, and for a stage that takes an existing tokenizer: that one's size is its file's."""
+    if cfg.tokenizer.train is None or cfg.input.source in SYNTHETIC_SOURCES:
+        return None
+    written = os.path.normpath(os.path.join(cfg.output_dir, "tokenizer.json"))
+    return cfg.tokenizer.train.vocab_size if os.path.normpath(str(tokenizer)) == written else None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.schema import choices as C
-from runtime.schema import rules
+from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
@@ -118,9 +118,12 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
                          f"prompt, chosen, rejected) to align on")
         if alignment.strategy == "dpo":
             report.error(rules.reference_source(alignment.precompute_ref_log_probs, lora is not None, p))
-        if sft is not None and file_checks.inputs_checked and tokenizer_path and not is_remote(tokenizer_path):
+        if sft is not None and file_checks.inputs_checked and tokenizer_path and not is_remote(tokenizer_path) \
+                and "encoder_seq_length" in shape:
             for name in sft.train_files + sft.validation_files:
-                report.error(_long_prompt(name, tokenizer_path, sft.chat_template, shape, alignment, p))
+                report.error(preference_pairs.launch_problem(name, tokenizer_path, sft.chat_template,
+                                                             shape["encoder_seq_length"], alignment.max_prompt_length,
+                                                             alignment.truncation_mode, p + alignment.limit_key))
     if sft is not None and sft.chat_template is None and file_checks.inputs_checked and tokenizer_path \
             and not is_remote(tokenizer_path):
         report.error(_tokenizer_template(tokenizer_path, p))
@@ -175,7 +178,7 @@ def _run_keys(run: Section, p: str, report: Report) -> None:
     report.error(rules.results_dir(run.raw("results_dir", None), p))
     limit = run.raw("time_limit", None)
     report.error(rules.time_limit(limit, p))
-    run.choice("dependency", C.DEPENDENCIES, "afterok")
+    run.choice("dependency", C.DEPENDENCIES, C.DEFAULT_DEPENDENCY)
     signal_s = run.int("preemption_signal_s", 0)
     if signal_s is not None:
         report.error(rules.preemption_signal(signal_s, "" if limit is None else str(limit), p))
@@ -264,15 +267,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     # With model_config the vocabulary comes from config.json; the tokenizer is then only checked against it.
     path = tokenizer.str("model", None if model_config is not None else REQUIRED) or ""
     vocab = known_vocab
-    if vocab is None and path and not is_remote(path) and files.inputs_checked:
-        try:
-            vocab = tokenizer_vocab_size(path)
-        except ValueError as error:
-            if Path(path).exists():
-                report.error(f"{p}model.tokenizer.model: {error}")
-            else:
-                files.problem(f"{p}model.tokenizer.model: {path} does not exist; run stages=[data_preparation,"
-                              f"training] or point it at a tokenizer.json")
+    if vocab is None and path:
+        vocab = _tokenizer_vocab(path, p, files)
     if config_vocab is not None:
         if vocab is not None:
             report.error(rules.tokenizer_fits(vocab, config_vocab, p))
@@ -280,6 +276,31 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         if not model.has("make_vocab_size_divisible_by"):
             keys["make_vocab_size_divisible_by"] = hf_keys["make_vocab_size_divisible_by"]
     return keys, vocab, path
+
+
+def _tokenizer_vocab(path: str, p: str, files: _Files) -> int | None:
+    """The one rule on model.tokenizer.model's file: its vocabulary, or None when it is not read here (on S3, made
+    by this launch's data_preparation, not looked at). A file that is not a tokenizer.json is an error; one that
+    does not exist is a problem by `files`: an error at launch, a warning in a dry run."""
+    if is_remote(path) or not files.inputs_checked:
+        return None
+    try:
+        return tokenizer_vocab_size(path)
+    except ValueError as error:
+        if Path(path).exists():
+            files.report.error(f"{p}model.tokenizer.model: {error}")
+        else:
+            files.problem(f"{p}model.tokenizer.model: {path} does not exist; prepare it first (nxdt-launch "
+                          f"stages=[data_preparation], or data_preparation in this launch's stages) or point it at "
+                          f"a tokenizer.json")
+    return None
+
+
+def tokenizer_vocab(path: str, *, files: str = "error", p: str = PREFIX) -> tuple[int | None, Report]:
+    """The tokenizer file's vocabulary and what the rule above found, for a caller that needs only the vocabulary
+    (autoconfig sizes its model by it before any training config exists): `files` as for parse_training."""
+    report = Report()
+    return _tokenizer_vocab(path, p, _Files(report, files)), report
 
 
 def parse_moe(model: Section) -> MoEConfig | None:
@@ -401,7 +422,7 @@ def _sft_data(model: Section, files: _Files, p: str, pairs: bool = False) -> SFT
                 files.problem(f"{section.key('file_names')}: {name} does not exist; run the data_preparation that "
                               f"writes it or fix the path")
             elif files.inputs_checked and not is_remote(name):
-                model.report.error(_bad_record(name, section.key("file_names"), pairs))
+                model.report.error(records.launch_problem(name, section.key("file_names"), pairs))
         lists[split] = tuple(names)
     template = data.str("chat_template", None)
     if template is not None and template not in C.CHAT_TEMPLATES and not Path(template).is_file():
@@ -413,26 +434,6 @@ def _sft_data(model: Section, files: _Files, p: str, pairs: bool = False) -> SFT
         return None
     return SFTDataConfig(train_files=lists["train_ds"], validation_files=lists["validation_ds"],
                          chat_template=template, **values)
-
-
-LAUNCH_SCAN_BYTES = 256 * 2**20  # records of smaller local JSONL files are checked at launch; the job checks all
-
-
-def _bad_record(path: str, key: str, pairs: bool = False) -> str | None:
-    """The first malformed record of a local JSONL file (no assistant turn, an unknown role, bad JSON; a pair
-    without chosen), named by file:line before anything is queued. Bigger files and parquet are read by the job,
-    before its first step."""
-    if path.endswith(".parquet") or Path(path).stat().st_size > LAUNCH_SCAN_BYTES:
-        return None
-    # Standard library only, like this module.
-    from runtime.alignment.records import read_preference_records
-    from runtime.sft.records import read_records
-
-    try:
-        (read_preference_records if pairs else read_records)(path)
-    except ValueError as error:
-        return f"{key}: {' '.join(str(error).split())}"
-    return None
 
 
 def _alignment(root: Section, p: str, seq_length: int | None, report: Report) -> AlignmentConfig | None:
@@ -467,25 +468,6 @@ def _alignment(root: Section, p: str, seq_length: int | None, report: Report) ->
         return None
     return AlignmentConfig(strategy=strategy, beta=beta, loss_type=loss_type, max_prompt_length=limit,
                            truncation_mode=mode, precompute_ref_log_probs=precompute)
-
-
-def _long_prompt(path: str, tokenizer_path: str, chat_template: str | None, shape: dict,
-                 alignment: AlignmentConfig, p: str) -> str | None:
-    """A prompt over the limit under keep_end, found at launch when the tokenizer library is here (head nodes and
-    laptops may not have it: the job then finds it before its first step)."""
-    if path.endswith(".parquet") or not Path(path).is_file() or Path(path).stat().st_size > LAUNCH_SCAN_BYTES \
-            or alignment.truncation_mode != "keep_end" or "encoder_seq_length" not in shape:
-        return None
-    try:
-        from runtime.alignment.data import check_preference_file
-    except ImportError:  # no numpy / tokenizers on this machine
-        return None
-    try:
-        check_preference_file(path, tokenizer_path, chat_template, shape["encoder_seq_length"],
-                              alignment.max_prompt_length, alignment.truncation_mode, p + alignment.limit_key)
-    except ValueError as error:
-        return " ".join(str(error).split())
-    return None
 
 
 def parse_lora(model: Section, architecture: str | None, p: str) -> LoraConfig | None:

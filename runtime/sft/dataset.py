@@ -23,8 +23,8 @@ import numpy as np
 
 from runtime.io.files import atomic_write_json, read_json, sha256_file, temp_name
 from runtime.schema.choices import TRUNCATIONS
-from runtime.sft.chat import ChatTokenizer
-from runtime.sft.records import FILES_KEY, Record, read_all
+from runtime.schema.chat import ChatTokenizer
+from runtime.schema.records import FILES_KEY, Record, read_all
 from runtime.workers import OrderedPool
 
 # Bump when tokenizing, truncating or packing changes, so stale caches are never reused.

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Callable
 
 from runtime.io.files import atomic_write_bytes, atomic_write_json
-from runtime.sft.chat import BUILTIN_TEMPLATES
+from runtime.schema.chat import BUILTIN_TEMPLATES
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
-# ChatML (<|im_start|>role\ncontent<|im_end|>\n per message), written once, in runtime/sft/chat.py.
+# ChatML (<|im_start|>role\ncontent<|im_end|>\n per message), written once, in runtime/schema/chat.py.
 CHAT_TEMPLATE = BUILTIN_TEMPLATES["chatml"][0]
 
 _WORDS = ("cat dog sun red fox owl sky map cup box hat pen bee ant egg ice "

@@ -3,6 +3,9 @@ launch and from the trainer loading the config on the node, before anything is w
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ from launcher import launch
 from runtime.alignment.synthetic import write_demo
 from tests.schema.test_rules_table import _launcher_errors, _runtime_errors
 
+REPO = Path(__file__).resolve().parents[2]
 A = "alignment."
 S = "alignment.model_alignment_strategy.dpo."
 
@@ -77,3 +81,37 @@ def test_the_keep_end_line_names_the_limit_and_the_fixes(data_dir, tmp_path):
     # keep_start cuts the same prompt instead: the launch goes through.
     launch.make_plan([*overrides[:-3], f"{S}max_dpo_prompt_length=32", overrides[-1]], dry_run=True,
                      produced_by="test")
+
+
+# A head node with the launcher's dependencies and tokenizers, but no numpy or torch.
+HEAD_NODE_LAUNCH = """
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'numpy'):
+            raise ImportError(f'{name} is not installed on this head node')
+sys.meta_path.insert(0, Block())
+from launcher import launch
+from launcher.errors import UserError
+try:
+    launch.make_plan(json.loads(sys.argv[1]), dry_run=False, produced_by="test")
+except UserError as error:
+    print(json.dumps(error.problems))
+"""
+
+
+def test_the_keep_end_check_needs_neither_numpy_nor_torch(data_dir, tmp_path):
+    """Counting the prompt's tokens needs the tokenizers library and nothing else of the runtime's: the launch
+    refuses the same prompt with the same line on a head node without numpy or torch."""
+    overrides = ["stages=[alignment]", "alignment=llama/tiny_dpo", "cluster_type=local", f"data_dir={data_dir}",
+                 f"base_results_dir={tmp_path / 'results'}", f"{S}truncation_mode=keep_end",
+                 f"{S}max_dpo_prompt_length=32",
+                 f"{A}model.data.train_ds.file_names=[{data_dir}/preference_demo/long_prompt.jsonl]"]
+    result = subprocess.run([sys.executable, "-c", HEAD_NODE_LAUNCH, json.dumps(overrides)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # (The launch also says that the local jobs' Python lacks torch and numpy: it is this one, blocked.)
+    head_node = [line for line in json.loads(result.stdout) if "needs the" not in line]
+    assert head_node == _launcher_errors(overrides, tmp_path, dry_run=False)
+    assert "long_prompt.jsonl:4: the prompt is" in head_node[0]
+    assert not (tmp_path / "results").exists()

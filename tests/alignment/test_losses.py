@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runtime.alignment.objective import PreferenceObjective
+from runtime.micro_batch import PreparedBatch
 
 # Two pairs; sequences of 5 positions. Per-token losses are -log p. Masks select the response tokens.
 PER_TOKEN = torch.tensor([
@@ -32,7 +33,7 @@ LENGTHS = [3, 2]
 
 
 def _batch():
-    return (None, None, MASK, None, REFERENCE)
+    return PreparedBatch(None, None, MASK, reference=REFERENCE)
 
 
 def _log_sigmoid(x: float) -> float:
@@ -40,7 +41,7 @@ def _log_sigmoid(x: float) -> float:
 
 
 def _run(objective):
-    totals = objective.totals([(torch.zeros(4, 5), None, MASK, None, torch.arange(2))]).tolist()
+    totals = objective.totals([PreparedBatch(torch.zeros(4, 5), None, MASK, pair_ids=torch.arange(2))]).tolist()
     loss, stats = objective(PER_TOKEN.clone().requires_grad_(), _batch(), totals)
     reported, metrics = objective.report(stats.tolist(), totals)
     return loss.item(), reported, metrics
@@ -103,7 +104,7 @@ def test_the_gradient_is_the_hand_derivative():
     (the per-token loss is -log p, so it lowers the chosen log-prob)."""
     objective = PreferenceObjective("dpo", BETA, "sigmoid", references=lambda ids: None)
     per_token = PER_TOKEN.clone().requires_grad_()
-    totals = objective.totals([(torch.zeros(4, 5), None, MASK, None, torch.arange(2))]).tolist()
+    totals = objective.totals([PreparedBatch(torch.zeros(4, 5), None, MASK, pair_ids=torch.arange(2))]).tolist()
     objective(per_token, _batch(), totals)[0].backward()
     margin = (CHOSEN[0] - REF_CHOSEN[0]) - (REJECTED[0] - REF_REJECTED[0])
     expected = BETA / (1 + math.exp(BETA * margin)) / 2

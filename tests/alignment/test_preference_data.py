@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from runtime.alignment import data as preference_data
-from runtime.alignment.data import build_preference_dataset, check_preference_file
-from runtime.alignment.records import read_preference_records
-from runtime.sft.chat import ChatTokenizer
+from runtime.alignment.data import build_preference_dataset
+from runtime.schema.chat import ChatTokenizer
+from runtime.schema.preference_pairs import check_preference_file
+from runtime.schema.records import read_preference_records
 from runtime.sft.dataset import epoch_samples
 from runtime.sft.synthetic import tokenizer_config, train_tokenizer
 from tests.sft.chatml import render_chatml

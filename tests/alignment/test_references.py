@@ -12,6 +12,7 @@ from runtime.alignment.data import build_preference_dataset
 from runtime.alignment.reference import live_scorer, reference_key, reference_table, score_batch
 from runtime.alignment.synthetic import write_demo
 from runtime.data import DataParallelBatches
+from runtime.micro_batch import PreparedBatch
 from runtime.models import ModelConfig, build_model
 from runtime.models.lora import apply_lora
 from runtime.parallel import ParallelDims, Topology, parallelize_model
@@ -60,7 +61,7 @@ def test_precomputed_references_equal_the_frozen_model_on_the_fly(demo, tmp_path
     batches = DataParallelBatches(epoch_samples(dataset, 3 * 8, seed=5), global_batch_size=8, micro_batch_size=MICRO)
     for _ in range(3):
         for input_ids, labels, mask, _, pair_ids in batches.next_batch():
-            on_the_fly = score_batch(model, (input_ids, labels, mask, None), topo, contextlib.nullcontext)
+            on_the_fly = score_batch(model, PreparedBatch(input_ids, labels, mask), topo, contextlib.nullcontext)
             expected = torch.cat([table[pair_ids, 0], table[pair_ids, 1]])
             torch.testing.assert_close(on_the_fly, expected, rtol=1e-6, atol=0)
 
@@ -108,10 +109,10 @@ def test_lora_base_with_adapters_off_is_the_model_before_the_adapters(demo, tmp_
             if ".lora.B." in name:
                 param.normal_(0, 0.5)
     plain, adapted = parallelize_model(plain, topo), parallelize_model(adapted, topo)
-    batch = DataParallelBatches(dataset, global_batch_size=MICRO, micro_batch_size=MICRO).next_batch()[0]
+    batch = DataParallelBatches(dataset, global_batch_size=MICRO, micro_batch_size=MICRO).next_batch()[0].prepare()
     live = live_scorer(topo, contextlib.nullcontext)(adapted, batch)
-    assert torch.equal(live, score_batch(plain, batch[:4], topo, contextlib.nullcontext))
-    assert not torch.equal(live, score_batch(adapted, batch[:4], topo, contextlib.nullcontext))
+    assert torch.equal(live, score_batch(plain, batch, topo, contextlib.nullcontext))
+    assert not torch.equal(live, score_batch(adapted, batch, topo, contextlib.nullcontext))
 
 
 def _two_rank_table(directory: str, cache: str) -> torch.Tensor:

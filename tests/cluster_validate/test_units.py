@@ -84,10 +84,15 @@ def test_node_choice(tmp_path, monkeypatch):
     sinfo.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     cfg = {"cluster": {"partition": "trn1", "exclude": ["n2"], "nodelist": []}, "cluster_validation": {"nodes": None}}
-    assert cli.choose_nodes(cfg, "slurm") == (2, ["n1", "n3"], [])
+    assert cli.choose_nodes(cfg, "slurm") == (2, ["n1", "n3"], [], [])
     assert (tmp_path / "args").read_text().split() == ["-h", "-N", "-t", "idle", "-o", "%N", "-p", "trn1"]
+    (tmp_path / "args").unlink()
+    count, nodelist, errors, (unchecked,) = cli.choose_nodes(cfg, "slurm", dry_run=True)
+    assert (count, nodelist, errors) == (cli.DRY_RUN_NODES, [], []) and "idle" in unchecked
+    assert not (tmp_path / "args").exists(), "a dry run does not ask Slurm"
     cfg["cluster"]["nodelist"] = ["n[4-6]"]
-    assert cli.choose_nodes(cfg, "slurm") == (3, ["n[4-6]"], [])
+    assert cli.choose_nodes(cfg, "slurm") == (3, ["n[4-6]"], [], [])
+    assert cli.choose_nodes(cfg, "slurm", dry_run=True) == (3, ["n[4-6]"], [], [])
     cfg["cluster_validation"]["nodes"] = 4
     assert cli.choose_nodes(cfg, "local")[2][0].startswith("cluster_validation.nodes: 4: a local run")
     sinfo.write_text("#!/bin/sh\n")

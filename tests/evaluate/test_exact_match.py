@@ -2,7 +2,7 @@
 
 The references are made from the models' own answers: each checkpoint's greedy completion of a prompt is worked
 out here by re-running the full forward per token (not runtime/generate.py), from a prompt rendered with the
-plain ChatML formula (not runtime/sft/chat.py), and written into the chat file as the answer of some records and
+plain ChatML formula (not runtime/schema/chat.py), and written into the chat file as the answer of some records and
 not others; so the expected scores are known by counting. Covers the baseline (random init, and a run's
 model.restore_from_path), a LoRA checkpoint that holds only its adapters, and one-line errors for bad input.
 """

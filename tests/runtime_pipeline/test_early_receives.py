@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from runtime.micro_batch import MicroBatch
 from runtime.models import build_model
 from runtime.parallel import ParallelDims, Topology, parallelize_model
 from runtime.parallel import collectives as C
@@ -162,9 +163,9 @@ def _pipeline_events(pp: int, vpp: int, early: bool) -> list:
     cfg = H.tiny_config("gpt", num_layers=pp * vpp)
     topo = Topology.build(ParallelDims(tp=1, pp=pp, dp=1, world_size=dist.get_world_size()))
     stage = parallelize_model(build_model(cfg), topo, virtual_pp=vpp if vpp > 1 else None)
-    batches = H.micro_batches_for(0, cfg.vocab_size, topo)  # 4 micro-batches
+    batches = [MicroBatch.of(b).prepare() for b in H.micro_batches_for(0, cfg.vocab_size, topo)]  # 4 of them
     events: list = []
-    total = float(sum(mask.sum() for _, _, mask in batches))
+    total = float(sum(batch.loss_mask.sum() for batch in batches))
     run_pipeline(stage, batches, topo, total, forward_only=False, early_receives=early, events=events)
     return events
 

@@ -18,17 +18,18 @@ def test_dp_ranks_partition_the_global_batch(dataset, dp_size, micro):
     single = DataParallelBatches(dataset, global_batch_size=8, micro_batch_size=micro)
     ranks = [DataParallelBatches(dataset, 8, micro, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
     for _ in range(3):
-        reference = torch.cat([ids for ids, _, _ in single.next_batch()])
+        reference = torch.cat([batch.input_ids for batch in single.next_batch()])
         batches = [r.next_batch() for r in ranks]
         assert all(len(b) == 8 // (micro * dp_size) for b in batches)
-        sharded = torch.cat([ids for b in batches for ids, _, _ in b])
+        sharded = torch.cat([batch.input_ids for b in batches for batch in b])
         assert torch.equal(reference, sharded)
     assert single.consumed_samples == 24 and all(r.consumed_samples == 24 for r in ranks)
 
 
 def test_labels_are_inputs_shifted_by_one(dataset):
-    (ids, labels, mask), *_ = DataParallelBatches(dataset, 4, 4).next_batch()
-    assert mask is None
+    batch, *_ = DataParallelBatches(dataset, 4, 4).next_batch()
+    ids, labels, mask = batch.input_ids, batch.labels, batch.loss_mask
+    assert mask is None and batch.position_ids is None and batch.pair_ids is None
     assert ids.shape == labels.shape == (4, 12) and ids.dtype == torch.int64
     sample = torch.from_numpy(dataset[0])
     assert torch.equal(ids[0], sample[:-1]) and torch.equal(labels[0], sample[1:])

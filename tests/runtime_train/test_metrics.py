@@ -29,7 +29,8 @@ def test_flops_formula_counts_every_matmul_weight(architecture, groups):
 
 def test_peak_table_and_cpu_theoretical_peak(monkeypatch):
     monkeypatch.setattr(metrics, "cached_probe", None)  # an accelerator's peak is looked up: no probe runs
-    assert peak_tflops("H100") == Peak(989.0, "table:H100")
+    assert peak_tflops("h100") == Peak(989.0, "table:h100")
+    assert peak_tflops("trn2") == Peak(667.0 / 4, "table:trn2")  # a logical NeuronCore at LNC=2
     info = "processor\t: 0\ncpu MHz\t\t: 2596.150\nflags\t\t: fpu sse2 avx2 fma avx512f\n" \
            "processor\t: 1\ncpu MHz\t\t: 3000.000\nflags\t\t: fpu sse2 avx2 fma avx512f\n"
     assert cpu_peak_tflops(info, threads=2) == (pytest.approx(2 * 3.0 * 64 / 1000),

@@ -1,7 +1,9 @@
 """The schema's promises, as tests: the launcher, the schema and runtime/io (the staging program runs before any
-stage's own environment matters) import no torch or numpy (head nodes and laptops have neither), and each rule is
-written once (its message appears in one source file)."""
+stage's own environment matters) import no torch or numpy (head nodes and laptops have neither), neither when they
+are imported nor inside any function of theirs or of a module they import, and each rule is written once (its
+message appears in one source file)."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -39,6 +41,111 @@ def test_the_blocker_catches_a_violation():
                            "import launcher, runtime.schema, runtime.io, runtime.models")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "imported by the launcher path" in result.stderr
+
+
+# The blocker sees what importing runs; an import inside a function runs only when the function is called (a launch
+# that checks a file, a subcommand), on the head node all the same. So the source is read too: every module of the
+# launch path, and every project module any of them imports anywhere, transitively (a package's __init__ with it),
+# may not name torch or numpy in any import statement. TYPE_CHECKING imports never run and do not count.
+PROJECT = ("launcher", "runtime", "csp_tools")
+LAUNCH_PATH = ("launcher", "runtime.schema", "runtime.io")
+HEAVY = ("torch", "numpy")
+
+
+def _module_file(repo: Path, name: str) -> Path | None:
+    path = repo.joinpath(*name.split("."))
+    if (path / "__init__.py").is_file():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
+def _import_nodes(tree: ast.AST):
+    """Every import statement, at any depth (functions, methods, branches), outside `if TYPE_CHECKING:` bodies."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        skip = node.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) else []
+        stack += [child for child in ast.iter_child_nodes(node) if child not in skip]
+
+
+def _imported(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool) -> list[str]:
+    """The modules an import statement may load (`from a import b`: a, and a.b when that is a module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: from the importer's package, one level up per extra dot
+        package = importer.split(".") if is_package else importer.split(".")[:-1]
+        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+
+
+def launch_path_modules(repo: Path, roots=LAUNCH_PATH) -> dict[str, Path]:
+    """Every module of the `roots` packages, and every project module they import (anywhere), transitively."""
+    todo = []
+    for root in roots:
+        top = _module_file(repo, root).parent
+        todo += [".".join(p.relative_to(repo).with_suffix("").parts).removesuffix(".__init__")
+                 for p in top.rglob("*.py")]
+    found: dict[str, Path] = {}
+    while todo:
+        name = todo.pop()
+        path = _module_file(repo, name)
+        if name in found or path is None:
+            continue
+        found[name] = path
+        parts = name.split(".")
+        todo += [".".join(parts[:n]) for n in range(1, len(parts))]  # `import a.b.c` runs a and a.b first
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            todo += [m for m in _imported(node, name, path.name == "__init__.py") if m.split(".")[0] in PROJECT]
+    return found
+
+
+def heavy_imports(repo: Path, roots=LAUNCH_PATH) -> list[str]:
+    """`file:line imports module` for every torch or numpy import on the launch path."""
+    offenders = []
+    for name, path in sorted(launch_path_modules(repo, roots).items()):
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            for module in _imported(node, name, path.name == "__init__.py"):
+                if module.split(".")[0] in HEAVY:
+                    offenders.append(f"{path.relative_to(repo)}:{node.lineno} imports {module}")
+    return sorted(set(offenders))
+
+
+def test_nothing_on_the_launch_path_imports_torch_or_numpy_even_inside_a_function():
+    modules = launch_path_modules(REPO)
+    assert "runtime.schema.preference_pairs" in modules and "launcher.cli" in modules
+    assert heavy_imports(REPO) == []
+
+
+def test_the_source_check_catches_a_function_level_import(tmp_path):
+    """A launcher module that imports numpy in a function; the schema reaching, inside a try in a function, a module
+    that imports numpy (how a launch once depended on numpy being installed); an import under an `if` in a function:
+    all named. A runtime module nothing on the launch path imports, and a TYPE_CHECKING import, are not."""
+    files = {
+        "launcher/__init__.py": "",
+        "launcher/cli.py": "def main():\n    import numpy as np\n    return np\n",
+        "runtime/__init__.py": "",
+        "runtime/io/__init__.py": "",
+        "runtime/schema/__init__.py": "",
+        "runtime/schema/training.py": ("def long_prompt():\n    try:\n        from runtime.alignment.data import check\n"
+                                       "    except ImportError:\n        return None\n    return check\n"),
+        "runtime/schema/counts.py": "import json\n\n\ndef tokens():\n    if json:\n        from torch.nn import functional\n",
+        "runtime/schema/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
+        "runtime/alignment/__init__.py": "",
+        "runtime/alignment/data.py": "import numpy as np\n",
+        "runtime/models/__init__.py": "import torch\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert "runtime.alignment.data" in launch_path_modules(tmp_path)
+    assert "runtime.models" not in launch_path_modules(tmp_path)
+    assert heavy_imports(tmp_path) == ["launcher/cli.py:2 imports numpy",
+                                       "runtime/alignment/data.py:1 imports numpy",
+                                       "runtime/schema/counts.py:6 imports torch.nn",
+                                       "runtime/schema/counts.py:6 imports torch.nn.functional"]
 
 
 def _sources() -> dict[Path, str]:

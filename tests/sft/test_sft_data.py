@@ -11,7 +11,7 @@ import pytest
 
 from runtime.schema.choices import CHAT_TEMPLATES
 from runtime.sft import dataset as sft_dataset
-from runtime.sft.chat import BUILTIN_TEMPLATES, ChatTokenizer, generation_examples
+from runtime.schema.chat import BUILTIN_TEMPLATES, ChatTokenizer, generation_examples
 from runtime.sft.dataset import build_sft_dataset, epoch_samples
 
 CHATML = BUILTIN_TEMPLATES["chatml"][0]

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime.micro_batch import PreparedBatch
 from runtime.parallel import collectives as C
 from runtime.parallel.pipeline.actions import Action
 from runtime.parallel.pipeline.all_forward_all_backward import all_forward_all_backward
@@ -42,7 +43,7 @@ def schedule_actions(stage: PipelineStageModel, num_micro_batches: int, *, forwa
     return all_forward_all_backward(pp, rank, num_micro_batches)
 
 
-def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology,
+def run_pipeline(stage: PipelineStageModel, batches: Sequence[PreparedBatch], topo: Topology,
                  total_tokens: float | Sequence[float], *, forward_only: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  schedule: str | None = None, timeline: list | None = None,
@@ -66,7 +67,7 @@ def run_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topo
     return stats.reshape(shape)
 
 
-def collect_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: Topology,
+def collect_pipeline(stage: PipelineStageModel, batches: Sequence[PreparedBatch], topo: Topology,
                      collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                      out_shape: Callable[[torch.Tensor], tuple]) -> list[torch.Tensor]:
     """Forward-only over `batches` (the interleaved order with virtual stages); the last stage applies
@@ -76,10 +77,10 @@ def collect_pipeline(stage: PipelineStageModel, batches: Sequence[tuple], topo: 
     run = ScheduleRun(stage, p2p, batches, 1.0, forward_only=True, collect=collect)
     run.run(schedule_actions(stage, len(batches), forward_only=True))
     out = []
-    for index, (input_ids, *_) in enumerate(batches):
+    for index, batch in enumerate(batches):
         value = run.collected.get(index)
         if value is None:
-            value = torch.empty(out_shape(input_ids), dtype=torch.float32, device=input_ids.device)
+            value = torch.empty(out_shape(batch.input_ids), dtype=torch.float32, device=batch.input_ids.device)
         C.broadcast(value, topo.pp, src_index=topo.pp.size - 1)
         out.append(value)
     return out

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime.micro_batch import PreparedBatch
 from runtime.objective import TOKEN_MEAN
 from runtime.parallel.pipeline.actions import Action
 from runtime.parallel.pipeline.p2p import P2P, RECEIVE_AHEAD, early_receives_from_env, needs_receive, receive_posts
@@ -24,7 +25,7 @@ class ScheduleRun:
     """State of one schedule run on one rank; `run()` returns this rank's summed objective statistics (for the
     token mean, sum(loss * mask); zeros off the last stage)."""
 
-    def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[tuple],
+    def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[PreparedBatch],
                  total_tokens: float | Sequence[float], *, forward_only: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  timeline: list | None = None, collect: Callable | None = None, objective: Callable | None = None,
@@ -65,13 +66,14 @@ class ScheduleRun:
         assert not self._saved, f"schedule left activations behind: {sorted(self._saved)}"
         assert not self.p2p.posted, f"receives posted but never used: {self.p2p.posted}"
         if self.loss_sum is None:  # not the last stage: zeros, to sum over pp
-            self.loss_sum = torch.zeros(self.objective.num_stats, dtype=torch.float32, device=self.batches[0][0].device)
+            self.loss_sum = torch.zeros(self.objective.num_stats, dtype=torch.float32,
+                                        device=self.batches[0].input_ids.device)
         return self.loss_sum
 
     def _post_receive(self, action: Action) -> None:
         """Start receiving the input of a forward or the output gradient of a backward: both (B, T[/tp], H) in
         the parameters' dtype, which _forward asserts every stage sends."""
-        shape = self.activation_shape(self.batches[action.micro_batch][0])
+        shape = self.activation_shape(self.batches[action.micro_batch].input_ids)
         post = self.p2p.post_activation if action.kind == "F" else self.p2p.post_gradient
         post(action, shape, self.dtype, self.device)
         self._note("post", action)
@@ -85,8 +87,7 @@ class ScheduleRun:
         chunk_index, micro_batch = action.chunk, action.micro_batch
         chunk = self.stage.chunks[chunk_index]
         batch = self.batches[micro_batch]
-        input_ids, labels = batch[0], batch[1]
-        layout = batch[3] if len(batch) > 3 else None  # packed examples' SequenceLayout (runtime.step builds it)
+        input_ids, labels, layout = batch.input_ids, batch.labels, batch.layout
         if chunk.is_first:
             x = input_ids
         else:

@@ -90,10 +90,6 @@ class PipelineStageModel(nn.Module):
         object.__setattr__(self, "chunks", chunks)  # not registered: views of the modules above
         self.layer_ranges = [ranges[s] for s in stages]
 
-    @property
-    def has_tied_embedding(self) -> bool:
-        return self.cfg.share_embeddings_and_output_weights
-
     def tie_weights(self) -> None:
         """Nothing to re-tie inside one stage: a tied embedding lives on the first and last stages, kept equal by
         summing their gradients (data parallelism's reduction) rather than by sharing storage."""

@@ -9,6 +9,9 @@ Where the assistant turns are: for assistant message i, render(messages[:i], add
 render(messages[:i+1]) are both prefixes of render(messages); the text between them is the turn, with the
 end-of-turn marker the template writes after it (<|im_end|>, <|eot_id|>, eos), so the model learns to stop.
 Each piece is tokenized on its own, so no token straddles the edge of a turn and the mask is exact.
+
+Part of the schema because a launch counts preference prompts with it (preference_pairs.py) exactly as the job
+will; jinja2 (a launcher dependency) and tokenizers (a runtime one) are imported only when a tokenizer is loaded.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runtime.sft.records import Message, read_all
+from runtime.schema.records import Message, read_all
 
 TEMPLATE_KEY = "model.data.chat_template"
 TOKENIZER_KEY = "model.tokenizer.model"
