@@ -32,3 +32,33 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# ---- How the suite runs: parallel workers, and a ceiling on any one test's time ------------------------------
+
+# A test (its setup, or its body) that runs longer than this fails, unless it is marked
+# @pytest.mark.long("why it cannot be shorter or shared"): CI's budget is the whole suite in 20 minutes on 2 cores.
+TEST_SECONDS_LIMIT = 60.0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (--dist loadgroup), the tests that use the one local Slurm cluster, and the timing-
+    sensitive ones, all go to one worker: a cluster is started once, and jobs never compete for its two nodes."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slurm") \
+                or item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when not in ("setup", "call") or report.outcome != "passed" or call.duration <= TEST_SECONDS_LIMIT:
+        return
+    marker = item.get_closest_marker("long")
+    if marker is None or not (marker.args or marker.kwargs.get("reason")):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid}: its {call.when} took {call.duration:.0f} s, over the suite's "
+                           f"{TEST_SECONDS_LIMIT:.0f} s per test (tests/conftest.py): share the run it waits on, "
+                           f"make it smaller, or mark it @pytest.mark.long(\"why\")")

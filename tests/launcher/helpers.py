@@ -1,13 +1,18 @@
 """Shared by the launcher tests: compose a config the way the CLI does, with paths fixed so that rendered
-scripts are the same on every machine (golden files depend on it)."""
+scripts are the same on every machine (golden files depend on it), and run the CLI as a user would."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import launcher
 from launcher.compose import compose, resolve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,12 +24,88 @@ def resolved(*overrides: str, stable: bool = True) -> dict:
     return resolve(compose([*(STABLE if stable else []), *overrides]))
 
 
-def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh process, as a user would: this checkout's code, from any cwd (an installed
-    nxdt-launch elsewhere on the machine must not stand in for it)."""
+def _environment(env: dict | None) -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "launcher.cli", *args],
-        cwd=cwd or REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})}, capture_output=True, text=True,
-        timeout=timeout,
-    )
+    return {**os.environ, "PYTHONPATH": path, **(env or {})}
+
+
+def nxdt_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None,
+                    timeout: int = 600) -> subprocess.CompletedProcess:
+    """The real CLI in a fresh interpreter: for the tests whose subject is the process itself (what it imports,
+    how it starts). This checkout's code, from any cwd (an installed nxdt-launch elsewhere must not stand in)."""
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=cwd or REPO, env=_environment(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+_warm = False
+
+
+def _warm_imports() -> None:
+    """Import every launcher module once in the test process, so that each forked CLI run starts with them (a
+    fresh interpreter spends ~1 s on imports; a fork of a warm one ~0.05 s)."""
+    global _warm
+    if not _warm:
+        for module in pkgutil.walk_packages(launcher.__path__, "launcher."):
+            importlib.import_module(module.name)
+        _warm = True
+
+
+def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the real CLI as `nxdt-launch ARGS` would, in a forked copy of this test process: a process of its
+    own (its cwd, environment, file descriptors, exit code and module state, as a subprocess has; the scripts it
+    starts write to the same captured stdout/stderr) without a fresh interpreter's start-up. What the CLI does on
+    exit (sys.exit's code, the buffered streams) is what `python -m launcher.cli` does; Python-level atexit
+    handlers of the test process are not run in the child. Use nxdt_subprocess where the interpreter's start is
+    under test."""
+    _warm_imports()
+    environment = _environment(env)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.chdir(cwd or REPO)
+                os.environ.clear()
+                os.environ.update(environment)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                # pytest's capture replaced the sys streams: give the CLI ones on the real descriptors.
+                sys.stdin = open(0, closefd=False)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                sys.argv = ["nxdt-launch", *args]
+                from launcher.cli import run
+
+                code = run(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(["nxdt-launch", *args], timeout)
+            time.sleep(0.005)
+        out.seek(0)
+        err.seek(0)
+        # Text as subprocess.run(text=True) gives it: universal newlines.
+        stdout, stderr = (f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+                          for f in (out, err))
+    return subprocess.CompletedProcess(["nxdt-launch", *args], os.waitstatus_to_exitcode(status), stdout, stderr)
