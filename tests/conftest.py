@@ -10,6 +10,14 @@ def _own_run_index(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("NXDT_USER_CONFIG_DIR", str(tmp_path_factory.mktemp("nxdt-config")))
 
 
+@pytest.fixture(autouse=True)
+def _no_ambient_slurm(tmp_path_factory, monkeypatch):
+    """cluster_type=auto submits wherever sbatch and a slurm.conf are found: on a head node (/etc/slurm answering)
+    a test's launch would go to the real queue. A test sees no Slurm unless it asks for one: the local cluster's
+    env (tests/slurm_cluster.py), or a fake (tests/fake_slurm.py)."""
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path_factory.getbasetemp() / "no-slurm-here.conf"))
+
+
 @pytest.fixture(scope="session")
 def _launch_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("nxdt-launch-cache")
@@ -34,20 +42,11 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
-# ---- How the suite runs: parallel workers, and a ceiling on any one test's time ------------------------------
+# ---- A ceiling on any one test's time -----------------------------------------------------------------------
 
 # A test (its setup, or its body) that runs longer than this fails, unless it is marked
 # @pytest.mark.long("why it cannot be shorter or shared"): CI's budget is the whole suite in 20 minutes on 2 cores.
 TEST_SECONDS_LIMIT = 60.0
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (--dist loadgroup), the tests that use the one local Slurm cluster, and the timing-
-    sensitive ones, all go to one worker: a cluster is started once, and jobs never compete for its two nodes."""
-    for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("slurm") \
-                or item.get_closest_marker("serial"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,8 +4,9 @@ code fails CI with its file and line.
 The marker on the line before a block says how it runs:
 - none: as written, from a fresh directory that looks like a checkout (tests/, conf/, ... linked in; results/,
   data/ and pcluster/ its own), with this checkout's `nxdt-launch` on PATH and a HOME of its own.
-- `<!-- cluster: dry-run -->`: the block needs a cluster. Its `nxdt-launch` commands are rendered here with
-  `--dry-run` appended (for the commands that take it); commands that only compute here (`estimate`,
+- `<!-- cluster: dry-run -->`: the block needs a cluster. Its `nxdt-launch` commands run as on a head node whose
+  nodes are all busy (tests/fake_slurm.py first on PATH: a FAKE Slurm whose sbatch refuses), with `--dry-run`
+  appended (for the commands that take it): a dry run must neither submit nor depend on the cluster's state; commands that only compute here (`estimate`,
   `explain-config`, `cluster-config`, `--help`) run as written; `status`, `logs`, `cancel`, `plot` and
   `cluster-validate --show` act on what a real launch recorded, so the CLI parses them (every option and argument
   checked) without running them. The block's other commands (ssh, `source` of the cluster's venv, git clone) are
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import fake_slurm
 from tests.launcher.helpers import REPO
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
@@ -171,7 +173,9 @@ class Sandbox:
         self.env = {**os.environ, "HOME": str(home), "NXDT_STATE_DIR": str(root / "state"),
                     "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.env.pop("SLURM_CONF", None)  # cluster_type=auto must find no Slurm: nothing is submitted from here
+        # cluster_type=auto must find no Slurm, even on a machine whose /etc/slurm answers: nothing is submitted
+        # from here. The cluster blocks get a fake head node instead (cluster_env).
+        self.env["SLURM_CONF"] = str(root / "no-slurm.conf")
         from launcher import pcluster
 
         # The schema check cluster-config runs: where find_python looks, or where .ci/run installs it.
@@ -179,6 +183,8 @@ class Sandbox:
         python = pcluster.find_python() or (str(ci_venv) if ci_venv.exists() else None)
         if python:
             self.env["NXDT_PCLUSTER_PYTHON"] = python
+        fake, conf, _ = fake_slurm.install(root)
+        self.cluster_env = {**self.env, "SLURM_CONF": str(conf), "PATH": f"{fake}{os.pathsep}{self.env['PATH']}"}
 
     def relocate(self, text: str) -> str:
         return re.sub(r"(?<![\w./])/fsx(?=/|\b)", str(self.root / "fsx"), text)
@@ -195,13 +201,13 @@ class Sandbox:
         assert done.returncode == 0, done.stderr
         return done.stdout.split("\0")[:-1]
 
-    def nxdt(self, argv: list[str]) -> tuple[int, str]:
+    def nxdt(self, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
         from launcher.cli import run
 
         out = io.StringIO()
         saved_env, saved_cwd = dict(os.environ), os.getcwd()
         os.environ.clear()
-        os.environ.update(self.env)
+        os.environ.update(env)
         os.chdir(self.cwd)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -265,7 +271,7 @@ def run_command(box: Sandbox, command: Command, mode: str) -> list[str]:
             else:
                 if mode == "dry-run" and "--dry-run" not in argv and "--help" not in argv and _takes_dry_run(argv):
                     argv.append("--dry-run")
-                code, output = box.nxdt(argv)
+                code, output = box.nxdt(argv, box.cluster_env if mode == "dry-run" else box.env)
             part = shlex.join(["nxdt-launch", *argv])
         if code != 0:
             failures.append(f"{_where(command.doc, command.line)}: exit {code}: {part}\n{output[-3000:]}")

@@ -2,7 +2,7 @@
 check (one `not checked: ...` line each on stderr); the real run keeps those checks and refuses with one line.
 
 Both documented commands run here as a user types them on a fresh head node: in an empty directory, with no
-prepared data, and with a fake Slurm first on PATH (FAKE_SLURM below: slurm.conf found, sinfo answers, no trn1
+prepared data, and with a fake Slurm first on PATH (tests/fake_slurm.py: slurm.conf found, sinfo answers, no trn1
 node idle, sbatch refuses) or with no Slurm at all. They run in this process (launcher.cli.run), as the docs test
 runs them."""
 
@@ -14,34 +14,16 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import run
-
-# A fake Slurm: what a head node's commands answer when every trn1 node is busy. Each call is logged, so a test
-# can tell whether Slurm was asked at all; sbatch refuses, since nothing here may submit.
-FAKE_SLURM = {
-    "sinfo": """case " $* " in
-  *" -t idle "*) ;;                              # no idle node in any partition
-  *) printf 'trn1-st-1\\ntrn1-st-2\\n' ;;
-esac""",
-    "squeue": "printf '%s\\n' 101 102",                 # two jobs hold the nodes
-    "scontrol": "echo 'Slurmctld(primary) at fake-head is UP'",
-    "sbatch": "echo 'fake sbatch: a dry run must not submit' >&2; exit 1",
-}
+from tests import fake_slurm
 
 
 @pytest.fixture
 def head_node(tmp_path, monkeypatch):
     """An empty working directory and, first on PATH, a fake Slurm whose slurm.conf is found (cluster_type=auto
     picks Slurm, as on a ParallelCluster head node). Returns the file each fake command logs its calls to."""
-    fake = tmp_path / "fake-slurm"
-    fake.mkdir()
-    calls = tmp_path / "slurm-calls"
-    for name, body in FAKE_SLURM.items():
-        script = fake / name
-        script.write_text(f"#!/bin/sh\necho \"{name} $*\" >> {calls}\n{body}\n")
-        script.chmod(0o755)
-    (fake / "slurm.conf").write_text("# fake: only its existence is read\n")
+    fake, conf, calls = fake_slurm.install(tmp_path)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_CONF", str(fake / "slurm.conf"))
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
