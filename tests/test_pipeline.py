@@ -34,6 +34,7 @@ def _demo_accuracy(results: Path) -> float:
     return next(t for t in tasks if t["task"] == "demo_code_lines")["acc"]
 
 
+@pytest.mark.long("the README's first command end to end (data, tokenizer, training, export, evaluation), then its rerun and resume")
 def test_default_pipeline_runs_locally(tmp_path):
     steps = 40
     checkpoints = ["training.exp_manager.checkpoint_callback_params.every_n_train_steps=5",
@@ -100,6 +101,7 @@ RUNS = {"tp2_dp2_ep2": "mixtral_tiny", "pp2": "gpt3_tiny", "cp2": "llama_tiny"}
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.long("a whole pipeline as real Slurm jobs on two nodes, per layout")
 def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     steps = 10
     results = tmp_path / "results"

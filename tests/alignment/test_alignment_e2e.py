@@ -59,6 +59,7 @@ def preference_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long("DPO must measurably learn the preference on held-out prompts: 150 training steps")
 def test_dpo_demo_learns_the_preference_on_held_out_prompts(tmp_path):
     result = nxdt("cluster_type=local", "stages=[data_preparation,alignment]", "data_preparation=preference_demo",
                   "data_preparation.synthetic_preferences.num_train=2000",
@@ -125,6 +126,7 @@ def _kill_after_checkpoint(launcher: subprocess.Popen, run_dir: Path, step: int)
 
 
 @pytest.mark.slow
+@pytest.mark.long("a DPO run killed mid-training and resumed must equal an uninterrupted one: two trainings")
 def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp_path):
     def overrides(results: Path, *extra: str) -> list[str]:
         return ["cluster_type=local", "stages=[alignment]", "alignment=llama/tiny_dpo", f"data_dir={preference_data}",
@@ -195,6 +197,7 @@ def test_orpo_trains_from_the_same_data(preference_data, tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.long("DPO as real Slurm jobs on two nodes, references computed first")
 def test_dpo_on_two_slurm_nodes(slurm_cluster, tmp_path):
     results = tmp_path / "results"
     result = nxdt("cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",

@@ -12,6 +12,7 @@ from tests.launcher.helpers import nxdt
 pytestmark = pytest.mark.slurm
 
 
+@pytest.mark.long("a real search: each candidate is a Slurm job that trains, then the winner trains")
 def test_autoconfig_searches_on_slurm_and_its_best_config_trains(slurm_cluster, autoconfig_data_dir, tmp_path):
     results = tmp_path / "results"
     common = ["cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",

@@ -27,6 +27,7 @@ def _runtime_logits(checkpoint_dir, ids):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(LAYOUTS))
+@pytest.mark.long("trains, exports, loads the export in transformers and converts it back, per architecture")
 def test_export_loads_in_transformers_and_round_trips(tmp_path, recipe):
     transformers = pytest.importorskip("transformers")
     data = counting_corpus(tmp_path / "data")

@@ -132,6 +132,7 @@ def _rank_file(run_dir: Path, step: int, rank: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+@pytest.mark.long("resumes a real run from the fallback checkpoint per kind of damage")
 def test_a_damaged_newest_checkpoint_falls_back_and_resumes_exactly(straight, tmp_path, damage):
     overrides, run_dir = _copy_run(straight, tmp_path)
     newest = _rank_file(run_dir, STEPS, rank=1)

@@ -45,6 +45,7 @@ def _kill_after_checkpoint(proc: subprocess.Popen, checkpoints, config: Path, ra
 
 
 @pytest.mark.slow
+@pytest.mark.long("an uninterrupted run and a killed-then-relaunched one, compared bit for bit")
 def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
     data = counting_corpus(tmp_path / "data")
     # Wide enough that a step takes a noticeable time: the kill must land between the checkpoints.
@@ -80,6 +81,7 @@ def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long("torchrun restarts killed workers in place; they must resume and finish the run")
 def test_torchrun_restart_in_place_resumes_and_finishes(tmp_path):
     """Within one allocation: torchrun --max-restarts brings the workers back after a SIGKILL; they rendezvous
     again (torchrun gives every attempt a fresh store) and resume from the newest checkpoint."""

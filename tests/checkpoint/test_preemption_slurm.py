@@ -55,6 +55,7 @@ def _scontrol_job(env: dict, job_id: str) -> dict[str, str]:
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
+@pytest.mark.long("real Slurm time limits: the warning comes 10-40 s into each allocation and the job needs 2-3 of them")
 def test_time_limit_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_path):
     started = time.monotonic()
     data = counting_corpus(tmp_path / "data")

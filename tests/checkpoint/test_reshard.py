@@ -35,6 +35,7 @@ def results(request, tmp_path_factory):
     return arch, saved, targets, ranks
 
 
+@pytest.mark.long("its module fixture trains, saves and resumes under every target layout, shared by the module's tests")
 def test_next_loss_matches_unresharded_continuation(results):
     arch, saved, targets, ranks = results
     expected = ranks[0]["saved"]["next_loss"]

@@ -26,6 +26,7 @@ def test_storage_uses_the_endpoint_the_job_script_exports(aws_env, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.long("trains with checkpoints on the S3 server, then resumes from it")
 def test_save_keep_last_two_and_resume_from_s3(tmp_path, s3, aws_env, monkeypatch):
     s3.client().create_bucket(Bucket="ckpt")
     monkeypatch.setenv("AWS_ENDPOINT_URL", NOWHERE)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launcher import launch
 from launcher.estimator import estimate
 
@@ -37,6 +39,7 @@ CASES = [
 ]
 
 
+@pytest.mark.long("profiles real training steps of every case the estimator is checked against")
 def test_estimated_peak_memory_is_within_15_percent_of_measured(demo_data_dir, tmp_path):
     configs, expected = [], {}
     for index, (name, overrides) in enumerate(CASES):

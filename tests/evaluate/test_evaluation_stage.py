@@ -28,6 +28,7 @@ def _choice_file(path):
 
 
 @pytest.mark.slow
+@pytest.mark.long("trains a tp2 x pp2 checkpoint, then evaluates it under several layouts")
 def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path):
     data = counting_corpus(tmp_path / "data")
     tasks = _choice_file(tmp_path / "choices.jsonl")

@@ -49,6 +49,7 @@ def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
         return transformers.LlamaForCausalLM.from_pretrained(directory).eval()(ids).logits
 
 
+@pytest.mark.long("SFT from a Hugging Face Llama, then LoRA from that checkpoint, each exported and checked in transformers")
 def test_fine_tunes_a_hugging_face_llama_then_lora_from_our_checkpoint(tmp_path):
     vocab = _demo(tmp_path / "data")
     base = _hf_llama(tmp_path / "hf_base", vocab)

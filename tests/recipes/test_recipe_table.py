@@ -4,12 +4,15 @@ rule of a launch (the memory check by the estimator among them) and fits; the ta
 
 import os
 
+import pytest
+
 from launcher import recipe_table
 from tests.launcher.helpers import REPO
 
 DOC = REPO / "docs" / "recipes.md"
 
 
+@pytest.mark.long("composes and estimates every recipe on every target (trn1, trn2, GPU)")
 def test_every_recipe_on_every_target_fits_and_the_doc_holds_the_table():
     rows = recipe_table.rows()
     for row in rows:

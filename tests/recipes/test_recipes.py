@@ -221,6 +221,7 @@ EXPERT_LAYOUTS = {  # recipe -> (dp, ep)
 }
 
 
+@pytest.mark.long("composes and validates every MoE recipe's expert layouts through Hydra")
 def test_every_moe_recipe_has_its_expert_layout_checked():
     moe = [recipe for recipe in INTENDED if recipe != "mixtral/tiny"
            and _training(recipe)["model"].get("moe")]

@@ -122,6 +122,7 @@ def results(request):
 
 
 @pytest.mark.parametrize("results", list(ALL_JOBS), indirect=True)
+@pytest.mark.long("its module fixture trains every layout under gloo once, shared by all the module's tests")
 def test_losses_match_single_process(results):
     ranks, ref = results
     for rank in ranks:

@@ -77,6 +77,7 @@ def results(request):
 
 
 @pytest.mark.parametrize("results", list(ALL_JOBS), indirect=True)
+@pytest.mark.long("its module fixture trains every pipeline layout under gloo once, shared by the module's tests")
 def test_losses_match_single_process(results):
     ranks, ref = results
     for rank in ranks:

@@ -71,6 +71,7 @@ def _train(config, nproc=1, extra_env=None):
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.long("XLA:CPU compiles the training step's graphs before the first step, and the CPU reference trains too")
 def test_single_process_on_xla_matches_cpu(data):
     cpu = _train(_config(data, "cpu", accelerator="cpu"))
     xla = _train(_config(data, "xla", accelerator="neuron"))
@@ -86,6 +87,7 @@ def one_cpu_process(data):
     return _train(_config(data, "gbs8_cpu", accelerator="cpu", gbs=8))
 
 
+@pytest.mark.long("XLA:CPU compiles the training step's graphs before the first step, and the CPU reference trains too")
 def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
     """dp=2, each process computing on its XLA:CPU device, gradients reduced through gloo on host copies."""
     cpu = one_cpu_process
@@ -96,6 +98,7 @@ def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data, one_cpu_
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, dp=2 on xla {b}"
 
 
+@pytest.mark.long("XLA:CPU compiles the training step's graphs before the first step, and the CPU reference trains too")
 def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
     """tp=2 with sequence parallelism on XLA:CPU devices. Moving a model to an XLA device makes new Parameters, so
     anything the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name."""
@@ -107,6 +110,7 @@ def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, tp=2 + sp on xla {b}"
 
 
+@pytest.mark.long("XLA:CPU compiles the training step's graphs before the first step, and the CPU reference trains too")
 def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data):
     """Mixtral's experts split over ep=2 on XLA:CPU devices, with a capacity factor as on Trainium: every expert
     batch and all-to-all has a fixed shape, so one graph serves every step (dropless shapes follow the routing,
@@ -122,6 +126,7 @@ def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, ep=2 on xla {b}"
 
 
+@pytest.mark.long("XLA:CPU compiles the training step's graphs before the first step, and the CPU reference trains too")
 def test_two_process_context_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
     """Each sequence split over cp=2 XLA:CPU devices: ring attention's spelled-out block math (what Trainium
     compiles) and its K/V passes (point-to-point, through gloo here), learned positions at the chunks' positions."""
