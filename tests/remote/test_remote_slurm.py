@@ -1,7 +1,7 @@
 """The whole pipeline submitted, watched and cancelled from "a laptop" over SSH: the launcher talks only to the
 test sshd (tests/remote/conftest.py), whose sessions reach the local 2-node Slurm; this process's own
-environment has no SLURM_CONF, so nothing can reach Slurm except through SSH. Remote paths are this
-machine's paths (one machine plays both parts), and the laptop side runs from its own directory, so that
+SLURM_CONF names no file (tests/conftest.py), so nothing can reach Slurm except through SSH. Remote paths are
+this machine's paths (one machine plays both parts), and the laptop side runs from its own directory, so that
 status/logs/cancel find the run through the local record of the remote launch.
 
 The stage programs are the STAND-IN interpreter of tests/launcher/test_slurm_integration.py."""
@@ -39,7 +39,7 @@ def laptop(slurm_cluster, sshd, tmp_path):
         return nxdt(*args, cwd=home, env=env, **kwargs)
 
     run.tmp, run.env, run.home = tmp_path, env, home
-    assert "SLURM_CONF" not in os.environ
+    assert not os.path.exists(os.environ["SLURM_CONF"]), "this side must not reach Slurm but through SSH"
     return run
 
 
