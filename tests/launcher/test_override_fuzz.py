@@ -27,12 +27,13 @@ from launcher.cli import run
 from launcher.compose import compose
 from launcher.paths import CONFIG_GROUPS, group_choices
 from launcher.stages import STAGES
+from tests.slurm_cluster import _in_ci
 
 EXAMPLES = int(os.environ.get("NXDT_FUZZ_EXAMPLES", 100))
 SEED = int(os.environ.get("NXDT_FUZZ_SEED", 0))
 _EXAMPLES_DIR = DirectoryBasedExampleDatabase(str(Path(__file__).with_name("fuzz_examples")))
 # In CI the clone is thrown away: read the saved failures, write nothing.
-DATABASE = ReadOnlyDatabase(_EXAMPLES_DIR) if os.environ.get("CI", "").lower() not in ("", "0", "false") else _EXAMPLES_DIR
+DATABASE = ReadOnlyDatabase(_EXAMPLES_DIR) if _in_ci() else _EXAMPLES_DIR
 TMP = "@TMP@"  # stands for the example's own directory in generated values
 
 
