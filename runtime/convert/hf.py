@@ -20,8 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.io.files import replace_directory
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, tokenizer_vocab_size
-from runtime.models.gpt import GPTModel
-from runtime.models.llama import LlamaModel
+from runtime.models import meta_model
 
 # Our GeluMLP uses the tanh approximation; HF spells that two ways with identical math.
 _SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
@@ -108,9 +107,7 @@ def _join(rule: _Rule, parts: list[torch.Tensor]) -> torch.Tensor:
 
 def state_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """Every full-state name and shape, from a model on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        model = {"gpt": GPTModel, "llama": LlamaModel}[cfg.architecture](cfg)
-    return {name: tensor.shape for name, tensor in model.state_dict().items()}
+    return {name: tensor.shape for name, tensor in meta_model(cfg).state_dict().items()}
 
 
 def _hf_shapes(rule: _Rule, shape: torch.Size) -> list[torch.Size]:

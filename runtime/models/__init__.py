@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from runtime.schema.model import ModelConfig, padded_vocab_size
 from runtime.models.gpt import GPTModel
@@ -12,16 +13,42 @@ from runtime.models.transformer import CausalLM
 _MODELS = {"gpt": GPTModel, "llama": LlamaModel}
 
 
+class SkipFillsOnMeta(TorchFunctionMode):
+    """Skips the in-place fills that module constructors run on their new parameters while those live on the meta
+    device. They hold no values to fill, and PyTorch's meta kernel for a random fill (normal_) is a Python
+    reference whose first call imports torch._dynamo: 2-10 s in every training process, for nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _FILLS:
+            tensor = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+            if getattr(tensor, "is_meta", False):
+                return tensor
+        return func(*args, **kwargs)
+
+
+# torch.nn.init's functions and the Tensor methods they end in; each returns its tensor.
+_FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+          "xavier_normal_", "trunc_normal_", "ones_", "zeros_", "constant_"}
+
+
+def meta_model(cfg: ModelConfig) -> CausalLM:
+    """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
+    with torch.device("meta"), SkipFillsOnMeta():
+        return _MODELS[cfg.architecture](cfg)
+
+
 def build_model(cfg: ModelConfig) -> CausalLM:
     """The full model in fp32 on CPU, initialized from cfg (including cfg.seed) and nothing else."""
     # Build on the meta device and initialize once: nn.Linear's own init would draw from the global RNG and,
     # for billion-parameter models, cost as much time as ours.
-    with torch.device("meta"):
-        model = _MODELS[cfg.architecture](cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives each module its own storage
+    model = meta_model(cfg)
+    # What Module.to_empty(device="cpu") does, but allocated with torch.empty: to_empty's empty_like of a meta
+    # tensor runs a Python reference that imports sympy (seconds in every training process).
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+    model.tie_weights()  # the allocation gives each module its own storage
     model.init_weights()
     return model
 
 
-__all__ = ["CausalLM", "ModelConfig", "build_model", "padded_vocab_size"]
+__all__ = ["CausalLM", "ModelConfig", "SkipFillsOnMeta", "build_model", "meta_model", "padded_vocab_size"]

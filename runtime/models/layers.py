@@ -61,6 +61,8 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.cos.is_meta:  # built on the meta device: the tables are computed once the buffers are real
+            return
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
         angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)  # (P, d/2)
         angles = torch.cat([angles, angles], dim=-1)                                             # (P, d)

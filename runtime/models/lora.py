@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models import SkipFillsOnMeta
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import LoraConfig
 
@@ -103,8 +104,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
                 -1 / math.sqrt(linear.in_features), 1 / math.sqrt(linear.in_features), generator=gen)
                 .to(linear.weight.dtype) for t, _ in chosen}
             B = {t: torch.zeros(rows, lora.rank, dtype=linear.weight.dtype) for t, rows in chosen}
-            adapted = LoRALinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                 device="meta")
+            with SkipFillsOnMeta():  # its own weight and bias are replaced by the base layer's just below
+                adapted = LoRALinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                     device="meta")
             adapted.weight, adapted.bias = linear.weight, linear.bias
             adapted.lora = LoRA(segments, A, B, lora.scale, lora.dropout).to(linear.weight.device)
             setattr(parent, name, adapted)

@@ -71,8 +71,8 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the token embedding with the output head (GPT's share_embeddings_and_output_weights).
 
-        Called again after anything that re-creates parameters (to_empty, tensor-parallel slicing) since those
-        break the sharing.
+        Called again after anything that re-creates parameters (the allocation after the meta build,
+        tensor-parallel slicing) since those break the sharing.
         """
         if self.cfg.share_embeddings_and_output_weights:
             self.output.weight = self.embed.word.weight
