@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from launcher import launch
-from launcher.compose import compose, resolve
+from launcher import cache
 from launcher.errors import UserError
 
 BASE = ["stages=[training]", "training=gpt3/tiny", "cluster_type=local"]
@@ -117,7 +117,9 @@ def _runtime_errors(overrides, tmp_path, capsys, stage="training"):
     from runtime.train import main
 
     path = tmp_path / f"{stage}_config.yaml"
-    path.write_text(yaml.safe_dump(resolve(compose(overrides))[stage], sort_keys=False))
+    # The config the launcher composed for these overrides (its cache's contract: resolve(compose(overrides))).
+    config, _ = cache.resolved(list(overrides))
+    path.write_text(yaml.safe_dump(config[stage], sort_keys=False))
     capsys.readouterr()
     assert main(["--config", str(path), "--stage", stage]) == 2
     return [line.removeprefix("error: ") for line in capsys.readouterr().err.splitlines()]
