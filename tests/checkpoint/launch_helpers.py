@@ -40,6 +40,8 @@ def training_overrides(data: Path, results: Path, *, steps: int, every: int, hid
         "training.exp_manager.checkpoint_callback_params.save_top_k=-1",
         f"training.model.data.index_mapping_dir={results}/index",
         "training.exp_manager.create_metrics_plot=false",  # a second of matplotlib per run; test_pipeline draws it
+        # Importing tensorboard costs the main rank most of a CPU second per run; nothing here reads its events.
+        "training.exp_manager.create_tensorboard_logger=false",
         *extra,
     ]
 

@@ -44,16 +44,26 @@ def _kill_after_checkpoint(proc: subprocess.Popen, checkpoints, config: Path, ra
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.long("an uninterrupted run and a killed-then-relaunched one, compared bit for bit")
-def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
-    data = counting_corpus(tmp_path / "data")
-    # Wide enough that a step takes a noticeable time: the kill must land between the checkpoints.
-    straight = training_overrides(data, tmp_path / "straight", steps=STEPS, every=EVERY, hidden=256)
-    result = nxdt("cluster_type=local", *straight, cwd=tmp_path, timeout=600)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted run both tests compare with, through the launcher: its corpus is data/, its results
+    straight/gpt3_tiny/training/ (losses, final checkpoint, and the training_config.yaml torchrun is given)."""
+    root = tmp_path_factory.mktemp("kill")
+    data = counting_corpus(root / "data")
+    result = nxdt("cluster_type=local", *_overrides(data, root / "straight"), cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root
 
-    killed = training_overrides(data, tmp_path / "killed", steps=STEPS, every=EVERY, hidden=256)
+
+def _overrides(data: Path, results: Path) -> list[str]:
+    # Wide enough that a step takes a noticeable time: the kill must land between the checkpoints.
+    return training_overrides(data, results, steps=STEPS, every=EVERY, hidden=256)
+
+
+@pytest.mark.slow
+@pytest.mark.long("a killed run and its relaunch, compared bit for bit with the uninterrupted one")
+def test_kill_minus_nine_then_relaunch_is_bitwise_equal(straight, tmp_path):
+    killed = _overrides(straight / "data", tmp_path / "killed")
     run_dir = tmp_path / "killed" / "gpt3_tiny" / "training"
     config = run_dir / "training_config.yaml"
     checkpoints = open_storage(run_dir / "checkpoints")
@@ -71,9 +81,9 @@ def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resumed from" in result.stdout + result.stderr
 
-    expected, got = losses(tmp_path / "straight" / "gpt3_tiny" / "training"), losses(run_dir)
+    expected, got = losses(straight / "straight" / "gpt3_tiny" / "training"), losses(run_dir)
     assert [got[s] for s in range(EVERY + 1, STEPS + 1)] == [expected[s] for s in range(EVERY + 1, STEPS + 1)]
-    step_a, weights_a = final_weights(str(tmp_path / "straight" / "gpt3_tiny" / "training" / "checkpoints"))
+    step_a, weights_a = final_weights(str(straight / "straight" / "gpt3_tiny" / "training" / "checkpoints"))
     step_b, weights_b = final_weights(str(run_dir / "checkpoints"))
     assert step_a == step_b == STEPS and weights_a.keys() == weights_b.keys()
     for name in weights_a:
@@ -82,16 +92,12 @@ def test_kill_minus_nine_then_relaunch_is_bitwise_equal(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.long("torchrun restarts killed workers in place; they must resume and finish the run")
-def test_torchrun_restart_in_place_resumes_and_finishes(tmp_path):
+def test_torchrun_restart_in_place_resumes_and_finishes(straight, tmp_path):
     """Within one allocation: torchrun --max-restarts brings the workers back after a SIGKILL; they rendezvous
     again (torchrun gives every attempt a fresh store) and resume from the newest checkpoint."""
     import yaml
 
-    data = counting_corpus(tmp_path / "data")
-    straight = training_overrides(data, tmp_path / "straight", steps=STEPS, every=EVERY, hidden=256)
-    result = nxdt("cluster_type=local", *straight, cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    raw = yaml.safe_load((tmp_path / "straight" / "gpt3_tiny" / "training" / "training_config.yaml").read_text())
+    raw = yaml.safe_load((straight / "straight" / "gpt3_tiny" / "training" / "training_config.yaml").read_text())
     run_dir = tmp_path / "restarted"
     raw["run"]["results_dir"] = str(run_dir)
     config = tmp_path / "restarted.yaml"
@@ -105,5 +111,5 @@ def test_torchrun_restart_in_place_resumes_and_finishes(tmp_path):
     output, _ = proc.communicate(timeout=300)
     assert victim is not None and proc.returncode == 0, output[-4000:]
     assert "resumed from" in output
-    expected, got = losses(tmp_path / "straight" / "gpt3_tiny" / "training"), losses(run_dir)
+    expected, got = losses(straight / "straight" / "gpt3_tiny" / "training"), losses(run_dir)
     assert [got[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]

@@ -3,7 +3,6 @@
 import pytest
 
 from tests.checkpoint import harness as CH
-from tests.runtime_parallel.dist_utils import run_distributed
 
 L = CH.L
 CASES = {
@@ -31,11 +30,10 @@ def results(request, tmp_path_factory):
     arch, case = request.param
     saved, targets = CASES[case]
     directory = str(tmp_path_factory.mktemp("ckpt"))
-    ranks = run_distributed(CH.suite, world_size=4, args=(arch, saved, targets, directory))
+    ranks = CH.run_forked(CH.suite, world_size=4, args=(arch, saved, targets, directory))
     return arch, saved, targets, ranks
 
 
-@pytest.mark.long("its module fixture trains, saves and resumes under every target layout, shared by the module's tests")
 def test_next_loss_matches_unresharded_continuation(results):
     arch, saved, targets, ranks = results
     expected = ranks[0]["saved"]["next_loss"]
