@@ -77,10 +77,14 @@ def test_default_pipeline_runs_locally(tmp_path):
     assert [r["step"] for r in _metrics(results) if "loss" in r] == [r["step"] for r in rows]
     assert _demo_accuracy(results) == trained
 
-    # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower.
+    # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower. Only that
+    # task is scored here (the loss tasks say nothing about it), on the first 100 of the same 200 examples (the
+    # task file is built in one seeded order, so a smaller num_examples is a prefix), 32 requests a forward pass.
     early = sorted((results / "gpt3_tiny" / "training" / "checkpoints").glob("step_00000005.*"))[0].name
-    result = nxdt("cluster_type=local", "stages=[evaluation]", f"evaluation.checkpoint_name={early}", cwd=tmp_path,
-                  timeout=600)
+    corpus = tmp_path / "data" / "demo" / "raw"
+    demo_task = f"{{name:demo_code_lines,type:synthetic_demo,corpus:'{corpus}',num_examples:100}}"
+    result = nxdt("cluster_type=local", "stages=[evaluation]", f"evaluation.checkpoint_name={early}",
+                  f"evaluation.tasks=[{demo_task}]", "evaluation.micro_batch_size=32", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert trained > _demo_accuracy(results) + 0.1, (trained, _demo_accuracy(results))
 
@@ -101,27 +105,36 @@ RUNS = {"tp2_dp2_ep2": "mixtral_tiny", "pp2": "gpt3_tiny", "cp2": "llama_tiny"}
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.long("a whole pipeline as real Slurm jobs on two nodes, per layout")
 def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
-    steps = 10
+    # Short stages, so that the pipeline is mostly its programs starting (about 30 s on two idle cores): 4 steps
+    # logged at 1, 2 and 4, validated (one batch) at 2 and 4; the evaluation scores every kind of task it has by
+    # default, each on a little data (one batch per loss task, 16 demo examples). The three layouts run one after
+    # the other: their data-preparation arrays must each find both nodes free to be seen spreading over them (with
+    # nodes shared, or pipelines interleaved on exclusive ones, Slurm may put both tasks on one node).
+    steps = 4
     results = tmp_path / "results"
     result = nxdt(
         "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",
         f"data_dir={tmp_path}/data", "training.trainer.num_nodes=2", *LAYOUTS[layout],
-        f"training.trainer.max_steps={steps}", "training.trainer.val_check_interval=5",
-        "training.model.optim.sched.warmup_steps=2", cwd=tmp_path, env=slurm_cluster.env,
+        f"training.trainer.max_steps={steps}", "training.trainer.log_every_n_steps=2",
+        "training.trainer.val_check_interval=2", "training.trainer.limit_val_batches=1",
+        "training.model.optim.sched.warmup_steps=1", "evaluation.limit_batches=1",
+        "evaluation.tasks.2.num_examples=16", cwd=tmp_path, env=slurm_cluster.env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     run = RUNS[layout]
     record = json.loads((results / run / "launch.json").read_text())
-    states = [slurm_cluster.wait_job(str(s["job_id"]), 600) for s in record["stages"]]
+    # Where the data-preparation tasks ran is read as soon as they finish: slurmctld forgets a finished job after
+    # MinJobAge (5 minutes), which a busy cluster's queue can outlast before the whole pipeline is done.
+    states = [slurm_cluster.wait_job(str(record["stages"][0]["job_id"]), 600)]
+    prep_nodes = {info.get("NodeList") for info in slurm_cluster.job_info(str(record["stages"][0]["job_id"]))}
+    states += [slurm_cluster.wait_job(str(s["job_id"]), 600) for s in record["stages"][1:]]
     logs = nxdt("logs", run, "--results-dir", str(results), env=slurm_cluster.env).stdout
     assert states == ["COMPLETED"] * 4, logs[-4000:]
 
     # The data-preparation array ran its two tasks on both nodes, then training spanned both nodes.
     prep_logs = sorted((results / run / "data_preparation" / "logs").glob("*_node0.log"))
     assert len(prep_logs) == 2
-    prep_nodes = {info.get("NodeList") for info in slurm_cluster.job_info(str(record["stages"][0]["job_id"]))}
     assert prep_nodes == {"node1", "node2"}, prep_nodes
     train_logs = sorted((results / run / "training" / "logs").glob("*_node*.log"))
     assert len(train_logs) == 2, train_logs
