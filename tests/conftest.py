@@ -46,7 +46,17 @@ def single_thread():
 
 # A test (its setup, or its body) that runs longer than this fails, unless it is marked
 # @pytest.mark.long("why it cannot be shorter or shared"): CI's budget is the whole suite in 20 minutes on 2 cores.
-TEST_SECONDS_LIMIT = 60.0
+# The 60 s are for a test that has the machine's cores to itself. .ci/run runs more pytest streams than there are
+# cores (xdist workers, the Slurm tests, the XLA tests: NXDT_TEST_STREAMS), so there a test gets a fair share of
+# them and its allowance grows in proportion, never shrinks.
+def _seconds_limit() -> float:
+    import os
+
+    streams = int(os.environ.get("NXDT_TEST_STREAMS") or 1)
+    return 60.0 * max(1.0, streams / (os.cpu_count() or 1))
+
+
+TEST_SECONDS_LIMIT = _seconds_limit()
 
 
 @pytest.hookimpl(hookwrapper=True)
