@@ -3,13 +3,8 @@ batches of tests/runtime_parallel/harness.py, under any tp x pp x dp layout."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import time
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint
 from runtime.device import flash_attention_kernels
@@ -17,7 +12,6 @@ from runtime.models import build_model
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.parallel import collectives as C
-from runtime.parallel import topology
 from runtime.schema.model import MoEConfig
 from runtime.step import train_step
 from tests.runtime_parallel import dist_utils
@@ -92,23 +86,5 @@ def suite(arch: str, saved: L, targets: list[L], directory: str, steps: int = 3)
 
 
 def run_forked(fn, world_size: int, args=(), *, timeout_s: float = 300.0) -> list:
-    """dist_utils.run_distributed's ranks (its worker: gloo, one intra-op thread, the same checks on leaving)
-    forked from this test process, where torch and the runtime are already imported, instead of spawned as fresh
-    interpreters that import them again (seconds of CPU each). The worker's first act, one intra-op thread, is
-    what makes the fork safe: the parent's OpenMP threads do not survive it, and a child that asked for more
-    would wait on them forever. Should a rank still not finish, it is killed after timeout_s: a failure, not a
-    hang."""
-    if dist.is_initialized() or any(ref() is not None for ref in topology._groups):
-        # Process groups of this process's own (an earlier test's) would be inherited, and counted by the ranks'
-        # leave_world as still held: spawn fresh interpreters instead.
-        return dist_utils.run_distributed(fn, world_size, args)
-    with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
-        context = mp.start_processes(dist_utils._worker, args=(world_size, "gloo", tmp, fn, tuple(args), 180.0),
-                                     nprocs=world_size, join=False, start_method="fork")
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=0.5):  # raises with the traceback of a rank that failed
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"{fn.__name__} did not finish on {world_size} forked ranks in {timeout_s:.0f} s")
-        return [torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
+    """dist_utils.run_distributed's ranks, forked from this test process (see there)."""
+    return dist_utils.run_distributed(fn, world_size, args, deadline_s=timeout_s)

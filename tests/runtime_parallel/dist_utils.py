@@ -8,12 +8,20 @@ Reusable from any test directory:
 `fn(*args)` runs after dist.init_process_group in every process, so it can build groups and use collectives;
 it must be defined at module level (spawned processes import it by name). The rendezvous is a file in a fresh
 temporary directory, so concurrent test runs never fight over a TCP port. An exception in any rank fails the
-call with that rank's traceback.
+call with that rank's traceback; a rank still running after `deadline_s` is killed, a failure and not a hang.
+
+The ranks are forked from the test process, where torch and the runtime are already imported, instead of spawned
+as fresh interpreters that import them again (3-4 s of CPU each on the CI machine). The worker's first act, one
+intra-op thread, is what makes the fork safe: the parent's OpenMP threads do not survive it, and a child that
+asked for more would wait on them forever. They are spawned when the test process holds process groups of its
+own (a fork would inherit them), or when the test asks (start_method="spawn": what a fresh interpreter does at
+its exit is under test; a forked rank leaves with os._exit).
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,10 +30,21 @@ import torch.multiprocessing as mp
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
-                    backend: str = "gloo", timeout_s: float = 180.0) -> list[Any]:
+                    backend: str = "gloo", timeout_s: float = 180.0, start_method: str = "fork",
+                    deadline_s: float = 300.0) -> list[Any]:
+    from runtime.parallel import topology
+
+    if dist.is_initialized() or any(ref() is not None for ref in topology._groups):
+        start_method = "spawn"
     with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
-        mp.spawn(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s), nprocs=world_size,
-                 join=True)
+        context = mp.start_processes(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s),
+                                     nprocs=world_size, join=False, start_method=start_method)
+        deadline = time.monotonic() + deadline_s
+        while not context.join(timeout=0.5):  # raises with the traceback of a rank that failed
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks in {deadline_s:.0f} s")
         return [torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)]
 
 

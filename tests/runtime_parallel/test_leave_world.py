@@ -26,8 +26,9 @@ def _train_then_leave() -> dict:
     return {"before": before, "held": held, "after": backend_threads()}
 
 
+# Spawned ranks: what is under test happens as a fresh interpreter finalizes; a forked rank leaves with os._exit.
 def test_leaving_frees_every_group_and_joins_its_threads():
-    for rank in run_distributed(_train_then_leave, world_size=2):
+    for rank in run_distributed(_train_then_leave, world_size=2, start_method="spawn"):
         assert rank["before"], "the check must see gloo's threads while the groups exist"
         assert rank["held"] == 0 and rank["after"] == [], rank
 
@@ -43,7 +44,7 @@ def _hold_a_group() -> dict:
 
 
 def test_a_group_still_held_is_counted_and_its_threads_seen(capfd):
-    for rank in run_distributed(_hold_a_group, world_size=2):
+    for rank in run_distributed(_hold_a_group, world_size=2, start_method="spawn"):
         assert rank["held"] == 1 and rank["after"], rank
         assert rank["released"] == [], rank
     assert "1 process groups are still referenced after leaving the world" in capfd.readouterr().err
