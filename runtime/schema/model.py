@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -97,7 +99,20 @@ class ModelConfig:
 def tokenizer_vocab_size(path: str | Path) -> int:
     """Vocabulary size of a Hugging Face tokenizer.json, added tokens included, read as JSON (no tokenizers
     import, so the launcher can check vocabulary padding): the largest token id + 1. ValueError names the file."""
-    file = Path(path)
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"{str(path)!r} does not exist (expected a tokenizer.json)") from None
+    except OSError:
+        raise ValueError(f"{str(path)!r} is not a readable tokenizer.json") from None
+    # A launch asks several times (schema, padding check, estimator) and Llama 3's file takes ~0.15 s to parse:
+    # read once per file version (path, size and modification time).
+    return _vocab_size_of(os.path.realpath(path), stat.st_size, stat.st_mtime_ns, str(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _vocab_size_of(real_path: str, size: int, mtime_ns: int, shown: str) -> int:
+    file = Path(real_path)
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
         vocab = data["model"]["vocab"]
@@ -105,9 +120,9 @@ def tokenizer_vocab_size(path: str | Path) -> int:
         ids += [token["id"] for token in data.get("added_tokens") or []]
         return max(int(i) for i in ids) + 1
     except FileNotFoundError:
-        raise ValueError(f"{str(path)!r} does not exist (expected a tokenizer.json)") from None
+        raise ValueError(f"{shown!r} does not exist (expected a tokenizer.json)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"{str(path)!r} is not a readable tokenizer.json") from None
+        raise ValueError(f"{shown!r} is not a readable tokenizer.json") from None
 
 
 def read_hf_config(path: str | Path) -> dict:
