@@ -2,11 +2,10 @@
 memory by the estimator on its intended device, and renders a job script for its intended cluster (dry run)."""
 
 import copy
-import functools
 
 import pytest
 
-from launcher import launch
+from launcher import cache, launch
 from launcher.estimator import estimate
 from launcher.paths import group_choices
 from runtime.config import load_training_config
@@ -14,17 +13,33 @@ from runtime.config import load_training_config
 GIB = 2**30
 
 
-@functools.cache
-def _composed(recipe: str) -> dict:
-    from tests.launcher.helpers import resolved  # deferred as before: the module imports cheaply
+@pytest.fixture(scope="session")
+def recipe_launch(recipe_data_dir, tmp_path_factory):
+    """recipe -> the overrides of its dry-run launch on the cluster it is meant for (on another, its `targets` would
+    compose another layout in its place), into a results directory of its own. Every test here launches or composes
+    a recipe with exactly these, so launcher/cache.py's session cache (tests/conftest.py) composes each once."""
+    results = tmp_path_factory.mktemp("recipe_results")
 
-    # On the cluster the recipe is meant for: on another, its `targets` would compose another layout in its place.
-    return resolved(f"training={recipe}", f"cluster={INTENDED[recipe][0]}")["training"]
+    def overrides(recipe: str) -> list[str]:
+        return [f"training={recipe}", f"cluster={INTENDED[recipe][0]}", "stages=[training]", "cluster_type=slurm",
+                f"base_results_dir={results / recipe}", f"data_dir={recipe_data_dir}"]
+
+    return overrides
 
 
-def _training(recipe: str) -> dict:
-    """The recipe's resolved training section, composed once per test run (several checks read every recipe)."""
-    return copy.deepcopy(_composed(recipe))
+@pytest.fixture(scope="session")
+def training_of(recipe_launch):
+    """recipe -> its resolved training section as test_recipe_validates_fits_and_renders launches it, composed
+    once per test run (several checks read every recipe); each call gets a copy of its own."""
+    composed = {}
+
+    def training(recipe: str) -> dict:
+        if recipe not in composed:
+            composed[recipe] = cache.resolved(recipe_launch(recipe))[0]["training"]
+        return copy.deepcopy(composed[recipe])
+
+    return training
+
 
 # recipe -> (the cluster config it is meant for, the device the estimator should pick for it)
 INTENDED = {
@@ -107,13 +122,9 @@ def test_every_recipe_is_listed():
 
 
 @pytest.mark.parametrize("recipe", sorted(INTENDED))
-def test_recipe_validates_fits_and_renders(recipe, recipe_data_dir, tmp_path):
-    cluster, device = INTENDED[recipe]
-    plan = launch.make_plan(
-        [f"training={recipe}", f"cluster={cluster}", "stages=[training]", "cluster_type=slurm",
-         f"base_results_dir={tmp_path}", f"data_dir={recipe_data_dir}"],
-        dry_run=True, produced_by="test",
-    )
+def test_recipe_validates_fits_and_renders(recipe, recipe_launch):
+    device = INTENDED[recipe][1]
+    plan = launch.make_plan(recipe_launch(recipe), dry_run=True, produced_by="test")
     # Every input path resolved into the data directory; NxD's dropless Mixtral on Trainium is told its shapes
     # follow the routing (each new one compiles).
     dropless = [w for w in plan.warnings if "model.moe.dropless: expert batch shapes follow the routing" in w]
@@ -204,8 +215,8 @@ PUBLISHED = {
 
 
 @pytest.mark.parametrize("recipe", sorted(PUBLISHED))
-def test_published_shapes_and_layouts(recipe):
-    training = _training(recipe)
+def test_published_shapes_and_layouts(recipe, training_of):
+    training = training_of(recipe)
     flat = {**training["trainer"], **training["model"]}
     for key, value in PUBLISHED[recipe].items():
         assert flat[key] == value, (recipe, key, flat[key], value)
@@ -222,15 +233,15 @@ EXPERT_LAYOUTS = {  # recipe -> (dp, ep)
 
 
 @pytest.mark.long("composes and validates every MoE recipe's expert layouts through Hydra")
-def test_every_moe_recipe_has_its_expert_layout_checked():
+def test_every_moe_recipe_has_its_expert_layout_checked(training_of):
     moe = [recipe for recipe in INTENDED if recipe != "mixtral/tiny"
-           and _training(recipe)["model"].get("moe")]
+           and training_of(recipe)["model"].get("moe")]
     assert sorted(moe) == sorted(EXPERT_LAYOUTS)
 
 
 @pytest.mark.parametrize("recipe", sorted(EXPERT_LAYOUTS))
-def test_moe_recipes_keep_expert_groups_inside_a_node(recipe):
-    training = _training(recipe)
+def test_moe_recipes_keep_expert_groups_inside_a_node(recipe, training_of):
+    training = training_of(recipe)
     result = estimate(training)
     assert result.hardware.name == INTENDED[recipe][1]
     layout = result.layout
@@ -259,16 +270,16 @@ CONTEXT_LAYOUTS = {  # recipe -> (dp, cp, inside a node)
 }
 
 
-def test_every_long_context_recipe_has_its_context_layout_checked():
+def test_every_long_context_recipe_has_its_context_layout_checked(training_of):
     split = [recipe for recipe in INTENDED
-             if max(_training(recipe)["model"].get(key) or 1
+             if max(training_of(recipe)["model"].get(key) or 1
                     for key in ("context_parallel_size", "ulysses_parallel_size")) > 1]
     assert sorted(split) == sorted(CONTEXT_LAYOUTS)
 
 
 @pytest.mark.parametrize("recipe", sorted(CONTEXT_LAYOUTS))
-def test_long_context_recipes_split_the_sequence_evenly(recipe):
-    training = _training(recipe)
+def test_long_context_recipes_split_the_sequence_evenly(recipe, training_of):
+    training = training_of(recipe)
     result = estimate(training, vocab_size=128256)
     layout, shape = result.layout, result.shape
     dp, cp, inside = CONTEXT_LAYOUTS[recipe]
