@@ -34,6 +34,21 @@ def _demo_accuracy(results: Path) -> float:
     return next(t for t in tasks if t["task"] == "demo_code_lines")["acc"]
 
 
+def _evaluate_here(config: Path) -> int:
+    """`python -m runtime.evaluate --config CONFIG` in this process, on one thread as torchrun starts each worker
+    (OMP_NUM_THREADS=1): a tiny model gains nothing from more, and spinning threads slow a shared machine."""
+    import torch
+
+    from runtime.evaluate.__main__ import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(["--config", str(config)])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.long("the README's first command end to end (data, tokenizer, training, export, evaluation), then its rerun and resume")
 def test_default_pipeline_runs_locally(tmp_path):
     steps = 40
@@ -78,14 +93,17 @@ def test_default_pipeline_runs_locally(tmp_path):
     assert _demo_accuracy(results) == trained
 
     # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower. Only that
-    # task is scored here (the loss tasks say nothing about it), on the first 100 of the same 200 examples (the
+    # task is scored here (the loss tasks say nothing about it), on the first 50 of the same 200 examples (the
     # task file is built in one seeded order, so a smaller num_examples is a prefix), 32 requests a forward pass.
+    # The launcher renders this evaluation's config as for any launch; the stage's job script, torchrun and a
+    # worker interpreter were all started above, so the evaluation itself runs in this process.
     early = sorted((results / "gpt3_tiny" / "training" / "checkpoints").glob("step_00000005.*"))[0].name
     corpus = tmp_path / "data" / "demo" / "raw"
-    demo_task = f"{{name:demo_code_lines,type:synthetic_demo,corpus:'{corpus}',num_examples:100}}"
-    result = nxdt("cluster_type=local", "stages=[evaluation]", f"evaluation.checkpoint_name={early}",
-                  f"evaluation.tasks=[{demo_task}]", "evaluation.micro_batch_size=32", cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    demo_task = f"{{name:demo_code_lines,type:synthetic_demo,corpus:'{corpus}',num_examples:50}}"
+    rendered = nxdt("cluster_type=local", "stages=[evaluation]", f"evaluation.checkpoint_name={early}",
+                    f"evaluation.tasks=[{demo_task}]", "evaluation.micro_batch_size=32", "--dry-run", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr[-3000:]
+    assert _evaluate_here(results / "gpt3_tiny" / "evaluation" / "evaluation_config.yaml") == 0
     assert trained > _demo_accuracy(results) + 0.1, (trained, _demo_accuracy(results))
 
 
