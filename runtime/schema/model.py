@@ -101,20 +101,21 @@ def tokenizer_vocab_size(path: str | Path) -> int:
     import, so the launcher can check vocabulary padding): the largest token id + 1. ValueError names the file."""
     try:
         stat = os.stat(path)
-    except FileNotFoundError:
-        raise ValueError(f"{str(path)!r} does not exist (expected a tokenizer.json)") from None
     except OSError:
-        raise ValueError(f"{str(path)!r} is not a readable tokenizer.json") from None
+        return _read_vocab_size(path, str(path))  # names what is wrong with it
     # A launch asks several times (schema, padding check, estimator) and Llama 3's file takes ~0.15 s to parse:
     # read once per file version (path, size and modification time).
-    return _vocab_size_of(os.path.realpath(path), stat.st_size, stat.st_mtime_ns, str(path))
+    return _cached_vocab_size(os.path.realpath(path), stat.st_size, stat.st_mtime_ns, str(path))
 
 
 @functools.lru_cache(maxsize=64)
-def _vocab_size_of(real_path: str, size: int, mtime_ns: int, shown: str) -> int:
-    file = Path(real_path)
+def _cached_vocab_size(real_path: str, size: int, mtime_ns: int, shown: str) -> int:
+    return _read_vocab_size(real_path, shown)
+
+
+def _read_vocab_size(path: str | Path, shown: str) -> int:
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
         vocab = data["model"]["vocab"]
         ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # BPE dict / Unigram list
         ids += [token["id"] for token in data.get("added_tokens") or []]

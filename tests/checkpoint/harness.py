@@ -14,7 +14,6 @@ from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, To
 from runtime.parallel import collectives as C
 from runtime.schema.model import MoEConfig
 from runtime.step import train_step
-from tests.runtime_parallel import dist_utils
 from tests.runtime_parallel import harness as H
 
 NUM_LAYERS = 4
@@ -84,7 +83,3 @@ def suite(arch: str, saved: L, targets: list[L], directory: str, steps: int = 3)
         out[str(target)] = resume_and_step(arch, target, directory, steps, one_replica=i % 2 == 0)
     return out
 
-
-def run_forked(fn, world_size: int, args=(), *, timeout_s: float = 300.0) -> list:
-    """dist_utils.run_distributed's ranks, forked from this test process (see there)."""
-    return dist_utils.run_distributed(fn, world_size, args, deadline_s=timeout_s)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from runtime.checkpoint import Checkpointer, committed_checkpoints, full_tensors, open_storage, read_rank_files
 from runtime.checkpoint import resolve_checkpoint
 from tests.checkpoint import harness as CH
+from tests.runtime_parallel.dist_utils import run_distributed
 from tests.launcher.helpers import REPO
 
 
@@ -34,7 +35,7 @@ def _async_vs_sync(directory: str) -> dict:
 
 
 def test_async_save_with_deferred_copy_writes_what_a_sync_save_writes(tmp_path):
-    ranks = CH.run_forked(_async_vs_sync, world_size=2, args=(str(tmp_path),))
+    ranks = run_distributed(_async_vs_sync, world_size=2, args=(str(tmp_path),))
     assert all(r["host_bytes"] > 0 for r in ranks)  # reported host memory of the copy
     a = full_tensors(read_rank_files(open_storage(tmp_path / "sync"), "step_00000002.0"))
     b = full_tensors(read_rank_files(open_storage(tmp_path / "async"), "step_00000002.0"))
@@ -54,7 +55,7 @@ def _save_steps(directory: str, steps: list[int], keep: int | None, token: str) 
 
 
 def test_uncommitted_is_never_latest_and_retention_keeps_the_newest(tmp_path):
-    CH.run_forked(_save_steps, world_size=1, args=(str(tmp_path), [1, 2], None, "a"))
+    run_distributed(_save_steps, world_size=1, args=(str(tmp_path), [1, 2], None, "a"))
     storage = open_storage(tmp_path)
     # A crashed save of a later launch: its files are there, its COMMIT is not.
     crashed = tmp_path / "step_00000003.b"
@@ -65,7 +66,7 @@ def test_uncommitted_is_never_latest_and_retention_keeps_the_newest(tmp_path):
     with pytest.raises(ValueError, match="incomplete"):
         resolve_checkpoint(str(crashed))
     # The next launch keeps the newest 2 once its first save is committed, and sweeps the crashed leftover.
-    CH.run_forked(_save_steps, world_size=1, args=(str(tmp_path), [4, 5], 2, "c"))
+    run_distributed(_save_steps, world_size=1, args=(str(tmp_path), [4, 5], 2, "c"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004.c", "step_00000005.c"]
 
 

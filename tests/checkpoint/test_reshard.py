@@ -3,6 +3,7 @@
 import pytest
 
 from tests.checkpoint import harness as CH
+from tests.runtime_parallel.dist_utils import run_distributed
 
 L = CH.L
 CASES = {
@@ -30,7 +31,7 @@ def results(request, tmp_path_factory):
     arch, case = request.param
     saved, targets = CASES[case]
     directory = str(tmp_path_factory.mktemp("ckpt"))
-    ranks = CH.run_forked(CH.suite, world_size=4, args=(arch, saved, targets, directory))
+    ranks = run_distributed(CH.suite, world_size=4, args=(arch, saved, targets, directory))
     return arch, saved, targets, ranks
 
 
