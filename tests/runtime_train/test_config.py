@@ -116,3 +116,29 @@ def test_unreadable_files(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ValueError, match="training: \\['a list'\\] must be a mapping of keys"):
         load_training_config(bad)
+
+
+def test_a_tokenizer_file_is_read_again_once_it_changes(tmp_path):
+    """tokenizer_vocab_size keeps what it read per file version (runtime/schema/model.py): a rewritten file, as a
+    rerun of data preparation writes it, is read again; a file gone or damaged is still named."""
+    import json
+    import os
+
+    from runtime.schema.model import tokenizer_vocab_size
+
+    path = tmp_path / "tokenizer.json"
+
+    def write(vocab: int, mtime_ns: int) -> None:
+        path.write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(vocab)}}, "added_tokens": []}))
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+    write(300, 1_000_000_000)
+    assert tokenizer_vocab_size(path) == tokenizer_vocab_size(str(path)) == 300
+    write(301, 2_000_000_000)
+    assert tokenizer_vocab_size(path) == 301
+    path.write_text("{")
+    with pytest.raises(ValueError, match="is not a readable tokenizer.json"):
+        tokenizer_vocab_size(path)
+    path.unlink()
+    with pytest.raises(ValueError, match="does not exist"):
+        tokenizer_vocab_size(path)
