@@ -80,19 +80,32 @@ class ChatTokenizer:
                                                           ("bos_token", "eos_token", "pad_token"))
         self.name, self.template_text = self._choose_template(chat_template, config)
         self._template = _compile(self.template_text, self.name)
+        self._rendered: dict[tuple, str] = {}  # render()'s last results
         pad = next((t for t in (self.pad_token, self.eos_token) if t and self._single_id(t) is not None), None)
         self.pad_id = self._single_id(pad) if pad else 0
         self.stop_ids = self._find_stop_ids()
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        # Locating the turns renders each conversation's prompts (the prefixes before its assistant turns, with the
+        # generation prompt), and a preference pair's two examples and its prompt share theirs: 3 renders of one.
+        # A template call costs several times the key; without this, jinja's per-call setup was most of a
+        # preference dataset's encoding time.
+        key = _render_key(messages) if add_generation_prompt else None
+        if key is not None and key in self._rendered:
+            return self._rendered[key]
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                          pad_token=self.pad_token or "")
         except (TemplateError, TypeError) as err:
             raise ValueError(f"chat template {self.name} failed ({err}); fix the record or the template") from None
+        if key is not None:
+            if len(self._rendered) >= _RENDERS_KEPT:
+                self._rendered.pop(next(iter(self._rendered)))  # the oldest: dicts keep insertion order
+            self._rendered[key] = text
+        return text
 
     def encode_example(self, messages: list[Message]) -> tuple[list[int], list[int]]:
         """(token ids, 1 where the token belongs to an assistant turn and 0 elsewhere) for one conversation."""
@@ -123,9 +136,19 @@ class ChatTokenizer:
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         """The tokens before the final assistant message, ending with the generation prompt; the same tokens
         training saw before that message (the pieces are cut the same way)."""
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-        pieces = self._pieces(messages[:last], add_generation_prompt=True)
-        return [i for encoding in self._encode_texts([t for t, _ in pieces]) for i in encoding]
+        return self.prompts_ids([messages])[0]
+
+    def prompts_ids(self, conversations: list[list[Message]], where: list[str] | None = None) -> list[list[int]]:
+        """prompt_ids for each conversation, with one tokenizer call for all; `where` names each in errors."""
+        cut = []
+        for number, messages in enumerate(conversations):
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+            try:
+                cut.append(self._pieces(messages[:last], add_generation_prompt=True))
+            except ValueError as err:
+                raise ValueError(f"{where[number]}: {err}" if where else str(err)) from None
+        encodings = iter(self._encode_texts([text for pieces in cut for text, _ in pieces]))
+        return [[i for _ in pieces for i in next(encodings)] for pieces in cut]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -138,7 +161,9 @@ class ChatTokenizer:
             if message["role"] != "assistant":
                 continue
             start = len(self._prefix(full, messages[:i], True))
-            end = len(self._prefix(full, messages[:i + 1], False))
+            # The conversation's own last turn ends where the whole does: no second render of it.
+            last = i + 1 == len(messages) and not add_generation_prompt
+            end = len(full) if last else len(self._prefix(full, messages[:i + 1], False))
             if start < cursor or end < start:
                 raise ValueError(self._unstable(f"the generation prompt before message {i} is not after the "
                                                 "previous assistant turn"))
@@ -224,6 +249,22 @@ def generation_examples(files: list[str | os.PathLike], chat: ChatTokenizer,
         except ValueError as err:
             raise ValueError(f"{record.where}: {err}") from None
     return examples
+
+
+# More than a preference chunk's prompts (chunks() in preference_pairs.py): its examples are all cut before its
+# prompts are encoded.
+_RENDERS_KEPT = 4096
+
+
+def _render_key(messages: list[Message]) -> tuple | None:
+    """A conversation as a hashable value, or None for one that holds something unhashable (a list of content
+    parts, say): such a conversation is simply rendered each time."""
+    key = tuple(tuple(m.items()) for m in messages)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _compile(text: str, name: str):

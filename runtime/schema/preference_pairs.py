@@ -67,17 +67,15 @@ def encode_pairs(records: list[PreferenceRecord], limits: Limits, chat: ChatToke
     """Tokenize and truncate one chunk of pairs, in order."""
     where = [r.where for r in records for _ in range(2)]
     examples = chat.encode_examples([r.prompt + side for r in records for side in (r.chosen, r.rejected)], where)
+    # The template's prompt with the generation header, tokenized as the pieces before the first response message
+    # are: the shared prefix both examples must start with.
+    prompts = chat.prompts_ids([r.prompt + r.chosen[:1] for r in records], where[::2])
     tokens: list[int] = []
     loss: list[int] = []
     bounds, kept, counts = [], [], [0, 0, 0]
     for number, record in enumerate(records):
         (chosen, chosen_mask), (rejected, rejected_mask) = examples[2 * number], examples[2 * number + 1]
-        try:
-            # The template's prompt with the generation header, tokenized as the pieces before the first response
-            # message are: the shared prefix both examples must start with.
-            prompt = chat.prompt_ids(record.prompt + record.chosen[:1])
-        except ValueError as err:
-            raise ValueError(f"{record.where}: {err}") from None
+        prompt = prompts[number]
         length = len(prompt)
         if chosen[:length] != prompt or rejected[:length] != prompt:
             raise ValueError(f"{record.where}: chat template {chat.name} does not render the prompt the same before "

@@ -111,6 +111,20 @@ def test_the_mask_covers_exactly_the_response_and_both_sides_share_the_prompt(tm
         ds[8]
 
 
+def test_a_kept_prompt_render_is_used_only_for_an_equal_conversation(chat):
+    from runtime.schema import chat as chat_module
+
+    for _ in range(2):  # the second time from what render() kept
+        assert chat.render(MULTI_TURN, True) == render_chatml(MULTI_TURN, add_generation_prompt=True)
+    changed = [*MULTI_TURN[:-1], {"role": "user", "content": "upper: red fox"}]  # equal but for the last message
+    assert chat.render(changed, True) == render_chatml(changed, add_generation_prompt=True)
+    assert chat.render([dict(m) for m in changed], True) == render_chatml(changed, add_generation_prompt=True)
+    assert chat_module._render_key([{"role": "user", "content": ["a", "list"]}]) is None  # rendered each time
+    many = [[{"role": "user", "content": f"reverse: {i}"}] for i in range(chat_module._RENDERS_KEPT + 5)]
+    assert [chat.render(m, True) for m in many] == [render_chatml(m, add_generation_prompt=True) for m in many]
+    assert len(chat._rendered) == chat_module._RENDERS_KEPT
+
+
 def test_keep_start_cuts_the_prompt_to_the_limit(tmp_path, tokenizer_dir, chat):
     data = write_jsonl(tmp_path / "p.jsonl", pairs(4))
     full = build([data], tokenizer_dir, cache_dir=tmp_path / "full")
