@@ -29,6 +29,9 @@ OPTIM = {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-6}
 # Small gradient buckets: the tiny models' gradients reduce in many buckets, which start during backward as their
 # parameters' last gradients land (runtime/parallel/data_parallel.py), so every layout runs the overlapped path.
 BUCKET_NUMEL = 2048
+# Optimizer steps per run: enough for Adam's moments and ZeRO-1's sharded state to carry over several steps, and
+# for every reference run here to end below its first loss (assert_learns). Each step is most of a layout's cost.
+STEPS = 5
 
 TINY = {
     "gpt": dict(architecture="gpt", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
@@ -180,7 +183,7 @@ def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
     return model
 
 
-def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0, fine_tuning: str | None = None
+def train(cfg: ModelConfig, layout: Layout, steps: int = STEPS, clip: float = 1.0, fine_tuning: str | None = None
           ) -> dict:
     """Train `steps` steps; returns per-step losses and grad norms, the final eval loss and the full weights.
     fine_tuning: None (pretraining batches), 'sft' (packed rows, every weight trains), 'lora', or a preference
@@ -212,7 +215,7 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = 10, clip: float = 1.0, 
 
 
 def assert_learns(run: dict) -> None:
-    """The run did train. A LoRA run on these random tiny models barely moves the loss in 10 steps (the frozen
+    """The run did train. A LoRA run on these random tiny models barely moves the loss in STEPS steps (the frozen
     random embedding and head dominate), so there: the adapters moved and every base weight is bitwise as built."""
     adapters = [name for name in run["state"] if ".lora." in name]
     if not adapters:
@@ -233,11 +236,11 @@ def assert_metrics_match(rank: dict, ref: dict) -> None:
             assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
-def train_job(arch: str, overrides: dict, layout: Layout) -> dict:
+def train_job(arch: str, overrides: dict, layout: Layout, steps: int = STEPS) -> dict:
     """One job: model config overrides, plus `fine_tuning` ('sft' | 'lora' | a PREFERENCE kind), not a model key."""
     overrides = dict(overrides)
     fine_tuning = overrides.pop("fine_tuning", None)
-    return train(tiny_config(arch, **overrides), layout, fine_tuning=fine_tuning)
+    return train(tiny_config(arch, **overrides), layout, steps=steps, fine_tuning=fine_tuning)
 
 
 def dropped_assignments(model, topo: Topology) -> list[list[int]]:

@@ -1,7 +1,7 @@
 """Distributed training equals single-process training: gloo processes on CPU, fp32, tiny GPT and Llama models.
 
-For each layout, loss at each of 10 steps matches the single-process run within 1e-5 relative and the full
-(TP-gathered) parameters after 10 steps within 1e-5. Two spawns serve the whole module (one of 2 ranks, one of 4).
+For each layout, loss at each of the harness's STEPS steps matches the single-process run within 1e-5 relative and
+the full (TP-gathered) parameters after them within 1e-5. Two spawns serve the whole module (one of 2 ranks, one of 4).
 """
 from __future__ import annotations
 
