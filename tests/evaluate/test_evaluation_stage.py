@@ -6,6 +6,7 @@ import pytest
 
 from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
 from tests.launcher.helpers import nxdt
+from tests.runtime_parallel.dist_utils import run_distributed
 
 EVAL_LAYOUTS = {
     "tp2_pp2": ["evaluation.trainer.devices=4", "evaluation.model.tensor_model_parallel_size=2",
@@ -14,6 +15,13 @@ EVAL_LAYOUTS = {
     "pp2_vpp2": ["evaluation.trainer.devices=2", "evaluation.model.pipeline_model_parallel_size=2",
                  "evaluation.model.virtual_pipeline_model_parallel_size=2"],
 }
+
+
+def _evaluate(config: str) -> int:
+    """`python -m runtime.evaluate --config CONFIG` in one rank (run_distributed has joined it to the world)."""
+    from runtime.evaluate.__main__ import main
+
+    return main(["--config", config])
 
 
 def _choice_file(path):
@@ -29,7 +37,7 @@ def _choice_file(path):
 
 @pytest.mark.slow
 @pytest.mark.long("trains a tp2 x pp2 checkpoint, then evaluates it under several layouts")
-def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path):
+def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path, capfd):
     data = counting_corpus(tmp_path / "data")
     tasks = _choice_file(tmp_path / "choices.jsonl")
     train = training_overrides(data, tmp_path / "results", steps=6, every=0,
@@ -38,14 +46,21 @@ def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path):
     result = nxdt("cluster_type=local", *train, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
+    # Each layout's evaluation config is rendered by the launcher (--dry-run), then runs in ranks forked from this
+    # process: the launch path of a stage is tested elsewhere (tests/test_pipeline.py), what is under test here is
+    # the evaluation under each layout, and a torchrun with fresh interpreters would import torch 7 more times.
     scores = {}
     for name, layout in EVAL_LAYOUTS.items():
         evaluate = [o.replace("stages=[training]", "stages=[evaluation]") for o in train] + layout + [
             f"evaluation.run.results_dir={tmp_path / name}", "evaluation.limit_batches=2",
             f"evaluation.tasks=[validation_loss,{{name: count, type: multiple_choice, path: {tasks}}}]"]
-        result = nxdt("cluster_type=local", *evaluate, cwd=tmp_path, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        assert "trained at tp 2 pp 2" in result.stdout
+        rendered = nxdt("cluster_type=local", *evaluate, "--dry-run", cwd=tmp_path)
+        assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr[-3000:]
+        devices = next(int(o.rpartition("=")[2]) for o in layout if o.startswith("evaluation.trainer.devices="))
+        capfd.readouterr()
+        assert run_distributed(_evaluate, devices, args=(str(tmp_path / name / "evaluation_config.yaml"),)) == \
+            [0] * devices
+        assert "trained at tp 2 pp 2" in capfd.readouterr().out
         scores[name] = json.loads((tmp_path / name / "results.json").read_text())["tasks"]
 
     reference = scores.pop("tp1_pp1")
