@@ -46,6 +46,20 @@ def training_overrides(data: Path, results: Path, *, steps: int, every: int, hid
     ]
 
 
+def train_here(config: str) -> int:
+    """`python -m runtime.train --config CONFIG` as one torchrun worker, in a rank run_distributed forked from the
+    test process (already in the world, on one thread as torchrun's workers are): no fresh interpreter importing
+    torch, where the launch itself is not what a test is about."""
+    import os
+
+    import torch.distributed as dist
+
+    from runtime.train import main
+
+    os.environ["RANK"] = str(dist.get_rank())  # as torchrun sets it: the trainer reads it before joining
+    return main(["--config", config])
+
+
 def losses(training_dir: Path) -> dict[int, float]:
     """step -> loss, the last record of each step (a resumed run appends to the same file)."""
     out = {}

@@ -17,8 +17,9 @@ from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint
 from runtime.io.s3 import S3Settings
 from runtime.models import ModelConfig, build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
-from tests.checkpoint.launch_helpers import counting_corpus, losses, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, losses, train_here, training_overrides
 from tests.launcher.helpers import nxdt
+from tests.runtime_parallel.dist_utils import run_distributed
 
 
 def _save(location: str, steps=(1, 2), settings: S3Settings | None = None):
@@ -133,14 +134,18 @@ def _rank_file(run_dir: Path, step: int, rank: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 @pytest.mark.long("resumes a real run from the fallback checkpoint per kind of damage")
-def test_a_damaged_newest_checkpoint_falls_back_and_resumes_exactly(straight, tmp_path, damage):
+def test_a_damaged_newest_checkpoint_falls_back_and_resumes_exactly(straight, tmp_path, capfd, damage):
     overrides, run_dir = _copy_run(straight, tmp_path)
     newest = _rank_file(run_dir, STEPS, rank=1)
     {"flip": _flip, "truncate": lambda f: f.write_bytes(f.read_bytes()[:-100]), "delete": Path.unlink}[damage](newest)
-    # The same command again: it resumes from the newest intact checkpoint and trains the steps after it.
-    result = nxdt("cluster_type=local", *overrides, cwd=tmp_path, timeout=600)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    # The same config again: it resumes from the newest intact checkpoint and trains the steps after it. The
+    # launcher renders it (--dry-run) and its two ranks are forked from this process: what is under test is the
+    # trainer's choice of checkpoint (the relaunch through torchrun is test_every_checkpoint_damaged_is_one_error's).
+    rendered = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr[-3000:]
+    capfd.readouterr()
+    assert run_distributed(train_here, 2, args=(str(run_dir / "training_config.yaml"),)) == [0, 0]
+    output = "".join(capfd.readouterr())
     damaged_line = [line for line in output.splitlines() if "is damaged" in line]
     assert len(damaged_line) == 1 and f"{newest.parent.name} is damaged: rank_00001.pt" in damaged_line[0], output
     assert "resuming from an older checkpoint instead" in damaged_line[0]
