@@ -302,6 +302,10 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         print(f"training {cfg.run_name}: the newest checkpoint is at step {start_step}, trainer.max_steps is "
               f"{cfg.trainer.max_steps}: nothing to train (raise training.trainer.max_steps to continue)", flush=True)
     watch = SignalWatch(device.torch_device) if cfg.checkpoint.save_on_signal and cfg.checkpoint.enabled else None
+    # A sleep after each step, for a test that needs a run still training when another system acts (Slurm's
+    # time-limit warning, tests/checkpoint/test_preemption_slurm.py) without keeping cores busy until then. It
+    # changes no result; unset, nothing waits.
+    pause_s = float(os.environ.get("NXDT_STEP_PAUSE_S") or 0)
 
     try:
         for step in range(start_step, cfg.trainer.max_steps):
@@ -326,6 +330,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                                                  device, valid_objective)
                 metrics.record_validation(done, val_loss, val_metrics)
             checkpoints.after_step(done)
+            if pause_s:
+                time.sleep(pause_s)
             signum = watch.agreed() if watch is not None else None
             if signum is not None and done < cfg.trainer.max_steps:
                 checkpoints.save_and_wait(done)

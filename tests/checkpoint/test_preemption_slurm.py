@@ -11,10 +11,10 @@
 # leaves at least one more 30 s check before the kill at the limit: time for the step, the save and the requeue.
 # The training must take longer than 40 s even on a fast idle machine, so that the first allocation can never
 # finish it. With sig_time 10 (a 20-50 s window) one CI run finished all 200 steps before the warning came
-# and the requeued run had nothing left to resume. Most of the training's time is validation, which only
-# the Slurm run does: it costs wall time without changing a training loss (the losses match the reference,
-# which skips it), so the reference trains the same 200 steps in a third of the time (600 steps without
-# validation made the test a minute longer).
+# and the requeued run had nothing left to resume. The Slurm run sleeps after each step (NXDT_STEP_PAUSE_S,
+# runtime/train.py) rather than computing longer: it used to train a wider model with 40 validations, which kept
+# two cores busy for minutes only to outlast the warning (and took longer the busier the machine was). A pause
+# changes no loss; the reference, run without it, trains the same 200 steps in seconds.
 #
 # Once one signal's checkpoint is committed and the job has requeued itself, the test raises the job's time
 # limit (scontrol update TimeLimit, as root: what an operator does for a requeued job that needs longer), so
@@ -38,11 +38,11 @@
 # the old allocation's steps are gone; with the 2 s scheduling interval it restarts ~12 s after the requeue.
 # `scontrol update StartTime=now` would skip that guard; the test keeps it, as a real cluster would.
 #
-# Length: the reference (~30 s idle), the first allocation (up to its warning, 10-40 s), the requeue (~12 s) and
-# the rest of the training in one more allocation: about 2 minutes on an idle 2-core machine. On one with 3-4
-# other test processes beside it (load 8-13), 9-10 minutes, nearly all of it the 200 steps and their validations.
+# Length: the reference (seconds), the first allocation (up to its warning, 10-40 s), the requeue (~12 s) and
+# the rest of the 200 paused steps in one more allocation: about 2 minutes, most of it sleeping, on an idle
+# machine or a loaded one.
 #
-#   python -m pytest -q tests/checkpoint/test_preemption_slurm.py      # ~2 minutes idle
+#   python -m pytest -q tests/checkpoint/test_preemption_slurm.py      # ~2 minutes
 import json
 import re
 import subprocess
@@ -58,11 +58,8 @@ from tests.launcher.helpers import nxdt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# 20-30 s of training at 7-10 steps/s on two CPU workers, and in the Slurm run 40 validations of 50 batches
-# (30-40 s more): more than the 10-40 s before the warning. Measured on an idle 2-core machine: the warning came
-# 35-37 s into the first allocation, after 118-135 of the 200 steps; all 200 need about 55 s.
-STEPS, HIDDEN = 200, 384
-VALIDATION = ("training.trainer.val_check_interval=5", "training.trainer.limit_val_batches=50")
+# 200 steps with a 0.3 s pause after each: over a minute, more than the 10-40 s before the warning.
+STEPS, PAUSE_S = 200, 0.3
 SIGNAL_S = 20
 # The limit once a signal's checkpoint is committed: the rest of the training, on a loaded machine too, well
 # before this limit's own warning.
@@ -84,7 +81,7 @@ LAYOUT = ("training.trainer.num_nodes=2", "training.trainer.devices=1", "env_var
 
 def _overrides(data: Path, results: Path) -> list[str]:
     # A checkpoint only at the end: every other committed checkpoint is one a signal asked for.
-    return training_overrides(data, results, steps=STEPS, every=STEPS, hidden=HIDDEN, extra=LAYOUT)
+    return training_overrides(data, results, steps=STEPS, every=STEPS, extra=LAYOUT)
 
 
 def _scontrol_job(env: dict, job_id: str) -> dict[str, str]:
@@ -122,7 +119,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluste
 
     results = tmp_path / "requeued"
     launched = nxdt(
-        "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", *_overrides(data, results), *VALIDATION,
+        "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", *_overrides(data, results),
+        f"env_vars.NXDT_STEP_PAUSE_S={PAUSE_S}",
         "training.run.time_limit=0:01:00", f"training.run.preemption_signal_s={SIGNAL_S}",
         f"training.run.max_restarts={MAX_RESTARTS}", cwd=tmp_path, env=slurm_cluster.env,
     )
