@@ -1,4 +1,4 @@
-"""mixtral/tiny through the launcher on this machine: four CPU workers train it with its experts split over two
+"""mixtral/tiny as the launcher configures it on this machine: four CPU workers train it with its experts split over two
 expert-parallel ranks and two tensor-parallel ranks (ep=2 x tp=2, sequence parallel), the loss falls, metrics.jsonl
 carries the MoE layers' auxiliary loss, dropped share and load imbalance every logged step, and the conversion
 stage merges the expert shards into a MixtralForCausalLM that transformers runs to the same logits."""
@@ -11,8 +11,9 @@ from runtime.checkpoint import full_tensors, read_config, read_rank_files, resol
 from runtime.config import parse_model_config
 from runtime.models import build_model
 
-from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, train_here, training_overrides
 from tests.launcher.helpers import nxdt
+from tests.runtime_parallel.dist_utils import run_distributed
 
 
 @pytest.mark.slow
@@ -24,8 +25,12 @@ def test_mixtral_tiny_trains_and_reports_its_experts(tmp_path):
                                           "training.model.tensor_model_parallel_size=2",
                                           "training.model.expert_model_parallel_size=2",
                                           "training.model.sequence_parallel=true"))
-    result = nxdt("cluster_type=local", *overrides, cwd=tmp_path, timeout=600)
+    # The launcher renders the run (--dry-run) and its four ranks are forked from this process: mixtral/tiny's
+    # launch through torchrun is tests/test_pipeline.py's (on two Slurm nodes).
+    result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    config = tmp_path / "results" / "moe" / "training" / "training_config.yaml"
+    assert run_distributed(train_here, 4, args=(str(config),)) == [0] * 4
     rows = [json.loads(line) for line in (tmp_path / "results" / "moe" / "training" / "metrics.jsonl")
             .read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
