@@ -20,6 +20,7 @@ import pytest
 
 from runtime.alignment.synthetic import write_demo
 from runtime.checkpoint import committed_checkpoints, open_storage
+from tests.checkpoint.launch_helpers import train_rendered
 from tests.launcher.helpers import nxdt
 
 SCORED = "scored by the starting model, cached in "
@@ -152,7 +153,7 @@ def _kill_after_checkpoint(launcher: threading.Thread, run_dir: Path, step: int)
 @pytest.mark.slow
 @pytest.mark.long("a DPO run killed mid-training and resumed must equal an uninterrupted one, and a damaged "
                    "reference cache be recomputed: three launches of torchrun and two workers")
-def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp_path):
+def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp_path, capfd):
     def overrides(results: Path, *extra: str) -> list[str]:
         return ["cluster_type=local", "stages=[alignment]", "alignment=llama/tiny_dpo", f"data_dir={preference_data}",
                 f"base_results_dir={results}",
@@ -194,10 +195,15 @@ def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp
     damaged = bytearray(table_bytes)
     damaged[-8:] = bytes(8)
     cached[0].write_bytes(bytes(damaged))
-    straight = nxdt(*overrides(tmp_path / "straight"), cwd=tmp_path, timeout=600)
-    assert straight.returncode == 0, _output(straight)[-4000:]
-    assert f"warning: {cached[0]}: the reference log-probs do not match their checksum" in _output(straight)
-    assert _cached_paths(_output(straight)) == cached, _output(straight)[-4000:]
+    #    The launcher renders it and its ranks are forked from this process (the launch is steps 1 and 2's).
+    rendered = nxdt(*overrides(tmp_path / "straight"), "--dry-run", cwd=tmp_path)
+    assert rendered.returncode == 0, _output(rendered)[-4000:]
+    capfd.readouterr()
+    assert set(train_rendered(tmp_path / "straight" / "llama_tiny_dpo" / "alignment" / "alignment_config.yaml",
+                              "alignment")) == {0}
+    straight = "".join(capfd.readouterr())
+    assert f"warning: {cached[0]}: the reference log-probs do not match their checksum" in straight
+    assert _cached_paths(straight) == cached, straight[-4000:]
     assert cached[0].read_bytes() == table_bytes
     np.testing.assert_array_equal(np.load(cached[0]), np.load(io.BytesIO(table_bytes)))
     expected, got = _losses(tmp_path / "straight" / "llama_tiny_dpo" / "alignment"), _losses(run_dir)
@@ -205,14 +211,18 @@ def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp
     assert [got[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]
 
 
-def test_orpo_trains_from_the_same_data(preference_data, tmp_path):
-    result = nxdt("cluster_type=local", "stages=[alignment]", "alignment=llama/tiny_orpo",
-                  f"data_dir={preference_data}", f"base_results_dir={tmp_path}/results",
-                  *_stage("trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=2",
-                          "model.optim.sched.warmup_steps=2", strategy="orpo"),
-                  cwd=tmp_path, timeout=600)
-    output = _output(result)
-    assert result.returncode == 0, output[-4000:]
+def test_orpo_trains_from_the_same_data(preference_data, tmp_path, capfd):
+    # Rendered by the launcher, its ranks forked from this process (the DPO tests above launch theirs).
+    rendered = nxdt("cluster_type=local", "stages=[alignment]", "alignment=llama/tiny_orpo",
+                    f"data_dir={preference_data}", f"base_results_dir={tmp_path}/results",
+                    *_stage("trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=2",
+                            "model.optim.sched.warmup_steps=2", strategy="orpo"), "--dry-run", cwd=tmp_path)
+    assert rendered.returncode == 0, _output(rendered)[-4000:]
+    capfd.readouterr()
+    codes = train_rendered(tmp_path / "results" / "llama_tiny_orpo" / "alignment" / "alignment_config.yaml",
+                           "alignment")
+    output = "".join(capfd.readouterr())
+    assert set(codes) == {0}, output[-4000:]
     assert SCORED not in output, "ORPO needs no reference"
     rows = _rows(tmp_path / "results" / "llama_tiny_orpo" / "alignment")
     train = [row for row in rows if "loss" in row]

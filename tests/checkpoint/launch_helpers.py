@@ -46,10 +46,10 @@ def training_overrides(data: Path, results: Path, *, steps: int, every: int, hid
     ]
 
 
-def train_here(config: str) -> int:
-    """`python -m runtime.train --config CONFIG` as one torchrun worker, in a rank run_distributed forked from the
-    test process (already in the world, on one thread as torchrun's workers are): no fresh interpreter importing
-    torch, where the launch itself is not what a test is about."""
+def train_here(config: str, stage: str = "training") -> int:
+    """`python -m runtime.train --config CONFIG --stage STAGE` as one torchrun worker, in a rank run_distributed
+    forked from the test process (already in the world, on one thread as torchrun's workers are): no fresh
+    interpreter importing torch, where the launch itself is not what a test is about."""
     import os
 
     import torch.distributed as dist
@@ -57,7 +57,18 @@ def train_here(config: str) -> int:
     from runtime.train import main
 
     os.environ["RANK"] = str(dist.get_rank())  # as torchrun sets it: the trainer reads it before joining
-    return main(["--config", config])
+    return main(["--config", config, "--stage", stage])
+
+
+def train_rendered(config: Path, stage: str = "training") -> list[int]:
+    """Every rank's exit code of a stage config the launcher rendered (--dry-run), its trainer.num_nodes x
+    trainer.devices ranks forked from this process (train_here)."""
+    import yaml
+
+    from tests.runtime_parallel.dist_utils import run_distributed
+
+    trainer = yaml.safe_load(Path(config).read_text())["trainer"]
+    return run_distributed(train_here, int(trainer["num_nodes"]) * int(trainer["devices"]), args=(str(config), stage))
 
 
 def losses(training_dir: Path) -> dict[int, float]:
