@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -69,21 +70,29 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
 XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def _train(config, nproc=1, extra_env=None):
+def _launch(program: list[str], nproc: int = 1, extra_env: dict | None = None) -> None:
     env = dict(os.environ, PJRT_DEVICE="CPU", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra_env or {}))
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()
     # Every process imports torch (and torch-xla with torch's compiler stack: ~2,700 modules). Where bytecode is
     # not written (PYTHONDONTWRITEBYTECODE; the XLA venv then has none either) each would compile them all again,
     # 5-10 s of CPU apiece: the module's processes share one bytecode cache in its temporary directory instead.
     if env.pop("PYTHONDONTWRITEBYTECODE", None):
-        env.setdefault("PYTHONPYCACHEPREFIX", str(config.parent / "pycache"))
+        env.setdefault("PYTHONPYCACHEPREFIX", str(Path(program[-1]).parent / "pycache"))
     prefix = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    command = [sys.executable, *prefix, "-m", "runtime.train", "--config", str(config)]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, *prefix, *program], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def _losses(config) -> list[float]:
     results = yaml.safe_load(config.read_text())["run"]["results_dir"]
     rows = [json.loads(line) for line in open(os.path.join(results, "metrics.jsonl"))]
     return [r["loss"] for r in rows if "loss" in r]
+
+
+def _train(config, nproc=1, extra_env=None):
+    _launch(["-m", "runtime.train", "--config", str(config)], nproc, extra_env)
+    return _losses(config)
 
 
 @pytest.mark.long("two processes: the CPU reference, and an XLA:CPU run that imports torch-xla and compiles two "
@@ -103,56 +112,53 @@ def one_cpu_process(data):
     return _train(_config(data, "gbs8_cpu", accelerator="cpu", gbs=8))
 
 
-@pytest.mark.long("torchrun and two XLA:CPU ranks on 2 cores: each rank imports torch-xla and compiles the step's "
-                  "graphs before the first step runs")
-def test_two_process_data_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
-    """dp=2, each process computing on its XLA:CPU device, gradients reduced through gloo on host copies."""
-    cpu = one_cpu_process
-    xla = _train(_config(data, "dp_xla", accelerator="neuron", devices=2, gbs=8), nproc=2,
-                 extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
+# Mixtral's experts over ep=2, with a capacity factor as on Trainium: every expert batch and all-to-all has a fixed
+# shape, so one graph serves every step (dropless shapes follow the routing, and XLA would compile each new one).
+MOE = dict(arch="llama", num_query_groups=2,
+           moe={"num_experts": 4, "top_k": 2, "dropless": False, "capacity_factor": 1.0, "router_aux_loss_coef": 0.02})
+# The two-process layouts, each on two XLA:CPU devices with gradients and activations crossing through gloo on host
+# copies: dp=2; tp=2 with sequence parallelism (moving a model to an XLA device makes new Parameters, so anything
+# the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name); Mixtral's
+# experts over ep=2; each sequence split over cp=2 (ring attention's spelled-out block math, what Trainium compiles,
+# its K/V passes point to point, learned positions at the chunks' positions).
+LAYOUTS = {"dp": {}, "tp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+           "ep": dict(expert_model_parallel_size=2, **MOE), "cp": dict(context_parallel_size=2)}
+LONG = pytest.mark.long("the module's one torchrun launch of the four two-process layouts on 2 cores (each rank "
+                        "imports torch-xla once and compiles every layout's step graphs), or its wait on it")
+
+
+@pytest.fixture(scope="module")
+def two_processes(data):
+    """Every layout's losses from one torchrun launch of two XLA:CPU ranks (tests/runtime_xla/suite.py): a launch
+    per layout paid torchrun's start and two torch-xla imports again (~20 s of CPU) for each."""
+    configs = {name: _config(data, f"{name}_xla", accelerator="neuron", devices=2, gbs=8, **model)
+               for name, model in LAYOUTS.items()}
+    _launch(["-m", "tests.runtime_xla.suite", *map(str, configs.values())], 2, {"NXDT_XLA_COLLECTIVES": "gloo"})
+    return {name: _losses(path) for name, path in configs.items()}
+
+
+def _assert_matches(cpu: list[float], xla: list[float], what: str) -> None:
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, dp=2 on xla {b}"
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, {what} on xla {b}"
 
 
-@pytest.mark.long("torchrun and two XLA:CPU ranks on 2 cores: each rank imports torch-xla and compiles the step's "
-                  "graphs before the first step runs")
-def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
-    """tp=2 with sequence parallelism on XLA:CPU devices. Moving a model to an XLA device makes new Parameters, so
-    anything the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name."""
-    cpu = one_cpu_process
-    xla = _train(_config(data, "tp_xla", accelerator="neuron", devices=2, gbs=8, tensor_model_parallel_size=2,
-                         sequence_parallel=True), nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
-    assert len(cpu) == len(xla) == STEPS
-    for step, (a, b) in enumerate(zip(cpu, xla), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, tp=2 + sp on xla {b}"
+@LONG
+def test_two_process_data_parallel_on_xla_matches_one_cpu_process(two_processes, one_cpu_process):
+    _assert_matches(one_cpu_process, two_processes["dp"], "dp=2")
 
 
-@pytest.mark.long("its own CPU reference (a MoE model), then torchrun and two XLA:CPU ranks on 2 cores: each rank "
-                  "imports torch-xla and compiles the step's graphs before the first step runs")
-def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data):
-    """Mixtral's experts split over ep=2 on XLA:CPU devices, with a capacity factor as on Trainium: every expert
-    batch and all-to-all has a fixed shape, so one graph serves every step (dropless shapes follow the routing,
-    and XLA would compile each new one)."""
-    moe = dict(arch="llama", num_query_groups=2,
-               moe={"num_experts": 4, "top_k": 2, "dropless": False, "capacity_factor": 1.0,
-                    "router_aux_loss_coef": 0.02})
-    cpu = _train(_config(data, "ep_cpu", accelerator="cpu", gbs=8, **moe))
-    xla = _train(_config(data, "ep_xla", accelerator="neuron", devices=2, gbs=8, expert_model_parallel_size=2, **moe),
-                 nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
-    assert len(cpu) == len(xla) == STEPS
-    for step, (a, b) in enumerate(zip(cpu, xla), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, ep=2 on xla {b}"
+@LONG
+def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(two_processes, one_cpu_process):
+    _assert_matches(one_cpu_process, two_processes["tp"], "tp=2 + sp")
 
 
-@pytest.mark.long("torchrun and two XLA:CPU ranks on 2 cores: each rank imports torch-xla and compiles the step's "
-                  "graphs before the first step runs")
-def test_two_process_context_parallel_on_xla_matches_one_cpu_process(data, one_cpu_process):
-    """Each sequence split over cp=2 XLA:CPU devices: ring attention's spelled-out block math (what Trainium
-    compiles) and its K/V passes (point-to-point, through gloo here), learned positions at the chunks' positions."""
-    cpu = one_cpu_process
-    xla = _train(_config(data, "cp_xla", accelerator="neuron", devices=2, gbs=8, context_parallel_size=2),
-                 nproc=2, extra_env={"NXDT_XLA_COLLECTIVES": "gloo"})
-    assert len(cpu) == len(xla) == STEPS
-    for step, (a, b) in enumerate(zip(cpu, xla), start=1):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one cpu process {a}, cp=2 on xla {b}"
+@LONG
+def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data, two_processes):
+    """Against its own CPU reference: the same MoE model in one CPU process."""
+    _assert_matches(_train(_config(data, "ep_cpu", accelerator="cpu", gbs=8, **MOE)), two_processes["ep"], "ep=2")
+
+
+@LONG
+def test_two_process_context_parallel_on_xla_matches_one_cpu_process(two_processes, one_cpu_process):
+    _assert_matches(one_cpu_process, two_processes["cp"], "cp=2")
