@@ -10,9 +10,8 @@ import torch
 from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint
 from runtime.config import parse_model_config
 from runtime.models import build_model
-from tests.checkpoint.launch_helpers import counting_corpus, train_here, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
-from tests.runtime_parallel.dist_utils import run_distributed
 
 LAYOUTS = {"gpt3/tiny": ["training.model.tensor_model_parallel_size=2"],
            "llama/tiny": ["training.model.pipeline_model_parallel_size=2", "training.model.zero1=true"]}
@@ -55,7 +54,7 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, recipe):
     result = nxdt("cluster_type=local", *train, "--dry-run", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     config = tmp_path / "results" / "tiny" / "training" / "training_config.yaml"
-    assert run_distributed(train_here, 2, args=(str(config),)) == [0, 0]
+    assert train_rendered(config) == [0, 0]
 
     export = [o.replace("stages=[training]", "stages=[conversion]") for o in train]
     result = nxdt("cluster_type=local", *export, cwd=tmp_path, timeout=600)

@@ -17,9 +17,8 @@ from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint
 from runtime.io.s3 import S3Settings
 from runtime.models import ModelConfig, build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
-from tests.checkpoint.launch_helpers import counting_corpus, losses, train_here, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, losses, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
-from tests.runtime_parallel.dist_utils import run_distributed
 
 
 def _save(location: str, steps=(1, 2), settings: S3Settings | None = None):
@@ -144,7 +143,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_resumes_exactly(straight, tm
     rendered = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=tmp_path)
     assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr[-3000:]
     capfd.readouterr()
-    assert run_distributed(train_here, 2, args=(str(run_dir / "training_config.yaml"),)) == [0, 0]
+    assert train_rendered(run_dir / "training_config.yaml") == [0, 0]
     output = "".join(capfd.readouterr())
     damaged_line = [line for line in output.splitlines() if "is damaged" in line]
     assert len(damaged_line) == 1 and f"{newest.parent.name} is damaged: rank_00001.pt" in damaged_line[0], output

@@ -11,9 +11,8 @@ from runtime.checkpoint import full_tensors, read_config, read_rank_files, resol
 from runtime.config import parse_model_config
 from runtime.models import build_model
 
-from tests.checkpoint.launch_helpers import counting_corpus, train_here, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
-from tests.runtime_parallel.dist_utils import run_distributed
 
 
 @pytest.mark.slow
@@ -30,7 +29,7 @@ def test_mixtral_tiny_trains_and_reports_its_experts(tmp_path):
     result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     config = tmp_path / "results" / "moe" / "training" / "training_config.yaml"
-    assert run_distributed(train_here, 4, args=(str(config),)) == [0] * 4
+    assert train_rendered(config) == [0] * 4
     rows = [json.loads(line) for line in (tmp_path / "results" / "moe" / "training" / "metrics.jsonl")
             .read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
