@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from launcher import remote, staging
+from launcher.config import OTHER_CLUSTER_KEYS, SBATCH_KEYS
 from launcher.paths import group_choices
 from launcher.slurm import expand_hostlist, split_hostlist
 from launcher.stages import FINE_TUNING_STAGES, PROGRAMS, STAGES, TRAINER_STAGES
@@ -19,11 +20,6 @@ from runtime.schema.s3 import parse_s3
 from runtime.schema.training import parse_training
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
-
-# Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
-SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
-OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node", "venv",
-                      "neuron", "remote", "staging", "s3")  # checked by neuron.py, remote.py, staging.py, below
 
 # What may stand in an #SBATCH line: sbatch reads those lines itself, so nothing there may need quoting.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")

@@ -13,6 +13,7 @@ import torch
 from launcher import neuron, render, runs, stages
 from launcher.estimator import compute, estimate, hardware, memory
 from launcher.estimator.shapes import vocab_size_for
+from launcher.config import parse
 from launcher.launch import build
 from runtime import device, metrics, peak_probe, precision, preemption
 from runtime.peak_probe import Probe
@@ -74,7 +75,7 @@ def test_default_dependency_is_one_constant():
     assert choices.DEFAULT_DEPENDENCY in choices.DEPENDENCIES
     cfg = resolved("stages=[training]")
     cfg["training"]["run"].pop("dependency", None)
-    assert stages.training(cfg).dependency == choices.DEFAULT_DEPENDENCY
+    assert stages.training(parse(cfg)).dependency == choices.DEFAULT_DEPENDENCY
     assert _literals("STRING", '"afterok"') == ["runtime/schema/choices.py"]
 
 
