@@ -1,5 +1,5 @@
 """The launch config, typed: the one place the launcher reads the dict Hydra composed (launcher/cache.resolved).
-`parse` runs once a launch has passed validate.shape (stages a list, each listed stage a mapping with a run
+`parse` runs once a launch has passed `shape` (stages a list, each listed stage a mapping with a run
 mapping, cluster a mapping); everything after it reads attributes of a `LaunchConfig`, never keys.
 
 Values that validate.py judges later are kept as composed (typed `Any`), so that a bad one is reported there with
@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
+
+from launcher.paths import group_choices
 
 if TYPE_CHECKING:  # the schema is imported when a launch is parsed: tab completion reads STAGES from here
     from runtime.schema.evaluation import EvaluationConfig
@@ -85,6 +87,11 @@ class Cluster:
         """cluster.staging.local_dir: the S3 mirror's root on the shared file system (staging.py checks it)."""
         return self.staging.get("local_dir") if isinstance(self.staging, Mapping) else None
 
+    @property
+    def neuron_hardware(self) -> Any:
+        """cluster.neuron.hardware: a Neuron cluster's instance type (neuron.py checks it); None elsewhere."""
+        return self.neuron.get("hardware") if isinstance(self.neuron, Mapping) else None
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -102,20 +109,45 @@ class LaunchConfig:
     dry_run: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as composed, for config_hash
 
-    def __getitem__(self, stage: str) -> Stage:
-        return self.sections[stage]
+    def stage(self, name: str) -> Stage:
+        return self.sections[name]
 
     @property
     def run_dir(self) -> Path:
         return Path(self.base_results_dir) / self.run_name
 
 
+def shape(cfg: dict[str, Any]) -> list[str]:
+    """What `parse` reads, checked before it: `stages` a list of names, each listed stage a mapping with a `run`
+    mapping, `cluster` a mapping. One line per problem, as every check of the launch."""
+    stages = cfg.get("stages")
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
+        return [f"stages: {stages!r} must be a non-empty list of stage names such as stages=[training] "
+                f"(valid: {', '.join(STAGES)})"]
+    errors = []
+    for stage in dict.fromkeys(s for s in stages if s in STAGES):
+        section = cfg.get(stage)
+        if not isinstance(section, dict):
+            errors.append(f"{stage}: {section!r} is not a stage config; choose one with {stage}=NAME "
+                          f"(valid: {', '.join(group_choices(stage))})")
+        elif not isinstance(section.get("run"), dict):
+            errors.append(f"{stage}.run: {section.get('run')!r} must be a mapping of the stage's job settings "
+                          f"(results_dir, time_limit, ...); set its keys one at a time, "
+                          f"e.g. {stage}.run.time_limit=1:00:00")
+    if not isinstance(cfg.get("cluster") or {}, dict):
+        errors.append(f"cluster: {cfg.get('cluster')!r} must be a mapping; choose one with cluster=NAME "
+                      f"(valid: {', '.join(group_choices('cluster'))})")
+    return errors
+
+
+
 def parse_cluster(section: Mapping[str, Any] | None) -> Cluster:
     section = section or {}
+    lists = {"srun_args": [], "setup": []}  # absent means none; null is not a list (validate.cluster says so)
     return Cluster(
         sbatch={key: section[key] for key in SBATCH_KEYS if key in section},
         keys=tuple(section),
-        **{key: section.get(key) for key in OTHER_CLUSTER_KEYS},
+        **{key: section.get(key, lists.get(key)) for key in OTHER_CLUSTER_KEYS},
     )
 
 
@@ -132,7 +164,7 @@ def _stage(name: str, section: Mapping[str, Any]) -> Stage:
 
 
 def parse(cfg: Mapping[str, Any]) -> LaunchConfig:
-    """The composed config as a LaunchConfig. Lenient beyond validate.shape: a stage that is not a mapping with a
+    """The composed config as a LaunchConfig. Lenient beyond `shape`: a stage that is not a mapping with a
     run mapping (cluster-validate's, or one shape() has reported) has no entry in `sections`. The composed config
     holds every known stage's section whether listed or not; each can be built alone (tests, autoconfig)."""
     listed = cfg.get("stages")

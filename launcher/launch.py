@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from launcher import cache, neuron, packages, records, remote, slurm, stages, staging, validate
-from launcher.config import LaunchConfig, parse, typed
+from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
 from launcher.render import render
@@ -71,23 +71,23 @@ def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[
 
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     cfg, file_warnings = cache.resolved(overrides)  # Hydra's compose, or its result for the same inputs
-    if errors := validate.shape(cfg):  # what parse, and every check below, reads
+    if errors := shape(cfg):  # what parse, and every check below, reads
         raise UserError(*errors)
     config = parse(cfg)
     dry_run = dry_run or config.dry_run
-    remote_settings = remote.settings(cfg)
+    remote_settings = remote.settings(config)
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
-    errors, warnings = validate.problems(cfg, dry_run=dry_run or remote_settings is not None)
-    errors += neuron.problems(cfg) + remote.problems(cfg) + staging.problems(config)
+    errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None)
+    errors += neuron.problems(cfg) + remote.problems(config) + staging.problems(config)
     executor, reason = choose_executor(str(config.cluster_type), (remote_settings or {}).get("host"))
     if executor == "local" and config.container:
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")
     # A package the jobs' Python lacks would fail a job minutes in; a dry run only shows what would run.
     if dry_run:
-        warnings += packages.problems(cfg)
+        warnings += packages.problems(config)
     else:
-        errors += packages.problems(cfg)
+        errors += packages.problems(config)
     if errors:
         raise UserError(*errors)
     jobs = build(config, dry_run=dry_run)
@@ -160,7 +160,7 @@ def build(cfg: LaunchConfig | dict[str, Any], *, dry_run: bool = False) -> list[
     local = staging.localize(cfg)
     jobs = []
     for stage in cfg.stages:
-        section = cfg[stage].section
+        section = cfg.stage(stage).section
         if stage == "data_preparation" and (staging.has_s3_inputs(section)
                                             or dry_run and validate.inputs_unseen(section)):
             # Its inputs are not here to count (on S3, or on a cluster's file system this dry run cannot see):

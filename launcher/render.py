@@ -169,7 +169,7 @@ def python(cfg: LaunchConfig | dict[str, Any]) -> str:
         return "python3"
     if venv(cfg):
         return f"{venv(cfg)}/bin/python"
-    return "python3" if remote.settings(cfg.raw) else sys.executable
+    return "python3" if remote.settings(cfg) else sys.executable
 
 
 def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str) -> str:

@@ -14,7 +14,7 @@ __all__ = ["FINE_TUNING_STAGES", "STAGES", "TRAINER_STAGES", "BUILDERS", "PROGRA
 def _job(cfg: LaunchConfig, stage: str, module: str, *args: str, **sizing) -> Job:
     from runtime.schema.choices import DEFAULT_DEPENDENCY  # here: tab completion imports this module, not the schema
 
-    section = cfg[stage]
+    section = cfg.stage(stage)
     results_dir = section.results_dir
     return Job(
         stage=stage,
@@ -32,7 +32,7 @@ def data_preparation(cfg: LaunchConfig, *, tasks: int | None = None) -> Job:
     """One array task per input shard. `tasks` is for inputs that are not on disk to count (S3: staging.py)."""
     from runtime.data_prep.plan import count_tasks  # torch-free by contract (docs/architecture.md)
 
-    section = cfg["data_preparation"]
+    section = cfg.stage("data_preparation")
     tasks = tasks if tasks is not None else count_tasks(section.section)
     return _job(
         cfg, "data_preparation", "runtime.data_prep",
@@ -44,7 +44,7 @@ def data_preparation(cfg: LaunchConfig, *, tasks: int | None = None) -> Job:
 def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
     """A stage the trainer runs: torchrun over num_nodes x devices, preemptible like training. Only training's
     command line stays as it always was; the others name their stage."""
-    section = cfg[stage]
+    section = cfg.stage(stage)
     trainer, run = section.trainer, section.run
     assert trainer is not None, f"{stage}.trainer: validated before any job is built"
     # A recipe without the preemption keys gets a script that handles no signals (validate.py checks values).
@@ -81,7 +81,7 @@ def conversion(cfg: LaunchConfig) -> Job:
 
 
 def evaluation(cfg: LaunchConfig) -> Job:
-    evaluation = cfg["evaluation"].evaluation
+    evaluation = cfg.stage("evaluation").evaluation
     assert evaluation is not None, "evaluation: validated before any job is built"
     return _job(
         cfg, "evaluation", "runtime.evaluate",

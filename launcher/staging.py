@@ -183,7 +183,7 @@ def problems(cfg: LaunchConfig) -> list[str]:
     errors = report.errors
     stages = [s for s in cfg.stages if s in cfg.sections]
     found = [("data_dir", cfg.data_dir)] if is_s3(cfg.data_dir) else []
-    found += [(f"{s}.{k}", v) for s in stages for k, v in _staged_s3_values(s, cfg[s].section)]
+    found += [(f"{s}.{k}", v) for s in stages for k, v in _staged_s3_values(s, cfg.stage(s).section)]
     if not found:
         return errors
     if not root or not root.startswith("/"):
@@ -192,7 +192,7 @@ def problems(cfg: LaunchConfig) -> list[str]:
                       "cluster.staging.local_dir=/fsx/staging")
     for stage in stages:
         known = {k for k, _ in PULLS.get(stage, [])} | set(PUSHES.get(stage, [])) | set(SCRATCH.get(stage, []))
-        for key, value in _staged_s3_values(stage, cfg[stage].section):
+        for key, value in _staged_s3_values(stage, cfg.stage(stage).section):
             base = re.sub(r"\[\d+\]$", "", key)
             if base not in known:
                 where = ", ".join(sorted(known)) or "none"

@@ -98,6 +98,7 @@ def choose_nodes(cfg: dict, executor: str, *, dry_run: bool = False) -> tuple[in
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     from launcher import launch, validate
     from launcher.compose import compose, resolve
+    from launcher.config import parse_cluster
     from launcher.job import Job
 
     from csp_tools.cluster_validate import config as cv_config
@@ -108,7 +109,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         if not isinstance(cfg.get(key) or {}, dict):
             raise UserError(f"{key}: {cfg.get(key)!r} must be a mapping; choose one with {key}=NAME")
     cluster = dict(cfg.get("cluster") or {})
-    errors = validate.cluster(cluster)
+    errors = validate.cluster(parse_cluster(cluster))
     if not errors:  # choose_nodes reads lists: a hostlist string becomes its items
         cluster.update({key: split_hostlist(cluster[key]) for key in ("nodelist", "exclude")
                         if isinstance(cluster.get(key), str)})

@@ -126,8 +126,8 @@ def test_a_slurm_hostlist_string_is_a_node_list_for_every_launch():
     from launcher import render, validate
 
     cluster = {"partition": "debug", "nodelist": "node[01-03,7]", "exclude": ["node9", "gpu[1-2]"]}
-    assert validate.cluster(cluster) == []
+    assert validate.cluster(parse_cluster(cluster)) == []
     assert "nodelist=node[01-03,7]" in render.sbatch_options(parse_cluster(cluster))
     assert "exclude=node9,gpu[1-2]" in render.sbatch_options(parse_cluster(cluster))
-    (error,) = validate.cluster({"exclude": "node[1-"})
+    (error,) = validate.cluster(parse_cluster({"exclude": "node[1-"}))
     assert error.startswith("cluster.exclude: 'node[1-': a '[' is never closed; give a list")
