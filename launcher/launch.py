@@ -78,7 +78,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     remote_settings = remote.settings(config)
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
     errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None)
-    errors += neuron.problems(cfg) + remote.problems(config) + staging.problems(config)
+    errors += neuron.problems(config) + remote.problems(config) + staging.problems(config)
     executor, reason = choose_executor(str(config.cluster_type), (remote_settings or {}).get("host"))
     if executor == "local" and config.container:
         errors.append("container: the local executor runs this machine's Python; set container=null "
@@ -220,7 +220,7 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
-        neuron_script = neuron.script(job, plan.cfg)
+        neuron_script = neuron.script(job, plan.config)
         if neuron_script and neuron_script.compile:
             put(neuron_script.compile.config_path, yaml.safe_dump(neuron_script.compile.config, sort_keys=False))
         stage_plan = staging.for_job(job, plan.config)

@@ -136,9 +136,9 @@ def container(job: Job, cfg: LaunchConfig | dict[str, Any]) -> Container | None:
         dirs.append(data_dir.rstrip("/"))
     elif local_mirror:
         dirs.append(str(local_mirror).rstrip("/"))
-    script = neuron.script(job, cfg.raw)
+    script = neuron.script(job, cfg)
     if script and not script.cache_url.startswith("s3://"):
-        dirs.append(neuron.cache_location(cfg.raw))
+        dirs.append(neuron.cache_location(cfg))
     dirs = [d for i, d in enumerate(dirs) if not _under(d, dirs[:i])]  # one mount per tree
     mounts += [f"{d}:{d}" for d in dirs] + [str(m) for m in cfg.container_mounts or []]
     return Container(image=str(cfg.container), mounts=list(dict.fromkeys(mounts)), workdir=str(job.results_dir),
@@ -178,14 +178,14 @@ def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produ
     template = _environment().get_template(TEMPLATES[executor])
     inside = container(job, cfg)
     return template.render(
-        neuron=neuron.script(job, cfg.raw),
-        fabric=neuron.fabric(job, cfg.raw),
+        neuron=neuron.script(job, cfg),
+        fabric=neuron.fabric(job, cfg),
         container=inside,
         venv=venv(cfg),
         master_port_base=neuron.MASTER_PORT_BASE,
         master_port_span=neuron.MASTER_PORT_SPAN,
         compile_summary=neuron.COMPILE_SUMMARY,
-        staging=staging.for_job(job, cfg.raw),
+        staging=staging.for_job(job, cfg),
         job=job,
         produced_by=produced_by,
         job_name=job_name(cfg, job),

@@ -50,7 +50,7 @@ def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
     # A recipe without the preemption keys gets a script that handles no signals (validate.py checks values).
     return _job(
         cfg, stage, "runtime.train", *(() if stage == "training" else ("--stage", stage)),
-        nodes=trainer.num_nodes, nproc_per_node=trainer.devices, distributed=True,
+        nodes=trainer.num_nodes, nproc_per_node=trainer.devices, distributed=True, accelerator=trainer.accelerator,
         preemption_signal_s=int(run.preemption_signal_s or 0) or None,
         max_restarts=int(run.max_restarts or 0),
     )
@@ -86,6 +86,7 @@ def evaluation(cfg: LaunchConfig) -> Job:
     return _job(
         cfg, "evaluation", "runtime.evaluate",
         nodes=evaluation.num_nodes, nproc_per_node=evaluation.devices, distributed=True,
+        accelerator=evaluation.accelerator,
     )
 
 

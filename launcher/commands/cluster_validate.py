@@ -156,6 +156,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         raise UserError(*errors)
     job = Job(
         stage=STAGE, run_name=name, results_dir=results_dir, nodes=nodes, nproc_per_node=1, distributed=False,
+        accelerator=cfg[STAGE].get("accelerator"),
         program=("-m", "csp_tools.cluster_validate", "--config", str(results_dir / f"{STAGE}_config.yaml")),
         time_limit=str(run["time_limit"]), dependency=DEFAULT_DEPENDENCY,
         stage_config={**cfg[STAGE], "launch": {"cluster_exclude": list(cluster.get("exclude") or []),

@@ -106,7 +106,7 @@ def _runtime_hardware(cfg: dict, gpu_name: str | None, monkeypatch) -> str:
     """What runtime/device.py names the device of this config's training job."""
     accelerator = cfg["training"]["trainer"]["accelerator"]
     if accelerator == "neuron":  # NXDT_NEURON_HARDWARE, as the job script exports it
-        return neuron.script(build(cfg)[0], cfg).env["NXDT_NEURON_HARDWARE"]
+        return neuron.script(build(cfg)[0], parse(cfg)).env["NXDT_NEURON_HARDWARE"]
     if accelerator == "gpu":
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: gpu_name)
         return device._cuda_hardware(0)
