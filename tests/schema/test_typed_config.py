@@ -39,7 +39,8 @@ NOT_THE_COMPOSED_CONFIG = {
     "commands/plot.py": "reads our own launch records to find a run's metrics",
 }
 
-# Names that hold a launch record (records.py) or one stage's entry of it, never the config.
+# Names that hold a launch record (records.py) or one stage's entry of it, never the config (`record[...]`,
+# `trial.record[...]`).
 RECORD_NAMES = {"record", "entry"}
 
 # Functions that still read keys of a stage section by name, each with why. The section goes to the schema's
@@ -57,6 +58,7 @@ FUNCTIONS = {
     "neuron.py:script": "precision.type, needed in a dry run too",
     "neuron.py:problems": "names the trainer's values as given, beside the schema's errors on the same keys",
     "cli.py:launch": "click's context object (the global --dry-run), not the config",
+    "commands/autoconfig.py:command": "click's context object (the global --dry-run), not the config",
 }
 
 # Not yet migrated to LaunchConfig (issue 38): each still reads the composed config, or a section of it, by key.
@@ -67,8 +69,6 @@ NOT_YET_MIGRATED = {
     "estimator/__init__.py": "estimate() takes a training section dict (trainer.accelerator)",
     "estimator/shapes.py": "reads model, trainer and precision keys of a training section dict",
     "autoconfig/driver.py": "reads the composed training section and cluster by key",
-    "autoconfig/runner.py": "reads the trial plan's composed config by key",
-    "commands/autoconfig.py": "click's context object (the global --dry-run), beside the autoconfig driver",
 }
 
 
@@ -78,7 +78,8 @@ def raw_reads(source: str) -> list[tuple[int, str, str]]:
     found = []
 
     def receiver_is_record(node: ast.AST) -> bool:
-        return isinstance(node, ast.Name) and node.id in RECORD_NAMES
+        return (isinstance(node, ast.Name) and node.id in RECORD_NAMES
+                or isinstance(node, ast.Attribute) and node.attr in RECORD_NAMES)
 
     def visit(node: ast.AST, function: str) -> None:
         for child in ast.iter_child_nodes(node):
