@@ -2,11 +2,12 @@
 `parse` runs once a launch has passed `shape` (stages a list, each listed stage a mapping with a run
 mapping, cluster a mapping); everything after it reads attributes of a `LaunchConfig`, never keys.
 
-Values that validate.py judges later are kept as composed (typed `Any`), so that a bad one is reported there with
-the key, the value and the fix, as before. Where the schema has a parser for a section, its typed result is used
-(one owner per key): the trainer stages' `trainer` (runtime/schema/training.py) and cluster.s3. A stage's
-section is also kept verbatim, for what must be written out as it is: <stage>_config.yaml, which the stage's
-program parses with the same schema on the node, and the staging plan, which walks it for s3:// URLs."""
+Values that validate.py (or neuron.py, remote.py, staging.py) judges later are kept as composed (typed `Any`), so
+that a bad one is reported there with the key, the value and the fix, as before. Where the schema has a parser for
+a section, its typed result is used (one owner per key): the trainer stages' `trainer`
+(runtime/schema/training.py) and evaluation's (runtime/schema/evaluation.py). A stage's section is also kept
+verbatim, for what goes to the schema's parsers and what is written out as it is: <stage>_config.yaml, which the
+stage's program parses with the same schema on the node, and the staging plan, which walks it for s3:// URLs."""
 
 from __future__ import annotations
 
@@ -140,7 +141,6 @@ def shape(cfg: dict[str, Any]) -> list[str]:
     return errors
 
 
-
 def parse_cluster(section: Mapping[str, Any] | None) -> Cluster:
     section = section or {}
     lists = {"srun_args": [], "setup": []}  # absent means none; null is not a list (validate.cluster says so)
@@ -182,5 +182,6 @@ def parse(cfg: Mapping[str, Any]) -> LaunchConfig:
 
 
 def typed(cfg: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
-    """Entry points (launch.build, render.render) take the composed dict as well as a parsed one."""
+    """What the entry points that tests and commands call with the composed dict (launch.build, render.render,
+    render.container, render.python, staging.for_job) read: parsed here, or as parsed already."""
     return cfg if isinstance(cfg, LaunchConfig) else parse(cfg)
