@@ -88,16 +88,16 @@ def row(recipe: str, target: str, results: Path, data: Path) -> Row:
     plan = launch.make_plan([f"training={recipe}", f"cluster={CLUSTERS[target]}", "stages=[training]",
                              f"cluster_type={'local' if target == 'cpu' else 'slurm'}", f"base_results_dir={results}",
                              f"data_dir={data}"], dry_run=True, produced_by="docs/recipes.md")
-    training = plan.cfg["training"]
-    model, trainer = training["model"], training["trainer"]
-    neuron = ((plan.cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    training = plan.config.stage("training").section  # the estimator reads the section (estimator/shapes.py)
+    model, trainer = training["model"], plan.config.stage("training").trainer
+    neuron = plan.config.cluster.neuron_hardware
     try:
         result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB)
     except UserError:  # the tiny recipes' demo tokenizer, built by data preparation: its 4096 tokens
         result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB, vocab_size=DEMO_VOCAB)
     layout = (targets_of_file(recipe)[1] or {}).get(target) or recipe  # the recipe launch.make_plan composed
-    return Row(recipe=recipe, target=target, layout=layout, nodes=int(trainer["num_nodes"]),
-               workers=int(trainer["devices"]), parallel=_parallel(model), recompute=_recompute(model),
+    return Row(recipe=recipe, target=target, layout=layout, nodes=trainer.num_nodes,
+               workers=trainer.devices, parallel=_parallel(model), recompute=_recompute(model),
                batch=f"{model['micro_batch_size']} / {model['global_batch_size']}",
                precision=str(training["precision"]["type"]), memory_gib=result.memory.total / GIB,
                usable_gib=result.hardware.usable_bytes / GIB)

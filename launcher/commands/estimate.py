@@ -171,11 +171,12 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
     from rich.console import Console
     from rich.markup import escape
 
+    from launcher.config import parse_cluster
     from launcher.estimator import estimate
 
     token_budget = _tokens(tokens)  # before composing: a mistyped option is named first, and quickly
     cfg = compose_checked(list(overrides), vocab_size)
-    neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    neuron = parse_cluster(cfg.get("cluster")).neuron_hardware
     result = estimate(cfg["training"], device=device, tokens=token_budget, mfu=mfu, vocab_size=vocab_size,
                       node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None, neuron_hardware=neuron)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
