@@ -158,7 +158,7 @@ def _stage(name: str, section: Mapping[str, Any]) -> Stage:
     run = section["run"]
     return Stage(
         name=name, run=Run(**{key: run.get(key) for key in Run.__dataclass_fields__}), section=dict(section),
-        trainer=parse_trainer(section.get("trainer"), f"{name}.")[0] if name in TRAINER_STAGES else None,
+        trainer=parse_trainer(section, f"{name}.")[0] if name in TRAINER_STAGES else None,
         evaluation=parse_evaluation(section, f"{name}.")[0] if name == "evaluation" else None,
     )
 

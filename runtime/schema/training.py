@@ -186,10 +186,10 @@ def _run_keys(run: Section, p: str, report: Report) -> None:
 
 
 def parse_trainer(raw: Any, p: str = PREFIX) -> tuple[TrainerConfig | None, Report]:
-    """Only a trainer stage's `trainer:` section: what the launcher sizes the stage's job by (num_nodes x devices
-    workers); parse_training reads it the same way."""
+    """Only the `trainer:` section of a trainer stage's config `raw`: what the launcher sizes the stage's job by
+    (num_nodes x devices workers) and the estimator its run; parse_training reads it the same way."""
     report = Report()
-    return _trainer(Section(raw, f"{p}trainer", report), p, report), report
+    return _trainer(Section(raw, p.rstrip("."), report).section("trainer"), p, report), report
 
 
 def _trainer(s: Section, p: str, report: Report) -> TrainerConfig | None:

@@ -66,7 +66,6 @@ NOT_YET_MIGRATED = {
     "recipe_table.py": "formats the training section's model and precision keys as the table shows them",
     "commands/estimate.py": "hands the composed training section to the estimator, which reads it by key",
     "commands/cluster_validate.py": "reads its own composed config (cluster_validation, cluster) by key",
-    "estimator/__init__.py": "estimate() takes a training section dict (trainer.accelerator)",
     "estimator/shapes.py": "reads model, trainer and precision keys of a training section dict",
     "autoconfig/driver.py": "reads the composed training section and cluster by key",
 }
@@ -123,6 +122,8 @@ def test_every_exemption_names_a_module_or_function_that_exists():
         name, function = entry.split(":")
         reads = raw_reads((LAUNCHER / name).read_text())
         assert any(f == function for _, f, _ in reads), f"{entry} reads no key by name now: drop it"
+    for name in NOT_YET_MIGRATED:
+        assert raw_reads((LAUNCHER / name).read_text()), f"{name} reads no key by name now: drop it"
 
 
 def test_the_scan_catches_a_deliberate_violation():
