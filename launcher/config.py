@@ -113,6 +113,11 @@ class LaunchConfig:
     def stage(self, name: str) -> Stage:
         return self.sections[name]
 
+    def composed_section(self, name: str) -> Any:
+        """A stage's section as composed, before anything has checked it (`nxdt-launch estimate` hands training's
+        to the schema itself, run mapping or not)."""
+        return self.raw.get(name)
+
     @property
     def run_dir(self) -> Path:
         return Path(self.base_results_dir) / self.run_name
