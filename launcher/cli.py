@@ -216,7 +216,7 @@ def _print_plan(console, plan, record) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    title = escape(f"run {plan.cfg['run_name']} · {plan.executor} executor ({plan.executor_reason})")
+    title = escape(f"run {plan.config.run_name} · {plan.executor} executor ({plan.executor_reason})")
     table = Table(title=title, title_justify="left")
     for column in ("stage", "job id", "nodes × tasks", "dependency", "script"):
         table.add_column(column, overflow="fold")

@@ -15,6 +15,7 @@ class Job:
     nodes: int
     nproc_per_node: int           # worker processes on each node (torchrun's --nproc_per_node, or 1)
     distributed: bool             # run the program under torchrun across `nodes`
+    accelerator: str | None = None  # cpu | gpu | neuron: what the stage's config runs its workers on, if it says
     program: tuple[str, ...]      # argv after the Python interpreter, e.g. ('-m', 'runtime.train', '--config', F)
     time_limit: str
     dependency: str               # how this job waits for the previous one: afterok | afterany | singleton

@@ -17,10 +17,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from launcher import cache, neuron, packages, records, remote, slurm, stages, staging, validate
+from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
 from launcher.render import render
@@ -28,7 +30,7 @@ from launcher.render import render
 
 @dataclass
 class Plan:
-    cfg: dict[str, Any]
+    cfg: dict[str, Any]          # as composed (what config_hash hashes); read through `config`
     executor: str                # slurm | local
     executor_reason: str         # why: shown in the table's title
     jobs: list[Job]
@@ -39,9 +41,13 @@ class Plan:
     files: list[tuple[Path, Path, int]] = field(default_factory=list)  # written: (here, on the cluster, mode)
     unchecked: list[str] = field(default_factory=list)  # what a dry run rendered without asking (the cluster's state)
 
+    @cached_property
+    def config(self) -> LaunchConfig:
+        return parse(self.cfg)
+
     @property
     def run_dir(self) -> Path:
-        return Path(self.cfg["base_results_dir"]) / self.cfg["run_name"]
+        return self.config.run_dir
 
     def local_path(self, path: Path) -> Path:
         """Where this machine writes a file that lives at `path` on the cluster."""
@@ -65,28 +71,29 @@ def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[
 
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     cfg, file_warnings = cache.resolved(overrides)  # Hydra's compose, or its result for the same inputs
-    if errors := validate.shape(cfg):  # what every check below reads
+    if errors := shape(cfg):  # what parse, and every check below, reads
         raise UserError(*errors)
-    dry_run = dry_run or bool(cfg.get("dry_run"))
-    remote_settings = remote.settings(cfg)
+    config = parse(cfg)
+    dry_run = dry_run or config.dry_run
+    remote_settings = remote.settings(config)
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
-    errors, warnings = validate.problems(cfg, dry_run=dry_run or remote_settings is not None)
-    errors += neuron.problems(cfg) + remote.problems(cfg) + staging.problems(cfg)
-    executor, reason = choose_executor(str(cfg.get("cluster_type")), (remote_settings or {}).get("host"))
-    if executor == "local" and cfg.get("container"):
+    errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None)
+    errors += neuron.problems(config) + remote.problems(config) + staging.problems(config)
+    executor, reason = choose_executor(str(config.cluster_type), (remote_settings or {}).get("host"))
+    if executor == "local" and config.container:
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")
     # A package the jobs' Python lacks would fail a job minutes in; a dry run only shows what would run.
     if dry_run:
-        warnings += packages.problems(cfg)
+        warnings += packages.problems(config)
     else:
-        errors += packages.problems(cfg)
+        errors += packages.problems(config)
     if errors:
         raise UserError(*errors)
-    jobs = build(cfg, dry_run=dry_run)
+    jobs = build(config, dry_run=dry_run)
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
-    elif errors := output_problems([("base_results_dir", Path(cfg["base_results_dir"]) / cfg["run_name"]),
+    elif errors := output_problems([("base_results_dir", config.run_dir),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
     elif not dry_run and (errors := busy_runs(jobs)):
@@ -147,16 +154,18 @@ def _example(key: str) -> str:
     return f", e.g. {key} /fsx/out" if key.startswith("-") else f", e.g. {key}=/fsx/results"
 
 
-def build(cfg: dict[str, Any], *, dry_run: bool = False) -> list[Job]:
+def build(cfg: LaunchConfig | dict[str, Any], *, dry_run: bool = False) -> list[Job]:
     """One Job per stage. Stage configs read S3 data at its mirror on the shared file system (staging.py)."""
+    cfg = typed(cfg)
     local = staging.localize(cfg)
     jobs = []
-    for stage in cfg["stages"]:
-        if stage == "data_preparation" and (staging.has_s3_inputs(cfg[stage])
-                                            or dry_run and validate.inputs_unseen(cfg[stage])):
+    for stage in cfg.stages:
+        section = cfg.stage(stage).section
+        if stage == "data_preparation" and (staging.has_s3_inputs(section)
+                                            or dry_run and validate.inputs_unseen(section)):
             # Its inputs are not here to count (on S3, or on a cluster's file system this dry run cannot see):
             # the array has one task per file the config names.
-            jobs.append(stages.data_preparation(local, tasks=staging.count_input_files(cfg[stage])))
+            jobs.append(stages.data_preparation(local, tasks=staging.count_input_files(section)))
         else:
             jobs.append(stages.BUILDERS[stage](local))
     return jobs
@@ -207,14 +216,14 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
 
     scripts = []
     for job in plan.jobs:
-        text = render(job, plan.cfg, executor=plan.executor, produced_by=plan.produced_by)
+        text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
-        neuron_script = neuron.script(job, plan.cfg)
+        neuron_script = neuron.script(job, plan.config)
         if neuron_script and neuron_script.compile:
             put(neuron_script.compile.config_path, yaml.safe_dump(neuron_script.compile.config, sort_keys=False))
-        stage_plan = staging.for_job(job, plan.cfg)
+        stage_plan = staging.for_job(job, plan.config)
         if stage_plan:
             put(stage_plan.manifest_path, json.dumps(stage_plan.manifest(), indent=2) + "\n")
         path = script_path(job, plan.executor)
@@ -238,7 +247,7 @@ def config_hash(cfg: dict[str, Any]) -> str:
 
 def new_record(plan: Plan, scripts: list[Path]) -> dict[str, Any]:
     return {
-        "run_name": plan.cfg["run_name"],
+        "run_name": plan.config.run_name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "executor": plan.executor,
         "command": plan.produced_by,
@@ -285,7 +294,7 @@ def submit_slurm(plan: Plan, scripts: list[Path], record: dict[str, Any]) -> Non
     remote_copy = plan.local_path(plan.run_dir)
     records.write(remote_copy, record)
     remote.current().put(remote_copy / records.RECORD, str(plan.run_dir / records.RECORD))
-    here = records.remote_runs_dir() / plan.cfg["run_name"]
+    here = records.remote_runs_dir() / plan.config.run_name
     records.archive_previous(here)
     records.write(here, {**record, "remote": plan.remote})
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.config import Cluster, LaunchConfig
 from launcher.job import Job
 from launcher.stages import TRAINER_STAGES
 
@@ -109,34 +110,34 @@ class NeuronScript:
     compile: CompileStep | None
 
 
-def settings(cfg: dict[str, Any]) -> dict[str, Any]:
+def settings(cluster: Cluster) -> dict[str, Any]:
     """cluster.neuron with every missing key filled from DEFAULTS."""
-    given = (cfg.get("cluster") or {}).get("neuron") or {}
+    given = cluster.neuron or {}
     merged = {**DEFAULTS, **{k: v for k, v in given.items() if k != "compile"}}
     merged["compile"] = {**DEFAULTS["compile"], **(given.get("compile") or {})}
     return merged
 
 
 def runs_on_neuron(job: Job) -> bool:
-    return job.distributed and ((job.stage_config.get("trainer") or {}).get("accelerator") == "neuron")
+    return job.distributed and job.accelerator == "neuron"
 
 
-def fabric(job: Job, cfg: dict[str, Any]) -> Fabric | None:
+def fabric(job: Job, cfg: LaunchConfig) -> Fabric | None:
     """The EFA settings of every job whose workers talk across Neuron nodes: a stage on Neuron
     (trainer.accelerator), and cluster-validate's collective tests (cluster_validation.accelerator=neuron)."""
-    validating_neuron = job.stage == "cluster_validation" and job.stage_config.get("accelerator") == "neuron"
+    validating_neuron = job.stage == "cluster_validation" and job.accelerator == "neuron"
     if not (runs_on_neuron(job) or validating_neuron):
         return None
-    neuron = settings(cfg)
+    neuron = settings(cfg.cluster)
     env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"} if neuron["efa"] else {}
     return Fabric(env=env, efa_fork_safe_check=bool(neuron["efa"]), open_files=int(neuron["open_files"]))
 
 
-def cache_location(cfg: dict[str, Any]) -> str:
+def cache_location(cfg: LaunchConfig) -> str:
     """cluster.neuron.compile.cache, or its default on the shared file system, without a trailing slash."""
-    cache = settings(cfg)["compile"]["cache"]
+    cache = settings(cfg.cluster)["compile"]["cache"]
     if not cache:
-        cache = f"{str(cfg.get('base_results_dir') or '').rstrip('/')}/neuron-compile-cache"
+        cache = f"{str(cfg.base_results_dir or '').rstrip('/')}/neuron-compile-cache"
     return str(cache).rstrip("/")
 
 
@@ -182,11 +183,11 @@ def compile_config(job: Job, steps: int) -> dict[str, Any]:
     return stage
 
 
-def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
+def script(job: Job, cfg: LaunchConfig) -> NeuronScript | None:
     """The Neuron parts of this job's script, or None when the stage does not run on Neuron."""
     if not runs_on_neuron(job):
         return None
-    neuron = settings(cfg)
+    neuron = settings(cfg.cluster)
     hardware = HARDWARE[neuron["hardware"]]
     precision = str((job.stage_config.get("precision") or {}).get("type") or "fp32")
     precision_env, precision_flags = PRECISION_ENV[precision]
@@ -213,16 +214,16 @@ def script(job: Job, cfg: dict[str, Any]) -> NeuronScript | None:
         key = graph_key(job, env["NEURON_CC_FLAGS"], cache_url)
         # A directory cache holds its markers; one on S3 has them on the shared file system instead, where the
         # job script can look without an S3 client.
-        markers = (f"{str(cfg['base_results_dir']).rstrip('/')}/{S3_CACHE_MARKERS}" if cache_url.startswith("s3://")
+        markers = (f"{str(cfg.base_results_dir).rstrip('/')}/{S3_CACHE_MARKERS}" if cache_url.startswith("s3://")
                    else f"{cache_url}/nxdt-compiled")
         compile_step = CompileStep(compile_config(job, steps), job.results_dir / f"{job.stage}_compile_config.yaml",
                                    marker=f"{markers}/{key}")
     return NeuronScript(hardware=neuron["hardware"], env=env, cache_url=cache_url, compile=compile_step)
 
 
-def problems(cfg: dict[str, Any]) -> list[str]:
+def problems(cfg: LaunchConfig) -> list[str]:
     """Mistakes in cluster.neuron, and a training stage whose worker count does not fill the Neuron nodes."""
-    given = (cfg.get("cluster") or {}).get("neuron")
+    given = cfg.cluster.neuron
     if given is None:
         return []
     if not isinstance(given, dict):
@@ -231,7 +232,7 @@ def problems(cfg: dict[str, Any]) -> list[str]:
               if k not in NEURON_KEYS]
     errors += [f"cluster.neuron.compile.{k}: unknown key; valid keys: {', '.join(COMPILE_KEYS)}"
                for k in (given.get("compile") or {}) if k not in COMPILE_KEYS]
-    neuron = settings(cfg)
+    neuron = settings(cfg.cluster)
     if neuron["hardware"] not in HARDWARE:
         return errors + [f"cluster.neuron.hardware: {neuron['hardware']!r} is not one of {', '.join(HARDWARE)}"]
     steps = neuron["compile"]["steps"]
@@ -248,8 +249,9 @@ def problems(cfg: dict[str, Any]) -> list[str]:
     if "\n" in str(neuron["compiler_flags"] or ""):
         errors.append("cluster.neuron.compiler_flags: must be one line of neuronx-cc flags")
     workers = HARDWARE[neuron["hardware"]].workers_per_node
-    for stage in (s for s in cfg.get("stages") or [] if s in TRAINER_STAGES):
-        trainer = ((cfg.get(stage) or {}).get("trainer")) or {}
+    for stage in (s for s in cfg.stages if s in TRAINER_STAGES and s in cfg.sections):
+        # The values as given, even where the schema refuses them (it says so beside this line).
+        trainer = cfg.stage(stage).section.get("trainer") or {}
         if trainer.get("accelerator") != "neuron":
             errors.append(
                 f"{stage}.trainer.accelerator: {trainer.get('accelerator')!r}, but cluster.neuron.hardware is "

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+
+from launcher.config import LaunchConfig
 
 RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch[runtime]' "
            "(-e '.[runtime]' in a checkout)")
@@ -38,7 +39,7 @@ def importable(module: str) -> bool:
         return False
 
 
-def job_python_is_ours(cfg: dict[str, Any]) -> bool:
+def job_python_is_ours(cfg: LaunchConfig) -> bool:
     """Whether the job scripts run this very interpreter (render.python decides which one they run: a container's,
     a cluster venv's, a remote head node's or this one): only then does what is installed here tell anything."""
     from launcher.render import python  # render imports most of the launcher; this check runs once per launch
@@ -46,13 +47,13 @@ def job_python_is_ours(cfg: dict[str, Any]) -> bool:
     return Path(python(cfg)).resolve() == Path(sys.executable).resolve()
 
 
-def needed(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
+def needed(cfg: LaunchConfig) -> list[tuple[str, str, str]]:
     """(module, the key or stage that needs it, how to get it) for every stage this launch runs."""
     wants: list[tuple[str, str, str]] = []
-    for stage in cfg["stages"]:
+    for stage in cfg.stages:
         wants += [(module, f"stages: {stage}", RUNTIME) for module in STAGE_MODULES.get(stage, ())]
-    if "training" in cfg["stages"]:
-        exp = cfg["training"].get("exp_manager") or {}
+    if "training" in cfg.stages:
+        exp = cfg.stage("training").section.get("exp_manager") or {}
         key = "training.exp_manager."
         if isinstance(exp, dict) and exp.get("create_wandb_logger") is True:
             wants.append(("wandb", f"{key}create_wandb_logger: true",
@@ -60,12 +61,12 @@ def needed(cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
         if isinstance(exp, dict) and exp.get("create_tensorboard_logger", True) is True:
             wants.append(("tensorboard", f"{key}create_tensorboard_logger: true",
                           f"{RUNTIME}; or set {key}create_tensorboard_logger=false"))
-    if "data_preparation" in cfg["stages"]:
-        wants += _data_preparation(cfg["data_preparation"])
+    if "data_preparation" in cfg.stages:
+        wants += _data_preparation(cfg.stage("data_preparation").section)
     return wants
 
 
-def _data_preparation(stage_cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
+def _data_preparation(stage_cfg: dict) -> list[tuple[str, str, str]]:
     """Readers and tokenizer libraries its inputs call for; nothing when the inputs cannot be listed here (on S3,
     or a config the schema refuses: validation reports those)."""
     from runtime.data_prep.plan import build_shards  # torch-free by contract
@@ -88,7 +89,7 @@ def _data_preparation(stage_cfg: dict[str, Any]) -> list[tuple[str, str, str]]:
     return wants
 
 
-def problems(cfg: dict[str, Any]) -> list[str]:
+def problems(cfg: LaunchConfig) -> list[str]:
     """One line per package the job's interpreter lacks; [] when it is not this interpreter (see the top)."""
     if not job_python_is_ours(cfg):
         return []

@@ -11,10 +11,14 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher.errors import UserError
 from launcher.paths import conf_dir, group_choices
 from launcher.targets import TARGETS
+
+if TYPE_CHECKING:
+    from launcher.estimator import Layout
 
 # target -> the cluster config that means it
 CLUSTERS = {"trn1": "pcluster_trn1", "trn2": "pcluster_trn2", "gpu": "slurm", "cpu": "local"}
@@ -63,21 +67,18 @@ def pinned(recipe: str) -> bool:
     return own and mapping is None
 
 
-def _parallel(model: dict) -> str:
-    text = f"TP {model['tensor_model_parallel_size']} × PP {model['pipeline_model_parallel_size']}"
-    if model.get("virtual_pipeline_model_parallel_size"):
-        text += f" × VPP {model['virtual_pipeline_model_parallel_size']}"
-    for key, name in (("context_parallel_size", "CP"), ("expert_model_parallel_size", "EP")):
-        if (model.get(key) or 1) > 1:
-            text += f", {name} {model[key]}"
-    return text + (", SP" if model.get("sequence_parallel") else "")
+def _parallel(layout: Layout) -> str:
+    text = f"TP {layout.tp} × PP {layout.pp}" + (f" × VPP {layout.vpp}" if layout.vpp > 1 else "")
+    for size, name in ((layout.cp, "CP"), (layout.ep, "EP")):
+        if size > 1:
+            text += f", {name} {size}"
+    return text + (", SP" if layout.sequence_parallel else "")
 
 
-def _recompute(model: dict) -> str:
-    granularity = model.get("activations_checkpoint_granularity")
-    if granularity == "selective":
-        return "selective (" + ", ".join(model.get("activations_checkpoint_recompute") or []) + ")"
-    return granularity or "none"
+def _recompute(layout: Layout) -> str:
+    if layout.recompute == "selective":
+        return "selective (" + ", ".join(layout.recompute_modules) + ")"
+    return layout.recompute or "none"
 
 
 def row(recipe: str, target: str, results: Path, data: Path) -> Row:
@@ -88,18 +89,18 @@ def row(recipe: str, target: str, results: Path, data: Path) -> Row:
     plan = launch.make_plan([f"training={recipe}", f"cluster={CLUSTERS[target]}", "stages=[training]",
                              f"cluster_type={'local' if target == 'cpu' else 'slurm'}", f"base_results_dir={results}",
                              f"data_dir={data}"], dry_run=True, produced_by="docs/recipes.md")
-    training = plan.cfg["training"]
-    model, trainer = training["model"], training["trainer"]
-    neuron = ((plan.cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    training = plan.config.stage("training").section  # the estimator reads the section (estimator/shapes.py)
+    neuron = plan.config.cluster.neuron_hardware
     try:
         result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB)
     except UserError:  # the tiny recipes' demo tokenizer, built by data preparation: its 4096 tokens
         result = estimate(training, neuron_hardware=neuron, node_memory_bytes=64 * GIB, vocab_size=DEMO_VOCAB)
-    layout = (targets_of_file(recipe)[1] or {}).get(target) or recipe  # the recipe launch.make_plan composed
-    return Row(recipe=recipe, target=target, layout=layout, nodes=int(trainer["num_nodes"]),
-               workers=int(trainer["devices"]), parallel=_parallel(model), recompute=_recompute(model),
-               batch=f"{model['micro_batch_size']} / {model['global_batch_size']}",
-               precision=str(training["precision"]["type"]), memory_gib=result.memory.total / GIB,
+    name = (targets_of_file(recipe)[1] or {}).get(target) or recipe  # the recipe launch.make_plan composed
+    layout = result.layout  # the estimator's typed reading of the training section
+    return Row(recipe=recipe, target=target, layout=name, nodes=layout.num_nodes,
+               workers=layout.devices_per_node, parallel=_parallel(layout), recompute=_recompute(layout),
+               batch=f"{layout.micro_batch_size} / {layout.global_batch_size}",
+               precision=layout.precision, memory_gib=result.memory.total / GIB,
                usable_gib=result.hardware.usable_bytes / GIB)
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from launcher.config import LaunchConfig
 from launcher.errors import UserError
 
 KEYS = ("host", "user", "port", "key_file", "known_hosts", "trust_unknown_host")
@@ -33,16 +34,17 @@ def state_dir() -> Path:
     return Path(os.environ.get("NXDT_STATE_DIR") or default)
 
 
-def settings(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """cluster.remote when it names a host (a remote launch), else None."""
-    remote = (cfg.get("cluster") or {}).get("remote") or {}
+def settings(cfg: LaunchConfig) -> dict[str, Any] | None:
+    """cluster.remote when it names a host (a remote launch), else None. A dict: the launch record keeps it, and
+    status, logs and cancel connect with it again (runs.py)."""
+    remote = cfg.cluster.remote or {}
     if not isinstance(remote, dict):
         return None  # problems() reports it
     return {k: remote.get(k) for k in KEYS} if remote.get("host") else None
 
 
-def problems(cfg: dict[str, Any]) -> list[str]:
-    remote = (cfg.get("cluster") or {}).get("remote")
+def problems(cfg: LaunchConfig) -> list[str]:
+    remote = cfg.cluster.remote
     if remote is None:
         return []
     if not isinstance(remote, dict):
@@ -62,7 +64,7 @@ def problems(cfg: dict[str, Any]) -> list[str]:
     if key_file and not Path(key_file).expanduser().is_file():
         errors.append(f"cluster.remote.key_file: {key_file} does not exist; give the private key that logs in to "
                       f"{remote['host']}")
-    if cfg.get("cluster_type") == "local":
+    if cfg.cluster_type == "local":
         errors.append("cluster_type: 'local' with cluster.remote.host set; a remote launch submits to Slurm, so "
                       "use cluster_type=slurm (or auto)")
     return errors

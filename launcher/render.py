@@ -13,9 +13,9 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from launcher import neuron, paths, remote, staging
+from launcher.config import SBATCH_KEYS, Cluster, LaunchConfig, typed
 from launcher.job import Job
 from launcher.paths import templates_dir
-from launcher.validate import SBATCH_KEYS
 from runtime.io import s3
 from runtime.schema.facts import PREEMPTED_EXIT_CODE
 from runtime.schema.s3 import parse_s3
@@ -52,16 +52,16 @@ def _environment():
     return env
 
 
-def job_name(cfg: dict[str, Any], job: Job) -> str:
-    prefix = (cfg.get("cluster") or {}).get("job_name_prefix") or ""
+def job_name(cfg: LaunchConfig, job: Job) -> str:
+    prefix = cfg.cluster.job_name_prefix or ""
     return re.sub(r"[^A-Za-z0-9_.:+-]", "_", f"{prefix}{job.run_name}:{job.stage}")
 
 
-def sbatch_options(cluster: dict[str, Any]) -> list[str]:
+def sbatch_options(cluster: Cluster) -> list[str]:
     """The cluster group's Slurm settings as `#SBATCH --<option>` bodies, in a fixed order."""
     options = []
     for key in SBATCH_KEYS:
-        value = cluster.get(key)
+        value = cluster.sbatch.get(key)
         if value is None or value is False or value == []:
             continue
         if value is True:
@@ -71,16 +71,16 @@ def sbatch_options(cluster: dict[str, Any]) -> list[str]:
     return options
 
 
-def job_env(cfg: dict[str, Any]) -> dict[str, str]:
+def job_env(cfg: LaunchConfig) -> dict[str, str]:
     """Cluster environment first, then the launch's env_vars, which win."""
-    env = dict((cfg.get("cluster") or {}).get("env_vars") or {})
-    env.update(cfg.get("env_vars") or {})
+    env = dict(cfg.cluster.env_vars or {})
+    env.update(cfg.env_vars or {})
     return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
-def s3_env(cfg: dict[str, Any]) -> dict[str, str]:
+def s3_env(cfg: LaunchConfig | dict[str, Any]) -> dict[str, str]:
     """cluster.s3 as the NXDT_S3_* variables every S3 client of the stage is made from (runtime/io/s3.py)."""
-    settings, report = parse_s3((cfg.get("cluster") or {}).get("s3"))
+    settings, report = parse_s3(typed(cfg).cluster.s3)
     report.raise_if_any()  # validate.problems has reported these before anything is rendered
     return s3.to_env(settings)
 
@@ -117,20 +117,21 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
-def container(job: Job, cfg: dict[str, Any]) -> Container | None:
+def container(job: Job, cfg: LaunchConfig | dict[str, Any]) -> Container | None:
     """What the job needs inside its container, or None without one. Mounted automatically, as NeMo-Launcher
     mounts its results, data and launcher directories: the code (read-only), base_results_dir (and the stage's
     results directory when it lies elsewhere), data_dir (its staging mirror when it is on S3), and a compile
     cache directory; then each `container_mounts` entry (SRC:DST[:FLAGS]) as given."""
-    if not cfg.get("container"):
+    cfg = typed(cfg)
+    if not cfg.container:
         return None
     code = code_root()
     mounts = [f"{code / package}:{code / package}:ro" for package in CODE_PACKAGES]
-    dirs = [str(cfg["base_results_dir"]).rstrip("/")]
+    dirs = [str(cfg.base_results_dir).rstrip("/")]
     if not _under(str(job.results_dir), dirs):
         dirs.append(str(job.results_dir))
-    data_dir = str(cfg.get("data_dir") or "")
-    local_mirror = ((cfg.get("cluster") or {}).get("staging") or {}).get("local_dir")
+    data_dir = str(cfg.data_dir or "")
+    local_mirror = cfg.cluster.staging_local_dir
     if data_dir.startswith("/"):
         dirs.append(data_dir.rstrip("/"))
     elif local_mirror:
@@ -139,40 +140,41 @@ def container(job: Job, cfg: dict[str, Any]) -> Container | None:
     if script and not script.cache_url.startswith("s3://"):
         dirs.append(neuron.cache_location(cfg))
     dirs = [d for i, d in enumerate(dirs) if not _under(d, dirs[:i])]  # one mount per tree
-    mounts += [f"{d}:{d}" for d in dirs] + [str(m) for m in cfg.get("container_mounts") or []]
-    return Container(image=str(cfg["container"]), mounts=list(dict.fromkeys(mounts)), workdir=str(job.results_dir),
+    mounts += [f"{d}:{d}" for d in dirs] + [str(m) for m in cfg.container_mounts or []]
+    return Container(image=str(cfg.container), mounts=list(dict.fromkeys(mounts)), workdir=str(job.results_dir),
                      code_root=str(code), make_dirs=dirs)
 
 
-def srun_args(cfg: dict[str, Any], inside: Container | None) -> list[str]:
-    args = [str(a) for a in (cfg.get("cluster") or {}).get("srun_args") or []]
+def srun_args(cfg: LaunchConfig, inside: Container | None) -> list[str]:
+    args = [str(a) for a in cfg.cluster.srun_args or []]
     return args + (inside.srun_args if inside else [])
 
 
-def venv(cfg: dict[str, Any]) -> str | None:
+def venv(cfg: LaunchConfig) -> str | None:
     """cluster.venv, the venv every node of the cluster has (the ParallelCluster node script makes it): the job
     activates it. Not in a container, whose image brings its own Python."""
-    path = (cfg.get("cluster") or {}).get("venv")
-    return None if not path or cfg.get("container") else str(path).rstrip("/")
+    path = cfg.cluster.venv
+    return None if not path or cfg.container else str(path).rstrip("/")
 
 
-def python(cfg: dict[str, Any]) -> str:
+def python(cfg: LaunchConfig | dict[str, Any]) -> str:
     """The interpreter the scripts run: `python` when the launch names one; `python3` in a container (the
     image's); the cluster's venv (cluster.venv) when it has one; `python3` on a remote head node, whose paths
     this machine cannot see; and only then the one running nxdt-launch, whose path the job can see as well
     (this machine, or a Slurm cluster whose venv is on the shared file system)."""
-    if cfg.get("python"):
-        return str(cfg["python"])
-    if cfg.get("container"):
+    cfg = typed(cfg)
+    if cfg.python:
+        return str(cfg.python)
+    if cfg.container:
         return "python3"
     if venv(cfg):
         return f"{venv(cfg)}/bin/python"
     return "python3" if remote.settings(cfg) else sys.executable
 
 
-def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) -> str:
+def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str) -> str:
     """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build."""
-    cluster = cfg.get("cluster") or {}
+    cfg = typed(cfg)
     template = _environment().get_template(TEMPLATES[executor])
     inside = container(job, cfg)
     return template.render(
@@ -187,9 +189,9 @@ def render(job: Job, cfg: dict[str, Any], *, executor: str, produced_by: str) ->
         job=job,
         produced_by=produced_by,
         job_name=job_name(cfg, job),
-        sbatch_options=sbatch_options(cluster),
+        sbatch_options=sbatch_options(cfg.cluster),
         srun_args=srun_args(cfg, inside),
-        setup=[str(line) for line in cluster.get("setup") or []],
+        setup=[str(line) for line in cfg.cluster.setup or []],
         env=job_env(cfg),
         s3_env=s3_env(cfg),
         python=python(cfg),

@@ -21,18 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher.stages import FINE_TUNING_STAGES
+from launcher.config import FINE_TUNING_STAGES, LaunchConfig, parse, typed
 from runtime.io.manifest import BLEND, INDEXED, OBJECT, PUSH_TREE, mirror
 from runtime.io.s3 import is_s3, split_url
 from runtime.schema.reader import Report, Section
 from runtime.schema.s3 import KEYS as S3_KEYS
 
 _GLOB = re.compile(r"[*?\[]")
-
-
-def local_dir(cfg: dict[str, Any]) -> str | None:
-    """cluster.staging.local_dir: the mirror root on the shared file system (e.g. /fsx/staging), or None."""
-    return ((cfg.get("cluster") or {}).get("staging") or {}).get("local_dir")
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -111,12 +106,12 @@ def _pull_entries(key: str, kind: str | None, value: Any, root: str) -> list[dic
     return [{"key": key, "url": v, "local": mirror(v, root), "kind": kind} for v in values if is_s3(v)]
 
 
-def stage_plan(stage: str, cfg: dict[str, Any], manifest_path: Path) -> StagePlan | None:
+def stage_plan(stage: str, cfg: LaunchConfig, manifest_path: Path) -> StagePlan | None:
     """The transfers of one stage of the resolved (not yet localized) config; None when it has none."""
-    stage_cfg = cfg.get(stage) or {}
+    stage_cfg = cfg.sections[stage].section if stage in cfg.sections else {}
     if not _staged_s3_values(stage, stage_cfg):
         return None
-    root = str(local_dir(cfg))
+    root = str(cfg.cluster.staging_local_dir)
     pulls = [entry for key, kind in PULLS.get(stage, [])
              for entry in _pull_entries(key, kind, input_files(stage_cfg) if key == "input.files" else
                                         _get(stage_cfg, key), root)]
@@ -125,15 +120,15 @@ def stage_plan(stage: str, cfg: dict[str, Any], manifest_path: Path) -> StagePla
     return StagePlan(manifest_path, root, pulls, pushes)
 
 
-def for_job(job, cfg: dict[str, Any]) -> StagePlan | None:
+def for_job(job, cfg: LaunchConfig | dict[str, Any]) -> StagePlan | None:
     """The plan of a Job's stage, its manifest written next to the stage config."""
-    return stage_plan(job.stage, cfg, job.results_dir / f"{job.stage}_staging.json")
+    return stage_plan(job.stage, typed(cfg), job.results_dir / f"{job.stage}_staging.json")
 
 
-def localize(cfg: dict[str, Any]) -> dict[str, Any]:
+def localize(cfg: LaunchConfig) -> LaunchConfig:
     """The config with every s3:// URL replaced by its mirror under cluster.staging.local_dir: what the
     programs read. Unchanged when nothing is on S3."""
-    root = local_dir(cfg)
+    root = cfg.cluster.staging_local_dir
     if not root:
         return cfg
 
@@ -145,7 +140,7 @@ def localize(cfg: dict[str, Any]) -> dict[str, Any]:
         stage, _, key = path.partition(".")
         return mirror(node, root) if is_s3(node) and not _is_native(stage, key) else node
 
-    return walk(cfg, "")
+    return parse(walk(cfg.raw, ""))
 
 
 def has_s3_inputs(stage_cfg: dict[str, Any]) -> bool:
@@ -174,10 +169,10 @@ def count_input_files(stage_cfg: dict[str, Any]) -> int:
     return max(1, min(len(input_files(stage_cfg)), limit))
 
 
-def problems(cfg: dict[str, Any]) -> list[str]:
+def problems(cfg: LaunchConfig) -> list[str]:
     """s3:// values the launcher cannot stage, one line each. Pure: nothing is contacted."""
     report = Report()
-    section = Section((cfg.get("cluster") or {}).get("staging"), "cluster.staging", report)
+    section = Section(cfg.cluster.staging, "cluster.staging", report)
     root = section.str("local_dir", None)
     moved = sorted(set(section.data) & set(S3_KEYS))  # a cluster file written before cluster.s3 existed
     for key in moved:
@@ -186,9 +181,9 @@ def problems(cfg: dict[str, Any]) -> list[str]:
     if not moved:
         section.done()
     errors = report.errors
-    stages = [s for s in cfg.get("stages") or [] if isinstance(cfg.get(s), dict)]
-    found = [("data_dir", cfg.get("data_dir"))] if is_s3(cfg.get("data_dir")) else []
-    found += [(f"{s}.{k}", v) for s in stages for k, v in _staged_s3_values(s, cfg[s])]
+    stages = [s for s in cfg.stages if s in cfg.sections]
+    found = [("data_dir", cfg.data_dir)] if is_s3(cfg.data_dir) else []
+    found += [(f"{s}.{k}", v) for s in stages for k, v in _staged_s3_values(s, cfg.stage(s).section)]
     if not found:
         return errors
     if not root or not root.startswith("/"):
@@ -197,7 +192,7 @@ def problems(cfg: dict[str, Any]) -> list[str]:
                       "cluster.staging.local_dir=/fsx/staging")
     for stage in stages:
         known = {k for k, _ in PULLS.get(stage, [])} | set(PUSHES.get(stage, [])) | set(SCRATCH.get(stage, []))
-        for key, value in _staged_s3_values(stage, cfg[stage]):
+        for key, value in _staged_s3_values(stage, cfg.stage(stage).section):
             base = re.sub(r"\[\d+\]$", "", key)
             if base not in known:
                 where = ", ".join(sorted(known)) or "none"

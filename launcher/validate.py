@@ -1,5 +1,7 @@
 """Checks on the resolved config before anything is written or submitted. Pure functions: each returns
-one line per problem, naming the key, the bad value and the fix. `problems()` returns (errors, warnings)."""
+one line per problem, naming the key, the bad value and the fix. `problems()` returns (errors, warnings) of a
+LaunchConfig (launcher/config.py), whose shape config.shape has checked; the stage sections go to the schema's
+parsers as they are, which is how the runtime reads them."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import re
 from typing import Any
 
 from launcher import remote, staging
-from launcher.paths import group_choices
+from launcher.config import OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run
 from launcher.slurm import expand_hostlist, split_hostlist
 from launcher.stages import FINE_TUNING_STAGES, PROGRAMS, STAGES, TRAINER_STAGES
 from runtime.schema import choices, rules
@@ -20,31 +22,24 @@ from runtime.schema.training import parse_training
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
 
-# Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
-SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
-OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node", "venv",
-                      "neuron", "remote", "staging", "s3")  # checked by neuron.py, remote.py, staging.py, below
-
 # What may stand in an #SBATCH line: sbatch reads those lines itself, so nothing there may need quoting.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str]]:
-    if errors := shape(cfg):  # every check below reads these sections
-        return errors, []
+def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]:
     warnings: list[str] = []
-    errors += _top_level(cfg)
+    errors = _top_level(cfg)
     # A stage whose program is missing is already reported; its own checks would only add noise.
-    stages = [s for s in cfg["stages"] if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
+    stages = [s for s in cfg.stages if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
     for stage in stages:
         if stage not in TRAINER_STAGES:  # the training schema checks its own run keys, with the same rules
-            errors += _stage_run(cfg[stage]["run"], stage)
-        errors += _results_dir_pattern(cfg[stage]["run"], stage, cfg)
+            errors += _stage_run(cfg.stage(stage).run, stage)
+        errors += _results_dir_pattern(cfg.stage(stage).run, stage, cfg)
     if "training" in stages:
         # The runtime runs the same schema on the node. A dry run often renders on a laptop for a cluster whose
         # file system it cannot see: missing files are warnings there.
-        _, report = parse_training(cfg["training"], files="warn" if dry_run else "error",
+        _, report = parse_training(cfg.stage("training").section, files="warn" if dry_run else "error",
                                    prepared="data_preparation" in stages)
         errors += report.errors
         warnings += report.warnings
@@ -61,22 +56,22 @@ def problems(cfg: dict[str, Any], *, dry_run: bool) -> tuple[list[str], list[str
             warnings += stage_warnings
     # The other stages' programs run the same parsers on the node.
     if "conversion" in stages:
-        errors += parse_conversion(cfg["conversion"])[1].errors
+        errors += parse_conversion(cfg.stage("conversion").section)[1].errors
     if "evaluation" in stages:
-        errors += parse_evaluation(cfg["evaluation"])[1].errors
+        errors += parse_evaluation(cfg.stage("evaluation").section)[1].errors
     # Inputs on S3 are staged inside the job; staging.problems checks their names, the job the rest.
-    if "data_preparation" in stages and not staging.s3_values(cfg["data_preparation"]):
+    preparation = cfg.stage("data_preparation").section if "data_preparation" in stages else None
+    if preparation is not None and not staging.s3_values(preparation):
         # A remote launch renders here too (dry_run is true for it), but sizes the array by counting the input
         # files here (docs/remote.md, Limits): for it missing inputs stay errors.
-        input_errors, input_warnings = _data_preparation(cfg["data_preparation"],
-                                                         dry_run=dry_run and remote.settings(cfg) is None)
+        input_errors, input_warnings = _data_preparation(preparation, dry_run=dry_run and remote.settings(cfg) is None)
         errors += input_errors
         warnings += input_warnings
-    errors += cluster(cfg.get("cluster") or {})
+    errors += cluster(cfg.cluster)
     return errors, warnings
 
 
-def memory_fit(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+def memory_fit(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
     """(errors, warnings): a training layout whose weights, gradients and optimizer state alone need more memory per
     device than the GPU or NeuronCore has, by the estimator, cannot start: refused here rather than after the queue
     wait. Activations on top of that are a warning: the estimator's activation model is an upper bound (NxD
@@ -85,12 +80,11 @@ def memory_fit(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     from launcher.errors import UserError
     from launcher.estimator import estimate
 
-    training = cfg["training"]
-    if (training.get("trainer") or {}).get("accelerator") not in ("gpu", "neuron"):
+    training = cfg.stage("training")
+    if training.trainer is None or training.trainer.accelerator not in ("gpu", "neuron"):
         return [], []
-    neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
     try:
-        result = estimate(training, neuron_hardware=neuron)
+        result = estimate(training.section, neuron_hardware=cfg.cluster.neuron_hardware)
     except UserError:
         return [], []
     gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
@@ -108,25 +102,25 @@ def memory_fit(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     return [], []
 
 
-def _trains_on_prepared_data(cfg: dict[str, Any]) -> list[str]:
-    model, preparation = cfg["training"].get("model") or {}, cfg["data_preparation"]
+def _trains_on_prepared_data(cfg: LaunchConfig) -> list[str]:
+    model, preparation = cfg.stage("training").section.get("model") or {}, cfg.stage("data_preparation")
     data, tokenizer = model.get("data") or {}, model.get("tokenizer") or {}
     if not isinstance(data, dict) or not isinstance(tokenizer, dict):
         return []  # parse_training has named the malformed section
     problem = rules.trains_on_prepared_data(data.get("data_prefix"), tokenizer.get("model"),
-                                            preparation.get("output_dir"), str(preparation["run"].get("name")))
+                                            preparation.section.get("output_dir"), str(preparation.run.name))
     return [problem] if problem else []
 
 
-def _fine_tuning(cfg: dict[str, Any], stage: str, stages: list[str], *, dry_run: bool
+def _fine_tuning(cfg: LaunchConfig, stage: str, stages: list[str], *, dry_run: bool
                  ) -> tuple[list[str], list[str]]:
     """The fine_tuning / peft / alignment stage config through the training schema (the trainer runs it with
     --stage), and which of them it is. Inputs this launch makes are not looked for: the data and tokenizer when this
     launch's data_preparation writes them, the starting weights when they are the checkpoints of a trainer stage that
     runs before it in this launch (training, or fine_tuning before alignment)."""
-    section = cfg[stage]
+    section = cfg.stage(stage).section
     model = section.get("model") if isinstance(section.get("model"), dict) else {}
-    prepared = "data_preparation" in stages and _prepares_inputs(cfg["data_preparation"], model)
+    prepared = "data_preparation" in stages and _prepares_inputs(cfg.stage("data_preparation").section, model)
     earlier = [s for s in stages[:stages.index(stage)] if s in TRAINER_STAGES]
     if any(_restores_from(cfg, s, model.get("restore_from_path")) for s in earlier):
         # The checkpoints do not exist yet; the trainer checks them against the model when it loads them.
@@ -156,43 +150,20 @@ def _prepares_inputs(preparation: dict[str, Any], model: dict[str, Any]) -> bool
     return any(_inside(path, preparation.get("output_dir")) for path in paths)
 
 
-def _restores_from(cfg: dict[str, Any], stage: str, path: Any) -> bool:
+def _restores_from(cfg: LaunchConfig, stage: str, path: Any) -> bool:
     """model.restore_from_path names the checkpoints of this launch's `stage` (the directory, or one step in it)."""
-    trainer = cfg.get(stage)
-    if not isinstance(trainer, dict) or not isinstance(trainer.get("run"), dict):
+    if stage not in cfg.sections:
         return False
+    trainer = cfg.stage(stage).section
     exp = trainer.get("exp_manager") if isinstance(trainer.get("exp_manager"), dict) else {}
     params = exp.get("checkpoint_callback_params") if isinstance(exp.get("checkpoint_callback_params"), dict) else {}
-    directory = params.get("dirpath") or f"{trainer['run'].get('results_dir')}/checkpoints"
+    directory = params.get("dirpath") or f"{cfg.stage(stage).run.results_dir}/checkpoints"
     return _inside(path, str(directory))
 
 
-def shape(cfg: dict[str, Any]) -> list[str]:
-    """The sections every other check reads (here, in neuron.py, remote.py, staging.py, stages.py): `stages` a
-    list of names, each listed stage a mapping with a `run` mapping, `cluster` a mapping."""
-    stages = cfg.get("stages")
-    if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
-        return [f"stages: {stages!r} must be a non-empty list of stage names such as stages=[training] "
-                f"(valid: {', '.join(STAGES)})"]
+def _top_level(cfg: LaunchConfig) -> list[str]:
     errors = []
-    for stage in dict.fromkeys(s for s in stages if s in STAGES):
-        section = cfg.get(stage)
-        if not isinstance(section, dict):
-            errors.append(f"{stage}: {section!r} is not a stage config; choose one with {stage}=NAME "
-                          f"(valid: {', '.join(group_choices(stage))})")
-        elif not isinstance(section.get("run"), dict):
-            errors.append(f"{stage}.run: {section.get('run')!r} must be a mapping of the stage's job settings "
-                          f"(results_dir, time_limit, ...); set its keys one at a time, "
-                          f"e.g. {stage}.run.time_limit=1:00:00")
-    if not isinstance(cfg.get("cluster") or {}, dict):
-        errors.append(f"cluster: {cfg.get('cluster')!r} must be a mapping; choose one with cluster=NAME "
-                      f"(valid: {', '.join(group_choices('cluster'))})")
-    return errors
-
-
-def _top_level(cfg: dict[str, Any]) -> list[str]:
-    errors = []
-    stages = cfg["stages"]
+    stages = list(cfg.stages)
     for stage in stages:
         if stage not in STAGES:
             errors.append(f"stages: unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
@@ -203,12 +174,11 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
             )
     if len(set(stages)) != len(stages):
         errors.append(f"stages: {stages} names a stage twice; list each stage once")
-    if cfg.get("cluster_type") not in CLUSTER_TYPES:
-        errors.append(f"cluster_type: {cfg.get('cluster_type')!r} is not one of {', '.join(CLUSTER_TYPES)}")
-    if problem := rules.run_name(cfg.get("run_name"), _run_name_key(cfg)):
+    if cfg.cluster_type not in CLUSTER_TYPES:
+        errors.append(f"cluster_type: {cfg.cluster_type!r} is not one of {', '.join(CLUSTER_TYPES)}")
+    if problem := rules.run_name(cfg.run_name, _run_name_key(cfg)):
         errors.append(problem)
-    for key in ("base_results_dir", "data_dir"):
-        value = str(cfg.get(key) or "")
+    for key, value in (("base_results_dir", str(cfg.base_results_dir or "")), ("data_dir", str(cfg.data_dir or ""))):
         if key == "data_dir" and value.startswith("s3://"):
             continue  # staged to cluster.staging.local_dir; staging.problems checks it
         if not value.startswith("/") or rules.unsafe_path(value):
@@ -218,18 +188,15 @@ def _top_level(cfg: dict[str, Any]) -> list[str]:
             )
         elif key == "base_results_dir" and (problem := rules.slurm_pattern(value, key)):
             errors.append(problem)  # every stage's logs are under it, in #SBATCH --output
-    errors += _env_vars(cfg.get("env_vars"), "env_vars")
+    errors += _env_vars(cfg.env_vars, "env_vars")
     return errors
 
 
-def _run_name_key(cfg: dict[str, Any]) -> str:
+def _run_name_key(cfg: LaunchConfig) -> str:
     """run_name defaults to ${trained:run.name}, the run name of the launch's last trainer stage: name the key the
     user most likely typed."""
-    listed = cfg.get("stages") if isinstance(cfg.get("stages"), list) else []
-    for stage in [*(s for s in reversed(listed) if s in TRAINER_STAGES), "training"]:
-        section = cfg.get(stage)
-        run = section.get("run") if isinstance(section, dict) else None
-        if isinstance(run, dict) and run.get("name") == cfg.get("run_name"):
+    for stage in [*(s for s in reversed(cfg.stages) if s in TRAINER_STAGES), "training"]:
+        if stage in cfg.sections and cfg.stage(stage).run.name == cfg.run_name:
             return f"{stage}.run.name"
     return "run_name"
 
@@ -246,23 +213,23 @@ def _env_vars(env: Any, key: str) -> list[str]:
     ]
 
 
-def _stage_run(run: dict[str, Any], stage: str) -> list[str]:
+def _stage_run(run: Run, stage: str) -> list[str]:
     errors = []
-    if problem := rules.time_limit(run.get("time_limit"), f"{stage}."):
+    if problem := rules.time_limit(run.time_limit, f"{stage}."):
         errors.append(problem)
-    if problem := rules.results_dir(run.get("results_dir"), f"{stage}."):
+    if problem := rules.results_dir(run.results_dir, f"{stage}."):
         errors.append(problem)
-    dependency = run.get("dependency") or choices.DEFAULT_DEPENDENCY
+    dependency = run.dependency or choices.DEFAULT_DEPENDENCY
     if problem := choices.DEPENDENCIES.problem(f"{stage}.run.dependency", dependency):
         errors.append(problem)
     return errors
 
 
-def _results_dir_pattern(run: dict[str, Any], stage: str, cfg: dict[str, Any]) -> list[str]:
+def _results_dir_pattern(run: Run, stage: str, cfg: LaunchConfig) -> list[str]:
     """A stage's logs are in <run.results_dir>/logs, named in #SBATCH --output. A '%' that comes from
     base_results_dir or run_name is reported once, under that key."""
-    value = str(run.get("results_dir") or "")
-    inherited = "%" in str(cfg.get("base_results_dir")) or "%" in str(cfg.get("run_name"))
+    value = str(run.results_dir or "")
+    inherited = "%" in str(cfg.base_results_dir) or "%" in str(cfg.run_name)
     problem = None if inherited else rules.slurm_pattern(value, f"{stage}.run.results_dir")
     return [problem] if problem else []
 
@@ -328,29 +295,29 @@ def _hostlist(value: Any, key: str) -> list[str]:
     return errors
 
 
-def cluster(section: dict[str, Any]) -> list[str]:
+def cluster(section: Cluster) -> list[str]:
     errors = []
     known = SBATCH_KEYS + OTHER_CLUSTER_KEYS
-    for key in section:
+    for key in section.keys:
         if key not in known:
             errors.append(f"cluster.{key}: unknown key; valid keys: {', '.join(known)}")
     for key in SBATCH_KEYS:
-        value = section.get(key)
+        value = section.sbatch.get(key)
         values = value if isinstance(value, list) else [] if value is None or isinstance(value, bool) else [value]
         for item in values:
             if not _SBATCH_VALUE.match(str(item)):
                 errors.append(
                     f"cluster.{key}: {item!r} is not a Slurm value (letters, digits and _.,:@%+=/[]- only)"
                 )
-    for key in ("srun_args", "setup"):
-        if not isinstance(section.get(key, []), list):
+    for key, value in (("srun_args", section.srun_args), ("setup", section.setup)):
+        if not isinstance(value, list):
             errors.append(f"cluster.{key}: must be a list, e.g. cluster.{key}=[a,b]")
     for key in ("nodelist", "exclude"):
-        errors += _hostlist(section.get(key), f"cluster.{key}")
-    errors += _env_vars(section.get("env_vars"), "cluster.env_vars")
-    if section.get("venv") is not None and not str(section["venv"]).startswith("/"):
-        errors.append(f"cluster.venv: {section['venv']!r} must be the absolute path of a venv on every node, "
+        errors += _hostlist(section.sbatch.get(key), f"cluster.{key}")
+    errors += _env_vars(section.env_vars, "cluster.env_vars")
+    if section.venv is not None and not str(section.venv).startswith("/"):
+        errors.append(f"cluster.venv: {section.venv!r} must be the absolute path of a venv on every node, "
                       "e.g. cluster.venv=/opt/nxdt/venv")
     # The nodes read cluster.s3 back through the same parser (runtime/io/s3.py).
-    errors += parse_s3(section.get("s3"))[1].errors
+    errors += parse_s3(section.s3)[1].errors
     return errors

@@ -36,7 +36,7 @@ class Trial:
 
     @property
     def results_dir(self) -> Path:
-        return Path(self.plan.cfg["training"]["run"]["results_dir"])
+        return self.plan.config.stage("training").results_dir
 
 
 @dataclasses.dataclass(frozen=True)

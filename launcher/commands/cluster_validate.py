@@ -98,6 +98,7 @@ def choose_nodes(cfg: dict, executor: str, *, dry_run: bool = False) -> tuple[in
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     from launcher import launch, validate
     from launcher.compose import compose, resolve
+    from launcher.config import parse_cluster
     from launcher.job import Job
 
     from csp_tools.cluster_validate import config as cv_config
@@ -108,7 +109,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         if not isinstance(cfg.get(key) or {}, dict):
             raise UserError(f"{key}: {cfg.get(key)!r} must be a mapping; choose one with {key}=NAME")
     cluster = dict(cfg.get("cluster") or {})
-    errors = validate.cluster(cluster)
+    errors = validate.cluster(parse_cluster(cluster))
     if not errors:  # choose_nodes reads lists: a hostlist string becomes its items
         cluster.update({key: split_hostlist(cluster[key]) for key in ("nodelist", "exclude")
                         if isinstance(cluster.get(key), str)})
@@ -155,6 +156,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
         raise UserError(*errors)
     job = Job(
         stage=STAGE, run_name=name, results_dir=results_dir, nodes=nodes, nproc_per_node=1, distributed=False,
+        accelerator=cfg[STAGE].get("accelerator"),
         program=("-m", "csp_tools.cluster_validate", "--config", str(results_dir / f"{STAGE}_config.yaml")),
         time_limit=str(run["time_limit"]), dependency=DEFAULT_DEPENDENCY,
         stage_config={**cfg[STAGE], "launch": {"cluster_exclude": list(cluster.get("exclude") or []),

@@ -13,6 +13,7 @@ import math
 import click
 
 from launcher.commands import FiniteFloatRange
+from launcher.config import LaunchConfig
 from launcher.errors import UserError
 from runtime.schema.rules import slurm_seconds
 
@@ -34,18 +35,20 @@ def _tokens(value: str | None) -> float | None:
     return tokens
 
 
-def compose_checked(overrides: list[str], vocab_size: int | None = None) -> dict:
+def compose_checked(overrides: list[str], vocab_size: int | None = None) -> LaunchConfig:
     """The resolved launch config for these overrides, with the training layout's arithmetic checked."""
     from launcher import validate
     from launcher.compose import compose, resolve
+    from launcher.config import parse
     from launcher.estimator.shapes import vocab_size_for
 
-    cfg = resolve(compose(overrides))
+    cfg = parse(resolve(compose(overrides)))
+    training = cfg.composed_section("training")
     try:
-        vocab = vocab_size_for(cfg["training"], vocab_size)
+        vocab = vocab_size_for(training, vocab_size)
     except UserError:
         vocab = None  # estimate() says what it needs
-    errors = validate.training(cfg["training"], vocab_size=vocab)
+    errors = validate.training(training, vocab_size=vocab)
     if errors:
         raise UserError(*errors)
     return cfg
@@ -175,11 +178,12 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
 
     token_budget = _tokens(tokens)  # before composing: a mistyped option is named first, and quickly
     cfg = compose_checked(list(overrides), vocab_size)
-    neuron = ((cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
-    result = estimate(cfg["training"], device=device, tokens=token_budget, mfu=mfu, vocab_size=vocab_size,
-                      node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None, neuron_hardware=neuron)
+    training = cfg.stage("training")  # a run mapping: the schema has checked the section
+    result = estimate(training.section, device=device, tokens=token_budget, mfu=mfu, vocab_size=vocab_size,
+                      node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None,
+                      neuron_hardware=cfg.cluster.neuron_hardware)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
-    title, memory, time = render(result, recipe, cfg["training"]["run"].get("time_limit"))
+    title, memory, time = render(result, recipe, training.run.time_limit)
     # Pipes and logs are read later: do not fold at rich's default 80 columns there (as the launch table).
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
     console.print(escape(title), soft_wrap=True)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from launcher.errors import UserError
 from launcher.estimator.compute import StepTime, days_to_train, flops_per_token, step_time
 from launcher.estimator.hardware import Hardware, detect, hardware_for
 from launcher.estimator.memory import Kernels, StageMemory, peak_memory
 from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count_parameters, layout_from_training,
                                        shape_from_training, vocab_size_for)
+from runtime.schema.training import parse_trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +58,18 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     trn2) for a neuron recipe, else detected from trainer.accelerator and trainer.devices. `tokens` defaults to
     the run's own budget, max_steps x global_batch_size x seq_length."""
     shape = shape_from_training(training, vocab_size_for(training, vocab_size))
-    layout = layout_from_training(training)
-    accelerator = str(training["trainer"].get("accelerator") or "cpu")
+    trainer, report = parse_trainer(training)  # the schema's reading, as the launch sizes the job by
+    if trainer is None:
+        raise UserError(*report.errors)
+    layout = layout_from_training(training, trainer)
+    accelerator = trainer.accelerator
     if device is None and accelerator == "neuron" and neuron_hardware in ("trn1", "trn2"):
         device = neuron_hardware
     hardware = hardware_for(device or detect(accelerator, layout.devices_per_node), layout.devices_per_node,
                             node_memory_bytes)
     mfu = float(mfu if mfu is not None else hardware.default_mfu)
     if tokens is None:
-        tokens = float(training["trainer"]["max_steps"]) * layout.global_batch_size * shape.seq_length
+        tokens = float(trainer.max_steps) * layout.global_batch_size * shape.seq_length
     kernels = Kernels.for_accelerator(shape, "cpu" if hardware.name == "cpu" else accelerator)
     return Estimate(shape=shape, layout=layout, hardware=hardware, parameters=count_parameters(shape),
                     memory=peak_memory(shape, layout, kernels), mfu=mfu, tokens=float(tokens),

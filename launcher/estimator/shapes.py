@@ -25,6 +25,7 @@ from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
 from runtime.schema.training import model_shape_keys
+from runtime.schema.training_config import TrainerConfig
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
 # Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
@@ -179,11 +180,12 @@ def moe_from_model(model: Mapping[str, Any]) -> MoEConfig | None:
     return parsed
 
 
-def layout_from_training(training: dict[str, Any]) -> Layout:
-    trainer, model = training["trainer"], training["model"]
+def layout_from_training(training: dict[str, Any], trainer: TrainerConfig) -> Layout:
+    """The layout of a training config; `trainer` is its trainer section as the schema reads it."""
+    model = training["model"]
     return Layout(
-        num_nodes=int(trainer["num_nodes"]),
-        devices_per_node=int(trainer["devices"]),
+        num_nodes=trainer.num_nodes,
+        devices_per_node=trainer.devices,
         tp=int(model["tensor_model_parallel_size"]),
         pp=int(model["pipeline_model_parallel_size"]),
         vpp=int(model.get("virtual_pipeline_model_parallel_size") or 1),

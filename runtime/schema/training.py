@@ -185,6 +185,13 @@ def _run_keys(run: Section, p: str, report: Report) -> None:
     run.int("max_restarts", 0, minimum=0)
 
 
+def parse_trainer(raw: Any, p: str = PREFIX) -> tuple[TrainerConfig | None, Report]:
+    """Only the `trainer:` section of a trainer stage's config `raw`: what the launcher sizes the stage's job by
+    (num_nodes x devices workers) and the estimator its run; parse_training reads it the same way."""
+    report = Report()
+    return _trainer(Section(raw, p.rstrip("."), report).section("trainer"), p, report), report
+
+
 def _trainer(s: Section, p: str, report: Report) -> TrainerConfig | None:
     fraction = rules.val_check_whole(s.raw("val_check_interval", 0), p)
     report.error(fraction)

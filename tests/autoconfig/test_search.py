@@ -9,6 +9,7 @@ import types
 import pytest
 
 from launcher.autoconfig import driver, report, runner, search, sizing
+from launcher.config import parse
 from launcher.errors import UserError
 from launcher.estimator.compute import flops_per_token
 from launcher.estimator.hardware import HARDWARE
@@ -194,7 +195,8 @@ def test_local_trial_is_stopped_at_its_time_limit(tmp_path):
     log_dir.mkdir(parents=True)
     trial = runner.Trial(search.Ranked(search.Candidate(1, 1, None, 1, None, False, False), None), "slow", [])
     trial.plan = types.SimpleNamespace(run_dir=tmp_path / "run", executor="local",
-                                       cfg={"training": {"run": {"results_dir": str(tmp_path / "run" / "training")}}})
+                                       config=parse({"training": {"run": {"results_dir": str(tmp_path / "run" /
+                                                                                           "training")}}}))
     trial.record = {"executor": "local", "stages": [{"stage": "training", "job_id": None, "exit_code": None,
                                                      "log_dir": str(log_dir)}], "scripts": [str(script)]}
     runner.run_local(trial, timeout_s=1)

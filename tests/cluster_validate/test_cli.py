@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from launcher import validate
+from launcher.config import parse_cluster
 from launcher.commands.cluster_validate import expand_hostlist
 from tests.launcher.helpers import nxdt
 
@@ -105,7 +106,7 @@ def test_slurm_hostlists_expand_as_slurm_does(expression, names):
                                             ("n[[1]]", "do not nest")])
 def test_a_hostlist_slurm_would_refuse_is_one_line_naming_the_key(expression, why):
     cluster = {"nodelist": expression}
-    (error,) = validate.cluster(cluster)
+    (error,) = validate.cluster(parse_cluster(cluster))
     assert error.startswith("cluster.nodelist: ") and why in error, error
 
 

@@ -5,6 +5,7 @@ launch and a warning in a dry run, and nothing is claimed about an interpreter t
 import pytest
 
 from launcher import launch, packages
+from launcher.config import parse
 from launcher.errors import UserError
 
 from .helpers import resolved
@@ -27,7 +28,7 @@ def test_each_optional_package_is_named_by_the_key_that_wants_it(missing, tmp_pa
     cfg = resolved("stages=[data_preparation,training]", "data_preparation=custom_dataset", "python=null",
                    "data_preparation.input.source=files", f"data_preparation.input.files=[{tmp_path}/in/*]",
                    "training.exp_manager.create_wandb_logger=true")
-    lines = packages.problems(cfg)
+    lines = packages.problems(parse(cfg))
     assert any(line.startswith("training.exp_manager.create_wandb_logger: true needs the wandb package") for line in lines)
     assert any(line.startswith("training.exp_manager.create_tensorboard_logger: true needs the tensorboard package")
                for line in lines)
@@ -41,10 +42,10 @@ def test_each_optional_package_is_named_by_the_key_that_wants_it(missing, tmp_pa
 def test_another_interpreter_is_not_judged_by_this_one(missing):
     missing.add("wandb")
     wandb = "training.exp_manager.create_wandb_logger=true"
-    assert packages.problems(resolved("stages=[training]", wandb, "python=null"))
+    assert packages.problems(parse(resolved("stages=[training]", wandb, "python=null")))
     for other in ("python=/opt/other/bin/python", "container=nvcr.io/x:1", "+cluster.remote.host=head",
                   "cluster=pcluster_trn1"):  # its cluster.venv, /opt/nxdt/venv, is what the job runs
-        assert packages.problems(resolved("stages=[training]", wandb, other)) == [], other
+        assert packages.problems(parse(resolved("stages=[training]", wandb, other))) == [], other
 
 
 def test_missing_is_an_error_at_launch_and_a_warning_in_a_dry_run(missing, recipe_data_dir, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.config import parse
 from launcher.render import render
 from launcher.stages import BUILDERS
 
@@ -82,7 +83,7 @@ def test_hostile_values_stay_data(sandbox, payload, stage, executor):
     cfg["cluster"]["env_vars"] = {"CLUSTER_EVIL": payload}
     cfg["cluster"]["srun_args"] = [f"--comment={single_line}"]
     cfg["training"]["model"]["tokenizer"]["model"] = payload
-    job = BUILDERS[stage](cfg)
+    job = BUILDERS[stage](parse(cfg))
     script = render(job, cfg, executor=executor, produced_by=f"nxdt-launch {payload}")
     path = tmp_path / f"{stage}.{executor}.sh"
     path.write_text(script)

@@ -4,6 +4,7 @@ progress, and `logs -f` ending with its stage."""
 from pathlib import Path
 
 from launcher import launch, runs, slurm
+from launcher.config import parse_cluster
 from launcher.render import sbatch_options
 
 SCONTROL = """JobId=7 ArrayJobId=7 ArrayTaskId=0 JobName=nxdt:r:data_preparation
@@ -63,7 +64,8 @@ def test_local_states_follow_the_recorded_exit_codes():
 
 
 def test_sbatch_options_in_a_fixed_order_and_flags_alone():
-    options = sbatch_options({"partition": "p", "exclusive": True, "mem": 0, "exclude": ["a", "b"], "gres": None})
+    options = sbatch_options(parse_cluster({"partition": "p", "exclusive": True, "mem": 0, "exclude": ["a", "b"],
+                                            "gres": None}))
     assert options == ["partition=p", "exclusive", "mem=0", "exclude=a,b"]
 
 
@@ -124,8 +126,8 @@ def test_a_slurm_hostlist_string_is_a_node_list_for_every_launch():
     from launcher import render, validate
 
     cluster = {"partition": "debug", "nodelist": "node[01-03,7]", "exclude": ["node9", "gpu[1-2]"]}
-    assert validate.cluster(cluster) == []
-    assert "nodelist=node[01-03,7]" in render.sbatch_options(cluster)
-    assert "exclude=node9,gpu[1-2]" in render.sbatch_options(cluster)
-    (error,) = validate.cluster({"exclude": "node[1-"})
+    assert validate.cluster(parse_cluster(cluster)) == []
+    assert "nodelist=node[01-03,7]" in render.sbatch_options(parse_cluster(cluster))
+    assert "exclude=node9,gpu[1-2]" in render.sbatch_options(parse_cluster(cluster))
+    (error,) = validate.cluster(parse_cluster({"exclude": "node[1-"}))
     assert error.startswith("cluster.exclude: 'node[1-': a '[' is never closed; give a list")

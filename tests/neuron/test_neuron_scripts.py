@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from launcher import neuron
+from launcher.config import parse
 from launcher.launch import build
 from tests.launcher.helpers import nxdt, resolved
 
@@ -35,14 +36,14 @@ def _job(*overrides, cluster="pcluster_trn1", devices=32):
                                                       ("pcluster_trn2", 64, "trn2")])
 def test_precision_sets_the_environment_as_nxd_training_does(precision, cluster, devices, hardware):
     cfg, job = _job(f"training.precision.type={precision}", cluster=cluster, devices=devices)
-    env = neuron.script(job, cfg).env
+    env = neuron.script(job, parse(cfg)).env
     use_bf16, downcast, rounding, flags = NXDT_TRAINING_TABLE[precision]
     assert env["XLA_USE_BF16"] == use_bf16 and env["XLA_DOWNCAST_BF16"] == downcast
     assert env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == rounding
     assert env["NEURON_CC_FLAGS"].endswith(" " + flags)
     assert f"--target={hardware}" in env["NEURON_CC_FLAGS"]
     assert env["MALLOC_ARENA_MAX"] == "64"
-    assert neuron.fabric(job, cfg).env == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+    assert neuron.fabric(job, parse(cfg)).env == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
     if hardware == "trn2":
         assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and "--logical-nc-config=2" in env["NEURON_CC_FLAGS"]
     else:
@@ -52,7 +53,7 @@ def test_precision_sets_the_environment_as_nxd_training_does(precision, cluster,
 
 def test_cpu_stages_on_a_trainium_cluster_get_no_neuron_settings():
     cfg = resolved("cluster=pcluster_trn1", "stages=[training]")
-    assert neuron.script(build(cfg)[0], cfg) is None
+    assert neuron.script(build(cfg)[0], parse(cfg)) is None
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -173,8 +174,9 @@ def test_training_never_starts_after_a_failed_compile(sandbox):
     assert "compile step on node 0: Total failed compilations: 2" in result.stderr
     assert "run 0 0" not in (tmp / "order").read_text()
     assert (job.log_dir / "training_4242_0.exit").read_text().strip() == "1"
-    assert not Path(neuron.script(job, _job(f"base_results_dir={tmp}/results", "training.trainer.num_nodes=2",
-                                            f"cluster.neuron.compile.cache={tmp}/cache")[0]).compile.marker).exists()
+    assert not Path(neuron.script(job, parse(_job(f"base_results_dir={tmp}/results", "training.trainer.num_nodes=2",
+                                                  f"cluster.neuron.compile.cache={tmp}/cache")[0])).compile.marker
+                    ).exists()
 
 
 def test_a_requeue_or_the_next_launch_of_the_same_graphs_skips_the_compile_step(sandbox):
@@ -198,7 +200,7 @@ def test_a_requeue_or_the_next_launch_of_the_same_graphs_skips_the_compile_step(
 def test_the_marker_names_what_the_graphs_depend_on():
     def marker(*overrides):
         cfg, job = _job("training.trainer.num_nodes=2", *overrides)
-        return neuron.script(job, cfg).compile.marker
+        return neuron.script(job, parse(cfg)).compile.marker
 
     base = marker()
     assert base.startswith("/fsx/neuron-compile-cache/gpt-") and "/nxdt-compiled/" in base

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from launcher import pcluster
+from launcher.config import parse_cluster
 from launcher.launch import build
 from launcher.render import python, render
 from launcher.validate import cluster as cluster_problems
@@ -88,5 +89,5 @@ def test_a_container_job_does_not_activate_the_host_venv():
 
 
 def test_a_relative_venv_is_refused():
-    assert cluster_problems({"venv": "venv"}) == [
+    assert cluster_problems(parse_cluster({"venv": "venv"})) == [
         "cluster.venv: 'venv' must be the absolute path of a venv on every node, e.g. cluster.venv=/opt/nxdt/venv"]

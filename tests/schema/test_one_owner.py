@@ -13,6 +13,7 @@ import torch
 from launcher import neuron, render, runs, stages
 from launcher.estimator import compute, estimate, hardware, memory
 from launcher.estimator.shapes import vocab_size_for
+from launcher.config import parse
 from launcher.launch import build
 from runtime import device, metrics, peak_probe, precision, preemption
 from runtime.peak_probe import Probe
@@ -74,7 +75,7 @@ def test_default_dependency_is_one_constant():
     assert choices.DEFAULT_DEPENDENCY in choices.DEPENDENCIES
     cfg = resolved("stages=[training]")
     cfg["training"]["run"].pop("dependency", None)
-    assert stages.training(cfg).dependency == choices.DEFAULT_DEPENDENCY
+    assert stages.training(parse(cfg)).dependency == choices.DEFAULT_DEPENDENCY
     assert _literals("STRING", '"afterok"') == ["runtime/schema/choices.py"]
 
 
@@ -105,7 +106,7 @@ def _runtime_hardware(cfg: dict, gpu_name: str | None, monkeypatch) -> str:
     """What runtime/device.py names the device of this config's training job."""
     accelerator = cfg["training"]["trainer"]["accelerator"]
     if accelerator == "neuron":  # NXDT_NEURON_HARDWARE, as the job script exports it
-        return neuron.script(build(cfg)[0], cfg).env["NXDT_NEURON_HARDWARE"]
+        return neuron.script(build(cfg)[0], parse(cfg)).env["NXDT_NEURON_HARDWARE"]
     if accelerator == "gpu":
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: gpu_name)
         return device._cuda_hardware(0)

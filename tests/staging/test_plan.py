@@ -5,6 +5,7 @@ and one-line errors for what cannot be staged."""
 import pytest
 
 from launcher import staging
+from launcher.config import parse
 from launcher.launch import build
 from tests.launcher.helpers import nxdt, resolved
 
@@ -42,7 +43,7 @@ def test_data_preparation_inputs_on_s3_are_counted_from_the_config():
 
 
 def test_nothing_on_s3_changes_nothing():
-    cfg = resolved("stages=[training]")
+    cfg = parse(resolved("stages=[training]"))
     assert staging.localize(cfg) is cfg and staging.for_job(build(cfg)[0], cfg) is None
 
 

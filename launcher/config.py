@@ -1,0 +1,192 @@
+"""The launch config, typed: the one place the launcher reads the dict Hydra composed (launcher/cache.resolved).
+`parse` runs once a launch has passed `shape` (stages a list, each listed stage a mapping with a run
+mapping, cluster a mapping); everything after it reads attributes of a `LaunchConfig`, never keys.
+
+Values that validate.py (or neuron.py, remote.py, staging.py) judges later are kept as composed (typed `Any`), so
+that a bad one is reported there with the key, the value and the fix, as before. Where the schema has a parser for
+a section, its typed result is used (one owner per key): the trainer stages' `trainer`
+(runtime/schema/training.py) and evaluation's (runtime/schema/evaluation.py). A stage's section is also kept
+verbatim, for what goes to the schema's parsers and what is written out as it is: <stage>_config.yaml, which the
+stage's program parses with the same schema on the node, and the staging plan, which walks it for s3:// URLs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from launcher.paths import group_choices
+
+if TYPE_CHECKING:  # the schema is imported when a launch is parsed: tab completion reads STAGES from here
+    from runtime.schema.evaluation import EvaluationConfig
+    from runtime.schema.training_config import TrainerConfig
+
+STAGES = ("data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion", "evaluation")
+# Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job
+# (the same job shape, checkpoints, preemption and metrics).
+# fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or
+# LoRA); the trainer is told which with --stage, which names their keys.
+TRAINER_STAGES = ("training", "fine_tuning", "peft", "alignment")
+# The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
+FINE_TUNING_STAGES = ("fine_tuning", "peft", "alignment")
+
+# Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
+SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
+OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node", "venv",
+                      "neuron", "remote", "staging", "s3")  # checked by neuron.py, remote.py, staging.py, validate.py
+
+
+@dataclass(frozen=True)
+class Run:
+    """<stage>.run: the job's own keys (the trainer stages' are checked by the training schema, the others' by
+    validate.py)."""
+
+    name: Any = None
+    results_dir: Any = None
+    time_limit: Any = None
+    dependency: Any = None
+    node_array_size: Any = None      # data_preparation: array tasks at once
+    preemption_signal_s: Any = None  # trainer stages: SIGUSR1 this long before time_limit
+    max_restarts: Any = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Run
+    section: dict[str, Any] = field(repr=False)  # the resolved subtree, as the stage's program reads it
+    # The schema's reading of the keys a job is sized by; None for other stages, and where the section is invalid
+    # (validate.py reports it, and no job is built).
+    trainer: TrainerConfig | None = None          # training, fine_tuning, peft, alignment
+    evaluation: EvaluationConfig | None = None
+
+    @property
+    def results_dir(self) -> Path:
+        return Path(self.run.results_dir)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The cluster group (conf/cluster/). Its sub-sections are checked by their own modules (neuron.py,
+    remote.py, staging.py) and cluster.s3 by the schema; here they are as composed."""
+
+    sbatch: dict[str, Any]           # SBATCH_KEYS that are set, in SBATCH_KEYS order
+    keys: tuple[str, ...]            # every key the group holds, for the unknown-key check
+    job_name_prefix: Any = None
+    srun_args: Any = None
+    setup: Any = None
+    env_vars: Any = None
+    workers_per_node: Any = None
+    venv: Any = None
+    neuron: Any = None
+    remote: Any = None
+    staging: Any = None
+    s3: Any = None
+
+    @property
+    def staging_local_dir(self) -> Any:
+        """cluster.staging.local_dir: the S3 mirror's root on the shared file system (staging.py checks it)."""
+        return self.staging.get("local_dir") if isinstance(self.staging, Mapping) else None
+
+    @property
+    def neuron_hardware(self) -> Any:
+        """cluster.neuron.hardware: a Neuron cluster's instance type (neuron.py checks it); None elsewhere."""
+        return self.neuron.get("hardware") if isinstance(self.neuron, Mapping) else None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    stages: tuple[str, ...]          # as listed (validate.py names the unknown and the repeated ones)
+    sections: dict[str, Stage]       # each stage, listed or known, that has a mapping with a run mapping
+    cluster: Cluster
+    run_name: Any = None
+    base_results_dir: Any = None
+    data_dir: Any = None
+    cluster_type: Any = None
+    container: Any = None
+    container_mounts: Any = None
+    python: Any = None
+    env_vars: Any = None
+    dry_run: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as composed, for config_hash
+
+    def stage(self, name: str) -> Stage:
+        return self.sections[name]
+
+    def composed_section(self, name: str) -> Any:
+        """A stage's section as composed, before anything has checked it (`nxdt-launch estimate` hands training's
+        to the schema itself, run mapping or not)."""
+        return self.raw.get(name)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.base_results_dir) / self.run_name
+
+
+def shape(cfg: dict[str, Any]) -> list[str]:
+    """What `parse` reads, checked before it: `stages` a list of names, each listed stage a mapping with a `run`
+    mapping, `cluster` a mapping. One line per problem, as every check of the launch."""
+    stages = cfg.get("stages")
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
+        return [f"stages: {stages!r} must be a non-empty list of stage names such as stages=[training] "
+                f"(valid: {', '.join(STAGES)})"]
+    errors = []
+    for stage in dict.fromkeys(s for s in stages if s in STAGES):
+        section = cfg.get(stage)
+        if not isinstance(section, dict):
+            errors.append(f"{stage}: {section!r} is not a stage config; choose one with {stage}=NAME "
+                          f"(valid: {', '.join(group_choices(stage))})")
+        elif not isinstance(section.get("run"), dict):
+            errors.append(f"{stage}.run: {section.get('run')!r} must be a mapping of the stage's job settings "
+                          f"(results_dir, time_limit, ...); set its keys one at a time, "
+                          f"e.g. {stage}.run.time_limit=1:00:00")
+    if not isinstance(cfg.get("cluster") or {}, dict):
+        errors.append(f"cluster: {cfg.get('cluster')!r} must be a mapping; choose one with cluster=NAME "
+                      f"(valid: {', '.join(group_choices('cluster'))})")
+    return errors
+
+
+def parse_cluster(section: Mapping[str, Any] | None) -> Cluster:
+    section = section or {}
+    lists = {"srun_args": [], "setup": []}  # absent means none; null is not a list (validate.cluster says so)
+    return Cluster(
+        sbatch={key: section[key] for key in SBATCH_KEYS if key in section},
+        keys=tuple(section),
+        **{key: section.get(key, lists.get(key)) for key in OTHER_CLUSTER_KEYS},
+    )
+
+
+def _stage(name: str, section: Mapping[str, Any]) -> Stage:
+    from runtime.schema.evaluation import parse_evaluation
+    from runtime.schema.training import parse_trainer
+
+    run = section["run"]
+    return Stage(
+        name=name, run=Run(**{key: run.get(key) for key in Run.__dataclass_fields__}), section=dict(section),
+        trainer=parse_trainer(section, f"{name}.")[0] if name in TRAINER_STAGES else None,
+        evaluation=parse_evaluation(section, f"{name}.")[0] if name == "evaluation" else None,
+    )
+
+
+def parse(cfg: Mapping[str, Any]) -> LaunchConfig:
+    """The composed config as a LaunchConfig. Lenient beyond `shape`: a stage that is not a mapping with a
+    run mapping (cluster-validate's, or one shape() has reported) has no entry in `sections`. The composed config
+    holds every known stage's section whether listed or not; each can be built alone (tests, autoconfig)."""
+    listed = cfg.get("stages")
+    stages = tuple(str(s) for s in listed) if isinstance(listed, list) else ()
+    sections = {s: _stage(s, cfg[s]) for s in dict.fromkeys((*stages, *STAGES))
+                if isinstance(cfg.get(s), Mapping) and isinstance(cfg[s].get("run"), Mapping)}
+    cluster = cfg.get("cluster")
+    return LaunchConfig(
+        stages=stages, sections=sections, cluster=parse_cluster(cluster if isinstance(cluster, Mapping) else None),
+        run_name=cfg.get("run_name"), base_results_dir=cfg.get("base_results_dir"), data_dir=cfg.get("data_dir"),
+        cluster_type=cfg.get("cluster_type"), container=cfg.get("container"),
+        container_mounts=cfg.get("container_mounts"), python=cfg.get("python"), env_vars=cfg.get("env_vars"),
+        dry_run=bool(cfg.get("dry_run")), raw=dict(cfg),
+    )
+
+
+def typed(cfg: LaunchConfig | Mapping[str, Any]) -> LaunchConfig:
+    """What the entry points that tests and commands call with the composed dict (launch.build, render.render,
+    render.container, render.python, staging.for_job) read: parsed here, or as parsed already."""
+    return cfg if isinstance(cfg, LaunchConfig) else parse(cfg)

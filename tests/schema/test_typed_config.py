@@ -1,0 +1,135 @@
+"""The launcher reads the composed config once, in launcher/config.py (the parse layer), and everything after it
+reads the typed LaunchConfig and the schema's typed sections: no other launcher module looks up a key of the
+composed config by name. Checked on the source (an AST scan for `x["key"]` and `x.get("key")` with a key the
+launch config or the schema's trainer section owns), and shown a deliberate violation."""
+
+import ast
+from dataclasses import fields
+from pathlib import Path
+
+from launcher import config
+from runtime.schema.training_config import TrainerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "launcher"
+
+# The keys whose raw reads are refused: the launch config's own (top level, each stage's run, the cluster group's,
+# the stage names), the sections of a trainer stage the schema parses, and the trainer keys it sizes jobs by.
+KEYS = (
+    {f.name for f in fields(config.LaunchConfig)} - {"sections", "raw"}
+    | {f.name for f in fields(config.Run)}
+    | set(config.SBATCH_KEYS) | set(config.OTHER_CLUSTER_KEYS)
+    | set(config.STAGES)
+    | {"run", "trainer", "model", "exp_manager", "precision", "data", "tokenizer", "optim"}
+    | {f.name for f in fields(TrainerConfig)}
+)
+
+# Where a raw read is the point: the parse layers, and readers of documents that are not the composed config.
+NOT_THE_COMPOSED_CONFIG = {
+    "config.py": "the parse layer itself",
+    "nxdt_config.py": "parses an NxD Training YAML file (training=@FILE) into our keys",
+    "nemo_config.py": "parses a NeMo-Launcher YAML file (training=@FILE) into our keys",
+    "resolvers.py": "OmegaConf resolvers, run by Hydra while it composes, before there is a config to parse",
+    "targets.py": "edits the Hydra tree while it composes (which layout a recipe names for the cluster)",
+    "pcluster.py": "composes and reads conf/pcluster/, the ParallelCluster config, not a launch",
+    "records.py": "reads and writes our own launch records (JSON)",
+    "runs.py": "reads our own launch records (status, logs, cancel)",
+    "completion.py": "click's parameters (--results-dir) while completing a run name",
+}
+
+# Names that hold a launch record (records.py) or one stage's entry of it, never the config (`record[...]`,
+# `trial.record[...]`).
+RECORD_NAMES = {"record", "entry"}
+
+# Functions that still read keys of a stage section by name, each with why. The section goes to the schema's
+# parser as it is; these read beside it because the schema returns no typed config when any file is missing
+# (a dry run on a laptop), or because they edit or hash the section as it will be written.
+FUNCTIONS = {
+    "validate.py:_trains_on_prepared_data": "model.data.data_prefix and the tokenizer, needed in a dry run too",
+    "validate.py:_fine_tuning": "sets model.restore_from_path aside before the schema parses the section",
+    "validate.py:_prepares_inputs": "the fine-tuning files and tokenizer, needed in a dry run too",
+    "validate.py:_restores_from": "exp_manager's checkpoint directory, needed in a dry run too",
+    "packages.py:needed": "exp_manager's logger switches, needed in a dry run too",
+    "neuron.py:model_key": "hashes the model section as written (names the compile cache)",
+    "neuron.py:graph_key": "hashes the model section as written (names the compiled graphs)",
+    "neuron.py:compile_config": "edits a copy of the section into the compile step's config file",
+    "neuron.py:script": "precision.type, needed in a dry run too",
+    "neuron.py:problems": "names the trainer's values as given, beside the schema's errors on the same keys",
+    "cli.py:launch": "click's context object (the global --dry-run), not the config",
+    "commands/autoconfig.py:command": "click's context object (the global --dry-run), not the config",
+}
+
+# Not yet migrated to LaunchConfig (issue 38): each still reads the composed config, or a section of it, by key.
+NOT_YET_MIGRATED = {
+    "commands/cluster_validate.py": "reads its own composed config (cluster_validation, cluster) by key",
+    "estimator/shapes.py": "reads the model and precision keys of a training section dict (its own view of them)",
+    "autoconfig/driver.py": "reads the composed training section and cluster by key",
+}
+
+
+def raw_reads(source: str) -> list[tuple[int, str, str]]:
+    """(line, enclosing function, key) of every `x["key"]` or `x.get/pop/setdefault("key", ...)` with a key in
+    KEYS, unless x is a launch record."""
+    found = []
+
+    def receiver_is_record(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in RECORD_NAMES
+                or isinstance(node, ast.Attribute) and node.attr in RECORD_NAMES)
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and not function \
+                else function
+            key = None
+            if isinstance(child, ast.Subscript) and isinstance(child.slice, ast.Constant) \
+                    and not receiver_is_record(child.value):
+                key = child.slice.value
+            elif isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
+                    and child.func.attr in ("get", "pop", "setdefault") and child.args \
+                    and isinstance(child.args[0], ast.Constant) and not receiver_is_record(child.func.value):
+                key = child.args[0].value
+            if isinstance(key, str) and key in KEYS:
+                found.append((child.lineno, inner, key))
+            visit(child, inner)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_no_launcher_module_reads_the_composed_config_by_key():
+    exempt = {**NOT_THE_COMPOSED_CONFIG, **NOT_YET_MIGRATED}
+    problems = []
+    for path in sorted(LAUNCHER.rglob("*.py")):
+        name = path.relative_to(LAUNCHER).as_posix()
+        if name in exempt:
+            continue
+        for line, function, key in raw_reads(path.read_text()):
+            if f"{name}:{function}" not in FUNCTIONS:
+                problems.append(f"launcher/{name}:{line} ({function or 'module'}) reads {key!r} by name; "
+                                "read it from the LaunchConfig (launcher/config.py)")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_exemption_names_a_module_or_function_that_exists():
+    """An allowance outlives its reason silently; one that names nothing is removed."""
+    for name in [*NOT_THE_COMPOSED_CONFIG, *NOT_YET_MIGRATED, *(f.split(":")[0] for f in FUNCTIONS)]:
+        assert (LAUNCHER / name).is_file(), name
+    for entry in FUNCTIONS:
+        name, function = entry.split(":")
+        reads = raw_reads((LAUNCHER / name).read_text())
+        assert any(f == function for _, f, _ in reads), f"{entry} reads no key by name now: drop it"
+    for name in [*NOT_THE_COMPOSED_CONFIG, *NOT_YET_MIGRATED]:
+        assert raw_reads((LAUNCHER / name).read_text()), f"{name} reads no key by name now: drop it"
+
+
+def test_the_scan_catches_a_deliberate_violation():
+    snippet = '''
+def build(cfg, job):
+    nodes = cfg["training"]["trainer"]["num_nodes"]
+    partition = (cfg.get("cluster") or {}).get("partition")
+    state = record["stages"]          # a launch record, not the config
+    return nodes, partition, job.options["unrelated"]
+'''
+    assert sorted((line, key) for line, _, key in raw_reads(snippet)) == [
+        (3, "num_nodes"), (3, "trainer"), (3, "training"), (4, "cluster"), (4, "partition")]
+    assert {function for _, function, _ in raw_reads(snippet)} == {"build"}
