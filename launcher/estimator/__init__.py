@@ -18,8 +18,8 @@ from launcher.estimator.compute import StepTime, days_to_train, flops_per_token,
 from launcher.estimator.hardware import Hardware, detect, hardware_for
 from launcher.estimator.memory import Kernels, StageMemory, peak_memory
 from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count_parameters, layout_from_training,
-                                       shape_from_training, vocab_size_for)
-from runtime.schema.training import parse_trainer
+                                       shape_from_training, vocab_for)
+from runtime.schema.training import parse_sizing, parse_trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +57,14 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     """Estimate a resolved training config. The device is `device`, else the cluster's neuron.hardware (trn1 |
     trn2) for a neuron recipe, else detected from trainer.accelerator and trainer.devices. `tokens` defaults to
     the run's own budget, max_steps x global_batch_size x seq_length."""
-    shape = shape_from_training(training, vocab_size_for(training, vocab_size))
+    sizing, sizing_report = parse_sizing(training)  # the schema's reading of what the run is sized by
+    shape = shape_from_training(sizing, vocab_for(sizing, vocab_size))
     trainer, report = parse_trainer(training)  # the schema's reading, as the launch sizes the job by
     if trainer is None:
         raise UserError(*report.errors)
-    layout = layout_from_training(training, trainer)
+    if sizing_report.errors:
+        raise UserError(*sizing_report.errors)
+    layout = layout_from_training(sizing, trainer)
     accelerator = trainer.accelerator
     if device is None and accelerator == "neuron" and neuron_hardware in ("trn1", "trn2"):
         device = neuron_hardware

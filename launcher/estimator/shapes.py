@@ -1,5 +1,5 @@
-# The model shape and the parallel layout the estimator works from, read from a resolved training config (the
-# Seam 2 keys), and the parameter count of the runtime's models (runtime/models) as pure arithmetic.
+# The model shape and the parallel layout the estimator works from, as the schema reads a resolved training config
+# (runtime/schema/training.py parse_sizing and model_shape_keys: one reader of the Seam 2 keys), and the parameter count of the runtime's models (runtime/models) as pure arithmetic.
 #
 # MoE (model.moe, runtime/models/moe.py SparseMoE): every moe.frequency-th layer's SwiGLU MLP becomes num_experts
 # SwiGLU experts of ffn_hidden_size each (gate_up (E, h, 2f), down (E, f, h)) and a router (E, h), no biases.
@@ -20,12 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from launcher.errors import UserError
-from runtime.schema.choices import RECOMPUTE_MODULES
 from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
-from runtime.schema.training import model_shape_keys
-from runtime.schema.training_config import TrainerConfig
+from runtime.schema.training import model_shape_keys, parse_sizing
+from runtime.schema.training_config import SizingConfig, TrainerConfig
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
 # Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
@@ -123,14 +122,18 @@ class Layout:
 
 def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int:
     """The unpadded vocabulary: --vocab-size, else the tokenizer file, else a known tokenizer named in its path."""
+    return vocab_for(parse_sizing(training)[0], override)  # only the model and tokenizer: estimate judges the rest
+
+
+def vocab_for(sizing: SizingConfig, override: int | None = None) -> int:
     if override:
         return int(override)
-    if training["model"].get("model_config") is not None and not override:
+    if sizing.model.get("model_config") is not None:
         try:  # the model's own vocabulary, as the schema sizes the embedding
-            return int(model_shape_keys(training["model"])["vocab_size"])
+            return int(model_shape_keys(sizing.model)["vocab_size"])
         except ValueError as error:
             raise UserError(f"{error}; the estimate needs the model's shape") from None
-    path = str((training["model"].get("tokenizer") or {}).get("model") or "")
+    path = sizing.tokenizer_path
     if path and Path(path).is_file():
         try:
             return tokenizer_vocab_size(path)
@@ -143,9 +146,9 @@ def vocab_size_for(training: dict[str, Any], override: int | None = None) -> int
                     f"tokenizer ({', '.join(KNOWN_VOCABULARIES)}); pass --vocab-size N")
 
 
-def shape_from_training(training: dict[str, Any], vocab: int) -> ModelShape:
+def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
     try:
-        model = model_shape_keys(training["model"])  # with the keys a model_config (config.json) supplies
+        model = model_shape_keys(sizing.model)  # with the keys a model_config (config.json) supplies
     except ValueError as error:
         raise UserError(f"{error}; the estimate needs the model's shape") from None
     heads = int(model["num_attention_heads"])
@@ -180,27 +183,26 @@ def moe_from_model(model: Mapping[str, Any]) -> MoEConfig | None:
     return parsed
 
 
-def layout_from_training(training: dict[str, Any], trainer: TrainerConfig) -> Layout:
-    """The layout of a training config; `trainer` is its trainer section as the schema reads it."""
-    model = training["model"]
+def layout_from_training(sizing: SizingConfig, trainer: TrainerConfig) -> Layout:
+    """The layout of a training config, from the schema's reading of it: `sizing` read without errors (its parallel
+    layout, batch and precision), `trainer` its trainer section."""
+    parallel = sizing.parallel
     return Layout(
         num_nodes=trainer.num_nodes,
         devices_per_node=trainer.devices,
-        tp=int(model["tensor_model_parallel_size"]),
-        pp=int(model["pipeline_model_parallel_size"]),
-        vpp=int(model.get("virtual_pipeline_model_parallel_size") or 1),
-        micro_batch_size=int(model["micro_batch_size"]),
-        global_batch_size=int(model["global_batch_size"]),
-        sequence_parallel=bool(model.get("sequence_parallel")),
-        zero1=bool(model.get("zero1")),
-        recompute=model.get("activations_checkpoint_granularity"),
-        # NxD Training's class names (CoreAttention, LlamaMLP) are the same modules as ours.
-        recompute_modules=tuple(RECOMPUTE_MODULES.canonical(m) for m in model.get("activations_checkpoint_recompute")
-                                or ()),
-        precision=str((training.get("precision") or {}).get("type") or "fp32"),
-        ep=int(model.get("expert_model_parallel_size") or 1),
-        cp=int(model.get("context_parallel_size") or 1),
-        ulysses=int(model.get("ulysses_parallel_size") or 1),
+        tp=parallel.tp,
+        pp=parallel.pp,
+        vpp=parallel.virtual_pp or 1,
+        micro_batch_size=sizing.micro_batch_size,
+        global_batch_size=sizing.global_batch_size,
+        sequence_parallel=parallel.sequence_parallel,
+        zero1=parallel.zero1,
+        recompute=parallel.activation_checkpointing,
+        recompute_modules=parallel.recompute_modules,  # canonical: NxD Training's class names read as ours
+        precision=sizing.precision.type,
+        ep=parallel.ep,
+        cp=parallel.cp,
+        ulysses=parallel.ulysses,
     )
 
 

@@ -18,7 +18,8 @@ from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_
 from runtime.schema.reader import REQUIRED, Report, Section
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, LoraConfig, OptimConfig,
                                             ParallelConfig,
-                                            PrecisionConfig, SchedConfig, SFTDataConfig, TrainerConfig,
+                                            PrecisionConfig, SchedConfig, SFTDataConfig, SizingConfig,
+                                            TrainerConfig,
                                             TrainingConfig)
 
 PREFIX = "training."
@@ -97,7 +98,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         report.error(problem)
     restore_from = _restore_from(model_s, shape, file_checks, p)
     optim = _optim(model_s, trainer.max_steps if trainer else None, p)
-    precision = precision_s.choice("type", C.PRECISION_TYPES, "fp32")
+    precision = _precision(precision_s)
     checkpoint = _checkpoint(exp, run, p)
     seed = model_s.int("seed", 1234)
     tensorboard, wandb = exp.bool("create_tensorboard_logger", True), exp.bool("create_wandb_logger", False)
@@ -171,6 +172,30 @@ def model_shape_keys(model_raw: Any, p: str = PREFIX) -> dict[str, Any]:
     if report.errors:
         raise ValueError(report.errors[0])
     return {**model, **shape, "vocab_size": vocab}
+
+
+def parse_sizing(raw: Any, p: str = PREFIX) -> tuple[SizingConfig, Report]:
+    """What the estimator sizes a trainer stage's run by, read as parse_training reads it but without its files,
+    data or rules (the estimator ranks hypothetical layouts too): the model section, the tokenizer's path, the
+    parallel layout, the batch and the precision."""
+    report = Report()
+    root = Section(raw, p.rstrip("."), report)
+    model = root.section("model")
+    tokenizer = model.section("tokenizer").raw("model", None)
+    micro, global_ = _batch(model)
+    precision = _precision(root.section("precision"))
+    return SizingConfig(model=dict(model.data), tokenizer_path=str(tokenizer or ""), parallel=_parallel(model),
+                        micro_batch_size=micro, global_batch_size=global_,
+                        precision=None if precision is None else PrecisionConfig(precision)), report
+
+
+def _batch(model: Section) -> tuple[int | None, int | None]:
+    """model.micro_batch_size and model.global_batch_size (samples per data-parallel rank, per optimizer step)."""
+    return model.int("micro_batch_size", minimum=1), model.int("global_batch_size", minimum=1)
+
+
+def _precision(precision: Section) -> str | None:
+    return precision.choice("type", C.PRECISION_TYPES, "fp32")
 
 
 def _run_keys(run: Section, p: str, report: Report) -> None:
@@ -370,7 +395,7 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str, sft_dat
     data_seq = data.int("seq_length", seq_length, minimum=1) if seq_length else None
     if data_seq is not None and seq_length is not None:
         model.report.error(rules.data_seq_length(data_seq, seq_length, p))
-    micro, global_ = model.int("micro_batch_size", minimum=1), model.int("global_batch_size", minimum=1)
+    micro, global_ = _batch(model)
     index_dir = data.raw("index_mapping_dir", None)
     data_prefix = data.raw("data_prefix", None if sft_data else REQUIRED)
     model.report.error(rules.fine_tuning_data(sft_data, data_prefix is not None, p))

@@ -127,6 +127,20 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class SizingConfig:
+    """What a trainer stage's run is sized by, as parse_sizing reads it without looking at any file: the estimator's
+    input (launcher/estimator), which plans layouts on a machine that need not hold the model or the tokenizer.
+    A value parse_sizing could not read is None, and its report says why."""
+
+    model: dict                      # the model section as composed; model_shape_keys completes it from model_config
+    tokenizer_path: str              # model.tokenizer.model; "" when unset
+    parallel: ParallelConfig | None
+    micro_batch_size: int | None
+    global_batch_size: int | None
+    precision: PrecisionConfig | None
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """exp_manager's checkpoint keys (NeMo names where NeMo has one; docs/checkpoints.md)."""
 

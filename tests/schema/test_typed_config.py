@@ -62,7 +62,6 @@ FUNCTIONS = {
 # Not yet migrated to LaunchConfig (issue 38): each still reads the composed config, or a section of it, by key.
 NOT_YET_MIGRATED = {
     "commands/cluster_validate.py": "reads its own composed config (cluster_validation, cluster) by key",
-    "estimator/shapes.py": "reads the model and precision keys of a training section dict (its own view of them)",
     "autoconfig/driver.py": "reads the composed training section and cluster by key",
 }
 
