@@ -9,13 +9,15 @@ from typing import Any
 
 from launcher.autoconfig import report, runner, search, sizing
 from launcher.compose import compose, resolve
+from launcher.config import LaunchConfig, parse
 from launcher.errors import UserError, print_not_checked
 from launcher.estimator.hardware import DEVICE_NAMES, Hardware, detect, hardware_for
-from launcher.estimator.shapes import padded_vocab, vocab_size_for
+from launcher.estimator.shapes import padded_vocab, vocab_for
 from runtime.schema.data_preparation import UserError as PreparationError
 from runtime.schema.data_preparation import parse_config as parse_preparation
 from runtime.schema.data_preparation import trained_vocab_size
-from runtime.schema.training import is_remote, tokenizer_vocab
+from runtime.schema.training import is_remote, model_shape_keys, parse_sizing, parse_trainer, tokenizer_vocab
+from runtime.schema.training_config import SizingConfig
 
 DEFAULT_SEARCH = "gpt3/tiny"
 TRAIN_SETTINGS = ("num_nodes", "devices_per_node", "device", "days", "tokens_in_billions", "model_size_in_b",
@@ -64,6 +66,22 @@ def _compose_search(choice: str, own: list[str], launch_overrides: list[str]) ->
 
 
 @dataclasses.dataclass(frozen=True)
+class Search:
+    """search_config as composed (conf/search_config/): the search's own settings, not a launch's."""
+    name: str
+    base_recipe: str
+    results_dir: Path
+    train_settings: dict[str, Any]   # read_budget checks them
+    grid: dict[str, Any]             # search_config.search: the layouts to try (search.grid)
+
+
+def read_search(settings: dict[str, Any]) -> Search:
+    return Search(name=str(settings["name"]), base_recipe=str(settings["base_recipe"]),
+                  results_dir=Path(settings["results_dir"]), train_settings=settings["train_settings"],
+                  grid=settings["search"])
+
+
+@dataclasses.dataclass(frozen=True)
 class Budget:
     """train_settings, with every null filled from the base recipe."""
     nodes: int
@@ -96,20 +114,19 @@ def _positive(settings: dict[str, Any], key: str, *, number: type = int, optiona
     return number(value)
 
 
-def vocabulary(training: dict[str, Any], preparation: Any, override: int | None, *,
+def vocabulary(training: SizingConfig, preparation: Any, override: int | None, *,
                dry_run: bool) -> tuple[int, list[str]]:
     """The unpadded vocabulary the model is sized for, and what a dry run could not check to find it:
     train_settings.vocab_size, else model_config's, the tokenizer file's, or a known tokenizer's named in its path
-    (vocab_size_for). A tokenizer file that is not here is judged by the training schema's one rule on it: an error
+    (vocab_for). A tokenizer file that is not here is judged by the training schema's one rule on it: an error
     for a real search (its trials would train on it), a warning in a dry run, which sizes the model for the
     vocabulary the data_preparation config trains into that path (the demo's 4096) before it has run."""
-    model = training["model"]
-    path = str((model.get("tokenizer") or {}).get("model") or "")
+    path = training.tokenizer_path
     unseen = bool(path) and not is_remote(path) and not Path(path).is_file()
-    if override or model.get("model_config") is not None:
-        return vocab_size_for(training, override), []
+    if override or training.model.get("model_config") is not None:
+        return vocab_for(training, override), []
     try:
-        vocab = vocab_size_for(training)
+        vocab = vocab_for(training)
     except UserError:
         if not path:
             raise
@@ -134,14 +151,23 @@ def vocabulary(training: dict[str, Any], preparation: Any, override: int | None,
                      f"(data_preparation.tokenizer.train.vocab_size)"]
 
 
-def read_budget(train: dict[str, Any], composed: dict[str, Any], *, dry_run: bool = False) -> Budget:
+def model_shape(training: SizingConfig) -> dict[str, Any]:
+    """The base recipe's model keys, with those its model_config supplies (the estimator's view of the shape)."""
+    try:
+        return model_shape_keys(training.model)
+    except ValueError as error:
+        raise UserError(f"{error}; the search sizes the model by it") from None
+
+
+def read_budget(train: dict[str, Any], cfg: LaunchConfig, *, dry_run: bool = False) -> Budget:
     unknown = sorted(set(train) - set(TRAIN_SETTINGS))
     if unknown:
         raise UserError(f"search_config.train_settings.{unknown[0]}: unknown key; valid: {', '.join(TRAIN_SETTINGS)}")
-    base = composed["training"]
-    trainer, model = base["trainer"], base["model"]
+    base = cfg.composed_section("training")  # the schema reads it (run mapping or not)
+    sizing, sizing_report = parse_sizing(base)
+    nodes = _positive(train, "num_nodes", optional=True)
     numbers = {key: _positive(train, key, optional=True) for key in
-               ("num_nodes", "devices_per_node", "seq_length", "global_batch_size", "vocab_size")}
+               ("devices_per_node", "seq_length", "global_batch_size", "vocab_size")}
     numbers |= {key: _positive(train, key, number=float, optional=True) for key in
                 ("tokens_in_billions", "model_size_in_b", "assumed_mfu")}
     numbers |= {key: _positive(train, key) for key in
@@ -152,19 +178,25 @@ def read_budget(train: dict[str, Any], composed: dict[str, Any], *, dry_run: boo
     device = train.get("device")
     if device is not None and device not in DEVICE_NAMES:
         raise UserError(f"search_config.train_settings.device: {device!r} is not one of {', '.join(DEVICE_NAMES)}")
-    vocab, unchecked = vocabulary(base, composed.get("data_preparation"), numbers["vocab_size"], dry_run=dry_run)
+    vocab, unchecked = vocabulary(sizing, cfg.composed_section("data_preparation"), numbers["vocab_size"],
+                                  dry_run=dry_run)
 
-    devices = numbers["devices_per_node"] or int(trainer["devices"])
-    neuron = ((composed.get("cluster") or {}).get("neuron") or {}).get("hardware")
+    trainer, report = parse_trainer(base)  # the schema's reading, as the launch sizes the job by
+    if trainer is None:
+        raise UserError(*report.errors)
+    devices = numbers["devices_per_node"] or trainer.devices
+    neuron = cfg.cluster.neuron_hardware
     if device is None:
-        device = neuron if trainer["accelerator"] == "neuron" and neuron else detect(trainer["accelerator"], devices)
+        device = neuron if trainer.accelerator == "neuron" and neuron else detect(trainer.accelerator, devices)
     hardware = hardware_for(device, devices)
-    seq = numbers["seq_length"] or int(model["encoder_seq_length"])
-    gbs = numbers["global_batch_size"] or int(model["global_batch_size"])
+    seq = numbers["seq_length"] or int(model_shape(sizing)["encoder_seq_length"])
+    gbs = numbers["global_batch_size"] or sizing.global_batch_size
+    if gbs is None:
+        raise UserError(*sizing_report.errors)
     billions, size = numbers["tokens_in_billions"], numbers["model_size_in_b"]
     return Budget(
-        nodes=numbers["num_nodes"] or int(trainer["num_nodes"]), devices=devices, seq_length=seq,
-        global_batch_size=gbs, tokens=billions * 1e9 if billions else float(trainer["max_steps"]) * gbs * seq,
+        nodes=nodes or trainer.num_nodes, devices=devices, seq_length=seq,
+        global_batch_size=gbs, tokens=billions * 1e9 if billions else float(trainer.max_steps) * gbs * seq,
         days=days, model_size=size * 1e9 if size else None, vocab=vocab, device=device, hardware=hardware,
         mfu=numbers["assumed_mfu"] or hardware.default_mfu, max_steps=numbers["max_steps_per_run"],
         minutes=numbers["max_minutes_per_run"], limit=numbers["limit_search_runs"], top_n=numbers["top_n"],
@@ -176,15 +208,16 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
     from rich.markup import escape
 
     choice, own, launch_overrides = split_overrides(overrides)
-    settings = _compose_search(choice, own, launch_overrides)
-    name, recipe, results_dir = str(settings["name"]), str(settings["base_recipe"]), Path(settings["results_dir"])
-    recipe_overrides = [f"training={recipe}", *launch_overrides]
-    composed = resolve(compose(recipe_overrides))
-    dry_run = dry_run or bool(composed.get("dry_run"))  # dry_run=true, as for a launch
-    budget = read_budget(settings["train_settings"], composed, dry_run=dry_run)
+    settings = read_search(_compose_search(choice, own, launch_overrides))
+    name, results_dir = settings.name, settings.results_dir
+    recipe_overrides = [f"training={settings.base_recipe}", *launch_overrides]
+    cfg = parse(resolve(compose(recipe_overrides)))
+    dry_run = dry_run or cfg.dry_run  # dry_run=true, as for a launch
+    budget = read_budget(settings.train_settings, cfg, dry_run=dry_run)
     print_not_checked(budget.unchecked)
-    architecture = str(composed["training"]["model"]["architecture"])
-    divisible = int(composed["training"]["model"].get("make_vocab_size_divisible_by") or 128)
+    shape = model_shape(parse_sizing(cfg.composed_section("training"))[0])
+    architecture = str(shape["architecture"])
+    divisible = int(shape.get("make_vocab_size_divisible_by") or 128)
 
     # 1. The model the budget trains, and the full-run config for it.
     advice = sizing.recommend_model_size(
@@ -202,11 +235,12 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
     base_overrides = [override(f"training.{key}", value) for key, value in sizing.base_settings(
         spec, architecture=architecture, seq_length=budget.seq_length, global_batch_size=budget.global_batch_size,
         tokens=budget.tokens, num_nodes=budget.nodes, devices_per_node=budget.devices).items()]
-    base_training = resolve(compose([*recipe_overrides, *base_overrides]))["training"]
+    base_training = parse(resolve(compose([*recipe_overrides, *base_overrides]))).composed_section("training")
+    base_parallel = parse_sizing(base_training)[0].parallel
 
     # 2. The layouts, filtered and ranked by the estimator.
-    candidates = search.grid(settings["search"], nodes=budget.nodes, devices_per_node=budget.devices,
-                             num_layers=spec.num_layers, zero1_default=bool(base_training["model"].get("zero1")),
+    candidates = search.grid(settings.grid, nodes=budget.nodes, devices_per_node=budget.devices,
+                             num_layers=spec.num_layers, zero1_default=bool(base_parallel and base_parallel.zero1),
                              seq_length=budget.seq_length)
     ranked = search.rank(base_training, candidates, device=budget.device, mfu=budget.mfu, vocab_size=budget.vocab)
     launchable = [r for r in ranked if r.rejected is None]
