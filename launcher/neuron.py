@@ -30,6 +30,7 @@ from typing import Any
 from launcher.config import Cluster, LaunchConfig
 from launcher.job import Job
 from launcher.stages import TRAINER_STAGES
+from runtime.schema.training import parse_precision
 
 PRECISION_ENV: dict[str, tuple[dict[str, str], str]] = {
     "fp32": ({"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0"}, "--auto-cast none"),
@@ -189,8 +190,8 @@ def script(job: Job, cfg: LaunchConfig) -> NeuronScript | None:
         return None
     neuron = settings(cfg.cluster)
     hardware = HARDWARE[neuron["hardware"]]
-    precision = str((job.stage_config.get("precision") or {}).get("type") or "fp32")
-    precision_env, precision_flags = PRECISION_ENV[precision]
+    precision, _ = parse_precision(job.stage_config, f"{job.stage}.")  # validate.py has refused a bad one
+    precision_env, precision_flags = PRECISION_ENV[precision.type]
 
     flags = [str(neuron["compiler_flags"] or "").strip(), f"--target={hardware.target}"]
     if hardware.logical_cores > 1:

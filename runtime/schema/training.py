@@ -189,6 +189,14 @@ def parse_sizing(raw: Any, p: str = PREFIX) -> tuple[SizingConfig, Report]:
                         precision=None if precision is None else PrecisionConfig(precision)), report
 
 
+def parse_precision(raw: Any, p: str = PREFIX) -> tuple[PrecisionConfig | None, Report]:
+    """Only precision.type of a trainer stage's config `raw`, read without files (the Neuron job script's compiler
+    flags, in a dry run too); parse_training reads it the same way."""
+    report = Report()
+    precision = _precision(Section(raw, p.rstrip("."), report).section("precision"))
+    return (None if precision is None else PrecisionConfig(precision)), report
+
+
 def _batch(model: Section) -> tuple[int | None, int | None]:
     """model.micro_batch_size and model.global_batch_size (samples per data-parallel rank, per optimizer step)."""
     return model.int("micro_batch_size", minimum=1), model.int("global_batch_size", minimum=1)

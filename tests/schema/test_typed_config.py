@@ -53,7 +53,6 @@ FUNCTIONS = {
     "neuron.py:model_key": "hashes the model section as written (names the compile cache)",
     "neuron.py:graph_key": "hashes the model section as written (names the compiled graphs)",
     "neuron.py:compile_config": "edits a copy of the section into the compile step's config file",
-    "neuron.py:script": "precision.type, needed in a dry run too",
     "neuron.py:problems": "names the trainer's values as given, beside the schema's errors on the same keys",
     "cli.py:launch": "click's context object (the global --dry-run), not the config",
     "commands/autoconfig.py:command": "click's context object (the global --dry-run), not the config",
