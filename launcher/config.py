@@ -84,6 +84,18 @@ class Cluster:
     s3: Any = None
 
     @property
+    def partition(self) -> Any:
+        return self.sbatch.get("partition")
+
+    @property
+    def nodelist(self) -> Any:
+        return self.sbatch.get("nodelist")
+
+    @property
+    def exclude(self) -> Any:
+        return self.sbatch.get("exclude")
+
+    @property
     def staging_local_dir(self) -> Any:
         """cluster.staging.local_dir: the S3 mirror's root on the shared file system (staging.py checks it)."""
         return self.staging.get("local_dir") if isinstance(self.staging, Mapping) else None
@@ -114,8 +126,8 @@ class LaunchConfig:
         return self.sections[name]
 
     def composed_section(self, name: str) -> Any:
-        """A stage's section as composed, before anything has checked it (`nxdt-launch estimate` hands training's
-        to the schema itself, run mapping or not)."""
+        """A section as composed, before anything has checked it (`nxdt-launch estimate` hands training's to the
+        schema itself, run mapping or not; cluster-validate checks its own and the cluster group)."""
         return self.raw.get(name)
 
     @property
@@ -156,13 +168,22 @@ def parse_cluster(section: Mapping[str, Any] | None) -> Cluster:
     )
 
 
+def composed_run(section: Mapping[str, Any]) -> Any:
+    """A section's run as composed, null read as {}: for a check that names a value that is not a mapping (what
+    cluster-validate, whose section is not a launch stage's, does before parse_run)."""
+    return section.get("run") or {}
+
+
+def parse_run(run: Mapping[str, Any]) -> Run:
+    return Run(**{key: run.get(key) for key in Run.__dataclass_fields__})
+
+
 def _stage(name: str, section: Mapping[str, Any]) -> Stage:
     from runtime.schema.evaluation import parse_evaluation
     from runtime.schema.training import parse_trainer
 
-    run = section["run"]
     return Stage(
-        name=name, run=Run(**{key: run.get(key) for key in Run.__dataclass_fields__}), section=dict(section),
+        name=name, run=parse_run(section["run"]), section=dict(section),
         trainer=parse_trainer(section, f"{name}.")[0] if name in TRAINER_STAGES else None,
         evaluation=parse_evaluation(section, f"{name}.")[0] if name == "evaluation" else None,
     )

@@ -16,6 +16,7 @@ idle was not checked.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 import click
 
 from launcher.commands import FiniteFloatRange
+from launcher.config import LaunchConfig, composed_run, parse_run, typed
 from launcher.errors import UserError, print_not_checked
 from launcher.slurm import expand_hostlist, split_hostlist
 from runtime.schema import rules
@@ -63,13 +65,15 @@ def idle_nodes(partition: str | None) -> list[str]:
     return list(dict.fromkeys(done.stdout.split()))
 
 
-def choose_nodes(cfg: dict, executor: str, *, dry_run: bool = False) -> tuple[int, list[str], list[str], list[str]]:
+def choose_nodes(cfg: LaunchConfig | dict, executor: str, *, dry_run: bool = False
+                 ) -> tuple[int, list[str], list[str], list[str]]:
     """(node count, nodelist to render, errors, what was not checked): cluster.nodelist, else a count, else every
     idle node. A dry run does not ask Slurm which nodes are idle: the answer changes by the minute, and a dry run
     renders the same wherever it runs (a laptop, a head node whose nodes are all busy). It renders DRY_RUN_NODES
     nodes of the partition, without a node list, and says so."""
-    cluster = cfg.get("cluster") or {}
-    wanted = cfg[STAGE].get("nodes")
+    cfg = typed(cfg)
+    cluster = cfg.cluster
+    wanted = cfg.composed_section(STAGE).get("nodes")
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1):
         return 1, [], [f"{STAGE}.nodes: {wanted!r} must be a positive integer or null (every idle node)"], []
     if executor == "local":
@@ -77,19 +81,19 @@ def choose_nodes(cfg: dict, executor: str, *, dry_run: bool = False) -> tuple[in
             return 1, [], [f"{STAGE}.nodes: {wanted}: a local run validates this machine only; use "
                            f"{STAGE}.nodes=1 or cluster_type=slurm"], []
         return 1, [], [], []
-    listed = [n for item in cluster.get("nodelist") or [] for n in expand_hostlist(str(item))]
+    listed = [n for item in cluster.nodelist or [] for n in expand_hostlist(str(item))]
     if listed:
-        return (wanted or len(listed)), list(cluster.get("nodelist")), [], []
+        return (wanted or len(listed)), list(cluster.nodelist), [], []
     if wanted:
         return wanted, [], [], []
-    where = f"partition {cluster.get('partition')}" if cluster.get("partition") else "the default partition"
+    where = f"partition {cluster.partition}" if cluster.partition else "the default partition"
     if dry_run:
         return DRY_RUN_NODES, [], [], [
             f"which nodes of {where} are idle ({STAGE}.nodes=null validates every idle one; a dry run does not ask "
             f"Slurm): rendered for {DRY_RUN_NODES} nodes without a node list; set {STAGE}.nodes=N or "
             f"cluster.nodelist=[...] to render those"]
-    excluded = {n for item in cluster.get("exclude") or [] for n in expand_hostlist(str(item))}
-    idle = [n for n in idle_nodes(cluster.get("partition")) if n not in excluded]
+    excluded = {n for item in cluster.exclude or [] for n in expand_hostlist(str(item))}
+    idle = [n for n in idle_nodes(cluster.partition) if n not in excluded]
     if not idle:
         return 1, [], [f"{STAGE}.nodes: no idle node in {where}; set {STAGE}.nodes=N or cluster.nodelist=[...]"], []
     return len(idle), idle, [], []
@@ -98,71 +102,74 @@ def choose_nodes(cfg: dict, executor: str, *, dry_run: bool = False) -> tuple[in
 def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str):
     from launcher import launch, validate
     from launcher.compose import compose, resolve
-    from launcher.config import parse_cluster
+    from launcher.config import parse, parse_cluster
     from launcher.job import Job
 
     from csp_tools.cluster_validate import config as cv_config
 
-    cfg = resolve(compose([with_group_prefix(o) for o in overrides]))
-    dry_run = dry_run or bool(cfg.get("dry_run"))
+    composed = resolve(compose([with_group_prefix(o) for o in overrides]))
+    cfg = parse(composed)
+    dry_run = dry_run or cfg.dry_run
     for key in ("cluster", STAGE):
-        if not isinstance(cfg.get(key) or {}, dict):
-            raise UserError(f"{key}: {cfg.get(key)!r} must be a mapping; choose one with {key}=NAME")
-    cluster = dict(cfg.get("cluster") or {})
-    errors = validate.cluster(parse_cluster(cluster))
+        if not isinstance(cfg.composed_section(key) or {}, dict):
+            raise UserError(f"{key}: {cfg.composed_section(key)!r} must be a mapping; choose one with {key}=NAME")
+    cluster = dict(cfg.composed_section("cluster") or {})
+    errors = validate.cluster(cfg.cluster)
     if not errors:  # choose_nodes reads lists: a hostlist string becomes its items
         cluster.update({key: split_hostlist(cluster[key]) for key in ("nodelist", "exclude")
                         if isinstance(cluster.get(key), str)})
-    cfg = {**cfg, "cluster": cluster}
+    cfg = dataclasses.replace(cfg, cluster=parse_cluster(cluster))
+    section = cfg.composed_section(STAGE)
+    validation = None
     try:
-        cv_config.parse(cfg[STAGE], cluster_exclude=cluster.get("exclude") or [])
+        validation = cv_config.parse(section, cluster_exclude=cfg.cluster.exclude or [])
     except cv_config.ConfigError as error:
         errors += error.problems
-    run = cfg[STAGE].get("run") or {}
+    run = composed_run(section)
     if not isinstance(run, dict):
         raise UserError(f"{STAGE}.run: {run!r} must be a mapping; set its keys one at a time, e.g. "
                         f"{STAGE}.run.time_limit=0:30:00")
-    name = str(run.get("name") or "")
+    run = parse_run(run)
+    name = str(run.name or "")
     if not re.match(r"^[A-Za-z0-9_.+-]+$", name):
         errors.append(f"{STAGE}.run.name: {name!r} must be letters, digits and _.+- (it names a directory)")
     elif problem := rules.run_name(name, f"{STAGE}.run.name"):  # '.', '..', too long
         errors.append(problem)
-    if problem := rules.results_dir(run.get("results_dir"), f"{STAGE}.") or \
-            rules.slurm_pattern(str(run.get("results_dir")), f"{STAGE}.run.results_dir"):
+    if problem := rules.results_dir(run.results_dir, f"{STAGE}.") or \
+            rules.slurm_pattern(str(run.results_dir), f"{STAGE}.run.results_dir"):
         errors.append(problem)
-    limit_text = str(run.get("time_limit"))
+    limit_text = str(run.time_limit)
     unlimited = limit_text.upper() in ("UNLIMITED", "INFINITE")
     time_limit = 7 * 86400 if unlimited else slurm_seconds(limit_text)  # UNLIMITED: a week
-    if problem := rules.time_limit(run.get("time_limit"), f"{STAGE}."):
+    if problem := rules.time_limit(run.time_limit, f"{STAGE}."):
         errors.append(problem)
         time_limit = 0
-    if cfg.get("cluster_type") not in validate.CLUSTER_TYPES:
-        errors.append(f"cluster_type: {cfg.get('cluster_type')!r} is not one of {', '.join(validate.CLUSTER_TYPES)}")
-    remote_host = ((cluster.get("remote") or {}).get("host"))
+    if cfg.cluster_type not in validate.CLUSTER_TYPES:
+        errors.append(f"cluster_type: {cfg.cluster_type!r} is not one of {', '.join(validate.CLUSTER_TYPES)}")
+    remote_host = (cfg.cluster.remote or {}).get("host")
     if remote_host:
         errors.append(f"cluster.remote.host: cluster-validate runs on the cluster itself; log in to {remote_host} "
                       "and run it there, or set cluster.remote.host=null")
-    executor, reason = launch.choose_executor(str(cfg.get("cluster_type")))
-    if executor == "local" and cfg.get("container"):
+    executor, reason = launch.choose_executor(str(cfg.cluster_type))
+    if executor == "local" and cfg.container:
         errors.append("container: the local executor runs this machine's Python; set container=null")
     if errors:
         raise UserError(*errors)
     nodes, nodelist, errors, unchecked = choose_nodes(cfg, executor, dry_run=dry_run)
     if errors:
         raise UserError(*errors)
-    cluster["nodelist"] = nodelist
-    results_dir = Path(run["results_dir"])
+    results_dir = Path(run.results_dir)
     if errors := launch.output_problems([(f"{STAGE}.run.results_dir", results_dir)]):
         raise UserError(*errors)
     job = Job(
         stage=STAGE, run_name=name, results_dir=results_dir, nodes=nodes, nproc_per_node=1, distributed=False,
-        accelerator=cfg[STAGE].get("accelerator"),
+        accelerator=validation.accelerator,
         program=("-m", "csp_tools.cluster_validate", "--config", str(results_dir / f"{STAGE}_config.yaml")),
-        time_limit=str(run["time_limit"]), dependency=DEFAULT_DEPENDENCY,
-        stage_config={**cfg[STAGE], "launch": {"cluster_exclude": list(cluster.get("exclude") or []),
-                                               "nodes": nodes, "executor": executor}},
+        time_limit=str(run.time_limit), dependency=DEFAULT_DEPENDENCY,
+        stage_config={**section, "launch": {"cluster_exclude": list(cfg.cluster.exclude or []),
+                                            "nodes": nodes, "executor": executor}},
     )
-    plan_cfg = {**cfg, "run_name": name, "cluster": cluster}
+    plan_cfg = {**composed, "run_name": name, "cluster": {**cluster, "nodelist": nodelist}}
     plan = launch.Plan(plan_cfg, executor, reason, [job], [], produced_by, dry_run, unchecked=unchecked)
     return plan, time_limit
 
@@ -235,20 +242,19 @@ def command(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool, no_wa
     if show:
         from launcher.compose import compose, resolve
 
-        cfg = resolve(compose([with_group_prefix(o) for o in overrides]))
-        section = cfg.get(STAGE)
-        run = section.get("run") if isinstance(section, dict) else None
-        if not isinstance(run, dict) or not run.get("results_dir"):
+        section = resolve(compose([with_group_prefix(o) for o in overrides])).get(STAGE)
+        run = composed_run(section) if isinstance(section, dict) else None
+        if not isinstance(run, dict) or not parse_run(run).results_dir:
             raise UserError(f"{STAGE}.run.results_dir: {run!r} names no results directory; --show reads the report "
                             "from there (give the overrides the validation ran with)")
-        results = Path(str(run["results_dir"]))
+        results = Path(str(parse_run(run).results_dir))
         ctx.exit(_show(console, results, results / "logs", 0))
     plan, time_limit = make_plan(list(overrides), dry_run=dry_run, produced_by=produced_by)
     job = plan.jobs[0]
     scripts = launch.write(plan)
     record = launch.new_record(plan, scripts)
-    where = f"{job.nodes} node(s)" + (f" ({','.join(plan.cfg['cluster']['nodelist'])})"
-                                      if plan.cfg["cluster"]["nodelist"] else "")
+    nodelist = plan.config.cluster.nodelist
+    where = f"{job.nodes} node(s)" + (f" ({','.join(nodelist)})" if nodelist else "")
     console.print(f"cluster validation on {where} · {plan.executor} executor ({plan.executor_reason})")
     console.print(f"script: {scripts[0]}")
     if plan.dry_run:

@@ -1,5 +1,6 @@
 # The model shape and the parallel layout the estimator works from, as the schema reads a resolved training config
-# (runtime/schema/training.py parse_sizing and model_shape_keys: one reader of the Seam 2 keys), and the parameter count of the runtime's models (runtime/models) as pure arithmetic.
+# (runtime/schema/training.py parse_sizing and model_shape_keys: one reader of the Seam 2 keys), and the parameter
+# count of the runtime's models (runtime/models) as pure arithmetic.
 #
 # MoE (model.moe, runtime/models/moe.py SparseMoE): every moe.frequency-th layer's SwiGLU MLP becomes num_experts
 # SwiGLU experts of ffn_hidden_size each (gate_up (E, h, 2f), down (E, f, h)) and a router (E, h), no biases.

@@ -56,12 +56,8 @@ FUNCTIONS = {
     "neuron.py:problems": "names the trainer's values as given, beside the schema's errors on the same keys",
     "cli.py:launch": "click's context object (the global --dry-run), not the config",
     "commands/autoconfig.py:command": "click's context object (the global --dry-run), not the config",
+    "commands/cluster_validate.py:command": "click's context object (the global --dry-run), not the config",
     "autoconfig/driver.py:read_search": "search_config's name and results_dir: the search's own config, not a launch",
-}
-
-# Not yet migrated to LaunchConfig (issue 38): each still reads the composed config, or a section of it, by key.
-NOT_YET_MIGRATED = {
-    "commands/cluster_validate.py": "reads its own composed config (cluster_validation, cluster) by key",
 }
 
 
@@ -95,11 +91,10 @@ def raw_reads(source: str) -> list[tuple[int, str, str]]:
 
 
 def test_no_launcher_module_reads_the_composed_config_by_key():
-    exempt = {**NOT_THE_COMPOSED_CONFIG, **NOT_YET_MIGRATED}
     problems = []
     for path in sorted(LAUNCHER.rglob("*.py")):
         name = path.relative_to(LAUNCHER).as_posix()
-        if name in exempt:
+        if name in NOT_THE_COMPOSED_CONFIG:
             continue
         for line, function, key in raw_reads(path.read_text()):
             if f"{name}:{function}" not in FUNCTIONS:
@@ -110,13 +105,13 @@ def test_no_launcher_module_reads_the_composed_config_by_key():
 
 def test_every_exemption_names_a_module_or_function_that_exists():
     """An allowance outlives its reason silently; one that names nothing is removed."""
-    for name in [*NOT_THE_COMPOSED_CONFIG, *NOT_YET_MIGRATED, *(f.split(":")[0] for f in FUNCTIONS)]:
+    for name in [*NOT_THE_COMPOSED_CONFIG, *(f.split(":")[0] for f in FUNCTIONS)]:
         assert (LAUNCHER / name).is_file(), name
     for entry in FUNCTIONS:
         name, function = entry.split(":")
         reads = raw_reads((LAUNCHER / name).read_text())
         assert any(f == function for _, f, _ in reads), f"{entry} reads no key by name now: drop it"
-    for name in [*NOT_THE_COMPOSED_CONFIG, *NOT_YET_MIGRATED]:
+    for name in NOT_THE_COMPOSED_CONFIG:
         assert raw_reads((LAUNCHER / name).read_text()), f"{name} reads no key by name now: drop it"
 
 
