@@ -111,9 +111,10 @@ def test_the_mask_covers_exactly_the_response_and_both_sides_share_the_prompt(tm
         ds[8]
 
 
-def test_a_kept_prompt_render_is_used_only_for_an_equal_conversation(chat):
+def test_a_kept_prompt_render_is_used_only_for_an_equal_conversation(chat, monkeypatch):
     from runtime.schema import chat as chat_module
 
+    monkeypatch.setattr(chat_module, "_RENDERS_KEPT", 8)  # the bound, reached with a few conversations
     for _ in range(2):  # the second time from what render() kept
         assert chat.render(MULTI_TURN, True) == render_chatml(MULTI_TURN, add_generation_prompt=True)
     changed = [*MULTI_TURN[:-1], {"role": "user", "content": "upper: red fox"}]  # equal but for the last message
@@ -122,7 +123,7 @@ def test_a_kept_prompt_render_is_used_only_for_an_equal_conversation(chat):
     assert chat_module._render_key([{"role": "user", "content": ["a", "list"]}]) is None  # rendered each time
     many = [[{"role": "user", "content": f"reverse: {i}"}] for i in range(chat_module._RENDERS_KEPT + 5)]
     assert [chat.render(m, True) for m in many] == [render_chatml(m, add_generation_prompt=True) for m in many]
-    assert len(chat._rendered) == chat_module._RENDERS_KEPT
+    assert len(chat._rendered) == 8
 
 
 def test_keep_start_cuts_the_prompt_to_the_limit(tmp_path, tokenizer_dir, chat):

@@ -19,6 +19,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
@@ -176,6 +177,8 @@ def dry_run(directory: Path, overrides: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.long("100 override sets through Hydra's compose and every launch check, in this process (~45 s of CPU); "
+                  "fewer examples would find less")
 def test_no_override_set_gets_a_traceback_and_a_refused_one_writes_nothing():
     # Each example runs on one worker thread, from a shallow stack. Under pytest's deep stack the launcher's most
     # frequent calls straddle a boundary of Python 3.11's frame-stack chunks, which is then unmapped and mapped
