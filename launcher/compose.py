@@ -156,12 +156,18 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
     overrides = [_with_open_map_prefix(o) for o in overrides]
     try:
         with initialize_config_dir(str(conf_dir()), version_base=None, job_name="nxdt_launch"):
-            cfg = hydra_compose("config", overrides=overrides)
             # The recipe that holds the training recipe's layout for the cluster's hardware, with the same
-            # overrides (launcher/targets.py).
+            # overrides (launcher/targets.py): read from the files first, and kept when the composed config
+            # names the same target; else the training recipe is composed as given and switched.
+            if (guessed := targets.guess(overrides)) is not None:
+                target, recipe = guessed
+                cfg = hydra_compose("config", overrides=_with_training(overrides, recipe))
+                if targets.cluster_target(cfg) == target and cfg.training.get("targets") is None:
+                    targets.apply(cfg)
+                    return cfg
+            cfg = hydra_compose("config", overrides=overrides)
             if (recipe := targets.apply(cfg)) is not None:
-                overrides = [o for o in overrides if o.partition("=")[0] != "training"] + [f"training={recipe}"]
-                cfg = hydra_compose("config", overrides=overrides)
+                cfg = hydra_compose("config", overrides=_with_training(overrides, recipe))
                 if targets.apply(cfg) is not None:
                     raise UserError(f"training={recipe}: a target's own recipe must be pinned to its layout; "
                                     f"set `targets: null` in it")
@@ -192,6 +198,10 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
                 and hasattr(parent, "keys"):
             raise _unknown_key_error(full_key, [str(k) for k in parent.keys()]) from None
         raise UserError(str(e).splitlines()[0]) from None
+
+
+def _with_training(overrides: list[str], recipe: str) -> list[str]:
+    return [o for o in overrides if o.partition("=")[0] != "training"] + [f"training={recipe}"]
 
 
 def _first_unparsable(overrides: list[str]) -> str:

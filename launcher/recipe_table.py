@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from launcher.errors import UserError
 from launcher.paths import conf_dir, group_choices
-from launcher.targets import TARGETS
+from launcher.targets import TARGETS, targets_of_file
 
 if TYPE_CHECKING:
     from launcher.estimator import Layout
@@ -44,21 +44,6 @@ class Row:
         return (f"| `{self.recipe}` | {self.target} | `{self.layout}` | {self.nodes} × {self.workers} | "
                 f"{self.parallel} | {self.recompute} | {self.batch} | {self.precision} | "
                 f"{self.memory_gib:.1f} / {self.usable_gib:.1f} |")
-
-
-def targets_of_file(recipe: str) -> tuple[bool, dict | None]:
-    """(set in the recipe's own file, the `targets` mapping it composes with): read along its Hydra defaults
-    chain, as Hydra merges it (the nearest file that sets `targets` decides; null pins a target's own layout)."""
-    import yaml
-
-    seen, own = recipe, True
-    while seen:
-        text = yaml.safe_load((conf_dir() / "training" / f"{seen}.yaml").read_text()) or {}
-        if "targets" in text:
-            return own, text["targets"]
-        parents = [d for d in text.get("defaults") or [] if isinstance(d, str) and d.startswith("/training/")]
-        seen, own = (parents[0].removeprefix("/training/").split("@")[0] if parents else ""), False
-    return False, None
 
 
 def pinned(recipe: str) -> bool:

@@ -15,11 +15,17 @@ every recipe without `targets` (the tiny CPU ones), and choosing it by name keep
 cluster-validate takes `accelerator: auto` and `devices: auto` from the same cluster setting.
 
 Applied to the composed config before anything resolves or reads it (launcher/compose.py); `targets` is gone from
-every stage afterwards, so the runtime never sees it."""
+every stage afterwards, so the runtime never sees it. compose.py first composes the recipe that `guess` reads from
+conf/'s files (the recipe's `targets` and the cluster's hardware), and keeps the result when the composed config
+names the same target: a Hydra compose costs most of a dry run, and this saves the one that would only be replaced.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from launcher.errors import UserError
+from launcher.paths import conf_dir
 from launcher.neuron import DEFAULTS as NEURON_DEFAULTS
 from launcher.neuron import HARDWARE as NEURON_HARDWARE
 from launcher.stages import TRAINER_STAGES
@@ -72,3 +78,97 @@ def select_validation_hardware(cfg, target: str | None) -> None:
         node.accelerator = "neuron" if neuron else "cpu"
     if node.get("devices") == "auto":
         node.devices = NEURON_HARDWARE[target].workers_per_node if neuron else 1
+
+
+# --- choosing the target's recipe from conf/'s files, before composing -----------------------------------------
+
+_parsed: dict[Path, tuple[tuple[int, int], dict]] = {}
+
+
+def _yaml(path: Path) -> dict:
+    """A conf file's YAML, parsed once per process while its mtime and size stay (compose guesses on every call;
+    libyaml's parser where PyYAML has it)."""
+    import yaml
+
+    stat = path.stat()
+    key = (stat.st_mtime_ns, stat.st_size)
+    if (kept := _parsed.get(path)) is None or kept[0] != key:
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        kept = _parsed[path] = key, (yaml.load(path.read_text(), Loader=loader) or {})
+    return kept[1]
+
+
+def _file_chain(group: str, name: str) -> list[dict]:
+    """The YAML of a group's config file and of the files its defaults list names in the same group, nearest
+    first: what Hydra merges (a file's own keys win over the ones it inherits, `_self_` last as here). [] when
+    a file is missing (a choice registered in this process, a typo compose reports)."""
+    chain, seen = [], set()
+    while name and name not in seen:
+        seen.add(name)
+        path = conf_dir() / group / f"{name}.yaml"
+        if not path.is_file():
+            return []
+        text = _yaml(path)
+        chain.append(text)
+        parents = [d for d in text.get("defaults") or [] if isinstance(d, str) and d != "_self_"]
+        parent = parents[0] if parents else ""
+        name = parent.removeprefix(f"/{group}/").split("@")[0] if parent.startswith(f"/{group}/") else \
+            (parent if parent and "/" not in parent and ":" not in parent else "")
+    return chain
+
+
+def targets_of_file(recipe: str) -> tuple[bool, dict | None]:
+    """(set in the recipe's own file, the `targets` mapping it composes with): read along its Hydra defaults
+    chain, as Hydra merges it (the nearest file that sets `targets` decides; null pins a target's own layout)."""
+    for depth, text in enumerate(_file_chain("training", recipe)):
+        if "targets" in text:
+            return depth == 0, text["targets"]
+    return False, None
+
+
+def _default_choice(group: str) -> str | None:
+    """The root config's choice for a group (conf/config.yaml's defaults list)."""
+    defaults = _yaml(conf_dir() / "config.yaml").get("defaults") or []
+    return next((entry[group] for entry in defaults if isinstance(entry, dict) and group in entry), None)
+
+
+def _cluster_target_of_file(cluster: str) -> str | None:
+    """cluster_target, read from the cluster's files: the nearest `neuron` decides whether there is one, the
+    nearest `neuron.hardware` which."""
+    sections = [text["neuron"] for text in _file_chain("cluster", cluster) if "neuron" in text]
+    if not sections or sections[0] is None:
+        return "gpu"
+    name = next((s["hardware"] for s in sections if isinstance(s, dict) and "hardware" in s), None)
+    name = name or NEURON_DEFAULTS["hardware"]
+    return name if name in NEURON_HARDWARE else None
+
+
+def guess(overrides: list[str]) -> tuple[str, str] | None:
+    """(the target, the recipe that holds the training recipe's layout for it), as `apply` would choose them,
+    read from conf/'s files without composing; None where the overrides could change what the files say (the
+    recipe's `targets`, Hydra's search path) or the recipe names no layout for the cluster's target. A guess is
+    kept only when the composed config names the same target (compose.py): overrides of the cluster's hardware
+    or interpolations the files do not show are caught there."""
+    choices: dict[str, list[str]] = {"training": [], "cluster": []}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key.startswith(("training.targets", "hydra")) or key == "targets":
+            return None
+        if key in choices:
+            choices[key].append(value)
+    if len(choices["training"]) > 1 or len(choices["cluster"]) > 1:
+        return None
+    recipe = (choices["training"] or [_default_choice("training")])[0]
+    cluster = (choices["cluster"] or [_default_choice("cluster")])[0]
+    if not all(isinstance(c, str) and c and ".." not in c and not c.startswith(("/", "@")) for c in (recipe, cluster)):
+        return None
+    import yaml
+
+    try:
+        mapping = targets_of_file(recipe)[1]
+        target = _cluster_target_of_file(cluster) if isinstance(mapping, dict) else None
+    except (OSError, yaml.YAMLError, AttributeError, TypeError):  # compose reports what is wrong with the files
+        return None
+    chosen = mapping.get(target) if target else None
+    return (target, chosen) if isinstance(chosen, str) else None

@@ -90,3 +90,28 @@ def test_a_target_that_names_no_recipe_is_one_line():
                             "training": {"targets": {"trn1": {"model": {"tensor_model_parallel_size": 8}}}}})
     with pytest.raises(UserError, match=r"training.targets.trn1: .* must name a training recipe"):
         targets.apply(cfg)
+
+
+@pytest.mark.parametrize("overrides, composes", [
+    (["training=gpt3/175b", "cluster=pcluster_trn1"], 1),                                   # trn1's recipe, guessed
+    (["training=llama3/8b", "cluster=slurm", "training.model.micro_batch_size=2"], 1),      # its GPU layout, guessed
+    (["training=gpt3/175b", "cluster=pcluster_trn1", "cluster.neuron.hardware=trn2"], 3),   # guessed trn1, is trn2
+    (["training=gpt3/175b", "cluster=pcluster_trn2", "training.targets=null"], 1),          # pinned here: no guess
+    (["training=gpt3/tiny", "cluster=pcluster_trn1"], 1),                                   # no targets to guess
+])
+def test_the_recipe_read_from_the_files_composes_what_switching_after_composing_does(overrides, composes,
+                                                                                     monkeypatch):
+    """compose.py composes the recipe targets.guess reads from conf/'s files, once, where it used to compose the
+    training recipe and then its target's: the result is the same config, and a guess that the composed config
+    contradicts (the hardware overridden) falls back to composing as typed."""
+    import hydra
+
+    from launcher import targets
+
+    calls = []
+    real = hydra.compose
+    monkeypatch.setattr(hydra, "compose", lambda *a, **k: calls.append(k["overrides"]) or real(*a, **k))
+    guessed = resolved(*overrides)
+    assert len(calls) == composes, calls
+    monkeypatch.setattr(targets, "guess", lambda _: None)
+    assert resolved(*overrides) == guessed

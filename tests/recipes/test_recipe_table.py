@@ -35,9 +35,9 @@ def test_no_recipe_inherits_another_recipes_targets():
     """`targets` merges down the defaults chain: a recipe that did not set its own would send a launch to its
     parent's layouts (gpt3/6.7b to gpt3/5b_trn1)."""
     from launcher.paths import group_choices
-    from launcher.targets import TARGETS
+    from launcher.targets import TARGETS, targets_of_file
 
     for recipe in group_choices("training"):
-        own, mapping = recipe_table.targets_of_file(recipe)
+        own, mapping = targets_of_file(recipe)
         assert own or mapping is None, f"{recipe}: set `targets` in its own file (null to pin it)"
         assert set(mapping or {}) <= set(TARGETS), recipe
