@@ -103,14 +103,18 @@ def test_torchrun_two_processes_learns(workdir, reference_config, architecture, 
 
 @pytest.mark.slow
 def test_data_parallel_run_matches_single_process(workdir, reference_config):
-    """DP=2 reads exactly the single process's global batches, so the losses agree to rounding."""
+    """DP=2 reads exactly the single process's global batches, so the losses agree to rounding. Both runs are
+    runtime.train's own main() in ranks forked from this process (tests/checkpoint/launch_helpers.train_here): what
+    is under test is which samples each rank reads; starting under torchrun is the test above's."""
+    from tests.checkpoint.launch_helpers import train_here
+    from tests.runtime_parallel.dist_utils import run_distributed
+
     root, _ = workdir
     reference = _config(root, reference_config, "gpt", tp=1, devices=1, name="gpt_single", steps=10)
-    assert _run(reference, nproc=1).returncode == 0
+    assert run_distributed(train_here, 1, args=(str(reference), "training")) == [0]
     single, _ = _records(root / "gpt_single")
     dp2_config = _config(root, reference_config, "gpt", tp=1, devices=2, name="gpt_dp2", steps=10)
-    result = _run(dp2_config, nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert run_distributed(train_here, 2, args=(str(dp2_config), "training")) == [0, 0]
     dp2, _ = _records(root / "gpt_dp2")
     assert [r["step"] for r in single] == [r["step"] for r in dp2]
     for a, b in zip(single, dp2):
