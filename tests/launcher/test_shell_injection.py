@@ -5,6 +5,7 @@ the canary file must never appear while every value arrives intact.
 The Slurm scripts run under bash here with stand-ins for `srun` and `scontrol` (FAKES, named as such: the
 real ones are exercised in test_slurm_integration.py); they only do what srun does to the command line."""
 
+import copy
 import os
 import subprocess
 from pathlib import Path
@@ -52,33 +53,38 @@ def _executable(path: Path, text: str) -> Path:
     return path
 
 
-@pytest.fixture
-def sandbox(tmp_path):
-    bin_dir = tmp_path / "bin"
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    """The stand-ins, the hostile interpreter and the config, composed once for the module's 98 scripts (a Hydra
+    compose is most of each test's cost); each test gets a copy to make hostile and a working directory of its
+    own, where a payload that ran would leave its CANARY."""
+    root = tmp_path_factory.mktemp("hostile")
+    bin_dir = root / "bin"
     bin_dir.mkdir()
     _executable(bin_dir / "srun", FAKE_SRUN)
     _executable(bin_dir / "scontrol", FAKE_SCONTROL)
     # The interpreter's own path is hostile too.
-    python_dir = tmp_path / "py $(touch CANARY) `touch CANARY`"
+    python_dir = root / "py $(touch CANARY) `touch CANARY`"
     python_dir.mkdir()
     python = _executable(python_dir / "python", FAKE_PYTHON)
-    work = tmp_path / "work"
-    work.mkdir()
-    return tmp_path, bin_dir, python, work
+    cfg = resolved(
+        f"base_results_dir={root}/results",
+        "run_name='r$(touch\\${IFS}CANARY)`touch\\${IFS}CANARY`;x'",
+        f"python='{python}'",
+        stable=False,
+    )
+    return root, bin_dir, cfg
 
 
 @pytest.mark.parametrize("payload", PAYLOADS, ids=range(len(PAYLOADS)))
 @pytest.mark.parametrize("stage", sorted(BUILDERS))
 @pytest.mark.parametrize("executor", ["local", "slurm"])
-def test_hostile_values_stay_data(sandbox, payload, stage, executor):
-    tmp_path, bin_dir, python, work = sandbox
+def test_hostile_values_stay_data(composed, tmp_path, payload, stage, executor):
+    root, bin_dir, composed_cfg = composed
+    work = tmp_path / "work"
+    work.mkdir()
     single_line = payload.replace("\n", " ")
-    cfg = resolved(
-        f"base_results_dir={tmp_path}/results",
-        "run_name='r$(touch\\${IFS}CANARY)`touch\\${IFS}CANARY`;x'",
-        f"python='{python}'",
-        stable=False,
-    )
+    cfg = copy.deepcopy(composed_cfg)
     cfg["env_vars"] = {"EVIL": payload, "OTHER": single_line}
     cfg["cluster"]["env_vars"] = {"CLUSTER_EVIL": payload}
     cfg["cluster"]["srun_args"] = [f"--comment={single_line}"]
@@ -94,7 +100,7 @@ def test_hostile_values_stay_data(sandbox, payload, stage, executor):
         env["SLURM_ARRAY_TASK_ID"] = "0"
     result = subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, text=True, timeout=60)
 
-    assert not list(tmp_path.rglob("CANARY")), f"payload executed:\n{script}"
+    assert not list(tmp_path.rglob("CANARY")) + list(root.rglob("CANARY")), f"payload executed:\n{script}"
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / f"evil.{stage}").read_text() == payload
     args = (tmp_path / f"args.{stage}").read_text().splitlines()
