@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from runtime.checkpoint import committed_checkpoints, open_storage
-from tests.checkpoint.launch_helpers import counting_corpus, final_weights, losses, training_overrides
+from tests.checkpoint.launch_helpers import (counting_corpus, final_weights, losses, train_rendered,
+                                            training_overrides)
 from tests.launcher.helpers import REPO, nxdt
 
 STEPS, EVERY = 20, 10
@@ -46,12 +47,14 @@ def _kill_after_checkpoint(proc: subprocess.Popen, checkpoints, config: Path, ra
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
-    """The uninterrupted run both tests compare with, through the launcher: its corpus is data/, its results
-    straight/gpt3_tiny/training/ (losses, final checkpoint, and the training_config.yaml torchrun is given)."""
+    """The uninterrupted run both tests compare with: its corpus is data/, its results straight/gpt3_tiny/training/
+    (losses, final checkpoint, and the training_config.yaml torchrun is given). The launcher renders it (--dry-run)
+    and its two ranks are forked from this process: the runs under test are the killed ones."""
     root = tmp_path_factory.mktemp("kill")
     data = counting_corpus(root / "data")
-    result = nxdt("cluster_type=local", *_overrides(data, root / "straight"), cwd=root, timeout=600)
+    result = nxdt("cluster_type=local", *_overrides(data, root / "straight"), "--dry-run", cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert train_rendered(root / "straight" / "gpt3_tiny" / "training" / "training_config.yaml") == [0, 0]
     return root
 
 
