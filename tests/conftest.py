@@ -71,3 +71,19 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (f"{item.nodeid}: its {call.when} took {call.duration:.0f} s, over the suite's "
                            f"{TEST_SECONDS_LIMIT:.0f} s per test (tests/conftest.py): share the run it waits on, "
                            f"make it smaller, or mark it @pytest.mark.long(\"why\")")
+
+
+# ---- The Slurm stream's files --------------------------------------------------------------------------------
+
+# .ci/run's Slurm stream collects only the files that mark Slurm tests (`grep -l mark.slurm`): collecting the
+# whole suite costs each pytest process ~20 s of CPU, for 21 tests. A test marked another way would be deselected
+# by the main stream and never collected by the Slurm one, so collection refuses it.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    from pathlib import Path
+
+    unmarked = sorted({str(item.path) for item in items if item.get_closest_marker("slurm") is not None
+                       and "mark.slurm" not in Path(item.path).read_text()})
+    if unmarked:
+        raise pytest.UsageError(f"{', '.join(unmarked)}: Slurm tests must be marked with `pytest.mark.slurm` in "
+                                f"their own file, where .ci/run's Slurm stream looks for them")
