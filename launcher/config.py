@@ -51,6 +51,50 @@ class Run:
 
 
 @dataclass(frozen=True)
+class StageInputs:
+    """What a trainer stage reads and writes, as its section names them: the checks that run before the schema's
+    full reading (validate.py: does this launch prepare the data, restore from its own checkpoints; packages.py:
+    which loggers it needs) run in a dry run too, where the schema returns no typed config because files a real run
+    would find are missing. Values are as written; the schema judges them."""
+
+    data_prefix: Any = None          # model.data.data_prefix
+    tokenizer: Any = None            # model.tokenizer.model
+    record_files: tuple[Any, ...] = ()  # model.data.{train_ds,validation_ds}.file_names (fine-tuning, alignment)
+    restore_from_path: Any = None    # model.restore_from_path
+    checkpoint_dir: Any = None       # exp_manager.checkpoint_callback_params.dirpath
+    wandb: bool = False              # exp_manager.create_wandb_logger
+    tensorboard: bool = True         # exp_manager.create_tensorboard_logger
+    well_formed: bool = True         # model, model.data and model.tokenizer are mappings
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def stage_inputs(section: Mapping[str, Any]) -> StageInputs:
+    model = _mapping(section.get("model"))
+    data, tokenizer = model.get("data") or {}, model.get("tokenizer") or {}
+    exp = section.get("exp_manager") or {}
+    files: list[Any] = []
+    for split in ("train_ds", "validation_ds"):
+        names = _mapping(_mapping(data).get(split)).get("file_names")
+        files += names if isinstance(names, list) else [names]
+    return StageInputs(
+        data_prefix=_mapping(data).get("data_prefix"), tokenizer=_mapping(tokenizer).get("model"),
+        record_files=tuple(files), restore_from_path=model.get("restore_from_path"),
+        checkpoint_dir=_mapping(_mapping(exp).get("checkpoint_callback_params")).get("dirpath"),
+        wandb=isinstance(exp, dict) and exp.get("create_wandb_logger") is True,
+        tensorboard=isinstance(exp, dict) and exp.get("create_tensorboard_logger", True) is True,
+        well_formed=isinstance(data, dict) and isinstance(tokenizer, dict))
+
+
+def without_restore(section: dict[str, Any]) -> dict[str, Any]:
+    """The section with model.restore_from_path unset: for the schema's reading of a stage that restores from
+    checkpoints an earlier stage of the same launch has not written yet."""
+    return {**section, "model": {**_mapping(section.get("model")), "restore_from_path": None}}
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     run: Run
@@ -63,6 +107,10 @@ class Stage:
     @property
     def results_dir(self) -> Path:
         return Path(self.run.results_dir)
+
+    @property
+    def inputs(self) -> StageInputs:
+        return stage_inputs(self.section)
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,12 @@ def needed(cfg: LaunchConfig) -> list[tuple[str, str, str]]:
     for stage in cfg.stages:
         wants += [(module, f"stages: {stage}", RUNTIME) for module in STAGE_MODULES.get(stage, ())]
     if "training" in cfg.stages:
-        exp = cfg.stage("training").section.get("exp_manager") or {}
+        inputs = cfg.stage("training").inputs
         key = "training.exp_manager."
-        if isinstance(exp, dict) and exp.get("create_wandb_logger") is True:
+        if inputs.wandb:
             wants.append(("wandb", f"{key}create_wandb_logger: true",
                           f"pip install wandb, or set {key}create_wandb_logger=false"))
-        if isinstance(exp, dict) and exp.get("create_tensorboard_logger", True) is True:
+        if inputs.tensorboard:
             wants.append(("tensorboard", f"{key}create_tensorboard_logger: true",
                           f"{RUNTIME}; or set {key}create_tensorboard_logger=false"))
     if "data_preparation" in cfg.stages:

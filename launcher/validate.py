@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from launcher import remote, staging
-from launcher.config import OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run
+from launcher.config import (OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run, StageInputs,
+                             without_restore)
 from launcher.slurm import expand_hostlist, split_hostlist
 from launcher.stages import FINE_TUNING_STAGES, PROGRAMS, STAGES, TRAINER_STAGES
 from runtime.schema import choices, rules
@@ -103,11 +104,10 @@ def memory_fit(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
 
 
 def _trains_on_prepared_data(cfg: LaunchConfig) -> list[str]:
-    model, preparation = cfg.stage("training").section.get("model") or {}, cfg.stage("data_preparation")
-    data, tokenizer = model.get("data") or {}, model.get("tokenizer") or {}
-    if not isinstance(data, dict) or not isinstance(tokenizer, dict):
+    inputs, preparation = cfg.stage("training").inputs, cfg.stage("data_preparation")
+    if not inputs.well_formed:
         return []  # parse_training has named the malformed section
-    problem = rules.trains_on_prepared_data(data.get("data_prefix"), tokenizer.get("model"),
+    problem = rules.trains_on_prepared_data(inputs.data_prefix, inputs.tokenizer,
                                             preparation.section.get("output_dir"), str(preparation.run.name))
     return [problem] if problem else []
 
@@ -118,13 +118,12 @@ def _fine_tuning(cfg: LaunchConfig, stage: str, stages: list[str], *, dry_run: b
     --stage), and which of them it is. Inputs this launch makes are not looked for: the data and tokenizer when this
     launch's data_preparation writes them, the starting weights when they are the checkpoints of a trainer stage that
     runs before it in this launch (training, or fine_tuning before alignment)."""
-    section = cfg.stage(stage).section
-    model = section.get("model") if isinstance(section.get("model"), dict) else {}
-    prepared = "data_preparation" in stages and _prepares_inputs(cfg.stage("data_preparation").section, model)
+    section, inputs = cfg.stage(stage).section, cfg.stage(stage).inputs
+    prepared = "data_preparation" in stages and _prepares_inputs(cfg.stage("data_preparation").section, inputs)
     earlier = [s for s in stages[:stages.index(stage)] if s in TRAINER_STAGES]
-    if any(_restores_from(cfg, s, model.get("restore_from_path")) for s in earlier):
+    if any(_restores_from(cfg, s, inputs.restore_from_path) for s in earlier):
         # The checkpoints do not exist yet; the trainer checks them against the model when it loads them.
-        section = {**section, "model": {**model, "restore_from_path": None}}
+        section = without_restore(section)
     _, report = parse_training(section, files="warn" if dry_run else "error", prepared=prepared, p=f"{stage}.")
     return report.errors, report.warnings
 
@@ -137,27 +136,18 @@ def _inside(path: Any, directory: Any) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def _prepares_inputs(preparation: dict[str, Any], model: dict[str, Any]) -> bool:
+def _prepares_inputs(preparation: dict[str, Any], inputs: StageInputs) -> bool:
     """Whether this launch's data_preparation writes some of the fine-tuning inputs: a chat (or preference) file or
     the tokenizer lies in its output_dir (data_preparation=sft_demo and preference_demo write both). Otherwise each
     is looked for as usual."""
-    data = model.get("data") if isinstance(model.get("data"), dict) else {}
-    tokenizer = model.get("tokenizer") if isinstance(model.get("tokenizer"), dict) else {}
-    paths = [tokenizer.get("model")]
-    for split in ("train_ds", "validation_ds"):
-        names = (data.get(split) or {}).get("file_names") if isinstance(data.get(split), dict) else None
-        paths += names if isinstance(names, list) else [names]
-    return any(_inside(path, preparation.get("output_dir")) for path in paths)
+    return any(_inside(path, preparation.get("output_dir")) for path in (inputs.tokenizer, *inputs.record_files))
 
 
 def _restores_from(cfg: LaunchConfig, stage: str, path: Any) -> bool:
     """model.restore_from_path names the checkpoints of this launch's `stage` (the directory, or one step in it)."""
     if stage not in cfg.sections:
         return False
-    trainer = cfg.stage(stage).section
-    exp = trainer.get("exp_manager") if isinstance(trainer.get("exp_manager"), dict) else {}
-    params = exp.get("checkpoint_callback_params") if isinstance(exp.get("checkpoint_callback_params"), dict) else {}
-    directory = params.get("dirpath") or f"{cfg.stage(stage).run.results_dir}/checkpoints"
+    directory = cfg.stage(stage).inputs.checkpoint_dir or f"{cfg.stage(stage).run.results_dir}/checkpoints"
     return _inside(path, str(directory))
 
 

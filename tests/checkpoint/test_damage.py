@@ -109,12 +109,14 @@ ZERO1 = ("training.model.zero1=true",)
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """An uninterrupted ZeRO-1 run over 2 processes (dp = 2) with a checkpoint every 2 steps."""
+    """An uninterrupted ZeRO-1 run over 2 processes (dp = 2) with a checkpoint every 2 steps: rendered by the
+    launcher (--dry-run), its ranks forked from this process (the relaunch below is the one through torchrun)."""
     root = tmp_path_factory.mktemp("straight")
     data = counting_corpus(root / "data")
     result = nxdt("cluster_type=local", *training_overrides(data, root / "results", steps=STEPS, every=EVERY,
-                                                            extra=ZERO1), cwd=root, timeout=600)
+                                                            extra=ZERO1), "--dry-run", cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert train_rendered(root / "results" / "gpt3_tiny" / "training" / "training_config.yaml") == [0, 0]
     return root
 
 

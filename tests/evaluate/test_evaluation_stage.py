@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
 from tests.runtime_parallel.dist_utils import run_distributed
 
@@ -43,12 +43,13 @@ def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path, capfd)
     train = training_overrides(data, tmp_path / "results", steps=6, every=0,
                                extra=("training.trainer.devices=4", "training.model.tensor_model_parallel_size=2",
                                       "training.model.pipeline_model_parallel_size=2", "training.model.num_layers=4"))
-    result = nxdt("cluster_type=local", *train, cwd=tmp_path, timeout=600)
+    # The training and each layout's evaluation are rendered by the launcher (--dry-run), then run in ranks forked
+    # from this process: the launch path of a stage is tested elsewhere (tests/test_pipeline.py), what is under test
+    # here is the evaluation under each layout, and torchruns with fresh interpreters would import torch 12 times.
+    result = nxdt("cluster_type=local", *train, "--dry-run", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert train_rendered(tmp_path / "results" / "gpt3_tiny" / "training" / "training_config.yaml") == [0] * 4
 
-    # Each layout's evaluation config is rendered by the launcher (--dry-run), then runs in ranks forked from this
-    # process: the launch path of a stage is tested elsewhere (tests/test_pipeline.py), what is under test here is
-    # the evaluation under each layout, and a torchrun with fresh interpreters would import torch 7 more times.
     scores = {}
     for name, layout in EVAL_LAYOUTS.items():
         evaluate = [o.replace("stages=[training]", "stages=[evaluation]") for o in train] + layout + [

@@ -41,22 +41,23 @@ NOT_THE_COMPOSED_CONFIG = {
 # `trial.record[...]`).
 RECORD_NAMES = {"record", "entry"}
 
-# Functions that still read keys of a stage section by name, each with why. The section goes to the schema's
-# parser as it is; these read beside it because the schema returns no typed config when any file is missing
-# (a dry run on a laptop), or because they edit or hash the section as it will be written.
+
+def _is_click_context(node: ast.AST) -> bool:
+    """`ctx.obj`: click's context object (the global --dry-run), not the config."""
+    return isinstance(node, ast.Attribute) and node.attr == "obj" and isinstance(node.value, ast.Name) \
+        and node.value.id == "ctx"
+
+
+# Functions that touch keys of a section by name without reading a setting from it, each with why: they hash or
+# edit the section as it will be written (the Neuron compile cache's names, the compile step's config), name a
+# value as the user gave it beside the schema's error, or read the search's own config. What the launch checks
+# before the schema's full reading (the data, tokenizer and checkpoint paths a dry run cannot open) is read by
+# the parse layer (config.StageInputs).
 FUNCTIONS = {
-    "validate.py:_trains_on_prepared_data": "model.data.data_prefix and the tokenizer, needed in a dry run too",
-    "validate.py:_fine_tuning": "sets model.restore_from_path aside before the schema parses the section",
-    "validate.py:_prepares_inputs": "the fine-tuning files and tokenizer, needed in a dry run too",
-    "validate.py:_restores_from": "exp_manager's checkpoint directory, needed in a dry run too",
-    "packages.py:needed": "exp_manager's logger switches, needed in a dry run too",
     "neuron.py:model_key": "hashes the model section as written (names the compile cache)",
     "neuron.py:graph_key": "hashes the model section as written (names the compiled graphs)",
     "neuron.py:compile_config": "edits a copy of the section into the compile step's config file",
     "neuron.py:problems": "names the trainer's values as given, beside the schema's errors on the same keys",
-    "cli.py:launch": "click's context object (the global --dry-run), not the config",
-    "commands/autoconfig.py:command": "click's context object (the global --dry-run), not the config",
-    "commands/cluster_validate.py:command": "click's context object (the global --dry-run), not the config",
     "autoconfig/driver.py:read_search": "search_config's name and results_dir: the search's own config, not a launch",
 }
 
@@ -67,8 +68,11 @@ def raw_reads(source: str) -> list[tuple[int, str, str]]:
     found = []
 
     def receiver_is_record(node: ast.AST) -> bool:
+        if isinstance(node, ast.BoolOp):  # `(ctx.obj or {})`
+            node = node.values[0]
         return (isinstance(node, ast.Name) and node.id in RECORD_NAMES
-                or isinstance(node, ast.Attribute) and node.attr in RECORD_NAMES)
+                or isinstance(node, ast.Attribute) and node.attr in RECORD_NAMES
+                or _is_click_context(node))
 
     def visit(node: ast.AST, function: str) -> None:
         for child in ast.iter_child_nodes(node):
@@ -121,6 +125,7 @@ def build(cfg, job):
     nodes = cfg["training"]["trainer"]["num_nodes"]
     partition = (cfg.get("cluster") or {}).get("partition")
     state = record["stages"]          # a launch record, not the config
+    dry_run = (ctx.obj or {}).get("dry_run")   # click's context object, not the config
     return nodes, partition, job.options["unrelated"]
 '''
     assert sorted((line, key) for line, _, key in raw_reads(snippet)) == [
