@@ -65,6 +65,16 @@ class StageInputs:
     wandb: bool = False              # exp_manager.create_wandb_logger
     tensorboard: bool = True         # exp_manager.create_tensorboard_logger
     well_formed: bool = True         # model, model.data and model.tokenizer are mappings
+    # trainer.accelerator and trainer.devices as given, for a message beside the schema's where it refuses them
+    accelerator: Any = None
+    devices: Any = None
+    # What shapes the stage's graphs, as written (launcher/neuron.py names its compile cache and graphs by a hash of
+    # it): the model section without its data and tokenizer, model.data.seq_length, the precision section.
+    architecture: Any = "model"      # model.architecture ("model" when the key is absent)
+    model_shape: dict[str, Any] = field(default_factory=dict)
+    model_without_data: dict[str, Any] = field(default_factory=dict)  # the same with model.tokenizer
+    seq_length: Any = None           # model.data.seq_length
+    precision: Any = None
 
 
 def _mapping(value: Any) -> dict[str, Any]:
@@ -79,13 +89,42 @@ def stage_inputs(section: Mapping[str, Any]) -> StageInputs:
     for split in ("train_ds", "validation_ds"):
         names = _mapping(_mapping(data).get(split)).get("file_names")
         files += names if isinstance(names, list) else [names]
+    trainer = _mapping(section.get("trainer"))
     return StageInputs(
+        accelerator=trainer.get("accelerator"), devices=trainer.get("devices"),
+        architecture=model.get("architecture", "model"),
+        model_shape={k: v for k, v in model.items() if k not in ("data", "tokenizer")},
+        model_without_data={k: v for k, v in model.items() if k != "data"},
+        seq_length=_mapping(model.get("data")).get("seq_length"),
+        precision=section.get("precision"),
         data_prefix=_mapping(data).get("data_prefix"), tokenizer=_mapping(tokenizer).get("model"),
         record_files=tuple(files), restore_from_path=model.get("restore_from_path"),
         checkpoint_dir=_mapping(_mapping(exp).get("checkpoint_callback_params")).get("dirpath"),
         wandb=isinstance(exp, dict) and exp.get("create_wandb_logger") is True,
         tensorboard=isinstance(exp, dict) and exp.get("create_tensorboard_logger", True) is True,
         well_formed=isinstance(data, dict) and isinstance(tokenizer, dict))
+
+
+def cut_to_steps(section: dict[str, Any], steps: int, results_dir: str) -> dict[str, Any]:
+    """A copy of a trainer section cut to `steps` steps, its results in `results_dir`, with no TensorBoard logger and
+    no resume (the Neuron precompile's config, launcher/neuron.py). Validation is kept inside those steps, so that
+    its graph is compiled too; a warmup longer than the run is cut to it, which the trainer would refuse."""
+    import copy
+
+    stage = copy.deepcopy(section)
+    trainer = stage.setdefault("trainer", {})
+    trainer["max_steps"] = int(steps)
+    if int(trainer.get("val_check_interval") or 0) > steps:
+        trainer["val_check_interval"] = int(steps)
+    stage.setdefault("run", {})["results_dir"] = results_dir
+    exp_manager = stage.setdefault("exp_manager", {})
+    exp_manager["create_tensorboard_logger"] = False
+    exp_manager["resume_if_exists"] = False
+    sched = ((stage.get("model") or {}).get("optim") or {}).get("sched")
+    if isinstance(sched, dict):
+        sched["warmup_steps"] = min(int(sched.get("warmup_steps") or 0), int(steps))
+        sched["constant_steps"] = min(int(sched.get("constant_steps") or 0), int(steps) - sched["warmup_steps"])
+    return stage
 
 
 def without_restore(section: dict[str, Any]) -> dict[str, Any]:

@@ -20,14 +20,13 @@ cluster's compiler flags first, then the hardware target, then the precision's f
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.config import Cluster, LaunchConfig
+from launcher.config import Cluster, LaunchConfig, cut_to_steps, stage_inputs
 from launcher.job import Job
 from launcher.stages import TRAINER_STAGES
 from runtime.schema.training import parse_precision
@@ -145,10 +144,10 @@ def cache_location(cfg: LaunchConfig) -> str:
 def model_key(stage_config: dict[str, Any]) -> str:
     """Names the compile cache of one model: its architecture and a hash of what shapes its graphs (the model
     section without its data and tokenizer paths, the precision). Data-only changes reuse the cache."""
-    model = {k: v for k, v in (stage_config.get("model") or {}).items() if k not in ("data", "tokenizer")}
-    shaping = {"model": model, "precision": stage_config.get("precision")}
+    inputs = stage_inputs(stage_config)
+    shaping = {"model": inputs.model_shape, "precision": inputs.precision}
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{model.get('architecture', 'model')}-{digest}"
+    return f"{inputs.architecture}-{digest}"
 
 
 def graph_key(job: Job, compiler_flags: str, cache_url: str) -> str:
@@ -157,31 +156,17 @@ def graph_key(job: Job, compiler_flags: str, cache_url: str) -> str:
     every rank), the compiler flags and target, and the cache itself. Data paths and step counts do not change
     a graph and are left out. Conservative on purpose: a needless compile costs minutes, a wrong skip nothing
     worse (a graph missing from the cache is compiled when training first runs it), but both are avoided."""
-    model = dict(job.stage_config.get("model") or {})
-    data = model.pop("data", None) or {}
-    model["seq_length"] = data.get("seq_length") if isinstance(data, dict) else None
-    graphs = {"model": model, "precision": job.stage_config.get("precision"), "nodes": job.nodes,
+    inputs = stage_inputs(job.stage_config)
+    model = dict(inputs.model_without_data, seq_length=inputs.seq_length)
+    graphs = {"model": model, "precision": inputs.precision, "nodes": job.nodes,
               "workers_per_node": job.nproc_per_node, "compiler_flags": compiler_flags, "cache": cache_url}
     return hashlib.sha256(json.dumps(graphs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def compile_config(job: Job, steps: int) -> dict[str, Any]:
     """The training config, cut to `steps` steps, writing its metrics where they cannot mix with the real
-    run's. Validation is kept inside those steps so that its graph is compiled too."""
-    stage = copy.deepcopy(job.stage_config)
-    trainer = stage.setdefault("trainer", {})
-    trainer["max_steps"] = int(steps)
-    if int(trainer.get("val_check_interval") or 0) > steps:
-        trainer["val_check_interval"] = int(steps)
-    stage.setdefault("run", {})["results_dir"] = str(job.results_dir / "compile")
-    exp_manager = stage.setdefault("exp_manager", {})
-    exp_manager["create_tensorboard_logger"] = False
-    exp_manager["resume_if_exists"] = False
-    sched = ((stage.get("model") or {}).get("optim") or {}).get("sched")
-    if isinstance(sched, dict):  # a warmup longer than the compile run is refused by the trainer
-        sched["warmup_steps"] = min(int(sched.get("warmup_steps") or 0), int(steps))
-        sched["constant_steps"] = min(int(sched.get("constant_steps") or 0), int(steps) - sched["warmup_steps"])
-    return stage
+    run's (config.cut_to_steps)."""
+    return cut_to_steps(job.stage_config, steps, str(job.results_dir / "compile"))
 
 
 def script(job: Job, cfg: LaunchConfig) -> NeuronScript | None:
@@ -252,17 +237,17 @@ def problems(cfg: LaunchConfig) -> list[str]:
     workers = HARDWARE[neuron["hardware"]].workers_per_node
     for stage in (s for s in cfg.stages if s in TRAINER_STAGES and s in cfg.sections):
         # The values as given, even where the schema refuses them (it says so beside this line).
-        trainer = cfg.stage(stage).section.get("trainer") or {}
-        if trainer.get("accelerator") != "neuron":
+        given = cfg.stage(stage).inputs
+        if given.accelerator != "neuron":
             errors.append(
-                f"{stage}.trainer.accelerator: {trainer.get('accelerator')!r}, but cluster.neuron.hardware is "
+                f"{stage}.trainer.accelerator: {given.accelerator!r}, but cluster.neuron.hardware is "
                 f"{neuron['hardware']}: its nodes have NeuronCores and no GPUs; drop the override or set "
                 f"{stage}.trainer.accelerator=neuron {stage}.trainer.devices={workers} (docs/recipes.md lists each "
                 f"recipe's {neuron['hardware']} layout), or choose a GPU cluster (cluster=slurm)")
-        elif trainer.get("devices") != workers:
+        elif given.devices != workers:
             lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""
             errors.append(
-                f"{stage}.trainer.devices: {trainer.get('devices')!r} workers per node, but {neuron['hardware']}"
+                f"{stage}.trainer.devices: {given.devices!r} workers per node, but {neuron['hardware']}"
                 f"{lnc} nodes have {workers} NeuronCores, one worker each; set {stage}.trainer.devices={workers}"
             )
     return errors

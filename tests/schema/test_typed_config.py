@@ -48,16 +48,10 @@ def _is_click_context(node: ast.AST) -> bool:
         and node.value.id == "ctx"
 
 
-# Functions that touch keys of a section by name without reading a setting from it, each with why: they hash or
-# edit the section as it will be written (the Neuron compile cache's names, the compile step's config), name a
-# value as the user gave it beside the schema's error, or read the search's own config. What the launch checks
-# before the schema's full reading (the data, tokenizer and checkpoint paths a dry run cannot open) is read by
-# the parse layer (config.StageInputs).
+# Functions that read keys of a config by name that is not a launch's, each with why. What the launch checks
+# before the schema's full reading (the data, tokenizer and checkpoint paths a dry run cannot open), the trainer's
+# values as given and what shapes a stage's graphs are read by the parse layer (config.StageInputs).
 FUNCTIONS = {
-    "neuron.py:model_key": "hashes the model section as written (names the compile cache)",
-    "neuron.py:graph_key": "hashes the model section as written (names the compiled graphs)",
-    "neuron.py:compile_config": "edits a copy of the section into the compile step's config file",
-    "neuron.py:problems": "names the trainer's values as given, beside the schema's errors on the same keys",
     "autoconfig/driver.py:read_search": "search_config's name and results_dir: the search's own config, not a launch",
 }
 
