@@ -69,10 +69,9 @@ class StageInputs:
     accelerator: Any = None
     devices: Any = None
     # What shapes the stage's graphs, as written (launcher/neuron.py names its compile cache and graphs by a hash of
-    # it): the model section without its data and tokenizer, model.data.seq_length, the precision section.
+    # it): the model section without its data, model.data.seq_length, the precision section.
     architecture: Any = "model"      # model.architecture ("model" when the key is absent)
-    model_shape: dict[str, Any] = field(default_factory=dict)
-    model_without_data: dict[str, Any] = field(default_factory=dict)  # the same with model.tokenizer
+    model_without_data: dict[str, Any] = field(default_factory=dict)
     seq_length: Any = None           # model.data.seq_length
     precision: Any = None
 
@@ -93,7 +92,6 @@ def stage_inputs(section: Mapping[str, Any]) -> StageInputs:
     return StageInputs(
         accelerator=trainer.get("accelerator"), devices=trainer.get("devices"),
         architecture=model.get("architecture", "model"),
-        model_shape={k: v for k, v in model.items() if k not in ("data", "tokenizer")},
         model_without_data={k: v for k, v in model.items() if k != "data"},
         seq_length=_mapping(model.get("data")).get("seq_length"),
         precision=section.get("precision"),

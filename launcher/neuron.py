@@ -145,7 +145,8 @@ def model_key(stage_config: dict[str, Any]) -> str:
     """Names the compile cache of one model: its architecture and a hash of what shapes its graphs (the model
     section without its data and tokenizer paths, the precision). Data-only changes reuse the cache."""
     inputs = stage_inputs(stage_config)
-    shaping = {"model": inputs.model_shape, "precision": inputs.precision}
+    model = {k: v for k, v in inputs.model_without_data.items() if k != "tokenizer"}  # its path is data too
+    shaping = {"model": model, "precision": inputs.precision}
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return f"{inputs.architecture}-{digest}"
 
