@@ -340,15 +340,22 @@ def cancel(run: str, timeout: float, results_dir: Path) -> None:
         raise UserError(str(e)) from None
 
 
+# A mistake repeated over thousands of keys (a wrong file given as a config) is named by its first lines.
+MAX_ERRORS = 20
+
+
 def run(argv: list[str]) -> int:
     """Everything `nxdt-launch ARGV...` does, in this process, returning its exit code: a user mistake is printed
     as `error: ...` lines on stderr and returns 2. Anything else that escapes is our bug, and keeps its traceback."""
     try:
         code = cli.main(args=list(argv), prog_name="nxdt-launch", standalone_mode=False, obj={"argv": list(argv)})
     except UserError as e:
-        for problem in e.problems:
+        for problem in e.problems[:MAX_ERRORS]:
             # One line per problem, even when it quotes a value that holds a line break.
             click.echo("error: " + problem.replace("\r", "\\r").replace("\n", "\\n"), err=True)
+        if len(e.problems) > MAX_ERRORS:
+            click.echo(f"error: ... and {len(e.problems) - MAX_ERRORS} more problems of the same input; fix the "
+                       f"ones above and run it again", err=True)
         return 2
     except click.exceptions.Exit as e:
         return e.exit_code

@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import cache, neuron, packages, records, remote, slurm, stages, staging, validate
+from launcher import cache, live, neuron, packages, records, remote, slurm, stages, staging, validate
 from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
@@ -40,6 +40,7 @@ class Plan:
     remote: dict[str, Any] | None = None   # cluster.remote of a remote launch
     files: list[tuple[Path, Path, int]] = field(default_factory=list)  # written: (here, on the cluster, mode)
     unchecked: list[str] = field(default_factory=list)  # what a dry run rendered without asking (the cluster's state)
+    mirror: Path | None = None   # a dry run of a live run writes here (live.py), each file at its path below it
 
     @cached_property
     def config(self) -> LaunchConfig:
@@ -51,6 +52,8 @@ class Plan:
 
     def local_path(self, path: Path) -> Path:
         """Where this machine writes a file that lives at `path` on the cluster."""
+        if self.mirror is not None:
+            return self.mirror / path.relative_to(path.anchor)
         if self.remote is None:
             return path
         return remote.state_dir() / "remote" / str(self.remote["host"]) / path.relative_to(path.anchor)
@@ -91,29 +94,22 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     if errors:
         raise UserError(*errors)
     jobs = build(config, dry_run=dry_run)
+    mirror = None
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
     elif errors := output_problems([("base_results_dir", config.run_dir),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
-    elif not dry_run and (errors := busy_runs(jobs)):
-        raise UserError(*errors)
-    return Plan(cfg, executor, reason, jobs, file_warnings + warnings, produced_by, dry_run, remote_settings)
-
-
-def busy_runs(jobs: list[Job]) -> list[str]:
-    """A training stage whose results directory another live job is training (its RUNNING lock,
-    runtime/io/run_lock.py): launching it again would have two writers of one run's checkpoints and metrics."""
-    from runtime.io import run_lock
-
-    problems = []
-    for job in jobs:
-        holder = run_lock.holder(job.results_dir) if job.stage in stages.TRAINER_STAGES else None
-        if holder is not None:
-            problems.append(f"{job.stage}.run.results_dir: {job.results_dir} is being trained by "
-                            f"{run_lock.describe(holder)}; wait for it to finish or cancel it "
-                            f"(nxdt-launch cancel) before launching it again")
-    return problems
+    elif found := live.find(config.run_dir, jobs):
+        if not dry_run:
+            raise UserError(live.refusal(str(config.run_name), found))
+        # What the launch would write, rendered where the live run cannot see it: the paths inside are the real ones.
+        mirror = Path(tempfile.mkdtemp(prefix=f"nxdt-dry-run-{config.run_name}-"))
+        warnings.append(f"run {config.run_name} is live ({found.what}): this dry run wrote its files under {mirror} "
+                        f"(each at its path below that directory), not into the run")
+        reason += f"; rendered under {mirror}, the run being live"
+    return Plan(cfg, executor, reason, jobs, file_warnings + warnings, produced_by, dry_run, remote_settings,
+                mirror=mirror)
 
 
 # Linux NAME_MAX on ext4, xfs and Lustre/FSx: the longest one directory or file name may be.
@@ -210,8 +206,14 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         _makedirs(here.parent, made)
         if not here.exists():
             made.append(here)
-        here.write_text(text)
-        here.chmod(mode)
+        # A new file put in place of the old one: a process that has the old one open (bash reads its script as it
+        # runs it) goes on reading the old one, never a mix of both.
+        tmp = here.with_name(f".{here.name}.{os.getpid()}.tmp")
+        made.append(tmp)
+        tmp.write_text(text)
+        tmp.chmod(mode)
+        os.replace(tmp, here)
+        made.remove(tmp)
         plan.files.append((here, path, mode))
 
     scripts = []
@@ -228,7 +230,7 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
             put(stage_plan.manifest_path, json.dumps(stage_plan.manifest(), indent=2) + "\n")
         path = script_path(job, plan.executor)
         put(path, text, 0o755)
-        scripts.append(path)
+        scripts.append(plan.local_path(path) if plan.mirror else path)  # a mirror's: where the files are
     return scripts
 
 

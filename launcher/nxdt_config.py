@@ -227,21 +227,50 @@ def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    import yaml
+
     file = Path(path).expanduser()
-    if not file.is_file():
+    try:
+        found = file.is_file()
+    except OSError as error:  # e.g. a name longer than the file system takes
+        raise UserError(f"{group}=@{path[:60]}...: {error.strerror}; give the path of an NxD Training or "
+                        f"NeMo-Launcher {group} YAML") from None
+    if not found:
         raise UserError(f"{group}=@{path}: no such file; give the path of an NxD Training or NeMo-Launcher "
                         f"{group} YAML")
+    if (size := file.stat().st_size) > MAX_FILE_BYTES:
+        raise UserError(f"{group}=@{path}: {size / 2**20:.1f} MiB is too large to be a config (the largest NxD "
+                        f"Training and NeMo-Launcher configs are a few KiB; at most {MAX_FILE_BYTES >> 10} KiB is "
+                        f"read); give the config YAML itself")
     register_resolvers()
     try:
         loaded = OmegaConf.load(file)
         raw = OmegaConf.to_container(loaded, resolve=False)
+        if not raw:
+            raise UserError(f"{group}=@{path}: the file holds no keys; give an NxD Training or NeMo-Launcher "
+                            f"{group} YAML")
         if not isinstance(raw, dict):
             raise UserError(f"{group}=@{path}: holds {type(raw).__name__}, not a {group} config mapping")
         if nemo_config.is_nemo(raw):
             return raw, True
         return OmegaConf.to_container(loaded, resolve=True), False
-    except (OmegaConfBaseException, ValueError, OSError) as error:
+    except yaml.MarkedYAMLError as error:
+        raise UserError(f"{group}=@{yaml_error(path, error)}") from None
+    except (OmegaConfBaseException, ValueError, OSError, yaml.YAMLError) as error:
         raise UserError(f"{group}=@{path}: cannot be read as YAML ({str(error).splitlines()[0]})") from None
+
+
+# A config is a few KiB; a file far larger is something else given by mistake, and parsing it could take minutes.
+MAX_FILE_BYTES = 128 << 10
+
+
+def yaml_error(path: str, error) -> str:
+    """A YAML syntax error as `FILE:LINE:COLUMN: what`, the way compilers name a place in a file."""
+    mark = error.problem_mark or error.context_mark
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    problem = error.problem or error.context or "not valid YAML"
+    hint = "; YAML indents with spaces, not tabs" if "\\t" in problem or "'\\t'" in problem else ""
+    return f"{where}: not valid YAML: {problem}{hint}"
 
 
 def nxd_stage(data: dict[str, Any]) -> tuple[str, str]:

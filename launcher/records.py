@@ -106,8 +106,11 @@ def find_run(target: str, results_dir: Path) -> Path | None:
     """A run named by its directory, by its name under the results directory, or a remote run by its name.
     (Not the index: runs.require_run asks it when none of these has the run.)"""
     for candidate in (Path(target), results_dir / target, remote_runs_dir() / target):
-        if (candidate / RECORD).exists():
-            return candidate.resolve()
+        try:
+            if (candidate / RECORD).exists():
+                return candidate.resolve()
+        except OSError:  # a name longer than a file name may be, or a path through a file: no run is there
+            continue
     return None
 
 

@@ -103,15 +103,21 @@ class Budget:
 
 
 def _positive(settings: dict[str, Any], key: str, *, number: type = int, optional: bool = False) -> Any:
-    value = settings.get(key)
-    if value is None and optional:
+    """train_settings.KEY by the schema's reader (runtime/schema/reader.py): its rules for an integer or a finite
+    number, the same as every stage config's."""
+    from runtime.schema.reader import Report, Section
+
+    report = Report()
+    section = Section(settings, "search_config.train_settings", report)
+    default = None if optional else settings.get(key)  # a missing key reads as its own message below
+    if settings.get(key) is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or \
-            (number is int and value != int(value)):
+    value = section.int(key, default, minimum=1) if number is int else section.float(key, default, above=0.0)
+    if value is None:
         kind = "a positive integer" if number is int else "a positive number"
-        raise UserError(f"search_config.train_settings.{key}: {value!r} must be {kind}"
-                        + (" or null" if optional else ""))
-    return number(value)
+        problem = report.errors[0] if report.errors else f"search_config.train_settings.{key}: null"
+        raise UserError(problem + ("" if "must be" in problem else f"; give {kind}") + (" (or null)" if optional else ""))
+    return value
 
 
 def vocabulary(training: SizingConfig, preparation: Any, override: int | None, *,

@@ -237,7 +237,8 @@ class Checkpointer:
                 pass
         try:
             state = self._staging.copy(live) if needs_copy else live
-            self.last_host_bytes = self._staging.nbytes
+            # What this rank's file holds (a state already on the host has no staging copy to count).
+            self.last_host_bytes = sum(t.numel() * t.element_size() for t in HostStaging._tensors(state, []))
             self._copied.set()
             copied = time.perf_counter()
             digest = _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", header, state)

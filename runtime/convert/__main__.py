@@ -151,7 +151,10 @@ def _export_moments(full, names: set[str], model_cfg: ModelConfig, out: Path) ->
 
 def import_hf(cfg: ConversionConfig) -> str:
     source = cfg.hf_checkpoint_dir
-    state, keys, tokenizer = load_hf_directory(source)
+    try:
+        state, keys, tokenizer = load_hf_directory(source)
+    except ValueError as error:  # main() prints it as one line; the key tells the user what to change
+        raise ValueError(f"conversion.hf_checkpoint_dir: {error}") from None
     vocab = tokenizer_vocab_size(tokenizer) if tokenizer else None
     # The model section a training recipe needs to continue from these weights.
     model = {**keys, "tokenizer": {"library": "huggingface", "model": tokenizer}}

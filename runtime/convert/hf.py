@@ -16,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from runtime.io.files import replace_directory
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, tokenizer_vocab_size
+from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.models import meta_model
 
 # Our GeluMLP uses the tanh approximation; HF spells that two ways with identical math.
@@ -375,10 +377,20 @@ def load_hf_directory(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, a sharded safetensors index, or the older pytorch_model.bin (single or sharded)."""
+    problems = hf_weights_problems(directory)  # headers only, before any tensor is read
+    if problems:
+        raise ValueError(f"{problems[0]}; re-download it or use a complete copy")
+
+    def safetensors_load(file: Path) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(file)
+        except SafetensorError as error:  # what the header check cannot see (the file changed since, say)
+            raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+
     def torch_load(file: Path) -> dict[str, torch.Tensor]:
         return torch.load(file, map_location="cpu", weights_only=True)
 
-    for single, index, load in [("model.safetensors", "model.safetensors.index.json", load_file),
+    for single, index, load in [("model.safetensors", "model.safetensors.index.json", safetensors_load),
                                 ("pytorch_model.bin", "pytorch_model.bin.index.json", torch_load)]:
         if (directory / single).is_file():
             return load(directory / single)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 REQUIRED = object()
+INT64_MAX = 2**63 - 1
 
 
 class ConfigErrors(ValueError):
@@ -124,6 +125,10 @@ class Section:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or value != int(value):
             self.report.error(f"{self.key(name)}: {show(value)} is not an integer")
+            return None
+        if abs(value) > INT64_MAX:  # every size and count ends up in a tensor, an index or a C library
+            self.report.error(f"{self.key(name)}: {show(value)} does not fit a 64-bit integer (at most {INT64_MAX}); "
+                              f"give a real value")
             return None
         if minimum is not None and value < minimum:
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"

@@ -16,6 +16,7 @@ from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
+from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, LoraConfig, OptimConfig,
                                             ParallelConfig,
                                             PrecisionConfig, SchedConfig, SFTDataConfig, SizingConfig,
@@ -555,6 +556,9 @@ def _restore_from(model: Section, shape: dict, files: _Files, p: str) -> str | N
         return path
     if not (directory / "config.json").is_file():
         return path  # a checkpoint of ours (runtime/finetune.py reads and checks it)
+    # Headers only: a truncated download fails here, not in every worker after the queue wait.
+    for problem in hf_weights_problems(directory):
+        model.report.error(f"{key}: {problem}; re-download it, or point {key} at a complete copy")
     try:
         theirs = hf_model_keys(read_hf_config(str(directory / "config.json")))
     except (ValueError, TypeError, KeyError) as error:

@@ -1,9 +1,13 @@
-# Two launches of one run: while the first trains (it holds <results_dir>/RUNNING), the second is refused on one
-# line before it writes anything, `status` names the holder, and the first finishes with every step logged once.
+# Two launches of one run: while the first trains, a dry run of the same launch renders elsewhere and changes no file
+# of the run, the same launch for real is refused on one line by the launcher before it writes anything, `status`
+# names the lock's holder, and the first finishes COMPLETED with every step logged once (launcher/live.py).
+import hashlib
 import json
 import subprocess
+import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,20 +27,54 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
         while not (run_dir / "RUNNING").exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (run_dir / "RUNNING").exists(), "the first launch should be training by now"
-        config = run_dir / "training_config.yaml"
-        written = config.stat().st_mtime_ns
+        before = _checksums(tmp_path / "results")
+        # The issue's case: a dry run trying another learning rate, while the run trains at its own.
+        dry = nxdt(*overrides, "training.model.optim.lr=0.5", "--dry-run", cwd=tmp_path, timeout=120)
+        dry_after = _checksums(tmp_path / "results")
+        started = time.monotonic()
         second = nxdt(*overrides, cwd=tmp_path, timeout=120)
+        refused_in = time.monotonic() - started
+        second_after = _checksums(tmp_path / "results")
         status = nxdt("status", "gpt3_tiny", f"--results-dir={tmp_path / 'results'}", cwd=tmp_path, timeout=60)
     finally:
         output, _ = first.communicate(timeout=600)
+    # The dry run: its files are under a fresh directory it names, each at the run's path below it; the run's own
+    # launch files (what it would have rewritten, and every other file the launch wrote) are byte for byte the same.
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    mirror = Path(re.search(r"this dry run wrote its files under (\S+) ", dry.stdout.replace("\n", " ")).group(1))
+    rendered = [p for p in mirror.rglob("*") if p.is_file()]
+    assert {p.name for p in rendered} >= {"training_config.yaml", "training.local.sh"}, rendered
+    assert "lr: 0.5" in (mirror / run_dir.relative_to("/") / "training_config.yaml").read_text()
+    launch_files = {Path("/") / p.relative_to(mirror) for p in rendered} | {run_dir.parent / "launch.json"}
+    assert all(before[p] == dry_after[p] for p in launch_files if p in before), "a dry run rewrote a live run's file"
+    assert {p for p in launch_files if p in before} >= {run_dir / "training_config.yaml", run_dir.parent / "launch.json"}
+    assert dry_after == before, "the dry run wrote into the run"
+    # The real one: refused by the launcher (not by its worker, after starting torchrun), naming the live run.
     assert second.returncode == 2, second.stdout + second.stderr
     errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and f"training.run.results_dir: {run_dir} is being trained by pid " in errors[0]
+    assert len(errors) == 1 and "run_name: run gpt3_tiny is live (its local launch (pid " in errors[0], errors
+    assert "nxdt-launch cancel gpt3_tiny" in errors[0]
     assert "Traceback" not in second.stdout + second.stderr
-    assert config.stat().st_mtime_ns == written, "the refused launch wrote nothing"
+    assert second_after == dry_after, "the refused launch wrote"
+    print(f"refused by the launcher in {refused_in:.2f} s")
     assert "training is held by pid" in status.stdout, status.stdout + status.stderr
     assert first.returncode == 0, output[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == list(range(1, 61)), "one writer: every step once"
     assert not (run_dir / "RUNNING").exists(), "released on exit"
+    assert "COMPLETED" in nxdt("status", "gpt3_tiny", f"--results-dir={tmp_path / 'results'}", cwd=tmp_path).stdout
+
+
+def _checksums(root: Path) -> dict[Path, str]:
+    """Every file under `root` but what the running training itself adds and rewrites meanwhile (its logs, metrics,
+    checkpoints, data index and lock), by content."""
+    sums = {}
+    for p in root.rglob("*"):
+        if {"logs", "checkpoints", "index"} & set(p.relative_to(root).parts) or p.name in ("metrics.jsonl", "RUNNING"):
+            continue
+        try:
+            sums[p] = hashlib.sha256(p.read_bytes()).hexdigest()
+        except (IsADirectoryError, FileNotFoundError):
+            continue
+    return sums

@@ -106,6 +106,16 @@ def test_cancel_stops_every_stage(slurm_cluster, launch):
                                 env=slurm_cluster.env).stdout:
         assert time.monotonic() < deadline, "the first stage never started"
         time.sleep(1)
+    # While Slurm runs one stage and queues the next, the run is live (launcher/live.py): launching it again is
+    # refused, and a dry run of it renders elsewhere; neither touches a file of the run.
+    scripts = {p: p.read_bytes() for p in launch.results.rglob("*.sbatch")}
+    again = launch("env_vars.STAGE_SLEEP=120")
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "error: run_name: run gpt3_tiny is live (Slurm still has data_preparation (Slurm job " in again.stderr
+    dry = launch("env_vars.STAGE_SLEEP=1", "--dry-run")
+    assert dry.returncode == 0 and "this dry run wrote its files under" in dry.stdout, dry.stdout + dry.stderr
+    assert _launch_record(launch.results) == record and scripts
+    assert scripts == {p: p.read_bytes() for p in launch.results.rglob("*.sbatch")}
     cancel = nxdt("cancel", "gpt3_tiny", "--results-dir", str(launch.results), env=slurm_cluster.env)
     assert cancel.returncode == 0, cancel.stderr
     assert first in cancel.stdout

@@ -1,0 +1,102 @@
+"""Whether a run is live: something launched under its directory may still read or write it. A launch must never
+write into a live run (issue 39: a dry run once rewrote a running job's config and script under it, and bash, which
+reads a script as it goes, then ran half a line of the new one). launch.make_plan asks here before anything is
+written: a real launch of a live run is refused; a dry run renders into a fresh directory instead.
+
+A run is live when
+- its record (records.py) is a local launch whose launcher process is still running (record["pid"], written while
+  the stages run and removed at the end; a pid the system has since given to a later process is not it), or
+- its record is a Slurm launch with a stage Slurm still queues or runs (runs.stage_states asks squeue/sacct), or
+- a trainer stage's results directory has a live RUNNING lock (runtime/io/run_lock.py): some other launch of the
+  same directory, e.g. under another run name or started by hand, is training it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from launcher import records
+from launcher.errors import UserError
+from launcher.job import Job
+from launcher.stages import TRAINER_STAGES
+
+
+@dataclass(frozen=True)
+class Live:
+    what: str   # what keeps it live, e.g. "its local launch (pid 4242) runs training"
+    key: str    # the key a user would change to launch elsewhere
+
+
+def _started_at(pid: int) -> float | None:
+    """When the process started (seconds since the epoch), from /proc; None where /proc cannot tell."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _launcher_alive(record: dict) -> bool:
+    from launcher.runs import pid_alive
+
+    pid = record.get("pid")
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    started = _started_at(pid)
+    try:
+        created = datetime.fromisoformat(str(record.get("created"))).timestamp()
+    except ValueError:
+        return True
+    # The launcher writes its record after it starts; a process started later is another program with that pid.
+    return started is None or started <= created + 1
+
+
+def _recorded(run_dir: Path) -> Live | None:
+    if not (run_dir / records.RECORD).exists():
+        return None
+    try:
+        record = records.load(run_dir)
+    except UserError:
+        return None  # a damaged record: `status` names it; it keeps no job alive by itself
+    if record.get("remote"):
+        return None  # the head node's own record answers for it there
+    if record["executor"] == "local":
+        if not _launcher_alive(record):
+            return None
+        from launcher.runs import stage_states
+
+        running = [entry["stage"] for entry, state in stage_states(record) if state.state == "RUNNING"]
+        doing = f" runs {running[0]}" if running else ""
+        return Live(f"its local launch (pid {record['pid']}, since {record['created']}){doing}", "run_name")
+    from launcher.runs import _ACTIVE, stage_states
+
+    active = [f"{entry['stage']} (Slurm job {entry['job_id']}, {state.state})" for entry, state in
+              stage_states(record) if state.state in _ACTIVE]
+    return Live(f"Slurm still has {', '.join(active)}", "run_name") if active else None
+
+
+def _locked(jobs: list[Job]) -> Live | None:
+    from runtime.io import run_lock
+
+    for job in jobs:
+        if job.stage in TRAINER_STAGES and (holder := run_lock.holder(job.results_dir)) is not None:
+            return Live(f"{job.results_dir} is being trained by {run_lock.describe(holder)}",
+                        f"{job.stage}.run.results_dir")
+    return None
+
+
+def find(run_dir: Path, jobs: list[Job]) -> Live | None:
+    """What keeps this launch's run live, or None when nothing does."""
+    return _recorded(run_dir) or _locked(jobs)
+
+
+def refusal(run_name: str, live: Live) -> str:
+    return (f"{live.key}: run {run_name} is live ({live.what}); launching it again would write into the files it is "
+            f"reading: wait for it (nxdt-launch status {run_name}), stop it (nxdt-launch cancel {run_name}), or "
+            f"launch under another name, e.g. {live.key}={run_name}_2" if live.key == "run_name" else
+            f"{live.key}: {live.what}; launching it again would have two writers of one run: wait for it to "
+            f"finish or stop it (nxdt-launch cancel), or give another results directory")
