@@ -79,6 +79,10 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     config = parse(cfg)
     dry_run = dry_run or config.dry_run
     remote_settings = remote.settings(config)
+    # Its record first, before the slower checks: a relaunch of a live run is refused at once (live.py).
+    found = None if remote_settings else live.recorded(config.base_results_dir, config.run_name)
+    if found and not dry_run:
+        raise UserError(live.refusal(str(config.run_name), found))
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
     errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None)
     errors += neuron.problems(config) + remote.problems(config) + staging.problems(config)
@@ -100,7 +104,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     elif errors := output_problems([("base_results_dir", config.run_dir),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
-    elif found := live.find(config.run_dir, jobs):
+    elif found := found or live.locked(jobs):
         if not dry_run:
             raise UserError(live.refusal(str(config.run_name), found))
         # What the launch would write, rendered where the live run cannot see it: the paths inside are the real ones.

@@ -55,9 +55,16 @@ def _launcher_alive(record: dict) -> bool:
     return started is None or started <= created + 1
 
 
-def _recorded(run_dir: Path) -> Live | None:
-    if not (run_dir / records.RECORD).exists():
-        return None
+def recorded(base_results_dir: object, run_name: object) -> Live | None:
+    """What keeps the run live by its record (its launcher, its Slurm jobs), or None."""
+    if not isinstance(base_results_dir, str) or not isinstance(run_name, str) or not run_name:
+        return None  # not a run directory yet: validate.py names the key
+    run_dir = Path(base_results_dir) / run_name
+    try:
+        if not (run_dir / records.RECORD).exists():
+            return None
+    except OSError:
+        return None  # a name the file system cannot hold: output_problems names it
     try:
         record = records.load(run_dir)
     except UserError:
@@ -79,7 +86,8 @@ def _recorded(run_dir: Path) -> Live | None:
     return Live(f"Slurm still has {', '.join(active)}", "run_name") if active else None
 
 
-def _locked(jobs: list[Job]) -> Live | None:
+def locked(jobs: list[Job]) -> Live | None:
+    """A trainer stage's results directory that a live training holds (its RUNNING lock), or None."""
     from runtime.io import run_lock
 
     for job in jobs:
@@ -87,11 +95,6 @@ def _locked(jobs: list[Job]) -> Live | None:
             return Live(f"{job.results_dir} is being trained by {run_lock.describe(holder)}",
                         f"{job.stage}.run.results_dir")
     return None
-
-
-def find(run_dir: Path, jobs: list[Job]) -> Live | None:
-    """What keeps this launch's run live, or None when nothing does."""
-    return _recorded(run_dir) or _locked(jobs)
 
 
 def refusal(run_name: str, live: Live) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import nemo_config
+from launcher import config_file, nemo_config
 from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
 from launcher.resolvers import register_resolvers
@@ -229,19 +229,7 @@ def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
 
     import yaml
 
-    file = Path(path).expanduser()
-    try:
-        found = file.is_file()
-    except OSError as error:  # e.g. a name longer than the file system takes
-        raise UserError(f"{group}=@{path[:60]}...: {error.strerror}; give the path of an NxD Training or "
-                        f"NeMo-Launcher {group} YAML") from None
-    if not found:
-        raise UserError(f"{group}=@{path}: no such file; give the path of an NxD Training or NeMo-Launcher "
-                        f"{group} YAML")
-    if (size := file.stat().st_size) > MAX_FILE_BYTES:
-        raise UserError(f"{group}=@{path}: {size / 2**20:.1f} MiB is too large to be a config (the largest NxD "
-                        f"Training and NeMo-Launcher configs are a few KiB; at most {MAX_FILE_BYTES >> 10} KiB is "
-                        f"read); give the config YAML itself")
+    file = config_file.read(path, f"{group}=@{path}", f"an NxD Training or NeMo-Launcher {group} YAML")
     register_resolvers()
     try:
         loaded = OmegaConf.load(file)
@@ -254,23 +242,10 @@ def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
         if nemo_config.is_nemo(raw):
             return raw, True
         return OmegaConf.to_container(loaded, resolve=True), False
-    except yaml.MarkedYAMLError as error:
-        raise UserError(f"{group}=@{yaml_error(path, error)}") from None
+    except yaml.MarkedYAMLError as error:  # what only composing finds, e.g. an alias to no anchor
+        raise UserError(f"{group}=@{config_file.syntax_error(path, error)}") from None
     except (OmegaConfBaseException, ValueError, OSError, yaml.YAMLError) as error:
         raise UserError(f"{group}=@{path}: cannot be read as YAML ({str(error).splitlines()[0]})") from None
-
-
-# A config is a few KiB; a file far larger is something else given by mistake, and parsing it could take minutes.
-MAX_FILE_BYTES = 128 << 10
-
-
-def yaml_error(path: str, error) -> str:
-    """A YAML syntax error as `FILE:LINE:COLUMN: what`, the way compilers name a place in a file."""
-    mark = error.problem_mark or error.context_mark
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-    problem = error.problem or error.context or "not valid YAML"
-    hint = "; YAML indents with spaces, not tabs" if "\\t" in problem or "'\\t'" in problem else ""
-    return f"{where}: not valid YAML: {problem}{hint}"
 
 
 def nxd_stage(data: dict[str, Any]) -> tuple[str, str]:

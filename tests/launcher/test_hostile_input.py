@@ -7,7 +7,7 @@ tests/checkpoint/test_one_writer.py."""
 import pytest
 
 from launcher.cli import MAX_ERRORS
-from launcher.nxdt_config import MAX_FILE_BYTES
+from launcher.config_file import MAX_FILE_BYTES
 
 from .helpers import nxdt
 
@@ -23,13 +23,13 @@ def _refused(result, expected: str, cwd) -> list[str]:
 
 
 DAMAGED_YAML = {
-    "tab.yaml": ("model:\n\tfoo: 1\n", "tab.yaml:2:1: not valid YAML: found character '\\t' that cannot start any "
-                                        "token; YAML indents with spaces, not tabs"),
-    "unclosed.yaml": ("model: [1, 2\ntrainer: {}\n", "unclosed.yaml:2:8: not valid YAML: expected ',' or ']'"),
+    "tab.yaml": ("model:\n\tfoo: 1\n", "tab.yaml:2:1: not valid YAML: found character that cannot start any token; "
+                                        "YAML indents with spaces, not tabs"),
+    "unclosed.yaml": ("model: [1, 2\ntrainer: {}\n", "unclosed.yaml:2:8: not valid YAML: did not find expected ',' or ']'"),
 }
 
 
-@pytest.mark.parametrize("entry", ["training", "fine_tuning", "alignment", "explain-config"])
+@pytest.mark.parametrize("entry", ["training", "fine_tuning", "peft", "alignment", "explain-config"])
 @pytest.mark.parametrize("name", sorted(DAMAGED_YAML))
 def test_a_yaml_syntax_error_is_named_by_file_line_and_column(tmp_path, entry, name):
     text, expected = DAMAGED_YAML[name]
@@ -53,6 +53,32 @@ def test_a_file_too_large_to_be_a_config_is_refused_before_it_is_parsed(tmp_path
         f.truncate(50 << 20)  # 50 MB (sparse): parsing it took minutes and printed 520,000 lines
     for args in (["training=@configs/huge.yaml", "--dry-run"], ["explain-config", "configs/huge.yaml"]):
         _refused(nxdt(*args, cwd=tmp_path), "configs/huge.yaml: 50.0 MiB is too large to be a config", tmp_path)
+
+
+def _alias_bomb() -> str:
+    """1 KiB that expands to 10**9 values: each level lists the one before ten times."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    return "\n".join(lines) + "\nmodel: *a8\n"
+
+
+SHAPES = {
+    "bomb.yaml": (_alias_bomb(), "holds more than 100,000 values once its aliases (*name) are expanded (line 5)"),
+    # libyaml's composer (PyYAML's C loader) crashes the interpreter on this; the scan reads flat events.
+    "deep.yaml": ("model: " + "[" * 50000 + "]" * 50000 + "\n", "nests more than 64 levels deep (line 1)"),
+    "binary.yaml": (b"\xff\xfe\x00model", "not a text file (byte 0 is not UTF-8)"),
+    "list.yaml": ("- 1\n- 2\n", "holds list, not a training config mapping"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_a_file_that_is_not_shaped_like_a_config_is_refused_before_it_is_expanded(tmp_path, name):
+    text, expected = SHAPES[name]
+    (tmp_path / "configs").mkdir()
+    file = tmp_path / "configs" / name
+    file.write_bytes(text) if isinstance(text, bytes) else file.write_text(text)
+    _refused(nxdt(f"training=@configs/{name}", "--dry-run", cwd=tmp_path, timeout=60),
+             f"training=@configs/{name}: {expected}", tmp_path)
 
 
 def test_thousands_of_problems_print_the_first_ones_and_a_count(tmp_path):
@@ -93,7 +119,7 @@ def test_numbers_no_config_means_are_refused(tmp_path, args, expected):
 
 COMMANDS = ["autoconfig", "cancel", "cluster-config", "cluster-validate", "estimate", "explain-config", "logs", "plot",
             "status"]
-ODD = [[], ["--bogus"], ["../../etc"], ["$(touch PWNED)"], ["a\nb"], ["'"], ["x" * 5000], ["=", "=="], ["%s%n"]]
+ODD = [[], ["--bogus"], ["../../etc"], ["$(touch PWNED)"], ["a\nb"], ["x" * 5000], ["=", "'", "%s%n"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -1,0 +1,93 @@
+"""A YAML file a user gives as a config (`training=@FILE`, `explain-config FILE`), looked at before anything parses it
+in full: a config is a few KiB of plain keys, and what is far from that is refused on one line instead of costing
+minutes, gigabytes or the interpreter (issue 39's sweep: a 50 MB file parsed for minutes; libyaml's composer
+crashes the process on 100,000 nested brackets; a 1 KiB file of aliases expands to a billion values).
+
+The scan reads libyaml's event stream, which is flat, so nothing here recurses however deep the file nests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.errors import UserError
+
+MAX_FILE_BYTES = 128 << 10  # NxD Training's and NeMo-Launcher's largest configs are under 16 KiB
+MAX_DEPTH = 64              # theirs nest 5 deep
+MAX_VALUES = 100_000        # keys, values and collections, after every alias is expanded
+
+
+def read(path: str, at: str, what: str) -> Path:
+    """The file behind `path`, checked: it exists, is small, is YAML, and is shaped like a config. `at` names it in
+    errors (e.g. `training=@FILE`); `what` is what it should be ("an NxD Training or NeMo-Launcher training YAML")."""
+    import yaml
+
+    file = Path(path).expanduser()
+    try:
+        found, size = file.is_file(), file.stat().st_size if file.is_file() else 0
+    except OSError as error:  # e.g. a name longer than the file system takes
+        raise UserError(f"{at[:80]}...: {error.strerror}; give the path of {what}") from None
+    if not found:
+        raise UserError(f"{at}: {'not a file' if file.exists() else 'no such file'}; give the path of {what}")
+    if size > MAX_FILE_BYTES:
+        raise UserError(f"{at}: {size / 2**20:.1f} MiB is too large to be a config (at most {MAX_FILE_BYTES >> 10} "
+                        f"KiB is read; configs are a few KiB); give {what}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{at}: not a text file (byte {error.start} is not UTF-8); give {what}") from None
+    except OSError as error:
+        raise UserError(f"{at}: cannot be read ({error.strerror}); give {what}") from None
+    try:
+        problem = _shape_problem(yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    except yaml.MarkedYAMLError as error:
+        raise UserError(f"{at.removesuffix(str(path))}{syntax_error(path, error, text)}") from None
+    except yaml.YAMLError as error:
+        raise UserError(f"{at}: not valid YAML ({str(error).splitlines()[0]})") from None
+    if problem:
+        raise UserError(f"{at}: {problem}; give {what}")
+    return file
+
+
+def _shape_problem(events) -> str | None:
+    import yaml
+
+    expanded: dict[str, int] = {}   # anchor -> how many values it stands for
+    open_nodes: list[list] = []     # [anchor, values so far] of each collection not closed yet
+    total = 0
+    for event in events:
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            open_nodes.append([event.anchor, 1])
+            if len(open_nodes) > MAX_DEPTH:
+                return f"nests more than {MAX_DEPTH} levels deep (line {event.start_mark.line + 1})"
+            added = 1
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            anchor, values = open_nodes.pop()
+            if anchor:
+                expanded[anchor] = values
+            if open_nodes:
+                open_nodes[-1][1] += values
+            continue
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor:
+                expanded[event.anchor] = 1
+            added = 1
+        elif isinstance(event, yaml.AliasEvent):
+            added = expanded.get(event.anchor, 1)
+        else:
+            continue
+        if open_nodes and not isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            open_nodes[-1][1] += added
+        total += added
+        if total > MAX_VALUES:
+            return (f"holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded (line "
+                    f"{event.start_mark.line + 1}); a config is a few hundred")
+    return None
+
+
+def syntax_error(path: str, error, text: str = "") -> str:
+    """A YAML syntax error as `FILE:LINE:COLUMN: what`, the way compilers name a place in a file."""
+    mark = error.problem_mark or error.context_mark
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    problem = error.problem or error.context or "not valid YAML"
+    tab = mark is not None and text[mark.index:mark.index + 1] == "\t" or "'\\t'" in problem
+    return f"{where}: not valid YAML: {problem}{'; YAML indents with spaces, not tabs' if tab else ''}"
