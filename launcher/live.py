@@ -80,9 +80,15 @@ def recorded(base_results_dir: object, run_name: object) -> Live | None:
         doing = f" runs {running[0]}" if running else ""
         return Live(f"its local launch (pid {record['pid']}, since {record['created']}){doing}", "run_name")
     from launcher.runs import _ACTIVE, stage_states
+    from launcher.slurm import SlurmError
 
-    active = [f"{entry['stage']} (Slurm job {entry['job_id']}, {state.state})" for entry, state in
-              stage_states(record) if state.state in _ACTIVE]
+    try:
+        states = stage_states(record)
+    except SlurmError as error:  # Slurm cannot be asked from here: its jobs may still run, so never write into it
+        return Live(f"its Slurm jobs {', '.join(str(e['job_id']) for e in record['stages'])} may still run, and "
+                    f"Slurm cannot be asked from here: {error}", "run_name")
+    active = [f"{entry['stage']} (Slurm job {entry['job_id']}, {state.state})" for entry, state in states
+              if state.state in _ACTIVE]
     return Live(f"Slurm still has {', '.join(active)}", "run_name") if active else None
 
 
