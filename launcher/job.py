@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,20 @@ class Job:
     # the job while $SLURM_RESTART_COUNT < max_restarts. Both unset: the script handles no signals.
     preemption_signal_s: int | None = None
     max_restarts: int = 0
+    # Where this launch's stage config is written (launch.make_plan: <results_dir>/launches/<launch id>/): a name no
+    # later launch writes, so a queued or running job reads what it was submitted with. None: the results directory
+    # itself (a job rendered outside a launch, as the golden files are).
+    config_dir: Path | None = None
 
     @property
     def config_path(self) -> Path:
-        return self.results_dir / f"{self.stage}_config.yaml"
+        return (self.config_dir or self.results_dir) / f"{self.stage}_config.yaml"
+
+    def in_launch(self, launch_id: str) -> "Job":
+        """This job with its config under the launch's own directory, and its program reading it from there."""
+        moved = dataclasses.replace(self, config_dir=self.results_dir / "launches" / launch_id)
+        old, new = str(self.config_path), str(moved.config_path)
+        return dataclasses.replace(moved, program=tuple(new if arg == old else arg for arg in self.program))
 
     @property
     def log_dir(self) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -97,7 +98,8 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         errors += packages.problems(config)
     if errors:
         raise UserError(*errors)
-    jobs = build(config, dry_run=dry_run)
+    launch_id = new_launch_id()
+    jobs = [job.in_launch(launch_id) for job in build(config, dry_run=dry_run)]
     mirror = None
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
@@ -171,6 +173,12 @@ def build(cfg: LaunchConfig | dict[str, Any], *, dry_run: bool = False) -> list[
     return jobs
 
 
+def new_launch_id() -> str:
+    """A name for one launch's files: when it was made (UTC, to the second) and 16 random bits, so that two launches
+    of a run in the same second (a dry run and the real one) never share one."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(2)
+
+
 def script_path(job: Job, executor: str) -> Path:
     return job.results_dir / (f"{job.stage}.sbatch" if executor == "slurm" else f"{job.stage}.local.sh")
 
@@ -226,6 +234,15 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
+        if job.config_dir is not None and plan.remote is None:
+            # <stage>_config.yaml: the newest launch's config, where a user (and NeMo-Launcher's habit) looks for it.
+            latest = plan.local_path(job.results_dir / job.config_path.name)
+            if not os.path.lexists(latest):
+                made.append(latest)
+            tmp = latest.with_name(f".{latest.name}.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(job.config_path.relative_to(job.results_dir))
+            os.replace(tmp, latest)
         neuron_script = neuron.script(job, plan.config)
         if neuron_script and neuron_script.compile:
             put(neuron_script.compile.config_path, yaml.safe_dump(neuron_script.compile.config, sort_keys=False))

@@ -203,7 +203,7 @@ def script(job: Job, cfg: LaunchConfig) -> NeuronScript | None:
         # job script can look without an S3 client.
         markers = (f"{str(cfg.base_results_dir).rstrip('/')}/{S3_CACHE_MARKERS}" if cache_url.startswith("s3://")
                    else f"{cache_url}/nxdt-compiled")
-        compile_step = CompileStep(compile_config(job, steps), job.results_dir / f"{job.stage}_compile_config.yaml",
+        compile_step = CompileStep(compile_config(job, steps), job.config_path.with_name(f"{job.stage}_compile_config.yaml"),
                                    marker=f"{markers}/{key}")
     return NeuronScript(hardware=neuron["hardware"], env=env, cache_url=cache_url, compile=compile_step)
 

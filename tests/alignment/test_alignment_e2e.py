@@ -138,10 +138,12 @@ def _kill_after_checkpoint(launcher: threading.Thread, run_dir: Path, step: int)
     """SIGKILL every process group of the stage once the step-`step` checkpoint is committed: the workers' own
     (torchrun starts each in a new session) first, so none takes another step, then the one of the stage script
     and torchrun."""
-    checkpoints, config = open_storage(run_dir / "checkpoints"), run_dir / "alignment_config.yaml"
+    checkpoints = open_storage(run_dir / "checkpoints")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and launcher.is_alive():
         if any(c.step == step for c in committed_checkpoints(checkpoints)):
+            # The launch's own config (launches/<id>/), which alignment_config.yaml links to.
+            config = run_dir / os.readlink(run_dir / "alignment_config.yaml")
             groups = []
             for pid in _stage_pids(config):
                 try:

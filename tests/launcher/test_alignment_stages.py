@@ -61,7 +61,8 @@ def test_alignment_renders_the_trainer_with_its_stage(recipe, strategy, tmp_path
     (script,) = launch.write(plan)
     text = script.read_text()
     run = f"llama_tiny_{strategy}"  # run_name: the stage's own run
-    config = tmp_path / "results" / run / "alignment" / "alignment_config.yaml"
+    config = plan.jobs[0].config_path  # the launch's own (launches/<id>/), which alignment_config.yaml links to
+    assert (tmp_path / "results" / run / "alignment" / "alignment_config.yaml").resolve() == config.resolve()
     assert f"-m runtime.train --config {config} --stage alignment" in text
     # The trainer's job: torchrun over the stage's nodes, SIGUSR1 before the limit, requeue.
     assert "--nproc_per_node 2" in text and "#SBATCH --signal=B:USR1@120" in text and "#SBATCH --requeue" in text

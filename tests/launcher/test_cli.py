@@ -1,6 +1,7 @@
 """The CLI as a user meets it: help, --version, a mistyped command, the 175B dry run the issue names, and a dry run
 that never imports torch."""
 
+import os
 import subprocess
 import sys
 
@@ -31,7 +32,10 @@ def test_175b_dry_run_writes_a_valid_sbatch_that_matches_the_recipe(tmp_path):
     assert "#SBATCH --nodes=128\n" in text
     assert "#SBATCH --ntasks-per-node=1\n" in text
     assert '--nnodes 128 --node_rank "$SLURM_NODEID" --nproc_per_node 8' in text
-    assert f"-m runtime.train --config {script.parent / 'training_config.yaml'}" in text
+    # training_config.yaml links to the launch's own copy (launches/<id>/), which the job reads.
+    launched = script.parent / os.readlink(script.parent / "training_config.yaml")
+    assert launched.parent.parent == script.parent / "launches"
+    assert f"-m runtime.train --config {launched}" in text
     stage = yaml.safe_load((script.parent / "training_config.yaml").read_text())
     # NeMo-Launcher's published layout: TP 4 x PP 8 with 12 virtual stages per pipeline rank.
     assert stage["model"]["tensor_model_parallel_size"] == 4

@@ -66,7 +66,8 @@ def test_a_fine_tuning_stage_renders_the_trainer_with_its_stage(stage, tmp_path)
     (script,) = launch.write(plan)
     text = script.read_text()
     run = "llama_tiny_sft" if stage == "fine_tuning" else "llama_tiny_lora"  # run_name: the stage's own run
-    config = tmp_path / "results" / run / stage / f"{stage}_config.yaml"
+    config = plan.jobs[0].config_path  # the launch's own (launches/<id>/), which <stage>_config.yaml links to
+    assert (tmp_path / "results" / run / stage / f"{stage}_config.yaml").resolve() == config.resolve()
     assert f"-m runtime.train --config {config} --stage {stage}" in text
     # The same job as training's: torchrun over the stage's nodes, SIGUSR1 before the limit, requeue.
     assert "--nproc_per_node 2" in text and "#SBATCH --signal=B:USR1@120" in text and "#SBATCH --requeue" in text

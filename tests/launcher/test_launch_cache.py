@@ -6,6 +6,7 @@ time and nothing of it is stored. Each test runs the real CLI in fresh processes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,8 +60,12 @@ class Launches:
         return sorted((self.cache / "compose").glob("*.json"))
 
 
+LAUNCH_ID = re.compile(rb"launches/\d{8}T\d{6}Z-[0-9a-f]{4}")  # launch.new_launch_id: one per launch, by design
+
+
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {LAUNCH_ID.sub(b"launches/ID", str(p.relative_to(root)).encode()).decode():
+            LAUNCH_ID.sub(b"launches/ID", p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
