@@ -64,6 +64,14 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
     assert steps == list(range(1, 61)), "one writer: every step once"
     assert not (run_dir / "RUNNING").exists(), "released on exit"
     assert "COMPLETED" in nxdt("status", "gpt3_tiny", f"--results-dir={tmp_path / 'results'}", cwd=tmp_path).stdout
+    # Once it is over, a launch renders into the run again, beside it: the finished launch's config (under its own
+    # launches/<id>/, which its record names) stays what it ran; training_config.yaml links to the newest.
+    ran = Path(json.loads((run_dir.parent / "launch.json").read_text())["stages"][0]["config"])
+    ran_text = ran.read_text()
+    after = nxdt(*overrides, "training.model.optim.lr=0.5", "--dry-run", cwd=tmp_path, timeout=120)
+    assert after.returncode == 0 and "is live" not in after.stdout, after.stdout + after.stderr
+    assert ran.parent.parent == run_dir / "launches" and ran.read_text() == ran_text and "lr: 0.5" not in ran_text
+    assert "lr: 0.5" in (run_dir / "training_config.yaml").read_text()
 
 
 def _checksums(root: Path) -> dict[Path, str]:
