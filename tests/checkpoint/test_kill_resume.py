@@ -37,7 +37,9 @@ def _kill_after_checkpoint(proc: subprocess.Popen, checkpoints, config: Path, ra
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if any(c.step == EVERY for c in committed_checkpoints(checkpoints)):
-            victim = _worker_pid(config, rank=rank)
+            # A launch's workers read its own config (launches/<id>/), which training_config.yaml links to.
+            launched = config.parent / os.readlink(config) if config.is_symlink() else config
+            victim = _worker_pid(launched, rank=rank)
             if victim is not None:
                 os.kill(victim, signal.SIGKILL)
                 return victim
