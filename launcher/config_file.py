@@ -16,14 +16,15 @@ MAX_DEPTH = 64              # theirs nest 5 deep
 MAX_VALUES = 100_000        # keys, values and collections, after every alias is expanded
 
 
-def read(path: str, at: str, what: str) -> Path:
-    """The file behind `path`, checked: it exists, is small, is YAML, and is shaped like a config. `at` names it in
-    errors (e.g. `training=@FILE`); `what` is what it should be ("an NxD Training or NeMo-Launcher training YAML")."""
+def read(path: str, at: str, what: str) -> str:
+    """The text of the file behind `path`, checked: it exists, is small, is YAML, and is shaped like a config. `at`
+    names it in errors (e.g. `training=@FILE`); `what` is what it should be ("an NxD Training ... training YAML")."""
     import yaml
 
     file = Path(path).expanduser()
     try:
-        found, size = file.is_file(), file.stat().st_size if file.is_file() else 0
+        found = file.is_file()
+        size = file.stat().st_size if found else 0
     except OSError as error:  # e.g. a name longer than the file system takes
         raise UserError(f"{at[:80]}...: {error.strerror}; give the path of {what}") from None
     if not found:
@@ -45,38 +46,37 @@ def read(path: str, at: str, what: str) -> Path:
         raise UserError(f"{at}: not valid YAML ({str(error).splitlines()[0]})") from None
     if problem:
         raise UserError(f"{at}: {problem}; give {what}")
-    return file
+    return text
 
 
 def _shape_problem(events) -> str | None:
+    """Too deep, or too many values once aliases are expanded: counted from the events alone, in one pass."""
     import yaml
 
     expanded: dict[str, int] = {}   # anchor -> how many values it stands for
-    open_nodes: list[list] = []     # [anchor, values so far] of each collection not closed yet
+    open_nodes: list[list] = []     # [anchor, values in it so far] of each collection not closed yet
     total = 0
     for event in events:
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            open_nodes.append([event.anchor, 1])
-            if len(open_nodes) > MAX_DEPTH:
-                return f"nests more than {MAX_DEPTH} levels deep (line {event.start_mark.line + 1})"
-            added = 1
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+        if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             anchor, values = open_nodes.pop()
             if anchor:
                 expanded[anchor] = values
             if open_nodes:
                 open_nodes[-1][1] += values
             continue
-        elif isinstance(event, yaml.ScalarEvent):
-            if event.anchor:
-                expanded[event.anchor] = 1
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            open_nodes.append([event.anchor, 1])  # its parent counts it, with its contents, when it closes
+            if len(open_nodes) > MAX_DEPTH:
+                return f"nests more than {MAX_DEPTH} levels deep (line {event.start_mark.line + 1})"
             added = 1
-        elif isinstance(event, yaml.AliasEvent):
-            added = expanded.get(event.anchor, 1)
+        elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+            added = expanded.get(event.anchor, 1) if isinstance(event, yaml.AliasEvent) else 1
+            if isinstance(event, yaml.ScalarEvent) and event.anchor:
+                expanded[event.anchor] = 1
+            if open_nodes:
+                open_nodes[-1][1] += added
         else:
-            continue
-        if open_nodes and not isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            open_nodes[-1][1] += added
+            continue  # stream and document boundaries
         total += added
         if total > MAX_VALUES:
             return (f"holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded (line "

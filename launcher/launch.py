@@ -213,19 +213,22 @@ def _makedirs(path: Path, made: list[Path]) -> None:
 def _write(plan: Plan, made: list[Path]) -> list[Path]:
     import yaml
 
-    def put(path: Path, text: str, mode: int = 0o644) -> None:
-        here = plan.local_path(path)
+    def replace(here: Path, make) -> None:
+        """Make the file (`make(tmp)`) beside `here`, then rename it into place: a process that has the old one open
+        (bash reads its script as it runs it) goes on reading the old one, never a mix of both."""
         _makedirs(here.parent, made)
-        if not here.exists():
+        if not os.path.lexists(here):
             made.append(here)
-        # A new file put in place of the old one: a process that has the old one open (bash reads its script as it
-        # runs it) goes on reading the old one, never a mix of both.
         tmp = here.with_name(f".{here.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
         made.append(tmp)
-        tmp.write_text(text)
-        tmp.chmod(mode)
+        make(tmp)
         os.replace(tmp, here)
         made.remove(tmp)
+
+    def put(path: Path, text: str, mode: int = 0o644) -> None:
+        here = plan.local_path(path)
+        replace(here, lambda tmp: (tmp.write_text(text), tmp.chmod(mode)))
         plan.files.append((here, path, mode))
 
     scripts = []
@@ -236,13 +239,8 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
         if job.config_dir is not None and plan.remote is None:
             # <stage>_config.yaml: the newest launch's config, where a user (and NeMo-Launcher's habit) looks for it.
-            latest = plan.local_path(job.results_dir / job.config_path.name)
-            if not os.path.lexists(latest):
-                made.append(latest)
-            tmp = latest.with_name(f".{latest.name}.{os.getpid()}.tmp")
-            tmp.unlink(missing_ok=True)
-            tmp.symlink_to(job.config_path.relative_to(job.results_dir))
-            os.replace(tmp, latest)
+            target = job.config_path.relative_to(job.results_dir)
+            replace(plan.local_path(job.results_dir / job.config_path.name), lambda tmp: tmp.symlink_to(target))
         neuron_script = neuron.script(job, plan.config)
         if neuron_script and neuron_script.compile:
             put(neuron_script.compile.config_path, yaml.safe_dump(neuron_script.compile.config, sort_keys=False))

@@ -16,6 +16,7 @@ Pure apart from reading the file (and the config.json it points at): nothing is 
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,10 +230,10 @@ def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
 
     import yaml
 
-    file = config_file.read(path, f"{group}=@{path}", f"an NxD Training or NeMo-Launcher {group} YAML")
+    text = config_file.read(path, f"{group}=@{path}", f"an NxD Training or NeMo-Launcher {group} YAML")
     register_resolvers()
     try:
-        loaded = OmegaConf.load(file)
+        loaded = OmegaConf.load(io.StringIO(text))
         raw = OmegaConf.to_container(loaded, resolve=False)
         if not raw:
             raise UserError(f"{group}=@{path}: the file holds no keys; give an NxD Training or NeMo-Launcher "

@@ -107,15 +107,14 @@ def _positive(settings: dict[str, Any], key: str, *, number: type = int, optiona
     number, the same as every stage config's."""
     from runtime.schema.reader import Report, Section
 
+    if optional and settings.get(key) is None:
+        return None
     report = Report()
     section = Section(settings, "search_config.train_settings", report)
-    default = None if optional else settings.get(key)  # a missing key reads as its own message below
-    if settings.get(key) is None and optional:
-        return None
-    value = section.int(key, default, minimum=1) if number is int else section.float(key, default, above=0.0)
+    value = section.int(key, minimum=1) if number is int else section.float(key, above=0.0)
     if value is None:
         kind = "a positive integer" if number is int else "a positive number"
-        problem = report.errors[0] if report.errors else f"search_config.train_settings.{key}: null"
+        problem = report.errors[0]
         raise UserError(problem + ("" if "must be" in problem else f"; give {kind}") + (" (or null)" if optional else ""))
     return value
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.schema import choices as C
+from runtime.schema import rules
 from runtime.schema.reader import Choices, Report, Section
 from runtime.schema.safetensors_file import hf_weights_problems
 
@@ -49,7 +50,7 @@ def parse_conversion(raw: Any, p: str = "conversion.") -> tuple[ConversionConfig
         report.error(f"{p}hf_checkpoint_dir: missing; give the Hugging Face model directory to import")
     if mode == "import" and values["lora"] != "merged" and not report.errors:
         report.error(f"{p}lora: {values['lora']} applies to export only; an import writes the full weights")
-    report.error(checkpoint_name_problem(values["checkpoint_name"], f"{p}checkpoint_name", f"{p}checkpoint_dir"))
+    report.error(rules.checkpoint_name(values["checkpoint_name"], f"{p}checkpoint_name", f"{p}checkpoint_dir"))
     source = values["hf_checkpoint_dir"]
     if mode == "import" and source and not source.startswith("s3://") and Path(source).is_dir():
         # Not there (a dry run for another machine's disk): the node reads and checks it.
@@ -60,15 +61,3 @@ def parse_conversion(raw: Any, p: str = "conversion.") -> tuple[ConversionConfig
         return None, report
     return ConversionConfig(**values), report
 
-
-def checkpoint_name_problem(name: str | None, key: str, directory_key: str) -> str | None:
-    """A checkpoint_name names one checkpoint's directory inside checkpoint_dir (or 'latest'): a path, which could
-    read any directory on the machine, is refused. Evaluation's checkpoint_name follows the same rule."""
-    if name is None:
-        return None
-    fix = "give one checkpoint's directory name in it (e.g. step_00000040.3f9c2a1b) or latest"
-    if name.startswith("/") or ".." in name.split("/"):
-        return f"{key}: {name!r} leaves {directory_key}; {fix}"
-    if "/" in name or name in ("", "."):
-        return f"{key}: {name!r} is not one directory name in {directory_key}; {fix}"
-    return None

@@ -7,7 +7,6 @@ from typing import Any
 from runtime.schema import choices as C
 from runtime.schema import rules
 from runtime.schema.choices import TASK_TYPES
-from runtime.schema.conversion import checkpoint_name_problem
 from runtime.schema.reader import Choices, Report, Section
 
 # Tasks by name: the loss over the training data's validation or test split.
@@ -57,7 +56,7 @@ def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig
     vpp = layout.int("virtual_pipeline_model_parallel_size", None, minimum=1)
     optional = dict(checkpoint_name=s.str("checkpoint_name", None), tokenizer_model=s.str("tokenizer_model", None),
                     max_length=s.int("max_length", None, minimum=1))
-    report.error(checkpoint_name_problem(optional["checkpoint_name"], f"{p}checkpoint_name", f"{p}checkpoint_dir"))
+    report.error(rules.checkpoint_name(optional["checkpoint_name"], f"{p}checkpoint_name", f"{p}checkpoint_dir"))
     tasks = _tasks(s.raw("tasks", []), p, report)
     if report.errors or any(v is None for v in values.values()):
         return None, report

@@ -599,3 +599,16 @@ def alignment_stage(stage: str, strategies: tuple[str, ...]) -> str | None:
         return (f"{stage}.model_alignment_strategy.{strategies[0]}: preference alignment runs in the alignment "
                 f"stage; use stages=[alignment] alignment=<recipe>, or remove model_alignment_strategy.{strategies[0]}")
     return None
+
+
+def checkpoint_name(name: str | None, key: str, directory_key: str) -> str | None:
+    """A checkpoint_name names one checkpoint's directory inside checkpoint_dir (or 'latest'): a path, which could
+    read any directory on the machine, is refused. Conversion and evaluation both take one."""
+    if name is None:
+        return None
+    fix = "give one checkpoint's directory name in it (e.g. step_00000040.3f9c2a1b) or latest"
+    if name.startswith("/") or ".." in name.split("/"):
+        return f"{key}: {name!r} leaves {directory_key}; {fix}"
+    if "/" in name or name in ("", "."):
+        return f"{key}: {name!r} is not one directory name in {directory_key}; {fix}"
+    return None

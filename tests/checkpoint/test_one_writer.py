@@ -3,8 +3,9 @@
 # names the lock's holder, and the first finishes COMPLETED with every step logged once (launcher/live.py).
 import hashlib
 import json
-import subprocess
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
     data = counting_corpus(tmp_path / "data")
     overrides = ["cluster_type=local", *training_overrides(data, tmp_path / "results", steps=60, every=30)]
     run_dir = tmp_path / "results" / "gpt3_tiny" / "training"
+    # A pause after each step (no CPU) keeps it training while the other launches act, however loaded the machine.
     first = subprocess.Popen([sys.executable, "-m", "launcher.cli", *overrides], cwd=tmp_path,
+                             env={**os.environ, "NXDT_STEP_PAUSE_S": "0.15"},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300

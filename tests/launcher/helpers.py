@@ -109,3 +109,14 @@ def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
         stdout, stderr = (f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
                           for f in (out, err))
     return subprocess.CompletedProcess(["nxdt-launch", *args], os.waitstatus_to_exitcode(status), stdout, stderr)
+
+
+def refused(result: subprocess.CompletedProcess, expected: str) -> list[str]:
+    """The contract for a user mistake: exit 2, no traceback, only `error:` lines, one of them holding `expected`.
+    Returns the lines."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
+    assert any(expected in line for line in lines), result.stderr
+    return lines

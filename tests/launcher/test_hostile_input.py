@@ -9,15 +9,11 @@ import pytest
 from launcher.cli import MAX_ERRORS
 from launcher.config_file import MAX_FILE_BYTES
 
-from .helpers import nxdt
+from .helpers import nxdt, refused
 
 
 def _refused(result, expected: str, cwd) -> list[str]:
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
-    assert any(expected in line for line in lines), result.stderr
+    lines = refused(result, expected)
     assert not [p for p in cwd.iterdir() if p.name != "configs"], "a refused command wrote files"
     return lines
 
@@ -135,6 +131,5 @@ def test_every_subcommand_takes_missing_odd_and_hostile_arguments_without_a_trac
         assert result.returncode in (0, 2), (args, result.returncode, result.stderr[-2000:])
         assert not (cwd / "PWNED").exists()
         if result.returncode == 2:
-            lines = result.stderr.strip().splitlines()
-            assert lines and all(line.startswith("error: ") for line in lines), (args, result.stderr)
+            refused(result, "error: ")
             assert not list(cwd.iterdir()), (args, "a refused command wrote files")
