@@ -1,11 +1,13 @@
-# Memory per device and time to train for a training config, from arithmetic alone (no torch, nothing run).
+# Memory per device, host memory per node and time to train for a training config, from arithmetic alone (no torch,
+# nothing run).
 #
 #     from launcher.estimator import estimate
 #     result = estimate(cfg["training"])          # the resolved training subtree, as nxdt-launch composes it
-#     result.memory.total, result.fits, result.days
+#     result.memory.total, result.fits, result.host.total, result.host.fits, result.days
 #
-# Modules: hardware (devices), shapes (model/layout from the config, parameter counts), memory (per device),
-# compute (FLOPs, step time, time to train). `nxdt-launch estimate` prints it; autoconfig ranks layouts with it.
+# Modules: hardware (devices and their nodes), shapes (model/layout from the config, parameter counts), memory (per
+# device), host (host memory per node: every worker's own shard, checkpoint staging, data, process), compute (FLOPs,
+# step time, time to train). `nxdt-launch estimate` prints it; autoconfig ranks layouts with it.
 # Every part is a pure function of (ModelShape, Layout): peak_memory(shape, layout, kernels).activations is what a
 # benchmark compares with a measurement, for any tp / pp / ep / context-parallel (cp, ulysses) layout.
 from __future__ import annotations
@@ -16,10 +18,12 @@ from typing import Any
 from launcher.errors import UserError
 from launcher.estimator.compute import StepTime, days_to_train, flops_per_token, step_time
 from launcher.estimator.hardware import Hardware, detect, hardware_for
+from launcher.estimator.host import HostMemory, host_memory
 from launcher.estimator.memory import Kernels, StageMemory, peak_memory
 from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count_parameters, layout_from_training,
                                        shape_from_training, vocab_for)
-from runtime.schema.training import parse_sizing, parse_trainer
+from runtime.schema.reader import Report, Section
+from runtime.schema.training import parse_lora, parse_sizing, parse_trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,7 @@ class Estimate:
     hardware: Hardware
     parameters: ParameterCount
     memory: StageMemory          # the device with the most memory
+    host: HostMemory             # host memory per node, for the worker that holds the most
     mfu: float
     tokens: float                # the token budget the time is for
     flops_per_token: float
@@ -56,7 +61,9 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
              neuron_hardware: str | None = None) -> Estimate:
     """Estimate a resolved training config. The device is `device`, else the cluster's neuron.hardware (trn1 |
     trn2) for a neuron recipe, else detected from trainer.accelerator and trainer.devices. `tokens` defaults to
-    the run's own budget, max_steps x global_batch_size x seq_length."""
+    the run's own budget, max_steps x global_batch_size x seq_length. `node_memory_bytes`: the node's host memory
+    (cluster.node_memory_gib); None: the instance's documented memory (hardware.NODE_MEMORY_GIB), or for cpu this
+    machine's."""
     sizing, sizing_report = parse_sizing(training)  # the schema's reading of what the run is sized by
     shape = shape_from_training(sizing, vocab_for(sizing, vocab_size))
     trainer, report = parse_trainer(training)  # the schema's reading, as the launch sizes the job by
@@ -74,11 +81,14 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     if tokens is None:
         tokens = float(trainer.max_steps) * layout.global_batch_size * shape.seq_length
     kernels = Kernels.for_accelerator(shape, "cpu" if hardware.name == "cpu" else accelerator)
+    # The schema's reading of model.peft: LoRA trains adapters over frozen weights (host memory counts that).
+    lora = parse_lora(Section(sizing.model, "model", Report()), shape.architecture, "") is not None
     return Estimate(shape=shape, layout=layout, hardware=hardware, parameters=count_parameters(shape),
-                    memory=peak_memory(shape, layout, kernels), mfu=mfu, tokens=float(tokens),
+                    memory=peak_memory(shape, layout, kernels),
+                    host=host_memory(shape, layout, hardware, kernels, lora=lora), mfu=mfu, tokens=float(tokens),
                     flops_per_token=flops_per_token(shape), step=step_time(shape, layout, hardware, mfu))
 
 
-__all__ = ["Estimate", "Hardware", "Kernels", "Layout", "ModelShape", "ParameterCount", "StageMemory", "StepTime",
-           "count_parameters", "estimate", "flops_per_token", "layout_from_training", "peak_memory",
-           "shape_from_training", "step_time"]
+__all__ = ["Estimate", "Hardware", "HostMemory", "Kernels", "Layout", "ModelShape", "ParameterCount", "StageMemory",
+           "StepTime", "count_parameters", "estimate", "flops_per_token", "host_memory", "layout_from_training",
+           "peak_memory", "shape_from_training", "step_time"]

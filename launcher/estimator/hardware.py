@@ -28,6 +28,11 @@ class Hardware:
     # the Python + torch baseline of each process (about 0.4 GiB resident before the first tensor).
     process_overhead_bytes: float = 0.0
     usable_fraction: float = 0.9  # fragmentation: plan for 90% of the memory, not all of it
+    # The node's host memory, shared by its devices_per_node worker processes (launcher/estimator/host.py), and
+    # where that figure comes from: the instance whose documented memory it is (NODE_MEMORY_GIB), this machine,
+    # or cluster.node_memory_gib, which overrides the instance's.
+    node_memory_bytes: float = 0.0
+    node: str = ""
 
     @property
     def usable_bytes(self) -> float:
@@ -38,15 +43,25 @@ class Hardware:
 # trn2.48xlarge at LNC=2 (two physical NeuronCore-v3 per logical core, the default for training): 16 Trainium2
 # chips x 4 logical cores = 64 workers; 96 GiB HBM per chip, 3.2 Tbps EFAv3 per node. H100/H200 SXM: 8 per node,
 # NVLink 900 GB/s (450 each way), 400 Gbps per GPU. Peak FLOP/s: runtime/schema/facts.py.
+# Host memory per instance, GiB, as AWS documents each instance type (trn1n is trn1 with more EFA; p4d is A100,
+# which the estimator has no device row for: set cluster.node_memory_gib=1152 there).
+NODE_MEMORY_GIB = {"trn1.32xlarge": 512, "trn1n.32xlarge": 512, "trn2.48xlarge": 2048, "p4d.24xlarge": 1152,
+                   "p5.48xlarge": 2048, "p5e.48xlarge": 2048}
+
+
+def _node(instance: str) -> dict:
+    return {"node": instance, "node_memory_bytes": NODE_MEMORY_GIB[instance] * GIB}
+
+
 HARDWARE: dict[str, Hardware] = {
     "trn1": Hardware("trn1", "trn1.32xlarge NeuronCore-v2", 16 * GIB, PEAK_TFLOPS["trn1"], 32, 100.0, 100.0 / 32,
-                     0.40, process_overhead_bytes=0.5 * GIB),
+                     0.40, process_overhead_bytes=0.5 * GIB, **_node("trn1.32xlarge")),
     "trn2": Hardware("trn2", "trn2.48xlarge logical NeuronCore (LNC=2)", 24 * GIB, PEAK_TFLOPS["trn2"], 64, 200.0,
-                     400.0 / 64, 0.40, process_overhead_bytes=0.5 * GIB),
+                     400.0 / 64, 0.40, process_overhead_bytes=0.5 * GIB, **_node("trn2.48xlarge")),
     "h100": Hardware("h100", "H100 SXM 80 GB", 80 * GB, PEAK_TFLOPS["h100"], 8, 360.0, 50.0, 0.40,
-                     process_overhead_bytes=1.0 * GIB),
+                     process_overhead_bytes=1.0 * GIB, **_node("p5.48xlarge")),
     "h200": Hardware("h200", "H200 SXM 141 GB", 141 * GB, PEAK_TFLOPS["h200"], 8, 360.0, 50.0, 0.40,
-                     process_overhead_bytes=1.0 * GIB),
+                     process_overhead_bytes=1.0 * GIB, **_node("p5e.48xlarge")),
 }
 DEVICE_NAMES = (*HARDWARE, "cpu")
 
@@ -70,7 +85,8 @@ def cpu_hardware(devices_per_node: int, node_memory_bytes: float | None = None) 
     processes = max(int(devices_per_node), 1)
     return Hardware("cpu", f"CPU worker ({processes} per node, {memory / GIB:.0f} GiB host memory)",
                     memory / processes, CPU_ASSUMED_TFLOPS, processes, 5.0, 1.0, 0.5,
-                    process_overhead_bytes=0.4 * GIB)
+                    process_overhead_bytes=0.4 * GIB, node_memory_bytes=memory,
+                    node="this machine" if node_memory_bytes is None else "cluster.node_memory_gib")
 
 
 def detect(accelerator: str, devices_per_node: int) -> str:
@@ -84,8 +100,13 @@ def detect(accelerator: str, devices_per_node: int) -> str:
 
 
 def hardware_for(name: str, devices_per_node: int, node_memory_bytes: float | None = None) -> Hardware:
+    """`node_memory_bytes`: the node's host memory when the cluster states it (cluster.node_memory_gib); else the
+    instance's (NODE_MEMORY_GIB), and for cpu this machine's."""
     if name == "cpu":
         return cpu_hardware(devices_per_node, node_memory_bytes)
     if name not in HARDWARE:
         raise UserError(f"device {name!r} is unknown; valid devices: {', '.join(DEVICE_NAMES)}")
-    return HARDWARE[name]
+    if node_memory_bytes is None or node_memory_bytes == HARDWARE[name].node_memory_bytes:
+        return HARDWARE[name]
+    return dataclasses.replace(HARDWARE[name], node_memory_bytes=float(node_memory_bytes),
+                               node="cluster.node_memory_gib")
