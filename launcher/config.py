@@ -30,10 +30,11 @@ TRAINER_STAGES = ("training", "fine_tuning", "peft", "alignment")
 # The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
 FINE_TUNING_STAGES = ("fine_tuning", "peft", "alignment")
 
-# Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold.
+# Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold (checked by neuron.py,
+# remote.py, staging.py, validate.py).
 SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
 OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node", "venv",
-                      "neuron", "remote", "staging", "s3")  # checked by neuron.py, remote.py, staging.py, validate.py
+                      "neuron", "remote", "staging", "s3", "node_memory_gib")
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class Cluster:
     remote: Any = None
     staging: Any = None
     s3: Any = None
+    node_memory_gib: Any = None      # host memory of one node (validate.cluster checks it); null: the instance's
 
     @property
     def partition(self) -> Any:
@@ -184,6 +186,15 @@ class Cluster:
     def staging_local_dir(self) -> Any:
         """cluster.staging.local_dir: the S3 mirror's root on the shared file system (staging.py checks it)."""
         return self.staging.get("local_dir") if isinstance(self.staging, Mapping) else None
+
+    @property
+    def node_memory_bytes(self) -> float | None:
+        """cluster.node_memory_gib in bytes where it is a positive number (validate.cluster names any other value);
+        None: the instance's documented memory (launcher/estimator/hardware.py), or for cpu this machine's."""
+        value = self.node_memory_gib
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+            return float(value) * 2**30
+        return None
 
     @property
     def neuron_hardware(self) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher import remote, staging
 from launcher.config import (OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run, StageInputs,
@@ -20,6 +20,9 @@ from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
 from runtime.schema.s3 import parse_s3
 from runtime.schema.training import parse_training
+
+if TYPE_CHECKING:
+    from launcher.estimator.host import HostMemory
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
 
@@ -53,6 +56,10 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
     for stage in FINE_TUNING_STAGES:
         if stage in stages:
             stage_errors, stage_warnings = _fine_tuning(cfg, stage, stages, dry_run=dry_run)
+            if not stage_errors:
+                fit_errors, fit_warnings = memory_fit(cfg, stage)
+                stage_errors += fit_errors
+                stage_warnings += fit_warnings
             errors += stage_errors
             warnings += stage_warnings
     # The other stages' programs run the same parsers on the node.
@@ -72,34 +79,61 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
     return errors, warnings
 
 
-def memory_fit(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
-    """(errors, warnings): a training layout whose weights, gradients and optimizer state alone need more memory per
-    device than the GPU or NeuronCore has, by the estimator, cannot start: refused here rather than after the queue
-    wait. Activations on top of that are a warning: the estimator's activation model is an upper bound (NxD
-    Training's published Llama 3 70B layout runs on trn1 and reads 18.6 of 13.9 GiB). CPU workers share the host's
-    memory, which varies: not judged; nor is a vocabulary the estimator cannot know here (no tokenizer file)."""
+def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], list[str]]:
+    """(errors, warnings) of a trainer stage's layout against memory, by the estimator, refused here rather than
+    after the queue wait. Host memory per node (every trainer stage): the workers' shards, checkpoint staging, data
+    and process overhead together need more than the node has: an error. On CPU the device is the host: there the
+    activations count too, as a warning, and the node is judged only where cluster.node_memory_gib states it (this
+    machine's memory says nothing of a Slurm node's). Device memory (the training stage on a GPU or NeuronCore):
+    weights, gradients and optimizer state alone need more than the device has: an error; activations on top of that
+    are a warning, as the estimator's activation model is an upper bound (NxD Training's published Llama 3 70B layout
+    runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know here (no tokenizer file): not
+    judged."""
     from launcher.errors import UserError
     from launcher.estimator import estimate
 
-    training = cfg.stage("training")
-    if training.trainer is None or training.trainer.accelerator not in ("gpu", "neuron"):
+    section = cfg.stage(stage)
+    if section.trainer is None:
         return [], []
     try:
-        result = estimate(training.section, neuron_hardware=cfg.cluster.neuron_hardware)
+        result = estimate(section.section, neuron_hardware=cfg.cluster.neuron_hardware,
+                          node_memory_bytes=cfg.cluster.node_memory_bytes)
     except UserError:
         return [], []
-    gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
-    where = f"the {usable / gib:.1f} GiB usable on {result.hardware.description}"
     fixes = ("(nxdt-launch estimate training=... shows where the memory goes; docs/recipes.md lists each recipe's "
              "layouts)")
+    errors, warnings = host_memory_fit(result.host, stage, on_cpu=result.hardware.name == "cpu",
+                                       stated=cfg.cluster.node_memory_bytes is not None)
+    if stage != "training" or section.trainer.accelerator not in ("gpu", "neuron"):
+        return errors, warnings
+    gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
+    where = f"the {usable / gib:.1f} GiB usable on {result.hardware.description}"
     if memory.static > usable:
-        return [f"training.model: weights, gradients and optimizer state need {memory.static / gib:.1f} GiB per "
-                f"device by the estimator, more than {where}; raise tensor_model_parallel_size or "
-                f"pipeline_model_parallel_size, or set zero1=true {fixes}"], []
-    if memory.total > usable:
-        return [], [f"training.model: this layout needs {memory.total / gib:.1f} GiB per device by the estimator "
-                    f"(activations {memory.activations / gib:.1f}), more than {where}; if it runs out of memory, "
-                    f"set activations_checkpoint_granularity=full or raise the parallel sizes {fixes}"]
+        errors.append(f"training.model: weights, gradients and optimizer state need {memory.static / gib:.1f} GiB per "
+                      f"device by the estimator, more than {where}; raise tensor_model_parallel_size or "
+                      f"pipeline_model_parallel_size, or set zero1=true {fixes}")
+    elif memory.total > usable:
+        warnings.append(f"training.model: this layout needs {memory.total / gib:.1f} GiB per device by the estimator "
+                        f"(activations {memory.activations / gib:.1f}), more than {where}; if it runs out of memory, "
+                        f"set activations_checkpoint_granularity=full or raise the parallel sizes {fixes}")
+    return errors, warnings
+
+
+def host_memory_fit(host: HostMemory, stage: str, *, on_cpu: bool, stated: bool) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of host memory per node (launcher/estimator/host.py's HostMemory): one line each, with
+    the arithmetic and the fixes."""
+    if on_cpu and not stated:
+        return [], []
+    shown = " (nxdt-launch estimate training=... shows the breakdown)" if stage == "training" else ""
+    fixes = (f"raise {stage}.model.tensor_model_parallel_size or pipeline_model_parallel_size (smaller shards per "
+             f"worker), lower {stage}.trainer.devices (fewer workers per node), or set cluster.node_memory_gib if the "
+             f"nodes have more{shown}")
+    if host.static_total > host.usable_bytes:
+        return [f"{stage}.model: host memory per node by the estimator: {host.arithmetic(static=True)}; {fixes}"], []
+    if host.total > host.usable_bytes:
+        return [], [f"{stage}.model: host memory per node with the activations (the device is the host) by the "
+                    f"estimator: {host.arithmetic()}; if it runs out of memory, set "
+                    f"activations_checkpoint_granularity=full, or {fixes}"]
     return [], []
 
 
@@ -285,6 +319,14 @@ def _hostlist(value: Any, key: str) -> list[str]:
     return errors
 
 
+def node_memory(section: Cluster) -> list[str]:
+    """cluster.node_memory_gib: null or a positive number (nxdt-launch estimate checks it too)."""
+    if section.node_memory_gib is not None and section.node_memory_bytes is None:
+        return [f"cluster.node_memory_gib: {section.node_memory_gib!r} must be a positive number, the host memory of "
+                "one node in GiB (e.g. 512 for trn1.32xlarge), or null for the instance's"]
+    return []
+
+
 def cluster(section: Cluster) -> list[str]:
     errors = []
     known = SBATCH_KEYS + OTHER_CLUSTER_KEYS
@@ -305,6 +347,7 @@ def cluster(section: Cluster) -> list[str]:
     for key in ("nodelist", "exclude"):
         errors += _hostlist(section.sbatch.get(key), f"cluster.{key}")
     errors += _env_vars(section.env_vars, "cluster.env_vars")
+    errors += node_memory(section)
     if section.venv is not None and not str(section.venv).startswith("/"):
         errors.append(f"cluster.venv: {section.venv!r} must be the absolute path of a venv on every node, "
                       "e.g. cluster.venv=/opt/nxdt/venv")

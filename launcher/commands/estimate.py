@@ -1,4 +1,5 @@
-"""`nxdt-launch estimate [OVERRIDES]`: memory per device and time to train for a recipe, before launching it.
+"""`nxdt-launch estimate [OVERRIDES]`: memory per device, host memory per node and time to train for a recipe,
+before launching it.
 
     nxdt-launch estimate training=llama3/8b
     nxdt-launch estimate training=gpt3/175b --device h200 --tokens 300e9 --mfu 0.45
@@ -48,7 +49,7 @@ def compose_checked(overrides: list[str], vocab_size: int | None = None) -> Laun
         vocab = vocab_size_for(training, vocab_size)
     except UserError:
         vocab = None  # estimate() says what it needs
-    errors = validate.training(training, vocab_size=vocab)
+    errors = validate.training(training, vocab_size=vocab) + validate.node_memory(cfg.cluster)
     if errors:
         raise UserError(*errors)
     return cfg
@@ -76,7 +77,7 @@ def _duration(seconds: float) -> str:
 
 
 def render(result, recipe: str, time_limit: str | None = None):
-    """The estimate as rich renderables: a title line and two tables."""
+    """The estimate as rich renderables: a title line and three tables (device memory, host memory, time)."""
     from rich.table import Table
 
     from launcher.estimator.memory import PRECISION_BYTES
@@ -127,6 +128,8 @@ def render(result, recipe: str, time_limit: str | None = None):
     memory.add_row(f"[bold]total[/] vs {_gib(hw.usable_bytes)} usable of {_gib(hw.memory_bytes)}: {verdict}",
                    f"[bold]{_gib(mem.total)}[/]")
 
+    host = host_table(result)
+
     time = Table(title=f"time (assumed MFU {result.mfu:.0%} of {hw.peak_tflops:g} TFLOP/s per device)",
                  title_justify="left")
     time.add_column("quantity")
@@ -153,7 +156,32 @@ def render(result, recipe: str, time_limit: str | None = None):
         jobs = math.ceil(result.days * 86400 / limit)
         time.add_row(f"run.time_limit {time_limit}", "enough" if jobs <= 1 else
                      f"{jobs} jobs (resubmit; exp_manager.resume_if_exists continues)")
-    return title, memory, time
+    return title, memory, host, time
+
+
+def host_table(result):
+    """Host memory per node: one worker's parts, then the node's total against the node's memory."""
+    from rich.table import Table
+
+    from launcher.estimator.host import DATA_LOADER_FIXED_BYTES, PROCESS_OVERHEAD_BYTES
+
+    host, layout = result.host, result.layout
+    table = Table(title=f"host memory per node ({host.workers} workers, each holding only its own shard; the "
+                        f"{host.stage} pipeline stage's worker)", title_justify="left")
+    table.add_column("part, per worker")
+    table.add_column("GiB", justify="right")
+    table.add_row("shard state (weights, gradients, optimizer state as on the device)", _gib(host.shard_state))
+    if host.working:
+        table.add_row("activations and peak working set (on CPU the device is the host)", _gib(host.working))
+    table.add_row("checkpoint staging (the async save's host copy of weights and optimizer state)",
+                  _gib(host.staging))
+    table.add_row(f"data loader ({layout.global_batch_size // layout.batch_dp} rows of the global batch, + "
+                  f"{DATA_LOADER_FIXED_BYTES // 2**20} MiB of indices)", _gib(host.data_loader))
+    table.add_row(f"process (torch + runtime, {PROCESS_OVERHEAD_BYTES // 2**20} MiB measured)", _gib(host.process))
+    table.add_row("[bold]per worker[/]", f"[bold]{_gib(host.per_worker)}[/]")
+    verdict = "[green]fits[/]" if host.fits else "[red]does not fit[/]"
+    table.add_row(f"[bold]node total[/]: {host.arithmetic()}: {verdict}", f"[bold]{_gib(host.total)}[/]")
+    return table
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -165,10 +193,11 @@ def render(result, recipe: str, time_limit: str | None = None):
 @click.option("--vocab-size", type=click.IntRange(1), default=None,
               help="Tokenizer vocabulary, when the tokenizer file is not on this machine.")
 @click.option("--node-memory-gib", type=FiniteFloatRange(1), default=None,
-              help="cpu only: host memory per node (default: this machine's).")
+              help="Host memory per node, GiB (default: cluster.node_memory_gib, else the instance's documented "
+                   "memory; cpu: this machine's).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None:
-    """Memory per device and time to train for a recipe (Hydra overrides as for a launch)."""
+    """Memory per device, host memory per node and time to train for a recipe (Hydra overrides as for a launch)."""
     import sys
 
     from rich.console import Console
@@ -180,12 +209,13 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
     cfg = compose_checked(list(overrides), vocab_size)
     training = cfg.stage("training")  # a run mapping: the schema has checked the section
     result = estimate(training.section, device=device, tokens=token_budget, mfu=mfu, vocab_size=vocab_size,
-                      node_memory_bytes=node_memory_gib * GIB if node_memory_gib else None,
+                      node_memory_bytes=node_memory_gib * GIB if node_memory_gib else cfg.cluster.node_memory_bytes,
                       neuron_hardware=cfg.cluster.neuron_hardware)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
-    title, memory, time = render(result, recipe, training.run.time_limit)
+    title, memory, host, time = render(result, recipe, training.run.time_limit)
     # Pipes and logs are read later: do not fold at rich's default 80 columns there (as the launch table).
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
     console.print(escape(title), soft_wrap=True)
     console.print(memory)
+    console.print(host)
     console.print(time)
