@@ -100,8 +100,17 @@ WEIGHTS_FROM = "exp_manager.resume_from_checkpoint"
 # PyTorch Lightning reads a float here as a fraction of an epoch (0.0: none); nxdt-launch counts steps/batches.
 FRACTIONS = ("trainer.val_check_interval", "trainer.limit_val_batches")
 
+# NxD Training's trainer.sequential_move_factor: how many ranks move the model to the device at once, which bounds
+# host memory at start-up where every rank first builds the whole model on the host. Here every rank builds on the
+# meta device and only ever materializes its own shard, so each holds only its shard on the host at every moment
+# and moving in groups bounds nothing: accepted when it is a positive integer, as NxD requires, and it changes
+# nothing (docs/launcher.md, Host memory).
+SEQUENTIAL_MOVE_FACTOR = "trainer.sequential_move_factor"
+
 # Keys whose effect nxdt-launch already has (or that only tune NxD's own implementation): ignoring them is safe.
 IGNORED: dict[str, str] = {
+    SEQUENTIAL_MOVE_FACTOR: "every rank holds only its own shard on the host (meta-device initialization), so "
+                            "moving the model to the device in groups bounds nothing",
     "model_source": "the architecture comes from model_config or model.architecture",
     "trainer.max_epochs": "training is step based (trainer.max_steps)",
     "trainer.check_val_every_n_epoch": "training is step based (trainer.val_check_interval)",
@@ -292,6 +301,11 @@ def map_file(path: str, group: str | None = None) -> Mapping:
         if top is not None and NEUTRAL.get(key, object()) != value:
             result.errors.append(f"{at}: {key} is not supported: {UNSUPPORTED[top]}")
             result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
+        elif key == SEQUENTIAL_MOVE_FACTOR and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            result.errors.append(f"{at}: {key}: {value!r} must be a positive integer (the ranks NxD Training moves "
+                                 f"to the device at a time), e.g. {key}: 11; or leave it out, it changes nothing "
+                                 f"here")
+            result.rows.append((key, value, "refused: not a positive integer"))
         elif stage != "training" and (key in FINE_TUNING_MAPPED or (weights and key == WEIGHTS_FROM)):
             target = FINE_TUNING_MAPPED.get(key, "training.model.restore_from_path")
             converted = value if key == WEIGHTS_FROM or value is None or isinstance(value, list) else [value]
