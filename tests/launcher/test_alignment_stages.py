@@ -19,6 +19,7 @@ from launcher.estimator import estimate
 from launcher.paths import group_choices
 from launcher.stages import STAGES
 from runtime.schema.training import parse_training
+from tests.estimate.host_fit import host_memory_problems
 from tests.recipe_data import write_tokenizer
 
 from .helpers import nxdt, resolved
@@ -225,6 +226,8 @@ def test_recipe_dry_runs_and_fits(recipe, tmp_path):
     memory = result.memory
     total = memory.total - ((memory.gradients + memory.optimizer) if lora else 0)  # frozen weights: none kept
     assert total <= result.hardware.usable_bytes, (recipe, total / GIB, result.hardware.usable_bytes / GIB)
+    # Host memory per node, against the cluster's nodes (LoRA: the frozen weights alone).
+    assert host_memory_problems(plan.cfg, "alignment", vocab_size=512 if "tiny" in recipe else 128256) == []
     sched = model["optim"]["sched"]
     assert sched["warmup_steps"] + sched["constant_steps"] <= trainer["max_steps"]
 

@@ -18,6 +18,7 @@ from launcher.estimator import estimate
 from launcher.paths import group_choices
 from launcher.stages import STAGES
 from runtime.schema.training import parse_training
+from tests.estimate.host_fit import host_memory_problems
 from tests.recipe_data import write_tokenizer
 
 from .helpers import REPO, nxdt, resolved
@@ -191,6 +192,8 @@ def test_recipe_dry_runs_and_fits(group, recipe, tmp_path):
         # (the adapters' are a few MiB).
         total -= memory.gradients + memory.optimizer
     assert total <= result.hardware.usable_bytes, (recipe, total / GIB, result.hardware.usable_bytes / GIB)
+    # Host memory per node, against the cluster's nodes (LoRA: the frozen weights alone).
+    assert host_memory_problems(plan.cfg, group, vocab_size=VOCAB[recipe.split("/")[0]]) == []
     sched = model["optim"]["sched"]
     assert sched["warmup_steps"] + sched["constant_steps"] <= trainer["max_steps"]
 

@@ -9,6 +9,7 @@ from launcher import cache, launch
 from launcher.estimator import estimate
 from launcher.paths import group_choices
 from runtime.config import load_training_config
+from tests.estimate.host_fit import host_memory_problems
 
 GIB = 2**30
 
@@ -147,6 +148,8 @@ def test_recipe_validates_fits_and_renders(recipe, recipe_launch):
     assert result.hardware.name == device
     assert result.fits, (f"{recipe}: {result.memory.total / GIB:.1f} GiB per device > "
                          f"{result.hardware.usable_bytes / GIB:.1f} GiB usable on {device}")
+    # Host memory per node: the workers' shards, staging, data and processes within the cluster's nodes.
+    assert host_memory_problems(plan.cfg, "training") == []
     # Warmup and constant phases fit in the run (the launcher checks this too; the schedules must make sense).
     sched = training["model"]["optim"]["sched"]
     assert sched["warmup_steps"] + sched["constant_steps"] <= trainer["max_steps"]
