@@ -44,15 +44,7 @@ class Target:
 
     @classmethod
     def of(cls, plan, local: str, param: torch.Tensor) -> "Target":
-        placement, rows = plan[local], {}
-        if placement.expert:
-            rows[0] = placement.experts.cpu()
-        if placement.sharded:
-            if placement.dim in rows:
-                raise ValueError(f"{local}: experts and its TP rows are both along dim 0, which checkpoints do "
-                                 f"not support")
-            rows[placement.dim] = placement.index.cpu()
-        return cls(tuple(param.shape), rows)
+        return cls(tuple(param.shape), plan.selection(local))
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         for dim, index in sorted(self.rows.items()):

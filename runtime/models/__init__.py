@@ -7,6 +7,7 @@ from torch.overrides import TorchFunctionMode
 
 from runtime.schema.model import ModelConfig, padded_vocab_size
 from runtime.models.gpt import GPTModel
+from runtime.models.init import materialize
 from runtime.models.llama import LlamaModel
 from runtime.models.transformer import CausalLM
 
@@ -39,16 +40,12 @@ def meta_model(cfg: ModelConfig) -> CausalLM:
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
-    """The full model in fp32 on CPU, initialized from cfg (including cfg.seed) and nothing else."""
-    # Build on the meta device and initialize once: nn.Linear's own init would draw from the global RNG and,
-    # for billion-parameter models, cost as much time as ours.
+    """The full model in fp32 on CPU, with the values cfg (and cfg.seed) define for it (runtime/models/init.py):
+    exactly the values every sharded layout materializes for its own part."""
     model = meta_model(cfg)
-    # What Module.to_empty(device="cpu") does, but allocated with torch.empty: to_empty's empty_like of a meta
-    # tensor runs a Python reference that imports sympy (seconds in every training process).
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
-    model.tie_weights()  # the allocation gives each module its own storage
-    model.init_weights()
+    materialize(model, model.init_rules(), cfg.seed)
     return model
 
 
-__all__ = ["CausalLM", "ModelConfig", "SkipFillsOnMeta", "build_model", "meta_model", "padded_vocab_size"]
+__all__ = ["CausalLM", "ModelConfig", "SkipFillsOnMeta", "build_model", "materialize", "meta_model",
+           "padded_vocab_size"]

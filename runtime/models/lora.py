@@ -1,5 +1,6 @@
-# LoRA (Hu et al., 2021): low-rank adapters beside the model's projections, applied to a built model the way
-# parallelism is (torchtitan style): build_model -> [load pretrained weights] -> apply_lora -> parallelize_model.
+# LoRA (Hu et al., 2021): low-rank adapters beside the model's projections, applied to the plain model the way
+# parallelism is (torchtitan style): meta_model -> apply_lora -> parallelize_model (which materializes the rank's
+# part, adapters included, and loads its part of the pretrained weights); or build_model -> load -> apply_lora.
 #
 # The base weights keep their names and places (`layers.0.attn.qkv.weight`), are frozen (requires_grad False, so
 # data parallelism gives them no gradient buffer and the optimizer no state) and stay bitwise what was loaded.
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models import SkipFillsOnMeta
+from runtime.models import SkipFillsOnMeta, materialize
+from runtime.models.init import Init
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import LoraConfig
 
@@ -40,6 +42,13 @@ class LoRA(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.placements: dict = {}  # set by tensor parallelism (ShardingPlan.collect reads it)
         self.enabled = True  # adapters_off: the base model alone (DPO's reference with LoRA)
+        self.seed: int | None = None  # what A is drawn from (apply_lora's seed; None: the model's)
+
+    def init_rules(self, prefix: str) -> dict[str, Init]:
+        """A_t uniform in +-1/sqrt(in) (PEFT's kaiming-uniform with a = sqrt(5)), B_t zero; read unsharded."""
+        rules = {f"{prefix}.A.{t}": Init("uniform", 1 / math.sqrt(a.shape[1]), seed=self.seed)
+                 for t, a in self.A.items()}
+        return rules | {f"{prefix}.B.{t}": Init("zeros") for t in self.B}
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (..., out) the base projection's output for input x (..., in): y plus the adapters' deltas."""
@@ -83,14 +92,14 @@ def projection_segments(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
 
 @torch.no_grad()
 def apply_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
-    """Freeze every weight of `model` (a CausalLM as build_model made it, pretrained or not) and add adapters on
-    `lora.target_modules`. A is drawn as PEFT does (kaiming-uniform, bound 1/sqrt(in)) from a generator seeded by
-    `seed`, in module order, on the full model: the same adapters whatever the layout. B starts at zero, so the
-    adapted model starts as the base model."""
+    """Freeze every weight of `model` (an unsharded CausalLM: built, pretrained or not, or still on the meta
+    device) and add adapters on `lora.target_modules`. A starts as PEFT's (kaiming-uniform, bound 1/sqrt(in)), B
+    at zero, so the adapted model starts as the base model; their values are defined like every parameter's
+    (LoRA.init_rules, runtime/models/init.py, from `seed`): the same adapters whatever the layout. On a meta model
+    they stay on meta until the sharded model is materialized."""
     cfg: ModelConfig = model.cfg
     for param in model.parameters():
         param.requires_grad_(False)
-    gen = torch.Generator(device="cpu").manual_seed(seed + 7919)  # not the base init's stream
     targets = set(lora.target_modules)
     for i, block in enumerate(model.layers):
         for path, segments in projection_segments(cfg).items():
@@ -100,16 +109,18 @@ def apply_lora(model: nn.Module, lora: LoraConfig, seed: int) -> nn.Module:
             parent_path, name = path.rsplit(".", 1)
             parent = block.get_submodule(parent_path)
             linear = getattr(parent, name)
-            A = {t: torch.empty(lora.rank, linear.in_features).uniform_(
-                -1 / math.sqrt(linear.in_features), 1 / math.sqrt(linear.in_features), generator=gen)
-                .to(linear.weight.dtype) for t, _ in chosen}
-            B = {t: torch.zeros(rows, lora.rank, dtype=linear.weight.dtype) for t, rows in chosen}
+            meta = dict(device="meta", dtype=linear.weight.dtype)  # values: materialize, from init_rules
+            A = {t: torch.empty(lora.rank, linear.in_features, **meta) for t, _ in chosen}
+            B = {t: torch.empty(rows, lora.rank, **meta) for t, rows in chosen}
             with SkipFillsOnMeta():  # its own weight and bias are replaced by the base layer's just below
                 adapted = LoRALinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                      device="meta")
             adapted.weight, adapted.bias = linear.weight, linear.bias
-            adapted.lora = LoRA(segments, A, B, lora.scale, lora.dropout).to(linear.weight.device)
+            adapted.lora = LoRA(segments, A, B, lora.scale, lora.dropout)
+            adapted.lora.seed = seed
             setattr(parent, name, adapted)
+    if not next(model.parameters()).is_meta:  # a built model: its adapters get their values now
+        materialize(model, model.init_rules(), seed)
     return model
 
 

@@ -126,7 +126,7 @@ class SparseMoE(nn.Module):
         self.aux_scale = 1.0  # the train step sets it: how a micro-batch's loss is weighted in the global batch
         self.stats: dict[str, torch.Tensor] = {}  # the last forward's
         self._totals: list[dict[str, torch.Tensor]] = []  # every training forward's since step_stats read them
-        # A usable module on its own; in a model, CausalLM.init_weights draws every weight again from its seed.
+        # A usable module on its own; in a model, its values come from CausalLM.init_rules (runtime/models/init.py).
         for weight in (self.gate_up, self.down):
             nn.init.normal_(weight, std=0.02)
 

@@ -2,13 +2,15 @@
 # gpt.py and llama.py only choose the parts; initialization lives here so it is one code path for both.
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from runtime.schema.model import ModelConfig
-from runtime.models.layers import Block, RotaryEmbedding, SequenceLayout, TokenCrossEntropy
+from runtime.models.init import Init
+from runtime.models.layers import Block, SequenceLayout, TokenCrossEntropy
 from runtime.models.moe import SparseMoE
 
 # Linears that write into the residual stream get Megatron's scaled init, std / sqrt(2 * num_layers),
@@ -77,40 +79,38 @@ class CausalLM(nn.Module):
         if self.cfg.share_embeddings_and_output_weights:
             self.output.weight = self.embed.word.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialize every parameter from cfg.seed alone, in module order, on a private generator.
-
-        The full (unsharded) model is always initialized first and parallelism slices it afterwards, so the
-        weights are identical whatever the tp/pp/dp layout; the global RNG is left untouched.
-        """
-        gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
+    def init_rules(self) -> dict[str, Init]:
+        """How every parameter starts (runtime/models/init.py), by full name; read on the unsharded model (on the
+        meta device or not). Linears and embeddings are normal(init_method_std), the residual-stream outputs
+        normal(std / sqrt(2 * num_layers)), norms one, biases zero. A tied output head takes the embedding's
+        values; a module with its own `init_rules(prefix)` (LoRA adapters) names its parameters' rules."""
         std = self.cfg.init_method_std
-        scaled_std = std / math.sqrt(2.0 * self.cfg.num_layers)
-        done: set[int] = set()  # a tied weight is initialized once, by the embedding that comes first
-
-        def normal_(param: torch.Tensor, sigma: float) -> None:
-            if id(param) not in done:
-                done.add(id(param))
-                # Draw on CPU in fp32 then copy, so the values do not depend on the target device or dtype.
-                param.copy_(torch.empty(param.shape).normal_(0.0, sigma, generator=gen))
-
-        for name, module in self.named_modules():
+        scaled = Init("normal", std / math.sqrt(2.0 * self.cfg.num_layers))
+        rules: dict[str, Init] = {}
+        first: dict[int, str] = {}  # a parameter under two names takes its first name's values
+        for name, param in self.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        for prefix, module in self.named_modules():
+            local: dict[str, Init] = {}
+            if hasattr(module, "init_rules") and module is not self:
+                rules.update(module.init_rules(prefix))
+                continue
             if isinstance(module, nn.Linear):
-                normal_(module.weight, scaled_std if name.endswith(_RESIDUAL_OUTPUT_NAMES) else std)
-                if module.bias is not None:
-                    module.bias.zero_()
+                local["weight"] = scaled if prefix.endswith(_RESIDUAL_OUTPUT_NAMES) else Init("normal", std)
+                local["bias"] = Init("zeros")
             elif isinstance(module, nn.Embedding):
-                normal_(module.weight, std)
-            elif isinstance(module, RotaryEmbedding):
-                module.reset_parameters()
-            elif isinstance(module, SparseMoE):  # its router is an nn.Linear, drawn next as a child module
-                normal_(module.gate_up, std)
-                normal_(module.down, scaled_std)
-            elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
-                module.weight.fill_(1.0)  # LayerNorm / RMSNorm
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                local["weight"] = Init("normal", std)
+            elif isinstance(module, SparseMoE):  # its router is an nn.Linear, named as a child module
+                local["gate_up"], local["down"] = Init("normal", std), scaled
+            elif getattr(module, "weight", None) is not None and module.weight.dim() == 1:
+                local["weight"], local["bias"] = Init("ones"), Init("zeros")  # LayerNorm / RMSNorm
+            for key, init in local.items():
+                param = module._parameters.get(key)
+                if param is not None:
+                    name = f"{prefix}.{key}" if prefix else key
+                    owner = first[id(param)]
+                    rules[name] = init if owner == name else dataclasses.replace(rules[owner], name=owner)
+        return rules
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

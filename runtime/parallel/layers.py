@@ -1,5 +1,6 @@
-# Tensor-parallel replacements for the model's leaves, each built FROM the full, already initialized module by
-# slicing, so a sharded model starts from exactly the weights of the unsharded one.
+# Tensor-parallel replacements for the model's leaves, each built FROM the full module by slicing: on the meta
+# device (training: only shapes are sliced, and runtime/models/init.py materializes this rank's part afterwards)
+# or with values (a built model), so a sharded model starts from exactly the weights of the unsharded one.
 #
 # Each layer declares where its parameters sit in the unsharded model in `placements` (local name -> Placement);
 # parallelize collects them into the model's ShardingPlan (runtime/parallel/plan.py), which is what data
@@ -59,7 +60,7 @@ def column_parallel_lora(lora: LoRA | None, axis: AxisGroup, local_rows: dict[st
         placements[f"A.{target}"] = Placement(partial_grad=True)
     segments = [(t, local_rows.get(t, rows // axis.size)) for t, rows in lora.segments]
     sharded = LoRA(segments, {t: a.data for t, a in A.items()}, {t: b.data for t, b in B.items()}, lora.scale, 0.0)
-    sharded.dropout, sharded.placements = lora.dropout, placements
+    sharded.dropout, sharded.placements, sharded.seed = lora.dropout, placements, lora.seed
     return sharded
 
 
@@ -76,7 +77,7 @@ def row_parallel_lora(lora: LoRA | None, axis: AxisGroup) -> LoRA | None:
         placements[f"B.{target}"] = Placement(partial_grad=True)
     sharded = LoRA(lora.segments, {t: a.data for t, a in A.items()}, {t: b.data for t, b in B.items()},
                    lora.scale, 0.0)
-    sharded.dropout, sharded.placements = lora.dropout, placements
+    sharded.dropout, sharded.placements, sharded.seed = lora.dropout, placements, lora.seed
     return sharded
 
 

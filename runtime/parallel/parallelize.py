@@ -1,16 +1,18 @@
 # Apply parallelism to a plain model from runtime/models, in place and in a fixed order (torchtitan style):
 # tensor parallelism (+ sequence parallelism), expert parallelism (MoE blocks), context parallelism (ring or
-# Ulysses attention), activation checkpointing, the pipeline split, the move to the device, then data parallelism
-# (flat buffers, gradient reduction, ZeRO-1 ownership). The result carries its ShardingPlan
-# (`model.sharding_plan`), the one record of where every parameter's values live.
+# Ulysses attention), activation checkpointing, the pipeline split, materializing this rank's part (a model built
+# on the meta device), the move to the device, then data parallelism (flat buffers, gradient reduction, ZeRO-1
+# ownership). The result carries its ShardingPlan (`model.sharding_plan`), the one record of where every
+# parameter's values live.
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.models.init import materialize
 from runtime.models.layers import Block, GeluMLP, SwiGLU
 from runtime.models.moe import SparseMoE
 from runtime.schema import rules
@@ -30,9 +32,15 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
                       recompute_modules: Sequence[str] = ("core_attention",),
                       virtual_pp: int | None = None, device: torch.device | str | None = None,
                       data_parallel: DataParallelConfig | None = None, context: str = "ring",
-                      attention_kernels=None) -> nn.Module:
-    """Shard `model` (built full and initialized by build_model) for this rank's place in `topo`; returns it,
-    with its ShardingPlan as `sharding_plan`.
+                      attention_kernels=None,
+                      starting_weights: Callable[[nn.Module, ShardingPlan], None] | None = None,
+                      shapes_only: bool = False) -> nn.Module:
+    """Shard `model` for this rank's place in `topo`; returns it, with its ShardingPlan as `sharding_plan`.
+
+    `model` is either on the meta device (meta_model, maybe with LoRA adapters): then only shapes are sharded,
+    and this rank's parameters are materialized last, on the host, from the model's init rules
+    (runtime/models/init.py), so nothing but the rank's own part ever exists here; or built (build_model): then
+    its values are sliced. Either way a layout starts from exactly the values of one process.
 
     sequence_parallel: Megatron's sequence parallelism (only meaningful with tp > 1).
     activation_checkpointing: None, 'full' (recompute every transformer layer) or 'selective' (recompute the
@@ -43,6 +51,10 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     data_parallel: apply data parallelism last (runtime/parallel/data_parallel.py); the optimizer needs it.
     context: how attention crosses a context group of more than one rank (topo.cp): 'ring' or 'ulysses'.
     attention_kernels: runtime.device.flash_attention_kernels for ring attention's blocks (None: spelled-out math).
+    starting_weights(model, plan): fills the materialized parameters with pretrained values, each from its own
+    selection (runtime/finetune.py), before the move to the device and data parallelism's copies.
+    shapes_only: return a meta model's shard still on the meta device (what the rank would hold, allocated by
+    nothing: sizes at any scale); device and data_parallel must then be None.
     """
     problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
                                                  activation_checkpointing)]
@@ -51,6 +63,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if any(problems):
         raise ValueError(next(p for p in problems if p))
     recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
+    seed = model.cfg.seed
+    rules = model.init_rules() if any(p.is_meta for p in model.parameters()) else None  # read unsharded
     plan = ShardingPlan(topo.tp.size)
     if topo.tp.size > 1:
         plan = apply_tensor_parallel(model, topo.tp, sequence_parallel=sequence_parallel)
@@ -70,6 +84,13 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
         model = split_into_stages(model, topo, plan, virtual_pp=virtual_pp, sequence_parallel=sequence_parallel)
         plan.keep_only(name for name, _ in model.named_parameters(remove_duplicate=False))
     model.sharding_plan = plan
+    if shapes_only:
+        assert device is None and data_parallel is None, "a shapes-only shard is not moved or data-parallelized"
+        return model
+    if rules is not None:
+        materialize(model, rules, seed, plan.where)
+    if starting_weights is not None:
+        starting_weights(model, plan)
     if device is not None:
         model = model.to(device)
         # Moving to an XLA device makes new Parameters module by module, silently untying a shared embedding.

@@ -100,6 +100,22 @@ class ShardingPlan:
             shape[0] = placement.num_experts
         return tuple(shape)
 
+    def selection(self, name: str) -> dict[int, torch.Tensor]:
+        """Which of the full tensor's indices this rank holds, per dim it does not hold whole: experts along
+        dim 0, the TP shard's rows along its dim. The local tensor is the full one indexed by these, dim by dim."""
+        placement, rows = self[name], {}
+        if placement.expert:
+            rows[0] = placement.experts.cpu()
+        if placement.sharded:
+            if placement.dim in rows:
+                raise ValueError(f"{name}: experts and its TP rows are both along dim 0, which is not supported")
+            rows[placement.dim] = placement.index.cpu()
+        return rows
+
+    def where(self, name: str, param: torch.Tensor) -> tuple[str, tuple[int, ...], dict[int, torch.Tensor]]:
+        """(full name, full shape, selection): what runtime/models/init.py materializes a local parameter from."""
+        return self.full_name(name), self.full_shape(name, param), self.selection(name)
+
     def tp_copies(self, name: str) -> int:
         """How many TP ranks hold this exact value (what a global norm divides a replicated square by)."""
         copies = self[name].tp_copies

@@ -218,6 +218,17 @@ class Topology:
                                                           group=group))
         return cls(dims=dims, rank=rank, **mine)
 
+    @classmethod
+    def offline(cls, dims: ParallelDims, rank: int) -> "Topology":
+        """Rank `rank`'s place in `dims` with no process groups: enough to shard a model on the meta device and
+        see what that rank would hold (sizes, tests) without starting the other ranks. Collectives fail on it."""
+        coords = {**rank_coords(rank, dims), **expert_coords(rank, dims), **context_coords(rank, dims)}
+        mine = {}
+        for axis in AXES + (EXPERT_AXES if dims.ep > 1 else ()) + ((CONTEXT_AXIS,) if dims.cp > 1 else ()):
+            ranks = next(r for r in rank_groups(dims, axis) if rank in r)
+            mine[axis] = AxisGroup(rank=coords[axis], size=len(ranks), ranks=tuple(ranks), group=None)
+        return cls(dims=dims, rank=rank, **mine)
+
     @property
     def world_size(self) -> int:
         return self.dims.world_size
