@@ -1,7 +1,8 @@
-# What the fine_tuning and peft stages add to a freshly built model before parallelism: the starting weights
-# (model.restore_from_path: a Hugging Face directory or a checkpoint of ours, read by runtime/convert/pretrained.py)
-# and LoRA adapters. One place, used by training, evaluation and conversion, so the three rebuild the same model
-# from the same config.
+# What the fine_tuning and peft stages add to the model: the starting weights (model.restore_from_path: a Hugging
+# Face directory or a checkpoint of ours, read by runtime/convert/pretrained.py) and LoRA adapters. One place, used
+# by training, evaluation and conversion, so the three rebuild the same model from the same config. Training adds
+# the adapters to the meta model and loads each rank's own selection of the starting weights into its materialized
+# shard (parallelize_model's starting_weights); evaluation and conversion load a built, unsharded model.
 #
 # A LoRA run's checkpoints hold only what trains (the adapters and their optimizer state, see
 # runtime/checkpoint/shards.py: data parallelism owns trainable parameters only), so every reader of such a
@@ -11,20 +12,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.models.lora import apply_lora
+from runtime.models.lora import apply_lora, is_adapter
+from runtime.parallel.plan import ShardingPlan
 from runtime.schema.training_config import LoraConfig
 
 
 @torch.no_grad()
-def load_pretrained(model: nn.Module, path: str) -> None:
-    """Copy the weights at `path` into `model` (built by build_model, not yet parallelized), in place."""
-    from runtime.convert.pretrained import read_pretrained  # deferred: conversion pulls safetensors
+def load_pretrained(model: nn.Module, path: str, plan: ShardingPlan | None = None) -> None:
+    """Copy the weights at `path` into `model`, in place: a built, unsharded model (plan None), or a rank's
+    materialized shard of one (parallelize_model's starting_weights), each parameter from its own selection of
+    the full tensor, one at a time (runtime/convert/pretrained.py read_selected). LoRA adapters keep their
+    initial values."""
+    from runtime.convert.pretrained import read_selected  # deferred: conversion pulls safetensors
 
-    state = read_pretrained(path, model.cfg)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, tensor in state.items():
-        if name in params:
-            params[name].copy_(tensor.to(params[name].dtype))
+    plan = plan or ShardingPlan()
+    tied = model.cfg.share_embeddings_and_output_weights
+    params, targets = {}, {}
+    for local, param in model.named_parameters():  # each parameter once, under its first name
+        full = plan.full_name(local)
+        if is_adapter(full):
+            continue
+        params[local] = param
+        targets[local] = ("embed.word.weight" if tied and full == "output.weight" else full, plan.selection(local))
+    for local, tensor in read_selected(path, model.cfg, targets):
+        params[local].copy_(tensor)
 
 
 def prepare_for_fine_tuning(model: nn.Module, *, restore_from_path: str | None, lora: LoraConfig | None,
@@ -37,15 +48,37 @@ def prepare_for_fine_tuning(model: nn.Module, *, restore_from_path: str | None, 
     return model
 
 
-def prepare_from_config(model: nn.Module, training: dict) -> nn.Module:
-    """The same from a checkpoint's saved config (evaluation, conversion): a LoRA run's base and adapters.
-    Only a LoRA checkpoint needs the starting weights: a full fine-tuning checkpoint holds every weight."""
+def fine_tuning_of(training: dict) -> tuple[str | None, LoraConfig | None, int]:
+    """(model.restore_from_path, LoRA, seed) from a checkpoint's saved training config."""
     from runtime.schema.reader import Report, Section
     from runtime.schema.training import parse_lora
 
     model_section = training.get("model") or {}
     lora = parse_lora(Section(model_section, "model", Report()), model_section.get("architecture"), "")
+    return model_section.get("restore_from_path"), lora, int(model_section.get("seed", 1234))
+
+
+def prepare_from_config(model: nn.Module, training: dict) -> nn.Module:
+    """The same from a checkpoint's saved config (evaluation, conversion): a LoRA run's base and adapters.
+    Only a LoRA checkpoint needs the starting weights: a full fine-tuning checkpoint holds every weight.
+    A meta model gets its adapters only; its base comes from checkpoint_start's starting weights."""
+    restore, lora, seed = fine_tuning_of(training)
     if lora is None:
         return model
-    return prepare_for_fine_tuning(model, restore_from_path=model_section.get("restore_from_path"), lora=lora,
-                                   seed=int(model_section.get("seed", 1234)))
+    if next(model.parameters()).is_meta:
+        return apply_lora(model, lora, seed)
+    return prepare_for_fine_tuning(model, restore_from_path=restore, lora=lora, seed=seed)
+
+
+def starting_weights(path: str | None):
+    """parallelize_model's starting_weights: each rank's part of the weights at `path` (None: none)."""
+    if not path:
+        return None
+    return lambda model, plan: load_pretrained(model, str(path), plan)
+
+
+def checkpoint_start(training: dict):
+    """What a checkpoint's model needs before the checkpoint is loaded into it, as parallelize_model's
+    starting_weights: a LoRA run's base (its checkpoint holds the adapters only), else nothing."""
+    restore, lora, _ = fine_tuning_of(training)
+    return starting_weights(restore) if lora is not None else None

@@ -8,7 +8,8 @@ and, for a quick look on a laptop, a single process without torchrun:
 
     python -m runtime.train --config training_config.yaml
 
-Order of work: device and process group -> topology (tp x dp x pp) -> model built whole, then parallelized ->
+Order of work: device and process group -> topology (tp x dp x pp) -> model on the meta device, parallelized, and
+only this rank's part materialized (and filled with the starting weights' same part) ->
 distributed optimizer -> data (sample indices built once, by local rank 0) -> resume from the newest complete
 checkpoint -> the step loop with the learning rate schedule, periodic validation, metrics and checkpoints.
 A mistake in the config ends the run with one `error: ...` line and exit code 2.
@@ -30,11 +31,12 @@ from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import Device, flash_attention_kernels, init_device, shutdown
-from runtime.finetune import prepare_for_fine_tuning
+from runtime.finetune import starting_weights
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, model_flops_per_token, peak_tflops
 from runtime.micro_batch import MicroBatch
-from runtime.models import build_model
+from runtime.models import meta_model
+from runtime.models.lora import apply_lora
 from runtime.models.moe import step_stats
 from runtime.optim_schedule import LRSchedule
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
@@ -239,9 +241,11 @@ def train(cfg: TrainingConfig, device: Device) -> None:
 def _train(cfg: TrainingConfig, device: Device) -> None:
     topo = build_topology(cfg, device)
     device.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
-    # Fine-tuning: the starting weights (model.restore_from_path) and LoRA adapters, before any sharding.
-    prepare_for_fine_tuning(model, restore_from_path=cfg.restore_from_path, lora=cfg.lora, seed=cfg.seed)
+    # On the meta device: shapes only. parallelize_model materializes this rank's part alone (its TP slices, its
+    # stage's layers, its experts, its adapters) and fills it with the starting weights' same part, if any.
+    model = meta_model(cfg.model)
+    if cfg.lora is not None:
+        apply_lora(model, cfg.lora, cfg.seed)
     if device.is_main and (cfg.restore_from_path or cfg.lora):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"fine-tuning from {cfg.restore_from_path or 'random init'}: {trainable:,} of "
@@ -260,6 +264,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                                          overlap_param_gather=cfg.parallel.overlap_param_gather),
         context=cfg.parallel.context_kind,
         attention_kernels=flash_attention_kernels,
+        starting_weights=starting_weights(cfg.restore_from_path),
     )
     optimizer = ShardedAdamW(model, cfg.optim)
     train_batches, valid_batches = build_data(cfg, topo, device)
@@ -323,7 +328,9 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
             done = step + 1
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
                                 memory_gib=device.memory_gib(),
-                                extra={**result.metrics, **step_stats(model, report=metrics.should_log(done))})
+                                extra={**result.metrics, **step_stats(model, report=metrics.should_log(done)),
+                                       **(memory_peaks(device, cfg.trainer.devices) if metrics.should_log(done)
+                                          else {})})
             if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
                                               or done == cfg.trainer.max_steps):
                 val_loss, val_metrics = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo,
@@ -346,6 +353,24 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         if watch is not None:
             watch.close()
         metrics.close()
+
+
+def memory_peaks(device: Device, devices_per_node: int) -> dict:
+    """At a logged step (every rank calls it there): the highest rank's peak host RSS and which rank, the busiest
+    node's total (its ranks' peaks summed: what the node's memory must hold), and the highest device peak where the
+    device reports one. One small all-reduce of a row per rank."""
+    table = torch.zeros(device.world_size, 2)
+    table[device.rank, 0] = device.host_peak_gib()
+    table[device.rank, 1] = device.device_peak_gib() or 0.0
+    table = C.all_reduce_world(table.to(device.torch_device)).cpu()
+    host = table[:, 0]
+    per_node = max(1, min(devices_per_node, device.world_size))
+    nodes = torch.nn.functional.pad(host, (0, -len(host) % per_node)).view(-1, per_node).sum(dim=1)
+    peaks = {"host_peak_gib": float(host.max()), "host_peak_rank": int(host.argmax()),
+             "node_host_peak_gib": float(nodes.max())}
+    if device.device_peak_gib() is not None:
+        peaks["device_peak_gib"] = float(table[:, 1].max())
+    return peaks
 
 
 def _draw(results_dir: str) -> None:

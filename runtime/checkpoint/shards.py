@@ -168,6 +168,10 @@ class FullTensors:
         pieces = self._pieces.get((self._resolve(name, key), key))
         return tuple(pieces[0]["full_shape"]) if pieces else None
 
+    def dtype(self, name: str, key: str = "value") -> torch.dtype | None:
+        pieces = self._pieces.get((self._resolve(name, key), key))
+        return pieces[0][key].dtype if pieces else None
+
     def fill(self, name: str, target: Target, lo: int, hi: int, outs: dict) -> None:
         """As RangedSource.fill, from the whole tensor (cut for each target: fine for the small checkpoints of
         format 1 and for imports; new checkpoints load by range)."""

@@ -17,8 +17,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 import yaml
 
 from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint, write_full_checkpoint
@@ -69,12 +71,12 @@ def export(cfg: ConversionConfig) -> Path:
         return out
     full = full_tensors(read_rank_files(storage, checkpoint))
     names = set(state_shapes(model_cfg))
-    state = {name: full.get(name, "value") for name in names
-             if full.has(name, "value") or not (model_cfg.share_embeddings_and_output_weights and name in TIED)}
-    missing = sorted(n for n, t in state.items() if t is None)
+    tied = model_cfg.share_embeddings_and_output_weights
+    missing = sorted(n for n in names if not full.has(n, "value") and not (tied and n in TIED))
     if missing:
         raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} lacks {', '.join(missing[:3])}: it was saved "
                          f"from a different model")
+    state = _Weights(full, sorted(n for n in names if full.has(n, "value")))
 
     def finish(directory: Path) -> None:
         if cfg.include_optimizer:
@@ -124,6 +126,26 @@ def _export_lora(cfg: ConversionConfig, lora: LoraConfig, training: dict, model_
 
     weights = base if cfg.lora == "adapter" else merge_lora({**base, **trained}, model_cfg, lora.scale)
     save_hf_directory(out, weights, model_cfg, tokenizer, overwrite=True, also=finish)
+
+
+class _Weights(Mapping):
+    """A checkpoint's full weights under our names, each assembled from the mapped rank files when it is read:
+    the export reads each once, so it holds one full tensor at a time, never the model."""
+
+    def __init__(self, full, names: list[str]):
+        self._full, self._names = full, names
+        self.dtype = full.dtype("embed.word.weight", "value")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._full.get(name, "value")
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _provenance(out: Path) -> dict | None:

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from runtime.io.files import replace_directory
 from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, tokenizer_vocab_size
@@ -124,12 +125,7 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
 
 def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """Our full state -> (HF state dict, config.json dict). Tied models store the embedding once."""
-    if cfg.architecture == "gpt" and cfg.kv_heads != cfg.num_attention_heads:
-        raise ValueError(f"model.num_query_groups={cfg.num_query_groups}: GPT2LMHeadModel has no grouped-query "
-                         f"attention; only num_query_groups = num_attention_heads ({cfg.num_attention_heads}) "
-                         "or null can be exported")
-    if cfg.moe is not None:
-        _check_mixtral(cfg.moe)
+    _check_exportable(cfg)
     shapes, state = state_shapes(cfg), dict(full_state)
     tied = cfg.share_embeddings_and_output_weights
     output = state.pop("output.weight", None) if tied else None  # a tied model may list it or not
@@ -148,6 +144,20 @@ def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
     for rule in _rules(cfg):
         hf.update({name: _own(part) for name, part in zip(rule.hf, _split(rule, state[rule.ours]), strict=True)})
     return hf, _hf_config(cfg, embedding.dtype)
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    if cfg.architecture == "gpt" and cfg.kv_heads != cfg.num_attention_heads:
+        raise ValueError(f"model.num_query_groups={cfg.num_query_groups}: GPT2LMHeadModel has no grouped-query "
+                         f"attention; only num_query_groups = num_attention_heads ({cfg.num_attention_heads}) "
+                         "or null can be exported")
+    if cfg.moe is not None:
+        _check_mixtral(cfg.moe)
+
+
+def _tied_head(cfg: ModelConfig, name: str) -> bool:
+    """A tied model's output.weight: the embedding under a second name, which HF stores once."""
+    return cfg.share_embeddings_and_output_weights and name == "output.weight"
 
 
 def _check_mixtral(moe: MoEConfig) -> None:
@@ -284,17 +294,27 @@ _SPECIAL_TOKENS = {  # the first of each that the tokenizer has; GPT-2 uses <|en
 }
 
 
-def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Tensor], cfg: ModelConfig,
+def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
                       tokenizer_path: str | None, *, overwrite: bool = False,
                       max_shard_bytes: int = _SHARD_BYTES, also: Callable[[Path], None] | None = None) -> Path:
     """Write a directory `from_pretrained` loads. It appears whole or not at all (written beside, then renamed);
-    `also(directory)` adds more files to it before it appears."""
+    `also(directory)` adds more files to it before it appears. `full_state` may be lazy (a Mapping that
+    assembles each tensor when it is read, as the conversion stage's export passes): each is read once."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"out_dir {str(out)!r} is not empty; pass overwrite=True to replace it")
-    hf_state, config = to_hf(full_state, cfg)
+    _check_exportable(cfg)
+    _check_names({n: None for n in full_state.keys() if not _tied_head(cfg, n)},
+                 {n: None for n in state_shapes(cfg) if not _tied_head(cfg, n)}, "full state")
+    dtype = getattr(full_state, "dtype", None) or full_state["embed.word.weight"].dtype
+    if cfg.share_embeddings_and_output_weights and isinstance(full_state, dict) and "output.weight" in full_state:
+        output, embedding = full_state["output.weight"], full_state["embed.word.weight"]
+        if output is not embedding and not torch.equal(output, embedding):
+            raise ValueError("full state output.weight differs from embed.word.weight although "
+                             "model.share_embeddings_and_output_weights is true")
+    config = _hf_config(cfg, dtype)
     tokenizer = _read_json(Path(tokenizer_path), "tokenizer_path") if tokenizer_path else None
     specials = _special_tokens(tokenizer) if tokenizer else {}
     for key, token in specials.items():
@@ -305,7 +325,7 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Te
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from everyone else on a shared filesystem
         _write_json(tmp / "config.json", config)
-        _write_weights(tmp, hf_state, max_shard_bytes)
+        _write_weights(tmp, cfg, full_state, dtype, max_shard_bytes)
         if tokenizer_path:
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
             _write_json(tmp / "tokenizer_config.json", {
@@ -323,28 +343,55 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: dict[str, torch.Te
     return out
 
 
-def _write_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                   max_shard_bytes: int) -> None:
+    """Our tensors -> HF safetensors files (sharded like transformers, with an index), written tensor by tensor:
+    every file's header is known from the config's shapes before any tensor is read, so each of our tensors is
+    read from `state` once (a lazy mapping assembles it then), split into its HF parts, written at its offsets
+    and dropped. Peak memory is one of our tensors and its parts, not the model. safetensors' own writer takes a
+    whole file's tensors at once, hence this one (the format: safetensors_file.py); safe_open and transformers
+    read its files (tests/convert/test_streamed_export.py holds them against save_file's, tensor for tensor)."""
+    shapes, width = state_shapes(cfg), torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple[_Rule, list[tuple[str, tuple]]]]] = [[]]
     size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for rule in _rules(cfg):
+        parts = [(name, tuple(shape)) for name, shape in zip(rule.hf, _hf_shapes(rule, shapes[rule.ours]))]
+        nbytes = sum(math.prod(shape) * width for _, shape in parts)
+        if shards[-1] and size + nbytes > max_shard_bytes:  # a rule's parts stay in one file
+            shards.append([])
             size = 0
-        shards[-1][name] = tensor
+        shards[-1].append((rule, parts))
         size += nbytes
-    metadata = {"format": "pt"}  # transformers checks for it
-    if len(shards) == 1:
-        save_file(shards[0], directory / "model.safetensors", metadata=metadata)
-        return
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / file, metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total},
-                                                             "weight_map": weight_map})
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0  # transformers checks for the format
+        for _, parts in shard:
+            for name, shape in parts:
+                end = offset + math.prod(shape) * width
+                header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+                offset = end
+                weight_map[name] = file
+        total += offset
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        with open(directory / file, "wb") as out:
+            out.write(len(text).to_bytes(8, "little") + text)
+            for rule, parts in shard:
+                tensor = state[rule.ours]
+                if tuple(tensor.shape) != tuple(shapes[rule.ours]) or tensor.dtype != dtype:
+                    raise ValueError(f"full state {rule.ours} is {tuple(tensor.shape)} {tensor.dtype}; the model "
+                                     f"config implies {tuple(shapes[rule.ours])} {dtype}")
+                for part in _split(rule, tensor):
+                    out.write(part.contiguous().view(torch.uint8).numpy().tobytes())
+                del tensor
+    if len(files) > 1:
+        _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                                 "weight_map": weight_map})
 
 
 def _special_tokens(tokenizer: dict) -> dict[str, str]:
@@ -402,6 +449,105 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
             return state
     raise ValueError(f"{str(directory)!r} has no weights: expected model.safetensors, "
                      "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
+
+
+class SlicedReader:
+    """Our tensors, or any selection of them, read straight from a Hugging Face directory's safetensors files:
+    each HF part is opened lazily (safe_open) and only the rows or columns a selection needs are read, so a rank
+    reading its TP shard of a fused QKV reads its q, k and v rows and nothing else. `available` is False when the
+    directory is not this (reading only) path's case: .bin weights, or names other than transformers' current
+    on-disk ones (prefix-less GPT-2, 5.x's fused Mixtral experts); read_pretrained then loads it whole."""
+
+    def __init__(self, directory: str | os.PathLike, cfg: ModelConfig):
+        from safetensors import safe_open
+
+        self.directory, self.cfg = Path(directory), cfg
+        self._open, self._handles = safe_open, {}
+        self._rules = {rule.ours: rule for rule in _rules(cfg)}
+        self.files = self._files()
+        names = {name for rule in self._rules.values() for name in rule.hf}
+        self.available = self.files is not None and names <= set(self.files)
+
+    def _files(self) -> dict[str, Path] | None:
+        problems = hf_weights_problems(self.directory)  # headers only, before any tensor is read
+        if problems:
+            raise ValueError(f"{problems[0]}; re-download it or use a complete copy")
+        if (self.directory / "model.safetensors").is_file():
+            return {name: self.directory / "model.safetensors"
+                    for name in self._handle(self.directory / "model.safetensors").keys()}
+        if (self.directory / "model.safetensors.index.json").is_file():
+            index = _read_json(self.directory / "model.safetensors.index.json", "model.safetensors.index.json")
+            return {name: self.directory / file for name, file in index.get("weight_map", {}).items()}
+        return None
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._open(str(file), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
+        return self._handles[file]
+
+    def _slice(self, hf_name: str):
+        return self._handle(self.files[hf_name]).get_slice(hf_name)
+
+    def check(self) -> None:
+        """Every HF tensor the config implies has the shape it implies (from the headers alone)."""
+        shapes = state_shapes(self.cfg)
+        for ours, rule in self._rules.items():
+            for name, want in zip(rule.hf, _hf_shapes(rule, shapes[ours]), strict=True):
+                have = tuple(self._slice(name).get_shape())
+                if have != tuple(want):
+                    raise ValueError(f"holds {name} (our {ours}) with shape {have} but the model config makes "
+                                     f"{tuple(want)}")
+
+    def read(self, ours: str, select: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Our tensor `ours` (a tied output head: the embedding) at `select` (dim -> full indices)."""
+        if ours == "output.weight" and self.cfg.share_embeddings_and_output_weights:
+            ours = "embed.word.weight"
+        rule, select = self._rules[ours], dict(select or {})
+        per_matrix = len(rule.rows) or 1
+        if rule.experts:
+            experts = select.pop(0, torch.arange(rule.experts)).tolist()
+            select = {dim - 1: index for dim, index in select.items()}
+            return torch.stack([self._matrix(rule, rule.hf[e * per_matrix:(e + 1) * per_matrix], select)
+                                for e in experts])
+        return self._matrix(rule, rule.hf, select)
+
+    def _matrix(self, rule: _Rule, parts: tuple[str, ...], select: dict) -> torch.Tensor:
+        """One of our matrices (or vectors): the row-wise concatenation of `parts`, transposed if the rule says,
+        read at `select` (at most one dim)."""
+        if len(select) > 1:
+            raise ValueError(f"{rule.ours}: a selection along more than one dim of a matrix is not supported")
+        dim, index = next(iter(select.items())) if select else (None, None)
+        if dim is not None and rule.transpose:
+            dim = 1 - dim  # the dim of the stored (pre-transpose) matrix
+        pieces = []
+        if dim == 0:  # rows: each part gives the selected rows that fall in it
+            out, start = None, 0
+            for name, rows in zip(parts, rule.rows or (None,)):
+                part = self._slice(name)
+                rows = rows or part.get_shape()[0]
+                inside = torch.nonzero((index >= start) & (index < start + rows)).flatten()
+                if inside.numel():
+                    wanted = index[inside] - start
+                    lo, hi = int(wanted.min()), int(wanted.max()) + 1
+                    block = part[lo:hi].index_select(0, wanted - lo)
+                    if out is None:
+                        out = block.new_empty((index.numel(), *block.shape[1:]))
+                    out[inside] = block
+                start += rows
+            matrix = out
+        else:
+            for name in parts:
+                part = self._slice(name)
+                if dim == 1:
+                    lo, hi = int(index.min()), int(index.max()) + 1
+                    pieces.append(part[:, lo:hi].index_select(1, index - lo))
+                else:
+                    pieces.append(part[:])
+            matrix = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return matrix.t().contiguous() if rule.transpose else matrix
 
 
 def _read_json(path: Path, what: str) -> dict:

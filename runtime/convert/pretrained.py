@@ -1,15 +1,21 @@
 # Reading a model's starting weights (model.restore_from_path): a Hugging Face directory, imported on the fly, or a
-# checkpoint of ours, weights only; the whole tensors under our parameter names, checked against the config's
-# shapes. Conversion owns it because both sources are formats it converts; fine-tuning (runtime/finetune.py) and
-# the LoRA export (peft.py) read starting weights through it, so the two cannot disagree about them.
+# checkpoint of ours, weights only; under our parameter names, checked against the config's shapes. Conversion owns
+# it because both sources are formats it converts; fine-tuning (runtime/finetune.py) and the LoRA export (peft.py)
+# read starting weights through it, so the two cannot disagree about them.
+#
+# read_selected is what a training rank uses: each of its parameters' selection of the full tensor (its TP rows,
+# its experts), read one tensor at a time. From safetensors only those rows or columns are read (hf.SlicedReader);
+# from a checkpoint of ours one full tensor at a time is assembled from the mapped rank files and cut; the other
+# HF forms (.bin, legacy names) are read whole, as before.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from runtime.checkpoint import full_tensors, read_rank_files, resolve_checkpoint
-from runtime.convert.hf import load_hf_directory, state_shapes
+from runtime.convert.hf import SlicedReader, load_hf_directory, state_shapes
 from runtime.schema.model import ModelConfig
 
 KEY = "model.restore_from_path"
@@ -37,16 +43,78 @@ def read_pretrained(path: str, cfg: ModelConfig, key: str = KEY) -> dict[str, to
         full = full_tensors(read_rank_files(storage, checkpoint))
         state = {name: full.get(name, "value") for name in expected if full.has(name, "value")}
         where = f"checkpoint {storage.root}/{checkpoint.name}"
-    tied = cfg.share_embeddings_and_output_weights
-    missing = [n for n in expected if n not in state and not (tied and n == "output.weight")]
-    if missing:
-        hint = " (a LoRA run saves its adapters only: export it merged, or restore from its own base)" \
-            if any(".lora." in n for n in state) or not state else ""
-        raise ValueError(f"{key}: {where} has no {missing[0]} ({len(missing)} weights missing): it is not a "
-                         f"{cfg.architecture} model of this shape{hint}")
+    _check_names(expected, set(state), cfg, where, key, any(".lora." in n for n in state))
     for name, shape in expected.items():
         if name in state and tuple(state[name].shape) != tuple(shape):
             raise ValueError(f"{key}: {where} holds {name} with shape {tuple(state[name].shape)} but the model "
-                             f"config makes {tuple(shape)}; set the model keys from its config (model.model_config"
-                             f"=<dir>/config.json for a Hugging Face model) or choose weights of this model")
+                             f"config makes {tuple(shape)}; {_SHAPE_HINT}")
+    if cfg.share_embeddings_and_output_weights and "output.weight" not in state:
+        state["output.weight"] = state["embed.word.weight"]
     return state
+
+
+_SHAPE_HINT = ("set the model keys from its config (model.model_config=<dir>/config.json for a Hugging Face model) "
+               "or choose weights of this model")
+
+
+def _check_names(expected: dict, present: set, cfg: ModelConfig, where: str, key: str, adapters: bool) -> None:
+    tied = cfg.share_embeddings_and_output_weights
+    missing = [n for n in expected if n not in present and not (tied and n == "output.weight")]
+    if missing:
+        hint = " (a LoRA run saves its adapters only: export it merged, or restore from its own base)" \
+            if adapters or not present else ""
+        raise ValueError(f"{key}: {where} has no {missing[0]} ({len(missing)} weights missing): it is not a "
+                         f"{cfg.architecture} model of this shape{hint}")
+
+
+Selected = dict[str, tuple[str, dict]]  # a local name -> (our full name, its selection: dim -> full indices)
+
+
+def read_selected(path: str, cfg: ModelConfig, targets: Selected, key: str = KEY
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(local name, the starting weight at its selection) for each of `targets`, one at a time: a rank never
+    holds another rank's part, nor (from safetensors) reads it."""
+    if is_hf_directory(path):
+        try:
+            reader = SlicedReader(path, cfg)
+        except ValueError as error:
+            raise ValueError(f"{key}: {path}: {error}") from None
+        if reader.available:
+            try:
+                reader.check()
+            except ValueError as error:
+                raise ValueError(f"{key}: the Hugging Face model in {path} {error}; {_SHAPE_HINT}") from None
+            for local, (full, select) in targets.items():
+                yield local, reader.read(full, select)
+            return
+        state = read_pretrained(path, cfg, key)
+        get = lambda name: state[name]  # noqa: E731
+    else:
+        get = _checkpoint_tensors(path, cfg, key)
+    for local, (full, select) in targets.items():
+        tensor = get(full)
+        for dim, index in sorted(select.items()):
+            tensor = tensor.index_select(dim, index)
+        yield local, tensor
+
+
+def _checkpoint_tensors(path: str, cfg: ModelConfig, key: str):
+    """A checkpoint of ours as name -> full tensor, each assembled when asked (the rank files are mapped)."""
+    try:
+        storage, checkpoint = resolve_checkpoint(path)
+    except ValueError as error:
+        raise ValueError(f"{key}: {error}; point it at a Hugging Face model directory or a checkpoint") from None
+    full = full_tensors(read_rank_files(storage, checkpoint))
+    where = f"checkpoint {storage.root}/{checkpoint.name}"
+    expected = state_shapes(cfg)
+    _check_names(expected, {n for n in expected if full.has(n, "value")}, cfg, where, key,
+                 any(".lora." in n for n in full.names()))
+
+    def get(name: str) -> torch.Tensor:
+        tensor = full.get(name, "value")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(f"{key}: {where} holds {name} with shape {tuple(tensor.shape)} but the model config "
+                             f"makes {tuple(expected[name])}; {_SHAPE_HINT}")
+        return tensor
+
+    return get

@@ -10,9 +10,9 @@ import torch
 
 from runtime.checkpoint import load_checkpoint, read_config, resolve_checkpoint
 from runtime.config import parse_model_config
-from runtime.finetune import load_pretrained, prepare_from_config
+from runtime.finetune import checkpoint_start, prepare_from_config, starting_weights
 from runtime.micro_batch import PreparedBatch
-from runtime.models import ModelConfig, build_model
+from runtime.models import ModelConfig, meta_model
 from runtime.parallel import DataParallelConfig, ParallelDims, Topology, parallelize_model
 from runtime.parallel.pipeline import collect_pipeline
 
@@ -38,18 +38,19 @@ def load_model(location: str, name: str | None, *, tp: int, pp: int, vpp: int | 
     dims = ParallelDims.infer_dp(tp, pp, device.world_size, None)
     topo = Topology.build(dims)
     device.manual_seed(cfg.seed)
-    # A LoRA run's checkpoint holds only its adapters: first the base it started from, then the adapters.
-    model = _place(prepare_from_config(build_model(cfg), training), topo, vpp, device)
+    # Each rank makes its own part only (on the meta device first). A LoRA run's checkpoint holds only its
+    # adapters: first the base it started from (each rank its part of it), then the adapters.
+    model = _place(prepare_from_config(meta_model(cfg), training), topo, vpp, device, checkpoint_start(training))
     load_checkpoint(storage, checkpoint, model, None, topo, rank=device.rank, with_optimizer=False)
     model.eval()
     return LoadedModel(model, topo, cfg, training, f"{storage.root}/{checkpoint.name}",
                        checkpoint.step, checkpoint.layout, vpp)
 
 
-def _place(model: torch.nn.Module, topo: Topology, vpp: int | None, device) -> torch.nn.Module:
+def _place(model: torch.nn.Module, topo: Topology, vpp: int | None, device, starting=None) -> torch.nn.Module:
     # Data parallelism (fp32) owns the flat weight buffers the checkpoint is loaded into; no optimizer needed.
     return parallelize_model(model, topo, sequence_parallel=False, virtual_pp=vpp, device=device.torch_device,
-                             data_parallel=DataParallelConfig())
+                             data_parallel=DataParallelConfig(), starting_weights=starting)
 
 
 def load_baseline(loaded: LoadedModel, device) -> tuple[torch.nn.Module, str]:
@@ -58,10 +59,7 @@ def load_baseline(loaded: LoadedModel, device) -> tuple[torch.nn.Module, str]:
     its model config's seed, which is exactly what training built at step 0."""
     restore = (loaded.training.get("model") or {}).get("restore_from_path")
     device.manual_seed(loaded.cfg.seed)
-    model = build_model(loaded.cfg)
-    if restore:
-        load_pretrained(model, str(restore))
-    model = _place(model, loaded.topo, loaded.vpp, device)
+    model = _place(meta_model(loaded.cfg), loaded.topo, loaded.vpp, device, starting_weights(restore))
     model.eval()
     where = f"model.restore_from_path {restore}" if restore else f"random init (model.seed {loaded.cfg.seed})"
     return model, where

@@ -66,7 +66,7 @@ def test_starts_from_a_checkpoint_of_ours(tmp_path):
 
 def test_weights_of_another_model_name_the_key(tmp_path):
     hf_llama(tmp_path / "hf", hidden=64)
-    with pytest.raises(ValueError, match=r"^model\.restore_from_path: .* holds embed\.word\.weight with "
+    with pytest.raises(ValueError, match=r"^model\.restore_from_path: .* holds .*embed\.word\.weight\)? with "
                                          r"shape \(128, 64\) but the model config makes \(128, 32\)"):
         load_pretrained(build_model(ours()), str(tmp_path / "hf"))
     with pytest.raises(ValueError, match=r"^model\.restore_from_path: .*holds no complete checkpoint"):
