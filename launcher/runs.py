@@ -326,8 +326,15 @@ def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
     step = int(last["step"])
     recent = [float(r["step_time_s"]) for r in rows[-window:]]
     left_s = max(max_steps - step, 0) * sum(recent) / len(recent)
+    memory = ""
+    if isinstance(last.get("host_peak_gib"), (int, float)) and isinstance(last.get("node_host_peak_gib"), (int, float)):
+        # The runtime's memory_peaks (runtime/train.py): how close the run is to a node's memory.
+        memory = (f"; host memory peak {last['host_peak_gib']:.2f} GiB (rank {last.get('host_peak_rank', '?')}), "
+                  f"{last['node_host_peak_gib']:.1f} GiB on the busiest node")
+        if isinstance(last.get("device_peak_gib"), (int, float)):
+            memory += f", device {last['device_peak_gib']:.2f} GiB"
     return (f"step {step} of {max_steps} ({100 * step / max(max_steps, 1):.0f}%), loss {float(last['loss']):.4f}, "
-            f"about {_duration(left_s)} left at {recent[-1]:.2f} s/step")
+            f"about {_duration(left_s)} left at {recent[-1]:.2f} s/step{memory}")
 
 
 def _duration(seconds: float) -> str:

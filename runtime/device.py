@@ -77,8 +77,16 @@ class Device:
         """Peak memory of this process: device memory on CUDA, host resident set elsewhere."""
         if self.kind == "cuda":
             return torch.cuda.max_memory_allocated(self.torch_device) / 2**30
-        # ru_maxrss is in KiB on Linux.
+        return self.host_peak_gib()
+
+    @staticmethod
+    def host_peak_gib() -> float:
+        """This process's peak resident set since it started (the kernel's high-water mark, ru_maxrss: KiB)."""
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def device_peak_gib(self) -> float | None:
+        """Peak device memory where the device reports it (CUDA); None elsewhere."""
+        return torch.cuda.max_memory_allocated(self.torch_device) / 2**30 if self.kind == "cuda" else None
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

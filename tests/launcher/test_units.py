@@ -95,6 +95,11 @@ def test_training_progress_is_step_loss_and_time_left(tmp_path):
     entry = {"stage": "training", "log_dir": str(tmp_path / "logs"), "config": str(tmp_path / "training_config.yaml")}
     # 80 steps left at the mean of the last rows' step times (3 s): 4 minutes.
     assert runs.training_progress(entry) == "step 20 of 100 (20%), loss 4.2500, about 4m 00s left at 4.00 s/step"
+    # With the runtime's memory peaks in the row: how close the run is to a node's memory.
+    rows[-1].update(host_peak_gib=4.414, host_peak_rank=3, node_host_peak_gib=17.12)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert runs.training_progress(entry).endswith("at 4.00 s/step; host memory peak 4.41 GiB (rank 3), 17.1 GiB on "
+                                                  "the busiest node")
     (tmp_path / "metrics.jsonl").unlink()
     assert runs.training_progress(entry) is None  # not logged a step yet
 

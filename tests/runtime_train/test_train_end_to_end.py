@@ -90,6 +90,9 @@ def test_torchrun_two_processes_learns(workdir, reference_config, architecture, 
                 "memory_gib"} <= record.keys()
         assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
         assert 0 < record["mfu"] <= 1  # against the CPU's theoretical peak (the old measured one gave 113%)
+        # Every rank's peak host memory, gathered: the highest, its rank, and the one node's two ranks summed.
+        assert 0.1 < record["host_peak_gib"] < record["node_host_peak_gib"] <= 2 * record["host_peak_gib"]
+        assert record["host_peak_rank"] in (0, 1)
     assert train[0]["loss"] > 0.9 * math.log(vocab)
     assert train[-1]["loss"] < 0.5 * math.log(vocab), [r["loss"] for r in train]
     assert [r["step"] for r in val] == [10, 20, 30] and val[-1]["val_loss"] < val[0]["val_loss"]
