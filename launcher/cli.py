@@ -225,6 +225,11 @@ def _print_plan(console, plan, record) -> None:
         table.add_row(job.stage, str(entry["job_id"] or "-"), f"{job.nodes} × {job.nproc_per_node}{array}",
                       entry["dependency"] or "-", escape(entry["script"]))
     console.print(table)
+    from launcher.validate import host_memory_note
+
+    for job in plan.jobs:
+        if job.stage in TRAINER_STAGES and (note := host_memory_note(plan.config, job.stage)):
+            console.print(escape(note), highlight=False)
 
 
 _results_dir = click.option("--results-dir", type=click.Path(path_type=Path), default=Path("results"),

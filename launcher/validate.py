@@ -89,16 +89,9 @@ def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], l
     are a warning, as the estimator's activation model is an upper bound (NxD Training's published Llama 3 70B layout
     runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know here (no tokenizer file): not
     judged."""
-    from launcher.errors import UserError
-    from launcher.estimator import estimate
-
     section = cfg.stage(stage)
-    if section.trainer is None:
-        return [], []
-    try:
-        result = estimate(section.section, neuron_hardware=cfg.cluster.neuron_hardware,
-                          node_memory_bytes=cfg.cluster.node_memory_bytes)
-    except UserError:
+    result = _estimate(cfg, stage)
+    if result is None:
         return [], []
     fixes = ("(nxdt-launch estimate training=... shows where the memory goes; docs/recipes.md lists each recipe's "
              "layouts)")
@@ -117,6 +110,29 @@ def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], l
                         f"(activations {memory.activations / gib:.1f}), more than {where}; if it runs out of memory, "
                         f"set activations_checkpoint_granularity=full or raise the parallel sizes {fixes}")
     return errors, warnings
+
+
+def _estimate(cfg: LaunchConfig, stage: str):
+    """The estimator's reading of a trainer stage on the cluster's nodes; None for a stage that is not a trainer's
+    or that the estimator cannot size here (no tokenizer file for the vocabulary)."""
+    from launcher.errors import UserError
+    from launcher.estimator import estimate
+
+    section = cfg.stage(stage)
+    if section.trainer is None:
+        return None
+    try:
+        return estimate(section.section, neuron_hardware=cfg.cluster.neuron_hardware,
+                        node_memory_bytes=cfg.cluster.node_memory_bytes)
+    except UserError:
+        return None
+
+
+def host_memory_note(cfg: LaunchConfig, stage: str) -> str | None:
+    """What the launch prints for a trainer stage: host memory per node, by the estimator (as memory_fit judges
+    it)."""
+    result = _estimate(cfg, stage)
+    return None if result is None else f"host memory per node ({stage}): {result.host.arithmetic(static=True)}"
 
 
 def host_memory_fit(host: HostMemory, stage: str, *, on_cpu: bool, stated: bool) -> tuple[list[str], list[str]]:

@@ -74,13 +74,19 @@ def _fill(out: torch.Tensor, init: Init, key: str, shape: tuple, index: list, ge
             out[tile[0][1]] = drawn[tile[0][2]]
         else:
             (_, rows_out, rows_in), (_, cols_out, cols_in) = tile
-            out[rows_out, cols_out] = drawn[rows_in, cols_in]
+            out[_grid(rows_out, cols_out)] = drawn[_grid(rows_in, cols_in)]
+
+
+def _grid(rows, cols) -> tuple:
+    """An index of the rows x cols block: two index tensors broadcast as a grid (not paired element by element)."""
+    if isinstance(rows, torch.Tensor) and isinstance(cols, torch.Tensor):
+        return rows[:, None], cols[None, :]
+    return rows, cols
 
 
 def _tile_groups(index: torch.Tensor | None, size: int) -> list[tuple[int, object, object]]:
     """Per tile along one dim that the selection meets: (tile, where its values go in the output, which of the
-    tile's values). Slices where both are runs (the common case), index tensors otherwise; the second dim's are
-    shaped to broadcast against the first's."""
+    tile's values): slices where they are runs (the common case), index tensors otherwise."""
     if index is None:
         return [(b, slice(b * TILE, min((b + 1) * TILE, size)), slice(None)) for b in range(-(-size // TILE))]
     groups = []

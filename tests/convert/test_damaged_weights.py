@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from runtime.convert.hf import load_hf_directory, save_hf_directory
-from runtime.convert.pretrained import read_pretrained
+from runtime.convert.pretrained import read_pretrained, read_selected
 from runtime.models import ModelConfig, build_model
 from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
@@ -126,6 +126,10 @@ def test_the_node_refuses_a_damaged_directory_with_one_line(case, whole, tmp_pat
     assert expected in str(caught.value)
     with pytest.raises(ValueError, match="model.restore_from_path: ") as caught:
         read_pretrained(str(folder), TINY)
+    assert expected in str(caught.value)
+    # What a training rank reads: its own slices (hf.SlicedReader), refused the same way before any slice is read.
+    with pytest.raises(ValueError, match="model.restore_from_path: ") as caught:
+        next(read_selected(str(folder), TINY, {"embed.word.weight": ("embed.word.weight", {})}))
     assert expected in str(caught.value)
 
 

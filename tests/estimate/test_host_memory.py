@@ -95,6 +95,9 @@ def test_a_layout_beyond_the_nodes_host_memory_is_refused_with_the_arithmetic(dr
     # A node with enough (137.3 of 0.9 x 160 = 144 GiB) takes the same layout.
     fits = _launch(tmp_path, recipe_data_dir, "cluster.node_memory_gib=160", "--dry-run")
     assert fits.returncode == 0, fits.stderr
+    # The launch prints the stage's host memory per node, as it judged it.
+    assert ("host memory per node (training): 32 workers × 4.29 GiB = 137.3 GiB vs 144.0 GiB usable of 160 GiB "
+            "(cluster.node_memory_gib)") in " ".join(fits.stdout.split()), fits.stdout
 
 
 def test_a_fine_tuning_stage_is_judged_too(tmp_path):

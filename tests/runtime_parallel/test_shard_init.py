@@ -92,9 +92,11 @@ def test_values_are_defined_by_tiles_not_by_the_draw():
     """A selection's values are the full tensor's at those indices, whatever indices: rows, columns, experts."""
     init, shape = Init("normal", 0.02), (3, 2 * TILE + 5, TILE + 7)
     whole = values(init, "w", 1, shape)
-    rows, cols = torch.tensor([0, 5, TILE, 2 * TILE + 4]), torch.arange(TILE - 3, TILE + 7)
+    rows, cols = torch.tensor([0, 5, TILE, 2 * TILE + 4]), torch.tensor([1, 3, TILE - 1, TILE + 2, TILE + 4])
     picked = values(init, "w", 1, shape, {0: torch.tensor([2, 0]), 1: rows, 2: cols})
     assert torch.equal(picked, whole[[2, 0]][:, rows][:, :, cols])
+    runs = values(init, "w", 1, shape, {2: torch.arange(TILE - 3, TILE + 7)})  # a run across two tiles
+    assert torch.equal(runs, whole[:, :, TILE - 3:TILE + 7])
     assert not torch.equal(values(init, "w", 2, shape), whole)  # the seed matters
     assert not torch.equal(values(init, "v", 1, shape), whole)  # so does the name
     assert abs(float(whole.std()) - 0.02) < 1e-3
