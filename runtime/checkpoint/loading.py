@@ -7,6 +7,7 @@
 # checkpoints (a torch.save zip per rank) load as they always did: every file mapped, full tensors rebuilt.
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -108,6 +109,27 @@ def read_rank_files(storage: Storage, checkpoint: Committed | str, *, verified: 
     if not files:
         raise DamagedCheckpoint(f"checkpoint {storage.root}/{name} has no rank files")
     return files
+
+
+@contextlib.contextmanager
+def ranged_full_tensors(storage: Storage, checkpoint: Committed):
+    """The checkpoint's whole tensors, each read by byte ranges (checked block by block against COMMIT) when it is
+    asked for: get(name, key), has, names, dtype, full_shape. A reader that takes one tensor at a time (the
+    export) holds one; mapping the files instead (read_rank_files) would keep every page it touched resident.
+    Format-1 checkpoints (one pickle per rank) come whole, through full_tensors."""
+    if _format(storage, checkpoint) == 1:
+        yield full_tensors(read_rank_files(storage, checkpoint))
+        return
+    opened = _open_rank_files(storage, checkpoint, rank_file_names(checkpoint.meta), checked=False)
+    source = RangedSource(opened, verify=True, workers=storage.read_workers)
+    try:
+        yield source
+    except DamagedFile as problem:
+        raise DamagedCheckpoint(f"checkpoint {storage.root}/{checkpoint.name} is damaged: {problem}") from None
+    finally:
+        source.close()
+        for file in opened:
+            file.close()
 
 
 def full_tensors(files: list[dict]) -> FullTensors:

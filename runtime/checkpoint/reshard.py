@@ -167,6 +167,23 @@ class RangedSource:
         shards = self._shards.get((self._resolve(name, key), key))
         return next(iter(shards.values())).full_shape if shards else None
 
+    def dtype(self, name: str, key: str = "value") -> torch.dtype | None:
+        shards = self._shards.get((self._resolve(name, key), key))
+        return next(iter(shards.values())).dtype if shards else None
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self._shards}
+
+    def get(self, name: str, key: str) -> torch.Tensor | None:
+        """The whole tensor, read by ranges now (FullTensors' get, without mapping the files)."""
+        shape, dtype = self.full_shape(name, key), self.dtype(name, key)
+        if shape is None:
+            return None
+        out = torch.empty(shape, dtype=dtype)
+        self.fill(name, Target(shape, {}), 0, out.numel(), {key: (out.view(-1), key)})
+        self.run()
+        return out
+
     def fill(self, name: str, target: Target, lo: int, hi: int, outs: dict) -> None:
         """Plan filling, for each key, out (1-D) with elements [lo, hi) of the target's flattened tensor, read
         from the checkpoint's `source key` state of `name`: outs = {key: (out, source key)}."""

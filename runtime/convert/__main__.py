@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint, write_full_checkpoint
+from runtime.checkpoint import (full_tensors, ranged_full_tensors, read_config, read_rank_files, resolve_checkpoint,
+                                write_full_checkpoint)
 from runtime.checkpoint.shards import TIED
 from runtime.config import parse_model_config, tokenizer_vocab_size
 from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
@@ -69,21 +70,21 @@ def export(cfg: ConversionConfig) -> Path:
         print(f"exported the LoRA run's {where} (step {checkpoint.step}, conversion.lora={cfg.lora}) to {out}"
               + (f" (replacing the export of {previous['checkpoint']})" if previous else ""))
         return out
-    full = full_tensors(read_rank_files(storage, checkpoint))
-    names = set(state_shapes(model_cfg))
-    tied = model_cfg.share_embeddings_and_output_weights
-    missing = sorted(n for n in names if not full.has(n, "value") and not (tied and n in TIED))
-    if missing:
-        raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} lacks {', '.join(missing[:3])}: it was saved "
-                         f"from a different model")
-    state = _Weights(full, sorted(n for n in names if full.has(n, "value")))
+    with ranged_full_tensors(storage, checkpoint) as full:  # each tensor read by ranges when the writer asks
+        names = set(state_shapes(model_cfg))
+        tied = model_cfg.share_embeddings_and_output_weights
+        missing = sorted(n for n in names if not full.has(n, "value") and not (tied and n in TIED))
+        if missing:
+            raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} lacks {', '.join(missing[:3])}: it was "
+                             f"saved from a different model")
+        state = _Weights(full, sorted(n for n in names if full.has(n, "value")))
 
-    def finish(directory: Path) -> None:
-        if cfg.include_optimizer:
-            _export_moments(full, names, model_cfg, directory)
-        (directory / PROVENANCE).write_text(json.dumps(source, indent=2) + "\n")
+        def finish(directory: Path) -> None:
+            if cfg.include_optimizer:
+                _export_moments(full, names, model_cfg, directory)
+            (directory / PROVENANCE).write_text(json.dumps(source, indent=2) + "\n")
 
-    save_hf_directory(out, state, model_cfg, str(tokenizer), overwrite=True, also=finish)
+        save_hf_directory(out, state, model_cfg, str(tokenizer), overwrite=True, also=finish)
     replaced = f" (replacing the export of {previous['checkpoint']})" if previous else ""
     print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at {checkpoint.layout}) "
           f"to {out}{replaced}")
@@ -129,8 +130,8 @@ def _export_lora(cfg: ConversionConfig, lora: LoraConfig, training: dict, model_
 
 
 class _Weights(Mapping):
-    """A checkpoint's full weights under our names, each assembled from the mapped rank files when it is read:
-    the export reads each once, so it holds one full tensor at a time, never the model."""
+    """A checkpoint's full weights under our names, each read (by byte ranges) when it is asked for: the export
+    reads each once, so it holds one full tensor at a time, never the model."""
 
     def __init__(self, full, names: list[str]):
         self._full, self._names = full, names

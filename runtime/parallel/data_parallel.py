@@ -164,6 +164,11 @@ class DataParallel:
         # (TP-replicated norms, or all DP ranks without ZeRO-1) draw identical noise and stay identical.
         self._sr_generator = _generator(device, config.seed) if self.precision.stochastic_rounding else None
         self._flat_grads = topo.dp.size > 1 or self.precision.param_dtype != torch.float32
+        # ZeRO-1's collectives in place (the reduce-scatter into the rank's own slice of the buffer it reads, the
+        # all-gather from the rank's own slice of the buffer it fills), which NCCL documents and gloo computes
+        # bitwise as out of place: no shard-sized copy per bucket while the collectives are in flight (with
+        # overlap, every bucket's at once: 1/dp of the model, twice). XLA tensors keep the copies.
+        self._in_place = device.type in ("cpu", "cuda")
         self.main_grads: dict[int, MainGrad] = {}
         self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
         self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
@@ -278,7 +283,11 @@ class DataParallel:
             self._started += 1
 
     def _start(self, bucket: Bucket) -> None:
-        if self.zero1:
+        if self.zero1 and self._in_place:
+            # Into the rank's own slice of the buffer it reads: no second shard-sized buffer per bucket in flight.
+            out = bucket.grad_buffer[bucket.shard]
+            self._pending.append((bucket, C.start_reduce_scatter_flat(out, bucket.grad_buffer, bucket.axis), None))
+        elif self.zero1:
             shard = torch.empty_like(bucket.grad_buffer[bucket.shard])
             self._pending.append((bucket, C.start_reduce_scatter_flat(shard, bucket.grad_buffer, bucket.axis), shard))
         else:
@@ -344,7 +353,8 @@ class DataParallel:
             for param, weight in zip(self._shard_params(bucket), weights):
                 param.copy_(self._round(weight))
         if self.zero1 and bucket.axis.size > 1:
-            self._gathers.append(C.start_all_gather_flat(bucket.param_buffer, bucket.param_buffer[bucket.shard].clone(),
+            shard = bucket.param_buffer[bucket.shard]
+            self._gathers.append(C.start_all_gather_flat(bucket.param_buffer, shard if self._in_place else shard.clone(),
                                                          bucket.axis))
             if not self.overlap_param_gather:
                 self.finish_write_back()
