@@ -30,7 +30,7 @@ from runtime.checkpoint.manager import CheckpointSaveFailed
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
-from runtime.device import Device, flash_attention_kernels, init_device, shutdown
+from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
 from runtime.finetune import starting_weights
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, model_flops_per_token, peak_tflops
@@ -267,6 +267,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         starting_weights=starting_weights(cfg.restore_from_path),
     )
     optimizer = ShardedAdamW(model, cfg.optim)
+    release_freed_host_memory()  # the materialized parameters data parallelism copied into its flat buffers
     train_batches, valid_batches = build_data(cfg, topo, device)
     objective, valid_objective = build_objective(cfg, model, optimizer, train_batches, valid_batches, topo, device)
     sched = cfg.optim.sched

@@ -46,6 +46,7 @@ from runtime.parallel.topology import AxisGroup, Topology
 from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
+GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on CPU: gloo copies each reduce-scatter's input while it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,12 @@ class DataParallel:
         # bitwise as out of place: no shard-sized copy per bucket while the collectives are in flight (with
         # overlap, every bucket's at once: 1/dp of the model, twice). XLA tensors keep the copies.
         self._in_place = device.type in ("cpu", "cuda")
+        # gloo's reduce-scatter copies its whole input while it runs: with every bucket in flight at once that is a
+        # second copy of the gradients. On CPU at most this many run at once (the oldest is waited on first, in
+        # the order every rank starts them). Not under a pipeline: a rank waiting inside its backward could hold
+        # up the stage its data-parallel peer's pipeline waits on.
+        self._max_in_flight = (GLOO_REDUCTIONS_IN_FLIGHT if device.type == "cpu" and self.zero1 and topo.pp.size == 1
+                               else None)
         self.main_grads: dict[int, MainGrad] = {}
         self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
         self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
@@ -210,6 +217,7 @@ class DataParallel:
         self._remaining: list[int] | None = None  # per bucket, hooks still to come this step; None: no overlap
         self._started = 0                         # how many of self._early have started
         self._pending: list[tuple[Bucket, C.Pending, torch.Tensor | None]] = []
+        self._finished = 0  # how many of _pending have been waited on
         self._gathers: list[C.Pending] = []
 
     def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str], dp: AxisGroup
@@ -265,7 +273,7 @@ class DataParallel:
         one (None: every reduction waits for reduce_gradients)."""
         for main in self.main_grads.values():
             main.written = False
-        self._pending, self._started = [], 0
+        self._pending, self._finished, self._started = [], 0, 0
         self._remaining = ([b.uses * micro_batches for b in self.buckets]
                            if micro_batches and self._early else None)
 
@@ -283,6 +291,10 @@ class DataParallel:
             self._started += 1
 
     def _start(self, bucket: Bucket) -> None:
+        if self._max_in_flight is not None:
+            while len(self._pending) - self._finished >= self._max_in_flight:
+                self._finish(self._pending[self._finished])
+                self._finished += 1
         if self.zero1 and self._in_place:
             # Into the rank's own slice of the buffer it reads: no second shard-sized buffer per bucket in flight.
             out = bucket.grad_buffer[bucket.shard]
@@ -323,11 +335,16 @@ class DataParallel:
         for i, bucket in enumerate(self.buckets):
             if bucket.axis.size > 1 and i not in early:
                 self._start(bucket)
-        for bucket, pending, shard in self._pending:
-            pending.wait()
-            if shard is not None:
-                bucket.grad_buffer[bucket.shard].copy_(shard)
-        self._pending, self._started, self._remaining = [], len(self._early), None
+        for entry in self._pending[self._finished:]:
+            self._finish(entry)
+        self._pending, self._finished, self._started, self._remaining = [], 0, len(self._early), None
+
+    @staticmethod
+    def _finish(entry: tuple[Bucket, C.Pending, torch.Tensor | None]) -> None:
+        bucket, pending, shard = entry
+        pending.wait()
+        if shard is not None:
+            bucket.grad_buffer[bucket.shard].copy_(shard)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the reduced gradients over every rank, each distinct value counted once."""
