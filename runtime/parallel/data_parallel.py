@@ -273,6 +273,10 @@ class DataParallel:
         one (None: every reduction waits for reduce_gradients)."""
         for main in self.main_grads.values():
             main.written = False
+            if main.buffer is None:
+                # Autograd's tensor from the last step: let it go now, or the next backward's gradients would be
+                # allocated while it is still held (two steps' gradients at once).
+                main.value = None
         self._pending, self._finished, self._started = [], 0, 0
         self._remaining = ([b.uses * micro_batches for b in self.buckets]
                            if micro_batches and self._early else None)
