@@ -121,13 +121,15 @@ def ranged_full_tensors(storage: Storage, checkpoint: Committed):
         yield full_tensors(read_rank_files(storage, checkpoint))
         return
     opened = _open_rank_files(storage, checkpoint, rank_file_names(checkpoint.meta), checked=False)
-    source = RangedSource(opened, verify=True, workers=storage.read_workers)
+    source = None
     try:
+        source = RangedSource(opened, verify=True, workers=storage.read_workers)
         yield source
     except DamagedFile as problem:
         raise DamagedCheckpoint(f"checkpoint {storage.root}/{checkpoint.name} is damaged: {problem}") from None
     finally:
-        source.close()
+        if source is not None:
+            source.close()
         for file in opened:
             file.close()
 

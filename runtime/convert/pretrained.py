@@ -4,9 +4,9 @@
 # read starting weights through it, so the two cannot disagree about them.
 #
 # read_selected is what a training rank uses: each of its parameters' selection of the full tensor (its TP rows,
-# its experts), read one tensor at a time. From safetensors only those rows or columns are read (hf.SlicedReader);
-# from a checkpoint of ours one full tensor at a time is assembled from the mapped rank files and cut; the other
-# HF forms (.bin, legacy names) are read whole, as before.
+# its experts), read one tensor at a time. From safetensors only those rows or columns are read (hf.SlicedReader),
+# from a checkpoint of ours only their byte ranges (ranged_full_tensors, as resume reads); the other HF forms (.bin,
+# legacy names) are read whole, as before.
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,8 @@ from typing import Iterator
 
 import torch
 
-from runtime.checkpoint import full_tensors, read_rank_files, resolve_checkpoint
+from runtime.checkpoint import full_tensors, ranged_full_tensors, read_rank_files, resolve_checkpoint
+from runtime.checkpoint.reshard import Target
 from runtime.convert.hf import SlicedReader, load_hf_directory, state_shapes
 from runtime.schema.model import ModelConfig
 
@@ -88,33 +89,35 @@ def read_selected(path: str, cfg: ModelConfig, targets: Selected, key: str = KEY
                 yield local, reader.read(full, select)
             return
         state = read_pretrained(path, cfg, key)
-        get = lambda name: state[name]  # noqa: E731
-    else:
-        get = _checkpoint_tensors(path, cfg, key)
-    for local, (full, select) in targets.items():
-        tensor = get(full)
-        for dim, index in sorted(select.items()):
-            tensor = tensor.index_select(dim, index)
-        yield local, tensor
+        for local, (full, select) in targets.items():
+            tensor = state[full]
+            for dim, index in sorted(select.items()):
+                tensor = tensor.index_select(dim, index)
+            yield local, tensor
+        return
+    yield from _from_checkpoint(path, cfg, targets, key)
 
 
-def _checkpoint_tensors(path: str, cfg: ModelConfig, key: str):
-    """A checkpoint of ours as name -> full tensor, each assembled when asked (the rank files are mapped)."""
+def _from_checkpoint(path: str, cfg: ModelConfig, targets: Selected, key: str
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint of ours: each target's selection read by byte ranges (ranged_full_tensors), so a rank reads
+    its own rows and never assembles a full tensor."""
     try:
         storage, checkpoint = resolve_checkpoint(path)
     except ValueError as error:
         raise ValueError(f"{key}: {error}; point it at a Hugging Face model directory or a checkpoint") from None
-    full = full_tensors(read_rank_files(storage, checkpoint))
     where = f"checkpoint {storage.root}/{checkpoint.name}"
     expected = state_shapes(cfg)
-    _check_names(expected, {n for n in expected if full.has(n, "value")}, cfg, where, key,
-                 any(".lora." in n for n in full.names()))
-
-    def get(name: str) -> torch.Tensor:
-        tensor = full.get(name, "value")
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(f"{key}: {where} holds {name} with shape {tuple(tensor.shape)} but the model config "
-                             f"makes {tuple(expected[name])}; {_SHAPE_HINT}")
-        return tensor
-
-    return get
+    with ranged_full_tensors(storage, checkpoint) as full:
+        _check_names(expected, {n for n in expected if full.has(n, "value")}, cfg, where, key,
+                     any(".lora." in n for n in full.names()))
+        for local, (name, select) in targets.items():
+            shape = tuple(full.full_shape(name, "value"))
+            if shape != tuple(expected[name]):
+                raise ValueError(f"{key}: {where} holds {name} with shape {shape} but the model config makes "
+                                 f"{tuple(expected[name])}; {_SHAPE_HINT}")
+            local_shape = tuple(len(select[d]) if d in select else n for d, n in enumerate(shape))
+            out = torch.empty(local_shape, dtype=full.dtype(name, "value"))
+            full.fill(name, Target(local_shape, select), 0, out.numel(), {"value": (out.view(-1), "value")})
+            getattr(full, "run", lambda: None)()  # RangedSource reads what fill planned; FullTensors filled it
+            yield local, out

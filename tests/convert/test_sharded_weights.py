@@ -4,6 +4,7 @@
   through hf.SlicedReader holds bitwise the rows of the whole model read the old way (load_hf_directory), for a
   Llama with grouped-query attention (fused QKV and gate/up built from slices; replicated KV heads at tp=4), a GPT-2
   (Conv1D's transposed storage, tied embedding across pipeline stages) and a Mixtral (experts under EP and TP).
+- A checkpoint of ours as the starting point is read by byte ranges, each rank its own selection.
 - save_hf_directory's own writer produces files safetensors reads as the same tensors save_file would write, and
   an index like transformers' when the model spans several files.
 """
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from runtime.checkpoint import write_full_checkpoint
 from runtime.convert.hf import load_hf_directory, save_hf_directory, to_hf
 from runtime.finetune import load_pretrained
 from runtime.models import build_model, meta_model
@@ -85,3 +87,22 @@ def test_the_streamed_writer_writes_what_safetensors_would(tmp_path, arch):
                 assert found.get_tensor(name).dtype == torch.bfloat16
     again, _, _ = load_hf_directory(ours)
     assert all(torch.equal(again[k], state[k]) for k in state)
+
+
+def test_each_rank_reads_its_byte_ranges_of_a_checkpoint_of_ours(tmp_path):
+    """model.restore_from_path at a checkpoint of ours (format 2, read by ranges as a resume reads it)."""
+    cfg, layout = CASES["llama replicated kv tp4"]
+    source = build_model(config("llama", num_query_groups=2, seed=9))
+    location = write_full_checkpoint(str(tmp_path / "ckpt"), 3, dict(source.named_parameters()),
+                                     config={"model": {"architecture": "llama"}})
+    whole = dict(source.named_parameters())
+    dims = ParallelDims(tp=4, pp=1, dp=1, world_size=4)
+    for rank in range(4):
+        stage = parallelize_model(meta_model(cfg), Topology.offline(dims, rank),
+                                  starting_weights=lambda model, plan: load_pretrained(model, location, plan))
+        plan = stage.sharding_plan
+        for local, param in stage.named_parameters():
+            expected = whole[plan.full_name(local)]
+            for dim, index in sorted(plan.selection(local).items()):
+                expected = expected.index_select(dim, index)
+            assert torch.equal(param, expected), f"rank {rank}: {local}"
