@@ -2,7 +2,7 @@
 # Face directory or a checkpoint of ours, read by runtime/convert/pretrained.py) and LoRA adapters. One place, used
 # by training, evaluation and conversion, so the three rebuild the same model from the same config. Training adds
 # the adapters to the meta model and loads each rank's own selection of the starting weights into its materialized
-# shard (parallelize_model's starting_weights); evaluation and conversion load a built, unsharded model.
+# shard (parallelize_model's starting_weights), and so does evaluation; conversion loads a built, unsharded model.
 #
 # A LoRA run's checkpoints hold only what trains (the adapters and their optimizer state, see
 # runtime/checkpoint/shards.py: data parallelism owns trainable parameters only), so every reader of such a

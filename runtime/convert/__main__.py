@@ -131,7 +131,8 @@ def _export_lora(cfg: ConversionConfig, lora: LoraConfig, training: dict, model_
 
 class _Weights(Mapping):
     """A checkpoint's full weights under our names, each read (by byte ranges) when it is asked for: the export
-    reads each once, so it holds one full tensor at a time, never the model."""
+    reads each once, so it holds one full tensor at a time, never the model (the optional Adam moments,
+    conversion.include_optimizer, are still gathered whole by _export_moments)."""
 
     def __init__(self, full, names: list[str]):
         self._full, self._names = full, names

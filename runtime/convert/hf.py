@@ -354,10 +354,14 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
     and dropped. Peak memory is one of our tensors and its parts, not the model. safetensors' own writer takes a
     whole file's tensors at once, hence this one (the format: safetensors_file.py); safe_open and transformers
     read its files (tests/convert/test_streamed_export.py holds them against save_file's, tensor for tensor)."""
-    shapes, width = state_shapes(cfg), torch.empty((), dtype=dtype).element_size()
+    shapes = state_shapes(cfg)
+    # A plain dict may mix dtypes (a base that keeps its norms in fp32): each tensor keeps its own. A lazy mapping
+    # (a checkpoint) is read as one dtype, the header being written before any of it is read.
+    dtypes = {name: tensor.dtype for name, tensor in state.items()} if isinstance(state, dict) else {}
     shards: list[list[tuple[_Rule, list[tuple[str, tuple]]]]] = [[]]
     size = 0
     for rule in _rules(cfg):
+        width = torch.empty((), dtype=dtypes.get(rule.ours, dtype)).element_size()
         parts = [(name, tuple(shape)) for name, shape in zip(rule.hf, _hf_shapes(rule, shapes[rule.ours]))]
         nbytes = sum(math.prod(shape) * width for _, shape in parts)
         if shards[-1] and size + nbytes > max_shard_bytes:  # a rule's parts stay in one file
@@ -370,10 +374,11 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
         header, offset = {"__metadata__": {"format": "pt"}}, 0  # transformers checks for the format
-        for _, parts in shard:
+        for rule, parts in shard:
+            kind = dtypes.get(rule.ours, dtype)
             for name, shape in parts:
-                end = offset + math.prod(shape) * width
-                header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+                end = offset + math.prod(shape) * torch.empty((), dtype=kind).element_size()
+                header[name] = {"dtype": _DTYPES[kind], "shape": list(shape), "data_offsets": [offset, end]}
                 offset = end
                 weight_map[name] = file
         total += offset
@@ -383,11 +388,12 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
             out.write(len(text).to_bytes(8, "little") + text)
             for rule, parts in shard:
                 tensor = state[rule.ours]
-                if tuple(tensor.shape) != tuple(shapes[rule.ours]) or tensor.dtype != dtype:
+                want = dtypes.get(rule.ours, dtype)
+                if tuple(tensor.shape) != tuple(shapes[rule.ours]) or tensor.dtype != want:
                     raise ValueError(f"full state {rule.ours} is {tuple(tensor.shape)} {tensor.dtype}; the model "
-                                     f"config implies {tuple(shapes[rule.ours])} {dtype}")
+                                     f"config implies {tuple(shapes[rule.ours])} {want}")
                 for part in _split(rule, tensor):
-                    out.write(part.contiguous().view(torch.uint8).numpy().tobytes())
+                    out.write(part.contiguous().view(torch.uint8).numpy())  # the bytes, without a copy
                 del tensor
     if len(files) > 1:
         _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total},
@@ -489,7 +495,12 @@ class SlicedReader:
         return self._handles[file]
 
     def _slice(self, hf_name: str):
-        return self._handle(self.files[hf_name]).get_slice(hf_name)
+        file = self.files[hf_name]
+        try:
+            return self._handle(file).get_slice(hf_name)
+        except SafetensorError:  # an index that places the tensor in a file that does not hold it
+            raise ValueError(f"{file}: has no tensor {hf_name}, which model.safetensors.index.json places there; "
+                             "re-download the model or use a complete copy") from None
 
     def check(self) -> None:
         """Every HF tensor the config implies has the shape it implies (from the headers alone)."""

@@ -149,6 +149,9 @@ def materialize(model: nn.Module, rules: dict[str, Init], seed: int, where: Wher
         for key in meta_buffers:
             buffer = module._buffers[key]
             module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype)
-        if meta_buffers and not list(module.parameters(recurse=False)):
-            module.reset_parameters()  # computed tables (rotary cos/sin); no parameter of its own to re-draw
+        if meta_buffers:
+            if list(module.parameters(recurse=False)):  # reset_parameters would re-draw its parameters too
+                raise AssertionError(f"{type(module).__name__}: no rule computes the meta buffers {meta_buffers} "
+                                     "of a module with parameters")
+            module.reset_parameters()  # computed tables (rotary cos/sin)
 

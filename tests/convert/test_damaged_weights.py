@@ -193,3 +193,21 @@ def test_a_launch_refuses_a_checkpoint_name_that_leaves_checkpoint_dir(stage, tm
                   f"stages=[{stage}]", f"{stage}.checkpoint_name=../../etc", "--dry-run", cwd=tmp_path)
     _refused(result, f"{stage}.checkpoint_name: '../../etc' leaves {stage}.checkpoint_dir; give one checkpoint's "
                      f"directory name in it (e.g. step_00000040.3f9c2a1b) or latest", tmp_path / "results")
+
+
+def test_an_index_that_misplaces_a_tensor_is_one_line_on_the_sliced_read(whole, tmp_path):
+    """Every file whole, but the index sends a tensor to a file that does not hold it (an index from another
+    download): the rank's sliced read names the file and the tensor instead of safetensors' traceback."""
+    folder = tmp_path / "hf_misplaced"
+    folder.mkdir()
+    for file in whole["sharded"].iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    wrong = files[0] if index["weight_map"]["model.norm.weight"] != files[0] else files[-1]
+    index["weight_map"]["model.norm.weight"] = wrong
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as caught:
+        list(read_selected(str(folder), TINY, {"final_norm.weight": ("final_norm.weight", {})}))
+    line = str(caught.value)
+    assert f"{folder / wrong}: has no tensor model.norm.weight" in line and "\n" not in line, line

@@ -100,7 +100,8 @@ class PipelineStageModel(nn.Module):
 
 
 def _untie_output(model: CausalLM) -> None:
-    # The last stage gets its own copy of the shared embedding (equal values: the full model was built first).
+    # The last stage gets its own copy of the shared embedding: equal values, as a model built whole has them, or
+    # on the meta device the embedding's by its init rule (runtime/models/init.py: a tied head takes its values).
     # Both copies are marked pipeline-tied in the plan, so data parallelism sums their gradients over the
     # embedding group and the global norm counts the gradient once.
     old = model.output.weight
