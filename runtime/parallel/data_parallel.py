@@ -46,7 +46,7 @@ from runtime.parallel.topology import AxisGroup, Topology
 from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
-GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on CPU: gloo copies each reduce-scatter's input while it runs
+GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on gloo: it copies each reduce-scatter's input while it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,7 @@ class MainGrad:
         self.shape, self.device = param.shape, param.device
         self.buffer = buffer        # a view of the bucket's flat grad buffer, or None (see the header)
         self.value = buffer         # what the optimizer reads; autograd's own tensor when there is no buffer
+                                    # (None from zero_grad until the backward writes it)
         self.written = False        # False: the next gradient overwrites instead of adding
 
     def zeros(self, *, keep: bool) -> None:
@@ -165,17 +166,15 @@ class DataParallel:
         # (TP-replicated norms, or all DP ranks without ZeRO-1) draw identical noise and stay identical.
         self._sr_generator = _generator(device, config.seed) if self.precision.stochastic_rounding else None
         self._flat_grads = topo.dp.size > 1 or self.precision.param_dtype != torch.float32
-        # ZeRO-1's collectives in place (the reduce-scatter into the rank's own slice of the buffer it reads, the
-        # all-gather from the rank's own slice of the buffer it fills), which NCCL documents and gloo computes
-        # bitwise as out of place: no shard-sized copy per bucket while the collectives are in flight (with
-        # overlap, every bucket's at once: 1/dp of the model, twice). XLA tensors keep the copies.
-        self._in_place = device.type in ("cpu", "cuda")
-        # gloo's reduce-scatter copies its whole input while it runs: with every bucket in flight at once that is a
-        # second copy of the gradients. On CPU at most this many run at once (the oldest is waited on first, in
-        # the order every rank starts them). Not under a pipeline: a rank waiting inside its backward could hold
-        # up the stage its data-parallel peer's pipeline waits on.
-        self._max_in_flight = (GLOO_REDUCTIONS_IN_FLIGHT if device.type == "cpu" and self.zero1 and topo.pp.size == 1
-                               else None)
+        # ZeRO-1's collectives run in place where the backend allows (collectives.in_place_shard_ok): the
+        # reduce-scatter into the rank's own slice of the buffer it reads, the all-gather from the rank's own slice
+        # of the buffer it fills. No shard-sized copy per bucket while they are in flight (with overlap, every
+        # bucket's at once: 1/dp of the model, twice).
+        # Where a reduce-scatter copies its whole input while it runs (gloo), at most this many run at once (the
+        # oldest is waited on first, in the order every rank starts them): with every bucket in flight that copy
+        # is a second set of gradients. Not under a pipeline: a rank waiting inside its backward could hold up the
+        # stage its data-parallel peer's pipeline waits on.
+        self._max_in_flight = GLOO_REDUCTIONS_IN_FLIGHT if self.zero1 and topo.pp.size == 1 else None
         self.main_grads: dict[int, MainGrad] = {}
         self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
         self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
@@ -295,11 +294,11 @@ class DataParallel:
             self._started += 1
 
     def _start(self, bucket: Bucket) -> None:
-        if self._max_in_flight is not None:
+        if self._max_in_flight is not None and C.reduce_scatter_copies_input(bucket.axis):
             while len(self._pending) - self._finished >= self._max_in_flight:
                 self._finish(self._pending[self._finished])
                 self._finished += 1
-        if self.zero1 and self._in_place:
+        if self.zero1 and C.in_place_shard_ok(bucket.grad_buffer, bucket.axis):
             # Into the rank's own slice of the buffer it reads: no second shard-sized buffer per bucket in flight.
             out = bucket.grad_buffer[bucket.shard]
             self._pending.append((bucket, C.start_reduce_scatter_flat(out, bucket.grad_buffer, bucket.axis), None))
@@ -375,7 +374,8 @@ class DataParallel:
                 param.copy_(self._round(weight))
         if self.zero1 and bucket.axis.size > 1:
             shard = bucket.param_buffer[bucket.shard]
-            self._gathers.append(C.start_all_gather_flat(bucket.param_buffer, shard if self._in_place else shard.clone(),
+            in_place = C.in_place_shard_ok(bucket.param_buffer, bucket.axis)
+            self._gathers.append(C.start_all_gather_flat(bucket.param_buffer, shard if in_place else shard.clone(),
                                                          bucket.axis))
             if not self.overlap_param_gather:
                 self.finish_write_back()
