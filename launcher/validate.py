@@ -95,8 +95,12 @@ def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], l
         return [], []
     fixes = ("(nxdt-launch estimate training=... shows where the memory goes; docs/recipes.md lists each recipe's "
              "layouts)")
-    errors, warnings = host_memory_fit(result.host, stage, on_cpu=result.hardware.name == "cpu",
-                                       stated=cfg.cluster.node_memory_bytes is not None)
+    errors, warnings = [], []
+    # More workers than the node has devices is refused on its own (launcher/neuron.py): judging the node's host
+    # memory for workers it cannot run would only repeat that mistake as a second, misleading one.
+    if result.hardware.name == "cpu" or section.trainer.devices <= result.hardware.devices_per_node:
+        errors, warnings = host_memory_fit(result.host, stage, on_cpu=result.hardware.name == "cpu",
+                                           stated=cfg.cluster.node_memory_bytes is not None)
     if stage != "training" or section.trainer.accelerator not in ("gpu", "neuron"):
         return errors, warnings
     gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
