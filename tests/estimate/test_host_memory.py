@@ -115,7 +115,8 @@ def test_a_fine_tuning_stage_is_judged_too(tmp_path):
                for p in caught.value.problems), caught.value.problems
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "lots", "true"])
+# Not positive, and not a number (-1 and true take the same two paths).
+@pytest.mark.parametrize("value", ["0", "lots"])
 def test_the_node_memory_key_takes_a_positive_number(value, tmp_path, recipe_data_dir):
     refused(_launch(tmp_path, recipe_data_dir, f"cluster.node_memory_gib={value}", "--dry-run"),
             "cluster.node_memory_gib: ")
