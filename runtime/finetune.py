@@ -26,14 +26,13 @@ def load_pretrained(model: nn.Module, path: str, plan: ShardingPlan | None = Non
     from runtime.convert.pretrained import read_selected  # deferred: conversion pulls safetensors
 
     plan = plan or ShardingPlan()
-    tied = model.cfg.share_embeddings_and_output_weights
     params, targets = {}, {}
     for local, param in model.named_parameters():  # each parameter once, under its first name
         full = plan.full_name(local)
         if is_adapter(full):
             continue
         params[local] = param
-        targets[local] = ("embed.word.weight" if tied and full == "output.weight" else full, plan.selection(local))
+        targets[local] = (full, plan.selection(local))  # a tied head: each source gives the embedding
     for local, tensor in read_selected(path, model.cfg, targets):
         params[local].copy_(tensor)
 

@@ -120,11 +120,21 @@ def ranged_full_tensors(storage: Storage, checkpoint: Committed):
     if _format(storage, checkpoint) == 1:
         yield full_tensors(read_rank_files(storage, checkpoint))
         return
-    opened = _open_rank_files(storage, checkpoint, rank_file_names(checkpoint.meta), checked=False)
+    with _ranged(storage, checkpoint, rank_file_names(checkpoint.meta), verified=False) as (_, source):
+        yield source
+
+
+@contextlib.contextmanager
+def _ranged(storage: Storage, checkpoint: Committed, filenames: list[str], *, verified: bool, read: bool = True):
+    """(the format-2 rank files `filenames`, opened; a RangedSource over them, or None when not `read`), closed on
+    the way out; a damaged block read inside is named as the checkpoint's damage. verified: the caller has checked
+    every byte against COMMIT; otherwise each index is held against COMMIT and each block read against its
+    checksum."""
+    opened = _open_rank_files(storage, checkpoint, filenames, checked=verified)
     source = None
     try:
-        source = RangedSource(opened, verify=True, workers=storage.read_workers)
-        yield source
+        source = RangedSource(opened, verify=not verified, workers=storage.read_workers) if read else None
+        yield opened, source
     except DamagedFile as problem:
         raise DamagedCheckpoint(f"checkpoint {storage.root}/{checkpoint.name} is damaged: {problem}") from None
     finally:
@@ -159,19 +169,9 @@ def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, t
         if files is None:
             files = _headers(storage, checkpoint.name, rank if same_world else 0)
     else:
-        # verified: the caller checked every byte against COMMIT; otherwise each block read is checked here.
         wanted = rank_file_names(checkpoint.meta) if reader else [_rank_file(rank if same_world else 0)]
-        opened = _open_rank_files(storage, checkpoint, wanted, checked=verified)
-        source = (RangedSource(opened, verify=not verified, workers=storage.read_workers) if reader else None)
-        try:
+        with _ranged(storage, checkpoint, wanted, verified=verified, read=reader) as (opened, source):
             load_into(dp, optimizer, source, broadcast=broadcast, with_optimizer=with_optimizer)
-        except DamagedFile as problem:
-            raise DamagedCheckpoint(f"checkpoint {storage.root}/{checkpoint.name} is damaged: {problem}") from None
-        finally:
-            if source is not None:
-                source.close()
-            for file in opened:
-                file.close()
         files = [file.header for file in opened]
     by_rank = {f["rank"]: f for f in files}
     own = by_rank.get(rank) if same_world else None

@@ -176,11 +176,14 @@ class RangedSource:
 
     def get(self, name: str, key: str) -> torch.Tensor | None:
         """The whole tensor, read by ranges now (FullTensors' get, without mapping the files)."""
-        shape, dtype = self.full_shape(name, key), self.dtype(name, key)
-        if shape is None:
-            return None
-        out = torch.empty(shape, dtype=dtype)
-        self.fill(name, Target(shape, {}), 0, out.numel(), {key: (out.view(-1), key)})
+        return self.read(name, key, {}) if self.has(name, key) else None
+
+    def read(self, name: str, key: str, rows: dict) -> torch.Tensor:
+        """The full tensor at `rows` (dim -> its indices, as Target's), reading only the byte ranges they need."""
+        shape = self.full_shape(name, key)
+        local = tuple(len(rows[d]) if d in rows else n for d, n in enumerate(shape))
+        out = torch.empty(local, dtype=self.dtype(name, key))
+        self.fill(name, Target(local, rows), 0, out.numel(), {key: (out.view(-1), key)})
         self.run()
         return out
 

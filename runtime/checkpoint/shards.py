@@ -172,6 +172,10 @@ class FullTensors:
         pieces = self._pieces.get((self._resolve(name, key), key))
         return pieces[0][key].dtype if pieces else None
 
+    def read(self, name: str, key: str, rows: dict) -> torch.Tensor:
+        """As RangedSource.read: the full tensor at `rows`, cut from the whole one."""
+        return Target((), rows).take(self.get(name, key))
+
     def fill(self, name: str, target: Target, lo: int, hi: int, outs: dict) -> None:
         """As RangedSource.fill, from the whole tensor (cut for each target: fine for the small checkpoints of
         format 1 and for imports; new checkpoints load by range)."""

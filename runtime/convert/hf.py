@@ -353,7 +353,7 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
     read from `state` once (a lazy mapping assembles it then), split into its HF parts, written at its offsets
     and dropped. Peak memory is one of our tensors and its parts, not the model. safetensors' own writer takes a
     whole file's tensors at once, hence this one (the format: safetensors_file.py); safe_open and transformers
-    read its files (tests/convert/test_streamed_export.py holds them against save_file's, tensor for tensor)."""
+    read its files (tests/convert/test_sharded_weights.py holds them against save_file's, tensor for tensor)."""
     shapes = state_shapes(cfg)
     # A plain dict may mix dtypes (a base that keeps its norms in fp32): each tensor keeps its own. A lazy mapping
     # (a checkpoint) is read as one dtype, the header being written before any of it is read.
@@ -361,7 +361,7 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
     shards: list[list[tuple[_Rule, list[tuple[str, tuple]]]]] = [[]]
     size = 0
     for rule in _rules(cfg):
-        width = torch.empty((), dtype=dtypes.get(rule.ours, dtype)).element_size()
+        width = dtypes.get(rule.ours, dtype).itemsize
         parts = [(name, tuple(shape)) for name, shape in zip(rule.hf, _hf_shapes(rule, shapes[rule.ours]))]
         nbytes = sum(math.prod(shape) * width for _, shape in parts)
         if shards[-1] and size + nbytes > max_shard_bytes:  # a rule's parts stay in one file
@@ -377,7 +377,7 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
         for rule, parts in shard:
             kind = dtypes.get(rule.ours, dtype)
             for name, shape in parts:
-                end = offset + math.prod(shape) * torch.empty((), dtype=kind).element_size()
+                end = offset + math.prod(shape) * kind.itemsize
                 header[name] = {"dtype": _DTYPES[kind], "shape": list(shape), "data_offsets": [offset, end]}
                 offset = end
                 weight_map[name] = file

@@ -90,10 +90,7 @@ def read_selected(path: str, cfg: ModelConfig, targets: Selected, key: str = KEY
             return
         state = read_pretrained(path, cfg, key)
         for local, (full, select) in targets.items():
-            tensor = state[full]
-            for dim, index in sorted(select.items()):
-                tensor = tensor.index_select(dim, index)
-            yield local, tensor
+            yield local, Target((), select).take(state[full])
         return
     yield from _from_checkpoint(path, cfg, targets, key)
 
@@ -116,8 +113,4 @@ def _from_checkpoint(path: str, cfg: ModelConfig, targets: Selected, key: str
             if shape != tuple(expected[name]):
                 raise ValueError(f"{key}: {where} holds {name} with shape {shape} but the model config makes "
                                  f"{tuple(expected[name])}; {_SHAPE_HINT}")
-            local_shape = tuple(len(select[d]) if d in select else n for d, n in enumerate(shape))
-            out = torch.empty(local_shape, dtype=full.dtype(name, "value"))
-            full.fill(name, Target(local_shape, select), 0, out.numel(), {"value": (out.view(-1), "value")})
-            getattr(full, "run", lambda: None)()  # RangedSource reads what fill planned; FullTensors filled it
-            yield local, out
+            yield local, full.read(name, "value", select)

@@ -215,8 +215,7 @@ class DataParallel:
                        if config.overlap_grad_reduce and b.axis.size > 1 and not b.deferred]
         self._remaining: list[int] | None = None  # per bucket, hooks still to come this step; None: no overlap
         self._started = 0                         # how many of self._early have started
-        self._pending: list[tuple[Bucket, C.Pending, torch.Tensor | None]] = []
-        self._finished = 0  # how many of _pending have been waited on
+        self._pending: list[tuple[Bucket, C.Pending, torch.Tensor | None]] = []  # started, not yet waited on
         self._gathers: list[C.Pending] = []
 
     def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str], dp: AxisGroup
@@ -276,7 +275,7 @@ class DataParallel:
                 # Autograd's tensor from the last step: let it go now, or the next backward's gradients would be
                 # allocated while it is still held (two steps' gradients at once).
                 main.value = None
-        self._pending, self._finished, self._started = [], 0, 0
+        self._pending, self._started = [], 0
         self._remaining = ([b.uses * micro_batches for b in self.buckets]
                            if micro_batches and self._early else None)
 
@@ -295,16 +294,14 @@ class DataParallel:
 
     def _start(self, bucket: Bucket) -> None:
         if self._max_in_flight is not None and C.reduce_scatter_copies_input(bucket.axis):
-            while len(self._pending) - self._finished >= self._max_in_flight:
-                self._finish(self._pending[self._finished])
-                self._finished += 1
-        if self.zero1 and C.in_place_shard_ok(bucket.grad_buffer, bucket.axis):
-            # Into the rank's own slice of the buffer it reads: no second shard-sized buffer per bucket in flight.
-            out = bucket.grad_buffer[bucket.shard]
-            self._pending.append((bucket, C.start_reduce_scatter_flat(out, bucket.grad_buffer, bucket.axis), None))
-        elif self.zero1:
-            shard = torch.empty_like(bucket.grad_buffer[bucket.shard])
-            self._pending.append((bucket, C.start_reduce_scatter_flat(shard, bucket.grad_buffer, bucket.axis), shard))
+            while len(self._pending) >= self._max_in_flight:
+                self._finish(self._pending.pop(0))
+        if self.zero1:
+            # In place: into the rank's own slice of the buffer it reads (no shard-sized buffer per bucket).
+            shard = None if C.in_place_shard_ok(bucket.grad_buffer, bucket.axis) else torch.empty_like(
+                bucket.grad_buffer[bucket.shard])
+            out = bucket.grad_buffer[bucket.shard] if shard is None else shard
+            self._pending.append((bucket, C.start_reduce_scatter_flat(out, bucket.grad_buffer, bucket.axis), shard))
         else:
             self._pending.append((bucket, C.start_all_reduce(bucket.grad_buffer, bucket.axis), None))
 
@@ -338,9 +335,9 @@ class DataParallel:
         for i, bucket in enumerate(self.buckets):
             if bucket.axis.size > 1 and i not in early:
                 self._start(bucket)
-        for entry in self._pending[self._finished:]:
+        for entry in self._pending:
             self._finish(entry)
-        self._pending, self._finished, self._started, self._remaining = [], 0, len(self._early), None
+        self._pending, self._started, self._remaining = [], len(self._early), None
 
     @staticmethod
     def _finish(entry: tuple[Bucket, C.Pending, torch.Tensor | None]) -> None:
