@@ -106,23 +106,34 @@ def stage_inputs(section: Mapping[str, Any]) -> StageInputs:
 
 def cut_to_steps(section: dict[str, Any], steps: int, results_dir: str) -> dict[str, Any]:
     """A copy of a trainer section cut to `steps` steps, its results in `results_dir`, with no TensorBoard logger and
-    no resume (the Neuron precompile's config, launcher/neuron.py). Validation is kept inside those steps, so that
-    its graph is compiled too; a warmup longer than the run is cut to it, which the trainer would refuse."""
+    no resume (the Neuron precompile's config, launcher/neuron.py). A warmup longer than the run is cut to it, which
+    the trainer would refuse.
+
+    It runs every kind of graph the real run will, so that the real run finds each in the compile cache: training
+    steps (every one logged), a validation, a checkpoint save and a step after it. With at least two steps, the
+    validation and the save come at step steps - 1 (if the section validates and saves at all) and again at the
+    end, after the last step."""
     import copy
 
+    steps = max(int(steps), 2)
     stage = copy.deepcopy(section)
     trainer = stage.setdefault("trainer", {})
-    trainer["max_steps"] = int(steps)
-    if int(trainer.get("val_check_interval") or 0) > steps:
-        trainer["val_check_interval"] = int(steps)
+    trainer["max_steps"] = steps
+    trainer["log_every_n_steps"] = 1
+    if int(trainer.get("val_check_interval") or 0) > 0:
+        trainer["val_check_interval"] = steps - 1
     stage.setdefault("run", {})["results_dir"] = results_dir
     exp_manager = stage.setdefault("exp_manager", {})
     exp_manager["create_tensorboard_logger"] = False
     exp_manager["resume_if_exists"] = False
+    if exp_manager.get("create_checkpoint_callback", True) is not False:
+        params = exp_manager.get("checkpoint_callback_params")
+        exp_manager["checkpoint_callback_params"] = {**(params if isinstance(params, dict) else {}),
+                                                     "every_n_train_steps": steps - 1}
     sched = ((stage.get("model") or {}).get("optim") or {}).get("sched")
     if isinstance(sched, dict):
-        sched["warmup_steps"] = min(int(sched.get("warmup_steps") or 0), int(steps))
-        sched["constant_steps"] = min(int(sched.get("constant_steps") or 0), int(steps) - sched["warmup_steps"])
+        sched["warmup_steps"] = min(int(sched.get("warmup_steps") or 0), steps)
+        sched["constant_steps"] = min(int(sched.get("constant_steps") or 0), steps - sched["warmup_steps"])
     return stage
 
 

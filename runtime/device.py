@@ -89,10 +89,74 @@ class Device:
         """Peak device memory where the device reports it (CUDA); None elsewhere."""
         return torch.cuda.max_memory_allocated(self.torch_device) / 2**30 if self.kind == "cuda" else None
 
+    def graph_counts(self) -> "GraphCounts | None":
+        """XLA only: how many graphs this process has compiled and executed, and how many device-to-host transfers
+        it made, so far (torch-xla's debug metrics); None on other devices, which run no graphs."""
+        if self.kind != "xla":
+            return None
+        met = self._xla["met"]
+        # Counters where torch-xla keeps them: ExecuteTime's samples are recorded after the result has returned, so
+        # right after a read it can still lag; ExecuteComputation counts as each graph starts. A transfer is
+        # synchronous: its metric is recorded before the read returns.
+        transfers = met.metric_data("TransferFromDeviceTime")
+        return GraphCounts(int(met.counter_value("UncachedCompile") or 0),
+                           int(met.counter_value("ExecuteComputation") or 0), int(transfers[0]) if transfers else 0)
+
+    def settle_views(self, views: list[torch.Tensor]) -> None:
+        """XLA: bring views of a buffer that was updated in place (the parameters in data parallelism's flat
+        buffers, DataParallel.views) up to date now, inside the graph being traced. torch-xla's functionalization
+        would regenerate them lazily in whichever graph reads them next: the next step's, or, once a validation
+        has read them, not the next step's, which would then be a different graph, compiled after every first
+        validation. Elsewhere a view is always current."""
+        if self.kind == "xla":
+            for view in views:
+                torch._sync(view)
+
+    @property
+    def host_reads_stall(self) -> bool:
+        """Whether reading a value back stalls the device (XLA: it cuts the graph, and Trainium waits): such reads
+        are kept to one per step, plus one at logged steps."""
+        return self.kind == "xla"
+
+    @property
+    def trial_run(self) -> bool:
+        """Under neuron_parallel_compile, which runs the training to extract its graphs and hands back zeros for
+        every value read from the device: checks on those values (a zero token count, a non-finite loss) would
+        stop the compile, so they are skipped."""
+        return self.kind == "xla" and os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY", "") not in ("", "0")
+
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         if self.kind == "xla":
             self._xla["xm"].set_rng_state(seed)
+
+
+@dataclass(frozen=True)
+class GraphCounts:
+    compiles: int
+    executions: int
+    transfers: int  # device to host
+
+    def __sub__(self, other: "GraphCounts") -> "GraphCounts":
+        return GraphCounts(self.compiles - other.compiles, self.executions - other.executions,
+                           self.transfers - other.transfers)
+
+    def __add__(self, other: "GraphCounts") -> "GraphCounts":
+        return GraphCounts(self.compiles + other.compiles, self.executions + other.executions,
+                           self.transfers + other.transfers)
+
+
+def fetch_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Host copies of XLA tensors, all in one transfer: one graph computes every pending value (a slice, a view)
+    and one synchronization brings them back. Copied one by one, each would be its own graph, compiled on its
+    first save (one per tensor). None where the tensors are not on an XLA device (copy them as usual)."""
+    if not tensors or any(t.device.type != "xla" for t in tensors):
+        return None
+    import torch_xla
+
+    # Clones, not the tensors: fetching a view gives it its own device data, and the next step's graph, reading
+    # the parameters through their views no longer, would be a new one (compiled again after every first save).
+    return list(torch_xla._XLAC._xla_get_cpu_tensors([t.detach().clone() for t in tensors]))
 
 
 def release_freed_host_memory() -> None:
@@ -159,13 +223,19 @@ def init_device(accelerator: str) -> Device:
         try:  # torch-xla lives in its own environment; import it only when asked for
             import torch_xla
             import torch_xla.core.xla_model as xm
+            import torch_xla.debug.metrics as met
             import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process-group backend
             import torch_xla.runtime as xr
         except ImportError as error:
             raise ValueError(
                 f"trainer.accelerator 'neuron' needs torch-xla (pip install torch-neuronx): {error}"
             ) from None
-        xla = {"torch_xla": torch_xla, "xm": xm, "xr": xr}
+        xla = {"torch_xla": torch_xla, "xm": xm, "xr": xr, "met": met}
+        # XLA's persistent compilation cache, where torch-xla's runtime supports it (TPU, GPU): before any graph is
+        # compiled. On Neuron the compiled graphs live in Neuron's own cache (NEURON_COMPILE_CACHE_URL, which the
+        # launcher's compile step fills); this one is XLA's, keyed by the same graph hashes.
+        if os.environ.get("NXDT_XLA_CACHE_DIR"):
+            xr.initialize_cache(os.environ["NXDT_XLA_CACHE_DIR"], readonly=False)
         torch_device = torch_xla.device() if hasattr(torch_xla, "device") else xm.xla_device()
         hardware = os.environ.get("NXDT_NEURON_HARDWARE", "trn1")
     else:
@@ -197,13 +267,18 @@ def init_device(accelerator: str) -> Device:
         # Every rank runs the same code and would print the same Python (and torch) warning: rank 0 says it once
         # per run. Errors are not warnings and still come from every rank.
         warnings.simplefilter("ignore")
-    if kind == "xla" and not host_collectives:
-        xla_world = xla["xr"].world_size()
-        if xla_world != world_size:
-            raise RuntimeError(
-                f"torch-xla reports world size {xla_world} but torch.distributed has {world_size}; "
-                f"launch with torchrun --nproc_per_node equal to the NeuronCores to use (trainer.devices)"
-            )
+    # The world the backend joined must be the one the launcher started: torch-xla's xla backend on a machine
+    # whose PJRT client cannot reach the other processes reports a world of 1 in each, and its collectives then
+    # return local values without an error (N independent copies training). Every rank checks and says so.
+    started = _env_int("WORLD_SIZE", world_size)
+    xla_world = xla["xr"].world_size() if kind == "xla" and not host_collectives else world_size
+    if not (world_size == started == xla_world):
+        topology.leave_world(drain=False)
+        backend_world = f"torch-xla's runtime {xla_world}, " if xla_world != world_size else ""
+        raise ValueError(
+            f"the launch started {started} processes (WORLD_SIZE) but the {backend} backend joined a world of "
+            f"{backend_world}{world_size}; on Neuron, launch with torchrun --nproc_per_node equal to "
+            f"the NeuronCores to use (trainer.devices) on a host where torch-xla sees them")
     return Device(kind, torch_device, rank, world_size, local_rank, hardware, xla, store_file)
 
 

@@ -16,7 +16,7 @@ class TokenMean:
 
     An objective (this, or runtime/alignment/objective.py's preference losses) is what the step and the pipeline's
     last stage do with a micro-batch's per-token losses: totals() are the global batch's denominators (counted
-    before any backward, summed over DP), __call__ returns what to backpropagate (already divided by them) and the
+    before any backward, summed over DP; a device tensor, never read back inside the step), __call__ returns what to backpropagate (already divided by them) and the
     statistics to sum, and report() turns the summed statistics into the loss and metrics."""
 
     num_stats = 1  # the length of the statistics __call__ returns
@@ -27,7 +27,7 @@ class TokenMean:
     def totals(self, batches: list[PreparedBatch]) -> torch.Tensor:
         return torch.stack([batch.loss_mask.sum() for batch in batches]).sum().reshape(1)
 
-    def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals: list[float]
+    def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals: torch.Tensor | list[float]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         local = (per_token * batch.loss_mask).sum()
         return local / totals[0], local.detach().reshape(1)

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import math
 from typing import Sequence
 
 import torch
@@ -33,11 +33,43 @@ from runtime.parallel.optimizer import ShardedAdamW
 from runtime.parallel.topology import Topology
 
 
-@dataclasses.dataclass(frozen=True)
 class StepResult:
-    loss: float        # the objective over the whole global batch (token-weighted mean), identical on every rank
-    grad_norm: float   # global L2 norm before clipping
-    metrics: dict = dataclasses.field(default_factory=dict)  # the objective's other figures (preference rewards)
+    """What one step computed, kept on the device until read: the objective's global statistics, its totals and
+    the gradient norm in one tensor. The first read (read(), or any of loss, grad_norm, metrics, tokens) copies
+    it to the host once; on XLA, after the step's graph has run (Device.step_boundary), it is the step's one
+    device-to-host transfer, and nothing the step computed waits on the host before that."""
+
+    def __init__(self, values: torch.Tensor, objective: TokenMean, num_stats: int):
+        self.values, self._objective, self._num_stats = values, objective, num_stats
+        self._read: tuple[float, float, dict, float] | None = None
+
+    def read(self, *, check: bool = True) -> "StepResult":
+        """check: refuse a global batch with no counted token (False where the values are placeholders: under
+        neuron_parallel_compile every value read is zero)."""
+        if self._read is None:
+            values = self.values.tolist()
+            stats, totals, grad_norm = values[:self._num_stats], values[self._num_stats:-1], values[-1]
+            if check and totals[0] <= 0:
+                raise ValueError("every loss_mask in the global batch is zero: nothing to train on")
+            loss, metrics = self._objective.report(stats, totals) if totals[0] > 0 else (math.nan, {})
+            self._read = (loss, grad_norm, metrics, totals[0])
+        return self
+
+    @property
+    def loss(self) -> float:  # the objective over the whole global batch (token-weighted mean), the same on every rank
+        return self.read()._read[0]
+
+    @property
+    def grad_norm(self) -> float:  # global L2 norm before clipping (nan for an evaluation)
+        return self.read()._read[1]
+
+    @property
+    def metrics(self) -> dict:  # the objective's other figures (preference rewards)
+        return self.read()._read[2]
+
+    @property
+    def tokens(self) -> float:  # the objective's first total: counted tokens (pairs for a preference objective)
+        return self.read()._read[3]
 
 
 def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequence[MicroBatch | tuple],
@@ -54,7 +86,7 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     objective = objective or TOKEN_MEAN
     batches = objective.prepare(model, _prepare(micro_batches), topo)
     model.train()
-    totals = _global_totals(objective, batches, topo)
+    totals = _global_totals(objective, batches, topo)  # on the device: nothing here reads it back
     grads = optimizer.data_parallel
     grads.zero_grad(len(batches))  # buckets start reducing during the last micro-batch's backward
     set_aux_scale(model, 1.0 / (len(batches) * topo.dp.size))  # MoE layers' auxiliary loss, averaged like the loss
@@ -63,7 +95,7 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
                                       autocast=lambda: autocast_for(optimizer, batches[0].input_ids.device),
                                       objective=objective)
     else:
-        stats = None  # summed on device: one sync
+        stats = None  # summed on device
         for batch in batches:
             with autocast_for(optimizer, batch.input_ids.device):
                 per_token = model(batch.input_ids, batch.labels, batch.layout)  # (B, T) fp32
@@ -71,10 +103,9 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
             loss.backward()
             stats = local if stats is None else stats + local
     grads.reduce_gradients()
-    grad_norm = optimizer.clip_grad_norm(clip)
+    grad_norm = optimizer.clip_grad_norm(clip)  # a device tensor; clipping is arithmetic on it, not a branch
     optimizer.step(lr)
-    loss, metrics = objective.report(_global_sum(stats, topo), totals)
-    return StepResult(loss=loss, grad_norm=grad_norm, metrics=metrics)
+    return StepResult(_values(stats, topo, totals, grad_norm), objective, objective.num_stats)
 
 
 @torch.no_grad()
@@ -92,6 +123,14 @@ def eval_objective(model: nn.Module, micro_batches: Sequence[MicroBatch | tuple]
                    optimizer: ShardedAdamW | None = None, objective: TokenMean | None = None
                    ) -> tuple[float, dict[str, float]]:
     """Forward-only: the objective's loss and metrics over the micro-batches of every DP rank."""
+    result = eval_result(model, micro_batches, topo, optimizer, objective)
+    return result.loss, result.metrics
+
+
+@torch.no_grad()
+def eval_result(model: nn.Module, micro_batches: Sequence[MicroBatch | tuple], topo: Topology,
+                optimizer: ShardedAdamW | None = None, objective: TokenMean | None = None) -> StepResult:
+    """eval_objective's figures, still on the device (read them after the graph has run, on XLA)."""
     objective = objective or TOKEN_MEAN
     batches = objective.prepare(model, _prepare(micro_batches), topo)
     model.eval()
@@ -105,27 +144,25 @@ def eval_objective(model: nn.Module, micro_batches: Sequence[MicroBatch | tuple]
             with autocast_for(optimizer, batch.input_ids.device):
                 local = objective(model(batch.input_ids, batch.labels, batch.layout), batch, totals)[1]
             stats = local if stats is None else stats + local
-    return objective.report(_global_sum(stats, topo), totals)
+    no_norm = torch.full((), math.nan, device=totals.device)
+    return StepResult(_values(stats, topo, totals, no_norm), objective, objective.num_stats)
 
 
 def _prepare(micro_batches: Sequence[MicroBatch | tuple]) -> list[PreparedBatch]:
     return [MicroBatch.of(micro_batch).prepare() for micro_batch in micro_batches]
 
 
-def _global_totals(objective: TokenMean, batches: list[PreparedBatch], topo: Topology) -> list[float]:
+def _global_totals(objective: TokenMean, batches: list[PreparedBatch], topo: Topology) -> torch.Tensor:
     # fp32, not fp64 or int64, because not every accelerator's collectives take those (exact to 2^24 tokens).
     totals = objective.totals(batches).to(torch.float32)
-    C.all_reduce(totals, topo.dp)  # TP ranks see the same tokens; DP ranks see different ones
-    values = totals.tolist()
-    if values[0] <= 0:
-        raise ValueError("every loss_mask in the global batch is zero: nothing to train on")
-    return values
+    return C.all_reduce(totals, topo.dp)  # TP ranks see the same tokens; DP ranks see different ones
 
 
-def _global_sum(stats: torch.Tensor, topo: Topology) -> list[float]:
+def _values(stats: torch.Tensor, topo: Topology, totals: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """[global statistics..., totals..., grad norm]: what a step hands back, in one tensor for one read."""
     stats = stats.reshape(-1)
     C.all_reduce(stats, topo.dp)
-    return stats.tolist()
+    return torch.cat([stats, totals.reshape(-1), grad_norm.reshape(1).to(stats.dtype)])
 
 
 def autocast_for(optimizer: ShardedAdamW | None, device: torch.device):

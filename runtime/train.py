@@ -32,6 +32,7 @@ from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
 from runtime.finetune import starting_weights
+from runtime.graphs import GraphAccounting
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, model_flops_per_token, peak_tflops
 from runtime.micro_batch import MicroBatch
@@ -44,20 +45,20 @@ from runtime.parallel.context import sequence_index
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
-from runtime.step import eval_objective, train_step
+from runtime.step import eval_result, train_step
 
 USER_ERROR_EXIT_CODE = 2
 
 
 def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
     expected_world = cfg.trainer.num_nodes * cfg.trainer.devices
-    if device.world_size != expected_world and device.is_main:
-        print(
-            f"warning: {device.world_size} processes were started but trainer.num_nodes * trainer.devices = "
-            f"{expected_world}; training with {device.world_size}",
-            file=sys.stderr,
-        )
-    devices_per_node = cfg.trainer.devices if device.world_size == expected_world else None
+    if device.world_size != expected_world:
+        # Never a warning: a layout computed for another world trains something else than what was asked for.
+        raise ValueError(
+            f"trainer.num_nodes * trainer.devices = {expected_world} but {device.world_size} processes were started; "
+            f"start {expected_world} (torchrun --nnodes {cfg.trainer.num_nodes} --nproc_per_node "
+            f"{cfg.trainer.devices}) or set trainer.devices / trainer.num_nodes to what runs")
+    devices_per_node = cfg.trainer.devices
     dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node,
                                  ep=cfg.parallel.ep, cp=cfg.parallel.context)
     return Topology.build(dims)
@@ -208,9 +209,9 @@ def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, top
     micro_batches = []
     for index in range(num_batches):
         micro_batches += _to_device(valid.batch_at(index * valid.global_batch_size), device)
-    loss, metrics = eval_objective(model, micro_batches, topo, optimizer, objective)
-    device.step_boundary()
-    return loss, metrics
+    result = eval_result(model, micro_batches, topo, optimizer, objective)
+    device.step_boundary()  # XLA: the evaluation's one graph runs here, and its one read comes after
+    return result.loss, result.metrics
 
 
 @contextlib.contextmanager
@@ -313,34 +314,53 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
     # changes no result; unset, nothing waits.
     pause_s = float(os.environ.get("NXDT_STEP_PAUSE_S") or 0)
 
+    # Every persistent tensor (weights, moments, gradient buffers, restored state) as device data before the first
+    # step: on XLA a tensor still pending its creation (zeros, a copy) would make step 1's graph differ from step 2's.
+    views = optimizer.data_parallel.views()
+    device.settle_views(views)
+    device.step_boundary()
+    graphs = GraphAccounting(device, is_main=device.is_main)
     try:
         for step in range(start_step, cfg.trainer.max_steps):
+            done = step + 1
             started = time.perf_counter()
             lr = schedule(step)
-            micro_batches = _to_device(train_batches.next_batch(), device)
-            result = train_step(model, optimizer, micro_batches, topo, lr=lr, clip=cfg.trainer.gradient_clip_val,
-                                objective=objective)
-            device.step_boundary()
-            loss, grad_norm = float(result.loss), float(result.grad_norm)  # .item() waits for the step to finish
-            device.synchronize()
+            with graphs.part("step", done):
+                micro_batches = _to_device(train_batches.next_batch(), device)
+                result = train_step(model, optimizer, micro_batches, topo, lr=lr,
+                                    clip=cfg.trainer.gradient_clip_val, objective=objective)
+                device.settle_views(views)  # XLA: the updated parameters, inside this step's graph
+                device.step_boundary()  # XLA: the step's one graph runs here
+                result.read(check=not device.trial_run)  # its one read, after it ran (it waits for the step)
+                device.synchronize()
             elapsed = time.perf_counter() - started
-            if not math.isfinite(loss):
-                raise RuntimeError(f"loss became {loss} at step {step + 1}; lower model.optim.lr or check the data")
-            done = step + 1
+            loss, grad_norm = result.loss, result.grad_norm
+            if not math.isfinite(loss) and not device.trial_run:
+                raise RuntimeError(f"loss became {loss} at step {done}; lower model.optim.lr or check the data")
+            logged = metrics.should_log(done)
+            signum = None
+            extra = dict(result.metrics)
+            if logged:
+                with graphs.part("logging", done):
+                    peaks, signum = logged_step_figures(device, cfg.trainer.devices, watch)
+                    extra.update(step_stats(model, report=True), **peaks)
+                extra.update(graphs.fields())
+            else:
+                step_stats(model, report=False)
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
-                                memory_gib=device.memory_gib(),
-                                extra={**result.metrics, **step_stats(model, report=metrics.should_log(done)),
-                                       **(memory_peaks(device, cfg.trainer.devices) if metrics.should_log(done)
-                                          else {})})
+                                memory_gib=device.memory_gib(), extra=extra)
             if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
                                               or done == cfg.trainer.max_steps):
-                val_loss, val_metrics = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches, topo,
-                                                 device, valid_objective)
+                with graphs.part("validation", done):
+                    val_loss, val_metrics = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches,
+                                                     topo, device, valid_objective)
                 metrics.record_validation(done, val_loss, val_metrics)
-            checkpoints.after_step(done)
+            with graphs.part("save", done):
+                checkpoints.after_step(done)
             if pause_s:
                 time.sleep(pause_s)
-            signum = watch.agreed() if watch is not None else None
+            if watch is not None and not logged and not device.host_reads_stall:
+                signum = watch.agreed()  # every step where a read is cheap; on XLA at logged steps only
             if signum is not None and done < cfg.trainer.max_steps:
                 checkpoints.save_and_wait(done)
                 device.barrier()  # nobody exits (and has torchrun stop the others) before rank 0 committed
@@ -356,14 +376,17 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         metrics.close()
 
 
-def memory_peaks(device: Device, devices_per_node: int) -> dict:
-    """At a logged step (every rank calls it there): the highest rank's peak host RSS and which rank, the busiest
-    node's total (its ranks' peaks summed: what the node's memory must hold), and the highest device peak where the
-    device reports one. One small all-reduce of a row per rank."""
-    table = torch.zeros(device.world_size, 2)
+def logged_step_figures(device: Device, devices_per_node: int, watch: SignalWatch | None) -> tuple[dict, int | None]:
+    """At a logged step (every rank calls it there), in one small all-reduce of a row per rank: the highest rank's
+    peak host RSS and which rank, the busiest node's total (its ranks' peaks summed: what the node's memory must
+    hold), the highest device peak where the device reports one; and the signal any rank received (the
+    preemption agreement, SignalWatch.agreed's, folded into this one read)."""
+    table = torch.zeros(device.world_size, 3)
     table[device.rank, 0] = device.host_peak_gib()
     table[device.rank, 1] = device.device_peak_gib() or 0.0
-    table = C.all_reduce_world(table.to(device.torch_device)).cpu()
+    table[device.rank, 2] = float(watch.received or 0) if watch is not None else 0.0
+    if device.world_size > 1:  # alone, there is nothing to agree on: no trip to the device
+        table = C.all_reduce_world(table.to(device.torch_device)).cpu()
     host = table[:, 0]
     per_node = max(1, min(devices_per_node, device.world_size))
     nodes = torch.nn.functional.pad(host, (0, -len(host) % per_node)).view(-1, per_node).sum(dim=1)
@@ -371,7 +394,7 @@ def memory_peaks(device: Device, devices_per_node: int) -> dict:
              "node_host_peak_gib": float(nodes.max())}
     if device.device_peak_gib() is not None:
         peaks["device_peak_gib"] = float(table[:, 1].max())
-    return peaks
+    return peaks, int(table[:, 2].max()) or None
 
 
 def _draw(results_dir: str) -> None:

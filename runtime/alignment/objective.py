@@ -105,7 +105,7 @@ class PreferenceObjective:
         chosen = torch.stack([batch.loss_mask[:batch.input_ids.shape[0] // 2].sum() for batch in batches]).sum()
         return torch.stack([torch.tensor(float(pairs), device=chosen.device), chosen])
 
-    def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals: list[float]
+    def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals: torch.Tensor | list[float]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         mask, reference = batch.loss_mask, batch.reference
         m = per_token.shape[0] // 2
@@ -114,7 +114,7 @@ class PreferenceObjective:
         if self.strategy == "orpo":
             means = logps / counts.clamp(min=1)
             terms, chosen_reward, rejected_reward = orpo_losses(means[:m], means[m:], self.beta)
-            loss = nll / max(totals[1], 1.0) + terms.sum() / totals[0]
+            loss = nll / _at_least_one(totals[1]) + terms.sum() / totals[0]
         else:
             if self.loss_type == "ipo":  # IPO compares mean per-token log-probs (policy and reference alike)
                 policy, ref = logps / counts.clamp(min=1), reference / counts.clamp(min=1)
@@ -142,3 +142,8 @@ class PreferenceObjective:
             "rejected_logps": s["rejected_logps"] / pairs,
             "chosen_nll": nll,
         }
+
+
+def _at_least_one(total: torch.Tensor | float) -> torch.Tensor | float:
+    """max(total, 1): a device tensor stays on the device (the step reads nothing back before its end)."""
+    return total.clamp(min=1.0) if isinstance(total, torch.Tensor) else max(total, 1.0)

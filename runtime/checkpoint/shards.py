@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from runtime.checkpoint.reshard import TIED, Target
+from runtime.device import fetch_to_host
 from runtime.parallel.data_parallel import DataParallel
 from runtime.parallel.plan import ShardingPlan
 
@@ -78,6 +79,17 @@ def host_copy(tree):
     return tree
 
 
+def _replace(tree, values):
+    """`tree` with its tensors replaced, in _tensors' order, by the next of `values`."""
+    if isinstance(tree, torch.Tensor):
+        return next(values)
+    if isinstance(tree, dict):
+        return {k: _replace(v, values) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_replace(v, values) for v in tree)
+    return tree
+
+
 class HostStaging:
     """Reusable host buffers for checkpoint copies: one flat buffer per dtype, kept between saves.
 
@@ -105,7 +117,11 @@ class HostStaging:
         return out
 
     def copy(self, tree):
-        """A copy of `tree` whose float tensors are views of the staging buffers (others are cloned)."""
+        """A copy of `tree` whose float tensors are views of the staging buffers (others are cloned); on XLA, the
+        host copies of one transfer (device.fetch_to_host), which need no staging buffer."""
+        fetched = fetch_to_host(self._tensors(tree, []))
+        if fetched is not None:
+            return _replace(tree, iter(fetched))
         tensors = [t for t in self._tensors(tree, []) if t.is_floating_point()]
         signature = [(t.dtype, tuple(t.shape)) for t in tensors]
         if signature != self._signature:

@@ -246,12 +246,14 @@ def step_stats(model: nn.Module, *, report: bool = True) -> dict[str, float]:
         for layer in layers:
             layer._totals = []
         return {}
-    aux = dropped = imbalance = 0.0
+    rows = []  # per layer: aux loss, dropped fraction, imbalance; computed on the device, read back at once
     for layer in layers:
         totals, layer._totals = layer._totals, []
-        aux += float(torch.stack([t["aux_loss"] for t in totals]).mean())
-        dropped += float(torch.stack([t["dropped"] for t in totals]).mean())
         load = torch.stack([t["load"] for t in totals]).sum(dim=0).float()
-        imbalance += float(load.max() / load.mean()) if load.sum() > 0 else 0.0
+        rows.append(torch.stack([torch.stack([t["aux_loss"] for t in totals]).float().mean(),
+                                 torch.stack([t["dropped"] for t in totals]).float().mean(),
+                                 torch.where(load.sum() > 0, load.max() / load.mean().clamp(min=1e-30),
+                                             torch.zeros_like(load.sum()))]))
+    aux, dropped, imbalance = torch.stack(rows).sum(dim=0).tolist()  # one device-to-host transfer
     return {"moe_aux_loss": aux, "moe_tokens_dropped": dropped / len(layers),
             "moe_load_imbalance": imbalance / len(layers)}

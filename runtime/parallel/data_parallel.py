@@ -346,14 +346,15 @@ class DataParallel:
         if shard is not None:
             bucket.grad_buffer[bucket.shard].copy_(shard)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the reduced gradients over every rank, each distinct value counted once."""
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients over every rank, each distinct value counted once: a 0-d tensor
+        on the device (the step reads it back with its other figures, after its graph has run)."""
         total = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
         for bucket in self.buckets:
             for seg in bucket.segments:
                 total += torch.linalg.vector_norm(seg.grad()).square() * seg.norm_weight  # no squared temporary
         C.all_reduce_world(total)  # every rank's distinct share
-        return total.sqrt().item()
+        return total.sqrt()
 
     def shard_weights(self, bucket: Bucket) -> list[torch.Tensor]:
         """The fp32 weights of the bucket's shard, one per segment, for the optimizer to update in place: the
@@ -382,6 +383,11 @@ class DataParallel:
         for pending in self._gathers:
             pending.wait()
         self._gathers = []
+
+    def views(self) -> list[torch.Tensor]:
+        """Every parameter that is a view of a flat buffer (the parameters, and tied aliases that follow them):
+        what an update of the buffers changes behind the parameters' backs (Device.settle_views)."""
+        return self.params + [alias for alias, _ in self._aliases]
 
     def _shard_params(self, bucket: Bucket) -> list[torch.Tensor]:
         return [bucket.param_buffer[bucket.shard][seg.in_shard] for seg in bucket.segments]

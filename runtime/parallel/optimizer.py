@@ -47,7 +47,7 @@ class ShardedAdamW:
         self.data_parallel = data_parallel_of(model)
         self.cfg = AdamWConfig.coerce(optim_cfg)
         self.step_count = 0
-        self._clip_coef = 1.0
+        self._grad_scale: torch.Tensor | None = None  # what the next step divides the gradients by (clipping)
         self._pre_step_hooks: list = []
         buckets = self.data_parallel.buckets
         device = buckets[0].param_buffer.device
@@ -57,11 +57,13 @@ class ShardedAdamW:
         self.exp_avg = [zeros(b) for b in buckets]     # per bucket, (shard,) fp32
         self.exp_avg_sq = [zeros(b) for b in buckets]
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Global L2 norm of the reduced gradients. When it exceeds max_norm (None or <= 0: never), the next
-        step() scales the gradients by max_norm / norm."""
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients, a 0-d device tensor (nothing is read back). When it exceeds
+        max_norm (None or <= 0: never), the next step() scales the gradients by max_norm / (norm + 1e-6), as
+        torch.nn.utils.clip_grad_norm_ does: tensor arithmetic, so clipping or not is the same graph on XLA."""
         norm = self.data_parallel.grad_norm()
-        self._clip_coef = max_norm / (norm + 1e-6) if max_norm is not None and 0 < max_norm < norm else 1.0
+        if max_norm is not None and max_norm > 0:
+            self._grad_scale = torch.where(norm > max_norm, (norm + 1e-6) / max_norm, torch.ones_like(norm))
         return norm
 
     @torch.no_grad()
@@ -82,7 +84,7 @@ class ShardedAdamW:
                             lr, self.cfg.weight_decay if bucket.decay else 0.0)
             dp.write_back(bucket, weights)
         dp.finish_write_back()  # ZeRO-1: the all-gathers started bucket by bucket above
-        self._clip_coef = 1.0
+        self._grad_scale = None
 
     def _adamw(self, weights, grads, exp_avgs, exp_avg_sqs, lr: float, weight_decay: float) -> None:
         beta1, beta2 = self.cfg.betas
@@ -90,16 +92,15 @@ class ShardedAdamW:
             device = weights[0].device
             step = torch.tensor(float(self.step_count), device=device)
             # The kernel divides gradients by grad_scale: clipping costs no extra pass.
-            scale = torch.tensor(1.0 / self._clip_coef, device=device) if self._clip_coef != 1.0 else None
             torch._fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [], [step] * len(weights), lr=lr,
                                 beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=self.cfg.eps,
-                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+                                amsgrad=False, maximize=False, grad_scale=self._grad_scale, found_inf=None)
             return
         # Reference formulation (torch.optim.AdamW's), for devices without the fused kernel.
         bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
         for w, g, m, v in zip(weights, grads, exp_avgs, exp_avg_sqs):
-            if self._clip_coef != 1.0:
-                g = g * self._clip_coef
+            if self._grad_scale is not None:
+                g = g / self._grad_scale
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v.sqrt() / math.sqrt(bias2)).add_(self.cfg.eps)

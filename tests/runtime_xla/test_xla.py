@@ -2,9 +2,16 @@
 Neuron compiler. These tests run in the separate XLA environment (csp_tools/xla_venv.sh; .ci/run does it);
 in the main environment, where torch-xla is absent, they are skipped, unless NXDT_REQUIRE_XLA=1.
 
-What XLA:CPU cannot do: collectives between processes through the xla backend (each process's XLA:CPU
-client is alone; PJRT's CPU client has no cross-process transport). The multi-process test therefore
-computes on the XLA device and runs its collectives through gloo on host copies."""
+Each run trains 30 steps with a validation and a checkpoint save every 10, every step logged, gradient clipping
+active on some steps and not on others, and checks two things against one CPU process: the losses (exactness), and
+what the device ran (runtime/graphs.py's counts in metrics.jsonl): after the warm-up (the first step, validation,
+save and logged read) no graph is compiled again, and each steady step runs the same graphs and transfers.
+
+What XLA:CPU cannot do: collectives between processes through the xla backend. torch-xla 2.9's PJRT CPU client
+has only in-process collectives (xla::cpu::InProcessCollectives; no gloo or MPI transport is built in), so under
+torchrun each process joins a world of its own: test_xla_backend_world_of_one_is_refused shows the runtime
+refusing that. The multi-process tests therefore compute on the XLA device and run their collectives through gloo
+on host copies, each of which ends a graph: a step of theirs runs a fixed number of graphs, more than one."""
 
 import importlib.util
 import json
@@ -28,7 +35,11 @@ if importlib.util.find_spec("torch_xla") is None:
     pytest.skip("torch-xla is not installed here (run in the environment csp_tools/xla_venv.sh builds)",
                 allow_module_level=True)
 
-STEPS = 6
+STEPS = 30
+EVERY = 10  # validation and checkpoint saves
+# A clipping threshold inside each model's range of gradient norms over these steps (per global batch size), so that
+# some steps clip and some do not: clipping is arithmetic in the step's one graph, not a branch compiling another.
+CLIP = {("gpt", 4): 1.5, ("llama", 4): 1.15, ("gpt", 8): 1.5, ("llama", 8): 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +58,7 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
     raw = reference_training_config(arch, results_dir=data / name, data_prefix=[1.0, str(data / "corpus")],
                                     tokenizer=data / "tokenizer.json")
     raw["trainer"].update(accelerator=accelerator, devices=devices, max_steps=STEPS, log_every_n_steps=1,
-                          val_check_interval=1000, limit_val_batches=1)
+                          val_check_interval=EVERY, limit_val_batches=1, gradient_clip_val=CLIP[arch, gbs])
     raw["model"].update(encoder_seq_length=16, max_position_embeddings=16, num_layers=2, hidden_size=32,
                         ffn_hidden_size=128, num_attention_heads=4, micro_batch_size=2, global_batch_size=gbs,
                         make_vocab_size_divisible_by=16, **model)
@@ -57,6 +68,7 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
     raw["model"]["optim"]["eps"] = 1e-4
     raw["model"]["optim"]["sched"].update(warmup_steps=1, min_lr=1e-4)
     raw["exp_manager"]["create_tensorboard_logger"] = False
+    raw["exp_manager"]["checkpoint_callback_params"]["every_n_train_steps"] = EVERY
     path = data / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -70,7 +82,7 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
 XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def _launch(program: list[str], nproc: int = 1, extra_env: dict | None = None) -> None:
+def _launch(program: list[str], nproc: int = 1, extra_env: dict | None = None, *, ok: bool = True):
     env = dict(os.environ, PJRT_DEVICE="CPU", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra_env or {}))
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()
     # Every process imports torch (and torch-xla with torch's compiler stack: ~2,700 modules). Where bytecode is
@@ -81,13 +93,51 @@ def _launch(program: list[str], nproc: int = 1, extra_env: dict | None = None) -
     prefix = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     result = subprocess.run([sys.executable, *prefix, *program], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if ok:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "after warm-up" not in result.stderr, result.stderr[-3000:]  # runtime/graphs.py's recompile line
+    return result
+
+
+def _rows(config) -> list[dict]:
+    results = yaml.safe_load(config.read_text())["run"]["results_dir"]
+    return [json.loads(line) for line in open(os.path.join(results, "metrics.jsonl")) if '"loss"' in line]
 
 
 def _losses(config) -> list[float]:
-    results = yaml.safe_load(config.read_text())["run"]["results_dir"]
-    rows = [json.loads(line) for line in open(os.path.join(results, "metrics.jsonl"))]
-    return [r["loss"] for r in rows if "loss" in r]
+    return [r["loss"] for r in _rows(config)]
+
+
+def _assert_fixed_graphs(config, graphs_per_step: int | None = 1) -> None:
+    """After warm-up nothing compiles, and every steady step runs the same graphs and device-to-host transfers:
+    one and one in one process (graphs_per_step=1), a fixed number where host-staged collectives cut the step.
+
+    Row n of metrics.jsonl counts what ran since row n-1: step n, and validation, save and logged read of step
+    n-1. Warm-up: row 1 (the first step and its logged read), row EVERY + 1 (the first validation and save)."""
+    rows = _rows(config)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    norms = [r["grad_norm"] for r in rows[1:]]
+    clip = yaml.safe_load(config.read_text())["trainer"]["gradient_clip_val"]
+    assert min(norms) < clip < max(norms), norms  # steps that clip and steps that do not
+    steady = rows[1]["xla_window"]
+    for row in rows:
+        window = row["xla_window"]
+        assert window["steps"] == 1
+        if row["step"] not in (1, EVERY + 1):
+            assert row["xla_compiles"] == 0, row
+        if row["step"] == 1:
+            continue
+        assert window["step"][0] == 0, row  # the step never compiles again (step 2, after a save, clipped or not)
+        assert window["step"][1:] == steady["step"][1:], row
+        assert window["logging"] == steady["logging"], row
+        if row["step"] % EVERY == 1 and row["step"] > EVERY + 1:
+            first = rows[EVERY]["xla_window"]
+            assert window["validation"][1:] == first["validation"][1:] and window["save"][1:] == first["save"][1:]
+    if graphs_per_step is not None:
+        assert steady["step"][1:] == [graphs_per_step, 1], steady
+        assert steady["logging"] == [0, 0, 0], steady
+        first = rows[EVERY]["xla_window"]  # one graph and one transfer for a validation and for a save
+        assert first["validation"][1:] == [1, 1] and first["save"][1:] == [1, 1], first
 
 
 def _train(config, nproc=1, extra_env=None):
@@ -95,20 +145,71 @@ def _train(config, nproc=1, extra_env=None):
     return _losses(config)
 
 
-@pytest.mark.long("two processes: the CPU reference, and an XLA:CPU run that imports torch-xla and compiles two "
-                  "step graphs (the first step's, then the later steps') before they run")
-def test_single_process_on_xla_matches_cpu(data):
-    cpu = _train(_config(data, "cpu", accelerator="cpu"))
-    xla = _train(_config(data, "xla", accelerator="neuron"))
+@pytest.fixture(scope="module")
+def compiled_first(data, tmp_path_factory):
+    """The GPT XLA run, after the launcher's compile step (launcher/config.py cut_to_steps: what the job script runs
+    under neuron_parallel_compile before training) filled XLA's persistent cache; the cache's entries after each."""
+    from launcher.config import cut_to_steps
+
+    config = _config(data, "xla_gpt", accelerator="neuron")
+    trial = data / "xla_gpt_compile.yaml"
+    trial.write_text(yaml.safe_dump(cut_to_steps(yaml.safe_load(config.read_text()), 3, str(data / "compile"))))
+    cache = tmp_path_factory.mktemp("xla_cache")
+    env = {"NXDT_XLA_CACHE_DIR": str(cache)}
+    _launch(["-m", "runtime.train", "--config", str(trial)], 1, env)
+    after_compile = set(os.listdir(cache))
+    _launch(["-m", "runtime.train", "--config", str(config)], 1, env)
+    return config, after_compile, set(os.listdir(cache))
+
+
+@pytest.mark.long("two processes: the CPU reference, and an XLA:CPU run that imports torch-xla and compiles its "
+                  "step, validation and save graphs before they run (for GPT, after the compile step's run)")
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_single_process_on_xla_matches_cpu_and_compiles_nothing_after_warm_up(data, arch, request):
+    cpu = _train(_config(data, f"cpu_{arch}", accelerator="cpu", arch=arch))
+    if arch == "gpt":
+        config = request.getfixturevalue("compiled_first")[0]
+    else:
+        config = _config(data, f"xla_{arch}", accelerator="neuron", arch=arch)
+        _train(config)
+    xla = _losses(config)
     assert len(cpu) == len(xla) == STEPS
     # Same weights, data and math in fp32; XLA fuses and orders some reductions differently.
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: cpu {a} xla {b}"
+    _assert_fixed_graphs(config)
+
+
+@pytest.mark.long("shares the GPT run of the test above, and its compile step's run")
+def test_the_compile_step_runs_every_graph_the_training_runs(compiled_first):
+    """XLA's persistent cache stores each compiled graph under its hash: the real run adds none, so every graph it
+    compiled (step, validation, save, after a save, logged or not, clipped or not) the compile step had compiled.
+
+    On XLA:CPU the run still compiles each again: torch-xla 2.9's CPU client cannot load a stored executable
+    (its counters say PersistentCacheDeserializeFailure; TPU and GPU clients can), so "zero uncached compiles" is
+    shown here as zero cache misses, the same graphs, by the cache's own keys."""
+    _, after_compile, after_run = compiled_first
+    assert after_compile and after_run == after_compile, (after_compile, after_run)
+
+
+@pytest.mark.long("a torchrun launch of two processes, each importing torch-xla before it refuses")
+def test_xla_backend_world_of_one_is_refused(data):
+    """torchrun starts two processes; torch-xla's xla backend on XLA:CPU joins each to a world of its own (its PJRT
+    CPU client reaches no other process), where every collective would return the local value: every rank refuses
+    with one line instead of training two independent copies."""
+    config = _config(data, "xla_world", accelerator="neuron", devices=2, gbs=8)
+    result = _launch(["-m", "runtime.train", "--config", str(config)], 2, ok=False)
+    assert result.returncode != 0
+    for prefix in ("error: ", "error (rank 1): "):
+        assert f"{prefix}the launch started 2 processes (WORLD_SIZE) but the xla backend joined a world of 1" \
+            in result.stderr, result.stderr[-3000:]
+    assert f'File "{REPO / "runtime"}' not in result.stderr, result.stderr[-3000:]  # torchrun's own summary aside
+    assert not (data / "xla_world").exists() or not any((data / "xla_world").iterdir())
 
 
 @pytest.fixture(scope="module")
 def one_cpu_process(data):
-    """The reference of every two-process GPT test below: one CPU process, global batch 8."""
+    """The reference of the two-process GPT tests below: one CPU process, global batch 8."""
     return _train(_config(data, "gbs8_cpu", accelerator="cpu", gbs=8))
 
 
@@ -117,11 +218,11 @@ def one_cpu_process(data):
 MOE = dict(arch="llama", num_query_groups=2,
            moe={"num_experts": 4, "top_k": 2, "dropless": False, "capacity_factor": 1.0, "router_aux_loss_coef": 0.02})
 # The two-process layouts, each on two XLA:CPU devices with gradients and activations crossing through gloo on host
-# copies: dp=2; tp=2 with sequence parallelism (moving a model to an XLA device makes new Parameters, so anything
+# copies: dp=2; Llama at tp=2 with sequence parallelism (moving a model to an XLA device makes new Parameters, so anything
 # the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name); Mixtral's
 # experts over ep=2; each sequence split over cp=2 (ring attention's spelled-out block math, what Trainium compiles,
 # its K/V passes point to point, learned positions at the chunks' positions).
-LAYOUTS = {"dp": {}, "tp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+LAYOUTS = {"dp": {}, "tp": dict(arch="llama", tensor_model_parallel_size=2, sequence_parallel=True),
            "ep": dict(expert_model_parallel_size=2, **MOE), "cp": dict(context_parallel_size=2)}
 LONG = pytest.mark.long("the module's one torchrun launch of the four two-process layouts on 2 cores (each rank "
                         "imports torch-xla once and compiles every layout's step graphs), or its wait on it")
@@ -134,7 +235,18 @@ def two_processes(data):
     configs = {name: _config(data, f"{name}_xla", accelerator="neuron", devices=2, gbs=8, **model)
                for name, model in LAYOUTS.items()}
     _launch(["-m", "tests.runtime_xla.suite", *map(str, configs.values())], 2, {"NXDT_XLA_COLLECTIVES": "gloo"})
-    return {name: _losses(path) for name, path in configs.items()}
+    return configs
+
+
+def _two_process_result(configs, name: str, clipping: bool = True) -> list[float]:
+    """A layout's losses, once its graphs are checked: fixed after warm-up (each gloo collective ends a graph, so a
+    step runs several, always the same ones)."""
+    if clipping:
+        _assert_fixed_graphs(configs[name], graphs_per_step=None)
+    else:  # the clipping threshold is set for the dense models' gradient norms
+        rows = _rows(configs[name])
+        assert all(r["xla_compiles"] == 0 for r in rows if r["step"] not in (1, EVERY + 1)), rows
+    return _losses(configs[name])
 
 
 def _assert_matches(cpu: list[float], xla: list[float], what: str) -> None:
@@ -145,20 +257,23 @@ def _assert_matches(cpu: list[float], xla: list[float], what: str) -> None:
 
 @LONG
 def test_two_process_data_parallel_on_xla_matches_one_cpu_process(two_processes, one_cpu_process):
-    _assert_matches(one_cpu_process, two_processes["dp"], "dp=2")
+    _assert_matches(one_cpu_process, _two_process_result(two_processes, "dp"), "dp=2")
 
 
 @LONG
-def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(two_processes, one_cpu_process):
-    _assert_matches(one_cpu_process, two_processes["tp"], "tp=2 + sp")
+def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data, two_processes):
+    """Llama, against its own CPU reference (global batch 8)."""
+    cpu = _train(_config(data, "gbs8_llama_cpu", accelerator="cpu", gbs=8, arch="llama"))
+    _assert_matches(cpu, _two_process_result(two_processes, "tp"), "tp=2 + sp")
 
 
 @LONG
 def test_two_process_expert_parallel_on_xla_matches_one_cpu_process(data, two_processes):
     """Against its own CPU reference: the same MoE model in one CPU process."""
-    _assert_matches(_train(_config(data, "ep_cpu", accelerator="cpu", gbs=8, **MOE)), two_processes["ep"], "ep=2")
+    _assert_matches(_train(_config(data, "ep_cpu", accelerator="cpu", gbs=8, **MOE)),
+                    _two_process_result(two_processes, "ep", clipping=False), "ep=2")
 
 
 @LONG
 def test_two_process_context_parallel_on_xla_matches_one_cpu_process(two_processes, one_cpu_process):
-    _assert_matches(one_cpu_process, two_processes["cp"], "cp=2")
+    _assert_matches(one_cpu_process, _two_process_result(two_processes, "cp"), "cp=2")

@@ -44,7 +44,7 @@ def schedule_actions(stage: PipelineStageModel, num_micro_batches: int, *, forwa
 
 
 def run_pipeline(stage: PipelineStageModel, batches: Sequence[PreparedBatch], topo: Topology,
-                 total_tokens: float | Sequence[float], *, forward_only: bool,
+                 total_tokens: torch.Tensor | Sequence[float], *, forward_only: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  schedule: str | None = None, timeline: list | None = None,
                  objective: Callable | None = None, early_receives: bool | None = None,

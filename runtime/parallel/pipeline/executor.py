@@ -26,12 +26,13 @@ class ScheduleRun:
     token mean, sum(loss * mask); zeros off the last stage)."""
 
     def __init__(self, stage: PipelineStageModel, p2p: P2P, batches: Sequence[PreparedBatch],
-                 total_tokens: float | Sequence[float], *, forward_only: bool,
+                 total_tokens: torch.Tensor | Sequence[float], *, forward_only: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  timeline: list | None = None, collect: Callable | None = None, objective: Callable | None = None,
                  early_receives: bool | None = None, events: list | None = None):
         self.stage, self.p2p, self.batches = stage, p2p, batches
-        self.totals = list(total_tokens) if isinstance(total_tokens, (list, tuple)) else [total_tokens]
+        # A tensor (the step's, on the device) or numbers.
+        self.totals = (total_tokens if isinstance(total_tokens, (torch.Tensor, list, tuple)) else [total_tokens])
         self.objective = objective or TOKEN_MEAN
         self.forward_only, self.autocast = forward_only, autocast
         self.timeline = timeline  # when a list: (kind, start, end) of each pass's compute, receives excluded
