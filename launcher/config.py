@@ -127,9 +127,11 @@ def cut_to_steps(section: dict[str, Any], steps: int, results_dir: str) -> dict[
     exp_manager["create_tensorboard_logger"] = False
     exp_manager["resume_if_exists"] = False
     if exp_manager.get("create_checkpoint_callback", True) is not False:
+        # Its own checkpoints, never where the real run resumes from (they hold zeros under neuron_parallel_compile).
         params = exp_manager.get("checkpoint_callback_params")
         exp_manager["checkpoint_callback_params"] = {**(params if isinstance(params, dict) else {}),
-                                                     "every_n_train_steps": steps - 1}
+                                                     "every_n_train_steps": steps - 1,
+                                                     "dirpath": f"{results_dir}/checkpoints"}
     sched = ((stage.get("model") or {}).get("optim") or {}).get("sched")
     if isinstance(sched, dict):
         sched["warmup_steps"] = min(int(sched.get("warmup_steps") or 0), steps)

@@ -328,7 +328,7 @@ def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
     left_s = max(max_steps - step, 0) * sum(recent) / len(recent)
     memory = ""
     if isinstance(last.get("host_peak_gib"), (int, float)) and isinstance(last.get("node_host_peak_gib"), (int, float)):
-        # The runtime's logged_step_figures (runtime/train.py): how close the run is to a node's memory.
+        # The runtime's memory_peaks (runtime/train.py): how close the run is to a node's memory.
         memory = (f"; host memory peak {last['host_peak_gib']:.2f} GiB (rank {last.get('host_peak_rank', '?')}), "
                   f"{last['node_host_peak_gib']:.1f} GiB on the busiest node")
         if isinstance(last.get("device_peak_gib"), (int, float)):
@@ -336,9 +336,9 @@ def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
     graphs = ""
     if isinstance(last.get("xla_graphs_per_step"), (int, float)):
         # runtime/graphs.py: a recompile after warm-up is what makes a Trainium step slow.
-        compiles = sum(int(r.get("xla_compiles") or 0) for r in rows[1:])
         graphs = (f"; XLA: {last['xla_graphs_per_step']:g} graphs and {last['xla_transfers_per_step']:g} "
-                  f"device-to-host transfers per step, {compiles} compiles since the first record")
+                  f"device-to-host transfers per step, {int(last.get('xla_recompiles') or 0)} recompiles after "
+                  "warm-up")
     return (f"step {step} of {max_steps} ({100 * step / max(max_steps, 1):.0f}%), loss {float(last['loss']):.4f}, "
             f"about {_duration(left_s)} left at {recent[-1]:.2f} s/step{memory}{graphs}")
 

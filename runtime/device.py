@@ -95,9 +95,9 @@ class Device:
         if self.kind != "xla":
             return None
         met = self._xla["met"]
-        # Counters where torch-xla keeps them: ExecuteTime's samples are recorded after the result has returned, so
-        # right after a read it can still lag; ExecuteComputation counts as each graph starts. A transfer is
-        # synchronous: its metric is recorded before the read returns.
+        # Counters where torch-xla keeps them (ExecuteTime's samples lag further). ExecuteComputation is counted
+        # by the execution thread once a graph has run: GraphAccounting waits for the device before it reads them.
+        # A transfer is synchronous: its metric is recorded before the read returns.
         transfers = met.metric_data("TransferFromDeviceTime")
         return GraphCounts(int(met.counter_value("UncachedCompile") or 0),
                            int(met.counter_value("ExecuteComputation") or 0), int(transfers[0]) if transfers else 0)
@@ -120,10 +120,9 @@ class Device:
 
     @property
     def trial_run(self) -> bool:
-        """Under neuron_parallel_compile, which runs the training to extract its graphs and hands back zeros for
-        every value read from the device: checks on those values (a zero token count, a non-finite loss) would
-        stop the compile, so they are skipped."""
-        return self.kind == "xla" and os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY", "") not in ("", "0")
+        """The job script's compile step (compile_trial_run): checks on values read from the device (a zero token
+        count, a non-finite loss, the preflight's sums, a signal) would stop the compile, so they are skipped."""
+        return self.kind == "xla" and compile_trial_run()
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -146,17 +145,29 @@ class GraphCounts:
                            self.transfers + other.transfers)
 
 
+def compile_trial_run() -> bool:
+    """Whether this process is the job script's Neuron compile step (templates/sbatch.sh.j2 sets NXDT_COMPILE=1
+    around neuron_parallel_compile), which runs the training to extract its graphs and hands back zeros for every
+    value read from the device."""
+    return os.environ.get("NXDT_COMPILE") == "1"
+
+
 def fetch_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Host copies of XLA tensors, all in one transfer: one graph computes every pending value (a slice, a view)
     and one synchronization brings them back. Copied one by one, each would be its own graph, compiled on its
-    first save (one per tensor). None where the tensors are not on an XLA device (copy them as usual)."""
-    if not tensors or any(t.device.type != "xla" for t in tensors):
+    first save (one per tensor). Host tensors among them (a sharded parameter's row index) are cloned. None where
+    none is on an XLA device (copy them as usual). The graph materializes the copies on the device first: one
+    checkpoint's worth of device memory, until the transfer is done."""
+    on_xla = [i for i, t in enumerate(tensors) if t.device.type == "xla"]
+    if not on_xla:
         return None
     import torch_xla
 
     # Clones, not the tensors: fetching a view gives it its own device data, and the next step's graph, reading
     # the parameters through their views no longer, would be a new one (compiled again after every first save).
-    return list(torch_xla._XLAC._xla_get_cpu_tensors([t.detach().clone() for t in tensors]))
+    fetched = iter(torch_xla._XLAC._xla_get_cpu_tensors([tensors[i].detach().clone() for i in on_xla]))
+    wanted = set(on_xla)
+    return [next(fetched) if i in wanted else t.detach().clone() for i, t in enumerate(tensors)]
 
 
 def release_freed_host_memory() -> None:
@@ -220,6 +231,10 @@ def init_device(accelerator: str) -> Device:
         torch.cuda.set_device(local_rank)
         torch_device, hardware = torch.device("cuda", local_rank), _cuda_hardware(local_rank)
     elif kind == "xla":
+        # Every Python number an op takes becomes a graph input, never a constant: torch-xla inlines 0 and 1, so a
+        # learning rate decayed to 0 or an Adam bias correction that rounds to 1 (step 730 at beta2 0.95) would
+        # otherwise make a new step graph, compiled long after warm-up.
+        os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
         try:  # torch-xla lives in its own environment; import it only when asked for
             import torch_xla
             import torch_xla.core.xla_model as xm

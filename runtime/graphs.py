@@ -34,6 +34,7 @@ class GraphAccounting:
             return
         before = self.device.graph_counts()
         yield
+        self.device.synchronize()  # every graph the part started has run and been counted
         spent = self.device.graph_counts() - before
         self._window[name] = self._window[name] + spent
         if name == "step":
@@ -49,12 +50,13 @@ class GraphAccounting:
         self._seen.add(name)
 
     def fields(self) -> dict:
-        """A logged row's figures, and a fresh window: new compiles over the window, graph executions and
-        device-to-host transfers per training step, and each part's [compiles, graphs, transfers]."""
+        """A logged row's figures, and a fresh window: new compiles over the window, compiles after warm-up over
+        the run so far, graph executions and device-to-host transfers per training step, and each part's
+        [compiles, graphs, transfers]."""
         if not self.enabled:
             return {}
         steps, step = max(self._steps, 1), self._window["step"]
-        row = {"xla_compiles": sum(c.compiles for c in self._window.values()),
+        row = {"xla_compiles": sum(c.compiles for c in self._window.values()), "xla_recompiles": self.recompiles,
                "xla_graphs_per_step": step.executions / steps, "xla_transfers_per_step": step.transfers / steps,
                "xla_window": {"steps": self._steps,
                               **{part: [c.compiles, c.executions, c.transfers] for part, c in self._window.items()}}}

@@ -2,7 +2,9 @@
 # --signal=B:USR1@N, see templates/sbatch.sh.j2), the script forwards it through srun and torchrun to every
 # worker; a scheduler that preempts sends SIGTERM. The handler only records the signal: the step loop finishes
 # the current step, and since ranks can receive it a step apart, they agree (a one-element max all-reduce per
-# step, as Megatron's signal handler does) before any of them saves, so every rank saves the same step.
+# step, as Megatron's signal handler does) before any of them saves, so every rank saves the same step. The
+# agreed flag rides in the step's one read (runtime/step.py train_step's read_with): on XLA it is part of the step's
+# graph and costs no read of its own.
 from __future__ import annotations
 
 import signal
@@ -35,17 +37,21 @@ class SignalWatch:
 
     def _record(self, signum, frame) -> None:
         if self.received is None:
-            print(f"nxdt: received {signal.Signals(signum).name}: saving a checkpoint after this step",
+            print(f"nxdt: received {signal.Signals(signum).name}: saving a checkpoint at the end of the next step",
                   file=sys.stderr, flush=True)
         self.received = signum
 
-    def agreed(self) -> int | None:
-        """The signal any rank received (collective: every rank calls it once per step), or None."""
+    def flag(self) -> torch.Tensor:
+        """The signal any rank received, as a one-element device tensor not yet read (collective: every rank calls
+        it once per step); 0 for none."""
         flag = torch.tensor([float(self.received or 0)], device=self._device)
         if topology.world()[1] > 1:
             C.all_reduce_world(flag, op=C.MAX)
-        value = int(flag.item())
-        return value or None
+        return flag
+
+    def agreed(self) -> int | None:
+        """flag(), read: the signal any rank received, or None."""
+        return int(self.flag().item()) or None
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -39,20 +39,23 @@ class StepResult:
     it to the host once; on XLA, after the step's graph has run (Device.step_boundary), it is the step's one
     device-to-host transfer, and nothing the step computed waits on the host before that."""
 
-    def __init__(self, values: torch.Tensor, objective: TokenMean, num_stats: int):
-        self.values, self._objective, self._num_stats = values, objective, num_stats
-        self._read: tuple[float, float, dict, float] | None = None
+    def __init__(self, values: torch.Tensor, objective: TokenMean, num_stats: int, num_extra: int = 0):
+        self.values, self._objective, self._num_stats, self._num_extra = values, objective, num_stats, num_extra
+        self._read: tuple[float, float, dict, float, list[float]] | None = None
 
     def read(self, *, check: bool = True) -> "StepResult":
         """check: refuse a global batch with no counted token (False where the values are placeholders: under
-        neuron_parallel_compile every value read is zero)."""
+        neuron_parallel_compile every value read is zero). The refusal comes after the step: its update has divided
+        by zero tokens, so the caller must stop (the training does, before anything is saved)."""
         if self._read is None:
             values = self.values.tolist()
+            extra = values[len(values) - self._num_extra:]
+            values = values[:len(values) - self._num_extra]
             stats, totals, grad_norm = values[:self._num_stats], values[self._num_stats:-1], values[-1]
             if check and totals[0] <= 0:
                 raise ValueError("every loss_mask in the global batch is zero: nothing to train on")
             loss, metrics = self._objective.report(stats, totals) if totals[0] > 0 else (math.nan, {})
-            self._read = (loss, grad_norm, metrics, totals[0])
+            self._read = (loss, grad_norm, metrics, totals[0], extra)
         return self
 
     @property
@@ -71,15 +74,21 @@ class StepResult:
     def tokens(self) -> float:  # the objective's first total: counted tokens (pairs for a preference objective)
         return self.read()._read[3]
 
+    @property
+    def extra(self) -> list[float]:  # train_step's read_with, read back with the step's own figures
+        return self.read()._read[4]
+
 
 def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequence[MicroBatch | tuple],
                topo: Topology, *, lr: float, clip: float | None, schedule: str | None = None,
-               objective: TokenMean | None = None) -> StepResult:
+               objective: TokenMean | None = None, read_with: torch.Tensor | None = None) -> StepResult:
     """Forward/backward every micro-batch, reduce gradients (data parallelism), clip by the global norm, step
     AdamW.
 
     schedule (pp > 1 only): one of pipeline.SCHEDULES; None picks 1F1B, or interleaved with virtual stages.
     objective: TOKEN_MEAN (None), or the alignment stage's preference objective.
+    read_with: other device values (fp32) to read back in the step's one read (StepResult.extra): the preemption
+    flag, which then costs no read of its own.
     """
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch")
@@ -105,7 +114,11 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     grads.reduce_gradients()
     grad_norm = optimizer.clip_grad_norm(clip)  # a device tensor; clipping is arithmetic on it, not a branch
     optimizer.step(lr)
-    return StepResult(_values(stats, topo, totals, grad_norm), objective, objective.num_stats)
+    values = _values(stats, topo, totals, grad_norm)
+    if read_with is None:
+        return StepResult(values, objective, objective.num_stats)
+    extra = read_with.reshape(-1).to(values.dtype)
+    return StepResult(torch.cat([values, extra]), objective, objective.num_stats, extra.numel())
 
 
 @torch.no_grad()

@@ -53,12 +53,17 @@ USER_ERROR_EXIT_CODE = 2
 def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
     expected_world = cfg.trainer.num_nodes * cfg.trainer.devices
     if device.world_size != expected_world:
-        # Never a warning: a layout computed for another world trains something else than what was asked for.
-        raise ValueError(
-            f"trainer.num_nodes * trainer.devices = {expected_world} but {device.world_size} processes were started; "
-            f"start {expected_world} (torchrun --nnodes {cfg.trainer.num_nodes} --nproc_per_node "
-            f"{cfg.trainer.devices}) or set trainer.devices / trainer.num_nodes to what runs")
-    devices_per_node = cfg.trainer.devices
+        message = (f"trainer.num_nodes * trainer.devices = {expected_world} but {device.world_size} processes were "
+                   f"started")
+        if "WORLD_SIZE" in os.environ:
+            # A launch (torchrun, a job script): never a warning, a layout computed for another world trains
+            # something else than what was asked for.
+            raise ValueError(f"{message}; start {expected_world} (torchrun --nnodes {cfg.trainer.num_nodes} "
+                             f"--nproc_per_node {cfg.trainer.devices}) or set trainer.devices / trainer.num_nodes "
+                             "to what runs")
+        if device.is_main:  # `python -m runtime.train` alone: a quick look at a config in one process
+            print(f"warning: {message} (no torchrun); training with {device.world_size}", file=sys.stderr)
+    devices_per_node = cfg.trainer.devices if device.world_size == expected_world else None
     dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node,
                                  ep=cfg.parallel.ep, cp=cfg.parallel.context)
     return Topology.build(dims)
@@ -211,6 +216,7 @@ def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, top
         micro_batches += _to_device(valid.batch_at(index * valid.global_batch_size), device)
     result = eval_result(model, micro_batches, topo, optimizer, objective)
     device.step_boundary()  # XLA: the evaluation's one graph runs here, and its one read comes after
+    result.read(check=not device.trial_run)
     return result.loss, result.metrics
 
 
@@ -328,7 +334,8 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
             with graphs.part("step", done):
                 micro_batches = _to_device(train_batches.next_batch(), device)
                 result = train_step(model, optimizer, micro_batches, topo, lr=lr,
-                                    clip=cfg.trainer.gradient_clip_val, objective=objective)
+                                    clip=cfg.trainer.gradient_clip_val, objective=objective,
+                                    read_with=watch.flag() if watch is not None else None)
                 device.settle_views(views)  # XLA: the updated parameters, inside this step's graph
                 device.step_boundary()  # XLA: the step's one graph runs here
                 result.read(check=not device.trial_run)  # its one read, after it ran (it waits for the step)
@@ -338,12 +345,12 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
             if not math.isfinite(loss) and not device.trial_run:
                 raise RuntimeError(f"loss became {loss} at step {done}; lower model.optim.lr or check the data")
             logged = metrics.should_log(done)
-            signum = None
+            # The signal any rank had received when this step began, agreed inside the step and read with it.
+            signum = (int(result.extra[0]) or None) if watch is not None and not device.trial_run else None
             extra = dict(result.metrics)
             if logged:
                 with graphs.part("logging", done):
-                    peaks, signum = logged_step_figures(device, cfg.trainer.devices, watch)
-                    extra.update(step_stats(model, report=True), **peaks)
+                    extra.update(step_stats(model, report=True), **memory_peaks(device, cfg.trainer.devices))
                 extra.update(graphs.fields())
             else:
                 step_stats(model, report=False)
@@ -359,8 +366,6 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                 checkpoints.after_step(done)
             if pause_s:
                 time.sleep(pause_s)
-            if watch is not None and not logged and not device.host_reads_stall:
-                signum = watch.agreed()  # every step where a read is cheap; on XLA at logged steps only
             if signum is not None and done < cfg.trainer.max_steps:
                 checkpoints.save_and_wait(done)
                 device.barrier()  # nobody exits (and has torchrun stop the others) before rank 0 committed
@@ -376,15 +381,13 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         metrics.close()
 
 
-def logged_step_figures(device: Device, devices_per_node: int, watch: SignalWatch | None) -> tuple[dict, int | None]:
+def memory_peaks(device: Device, devices_per_node: int) -> dict:
     """At a logged step (every rank calls it there), in one small all-reduce of a row per rank: the highest rank's
     peak host RSS and which rank, the busiest node's total (its ranks' peaks summed: what the node's memory must
-    hold), the highest device peak where the device reports one; and the signal any rank received (the
-    preemption agreement, SignalWatch.agreed's, folded into this one read)."""
-    table = torch.zeros(device.world_size, 3)
+    hold), and the highest device peak where the device reports one."""
+    table = torch.zeros(device.world_size, 2)
     table[device.rank, 0] = device.host_peak_gib()
     table[device.rank, 1] = device.device_peak_gib() or 0.0
-    table[device.rank, 2] = float(watch.received or 0) if watch is not None else 0.0
     if device.world_size > 1:  # alone, there is nothing to agree on: no trip to the device
         table = C.all_reduce_world(table.to(device.torch_device)).cpu()
     host = table[:, 0]
@@ -394,7 +397,7 @@ def logged_step_figures(device: Device, devices_per_node: int, watch: SignalWatc
              "node_host_peak_gib": float(nodes.max())}
     if device.device_peak_gib() is not None:
         peaks["device_peak_gib"] = float(table[:, 1].max())
-    return peaks, int(table[:, 2].max()) or None
+    return peaks
 
 
 def _draw(results_dir: str) -> None:
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     device, clean = None, False
     try:
         device = init_device(cfg.trainer.accelerator)
-        if cfg.trainer.preflight and device.world_size > 1:
+        if cfg.trainer.preflight and device.world_size > 1 and not device.trial_run:  # a trial run reads zeros
             preflight(device, timeout_s=cfg.trainer.preflight_timeout_s)
         train(cfg, device)
         if device.is_main and cfg.plot:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.alignment.objective import sequence_log_probs
+from runtime.device import compile_trial_run
 from runtime.io.files import atomic_write_json, read_json, sha256_file, temp_name
 from runtime.micro_batch import PreparedBatch
 from runtime.models.lora import adapters_off
@@ -72,7 +73,7 @@ def reference_table(model: nn.Module, dataset, topo: Topology, *, micro_batch_si
     """(pairs, 2) reference log-prob sums of `dataset` (runtime/alignment/data.py PreferenceDataset), on `device`:
     read from the cache beside the dataset's when it is there and intact, else computed and written (by
     is_writer). model_key names the starting weights (reference_key)."""
-    if os.environ.get("NXDT_COMPILE") == "1":
+    if compile_trial_run():
         # The Neuron compile step (neuron_parallel_compile, whose tensors hold no real values): one micro-batch
         # compiles the scoring graph; nothing is cached, so the real run computes the real table.
         _compute(model, dataset, topo, micro_batch_size, device, autocast, limit=micro_batch_size * topo.data_size)

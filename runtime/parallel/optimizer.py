@@ -62,8 +62,8 @@ class ShardedAdamW:
         max_norm (None or <= 0: never), the next step() scales the gradients by max_norm / (norm + 1e-6), as
         torch.nn.utils.clip_grad_norm_ does: tensor arithmetic, so clipping or not is the same graph on XLA."""
         norm = self.data_parallel.grad_norm()
-        if max_norm is not None and max_norm > 0:
-            self._grad_scale = torch.where(norm > max_norm, (norm + 1e-6) / max_norm, torch.ones_like(norm))
+        self._grad_scale = (torch.where(norm > max_norm, (norm + 1e-6) / max_norm, torch.ones_like(norm))
+                            if max_norm is not None and max_norm > 0 else None)
         return norm
 
     @torch.no_grad()

@@ -163,6 +163,13 @@ def test_compile_runs_first_with_the_same_flags_then_training(sandbox):
     compile_config = yaml.safe_load((job.results_dir / "training_compile_config.yaml").read_text())
     assert compile_config["trainer"]["max_steps"] == 3
     assert compile_config["run"]["results_dir"] == str(job.results_dir / "compile")
+    # Every graph kind the real run has (launcher/config.py cut_to_steps): logged steps, a validation and a save at
+    # step 2 and a step after them, the checkpoints in the compile's own directory, not where training resumes.
+    assert compile_config["trainer"]["log_every_n_steps"] == 1
+    assert compile_config["trainer"]["val_check_interval"] == 2 < job.stage_config["trainer"]["val_check_interval"]
+    assert compile_config["exp_manager"]["checkpoint_callback_params"]["every_n_train_steps"] == 2
+    assert compile_config["exp_manager"]["checkpoint_callback_params"]["dirpath"] == \
+        str(job.results_dir / "compile" / "checkpoints")
     assert compile_config["model"] == {**job.stage_config["model"], "optim": compile_config["model"]["optim"]}
     logs = sorted(p.name for p in job.log_dir.iterdir())
     assert "training_4242_0_restart0_compile_node1.log" in logs and "training_4242_0_restart0_node1.log" in logs

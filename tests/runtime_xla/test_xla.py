@@ -112,8 +112,9 @@ def _assert_fixed_graphs(config, graphs_per_step: int | None = 1) -> None:
     """After warm-up nothing compiles, and every steady step runs the same graphs and device-to-host transfers:
     one and one in one process (graphs_per_step=1), a fixed number where host-staged collectives cut the step.
 
-    Row n of metrics.jsonl counts what ran since row n-1: step n, and validation, save and logged read of step
-    n-1. Warm-up: row 1 (the first step and its logged read), row EVERY + 1 (the first validation and save)."""
+    Row n of metrics.jsonl counts what ran since row n-1: step n and its logged read, and the validation and save
+    of step n-1. Warm-up: row 1 (the first step and its logged read), row EVERY + 1 (the first validation and
+    save)."""
     rows = _rows(config)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     norms = [r["grad_norm"] for r in rows[1:]]
