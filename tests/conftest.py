@@ -1,4 +1,8 @@
 """Fixtures shared by every test directory."""
+import copy
+import hashlib
+import os
+
 import pytest
 
 pytest_plugins = ["tests.slurm_cluster", "tests.s3_server", "tests.recipe_data"]
@@ -87,3 +91,46 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError(f"{', '.join(unmarked)}: Slurm tests must be marked with `pytest.mark.slurm` in "
                                 f"their own file, where .ci/run's Slurm stream looks for them")
+
+
+# Hydra reads, parses and wraps every file of a launch's defaults chain again for each compose (its
+# CachingConfigRepository lasts one compose), and the in-process launches of the launcher and recipe tests compose
+# hundreds of times. Within a test process a config file is parsed once per content (the key is a hash of its
+# bytes, read each time, so a file a test rewrites is parsed again) and each compose gets a deep copy of what Hydra
+# would have loaded (Hydra merges loaded nodes into its result in place). Every compose, rule and check runs as
+# before. Hydra's ConfigStore is not memoized: a launch can add choices to it (training=@FILE).
+_hydra_loaded: dict[tuple, object] = {}
+
+
+@pytest.fixture(autouse=True)
+def _hydra_parses_each_config_file_once(monkeypatch):
+    try:
+        from hydra._internal.config_repository import ConfigRepository
+    except ImportError:  # another Hydra: compose as it does, only slower
+        return
+    load = ConfigRepository.load_config
+
+    def load_config(self, config_path: str):
+        key = _hydra_key(self, config_path)
+        if key is None:
+            return load(self, config_path)
+        if key not in _hydra_loaded:
+            _hydra_loaded[key] = load(self, config_path)  # a load that raises keeps nothing
+        return copy.deepcopy(_hydra_loaded[key])
+
+    monkeypatch.setattr(ConfigRepository, "load_config", load_config)
+
+
+def _hydra_key(repo, config_path: str) -> tuple | None:
+    """What loading `config_path` depends on: the source that holds it (the first that has it, as Hydra looks) and
+    the file's bytes. None for any other source. By scheme, not class: Hydra's plugin scan loads its source modules
+    a second time."""
+    source = next((s for s in repo.get_sources() if s.is_config(config_path)), None)
+    if source is None or source.scheme() not in ("file", "pkg"):
+        return None
+    if source.scheme() == "pkg":  # Hydra's own configs, in its installed package
+        return "pkg", source.path, config_path
+    name = config_path if config_path.endswith(".yaml") else f"{config_path}.yaml"
+    with open(os.path.join(source.path, name), "rb") as f:
+        digest = hashlib.blake2b(f.read(), digest_size=16).digest()
+    return "file", source.path, config_path, digest
