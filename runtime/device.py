@@ -113,12 +113,6 @@ class Device:
                 torch._sync(view)
 
     @property
-    def host_reads_stall(self) -> bool:
-        """Whether reading a value back stalls the device (XLA: it cuts the graph, and Trainium waits): such reads
-        are kept to one per step, plus one at logged steps."""
-        return self.kind == "xla"
-
-    @property
     def trial_run(self) -> bool:
         """The job script's compile step (compile_trial_run): checks on values read from the device (a zero token
         count, a non-finite loss, the preflight's sums, a signal) would stop the compile, so they are skipped."""

@@ -3,7 +3,8 @@
 # each logged step, and a compile after warm-up is named on the console instead of showing only as a slow step.
 #
 # Parts: "step" (the training step, from its batch to the read of its loss), "validation", "save" (a checkpoint's
-# copy to the host) and "logging" (a logged step's extra read: memory peaks, MoE figures, the signal agreement).
+# copy to the host) and "logging" (a logged step's extra read: memory peaks, MoE figures). The preemption signal is
+# agreed inside the step and read with it.
 # The first time each part runs it may compile (warm-up); after that, the set of graphs is fixed.
 from __future__ import annotations
 

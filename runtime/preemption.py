@@ -49,10 +49,6 @@ class SignalWatch:
             C.all_reduce_world(flag, op=C.MAX)
         return flag
 
-    def agreed(self) -> int | None:
-        """flag(), read: the signal any rank received, or None."""
-        return int(self.flag().item()) or None
-
     def close(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
