@@ -21,7 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from runtime.io.files import replace_directory
-from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, tokenizer_vocab_size
+from runtime.schema.families import export_family
+from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.models import meta_model
 
@@ -58,18 +59,24 @@ def _rules(cfg: ModelConfig) -> list[_Rule]:
     else:
         # Our qkv rows are [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and both sides
         # apply RoPE in the rotate-half layout, so q/k need no permutation.
-        qkv_rows = (cfg.num_attention_heads * cfg.head_dim,) + (cfg.kv_heads * cfg.head_dim,) * 2
+        fused = cfg.fused_segments()
+        qkv_names = [name for name, _ in fused["attn.qkv"]]
+        qkv_rows, gate_up_rows = tuple(r for _, r in fused["attn.qkv"]), tuple(r for _, r in fused["mlp.gate_up"])
         rules = [_Rule("embed.word.weight", ("model.embed_tokens.weight",))]
         for i in range(cfg.num_layers):
             o, h = f"layers.{i}.", f"model.layers.{i}."
             rules += [
                 _Rule(o + "attn_norm.weight", (h + "input_layernorm.weight",)),
-                _Rule(o + "attn.qkv.weight", tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), qkv_rows),
+                _Rule(o + "attn.qkv.weight", tuple(f"{h}self_attn.{p}.weight" for p in qkv_names), qkv_rows),
                 _Rule(o + "attn.proj.weight", (h + "self_attn.o_proj.weight",)),
                 _Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",))]
+            if cfg.add_qkv_bias:
+                rules.append(_Rule(o + "attn.qkv.bias", tuple(f"{h}self_attn.{p}.bias" for p in qkv_names), qkv_rows))
+            if cfg.qk_layernorm:
+                rules += [_Rule(o + "attn.q_norm.weight", (h + "self_attn.q_norm.weight",)),
+                          _Rule(o + "attn.k_norm.weight", (h + "self_attn.k_norm.weight",))]
             rules += _moe_rules(cfg, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
-                _Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                      (cfg.ffn_hidden_size,) * 2),
+                _Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), gate_up_rows),
                 _Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
         rules.append(_Rule("final_norm.weight", ("model.norm.weight",)))
     if not tied:
@@ -147,12 +154,7 @@ def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[s
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
-    if cfg.architecture == "gpt" and cfg.kv_heads != cfg.num_attention_heads:
-        raise ValueError(f"model.num_query_groups={cfg.num_query_groups}: GPT2LMHeadModel has no grouped-query "
-                         f"attention; only num_query_groups = num_attention_heads ({cfg.num_attention_heads}) "
-                         "or null can be exported")
-    if cfg.moe is not None:
-        _check_mixtral(cfg.moe)
+    export_family(cfg)  # ValueError naming the key when no family computes cfg exactly
 
 
 def _tied_head(cfg: ModelConfig, name: str) -> bool:
@@ -160,52 +162,12 @@ def _tied_head(cfg: ModelConfig, name: str) -> bool:
     return cfg.share_embeddings_and_output_weights and name == "output.weight"
 
 
-def _check_mixtral(moe: MoEConfig) -> None:
-    """MixtralForCausalLM computes one MoE variant; refuse the others rather than export a model that transformers
-    would run differently. The router's z-loss coefficient is not refused: it only shapes training, as dropout."""
-    refusals = [
-        (moe.frequency != 1, f"model.moe.frequency={moe.frequency}: MixtralForCausalLM has an MoE block in every "
-                             "layer; only frequency 1 can be exported"),
-        (moe.router_activation != "softmax", f"model.moe.router_activation={moe.router_activation!r}: Mixtral's "
-                                             "router is a softmax; only softmax can be exported"),
-        (not moe.normalize_top_k_affinities, "model.moe.normalize_top_k_affinities=false: Mixtral always "
-                                             "renormalizes the top_k weights; only true can be exported"),
-        (moe.capacity_factor is not None, f"model.moe.capacity_factor={moe.capacity_factor}: MixtralForCausalLM is "
-                                          "dropless, so transformers would compute this model without dropping "
-                                          "tokens; export with model.moe.dropless=true (capacity_factor null) to "
-                                          "accept that difference"),
-    ]
-    for refused, message in refusals:
-        if refused:
-            raise ValueError(message)
-
-
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     common = {"vocab_size": cfg.vocab_size,  # the padded size: the logits must keep their shape
               "tie_word_embeddings": cfg.share_embeddings_and_output_weights, "initializer_range": cfg.init_method_std,
               "bos_token_id": None, "eos_token_id": None,  # save_hf_directory fills these from the tokenizer
               "torch_dtype": str(dtype).removeprefix("torch.")}
-    if cfg.architecture == "gpt":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.hidden_size,
-                "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
-                "n_positions": cfg.max_position_embeddings, "layer_norm_epsilon": cfg.layernorm_epsilon,
-                "activation_function": "gelu_new", "resid_pdrop": cfg.hidden_dropout,
-                "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True,
-                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, **common}
-    llama = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
-             "rope_theta": cfg.rotary_base, "attention_dropout": cfg.attention_dropout, **common}
-    if cfg.moe is None:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-                "mlp_bias": False, **llama}
-    # output_router_logits false: transformers adds the load-balancing loss only when it is true, but the
-    # coefficient is kept so that fine-tuning in transformers can switch it on with the value this model used.
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
-            "router_aux_loss_coef": cfg.moe.router_aux_loss_coef, "output_router_logits": False,
-            "router_jitter_noise": 0.0, "sliding_window": None, **llama}
+    return {**export_family(cfg).hf_config(cfg), **common}
 
 
 def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,

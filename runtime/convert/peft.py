@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.convert.pretrained import read_pretrained  # one reader of starting weights, as training uses
-from runtime.models.lora import adapter_names, is_adapter, projection_segments
+from runtime.models.lora import adapter_names, is_adapter, projection_inputs, projection_segments
 from runtime.schema.model import ModelConfig
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_lora
@@ -56,7 +56,7 @@ def adapters(state: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoraConfig)
         for target, rows in segments:
             if target not in lora.target_modules:
                 continue
-            columns = cfg.ffn_hidden_size if local in ("mlp.down", "mlp.fc2") else cfg.hidden_size
+            columns = projection_inputs(cfg, local)
             for i in range(cfg.num_layers):
                 module = f"layers.{i}.{local}.lora"
                 expected[f"{module}.A.{target}"] = (lora.rank, columns)

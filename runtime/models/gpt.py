@@ -13,8 +13,8 @@ class GPTModel(CausalLM):
         H, eps = cfg.hidden_size, cfg.layernorm_epsilon
 
         def block() -> Block:
-            attn = Attention(H, cfg.num_attention_heads, cfg.kv_heads, bias=True, dropout=cfg.attention_dropout,
-                             rotary=None)
+            attn = Attention(H, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim, qkv_bias=True, proj_bias=True,
+                             dropout=cfg.attention_dropout, rotary=None)
             return Block(nn.LayerNorm(H, eps=eps), attn, nn.LayerNorm(H, eps=eps),
                          GeluMLP(H, cfg.ffn_hidden_size, bias=True), cfg.hidden_dropout)
 

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime.schema.model import RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +48,34 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE tables in the 'rotate half' layout (Megatron/NeMo/HF): dims [0, d/2) pair with [d/2, d)."""
+def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE's d/2 angular frequencies in float64, scaled as `scaling` says (transformers' rope_init_functions for
+    'llama3' and 'linear', the same formulas; the attention factor of both is 1, so only the frequencies change)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths (past what the original context saw whole) slowed by `factor`, short ones kept,
+    # and a linear blend between the two wavelength bounds.
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    long = wavelength > original / scaling.low_freq_factor
+    short = wavelength < original / scaling.high_freq_factor
+    smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return torch.where(long, inv_freq / scaling.factor, torch.where(short, inv_freq, blended))
 
-    def __init__(self, head_dim: int, max_positions: int, base: float):
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables in the 'rotate half' layout (Megatron/NeMo/HF): dims [0, d/2) pair with [d/2, d).
+
+    One instance serves every layer of a model (its tables depend only on the config): at Llama 3.1's 131072
+    positions and head size 128 they are 128 MiB, which per layer would be 4 GiB for the 8B model."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: RopeScaling | None = None):
         super().__init__()
-        self.head_dim, self.max_positions, self.base = head_dim, max_positions, base
+        self.head_dim, self.max_positions, self.base, self.scaling = head_dim, max_positions, base, scaling
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
@@ -63,7 +88,7 @@ class RotaryEmbedding(nn.Module):
     def reset_parameters(self) -> None:
         if self.cos.is_meta:  # built on the meta device: the tables are computed once the buffers are real
             return
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.base, self.scaling)
         angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)  # (P, d/2)
         angles = torch.cat([angles, angles], dim=-1)                                             # (P, d)
         self.cos.copy_(angles.cos())
@@ -110,20 +135,23 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with one fused QKV projection laid out [Q (nh*d) | K (ng*d) | V (ng*d)].
+    """Causal self-attention with one fused QKV projection laid out [Q (nh*d) | K (ng*d) | V (ng*d)]
+    (ModelConfig.fused_segments), optionally with an RMSNorm over each query and key head before RoPE (Qwen3's
+    q_norm / k_norm: weights of size d shared by all heads).
 
     `num_heads` / `num_kv_heads` are the heads this module computes; tensor parallelism lowers them to the
     rank's share after slicing `qkv` and `proj`.
     """
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, bias: bool, dropout: float,
-                 rotary: RotaryEmbedding | None):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias: bool,
+                 proj_bias: bool, dropout: float, rotary: RotaryEmbedding | None, qk_norm_eps: float | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = hidden // num_heads
-        self.qkv = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.core_attention = CoreAttention(dropout)
-        self.proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
+        self.proj = nn.Linear(num_heads * head_dim, hidden, bias=proj_bias)
         self.rotary = rotary
         # Seam for generation (runtime/generate.py): an object whose update(k, v) appends this step's keys and
         # values (B, T, ng, d) and returns all of them so far; the SequenceLayout's mask then covers them.
@@ -135,6 +163,8 @@ class Attention(nn.Module):
         nh, ng, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv.split([nh * d, ng * d, ng * d], dim=-1)
         q, k, v = q.view(B, T, nh, d), k.view(B, T, ng, d), v.view(B, T, ng, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, None if layout is None else layout.positions)
         if self.kv_cache is not None:

@@ -1,6 +1,7 @@
-# Llama style model: RMSNorm, rotary positions (theta = rotary_base), SwiGLU MLP, grouped-query attention,
-# no biases, output head untied unless share_embeddings_and_output_weights says otherwise. With model.moe it is
-# Mixtral: a sparse MoE block (runtime/models/moe.py) in place of the MLP of every moe.frequency-th layer.
+# Llama style model: RMSNorm, rotary positions (theta = rotary_base, optionally scaled), SwiGLU MLP, grouped-query
+# attention, no biases (Qwen2: on q, k and v; Qwen3: RMSNorm on each query and key head), output head untied
+# unless share_embeddings_and_output_weights says otherwise. With model.moe it is Mixtral: a sparse MoE block
+# (runtime/models/moe.py) in place of the MLP of every moe.frequency-th layer.
 from __future__ import annotations
 
 from runtime.schema.model import ModelConfig
@@ -22,12 +23,14 @@ class LlamaModel(CausalLM):
                              normalize_top_k=moe.normalize_top_k_affinities,
                              aux_loss_coef=moe.router_aux_loss_coef, z_loss_coef=moe.router_z_loss_coef)
 
+        # One RoPE module shared by every layer: its tables (non-persistent buffers, in no state dict) can be
+        # large, and module traversals name it once (`layers.0.attn.rotary`).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rotary_base, cfg.rope_scaling)
+
         def block(index: int) -> Block:
-            # One RoPE table per layer would be wasteful, but sharing one module across layers would make it
-            # appear under every layer's name; the tables are small (max_positions x head_dim) buffers.
-            rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rotary_base)
-            attn = Attention(H, cfg.num_attention_heads, cfg.kv_heads, bias=False, dropout=cfg.attention_dropout,
-                             rotary=rotary)
+            attn = Attention(H, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim, qkv_bias=cfg.add_qkv_bias,
+                             proj_bias=False, dropout=cfg.attention_dropout, rotary=rotary,
+                             qk_norm_eps=eps if cfg.qk_layernorm else None)
             return Block(RMSNorm(H, eps), attn, RMSNorm(H, eps), mlp(index), cfg.hidden_dropout)
 
         super().__init__(cfg,

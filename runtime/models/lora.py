@@ -75,19 +75,24 @@ class LoRALinear(nn.Linear):
 
 def projection_segments(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     """Module path within a block -> its output segments by Hugging Face name (the unsharded sizes)."""
-    d = cfg.hidden_size // cfg.num_attention_heads
-    segments = {"attn.qkv": [("q_proj", cfg.num_attention_heads * d), ("k_proj", cfg.kv_heads * d),
-                             ("v_proj", cfg.kv_heads * d)],
-                "attn.proj": [("o_proj", cfg.hidden_size)]}
+    fused = cfg.fused_segments()
+    segments = {"attn.qkv": list(fused["attn.qkv"]), "attn.proj": [("o_proj", cfg.hidden_size)]}
     if cfg.moe is not None:
         return segments  # experts carry no adapters (a schema rule refuses MLP targets on MoE models)
     if cfg.architecture == "llama":
-        segments["mlp.gate_up"] = [("gate_proj", cfg.ffn_hidden_size), ("up_proj", cfg.ffn_hidden_size)]
+        segments["mlp.gate_up"] = list(fused["mlp.gate_up"])
         segments["mlp.down"] = [("down_proj", cfg.hidden_size)]
     else:
         segments["mlp.fc1"] = [("up_proj", cfg.ffn_hidden_size)]
         segments["mlp.fc2"] = [("down_proj", cfg.hidden_size)]
     return segments
+
+
+def projection_inputs(cfg: ModelConfig, path: str) -> int:
+    """The input size of the projection at `path` (projection_segments' keys): the columns of its adapters' A."""
+    if path == "attn.proj":
+        return cfg.num_attention_heads * cfg.head_dim  # not hidden_size when the head size is set apart (Qwen3)
+    return cfg.ffn_hidden_size if path in ("mlp.down", "mlp.fc2") else cfg.hidden_size
 
 
 @torch.no_grad()
@@ -184,4 +189,4 @@ def adapters_off(model: nn.Module):
 
 
 __all__ = ["LoRA", "LoRALinear", "adapter_names", "adapters_off", "apply_lora", "is_adapter", "lora_modules", "merge_lora",
-           "projection_segments"]
+           "projection_inputs", "projection_segments"]

@@ -52,7 +52,7 @@ class ContextPositions:
         """RoPE's (cos, sin) rows at the rank's positions, gathered once and shared by every layer with the same
         tables: each layer's rotation keeps its tables for backward, and a gather per layer and micro-batch would
         keep that many copies (one process keeps views of the buffers instead)."""
-        key = ("rope", local_length, device, rotary.head_dim, rotary.max_positions, rotary.base)
+        key = ("rope", local_length, device, rotary.head_dim, rotary.max_positions, rotary.base, rotary.scaling)
         if key not in self._cache:
             where = self(local_length, device)
             self._cache[key] = (rotary.cos[where, None, :], rotary.sin[where, None, :])

@@ -135,6 +135,12 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
     model.loss_fn = L.VocabParallelCrossEntropy(axis)
     model.gather_vocab = L.GatherFromRegion(axis)
     plan = ShardingPlan.collect(model, axis.size)
+    for i, block in enumerate(model.layers):
+        # Per-head query/key norms: one weight for all heads, each rank applying it to its own heads only (the
+        # replicas of a shared KV head to the queries of their rank), so each rank's gradient is a part.
+        if block.attn.q_norm is not None:
+            for norm in ("q_norm", "k_norm"):
+                plan.mark(f"layers.{i}.attn.{norm}.weight", partial_grad=True)
     if sp:
         # Replicated norm weights applied to a sequence shard: each rank's gradient covers only its tokens.
         norms = [f"layers.{i}.{norm}" for i in range(len(model.layers)) for norm in ("attn_norm", "mlp_norm")]

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from runtime.schema import rules
-from runtime.schema.choices import ARCHITECTURES
+from runtime.schema.choices import ARCHITECTURES, ROPE_SCALING_TYPES
+from runtime.schema.families import HF_MODEL_TYPES, import_keys
 from runtime.schema.reader import ConfigErrors, Report
 from runtime.schema.rules import padded_vocab_size
 
-# The config.json model types our models compute exactly (runtime/convert/hf.py maps their weights).
-# mistral: Llama's layers and weight names (MistralForCausalLM), accepted without a sliding window.
-HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +37,38 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """`model.rope_scaling`, with Hugging Face's keys (config.json's rope_scaling / rope_parameters): how RoPE's
+    frequencies are stretched for a context longer than the one the model was pretrained at.
+
+    llama3 (Llama 3.1-3.3): wavelengths longer than original_max / low_freq_factor are divided by `factor`,
+    shorter than original_max / high_freq_factor kept, and those in between blended smoothly.
+    linear (position interpolation): every frequency divided by `factor`."""
+
+    rope_type: str                                  # llama3 | linear (choices.ROPE_SCALING_TYPES)
+    factor: float
+    low_freq_factor: float = 1.0                    # llama3 only
+    high_freq_factor: float = 4.0                   # llama3 only
+    original_max_position_embeddings: int = 8192    # llama3 only
+
+    def problems(self, p: str) -> list[str]:
+        key = f"{p}model.rope_scaling"
+        problems = []
+        if problem := ROPE_SCALING_TYPES.problem(f"{key}.rope_type", self.rope_type):
+            problems.append(problem)
+        if not self.factor > 0:
+            problems.append(f"{key}.factor: {self.factor} must be positive")
+        if self.rope_type == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                problems.append(f"{key}: low_freq_factor ({self.low_freq_factor}) must be positive and below "
+                                f"high_freq_factor ({self.high_freq_factor})")
+            if self.original_max_position_embeddings <= 0:
+                problems.append(f"{key}.original_max_position_embeddings: "
+                                f"{self.original_max_position_embeddings} must be a positive integer")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str                  # gpt | llama
     vocab_size: int                    # already padded (see padded_vocab_size)
@@ -56,6 +86,11 @@ class ModelConfig:
     attention_dropout: float = 0.0
     seed: int = 1234
     moe: MoEConfig | None = None           # llama only: Mixtral-style sparse MoE layers
+    # Megatron's names. kv_channels: the head size when it is not hidden_size / num_attention_heads (Qwen3).
+    kv_channels: int | None = None
+    add_qkv_bias: bool = False             # llama only: biases on q, k and v, none on the output (Qwen2)
+    qk_layernorm: bool = False             # llama only: RMSNorm over each query and key head before RoPE (Qwen3)
+    rope_scaling: RopeScaling | None = None  # llama only
 
     def __post_init__(self) -> None:
         # The same rules the stage parsers run, for models built in code (tests, benchmarks, conversion).
@@ -66,7 +101,19 @@ class ModelConfig:
             if getattr(self, key) <= 0:
                 report.error(f"model.{key}: {getattr(self, key)} must be a positive integer")
         report.raise_if_any()
-        report.error(rules.hidden_heads(self.hidden_size, self.num_attention_heads, ""))
+        if self.kv_channels is None:
+            report.error(rules.hidden_heads(self.hidden_size, self.num_attention_heads, ""))
+        elif self.kv_channels <= 0 or self.kv_channels % 2:
+            report.error(f"model.kv_channels: {self.kv_channels} must be a positive even integer (RoPE rotates "
+                         "pairs of channels)")
+        if self.architecture != "llama":
+            for key in ("add_qkv_bias", "qk_layernorm", "rope_scaling"):
+                if getattr(self, key):
+                    report.error(f"model.{key}: GPT has learned positions and biases everywhere; this key is the "
+                                 f"Llama block's (set model.architecture=llama, or drop model.{key})")
+        if self.rope_scaling is not None:
+            for problem in self.rope_scaling.problems(""):
+                report.error(problem)
         report.error(rules.heads_groups(self.num_attention_heads, self.kv_heads, ""))
         for key in ("hidden_dropout", "attention_dropout"):
             report.error(rules.dropout(key, getattr(self, key), ""))
@@ -82,7 +129,18 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def fused_segments(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Our fused projections (by module path within a block) -> their output rows in order, each part by its
+        Hugging Face name: the one statement of the [q | k | v] and [gate | up] layouts, which tensor parallelism's
+        row shards, LoRA's segments and the HF conversion read. A sparse MoE layer's experts are not listed."""
+        d, f = self.head_dim, self.ffn_hidden_size
+        segments = {"attn.qkv": (("q_proj", self.num_attention_heads * d), ("k_proj", self.kv_heads * d),
+                                 ("v_proj", self.kv_heads * d))}
+        if self.architecture == "llama":
+            segments["mlp.gate_up"] = (("gate_proj", f), ("up_proj", f))
+        return segments
 
     @classmethod
     def from_model_section(cls, model: Mapping[str, Any], tokenizer_vocab_size: int) -> "ModelConfig":
@@ -92,6 +150,8 @@ class ModelConfig:
         kwargs = {key: model[key] for key in optional if model.get(key) is not None}
         if isinstance(kwargs.get("moe"), Mapping):  # model.moe as YAML holds it (hf_model_keys' import)
             kwargs["moe"] = MoEConfig(**kwargs["moe"])
+        if isinstance(kwargs.get("rope_scaling"), Mapping):
+            kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
         return cls(architecture=model["architecture"],
                    vocab_size=padded_vocab_size(tokenizer_vocab_size, divisible_by), **kwargs)
 
@@ -142,86 +202,18 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
-_REQUIRED = object()
-
-
 def hf_model_keys(hf_config: dict, tokenizer_vocab_size: int | None = None) -> dict[str, Any]:
-    """config.json -> our `model:` keys, refusing what our models do not compute the same way (ValueError)."""
-    model_type = hf_config.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {list(HF_MODEL_TYPES)}")
-
-    def get(key: str, default: Any = _REQUIRED) -> Any:
-        if hf_config.get(key) is None:
-            if default is _REQUIRED:
-                raise ValueError(f"config.json has no {key!r}, which model_type={model_type!r} needs")
-            return default
-        return hf_config[key]
-
-    vocab = int(get("vocab_size"))
-    if model_type == "gpt2":
-        _require(hf_config, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
-        _require(hf_config, "scale_attn_weights", (True,), True)
-        _require(hf_config, "scale_attn_by_inverse_layer_idx", (False,), False)
-        _require(hf_config, "add_cross_attention", (False,), False)
-        hidden, positions = int(get("n_embd")), int(get("n_positions"))
-        keys = {"architecture": "gpt", "hidden_size": hidden, "num_layers": int(get("n_layer")),
-                "num_attention_heads": int(get("n_head")), "num_query_groups": None,
-                "ffn_hidden_size": int(get("n_inner", None) or 4 * hidden),
-                "layernorm_epsilon": float(get("layer_norm_epsilon", 1e-5))}
-    else:
-        _require(hf_config, "hidden_act", ("silu",), "silu")
-        _require(hf_config, "attention_bias", (False,), False)
-        _require(hf_config, "mlp_bias", (False,), False)
-        _require(hf_config, "rope_scaling", (None,), None)
-        rope = get("rope_parameters", None) or {}
-        if set(rope) - {"rope_theta", "rope_type"} or rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json rope_parameters={rope!r} is not supported; supported: plain RoPE "
-                             "({'rope_type': 'default', 'rope_theta': ...}), no scaling")
-        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-        positions = int(get("max_position_embeddings"))
-        _require(hf_config, "head_dim", (None, hidden // heads), None)
-        # Absent keys take the defaults of transformers' config class for this model_type, as its loader does.
-        theta, eps = (1e6, 1e-5) if model_type == "mixtral" else (10000.0, 1e-6)
-        keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": int(get("num_hidden_layers")),
-                "num_attention_heads": heads, "num_query_groups": int(get("num_key_value_heads", None) or heads),
-                "ffn_hidden_size": int(get("intermediate_size")), "layernorm_epsilon": float(get("rms_norm_eps", eps)),
-                "rotary_base": float(rope.get("rope_theta", get("rope_theta", theta)))}
-        if model_type == "mixtral":
-            keys["moe"] = _mixtral_moe(hf_config, get, positions)
-        if model_type == "mistral":
-            _full_attention(hf_config, positions)
-    keys.update({"max_position_embeddings": positions, "encoder_seq_length": positions,
-                 "share_embeddings_and_output_weights": bool(get("tie_word_embeddings", model_type == "gpt2")),
-                 "make_vocab_size_divisible_by": vocab_divisor(vocab, tokenizer_vocab_size)})
+    """config.json -> our `model:` keys, by its family (runtime/schema/families), refusing what our models do not
+    compute the same way (ValueError naming the key)."""
+    keys, tied_default = import_keys(hf_config)
+    vocab = hf_config.get("vocab_size")
+    if vocab is None:
+        raise ValueError(f"config.json has no 'vocab_size', which model_type={hf_config.get('model_type')!r} needs")
+    tied = hf_config.get("tie_word_embeddings")
+    keys.update({"encoder_seq_length": keys["max_position_embeddings"],
+                 "share_embeddings_and_output_weights": bool(tied_default if tied is None else tied),
+                 "make_vocab_size_divisible_by": vocab_divisor(int(vocab), tokenizer_vocab_size)})
     return keys
-
-
-def _mixtral_moe(hf_config: dict, get: Any, positions: int) -> dict[str, Any]:
-    """Mixtral's MoE keys -> `model.moe` as the stage YAML holds it (MoEConfig's fields; the parsers type it).
-    Mixtral's router is a softmax over all experts, top_k renormalized, dropless, in every layer."""
-    _full_attention(hf_config, positions)
-    _require(hf_config, "router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
-    # transformers adds router_aux_loss_coef * the load-balancing loss only with output_router_logits; the
-    # coefficient is still the model's recipe, so training here uses it (computed per layer, see models/moe.py).
-    return {"num_experts": int(get("num_local_experts")), "top_k": int(get("num_experts_per_tok", 2)),
-            "frequency": 1, "capacity_factor": None,
-            "router_aux_loss_coef": float(get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
-            "normalize_top_k_affinities": True, "router_activation": "softmax"}
-
-
-def _full_attention(hf_config: dict, positions: int) -> None:
-    window = hf_config.get("sliding_window")
-    if window is not None and int(window) < positions:
-        raise ValueError(f"config.json sliding_window={window} is not supported: our attention sees the whole "
-                         f"sequence; supported: null or at least max_position_embeddings ({positions})")
-
-
-def _require(hf_config: dict, key: str, supported: tuple, default: Any) -> None:
-    value = hf_config.get(key, default)
-    if value not in supported:
-        raise ValueError(f"config.json {key}={value!r} is not supported; supported: "
-                         f"{' or '.join(repr(v) for v in supported)}")
 
 
 def vocab_divisor(vocab: int, tokenizer_vocab: int | None) -> int:
@@ -235,5 +227,5 @@ def vocab_divisor(vocab: int, tokenizer_vocab: int | None) -> int:
     return power if vocab - tokenizer_vocab < power else vocab
 
 
-__all__ = ["ConfigErrors", "HF_MODEL_TYPES", "MoEConfig", "ModelConfig", "hf_model_keys", "padded_vocab_size",
+__all__ = ["ConfigErrors", "HF_MODEL_TYPES", "MoEConfig", "ModelConfig", "RopeScaling", "hf_model_keys", "padded_vocab_size",
            "read_hf_config", "tokenizer_vocab_size", "vocab_divisor"]

@@ -15,6 +15,7 @@ from runtime.parallel import collectives as C
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.parallel.context import sequence_index
+from runtime.schema.model import RopeScaling
 from runtime.schema.training_config import LoraConfig
 from runtime.step import eval_objective, train_step
 
@@ -39,6 +40,14 @@ TINY = {
     "llama": dict(architecture="llama", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
                   num_query_groups=2, ffn_hidden_size=48, max_position_embeddings=SEQ, rotary_base=10000.0),
 }
+
+
+# Every switch of the Llama decoder that the Llama 3.1+ and Qwen families turn on, in one model (tests/convert/
+# test_hf_families.py holds each against transformers): Qwen3's per-head q/k norms and a head size (12) that is not
+# hidden / heads (8), Qwen2's q/k/v biases, and Llama 3.1's RoPE scaling with an original context (4) short enough
+# that the scaled frequencies reach the 16 positions trained on.
+FAMILY_SWITCHES = dict(kv_channels=12, add_qkv_bias=True, qk_layernorm=True,
+                       rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 4))
 
 
 @dataclasses.dataclass(frozen=True)

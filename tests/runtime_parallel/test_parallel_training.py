@@ -67,6 +67,13 @@ TWO_RANK_JOBS.update({
     "llama-dpo-lora-dp2-zero1": ("llama", {"fine_tuning": "dpo-lora"}, L(dp=2, zero1=True)),
     "llama-ipo-tp2-sp": ("llama", {"fine_tuning": "ipo"}, L(tp=2, sequence_parallel=True)),
     "llama-orpo-dp2-zero1": ("llama", {"fine_tuning": "orpo"}, L(dp=2, zero1=True)),
+    # The Llama 3.1+ / Qwen switches (harness.FAMILY_SWITCHES): q/k norm weights shared by the heads of both
+    # ranks (and by the replicas of a single KV head), a head size of its own, q/k/v biases, scaled RoPE.
+    "families-tp2-sp": ("llama", H.FAMILY_SWITCHES, L(tp=2, sequence_parallel=True)),
+    "families-kv1-tp2": ("llama", {**H.FAMILY_SWITCHES, "num_query_groups": 1}, L(tp=2)),
+    "families-dp2-zero1": ("llama", H.FAMILY_SWITCHES, L(dp=2, zero1=True)),
+    "families-cp2": ("llama", H.FAMILY_SWITCHES, L(cp=2)),
+    "families-lora-tp2-sp": ("llama", {**H.FAMILY_SWITCHES, "fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
 })
 FOUR_RANK_JOBS = {
     "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),

@@ -33,6 +33,9 @@ TWO_RANK_JOBS = {
     # forward-only schedule with the adapters off, inside the step.
     "llama-dpo-pp2": ("llama", {"fine_tuning": "dpo"}, L(pp=2)),
     "llama-dpo-lora-pp2": ("llama", {"fine_tuning": "dpo-lora"}, L(pp=2)),
+    # The Llama 3.1+ / Qwen switches with a tied head (Llama 3.2, small Qwen): the embedding on the first stage,
+    # its tied head on the last.
+    "families-tied-pp2": ("llama", {**H.FAMILY_SWITCHES, "share_embeddings_and_output_weights": True}, L(pp=2)),
 }
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),

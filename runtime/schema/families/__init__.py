@@ -1,0 +1,45 @@
+# Model families: how a Hugging Face config.json of each model_type maps to our `model:` keys, and which
+# config.json an export of ours writes. One module per family (torchtitan keeps each model's definition and HF
+# mapping together); adding one is a module with MODEL_TYPES, TIED_DEFAULT, model_keys, exports, refusal and
+# hf_config, plus a line in FAMILIES (docs/runtime.md, "Adding a model family"). The network itself is shared:
+# every family here is GPT-2's block or the Llama decoder with ModelConfig's switches (biases, per-head norms, a
+# head size of its own, RoPE scaling, MoE). Standard library only.
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3
+from runtime.schema.families.base import HFConfig
+
+# In export order: the first whose exports(cfg) holds writes the config.json.
+FAMILIES: tuple[ModuleType, ...] = (gpt2, mixtral, qwen3, qwen2, llama)
+HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
+
+
+def family_of_model_type(model_type: Any) -> ModuleType:
+    for family in FAMILIES:
+        if model_type in family.MODEL_TYPES:
+            return family
+    raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {list(HF_MODEL_TYPES)}")
+
+
+def import_keys(hf_config: dict) -> tuple[dict[str, Any], bool]:
+    """config.json -> (the family's `model:` keys, tie_word_embeddings' default for it)."""
+    hf = HFConfig(hf_config)
+    family = family_of_model_type(hf.model_type)
+    return family.model_keys(hf), family.TIED_DEFAULT
+
+
+def export_family(cfg) -> ModuleType:
+    """The family an export of `cfg` is written as; ValueError names the key when none computes it exactly."""
+    family = next((f for f in FAMILIES if f.exports(cfg)), None)
+    if family is None:  # an MoE model with per-head norms (Qwen3-MoE): not one of FAMILIES yet
+        raise ValueError("model.qk_layernorm=true with model.moe: no Hugging Face family here computes this model; "
+                         "export it with model.qk_layernorm=false or without model.moe")
+    if problem := family.refusal(cfg):
+        raise ValueError(problem)
+    return family
+
+
+__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_of_model_type", "import_keys"]

@@ -1,0 +1,32 @@
+# The Llama decoder as config.json describes it, shared by the families built on it (Llama, Mistral, Qwen2,
+# Qwen3, Mixtral): RMSNorm, SwiGLU, grouped-query attention, RoPE. Each family module adds what sets it apart.
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.schema.families.base import HFConfig, rope_export
+
+
+def decoder_keys(hf: HFConfig, *, theta: float, eps: float) -> dict[str, Any]:
+    """Our `model:` keys for the decoder's shape, norms and RoPE; `theta` and `eps` are the defaults of the
+    family's transformers config class, which its loader applies to an absent key."""
+    hf.require("hidden_act", ("silu",), "silu")
+    hidden, heads = int(hf.get("hidden_size")), int(hf.get("num_attention_heads"))
+    keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": int(hf.get("num_hidden_layers")),
+            "num_attention_heads": heads, "num_query_groups": int(hf.get("num_key_value_heads", heads)),
+            "ffn_hidden_size": int(hf.get("intermediate_size")),
+            "layernorm_epsilon": float(hf.get("rms_norm_eps", eps)),
+            "max_position_embeddings": int(hf.get("max_position_embeddings")), **hf.rope(theta)}
+    head_dim = hf.get("head_dim", None)
+    if head_dim is not None and (hidden % heads or int(head_dim) != hidden // heads):
+        keys["kv_channels"] = int(head_dim)
+    return keys
+
+
+def decoder_config(cfg) -> dict[str, Any]:
+    """The config.json keys of the decoder's shape, norms and RoPE, for an export."""
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
+            "attention_dropout": cfg.attention_dropout, **rope_export(cfg)}

@@ -1,0 +1,44 @@
+# GPT-2 (GPT2LMHeadModel): learned positions, LayerNorm, GELU (tanh), biases everywhere, Conv1D weights.
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.schema.families.base import HFConfig
+
+MODEL_TYPES = ("gpt2",)
+TIED_DEFAULT = True
+
+
+def model_keys(hf: HFConfig) -> dict[str, Any]:
+    hf.require("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")  # the same tanh GELU
+    hf.require("scale_attn_weights", (True,), True)
+    hf.require("scale_attn_by_inverse_layer_idx", (False,), False)
+    hf.require("add_cross_attention", (False,), False)
+    hidden = int(hf.get("n_embd"))
+    return {"architecture": "gpt", "hidden_size": hidden, "num_layers": int(hf.get("n_layer")),
+            "num_attention_heads": int(hf.get("n_head")), "num_query_groups": None,
+            "ffn_hidden_size": int(hf.get("n_inner", None) or 4 * hidden),
+            "layernorm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
+            "max_position_embeddings": int(hf.get("n_positions"))}
+
+
+def exports(cfg) -> bool:
+    return cfg.architecture == "gpt"
+
+
+def refusal(cfg) -> str | None:
+    if cfg.kv_heads != cfg.num_attention_heads:
+        return (f"model.num_query_groups={cfg.num_query_groups}: GPT2LMHeadModel has no grouped-query attention; "
+                f"only num_query_groups = num_attention_heads ({cfg.num_attention_heads}) or null can be exported")
+    if cfg.kv_channels is not None and cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        return f"model.kv_channels={cfg.kv_channels}: GPT2LMHeadModel's head size is n_embd / n_head"
+    return None
+
+
+def hf_config(cfg) -> dict[str, Any]:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
+            "n_positions": cfg.max_position_embeddings, "layer_norm_epsilon": cfg.layernorm_epsilon,
+            "activation_function": "gelu_new", "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False}

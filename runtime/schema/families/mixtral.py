@@ -1,0 +1,57 @@
+# Mixtral (MixtralForCausalLM): the Llama decoder with a sparse MoE block in every layer; a softmax router over
+# all experts, the top_k renormalized, dropless.
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.schema.families.base import HFConfig
+from runtime.schema.families.decoder import decoder_config, decoder_keys
+
+MODEL_TYPES = ("mixtral",)
+TIED_DEFAULT = False
+
+
+def model_keys(hf: HFConfig) -> dict[str, Any]:
+    keys = decoder_keys(hf, theta=1e6, eps=1e-5)
+    hf.full_attention(keys["max_position_embeddings"])
+    hf.require("router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
+    # transformers adds router_aux_loss_coef * the load-balancing loss only with output_router_logits; the
+    # coefficient is still the model's recipe, so training here uses it (computed per layer, see models/moe.py).
+    keys["moe"] = {"num_experts": int(hf.get("num_local_experts")), "top_k": int(hf.get("num_experts_per_tok", 2)),
+                   "frequency": 1, "capacity_factor": None,
+                   "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
+                   "normalize_top_k_affinities": True, "router_activation": "softmax"}
+    return keys
+
+
+def exports(cfg) -> bool:
+    return cfg.architecture == "llama" and cfg.moe is not None and not cfg.qk_layernorm
+
+
+def refusal(cfg) -> str | None:
+    """MixtralForCausalLM computes one MoE variant; refuse the others rather than export a model that transformers
+    would run differently. The router's z-loss coefficient is not refused: it only shapes training, as dropout."""
+    moe = cfg.moe
+    refusals = [
+        (cfg.add_qkv_bias, "model.add_qkv_bias=true: MixtralForCausalLM has no attention biases"),
+        (moe.frequency != 1, f"model.moe.frequency={moe.frequency}: MixtralForCausalLM has an MoE block in every "
+                             "layer; only frequency 1 can be exported"),
+        (moe.router_activation != "softmax", f"model.moe.router_activation={moe.router_activation!r}: Mixtral's "
+                                             "router is a softmax; only softmax can be exported"),
+        (not moe.normalize_top_k_affinities, "model.moe.normalize_top_k_affinities=false: Mixtral always "
+                                             "renormalizes the top_k weights; only true can be exported"),
+        (moe.capacity_factor is not None, f"model.moe.capacity_factor={moe.capacity_factor}: MixtralForCausalLM is "
+                                          "dropless, so transformers would compute this model without dropping "
+                                          "tokens; export with model.moe.dropless=true (capacity_factor null) to "
+                                          "accept that difference"),
+    ]
+    return next((message for refused, message in refusals if refused), None)
+
+
+def hf_config(cfg) -> dict[str, Any]:
+    # output_router_logits false: transformers adds the load-balancing loss only when it is true, but the
+    # coefficient is kept so that fine-tuning in transformers can switch it on with the value this model used.
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
+            "router_aux_loss_coef": cfg.moe.router_aux_loss_coef, "output_router_logits": False,
+            "router_jitter_noise": 0.0, "sliding_window": None, **decoder_config(cfg)}
