@@ -38,7 +38,6 @@ IGNORED: dict[str, tuple[tuple | None, str]] = {
     "exp_manager.log_step_timing": (None, "step time is logged at every logged step"),
     "exp_manager.step_timing_kwargs": (None, "step time is logged at every logged step"),
     "model.rampup_batch_size": ((None,), "no batch-size ramp-up"),
-    "model.kv_channels": ((None,), "the head size is hidden_size / num_attention_heads"),
     "model.apply_query_key_layer_scaling": (None, "a no-op in bf16 and fp32 (it guards fp16 overflow)"),
     "model.pre_process": ((True,), "every model has its embedding"),
     "model.post_process": ((True,), "every model has its output layer"),

@@ -419,8 +419,9 @@ def _with_base(training: dict[str, Any], data: dict[str, Any], stage: str = "tra
     training.setdefault("trainer", {})["accelerator"] = "neuron"  # NxD Training runs on Trainium
     if "model_config" in model:
         for key in ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "rotary_base", "layernorm_epsilon", "share_embeddings_and_output_weights",
-                    "make_vocab_size_divisible_by", "max_position_embeddings"):
+                    "num_query_groups", "kv_channels", "add_qkv_bias", "qk_layernorm", "rope_scaling", "rotary_base",
+                    "layernorm_epsilon", "share_embeddings_and_output_weights", "make_vocab_size_divisible_by",
+                    "max_position_embeddings"):
             model.setdefault(key, None)
         tokenizer = model.setdefault("tokenizer", {})
         tokenizer.setdefault("model", None)
@@ -492,12 +493,14 @@ def _flatten(data: Any, stops: dict | set = frozenset(), prefix: str = "") -> di
 
 
 def _our_keys() -> set[str]:
-    """Every training key our reference recipes set, plus the schema's optional ones."""
+    """Every training key our reference recipes set, plus the schema's optional ones (Megatron's names, as NeMo's:
+    kv_channels is the head size, null for hidden_size / num_attention_heads)."""
     from omegaconf import OmegaConf
 
     from launcher.paths import conf_dir
 
-    keys = {"model.num_query_groups", "model.rotary_base", "model.model_config"}
+    keys = {"model.num_query_groups", "model.rotary_base", "model.model_config", "model.kv_channels",
+            "model.add_qkv_bias", "model.qk_layernorm"}
     for recipe in ("training/gpt3/tiny", "training/llama/tiny", "fine_tuning/llama/tiny", "peft/llama/tiny"):
         data = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{recipe}.yaml"), resolve=False)
         keys |= set(_flatten({k: v for k, v in data.items() if k != "defaults"}))

@@ -26,7 +26,7 @@ def model_flops_per_token(model: ModelConfig, seq_length: int) -> float:
                 "moe_num_experts": moe.num_experts} if moe else {}
     return flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
                            model.kv_heads, model.vocab_size, seq_length, gated_mlp=model.architecture == "llama",
-                           **moe_args)
+                           head_dim=model.head_dim, **moe_args)
 
 
 # fp32 FLOPs per cycle per core of the widest fused multiply-add the CPU has: two FMA pipes of 16 (AVX-512),

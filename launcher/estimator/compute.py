@@ -26,7 +26,7 @@ def _shape_args(shape: ModelShape) -> dict:
            "moe_num_experts": shape.moe.num_experts} if shape.moe else {}
     return dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
                 num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-                vocab_size=shape.vocab_size, gated_mlp=shape.gated_mlp, **moe)
+                vocab_size=shape.vocab_size, gated_mlp=shape.gated_mlp, head_dim=shape.head_dim, **moe)
 
 
 def matmul_weights(shape: ModelShape) -> int:
@@ -43,7 +43,7 @@ def flops_per_token(shape: ModelShape) -> float:
 def recompute_flops_per_token(shape: ModelShape, layout: Layout) -> float:
     """Extra forward FLOPs that activation recomputation spends per token (not counted in MFU)."""
     h, s, L = shape.hidden_size, shape.seq_length, shape.num_layers
-    attention_forward = 4.0 * L * h * s
+    attention_forward = 4.0 * L * shape.query_size * s  # QK^T and the weighted sum of V (facts.py)
     if layout.recompute == "full":
         return (flops_per_token(shape) - 6.0 * h * shape.vocab_size) / 3.0  # one more forward of every layer
     if layout.recompute == "selective":
@@ -165,15 +165,16 @@ def ring_seconds_per_layer(shape: ModelShape, layout: Layout, gbps: float, flops
     """Exposed seconds of one layer's ring passes for one micro-batch. The runtime starts each pass before a block's
     attention and waits for it after (runtime/parallel/ring_attention.py), so a pass costs only what its transfer
     takes beyond that block's compute: per step, the step's share of the attention FLOPs compute_s charges,
-    4·b·(h/tp)·(seq/cp)² forward and twice that backward. Forward: cp - 1 passes of B. Backward: B during the
-    rank's own block, B + G during each of the next cp - 2, G during the last, and G home after it (exposed)."""
+    4·b·(q/tp)·(seq/cp)² forward (q = heads x head_dim) and twice that backward. Forward: cp - 1 passes of B.
+    Backward: B during the rank's own block, B + G during each of the next cp - 2, G during the last, and G home
+    after it (exposed)."""
     cp = layout.cp
     if cp <= 1:
         return 0.0
     block = kv_block_bytes(shape, layout) / (gbps * 1e9)
     grads = kv_block_bytes(shape, layout, dtype_bytes=4) / (gbps * 1e9)
     tokens = layout.tokens_per_sample(shape.seq_length)
-    forward_compute = 4.0 * layout.micro_batch_size * shape.hidden_size / layout.tp * tokens ** 2 / flops_per_s
+    forward_compute = 4.0 * layout.micro_batch_size * shape.query_size / layout.tp * tokens ** 2 / flops_per_s
     backward_compute = 2.0 * forward_compute
     forward = (cp - 1) * max(0.0, block - forward_compute)
     backward = (max(0.0, block - backward_compute) + (cp - 2) * max(0.0, block + grads - backward_compute)

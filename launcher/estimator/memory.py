@@ -10,9 +10,10 @@
 #
 # Per-layer activations, in elements of E = micro_batch x seq x hidden (the paper's 34·sbh bytes is the fp16 case
 # with dropout masks): two norm inputs, the QKV and MLP-in matmul inputs, Q/K/V, the attention output and the
-# projection input, and the MLP intermediates (GELU: 2 x ffn, SwiGLU: 4 x ffn). Flash attention (what SDPA uses on
-# GPU and CPU without attention dropout, and NxD Training's NKI kernel) stores no s x s matrix, only the output and
-# its log-sum-exp; the unfused path stores softmax output, dropout mask and dropout output: (2c + 1)·a·s²·b bytes.
+# projection input, and the MLP intermediates (GELU: 2 x ffn, SwiGLU: 4 x ffn); with per-head q/k norms (Qwen3)
+# their fp32 copies of q and k (qk_norm_bytes). Flash attention (what SDPA uses on GPU and CPU without attention
+# dropout, and NxD Training's NKI kernel) stores no s x s matrix, only the output and its log-sum-exp; the unfused
+# path stores softmax output, dropout mask and dropout output: (2c + 1)·a·s²·b bytes.
 # Sequence parallelism divides the norm/dropout regions by tp. Where this runtime differs from Megatron it is
 # counted as the runtime does it: a column-parallel linear under sequence parallelism saves its all-gathered
 # (full-sequence) input rather than the shard, and an RMSNorm saves the fp32 copy it normalizes.
@@ -143,12 +144,17 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     total = 2 * norm_input * E * shard        # attention and MLP norm inputs
     total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
     qkv = heads + 2 * kv
+    # Whether autograd keeps the QKV output itself, through views of it (q, k, v; only v where q, k are rotated).
+    qkv_output_kept = (shape.architecture == "gpt" or attn_recomputed or layout.cp > 1
+                       or (kv == heads and layout.ulysses == 1))
     if shape.architecture == "gpt":
         total += width(qkv)                    # q, k, v are views of the QKV output
-    elif attn_recomputed or layout.cp > 1 or (kv == heads and layout.ulysses == 1):
+    elif qkv_output_kept:
         total += width(heads + kv) + width(qkv)  # rotated q, k; the QKV output lives on through v's view
     else:
         total += width(3 * heads)              # rotated q, and k, v repeated to every query head (GQA; Ulysses)
+    if shape.qk_layernorm:
+        total += qk_norm_bytes(shape, layout, qkv_output_kept=qkv_output_kept)
     # The attention output, which the projection saves as its input: fused kernels return it in (b, s, heads, d)
     # memory order, so the reshape back to (b, s, h) is a view of what the kernel itself keeps for backward.
     # Ulysses' kernel keeps its head-split output, and the projection gets a sequence-ordered copy.
@@ -174,6 +180,24 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
         total += c * layer_parameters(shape, t, moe=moe, ep=layout.ep)
     if shape.num_query_groups % t:             # KV heads replicated: the concatenated QKV weight is saved per call
         total += (c if bytes_.weight_copies else bytes_.param) * (heads + 2) * shape.head_dim * h
+    return total
+
+
+def qk_norm_bytes(shape: ModelShape, layout: Layout, *, qkv_output_kept: bool) -> float:
+    """What the per-head RMSNorms over the rank's query and key heads keep for one micro-batch (Qwen3's q_norm and
+    k_norm; they run before core attention, so its recompute keeps them too), as autograd's saved tensors show it:
+    the fp32 normalized tensor, a 1 / rms per head and token, and the fp32 input. In bf16 that input is an upcast
+    copy; in fp32 it is the QKV output itself (q and k are views of it), which the norms then keep alive where
+    nothing else did (`qkv_output_kept` False: GQA, whose core attention keeps repeated copies of k and v)."""
+    c = PRECISION_BYTES[layout.precision].compute
+    b, s, d = layout.micro_batch_size, layout.tokens_per_sample(shape.seq_length), shape.head_dim
+    heads, kv = shape.num_attention_heads // layout.tp, kv_heads_per_rank(shape, layout.tp)
+    rows = b * s * (heads + kv)                # one per query or key head and token
+    total = 4 * rows * d + 4 * rows            # normalized, 1 / rms
+    if c != 4:
+        total += 4 * rows * d                  # the upcast input
+    elif not qkv_output_kept:
+        total += c * b * s * (heads + 2 * kv) * d  # the QKV output
     return total
 
 
@@ -269,8 +293,10 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
     layers = shape.num_layers // layout.pp
     buffers = 0.0
-    if shape.architecture == "llama":  # each layer keeps its own fp32 cos and sin tables
-        buffers += layers * shape.max_position_embeddings * shape.head_dim * 2 * 4
+    if shape.architecture == "llama":
+        # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py), so a
+        # device holds one pair whatever its number of layers.
+        buffers += shape.max_position_embeddings * shape.head_dim * 2 * 4
     in_flight = in_flight_micro_batches(layout) if first else 1.0
     moe_layers = stage_moe_layers(shape, layout, first=first)
     activations = (layers - moe_layers) * in_flight * layer_activation_bytes(shape, layout, kernels)

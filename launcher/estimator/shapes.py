@@ -48,10 +48,20 @@ class ModelShape:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     moe: MoEConfig | None = None  # None: dense
+    # The schema's model keys of the same names (runtime/schema/model.py ModelConfig).
+    kv_channels: int | None = None    # the head size when it is not hidden / heads (Qwen3)
+    add_qkv_bias: bool = False        # biases on q, k and v, none on the output projection (Qwen2)
+    qk_layernorm: bool = False        # an RMSNorm (head_dim weights) over each query and key head (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        """heads x head_dim: the width of the queries and of the attention output (the hidden size unless
+        kv_channels sets the head size apart)."""
+        return self.num_attention_heads * self.head_dim
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index)
@@ -168,6 +178,9 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
         hidden_dropout=float(model.get("hidden_dropout") or 0.0),
         attention_dropout=float(model.get("attention_dropout") or 0.0),
         moe=moe_from_model(model),
+        kv_channels=int(model["kv_channels"]) if model.get("kv_channels") is not None else None,
+        add_qkv_bias=bool(model.get("add_qkv_bias") or False),
+        qk_layernorm=bool(model.get("qk_layernorm") or False),
     )
 
 
@@ -221,8 +234,10 @@ def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: i
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
     q_rows = shape.num_attention_heads // tp * d
     kv_rows = 2 * kv_heads_per_rank(shape, tp) * d
-    qkv = h * (q_rows + kv_rows) + (q_rows + kv_rows if shape.has_bias else 0)
-    proj = (shape.num_attention_heads // tp * d) * h + (h if shape.has_bias else 0)  # row-parallel: bias replicated
+    qkv = h * (q_rows + kv_rows) + (q_rows + kv_rows if shape.has_bias or shape.add_qkv_bias else 0)
+    proj = q_rows * h + (h if shape.has_bias else 0)  # row-parallel: bias replicated
+    # q/k norms: one weight of head_dim each, shared by all heads, so every tensor-parallel rank holds both whole.
+    qk_norms = 2 * d if shape.qk_layernorm else 0
     if moe:
         mlp = moe_block_parameters(shape, experts=shape.moe.num_experts // ep, tp=tp)
     elif shape.gated_mlp:
@@ -230,7 +245,7 @@ def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: i
     else:
         mlp = h * (f // tp) + (f // tp if shape.has_bias else 0) + (f // tp) * h + (h if shape.has_bias else 0)
     norms = 2 * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
-    return qkv + proj + mlp + norms
+    return qkv + proj + qk_norms + mlp + norms
 
 
 def moe_block_parameters(shape: ModelShape, *, experts: int, tp: int = 1) -> int:

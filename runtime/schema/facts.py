@@ -60,15 +60,17 @@ PREEMPTED_EXIT_CODE = 75
 
 
 # FLOPs per token (model FLOPs, the convention behind MFU in the PaLM and Megatron papers):
-#     6 * N  +  12 * L * h * T
+#     6 * N  +  12 * L * q * T
+# with q = heads * head_dim, the width of the queries and of the attention output (h itself unless the head size
+# is set apart from hidden / heads, as Qwen3's model.kv_channels is; Megatron's query_projection_size).
 # N counts the weights that take part in a matrix multiply per token: per layer the attention projections
-# (h*(h + 2*kv) for q,k,v with kv = query_groups * head_dim, plus h*h for the output) and the MLP (2*h*ffn, or
+# (h*(q + 2*kv) for q,k,v with kv = query_groups * head_dim, plus q*h for the output) and the MLP (2*h*ffn, or
 # 3*h*ffn for a gated SwiGLU MLP), plus the output layer h*vocab; the input embedding is a lookup and is left
-# out, as are biases and norms. Each such weight costs 2 FLOPs per token forward and 4 backward, hence 6N. The
-# attention term: per layer and token, QK^T and the weighted sum of V are 2*T*h multiply-adds each = 4*T*h FLOPs
-# forward, times 3 for forward + backward = 12*L*h*T (full, non-causal count, as PaLM does). Recomputation under
-# activation checkpointing is not counted: MFU measures useful work. Of an MoE layer only what a token uses
-# counts: its top_k experts' MLPs and the router (hidden x num_experts).
+# out, as are biases and norms (q/k norms included). Each such weight costs 2 FLOPs per token forward and 4
+# backward, hence 6N. The attention term: per layer and token, QK^T and the weighted sum of V are 2*T*q
+# multiply-adds together = 4*T*q FLOPs forward, times 3 for forward + backward = 12*L*q*T (full, non-causal count,
+# as PaLM does). Recomputation under activation checkpointing is not counted: MFU measures useful work. Of an MoE
+# layer only what a token uses counts: its top_k experts' MLPs and the router (hidden x num_experts).
 def matmul_weights(
     num_layers: int,
     hidden_size: int,
@@ -80,12 +82,13 @@ def matmul_weights(
     moe_layers: int = 0,
     moe_top_k: int = 0,
     moe_num_experts: int = 0,
+    head_dim: int | None = None,
 ) -> int:
     """N above: the weights one token multiplies by, of `moe_layers` MoE layers only its top_k experts' and the
-    router's."""
-    head_dim = hidden_size // num_attention_heads
-    kv_dim = num_query_groups * head_dim
-    attention = hidden_size * (hidden_size + 2 * kv_dim) + hidden_size * hidden_size
+    router's. `head_dim`: the model's head size (ModelConfig.head_dim); None: hidden_size / num_attention_heads."""
+    d = _head_dim(hidden_size, num_attention_heads, head_dim)
+    q_dim, kv_dim = num_attention_heads * d, num_query_groups * d
+    attention = hidden_size * (q_dim + 2 * kv_dim) + q_dim * hidden_size
     mlp = (3 if gated_mlp else 2) * hidden_size * ffn_hidden_size
     moe_mlp = moe_top_k * mlp + hidden_size * moe_num_experts
     return (num_layers * attention + (num_layers - moe_layers) * mlp + moe_layers * moe_mlp
@@ -104,8 +107,15 @@ def flops_per_token(
     moe_layers: int = 0,
     moe_top_k: int = 0,
     moe_num_experts: int = 0,
+    head_dim: int | None = None,
 ) -> float:
-    """Training FLOPs (forward + backward) per token: 6 * N + 12 * L * h * T, see above."""
+    """Training FLOPs (forward + backward) per token: 6 * N + 12 * L * q * T, see above."""
     weights = matmul_weights(num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups,
-                             vocab_size, gated_mlp, moe_layers, moe_top_k, moe_num_experts)
-    return 6.0 * weights + 12.0 * num_layers * hidden_size * seq_length
+                             vocab_size, gated_mlp, moe_layers, moe_top_k, moe_num_experts, head_dim)
+    q_dim = num_attention_heads * _head_dim(hidden_size, num_attention_heads, head_dim)
+    return 6.0 * weights + 12.0 * num_layers * q_dim * seq_length
+
+
+def _head_dim(hidden_size: int, num_attention_heads: int, head_dim: int | None) -> int:
+    # The default is ModelConfig.head_dim's for a model without kv_channels.
+    return head_dim or hidden_size // num_attention_heads

@@ -7,8 +7,9 @@ import json
 import pytest
 import yaml
 
-from launcher import launch
+from launcher import launch, nxdt_config
 from launcher.errors import UserError
+from launcher.estimator import estimate
 from runtime.schema.choices import RECOMPUTE_MODULES
 from runtime.schema.training import parse_training
 
@@ -592,3 +593,19 @@ def test_nemo_overlap_switches_map_to_megatron_core_names(tmp_path, recipe_data_
     model = launch.make_plan([*common, f"training=@{tmp_path}/no_overlap.yaml"], dry_run=True,
                              produced_by="test").cfg["training"]["model"]
     assert model["overlap_grad_reduce"] is False and "overlap_param_gather" not in model
+
+
+def test_nemo_kv_channels_is_the_head_size(tmp_path, recipe_data_dir):
+    """NeMo's model.kv_channels is Megatron's head size, ours too: null (hidden_size / num_attention_heads) and a
+    number of its own both carry over, and the estimate sizes attention by it."""
+    rows = {key: (value, what) for key, value, what in nxdt_config.map_file(str(NEMO_5B)).rows}
+    assert rows["model.kv_channels"] == (None, "training.model.kv_channels")
+    file = tmp_path / "kv_channels.yaml"
+    file.write_text(NEMO_5B.read_text().replace("  kv_channels: null", "  kv_channels: 64"))
+    plan = launch.make_plan(["stages=[training]", "cluster_type=slurm", f"base_results_dir={tmp_path}/r",
+                             f"data_dir={recipe_data_dir}", f"training=@{file}", *HF_TOKENIZER], dry_run=True,
+                            produced_by="test")
+    training = plan.cfg["training"]
+    assert training["model"]["kv_channels"] == 64 and training["model"]["hidden_size"] == 4096
+    shape = estimate(training).shape
+    assert (shape.head_dim, shape.query_size) == (64, 32 * 64)

@@ -3,6 +3,7 @@ and the default dependency are defined once, in runtime/schema (facts.py, choice
 launcher read those very objects. Then the MFU a run reports and the one an estimate assumes agree on every kind of
 device, computed through the runtime's own MetricsLogger."""
 
+import dataclasses
 import io
 import tokenize
 from pathlib import Path
@@ -12,12 +13,13 @@ import torch
 
 from launcher import neuron, render, runs, stages
 from launcher.estimator import compute, estimate, hardware, memory
-from launcher.estimator.shapes import vocab_size_for
+from launcher.estimator.shapes import ModelShape, vocab_size_for
 from launcher.config import parse
 from launcher.launch import build
 from runtime import device, metrics, peak_probe, precision, preemption
 from runtime.peak_probe import Probe
 from runtime.schema import choices, facts
+from runtime.schema.model import ModelConfig
 from runtime.schema.training import parse_training
 from tests.launcher.helpers import REPO, resolved
 
@@ -44,6 +46,19 @@ def test_flops_formula_is_one_function(monkeypatch):
     shape = estimate(resolved("training=mixtral/tiny")["training"], vocab_size=4096).shape
     assert compute.flops_per_token(shape) == 42.0 and compute.matmul_weights(shape) == 42.0
     assert calls[0]["seq_length"] == shape.seq_length and calls[0]["moe_top_k"] == shape.moe.top_k
+    assert calls[0]["head_dim"] == shape.head_dim and calls[1]["head_dim"] == shape.head_dim
+
+
+def test_runtime_and_estimator_flops_agree_on_a_head_size_of_its_own():
+    """Qwen3's head size is not hidden / heads: the MFU the runtime reports and the estimate's FLOPs both count
+    attention heads x head_dim wide."""
+    cfg = ModelConfig(architecture="llama", vocab_size=1024, hidden_size=64, num_layers=2, num_attention_heads=4,
+                      ffn_hidden_size=128, max_position_embeddings=256, num_query_groups=2, kv_channels=32,
+                      qk_layernorm=True)
+    shape = ModelShape("llama", 2, 64, 128, 4, 2, 1024, 256, 256, False, kv_channels=32, qk_layernorm=True)
+    assert metrics.model_flops_per_token(cfg, 256) == compute.flops_per_token(shape)
+    assert metrics.model_flops_per_token(cfg, 256) != metrics.model_flops_per_token(
+        dataclasses.replace(cfg, kv_channels=None), 256)
 
 
 def test_precision_dtypes_are_one_table():
