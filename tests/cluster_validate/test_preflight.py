@@ -1,13 +1,24 @@
 """runtime/preflight.py: two gloo ranks pass in a second or two; a rank that never arrives is named by the
 roll call; a collective that hangs ends the process within the timeout with one clear line (it would
-otherwise wait for gloo's own timeout, 30 minutes by default)."""
+otherwise wait for gloo's own timeout, 30 minutes by default).
 
+Each rank is a process of its own, forked from the test process (where torch is already imported) rather than a
+fresh interpreter: what is under test is how a rank's preflight ends (its exit code, its one line, how soon), not
+an interpreter's start, and two fresh interpreters importing torch cost ~4 s of CPU per test."""
+
+import os
 import re
-import subprocess
+import signal
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+
+import runtime.preflight  # noqa: F401 - imported here once, so that the forked ranks start with it
 
 # Each rank: join a 2-rank gloo group through a file store, then behave as $MODE says.
 RANK = """
@@ -35,23 +46,71 @@ dist.destroy_process_group()
 """
 
 
-def run_pair(tmp_path, mode: str, timeout_s: float):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), mode, str(tmp_path / "store"), str(timeout_s)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+def _fork_rank(argv: list[str], out: str, err: str) -> int:
+    """RANK with sys.argv[1:] = argv in a forked child, its stdout and stderr into files; the child's pid. It exits
+    as the script would: 0 at its end, sys.exit's code, or 1 with the traceback of anything it raised."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
     try:
-        out0, err0 = procs[0].communicate(timeout=60)
+        # One intra-op thread first: the parent's OpenMP threads do not survive the fork (tests/runtime_parallel/
+        # dist_utils.py), and a torchrun worker has one.
+        torch.set_num_threads(1)
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+        sys.argv = ["rank.py", *argv]
+        exec(compile(RANK, "rank.py", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, in the rank's stderr
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _wait(pid: int, timeout_s: float) -> int | None:
+    """A forked rank's exit code as subprocess gives it (-n for signal n), or None while it runs past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+def run_pair(tmp_path, mode: str, timeout_s: float):
+    assert not dist.is_initialized(), "a forked rank would inherit this process's group"
+    logs = [(str(tmp_path / f"rank{rank}.out"), str(tmp_path / f"rank{rank}.err")) for rank in (0, 1)]
+    pids = [_fork_rank([str(rank), mode, str(tmp_path / "store"), str(timeout_s)], *logs[rank]) for rank in (0, 1)]
+    running = set(pids)
+    try:
+        code = _wait(pids[0], 60)
+        assert code is not None, "rank 0 did not end within 60 s"
+        running.discard(pids[0])
         ended = time.time()
-        # Timed from rank 0's call of preflight(), not from the process start: two interpreters importing torch on
-        # a machine shared with other tests take a varying part of 20 s, and what is under test is the timeout.
+        out0, err0 = (Path(path).read_text() for path in logs[0])
+        # Timed from rank 0's call of preflight(), not from the fork: what is under test is the timeout.
         found = re.search(r"preflight starts at ([0-9.]+)", out0)
         assert found, f"rank 0 never called preflight(): {err0[-2000:]}"
-        return procs[0].returncode, out0, err0, ended - float(found.group(1))
+        return code, out0, err0, ended - float(found.group(1))
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        for pid in running:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
 
 
 def test_two_ranks_pass(tmp_path):
