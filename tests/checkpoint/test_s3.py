@@ -1,13 +1,16 @@
 # Checkpoints on S3: save, keep-last-2 and resume, against moto in server mode on loopback (a FAKE of AWS S3
 # served over real HTTP, so boto3's real transfer code runs; tests/s3_server.py). The endpoint is the cluster
-# config's (cluster.s3.endpoint_url), never boto3's own: AWS_ENDPOINT_URL points at a port nothing listens on.
+# config's (cluster.s3.endpoint_url, exported by the stage's job script), never boto3's own: AWS_ENDPOINT_URL points
+# at a port nothing listens on.
+import shlex
 import uuid
+from pathlib import Path
 
 import pytest
 
 from runtime.checkpoint import committed_checkpoints, open_storage
 from runtime.io.s3 import S3Settings, to_env
-from tests.checkpoint.launch_helpers import counting_corpus, losses, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, losses, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
 
 SCHEDULE = "++training.model.optim.sched.max_steps=12"
@@ -25,36 +28,53 @@ def test_storage_uses_the_endpoint_the_job_script_exports(aws_env, monkeypatch):
     assert storage.get_bytes("step_00000001/COMMIT") == b"1" and storage.list_dirs() == ["step_00000001"]
 
 
+def _train(overrides: list[str], cwd: Path, monkeypatch, capfd) -> str:
+    """The training stage of this launch as the launcher renders it (--dry-run), its two ranks forked from this
+    process (train_rendered) under the NXDT_S3_* variables its job script exports (the endpoint among them comes
+    from cluster.s3, nowhere else): what is under test is checkpointing to S3, not the local launch of a stage
+    (tests/checkpoint/test_kill_resume.py's). Rank 0's output."""
+    result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stage = Path(next(o.partition("=")[2] for o in overrides if o.startswith("base_results_dir="))) / "gpt3_tiny" / \
+        "training"
+    exports = [shlex.split(line)[1] for line in (stage / "training.local.sh").read_text().splitlines()
+               if line.startswith("export NXDT_S3_")]
+    assert any(e.startswith("NXDT_S3_ENDPOINT_URL=") for e in exports), exports
+    for name, _, value in (e.partition("=") for e in exports):
+        monkeypatch.setenv(name, value)
+    capfd.readouterr()
+    codes = train_rendered(stage / "training_config.yaml")
+    output = "".join(capfd.readouterr())
+    assert codes == [0, 0], output[-3000:]
+    return output
+
+
 @pytest.mark.slow
 @pytest.mark.long("trains with checkpoints on the S3 server, then resumes from it")
-def test_save_keep_last_two_and_resume_from_s3(tmp_path, s3, aws_env, monkeypatch):
+def test_save_keep_last_two_and_resume_from_s3(tmp_path, s3, aws_env, monkeypatch, capfd):
     s3.client().create_bucket(Bucket="ckpt")
     monkeypatch.setenv("AWS_ENDPOINT_URL", NOWHERE)
-    env = {**s3.env, "AWS_ENDPOINT_URL": NOWHERE}
     data = counting_corpus(tmp_path / "data")
     url = "s3://ckpt/runs/tiny"
     on_s3 = (f"training.exp_manager.checkpoint_callback_params.dirpath={url}",
              "training.exp_manager.checkpoint_callback_params.save_top_k=2", SCHEDULE,
              f"cluster.s3.endpoint_url={s3.endpoint}")
 
-    first = nxdt("cluster_type=local", *training_overrides(data, tmp_path / "s3run", steps=8, every=3, extra=on_s3),
-                 cwd=tmp_path, env=env, timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    _train(training_overrides(data, tmp_path / "s3run", steps=8, every=3, extra=on_s3), tmp_path, monkeypatch, capfd)
     storage = open_storage(url, S3Settings(endpoint_url=s3.endpoint))
     assert [c.step for c in committed_checkpoints(storage)] == [6, 8]  # 3 was deleted once 8 was committed
     assert not (tmp_path / "s3run" / "gpt3_tiny" / "training" / "checkpoints").exists()
 
-    second = nxdt("cluster_type=local", *training_overrides(data, tmp_path / "s3run", steps=12, every=3,
-                                                             extra=on_s3), cwd=tmp_path, env=env, timeout=600)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"resumed from {url}/step_00000008" in second.stdout + second.stderr
+    second = _train(training_overrides(data, tmp_path / "s3run", steps=12, every=3, extra=on_s3), tmp_path,
+                    monkeypatch, capfd)
+    assert f"resumed from {url}/step_00000008" in second
     assert [c.step for c in committed_checkpoints(storage)] == [9, 12]
 
     # The second launch continued from step 8's state: it logged steps 9-12 only, from a trained model.
     # (Bitwise resume is the kill test's job; here the dataset is sized by max_steps, which changed.)
     logged = losses(tmp_path / "s3run" / "gpt3_tiny" / "training")
     assert sorted(logged) == list(range(1, 13))
-    second_lines = [line for line in second.stdout.splitlines() if line.startswith("step ")]
+    second_lines = [line for line in second.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1].split("/")[0]) for line in second_lines] == [9, 10, 11, 12]  # "9/12"
     assert logged[9] < logged[1] - 0.5
 
