@@ -71,6 +71,23 @@ def train_rendered(config: Path, stage: str = "training") -> list[int]:
     return run_distributed(train_here, int(trainer["num_nodes"]) * int(trainer["devices"]), args=(str(config), stage))
 
 
+def convert_rendered(overrides: list[str], cwd: Path, stage_dir: Path) -> None:
+    """The conversion stage as the launcher renders it (--dry-run: its script and conversion_config.yaml), the
+    script's command run in this process, where torch is already imported: a fresh interpreter per conversion would
+    cost more than the conversion. For the tests whose subject is what the stage's code does with that config; the
+    stage's script itself runs in tests/test_pipeline.py (this machine and the 2-node Slurm cluster)."""
+    import shlex
+
+    from runtime.convert.__main__ import main
+    from tests.launcher.helpers import nxdt
+
+    result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    command = shlex.split((stage_dir / "conversion.local.sh").read_text().strip().splitlines()[-1])
+    assert command[:3] == ["$PYTHON", "-m", "runtime.convert"], command
+    assert main(command[3:]) == 0
+
+
 def losses(training_dir: Path) -> dict[int, float]:
     """step -> loss, the last record of each step (a resumed run appends to the same file)."""
     out = {}

@@ -1,8 +1,8 @@
 # The conversion stage through the launcher: a checkpoint trained under tp=2 (GPT) or pp=2 (Llama) exports to a
-# Hugging Face directory that transformers loads with the runtime's logits, and HF -> runtime -> HF is lossless
-# (the round trip's two stages as the launcher configures them, run in the test process).
+# Hugging Face directory that transformers loads with the runtime's logits, and HF -> runtime -> HF is lossless.
+# Each conversion is the stage as the launcher configures it (its rendered script's command), run in the test
+# process (launch_helpers.convert_rendered): the stage's script itself runs in tests/test_pipeline.py.
 import json
-import shlex
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch
 from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint
 from runtime.config import parse_model_config
 from runtime.models import build_model
-from tests.checkpoint.launch_helpers import counting_corpus, train_rendered, training_overrides
+from tests.checkpoint.launch_helpers import convert_rendered, counting_corpus, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
 
 LAYOUTS = {"gpt3/tiny": ["training.model.tensor_model_parallel_size=2"],
@@ -25,20 +25,6 @@ def _runtime_logits(checkpoint_dir, ids):
     model.load_state_dict({name: full.get(name, "value") for name in model.state_dict()})
     with torch.no_grad():
         return model(ids)
-
-
-def _stage_in_process(overrides: list[str], cwd, stage_dir) -> None:
-    """The conversion stage as the launcher renders it (its script and conversion_config.yaml, by --dry-run),
-    its command run in this process, where torch is already imported: a fresh interpreter per conversion would
-    cost more than the conversion. The round trip's subject is what the stage's code does with that config; the
-    export above runs the stage's script itself."""
-    from runtime.convert.__main__ import main
-
-    result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=cwd, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    command = shlex.split((stage_dir / "conversion.local.sh").read_text().strip().splitlines()[-1])
-    assert command[:3] == ["$PYTHON", "-m", "runtime.convert"], command
-    assert main(command[3:]) == 0
 
 
 @pytest.mark.slow
@@ -57,8 +43,7 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, recipe):
     assert train_rendered(config) == [0, 0]
 
     export = [o.replace("stages=[training]", "stages=[conversion]") for o in train]
-    result = nxdt("cluster_type=local", *export, cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    convert_rendered(export, tmp_path, tmp_path / "results" / "tiny" / "conversion")
     hf_dir = tmp_path / "results" / "tiny" / "conversion" / "hf_model"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in hf_dir.iterdir()}
@@ -76,9 +61,9 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, recipe):
     imported = tmp_path / "imported"
     back = [*export, "conversion.mode=import", f"conversion.hf_checkpoint_dir={hf_dir}",
             f"conversion.checkpoint_dir={imported}"]
-    _stage_in_process(back, tmp_path, tmp_path / "results" / "tiny" / "conversion")
+    convert_rendered(back, tmp_path, tmp_path / "results" / "tiny" / "conversion")
     again = [*export, f"conversion.checkpoint_dir={imported}", f"conversion.output_dir={tmp_path / 'again'}"]
-    _stage_in_process(again, tmp_path, tmp_path / "results" / "tiny" / "conversion")
+    convert_rendered(again, tmp_path, tmp_path / "results" / "tiny" / "conversion")
     from safetensors.torch import load_file
     first, second = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == second.keys()
