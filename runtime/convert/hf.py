@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from runtime.io.files import replace_directory
+from runtime.schema.chat import ChatTokenizer, token_text
 from runtime.schema.families import export_family
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
@@ -279,9 +280,20 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch
     config = _hf_config(cfg, dtype)
     tokenizer = _read_json(Path(tokenizer_path), "tokenizer_path") if tokenizer_path else None
     specials = _special_tokens(tokenizer) if tokenizer else {}
+    # The source's own tokenizer_config.json (a Hugging Face model's, or data_preparation's) says best what its
+    # special tokens are, and holds the chat template: an export carries both.
+    source_config = _source_tokenizer_config(Path(tokenizer_path)) if tokenizer_path else {}
+    specials.update({key: token for key in _SPECIAL_TOKENS if (token := token_text(source_config.get(key)))})
     for key, token in specials.items():
         if key in ("bos_token", "eos_token", "pad_token"):
             config[key + "_id"] = _token_id(tokenizer, token)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    if source_config.get("chat_template"):
+        # A chat model ends its turn with the template's own end token (<|im_end|>, <|eot_id|>): generation stops at
+        # it as at eos, as in the generation_config.json of Llama 3 and Qwen instruct models.
+        stops = sorted(ChatTokenizer(tokenizer_path).stop_ids)
+        if stops:
+            generation["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -290,12 +302,12 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch
         _write_weights(tmp, cfg, full_state, dtype, max_shard_bytes)
         if tokenizer_path:
             shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            template = {"chat_template": source_config["chat_template"]} if source_config.get("chat_template") else {}
             _write_json(tmp / "tokenizer_config.json", {
                 "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_position_embeddings,
-                "clean_up_tokenization_spaces": False, **specials})
-            ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-            if ids:
-                _write_json(tmp / "generation_config.json", ids)
+                "clean_up_tokenization_spaces": False, **specials, **template})
+            if generation:
+                _write_json(tmp / "generation_config.json", generation)
         if also is not None:
             also(tmp)
         replace_directory(tmp, out)
@@ -360,6 +372,12 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
     if len(files) > 1:
         _write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total},
                                                                  "weight_map": weight_map})
+
+
+def _source_tokenizer_config(tokenizer_path: Path) -> dict:
+    """The tokenizer_config.json beside a tokenizer.json, or {} when there is none."""
+    beside = tokenizer_path.parent / "tokenizer_config.json"
+    return _read_json(beside, "tokenizer_config.json") if beside.is_file() else {}
 
 
 def _special_tokens(tokenizer: dict) -> dict[str, str]:

@@ -76,7 +76,7 @@ class ChatTokenizer:
             raise ValueError(f"{self.tokenizer_json}: not a Hugging Face tokenizer.json ({err}); fix "
                              f"{TOKENIZER_KEY}") from None
         config = _read_config(self.config_json)
-        self.bos_token, self.eos_token, self.pad_token = (_token_text(config.get(k)) for k in
+        self.bos_token, self.eos_token, self.pad_token = (token_text(config.get(k)) for k in
                                                           ("bos_token", "eos_token", "pad_token"))
         self.name, self.template_text = self._choose_template(chat_template, config)
         self._template = _compile(self.template_text, self.name)
@@ -301,7 +301,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """tokenizer_config.json writes a token as a string or as {"content": ..., ...}."""
     if isinstance(value, dict):
         value = value.get("content")

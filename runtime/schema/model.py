@@ -51,22 +51,6 @@ class RopeScaling:
     high_freq_factor: float = 4.0                   # llama3 only
     original_max_position_embeddings: int = 8192    # llama3 only
 
-    def problems(self, p: str) -> list[str]:
-        key = f"{p}model.rope_scaling"
-        problems = []
-        if problem := ROPE_SCALING_TYPES.problem(f"{key}.rope_type", self.rope_type):
-            problems.append(problem)
-        if not self.factor > 0:
-            problems.append(f"{key}.factor: {self.factor} must be positive")
-        if self.rope_type == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                problems.append(f"{key}: low_freq_factor ({self.low_freq_factor}) must be positive and below "
-                                f"high_freq_factor ({self.high_freq_factor})")
-            if self.original_max_position_embeddings <= 0:
-                problems.append(f"{key}.original_max_position_embeddings: "
-                                f"{self.original_max_position_embeddings} must be a positive integer")
-        return problems
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -101,19 +85,13 @@ class ModelConfig:
             if getattr(self, key) <= 0:
                 report.error(f"model.{key}: {getattr(self, key)} must be a positive integer")
         report.raise_if_any()
-        if self.kv_channels is None:
-            report.error(rules.hidden_heads(self.hidden_size, self.num_attention_heads, ""))
-        elif self.kv_channels <= 0 or self.kv_channels % 2:
-            report.error(f"model.kv_channels: {self.kv_channels} must be a positive even integer (RoPE rotates "
-                         "pairs of channels)")
-        if self.architecture != "llama":
-            for key in ("add_qkv_bias", "qk_layernorm", "rope_scaling"):
-                if getattr(self, key):
-                    report.error(f"model.{key}: GPT has learned positions and biases everywhere; this key is the "
-                                 f"Llama block's (set model.architecture=llama, or drop model.{key})")
+        report.error(rules.head_size(self.hidden_size, self.num_attention_heads, self.kv_channels, ""))
+        problems = rules.llama_switches(self.architecture, {key: getattr(self, key) for key in rules.LLAMA_SWITCHES}, "")
         if self.rope_scaling is not None:
-            for problem in self.rope_scaling.problems(""):
-                report.error(problem)
+            problems += [ROPE_SCALING_TYPES.problem("model.rope_scaling.rope_type", self.rope_scaling.rope_type)]
+            problems += rules.rope_scaling(self.rope_scaling, "model.rope_scaling")
+        for problem in problems:
+            report.error(problem)
         report.error(rules.heads_groups(self.num_attention_heads, self.kv_heads, ""))
         for key in ("hidden_dropout", "attention_dropout"):
             report.error(rules.dropout(key, getattr(self, key), ""))

@@ -118,10 +118,44 @@ def layers_split(layers: int, pp: int, vpp: int | None, p: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------------- shape
-def hidden_heads(hidden: int, heads: int, p: str) -> str | None:
-    if hidden % heads == 0:
-        return None
-    return f"{p}model.hidden_size: {hidden} is not divisible by num_attention_heads {heads}"
+def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str | None:
+    """The head size: hidden / heads unless model.kv_channels sets it apart (Qwen3); RoPE rotates channel pairs."""
+    if kv_channels is None:
+        if hidden % heads == 0:
+            return None
+        return f"{p}model.hidden_size: {hidden} is not divisible by num_attention_heads {heads}"
+    if kv_channels <= 0 or kv_channels % 2:
+        return f"{p}model.kv_channels: {kv_channels} must be a positive even integer (RoPE rotates pairs of channels)"
+    return None
+
+
+# The model keys only the Llama decoder computes.
+LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
+
+
+def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
+    """Keys only the Llama decoder computes (add_qkv_bias, qk_layernorm, rope_scaling): GPT has learned positions
+    and biases everywhere."""
+    if architecture == "llama":
+        return []
+    return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
+            f"{p}model.architecture=llama or drop {p}model.{key}" for key, value in switches.items() if value]
+
+
+def rope_scaling(scaling, key: str) -> list[str]:
+    """model.rope_scaling (a RopeScaling): a positive factor; for llama3, 0 < low_freq_factor < high_freq_factor
+    (transformers refuses the same) and the original context."""
+    problems = []
+    if not scaling.factor > 0:
+        problems.append(f"{key}.factor: {scaling.factor} must be positive")
+    if scaling.rope_type == "llama3":
+        if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+            problems.append(f"{key}: low_freq_factor ({scaling.low_freq_factor}) must be positive and below "
+                            f"high_freq_factor ({scaling.high_freq_factor})")
+        if scaling.original_max_position_embeddings <= 0:
+            problems.append(f"{key}.original_max_position_embeddings: "
+                            f"{scaling.original_max_position_embeddings} must be a positive integer")
+    return problems
 
 
 def heads_groups(heads: int, groups: int, p: str) -> str | None:

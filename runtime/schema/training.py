@@ -14,7 +14,7 @@ from typing import Any
 from runtime.schema import choices as C
 from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
-from runtime.schema.model import MoEConfig, ModelConfig, hf_model_keys, read_hf_config, tokenizer_vocab_size
+from runtime.schema.model import MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config, tokenizer_vocab_size
 from runtime.schema.reader import REQUIRED, Report, Section
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, LoraConfig, OptimConfig,
@@ -163,11 +163,13 @@ def parse_model(model_raw: Any, *, files: str = "error", p: str = PREFIX) -> tup
 
 
 def model_shape_keys(model_raw: Any, p: str = PREFIX) -> dict[str, Any]:
-    """A resolved `model:` section with the keys its model_config supplies filled in (the estimator's view of the
-    shape); ValueError names model_config when it is set but cannot be read here."""
+    """A resolved `model:` section with the keys its config.json supplies filled in (model_config's, or the Hugging
+    Face directory's in restore_from_path: the estimator's view of the shape); ValueError names the key when the
+    file is here but cannot be used."""
     model = dict(model_raw or {})
-    if model.get("model_config") is None:
-        return model
+    source, source_key = _model_config_source(Section(model, f"{p}model", Report()))
+    if source is None or (source_key == "restore_from_path" and (is_remote(source) or not Path(source).is_file())):
+        return model  # the YAML's shape (weights not on this machine: what the YAML holds)
     report = Report()
     shape, vocab, _ = _model_shape(Section(model, f"{p}model", report), p, report, _Files(report, "error"))
     if report.errors:
@@ -249,32 +251,39 @@ _SHAPE_INTS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 
 def _model_shape(model: Section, p: str, report: Report, files: _Files,
                  known_vocab: int | None = None) -> tuple[dict, int | None, str]:
-    """The typed model keys, with those a Hugging Face config.json (model.model_config) supplies filled in, the
-    tokenizer's vocabulary size (None when the file cannot be read here) and the tokenizer's path."""
+    """The typed model keys, with those a Hugging Face config.json supplies filled in, the tokenizer's vocabulary
+    size (None when the file cannot be read here) and the tokenizer's path.
+
+    The config.json is model.model_config (NxD Training's key) or, without one, that of the Hugging Face directory
+    model.restore_from_path names: the model a run starts from decides its architecture and every shape and
+    numeric constant. A key of the YAML that says otherwise is refused, naming both values (NxD Training lets the
+    YAML win, which silently trains a different model than the one whose weights are loaded)."""
     keys: dict[str, Any] = {}
     config_vocab = None
     hf_keys: dict[str, Any] = {}
-    model_config = model.raw("model_config", None)
-    if model_config is not None and files.checked:
+    source, source_key = _model_config_source(model)
+    if source is not None and files.checked and not is_remote(source):
         try:
-            hf_config = read_hf_config(str(model_config))
+            hf_config = read_hf_config(str(source))
             hf_keys = hf_model_keys(hf_config)
             config_vocab = int(hf_config["vocab_size"])
         except (ValueError, TypeError, ArithmeticError, KeyError) as error:
-            if Path(str(model_config)).exists():
+            if Path(str(source)).exists():
                 message = str(error) if isinstance(error, ValueError) else f"a value has the wrong type ({error})"
-                report.error(f"{p}model.model_config: {message}")
-            else:
-                files.problem(f"{p}model.model_config: {model_config} does not exist; point it at the model's "
+                report.error(f"{model.key(source_key)}: {source}: {message.removeprefix(repr(str(source)) + ' ')}")
+            elif source_key == "model_config":  # a missing restore_from_path is _restore_from's to name
+                files.problem(f"{model.key(source_key)}: {source} does not exist; point it at the model's "
                               f"Hugging Face config.json")
-    for key, value in hf_keys.items():
-        if model.has(key) and model.data[key] != value and key != "make_vocab_size_divisible_by":
-            report.warn(f"{p}model.{key}: {model.data[key]!r} overrides model_config's {value!r} (the config's own "
-                        f"keys win over config.json, as in NxD Training)")
-    # Without model_config the YAML holds the whole shape; with one that cannot be read here (a dry run on a
+    report.error(_disagreements(model, hf_keys, source, source_key))
+    # Without a config.json the YAML holds the whole shape; with one that cannot be read here (a dry run on a
     # laptop) only what the YAML holds is checked, and the rest at launch on the cluster.
-    shape_known = model_config is None or bool(hf_keys)
-    # Keys in the YAML win over config.json, as NxD Training applies them.
+    # Weights not here (a dry run elsewhere, a remote path, or a missing directory that _restore_from names): the
+    # YAML's shape, when it has one, is checked as the YAML states it.
+    shape_known = source is None or bool(hf_keys) or (source_key == "restore_from_path" and model.has("architecture"))
+    if source is None and not any(model.has(key) for key in ("architecture", *_SHAPE_INTS)):
+        report.error(f"{model.key('restore_from_path')}: missing, and the YAML has no shape; point it at a Hugging "
+                     f"Face model directory (its config.json decides the model), or set {model.key('model_config')}")
+        shape_known = False
     merged = {**{k: v for k, v in hf_keys.items() if k != "make_vocab_size_divisible_by"},
               **{k: v for k, v in model.data.items() if v is not None}}
     if isinstance(hf_keys.get("moe"), dict) and isinstance(model.data.get("moe"), dict):
@@ -293,20 +302,28 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         keys["max_position_embeddings"] = shape.int("max_position_embeddings", seq, minimum=1)
     keys["make_vocab_size_divisible_by"] = shape.int("make_vocab_size_divisible_by", 128, minimum=1)
     keys["seed"] = shape.int("seed", 1234)
-    if merged.get("num_query_groups") is not None:
-        keys["num_query_groups"] = shape.int("num_query_groups", minimum=1)
+    for key in ("num_query_groups", "kv_channels"):
+        if merged.get(key) is not None:
+            keys[key] = shape.int(key, minimum=1)
     for key in ("rotary_base", "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout"):
         if merged.get(key) is not None:
             keys[key] = shape.float(key, minimum=0.0)
-    if merged.get("share_embeddings_and_output_weights") is not None:
-        keys["share_embeddings_and_output_weights"] = shape.bool("share_embeddings_and_output_weights")
+    for key in ("share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
+        if merged.get(key) is not None:
+            keys[key] = shape.bool(key)
     keys["moe"] = parse_moe(shape)
+    keys["rope_scaling"] = parse_rope_scaling(shape)
     keys = {k: v for k, v in keys.items() if v is not None}
 
     tokenizer = model.section("tokenizer")
     tokenizer.choice("library", C.TOKENIZER_LIBRARIES, "huggingface")
-    # With model_config the vocabulary comes from config.json; the tokenizer is then only checked against it.
-    path = tokenizer.str("model", None if model_config is not None else REQUIRED) or ""
+    # With a config.json the vocabulary comes from it; the tokenizer is then only checked against it. Starting from
+    # a Hugging Face directory, its own tokenizer is the default.
+    beside = Path(source).parent / "tokenizer.json" if source is not None else None
+    if beside is not None and (source_key == "restore_from_path" or beside.is_file()):
+        path = tokenizer.str("model", str(beside))
+    else:
+        path = tokenizer.str("model", None if source is not None else REQUIRED) or ""
     vocab = known_vocab
     if vocab is None and path:
         vocab = _tokenizer_vocab(path, p, files)
@@ -317,6 +334,56 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         if not model.has("make_vocab_size_divisible_by"):
             keys["make_vocab_size_divisible_by"] = hf_keys["make_vocab_size_divisible_by"]
     return keys, vocab, path
+
+
+# Keys a config.json yields that the YAML may set otherwise: the training's sequence length (config.json's
+# max_position_embeddings is only its default) and the vocabulary padding (checked against config.json's size).
+_YAML_DECIDES = ("encoder_seq_length", "make_vocab_size_divisible_by")
+# model.moe keys that shape training, not the network: token dropping and the auxiliary losses' weights.
+_TRAINING_CHOICES = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+
+
+def _model_config_source(model: Section) -> tuple[str | None, str]:
+    """(the config.json that decides the model, the key that names it): model.model_config, else the config.json of
+    a local Hugging Face directory in model.restore_from_path (a checkpoint of ours has none), else None."""
+    model_config = model.raw("model_config", None)
+    if model_config is not None:
+        return str(model_config), "model_config"
+    restore = model.raw("restore_from_path", None)
+    if not isinstance(restore, str) or (Path(restore).is_dir() and not (Path(restore) / "config.json").exists()):
+        return None, "model_config"  # no starting weights, or a checkpoint of ours: the YAML holds the shape
+    # A Hugging Face directory, or a path that cannot be looked at here (remote, or not yet there in a dry run:
+    # then only what the YAML holds is checked, and the rest at launch).
+    return f"{restore.rstrip('/')}/config.json", "restore_from_path"
+
+
+def _disagreements(model: Section, hf_keys: dict, source: str | None, source_key: str) -> str | None:
+    """One line naming every YAML key that says otherwise than config.json, with both values; None if none."""
+    found: list[tuple[str, Any, Any]] = []
+    for key, value in hf_keys.items():
+        if key in _YAML_DECIDES or not model.has(key):
+            continue
+        if key == "max_position_embeddings" and hf_keys.get("architecture") == "llama":
+            continue  # the Llama decoder's RoPE table length, no weight's shape: NxD Training's YAMLs set their own
+        found += _differing(key, model.data[key], value)
+    if not found:
+        return None
+    pairs = ", ".join(f"{key} {mine!r} (config.json: {theirs!r})" for key, mine, theirs in found)
+    first = model.key(found[0][0])
+    return (f"{first}: the YAML disagrees with {source} (model.{source_key}), which decides the model: {pairs}; drop "
+            f"{'the key' if len(found) == 1 else 'those keys'} ({first}=null{', ...' if len(found) > 1 else ''}) or "
+            f"use weights whose config.json says so")
+
+
+def _differing(key: str, mine: Any, theirs: Any) -> list[tuple[str, Any, Any]]:
+    if isinstance(theirs, dict) and isinstance(mine, dict):  # model.moe / model.rope_scaling, key by key
+        return [pair for name, value in theirs.items() if name not in _TRAINING_CHOICES and mine.get(name) is not None
+                for pair in _differing(f"{key}.{name}", mine[name], value)]
+    try:
+        same = mine == theirs or (isinstance(theirs, float) and float(mine) == theirs)
+    except (TypeError, ValueError):
+        same = False
+    return [] if same else [(key, mine, theirs)]
 
 
 def _tokenizer_vocab(path: str, p: str, files: _Files) -> int | None:
@@ -342,6 +409,25 @@ def tokenizer_vocab(path: str, *, files: str = "error", p: str = PREFIX) -> tupl
     (autoconfig sizes its model by it before any training config exists): `files` as for parse_training."""
     report = Report()
     return _tokenizer_vocab(path, p, _Files(report, files)), report
+
+
+def parse_rope_scaling(model: Section) -> RopeScaling | None:
+    """model.rope_scaling with Hugging Face's keys (a Llama 3.1 config.json's rope_scaling); absent or null: none."""
+    if model.raw("rope_scaling", None) is None:
+        return None
+    s = model.section("rope_scaling")
+    rope_type = s.choice("rope_type", C.ROPE_SCALING_TYPES)
+    values = dict(factor=s.float("factor", minimum=0.0))
+    if rope_type == "llama3":
+        values.update(low_freq_factor=s.float("low_freq_factor", 1.0, minimum=0.0),
+                      high_freq_factor=s.float("high_freq_factor", 4.0, minimum=0.0),
+                      original_max_position_embeddings=s.int("original_max_position_embeddings", minimum=1))
+    if rope_type is None or any(v is None for v in values.values()):
+        return None  # reported
+    scaling = RopeScaling(rope_type=rope_type, **values)
+    for problem in rules.rope_scaling(scaling, s.path):
+        model.report.error(problem)
+    return scaling
 
 
 def parse_moe(model: Section) -> MoEConfig | None:
@@ -559,6 +645,8 @@ def _restore_from(model: Section, shape: dict, files: _Files, p: str) -> str | N
     # Headers only: a truncated download fails here, not in every worker after the queue wait.
     for problem in hf_weights_problems(directory):
         model.report.error(f"{key}: {problem}; re-download it, or point {key} at a complete copy")
+    if _model_config_source(model)[1] == "restore_from_path":
+        return path  # its config.json decided the model keys (_model_shape), and named what it could not read
     try:
         theirs = hf_model_keys(read_hf_config(str(directory / "config.json")))
     except (ValueError, TypeError, KeyError) as error:
@@ -569,9 +657,9 @@ def _restore_from(model: Section, shape: dict, files: _Files, p: str) -> str | N
         other = theirs.get(name) if name != "num_query_groups" else theirs.get(name) or theirs.get(
             "num_attention_heads")
         if mine is not None and other is not None and mine != other:
-            model.report.error(f"{key}: {path} holds a model with {name} {other} but model.{name} is {mine}; set "
-                               f"model.model_config={directory / 'config.json'} to take its shape, or choose "
-                               f"weights of this model")
+            model.report.error(f"{key}: {path} holds a model with {name} {other} but model.{name} is {mine} (from "
+                               f"model.model_config); drop model.model_config so that the weights' own config.json "
+                               f"decides, or choose weights of this model")
             break
     return path
 
@@ -655,7 +743,10 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
         return  # model_config not readable here (a dry run): the shape is checked at launch
     heads = shape["num_attention_heads"]
     groups = shape.get("num_query_groups") or heads
-    report.error(rules.hidden_heads(shape["hidden_size"], heads, p))
+    report.error(rules.head_size(shape["hidden_size"], heads, shape.get("kv_channels"), p))
+    for problem in rules.llama_switches(shape.get("architecture", "llama"),
+                                        {k: shape.get(k) for k in rules.LLAMA_SWITCHES}, p):
+        report.error(problem)
     report.error(rules.heads_groups(heads, groups, p))
     report.error(rules.heads_tp(heads, tp, p))
     report.error(rules.ffn_tp(shape["ffn_hidden_size"], tp, p))

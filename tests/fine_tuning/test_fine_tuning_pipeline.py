@@ -1,9 +1,10 @@
-"""The fine-tuning stages end to end through the real CLI: full SFT from a Hugging Face Llama directory written by
-transformers, exported; LoRA from that run's own checkpoint, exported merged and as a PEFT adapter that `peft`
-loads; and stages=[data_preparation,fine_tuning] on the real 2-node Slurm cluster."""
+"""The fine-tuning stages end to end through the real CLI: full SFT from a Hugging Face Qwen3 directory written by
+transformers (fine_tuning=hf/sft_demo: its config.json and tokenizer decide), exported; LoRA from that run's own
+checkpoint, exported merged and as a PEFT adapter that `peft` loads; and stages=[data_preparation,fine_tuning] on the real 2-node Slurm cluster."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,9 @@ from runtime.sft.synthetic import write_demo
 from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
-# conf/fine_tuning/llama/tiny.yaml's shape (llama/tiny's).
+# A small Qwen3 shape; conf/fine_tuning/hf/sft_demo.yaml takes every key from its config.json.
 SHAPE = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+             num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6)
 SHORT = ["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
          "trainer.devices=1", "trainer.preflight=false", "model.global_batch_size=4", "model.micro_batch_size=2",
          "model.encoder_seq_length=128", "model.optim.sched.warmup_steps=1",
@@ -32,11 +33,16 @@ def _demo(data: Path) -> int:
     return padded_vocab_size(size, 128)
 
 
-def _hf_llama(directory: Path, vocab: int):
+def _hf_qwen3(directory: Path, vocab: int, data: Path):
+    """A tiny Qwen3 written by transformers, with the demo's tokenizer and chat template beside it (as a downloaded
+    model directory holds its own): its head size (48) is not hidden / heads (32), its head tied."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=128, **SHAPE)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config = transformers.Qwen3Config(vocab_size=vocab, max_position_embeddings=256, head_dim=48,
+                                      tie_word_embeddings=True, **SHAPE)
+    model = transformers.Qwen3ForCausalLM(config).eval()
     model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(data / "sft_demo" / name, directory / name)
     return model
 
 
@@ -46,37 +52,42 @@ def _stage(stage: str, *overrides: str) -> list[str]:
 
 def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return transformers.LlamaForCausalLM.from_pretrained(directory).eval()(ids).logits
+        return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()(ids).logits
 
 
-@pytest.mark.long("SFT from a Hugging Face Llama, then LoRA from that checkpoint, each exported and checked in transformers")
-def test_fine_tunes_a_hugging_face_llama_then_lora_from_our_checkpoint(tmp_path):
+@pytest.mark.long("SFT from a Hugging Face Qwen3, then LoRA from that checkpoint, each exported and checked in transformers")
+def test_fine_tunes_a_hugging_face_qwen3_then_lora_from_our_checkpoint(tmp_path):
     vocab = _demo(tmp_path / "data")
-    base = _hf_llama(tmp_path / "hf_base", vocab)
+    base = _hf_qwen3(tmp_path / "hf_base", vocab, tmp_path / "data")
     ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     common = ["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results"]
 
-    # 1. Full SFT from the Hugging Face directory, exported in one command.
-    sft = nxdt(*common, "stages=[fine_tuning,conversion]", "fine_tuning=llama/tiny",
+    # 1. Full SFT from the Hugging Face directory, which decides the model and the tokenizer; exported in the same
+    # command with that tokenizer.
+    sft = nxdt(*common, "stages=[fine_tuning,conversion]", "fine_tuning=hf/sft_demo",
                *_stage("fine_tuning", f"model.restore_from_path={tmp_path}/hf_base"), cwd=tmp_path, timeout=900)
     assert sft.returncode == 0, sft.stdout[-3000:] + sft.stderr[-3000:]
-    run = tmp_path / "results" / "llama_tiny_sft"
+    run = tmp_path / "results" / "hf_sft_demo"
     log = (run / "fine_tuning" / "logs").glob("*.log")
     text = "".join(p.read_text() for p in log)
     assert f"fine-tuning from {tmp_path}/hf_base" in text and "step 6 | val_loss" in text, text[-2000:]
     exported = run / "conversion" / "hf_model"
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (exported / "tokenizer.json").read_bytes() == (tmp_path / "hf_base" / "tokenizer.json").read_bytes()
     with torch.no_grad():
         before = base(ids).logits
     after = _logits(exported, ids)
     assert after.shape == before.shape and not torch.allclose(after, before, atol=1e-4), "it trained"
 
-    # 2. LoRA from that run's own checkpoint (weights only), exported merged and as a PEFT adapter.
+    # 2. LoRA from that run's own checkpoint (weights only; the export's config.json and tokenizer say what model
+    # it holds), exported merged and as a PEFT adapter.
     peft_lib = pytest.importorskip("peft")
-    lora = nxdt(*common, "stages=[peft,conversion]", "peft=llama/tiny", "conversion.lora=both",
-                *_stage("peft", f"model.restore_from_path={run}/fine_tuning/checkpoints"), cwd=tmp_path,
-                timeout=900)
+    lora = nxdt(*common, "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
+                *_stage("peft", f"model.restore_from_path={run}/fine_tuning/checkpoints",
+                        f"model.model_config={exported}/config.json", f"model.tokenizer.model={exported}/tokenizer.json"),
+                cwd=tmp_path, timeout=900)
     assert lora.returncode == 0, lora.stdout[-3000:] + lora.stderr[-3000:]
-    lora_run = tmp_path / "results" / "llama_tiny_lora"
+    lora_run = tmp_path / "results" / "hf_sft_demo_lora"
     checkpoint = sorted((lora_run / "peft" / "checkpoints").glob("step_*"))[-1]
     saved = sum(p.stat().st_size for p in checkpoint.rglob("*.pt"))
     assert saved < 2_000_000, f"a LoRA checkpoint holds the adapters alone ({saved} bytes)"
@@ -85,7 +96,7 @@ def test_fine_tunes_a_hugging_face_llama_then_lora_from_our_checkpoint(tmp_path)
     torch.testing.assert_close(_logits(merged_dir / "base", ids), after, rtol=0, atol=1e-5)  # the SFT weights
     with torch.no_grad():
         adapted = peft_lib.PeftModel.from_pretrained(
-            transformers.LlamaForCausalLM.from_pretrained(merged_dir / "base"), merged_dir / "adapter").eval()(ids)
+            transformers.AutoModelForCausalLM.from_pretrained(merged_dir / "base"), merged_dir / "adapter").eval()(ids)
     torch.testing.assert_close(adapted.logits, merged, rtol=0, atol=1e-5)
     assert not torch.allclose(merged, after, atol=1e-5), "the adapters trained"
 

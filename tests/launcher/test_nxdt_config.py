@@ -396,7 +396,8 @@ def test_nxd_moe_keys_we_cannot_honour_are_refused_one_line_each(tmp_path):
 @pytest.mark.parametrize("replace,message", [
     ({"  expert_model_parallel_size: 1": "  expert_model_parallel_size: 4"},
      "training.model.expert_model_parallel_size: 4 must divide the data-parallel size 2"),
-    ({"    top_k: 2": "    top_k: 9"}, "training.model.moe.top_k: 9 must be from 1 to num_experts (8)"),
+    # A key of the network that disagrees with the config.json that decides it: both values named.
+    ({"    top_k: 2": "    top_k: 9"}, "training.model.moe.top_k: the YAML disagrees with "),
     ({"    capacity_factor: 2.0": "    capacity_factor: 0.0"},
      "training.model.moe.capacity_factor: 0.0 must be a positive number; or set training.model.moe.dropless=true"),
 ])

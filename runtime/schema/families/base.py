@@ -21,6 +21,13 @@ class HFConfig:
             return default
         return self.data[key]
 
+    def count(self, key: str, default: Any = _REQUIRED) -> int:
+        """A size: a positive integer (a JSON 4096.0 is read as 4096)."""
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+            raise ValueError(f"config.json {key}={value!r} must be a positive integer")
+        return int(value)
+
     def require(self, key: str, supported: tuple, default: Any) -> None:
         """Refuse a value our model would compute differently; an absent key takes `default`."""
         value = self.data.get(key, default)

@@ -11,15 +11,15 @@ def decoder_keys(hf: HFConfig, *, theta: float, eps: float) -> dict[str, Any]:
     """Our `model:` keys for the decoder's shape, norms and RoPE; `theta` and `eps` are the defaults of the
     family's transformers config class, which its loader applies to an absent key."""
     hf.require("hidden_act", ("silu",), "silu")
-    hidden, heads = int(hf.get("hidden_size")), int(hf.get("num_attention_heads"))
-    keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": int(hf.get("num_hidden_layers")),
-            "num_attention_heads": heads, "num_query_groups": int(hf.get("num_key_value_heads", heads)),
-            "ffn_hidden_size": int(hf.get("intermediate_size")),
+    hidden, heads = hf.count("hidden_size"), hf.count("num_attention_heads")
+    keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": hf.count("num_hidden_layers"),
+            "num_attention_heads": heads, "num_query_groups": hf.count("num_key_value_heads", heads),
+            "ffn_hidden_size": hf.count("intermediate_size"),
             "layernorm_epsilon": float(hf.get("rms_norm_eps", eps)),
-            "max_position_embeddings": int(hf.get("max_position_embeddings")), **hf.rope(theta)}
+            "max_position_embeddings": hf.count("max_position_embeddings"), **hf.rope(theta)}
     head_dim = hf.get("head_dim", None)
-    if head_dim is not None and (hidden % heads or int(head_dim) != hidden // heads):
-        keys["kv_channels"] = int(head_dim)
+    if head_dim is not None and (hidden % heads or hf.count("head_dim") != hidden // heads):
+        keys["kv_channels"] = hf.count("head_dim")
     return keys
 
 

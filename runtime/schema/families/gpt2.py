@@ -14,12 +14,12 @@ def model_keys(hf: HFConfig) -> dict[str, Any]:
     hf.require("scale_attn_weights", (True,), True)
     hf.require("scale_attn_by_inverse_layer_idx", (False,), False)
     hf.require("add_cross_attention", (False,), False)
-    hidden = int(hf.get("n_embd"))
-    return {"architecture": "gpt", "hidden_size": hidden, "num_layers": int(hf.get("n_layer")),
-            "num_attention_heads": int(hf.get("n_head")), "num_query_groups": None,
-            "ffn_hidden_size": int(hf.get("n_inner", None) or 4 * hidden),
+    hidden = hf.count("n_embd")
+    return {"architecture": "gpt", "hidden_size": hidden, "num_layers": hf.count("n_layer"),
+            "num_attention_heads": hf.count("n_head"), "num_query_groups": None,
+            "ffn_hidden_size": hf.count("n_inner", 4 * hidden),
             "layernorm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-            "max_position_embeddings": int(hf.get("n_positions"))}
+            "max_position_embeddings": hf.count("n_positions")}
 
 
 def exports(cfg) -> bool:

@@ -17,7 +17,7 @@ def model_keys(hf: HFConfig) -> dict[str, Any]:
     hf.require("router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
     # transformers adds router_aux_loss_coef * the load-balancing loss only with output_router_logits; the
     # coefficient is still the model's recipe, so training here uses it (computed per layer, see models/moe.py).
-    keys["moe"] = {"num_experts": int(hf.get("num_local_experts")), "top_k": int(hf.get("num_experts_per_tok", 2)),
+    keys["moe"] = {"num_experts": hf.count("num_local_experts"), "top_k": hf.count("num_experts_per_tok", 2),
                    "frequency": 1, "capacity_factor": None,
                    "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
                    "normalize_top_k_affinities": True, "router_activation": "softmax"}
