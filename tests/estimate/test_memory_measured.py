@@ -14,19 +14,16 @@ micro-batch per step (global batch = micro-batch), for the same reason: without 
 micro-batch's activations on top of the persistent tensors, which a second or fourth micro-batch of the same step
 repeats (measured: the same peaks to 0.1 MiB with 4 micro-batches per step, at 2.6 times the time)."""
 
+import contextlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import multiprocessing
 
 import pytest
+import torch.distributed as dist
 
 from launcher import launch
 from launcher.estimator import estimate
-
-HERE = Path(__file__).parent
-REPO = HERE.parents[1]
+from tests.estimate import measure_memory
 SHORT_RUN = ["stages=[training]", "cluster_type=local", "training.trainer.num_nodes=1", "training.trainer.devices=1",
              "training.trainer.max_steps=2", "training.trainer.log_every_n_steps=1",
              "training.model.global_batch_size=${training.model.micro_batch_size}",
@@ -49,6 +46,11 @@ CASES = [
 ]
 
 
+def _measure(configs: list[str], out: str) -> None:
+    with open(out, "w") as stream, contextlib.redirect_stdout(stream):
+        measure_memory.main(configs)
+
+
 @pytest.mark.long("profiles real training steps of every case the estimator is checked against")
 def test_estimated_peak_memory_is_within_15_percent_of_measured(demo_data_dir, tmp_path):
     configs, expected = [], {}
@@ -61,13 +63,21 @@ def test_estimated_peak_memory_is_within_15_percent_of_measured(demo_data_dir, t
         configs.append(path)
         expected[path] = (name, estimate(plan.cfg["training"], device="cpu"))
 
-    # The script imports runtime from this checkout, installed or not.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(HERE / "measure_memory.py"), *configs], capture_output=True,
-                            text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(CASES), result.stdout[-2000:]
+    # measure_memory.py's main in a process forked from this one, where torch and the runtime are already imported
+    # (a fresh interpreter would import them again): the process is the script's own (its one-process group, its
+    # profiler), a copy of this one in all else. Its traceback, if any, goes to this test's stderr.
+    assert not dist.is_initialized(), "a forked process would inherit this process's group"
+    out = tmp_path / "measured.jsonl"
+    child = multiprocessing.get_context("fork").Process(target=_measure, args=(configs, str(out)))
+    child.start()
+    child.join(timeout=300)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, f"measure_memory.py ended with {child.exitcode}"
+    output = out.read_text()
+    rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert len(rows) == len(CASES), output[-2000:]
     report = []
     for row in rows:
         name, est = expected[row["config"]]
