@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,20 +17,27 @@ from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
 from tests.launcher.helpers import nxdt
 
 
+STEPS = 20
+
+
 @pytest.mark.slow
 def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
     data = counting_corpus(tmp_path / "data")
-    overrides = ["cluster_type=local", *training_overrides(data, tmp_path / "results", steps=60, every=30)]
+    overrides = ["cluster_type=local", *training_overrides(data, tmp_path / "results", steps=STEPS, every=10)]
     run_dir = tmp_path / "results" / "gpt3_tiny" / "training"
-    # A pause after each step (no CPU) keeps it training while the other launches act, however loaded the machine.
+    # The first launch trains while the other launches act, however loaded the machine: its workers are stopped
+    # (SIGSTOP) as soon as it holds the run's lock, and continued once they are done. A pause after each step (no
+    # CPU) leaves seconds to find them in before the run could end.
     first = subprocess.Popen([sys.executable, "-m", "launcher.cli", *overrides], cwd=tmp_path,
                              env={**os.environ, "NXDT_STEP_PAUSE_S": "0.15"},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "RUNNING").exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert (run_dir / "RUNNING").exists(), "the first launch should be training by now"
+        stopped = _stop_workers(tmp_path)
+        assert len(stopped) >= 2 and (run_dir / "RUNNING").exists(), "the first launch should be training by now"
         before = _checksums(tmp_path / "results")
         # The issue's case: a dry run trying another learning rate, while the run trains at its own.
         dry = nxdt(*overrides, "training.model.optim.lr=0.5", "--dry-run", cwd=tmp_path, timeout=120)
@@ -40,6 +48,8 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
         second_after = _checksums(tmp_path / "results")
         status = nxdt("status", "gpt3_tiny", f"--results-dir={tmp_path / 'results'}", cwd=tmp_path, timeout=60)
     finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
         output, _ = first.communicate(timeout=600)
     # The dry run: its files are under a fresh directory it names, each at the run's path below it; the run's own
     # launch files (what it would have rewritten, and every other file the launch wrote) are byte for byte the same.
@@ -64,7 +74,7 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
     assert first.returncode == 0, output[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
-    assert steps == list(range(1, 61)), "one writer: every step once"
+    assert steps == list(range(1, STEPS + 1)), "one writer: every step once"
     assert not (run_dir / "RUNNING").exists(), "released on exit"
     assert "COMPLETED" in nxdt("status", "gpt3_tiny", f"--results-dir={tmp_path / 'results'}", cwd=tmp_path).stdout
     # Once it is over, a launch renders into the run again, beside it: the finished launch's config (under its own
@@ -75,6 +85,25 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
     assert after.returncode == 0 and "is live" not in after.stdout, after.stdout + after.stderr
     assert ran.parent.parent == run_dir / "launches" and ran.read_text() == ran_text and "lr: 0.5" not in ran_text
     assert "lr: 0.5" in (run_dir / "training_config.yaml").read_text()
+
+
+def _stop_workers(root: Path) -> list[int]:
+    """SIGSTOP torchrun and the runtime.train workers of the launch under `root`; their pids."""
+    stopped = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runtime.train" in cmdline and any(str(root).encode() in arg for arg in cmdline):
+            try:
+                os.kill(int(entry.name), signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            stopped.append(int(entry.name))
+    return stopped
 
 
 def _checksums(root: Path) -> dict[Path, str]:
