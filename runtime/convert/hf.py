@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from runtime.io.files import replace_directory
 from runtime.schema.chat import ChatTokenizer, token_text
-from runtime.schema.families import export_family
+from runtime.schema.families import export_family, family_for
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.models import meta_model
@@ -86,14 +86,14 @@ def _rules(cfg: ModelConfig) -> list[_Rule]:
 
 
 def _moe_rules(cfg: ModelConfig, o: str, h: str) -> list[_Rule]:
-    """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as Mixtral's
-    nn.Linear weights per expert: w1 = gate (F, H), w3 = up (F, H), w2 = down (H, F)."""
-    m, experts, ffn = h + "block_sparse_moe.", cfg.moe.num_experts, cfg.ffn_hidden_size
-    return [_Rule(o + "mlp.router.weight", (m + "gate.weight",)),
-            _Rule(o + "mlp.gate_up", tuple(f"{m}experts.{e}.w{w}.weight" for e in range(experts) for w in (1, 3)),
+    """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as the family's
+    nn.Linear weights per expert (its MOE_WEIGHTS): gate (F, H), up (F, H), down (H, F)."""
+    router, gate, up, down = (h + name for name in family_for(cfg).MOE_WEIGHTS)
+    experts, ffn = cfg.moe.num_experts, cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
+    return [_Rule(o + "mlp.router.weight", (router,)),
+            _Rule(o + "mlp.gate_up", tuple(name.format(e=e) for e in range(experts) for name in (gate, up)),
                   (ffn, ffn), transpose=True, experts=experts),
-            _Rule(o + "mlp.down", tuple(f"{m}experts.{e}.w2.weight" for e in range(experts)), transpose=True,
-                  experts=experts)]
+            _Rule(o + "mlp.down", tuple(down.format(e=e) for e in range(experts)), transpose=True, experts=experts)]
 
 
 def _split(rule: _Rule, tensor: torch.Tensor) -> list[torch.Tensor]:

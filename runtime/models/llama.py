@@ -1,7 +1,8 @@
 # Llama style model: RMSNorm, rotary positions (theta = rotary_base, optionally scaled), SwiGLU MLP, grouped-query
 # attention, no biases (Qwen2: on q, k and v; Qwen3: RMSNorm on each query and key head), output head untied
 # unless share_embeddings_and_output_weights says otherwise. With model.moe it is Mixtral: a sparse MoE block
-# (runtime/models/moe.py) in place of the MLP of every moe.frequency-th layer.
+# (runtime/models/moe.py) in place of the MLP of the MoE layers (moe.frequency or moe.layers); Qwen3-MoE's experts
+# have a size of their own (moe.ffn_hidden_size).
 from __future__ import annotations
 
 from runtime.schema.model import ModelConfig
@@ -18,7 +19,7 @@ class LlamaModel(CausalLM):
             moe = cfg.moe
             if moe is None or not moe.is_moe_layer(index):
                 return SwiGLU(H, cfg.ffn_hidden_size)
-            return SparseMoE(H, cfg.ffn_hidden_size, moe.num_experts, moe.top_k,
+            return SparseMoE(H, moe.ffn_hidden_size or cfg.ffn_hidden_size, moe.num_experts, moe.top_k,
                              capacity_factor=moe.capacity_factor, activation=moe.router_activation,
                              normalize_top_k=moe.normalize_top_k_affinities,
                              aux_loss_coef=moe.router_aux_loss_coef, z_loss_coef=moe.router_z_loss_coef)

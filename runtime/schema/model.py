@@ -22,7 +22,8 @@ from runtime.schema.rules import padded_vocab_size
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """`model.moe`, with NxD Training's key names: a sparse MoE block (runtime/models/moe.py) in place of the MLP
-    of every `frequency`-th layer, starting with the first (Megatron's moe_layer_freq; Mixtral: 1, every layer)."""
+    of every `frequency`-th layer, starting with the first (Megatron's moe_layer_freq; Mixtral: 1, every layer),
+    or of the layers `layers` lists (Qwen3-MoE's decoder_sparse_step and mlp_only_layers)."""
     num_experts: int
     top_k: int = 2
     frequency: int = 1
@@ -31,9 +32,11 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0
     normalize_top_k_affinities: bool = True
     router_activation: str = "softmax"      # softmax | sigmoid
+    ffn_hidden_size: int | None = None      # each expert's; None: model.ffn_hidden_size (Qwen3-MoE's is its own)
+    layers: tuple[int, ...] | None = None   # the MoE layers by index; None: every frequency-th
 
     def is_moe_layer(self, index: int) -> bool:
-        return index % self.frequency == 0
+        return index in self.layers if self.layers is not None else index % self.frequency == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,8 @@ class ModelConfig:
             report.error(rules.dropout(key, getattr(self, key), ""))
         if self.moe is not None:
             for problem in rules.moe(self.architecture, self.moe.num_experts, self.moe.top_k, self.moe.frequency,
-                                     self.num_layers, self.moe.capacity_factor, self.moe.router_activation, ""):
+                                     self.num_layers, self.moe.capacity_factor, self.moe.router_activation, "",
+                                     layers=self.moe.layers, ffn=self.moe.ffn_hidden_size):
                 report.error(problem)
         report.raise_if_any()
 
@@ -127,7 +131,10 @@ class ModelConfig:
         optional = {f.name for f in dataclasses.fields(cls)} - {"architecture", "vocab_size"}
         kwargs = {key: model[key] for key in optional if model.get(key) is not None}
         if isinstance(kwargs.get("moe"), Mapping):  # model.moe as YAML holds it (hf_model_keys' import)
-            kwargs["moe"] = MoEConfig(**kwargs["moe"])
+            moe = dict(kwargs["moe"])
+            if moe.get("layers") is not None:
+                moe["layers"] = tuple(moe["layers"])
+            kwargs["moe"] = MoEConfig(**moe)
         if isinstance(kwargs.get("rope_scaling"), Mapping):
             kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
         return cls(architecture=model["architecture"],

@@ -353,7 +353,8 @@ def max_record_mb(value: float, p: str) -> str | None:
 
 
 def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_layers: int,
-        capacity_factor: float | None, activation: str, p: str) -> list[str]:
+        capacity_factor: float | None, activation: str, p: str, *, layers: tuple[int, ...] | None = None,
+        ffn: int | None = None) -> list[str]:
     """model.moe: a sparse MoE block needs the Llama block (SwiGLU experts), top_k of the experts, a layer pattern
     that leaves at least one MoE layer, and a positive capacity factor (or dropless)."""
     key = f"{p}model.moe"
@@ -365,8 +366,14 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
         problems.append(f"{key}.num_experts: {num_experts} must be at least 2 (1 expert is the dense MLP)")
     elif not 1 <= top_k <= num_experts:
         problems.append(f"{key}.top_k: {top_k} must be from 1 to num_experts ({num_experts})")
-    if not 1 <= frequency <= num_layers:
+    if layers is not None:
+        if not layers or any(not 0 <= i < num_layers for i in layers) or len(set(layers)) != len(layers):
+            problems.append(f"{key}.layers: {list(layers)} must list distinct layer indexes from 0 to "
+                            f"{num_layers - 1}, at least one; or drop it to use {key}.frequency")
+    elif not 1 <= frequency <= num_layers:
         problems.append(f"{key}.frequency: {frequency} must be from 1 (every layer) to num_layers ({num_layers})")
+    if ffn is not None and ffn <= 0:
+        problems.append(f"{key}.ffn_hidden_size: {ffn} must be a positive integer; or null for model.ffn_hidden_size")
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
         problems.append(f"{key}.capacity_factor: {capacity_factor} must be a positive number; or set "
                         f"{key}.dropless=true")

@@ -443,9 +443,15 @@ def parse_moe(model: Section) -> MoEConfig | None:
                   router_aux_loss_coef=s.float("router_aux_loss_coef", 0.0, minimum=0.0),
                   router_z_loss_coef=s.float("router_z_loss_coef", 0.0, minimum=0.0),
                   normalize_top_k_affinities=s.bool("normalize_top_k_affinities", True),
-                  router_activation=s.str("router_activation", "softmax"))
-    if any(v is None for k, v in values.items() if k != "capacity_factor"):
+                  router_activation=s.str("router_activation", "softmax"),
+                  ffn_hidden_size=s.int("ffn_hidden_size", None, minimum=1), layers=s.raw("layers", None))
+    if any(v is None for k, v in values.items() if k not in ("capacity_factor", "ffn_hidden_size", "layers")):
         return None  # reported
+    if values["layers"] is not None:
+        if not isinstance(values["layers"], (list, tuple)) or not all(isinstance(i, int) for i in values["layers"]):
+            model.report.error(f"{s.key('layers')}: {values['layers']!r} must be a list of layer indexes")
+            return None
+        values["layers"] = tuple(values["layers"])
     dropless = values.pop("dropless")
     if dropless:
         values["capacity_factor"] = None  # NxD Training's dropless: no capacity, whatever capacity_factor says
@@ -756,7 +762,8 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     moe = shape.get("moe")
     if moe is not None:
         for problem in rules.moe(shape.get("architecture", "llama"), moe.num_experts, moe.top_k, moe.frequency,
-                                 shape["num_layers"], moe.capacity_factor, moe.router_activation, p):
+                                 shape["num_layers"], moe.capacity_factor, moe.router_activation, p,
+                                 layers=moe.layers, ffn=moe.ffn_hidden_size):
             report.error(problem)
 
 

@@ -1,4 +1,5 @@
-# The model families teams bring (Llama 3.1 with RoPE scaling, Llama 3.2 with a tied head, Qwen2.5, Qwen3), each
+# The model families teams bring (Llama 3.1 with RoPE scaling, Llama 3.2 with a tied head, Qwen2.5, Qwen3 dense and
+# MoE), each
 # built at random and tiny by transformers itself: imported, our model gives transformers' logits (fp32, 1e-5
 # relative), at positions past Llama 3.1's original context too; exported again, every tensor is bitwise the
 # original and transformers loads the export as the same class. tests/runtime_parallel trains the same features
@@ -34,6 +35,14 @@ FAMILIES = {
                 dict(max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True)),
     # Qwen3's head size (20) is not hidden / heads (12): q has 80 rows, not 48.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(max_position_embeddings=64, rope_theta=1e6, head_dim=20)),
+    # Qwen3-MoE: 8 experts of their own size (24), top 2 not renormalized, and layer 1 of 3 dense (mlp_only_layers)
+    # with the dense FFN size (64).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(max_position_embeddings=64, rope_theta=1e6, head_dim=20, num_hidden_layers=3, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe_normalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             dict(max_position_embeddings=64, head_dim=12, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=40, norm_topk_prob=True)),
 }
 
 

@@ -15,7 +15,7 @@ from runtime.parallel import collectives as C
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.parallel.context import sequence_index
-from runtime.schema.model import RopeScaling
+from runtime.schema.model import MoEConfig, RopeScaling
 from runtime.schema.training_config import LoraConfig
 from runtime.step import eval_objective, train_step
 
@@ -48,6 +48,11 @@ TINY = {
 # that the scaled frequencies reach the 16 positions trained on.
 FAMILY_SWITCHES = dict(kv_channels=12, add_qkv_bias=True, qk_layernorm=True,
                        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 4))
+# Qwen3-MoE's block on Qwen3's attention: experts of their own size (24, the dense MLP's 48), top_k weights left
+# unnormalized, and only layer 1 sparse (mlp_only_layers).
+QWEN3_MOE = dict(kv_channels=12, qk_layernorm=True,
+                 moe=MoEConfig(num_experts=4, top_k=2, normalize_top_k_affinities=False, ffn_hidden_size=24,
+                               layers=(1,), router_aux_loss_coef=0.02))
 
 
 @dataclasses.dataclass(frozen=True)

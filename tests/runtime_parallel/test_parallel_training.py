@@ -74,6 +74,10 @@ TWO_RANK_JOBS.update({
     "families-dp2-zero1": ("llama", H.FAMILY_SWITCHES, L(dp=2, zero1=True)),
     "families-cp2": ("llama", H.FAMILY_SWITCHES, L(cp=2)),
     "families-lora-tp2-sp": ("llama", {**H.FAMILY_SWITCHES, "fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
+    # Qwen3-MoE: experts of their own size, top_k weights not renormalized, layer 0 dense and layer 1 sparse.
+    "qwen3moe-ep2": ("llama", H.QWEN3_MOE, L(dp=2, ep=2)),
+    "qwen3moe-tp2-sp": ("llama", H.QWEN3_MOE, L(tp=2, sequence_parallel=True)),
+    "qwen3moe-dp2-zero1": ("llama", H.QWEN3_MOE, L(dp=2, zero1=True)),
 })
 FOUR_RANK_JOBS = {
     "gpt-tp2-dp2": ("gpt", {}, L(tp=2, dp=2)),

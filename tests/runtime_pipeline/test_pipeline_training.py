@@ -36,6 +36,7 @@ TWO_RANK_JOBS = {
     # The Llama 3.1+ / Qwen switches with a tied head (Llama 3.2, small Qwen): the embedding on the first stage,
     # its tied head on the last.
     "families-tied-pp2": ("llama", {**H.FAMILY_SWITCHES, "share_embeddings_and_output_weights": True}, L(pp=2)),
+    "qwen3moe-pp2": ("llama", H.QWEN3_MOE, L(pp=2)),  # a dense stage, then a sparse one
 }
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),

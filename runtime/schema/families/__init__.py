@@ -9,11 +9,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3
+from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
 from runtime.schema.families.base import HFConfig
 
 # In export order: the first whose exports(cfg) holds writes the config.json.
-FAMILIES: tuple[ModuleType, ...] = (gpt2, mixtral, qwen3, qwen2, llama)
+FAMILIES: tuple[ModuleType, ...] = (gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
 HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
 
 
@@ -31,15 +31,21 @@ def import_keys(hf_config: dict) -> tuple[dict[str, Any], bool]:
     return family.model_keys(hf), family.TIED_DEFAULT
 
 
+def family_for(cfg) -> ModuleType | None:
+    """The family whose config.json and weight names `cfg` has (what an export writes and an import reads)."""
+    return next((f for f in FAMILIES if f.exports(cfg)), None)
+
+
 def export_family(cfg) -> ModuleType:
-    """The family an export of `cfg` is written as; ValueError names the key when none computes it exactly."""
-    family = next((f for f in FAMILIES if f.exports(cfg)), None)
-    if family is None:  # an MoE model with per-head norms (Qwen3-MoE): not one of FAMILIES yet
-        raise ValueError("model.qk_layernorm=true with model.moe: no Hugging Face family here computes this model; "
-                         "export it with model.qk_layernorm=false or without model.moe")
+    """The family an export of `cfg` is written as; ValueError names the key when none computes it exactly (a model
+    trained with choices its family's transformers class does not make: token dropping, a sigmoid router, ...)."""
+    family = family_for(cfg)
+    if family is None:  # every combination of ModelConfig's switches has a family today; a new switch may not
+        raise ValueError("no Hugging Face family here computes this model; see docs/runtime.md, Adding a model family")
     if problem := family.refusal(cfg):
         raise ValueError(problem)
     return family
 
 
-__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_of_model_type", "import_keys"]
+__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_for", "family_of_model_type",
+           "import_keys"]

@@ -9,6 +9,10 @@ from runtime.schema.families.decoder import decoder_config, decoder_keys
 
 MODEL_TYPES = ("mixtral",)
 TIED_DEFAULT = False
+# Within a layer: the router, then each expert e's gate, up and down projections, as transformers saves them
+# (its 5.x in-memory fused names import too: runtime/convert/hf.py).
+MOE_WEIGHTS = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+               "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
 
 
 def model_keys(hf: HFConfig) -> dict[str, Any]:
@@ -34,6 +38,11 @@ def refusal(cfg) -> str | None:
     moe = cfg.moe
     refusals = [
         (cfg.add_qkv_bias, "model.add_qkv_bias=true: MixtralForCausalLM has no attention biases"),
+        (moe.layers is not None, f"model.moe.layers={list(moe.layers or ())}: MixtralForCausalLM has an MoE block in "
+                                 "every layer; only null can be exported"),
+        (moe.ffn_hidden_size not in (None, cfg.ffn_hidden_size),
+         f"model.moe.ffn_hidden_size={moe.ffn_hidden_size}: Mixtral's experts are model.ffn_hidden_size wide; only "
+         "null can be exported"),
         (moe.frequency != 1, f"model.moe.frequency={moe.frequency}: MixtralForCausalLM has an MoE block in every "
                              "layer; only frequency 1 can be exported"),
         (moe.router_activation != "softmax", f"model.moe.router_activation={moe.router_activation!r}: Mixtral's "
