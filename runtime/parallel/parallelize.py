@@ -105,6 +105,8 @@ def check_tensor_parallel(cfg, tp: int) -> None:
     p = "training."
     problems = [rules.heads_tp(cfg.num_attention_heads, tp, p), rules.ffn_tp(cfg.ffn_hidden_size, tp, p),
                 rules.vocab_tp(cfg.vocab_size, 1, tp, p), rules.kv_heads_tp(cfg.kv_heads, tp, p)]
+    if cfg.moe is not None and cfg.moe.ffn_hidden_size:
+        problems.append(rules.ffn_tp(cfg.moe.ffn_hidden_size, tp, p, "moe.ffn_hidden_size"))
     if any(problems):
         raise ValueError(next(problem for problem in problems if problem))
 

@@ -170,10 +170,11 @@ def heads_tp(heads: int, tp: int, p: str) -> str | None:
     return f"{p}model.num_attention_heads: {heads} is not divisible by tensor_model_parallel_size {tp}"
 
 
-def ffn_tp(ffn: int, tp: int, p: str) -> str | None:
+def ffn_tp(ffn: int, tp: int, p: str, key: str = "ffn_hidden_size") -> str | None:
+    """An MLP's (or each expert's: key moe.ffn_hidden_size) hidden units are split over the TP ranks."""
     if ffn % tp == 0:
         return None
-    return f"{p}model.ffn_hidden_size: {ffn} is not divisible by tensor_model_parallel_size {tp}"
+    return f"{p}model.{key}: {ffn} is not divisible by tensor_model_parallel_size {tp}"
 
 
 def kv_heads_tp(groups: int, tp: int, p: str) -> str | None:

@@ -765,6 +765,8 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p,
                                  layers=moe.layers, ffn=moe.ffn_hidden_size):
             report.error(problem)
+        if moe.ffn_hidden_size:
+            report.error(rules.ffn_tp(moe.ffn_hidden_size, tp, p, "moe.ffn_hidden_size"))
 
 
 
