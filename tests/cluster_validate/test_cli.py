@@ -77,9 +77,11 @@ def test_local_run_validates_this_machine_and_show_prints_it_again(tmp_path):
 
 
 def test_a_check_every_node_fails_is_named_as_the_config_not_excluded(tmp_path):
-    """data_dir missing on every node: the fix is the config, so the report excludes nobody and says so."""
+    """data_dir missing on every node: the fix is the config, so the report excludes nobody and says so. One
+    device: a node that fails its checks runs no collective test (the same report with two), and its worker pool
+    starts a process importing torch per device."""
     args = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/no_such_data",
-            "devices=2", "collectives.max_bytes=16K", "collectives.iters=3", "collectives.warmup_iters=1"]
+            "devices=1", "collectives.max_bytes=16K", "collectives.iters=3", "collectives.warmup_iters=1"]
     result = nxdt("cluster-validate", *args, cwd=tmp_path, timeout=180)
     assert result.returncode != 0
     report = json.loads((tmp_path / "results/cluster_validation/cluster_validation/cluster_validation.json")
