@@ -53,9 +53,13 @@ def _evaluate_here(config: Path) -> int:
 @pytest.mark.long("the README's first command end to end (data, tokenizer, training, export, evaluation), then its rerun and resume")
 def test_default_pipeline_runs_locally(tmp_path):
     steps = 40
-    checkpoints = ["training.exp_manager.checkpoint_callback_params.every_n_train_steps=5",
-                   "training.exp_manager.checkpoint_callback_params.save_top_k=-1"]
-    result = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", *checkpoints, cwd=tmp_path,
+    # A checkpoint every 5 steps, all kept; the synthetic task on the first 50 of its 200 examples (a prefix: the
+    # task file is built in one seeded order), 32 requests a forward pass: what the step-5 checkpoint is scored on
+    # below.
+    short = ["training.exp_manager.checkpoint_callback_params.every_n_train_steps=5",
+             "training.exp_manager.checkpoint_callback_params.save_top_k=-1", "evaluation.tasks.2.num_examples=50",
+             "evaluation.micro_batch_size=32"]
+    result = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", *short, cwd=tmp_path,
                   timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = tmp_path / "results"
@@ -85,7 +89,7 @@ def test_default_pipeline_runs_locally(tmp_path):
 
     # The same command again (the README says training resumes): every stage finds its work done and says so,
     # nothing fails because an output exists, and no step is trained or logged twice.
-    again = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", *checkpoints, cwd=tmp_path, timeout=900)
+    again = nxdt("cluster_type=local", f"training.trainer.max_steps={steps}", *short, cwd=tmp_path, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "nothing to train" in again.stdout, again.stdout[-3000:]
     assert "conversion:" in again.stdout and "nothing to do" in again.stdout
@@ -93,9 +97,8 @@ def test_default_pipeline_runs_locally(tmp_path):
     assert [r["step"] for r in _metrics(results) if "loss" in r] == [r["step"] for r in rows]
     assert _demo_accuracy(results) == trained
 
-    # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower. Only that
-    # task is scored here (the loss tasks say nothing about it), on the first 50 of the same 200 examples (the
-    # task file is built in one seeded order, so a smaller num_examples is a prefix), 32 requests a forward pass.
+    # The synthetic task moves with training: the step-5 checkpoint of the same run scores clearly lower on the same
+    # 50 examples. Only that task is scored here (the loss tasks say nothing about it).
     # The launcher renders this evaluation's config as for any launch; the stage's job script, torchrun and a
     # worker interpreter were all started above, so the evaluation itself runs in this process.
     early = sorted((results / "gpt3_tiny" / "training" / "checkpoints").glob("step_00000005.*"))[0].name
