@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.convert import load_hf_directory
+from runtime.generate import generate
+from runtime.models import ModelConfig, build_model
+from runtime.schema.chat import ChatTokenizer
 from runtime.schema.rules import padded_vocab_size
 from runtime.sft.synthetic import write_demo
 from tests.launcher.helpers import nxdt
@@ -78,6 +82,7 @@ def test_fine_tunes_a_hugging_face_qwen3_then_lora_from_our_checkpoint(tmp_path)
         before = base(ids).logits
     after = _logits(exported, ids)
     assert after.shape == before.shape and not torch.allclose(after, before, atol=1e-4), "it trained"
+    _answers_as_the_runtime_does(exported, tmp_path / "data" / "sft_demo" / "test.jsonl")
 
     # 2. LoRA from that run's own checkpoint (weights only; the export's config.json and tokenizer say what model
     # it holds), exported merged and as a PEFT adapter.
@@ -99,6 +104,35 @@ def test_fine_tunes_a_hugging_face_qwen3_then_lora_from_our_checkpoint(tmp_path)
             transformers.AutoModelForCausalLM.from_pretrained(merged_dir / "base"), merged_dir / "adapter").eval()(ids)
     torch.testing.assert_close(adapted.logits, merged, rtol=0, atol=1e-5)
     assert not torch.allclose(merged, after, atol=1e-5), "the adapters trained"
+
+
+def _answers_as_the_runtime_does(exported: Path, test_file: Path) -> None:
+    """The export, prompted through transformers' chat template and generate(), answers as the runtime does (the
+    same model read back, our chat template code, runtime.generate): the same prompt tokens, and the same greedy
+    answer, which generate() ends at the chat's end of turn (generation_config.json) as the runtime does."""
+    chat = ChatTokenizer(exported / "tokenizer.json")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    state, keys, _ = load_hf_directory(exported)
+    ours = build_model(ModelConfig.from_model_section(keys, hf.config.vocab_size)).eval()
+    ours.load_state_dict(state)
+    stops = hf.generation_config.eos_token_id
+    assert set(stops if isinstance(stops, list) else [stops]) == chat.stop_ids
+    answered = 0
+    for line in test_file.read_text().splitlines()[:3]:
+        messages = json.loads(line)["messages"]
+        prompt = chat.prompt_ids(messages)
+        text = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == prompt, text
+        with torch.no_grad():
+            (answer,) = generate(ours, [prompt], max_new_tokens=24, stop_ids=chat.stop_ids,
+                                 vocab_size=len(tokenizer))
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        ended = theirs[len(answer):]  # nothing (24 tokens) or the one stop token generate() ended with
+        assert theirs[:len(answer)] == answer and (ended == [] or (len(ended) == 1 and ended[0] in chat.stop_ids)), \
+            (theirs, answer)
+        answered += len(answer)
+    assert answered, "some answer has tokens"
 
 
 @pytest.mark.slurm
