@@ -22,8 +22,8 @@ SECONDS_PER_DAY = 86400.0
 
 def _shape_args(shape: ModelShape) -> dict:
     """The shape as runtime/schema/facts.py's FLOPs formula takes it (the runtime's MFU passes the same keys)."""
-    moe = {"moe_layers": shape.num_moe_layers, "moe_top_k": shape.moe.top_k,
-           "moe_num_experts": shape.moe.num_experts} if shape.moe else {}
+    moe = {"moe_layers": shape.num_moe_layers, "moe_top_k": shape.moe.top_k, "moe_num_experts": shape.moe.num_experts,
+           "moe_ffn_hidden_size": shape.expert_ffn_hidden_size} if shape.moe else {}
     return dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
                 num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
                 vocab_size=shape.vocab_size, gated_mlp=shape.gated_mlp, head_dim=shape.head_dim, **moe)
@@ -49,13 +49,12 @@ def recompute_flops_per_token(shape: ModelShape, layout: Layout) -> float:
     if layout.recompute == "selective":
         extra = attention_forward if "core_attention" in layout.recompute_modules else 0.0
         if "mlp" in layout.recompute_modules:
+            matrices = 3 if shape.gated_mlp else 2
             moe_layers = shape.num_moe_layers
-            if moe_layers:  # the MoE block again: router and the token's top_k experts
-                mlp = (3 if shape.gated_mlp else 2) * h * shape.ffn_hidden_size
-                extra += 2.0 * ((L - moe_layers) * mlp
-                                + moe_layers * (shape.moe.top_k * mlp + h * shape.moe.num_experts))
-            else:
-                extra += 2.0 * L * (3 if shape.gated_mlp else 2) * h * shape.ffn_hidden_size
+            extra += 2.0 * (L - moe_layers) * matrices * h * shape.ffn_hidden_size
+            if moe_layers:  # the MoE block again: router and the token's top_k experts, each of the expert size
+                expert = matrices * h * shape.expert_ffn_hidden_size
+                extra += 2.0 * moe_layers * (shape.moe.top_k * expert + h * shape.moe.num_experts)
         return extra
     return 0.0
 

@@ -204,19 +204,19 @@ def qk_norm_bytes(shape: ModelShape, layout: Layout, *, qkv_output_kept: bool) -
 def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     """What runtime/models/moe.py keeps for backward beyond the block's input, per micro-batch (as autograd's saved
     tensors show it). For each row of the experts' padded batches: its copy of the token (the gate_up matmul's
-    input) and the SwiGLU intermediates as in a dense MLP (gate_up output 2f, silu output f, product f; a tp-th of
-    each under tensor parallelism). For each of the b·s·top_k (token, expert) assignments: the expert's output row
-    gathered for the routing weight's multiply and the weighted row index_add keeps (h each), and the bookkeeping
-    (five int64 indices, two fp32 weights, a keep flag). Per token: the router's fp32 probabilities (softmax keeps
-    them; with the z-loss also its fp32 logits) and their top_k sum. Tokens are the whole micro-batch: under
-    sequence parallelism the block gathers the sequence first.
+    input) and the SwiGLU intermediates as in a dense MLP (gate_up output 2f, silu output f, product f, with f the
+    expert's size; a tp-th of each under tensor parallelism). For each of the b·s·top_k (token, expert) assignments:
+    the expert's output row gathered for the routing weight's multiply and the weighted row index_add keeps (h
+    each), and the bookkeeping (five int64 indices, two fp32 weights, a keep flag). Per token: the router's fp32
+    probabilities (softmax keeps them; with the z-loss also its fp32 logits) and their top_k sum. Tokens are the
+    whole micro-batch: under sequence parallelism the block gathers the sequence first.
 
     With a capacity factor the batches are fixed: num_experts x capacity rows (capacity_factor x the assignments),
     whatever the routing. Dropless they are padded to the busiest expert's count: this takes routing as balanced
     (one row per assignment), and an uneven router costs more. Expert parallelism changes no count: a rank runs
     num_experts / ep experts on ep ranks' batches."""
     c = PRECISION_BYTES[layout.precision].compute
-    moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size // layout.tp
+    moe, h, f = shape.moe, shape.hidden_size, shape.expert_ffn_hidden_size // layout.tp
     tokens = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
     assignments = tokens * moe.top_k
     rows = assignments
@@ -239,7 +239,7 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = Fal
     c = PRECISION_BYTES[layout.precision].compute
     b, s = layout.micro_batch_size, layout.tokens_per_sample(shape.seq_length)
     if moe:
-        return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * (shape.ffn_hidden_size // layout.tp))
+        return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * (shape.expert_ffn_hidden_size // layout.tp))
     return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp) + ring_buffer_bytes(shape, layout)
 
 

@@ -2,12 +2,14 @@
 # (runtime/schema/training.py parse_sizing and model_shape_keys: one reader of the Seam 2 keys), and the parameter
 # count of the runtime's models (runtime/models) as pure arithmetic.
 #
-# MoE (model.moe, runtime/models/moe.py SparseMoE): every moe.frequency-th layer's SwiGLU MLP becomes num_experts
-# SwiGLU experts of ffn_hidden_size each (gate_up (E, h, 2f), down (E, f, h)) and a router (E, h), no biases.
-# The total count holds every expert; the active count, what one token's forward uses, only its top_k experts.
-# On a device (runtime/parallel/experts.py): E / ep experts (expert parallelism, carved out of data parallelism),
-# each split over tensor parallelism like a dense SwiGLU (gate_up (E/ep, h, 2f/tp), down (E/ep, f/tp, h)); the
-# router is replicated.
+# MoE (model.moe, runtime/models/moe.py SparseMoE): the SwiGLU MLP of every moe.frequency-th layer (or of those
+# moe.layers lists) becomes num_experts SwiGLU experts of f hidden units each (gate_up (E, h, 2f), down (E, f, h))
+# and a router (E, h), no biases. f is moe.ffn_hidden_size (Qwen3-MoE's 768, against a dense 6144), or
+# model.ffn_hidden_size when that is null (Mixtral): ModelShape.expert_ffn_hidden_size. Dense layers keep
+# model.ffn_hidden_size. The total count holds every expert; the active count, what one token's forward uses, only
+# its top_k experts. On a device (runtime/parallel/experts.py): E / ep experts (expert parallelism, carved out of
+# data parallelism), each split over tensor parallelism like a dense SwiGLU
+# (gate_up (E/ep, h, 2f/tp), down (E/ep, f/tp, h)); the router is replicated.
 #
 # Long context (runtime/schema/rules.py "long context"): a context group of cp ranks (ring attention) or u ranks
 # (DeepSpeed-Ulysses) splits each sequence. Like expert parallelism it is carved out of data parallelism: dp still
@@ -69,6 +71,14 @@ class ModelShape:
     @property
     def num_moe_layers(self) -> int:
         return sum(1 for index in range(self.num_layers) if self.is_moe_layer(index))
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's hidden units, as runtime/models/llama.py builds SparseMoE: moe.ffn_hidden_size, or the
+        dense MLP's size when it is null (a dense model: the dense size)."""
+        if self.moe is None or self.moe.ffn_hidden_size is None:
+            return self.ffn_hidden_size
+        return self.moe.ffn_hidden_size
 
     @property
     def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two
@@ -255,8 +265,9 @@ def moe_block_parameters(shape: ModelShape, *, experts: int, tp: int = 1) -> int
 
 
 def expert_parameters(shape: ModelShape, tp: int = 1) -> int:
-    """One SwiGLU expert's weights on one tensor-parallel rank: gate_up's 2f/tp columns and down's f/tp rows."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    """One SwiGLU expert's weights on one tensor-parallel rank: gate_up's 2f/tp columns and down's f/tp rows, with
+    f the expert's own size."""
+    h, f = shape.hidden_size, shape.expert_ffn_hidden_size
     return h * 2 * (f // tp) + (f // tp) * h
 
 

@@ -70,7 +70,8 @@ PREEMPTED_EXIT_CODE = 75
 # backward, hence 6N. The attention term: per layer and token, QK^T and the weighted sum of V are 2*T*q
 # multiply-adds together = 4*T*q FLOPs forward, times 3 for forward + backward = 12*L*q*T (full, non-causal count,
 # as PaLM does). Recomputation under activation checkpointing is not counted: MFU measures useful work. Of an MoE
-# layer only what a token uses counts: its top_k experts' MLPs and the router (hidden x num_experts).
+# layer only what a token uses counts: its top_k experts' MLPs, each of model.moe.ffn_hidden_size hidden units
+# (Qwen3-MoE's experts are much narrower than a dense MLP would be), and the router (hidden x num_experts).
 def matmul_weights(
     num_layers: int,
     hidden_size: int,
@@ -83,14 +84,18 @@ def matmul_weights(
     moe_top_k: int = 0,
     moe_num_experts: int = 0,
     head_dim: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
 ) -> int:
     """N above: the weights one token multiplies by, of `moe_layers` MoE layers only its top_k experts' and the
-    router's. `head_dim`: the model's head size (ModelConfig.head_dim); None: hidden_size / num_attention_heads."""
+    router's. `head_dim`: the model's head size (ModelConfig.head_dim); None: hidden_size / num_attention_heads.
+    `moe_ffn_hidden_size`: each expert's hidden units (MoEConfig.ffn_hidden_size); None: ffn_hidden_size."""
     d = _head_dim(hidden_size, num_attention_heads, head_dim)
     q_dim, kv_dim = num_attention_heads * d, num_query_groups * d
     attention = hidden_size * (q_dim + 2 * kv_dim) + q_dim * hidden_size
-    mlp = (3 if gated_mlp else 2) * hidden_size * ffn_hidden_size
-    moe_mlp = moe_top_k * mlp + hidden_size * moe_num_experts
+    matrices = 3 if gated_mlp else 2
+    mlp = matrices * hidden_size * ffn_hidden_size
+    expert = matrices * hidden_size * (moe_ffn_hidden_size or ffn_hidden_size)
+    moe_mlp = moe_top_k * expert + hidden_size * moe_num_experts
     return (num_layers * attention + (num_layers - moe_layers) * mlp + moe_layers * moe_mlp
             + hidden_size * vocab_size)
 
@@ -108,10 +113,12 @@ def flops_per_token(
     moe_top_k: int = 0,
     moe_num_experts: int = 0,
     head_dim: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
 ) -> float:
     """Training FLOPs (forward + backward) per token: 6 * N + 12 * L * q * T, see above."""
     weights = matmul_weights(num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups,
-                             vocab_size, gated_mlp, moe_layers, moe_top_k, moe_num_experts, head_dim)
+                             vocab_size, gated_mlp, moe_layers, moe_top_k, moe_num_experts, head_dim,
+                             moe_ffn_hidden_size)
     q_dim = num_attention_heads * _head_dim(hidden_size, num_attention_heads, head_dim)
     return 6.0 * weights + 12.0 * num_layers * q_dim * seq_length
 

@@ -19,7 +19,7 @@ from launcher.launch import build
 from runtime import device, metrics, peak_probe, precision, preemption
 from runtime.peak_probe import Probe
 from runtime.schema import choices, facts
-from runtime.schema.model import ModelConfig
+from runtime.schema.model import ModelConfig, MoEConfig
 from runtime.schema.training import parse_training
 from tests.launcher.helpers import REPO, resolved
 
@@ -47,6 +47,7 @@ def test_flops_formula_is_one_function(monkeypatch):
     assert compute.flops_per_token(shape) == 42.0 and compute.matmul_weights(shape) == 42.0
     assert calls[0]["seq_length"] == shape.seq_length and calls[0]["moe_top_k"] == shape.moe.top_k
     assert calls[0]["head_dim"] == shape.head_dim and calls[1]["head_dim"] == shape.head_dim
+    assert calls[0]["moe_ffn_hidden_size"] == calls[1]["moe_ffn_hidden_size"] == shape.expert_ffn_hidden_size
 
 
 def test_runtime_and_estimator_flops_agree_on_a_head_size_of_its_own():
@@ -59,6 +60,19 @@ def test_runtime_and_estimator_flops_agree_on_a_head_size_of_its_own():
     assert metrics.model_flops_per_token(cfg, 256) == compute.flops_per_token(shape)
     assert metrics.model_flops_per_token(cfg, 256) != metrics.model_flops_per_token(
         dataclasses.replace(cfg, kv_channels=None), 256)
+
+
+def test_runtime_and_estimator_flops_agree_on_experts_of_their_own_size():
+    """Qwen3-MoE's experts are narrower than model.ffn_hidden_size, and only the layers model.moe.layers names are
+    sparse: the MFU the runtime reports and the estimate's FLOPs both count a token's top_k experts at their size."""
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=24, layers=(1,))
+    cfg = ModelConfig(architecture="llama", vocab_size=1024, hidden_size=64, num_layers=3, num_attention_heads=4,
+                      ffn_hidden_size=128, max_position_embeddings=256, moe=moe)
+    shape = ModelShape("llama", 3, 64, 128, 4, 4, 1024, 256, 256, False, moe=moe)
+    assert metrics.model_flops_per_token(cfg, 256) == compute.flops_per_token(shape)
+    for other in (dataclasses.replace(moe, ffn_hidden_size=None), dataclasses.replace(moe, layers=(0, 1))):
+        assert metrics.model_flops_per_token(dataclasses.replace(cfg, moe=other), 256) != \
+            metrics.model_flops_per_token(cfg, 256)
 
 
 def test_precision_dtypes_are_one_table():
