@@ -76,9 +76,7 @@ class ModelShape:
     def expert_ffn_hidden_size(self) -> int:
         """Each expert's hidden units, as runtime/models/llama.py builds SparseMoE: moe.ffn_hidden_size, or the
         dense MLP's size when it is null (a dense model: the dense size)."""
-        if self.moe is None or self.moe.ffn_hidden_size is None:
-            return self.ffn_hidden_size
-        return self.moe.ffn_hidden_size
+        return self.ffn_hidden_size if self.moe is None else self.moe.expert_size(self.ffn_hidden_size)
 
     @property
     def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two

@@ -89,7 +89,7 @@ def _moe_rules(cfg: ModelConfig, o: str, h: str) -> list[_Rule]:
     """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as the family's
     nn.Linear weights per expert (its MOE_WEIGHTS): gate (F, H), up (F, H), down (H, F)."""
     router, gate, up, down = (h + name for name in family_for(cfg).MOE_WEIGHTS)
-    experts, ffn = cfg.moe.num_experts, cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
+    experts, ffn = cfg.moe.num_experts, cfg.moe.expert_size(cfg.ffn_hidden_size)
     return [_Rule(o + "mlp.router.weight", (router,)),
             _Rule(o + "mlp.gate_up", tuple(name.format(e=e) for e in range(experts) for name in (gate, up)),
                   (ffn, ffn), transpose=True, experts=experts),

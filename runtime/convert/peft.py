@@ -1,6 +1,7 @@
 # LoRA runs for Hugging Face tools: our adapters (runtime/models/lora.py) under Hugging Face PEFT's names and
 # adapter_config.json, and the base weights a LoRA checkpoint lacks. A LoRA run's checkpoints hold only what
-# trains (the adapters and their optimizer state); the base comes from the run's model.restore_from_path.
+# trains (the adapters and their optimizer state); the base comes from the run's model.restore_from_path, or from
+# its seed when it started from random init.
 #
 # Our fused projections carry several PEFT modules each: A and B of target t in `layers.<i>.attn.qkv.lora.A.<t>`
 # are PEFT's `base_model.model.model.layers.<i>.self_attn.<t>.lora_A.weight` (rank x in) and `...lora_B.weight`
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from runtime.convert.pretrained import read_pretrained  # one reader of starting weights, as training uses
+from runtime.models import build_model
 from runtime.models.lora import adapter_names, is_adapter, projection_inputs, projection_segments
 from runtime.schema.model import ModelConfig
 from runtime.schema.reader import Report, Section
@@ -39,12 +41,13 @@ def lora_of(training: dict, where: str) -> LoraConfig | None:
 
 
 def load_base(training: dict, cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """The full base weights (our names) of a LoRA run: from its model.restore_from_path, a Hugging Face
-    directory or a checkpoint of ours, checked to hold every weight of `cfg` at its shape."""
+    """The full base weights (our names) of a LoRA run: from its model.restore_from_path (a Hugging Face directory
+    or a checkpoint of ours), checked to hold every weight of `cfg` at its shape; without one, the random init of
+    the model config's seed, which is exactly the frozen base the run trained its adapters on (init.py makes every
+    layout's values from the seed)."""
     path = (training.get("model") or {}).get("restore_from_path")
     if not path:
-        raise ValueError(f"model.restore_from_path: missing from the config.yaml of {where}; a LoRA checkpoint "
-                         f"holds only its adapters, and its base weights come from there")
+        return build_model(cfg).state_dict()
     return read_pretrained(str(path), cfg)
 
 

@@ -19,7 +19,7 @@ class LlamaModel(CausalLM):
             moe = cfg.moe
             if moe is None or not moe.is_moe_layer(index):
                 return SwiGLU(H, cfg.ffn_hidden_size)
-            return SparseMoE(H, moe.ffn_hidden_size or cfg.ffn_hidden_size, moe.num_experts, moe.top_k,
+            return SparseMoE(H, moe.expert_size(cfg.ffn_hidden_size), moe.num_experts, moe.top_k,
                              capacity_factor=moe.capacity_factor, activation=moe.router_activation,
                              normalize_top_k=moe.normalize_top_k_affinities,
                              aux_loss_coef=moe.router_aux_loss_coef, z_loss_coef=moe.router_z_loss_coef)

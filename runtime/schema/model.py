@@ -35,6 +35,10 @@ class MoEConfig:
     ffn_hidden_size: int | None = None      # each expert's; None: model.ffn_hidden_size (Qwen3-MoE's is its own)
     layers: tuple[int, ...] | None = None   # the MoE layers by index; None: every frequency-th
 
+    def expert_size(self, dense_ffn: int) -> int:
+        """Each expert's FFN size: its own, or the dense MLP's (model.ffn_hidden_size: Mixtral)."""
+        return self.ffn_hidden_size or dense_ffn
+
     def is_moe_layer(self, index: int) -> bool:
         return index in self.layers if self.layers is not None else index % self.frequency == 0
 

@@ -148,6 +148,20 @@ def test_the_stage_exports_a_lora_checkpoint(tmp_path, run, capsys, restore):
     assert _diff(model, _peft(out / "base", out / "adapter"), cfg.vocab_size) <= TOLERANCE
 
 
+def test_a_lora_run_from_random_init_exports_on_its_seeds_base(tmp_path, run, capsys):
+    """No restore_from_path: the frozen base was the random init of model.seed, which the export rebuilds."""
+    cfg = run["cfg"]
+    seeded = build_model(cfg).eval()
+    apply_lora(seeded, LORA, seed=0)
+    seeded.load_state_dict(run["trained"], strict=False)
+    out = tmp_path / "out"
+    code, said = _convert(tmp_path, capsys, checkpoint_dir=_checkpoint(tmp_path, run, None, "no_base"),
+                          output_dir=str(out))
+    assert code == 0, said
+    assert _diff(seeded, _hf(out), cfg.vocab_size) <= TOLERANCE
+    assert _diff(run["model"], _hf(out), cfg.vocab_size) > 1e-2  # not the fixture's own (scaled) base
+
+
 def test_adapter_moments_go_with_the_adapter(tmp_path, run, capsys, monkeypatch):
     import runtime.convert.__main__ as stage
 
@@ -174,7 +188,6 @@ def test_adapter_moments_go_with_the_adapter(tmp_path, run, capsys, monkeypatch)
 def test_bad_inputs_name_the_key(tmp_path, run, capsys):
     out = str(tmp_path / "out")
     cases = [  # (checkpoint, conversion settings, words the one error line holds)
-        (_checkpoint(tmp_path, run, None, "no_base"), {}, ["model.restore_from_path", "missing"]),
         (_checkpoint(tmp_path, run, str(tmp_path / "gone"), "gone_base"), {}, ["model.restore_from_path", "gone"]),
         (_checkpoint(tmp_path, run, str(tmp_path / "base_hf"), "opt"), {"include_optimizer": True},
          ["conversion.include_optimizer", "conversion.lora=adapter"]),

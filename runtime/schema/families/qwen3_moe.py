@@ -63,7 +63,7 @@ def hf_config(cfg) -> dict[str, Any]:
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
             "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers,
             "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
-            "moe_intermediate_size": moe.ffn_hidden_size or cfg.ffn_hidden_size, "decoder_sparse_step": 1,
+            "moe_intermediate_size": moe.expert_size(cfg.ffn_hidden_size), "decoder_sparse_step": 1,
             "mlp_only_layers": sorted(set(range(cfg.num_layers)) - sparse), "norm_topk_prob":
             moe.normalize_top_k_affinities, "router_aux_loss_coef": moe.router_aux_loss_coef,
             "output_router_logits": False, **decoder_config(cfg)}
