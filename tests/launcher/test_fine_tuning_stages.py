@@ -321,6 +321,22 @@ def test_weights_of_another_model_are_refused_before_submitting(tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert expected.format(folder=folder) in result.stderr, result.stderr
         assert sorted(p.name for p in root.iterdir()) == ["hf_model"], "a rejected launch wrote files"
+    # A config.json that is not JSON, and a directory without its tokenizer at a real launch: the file and the key.
+    root = tmp_path / "broken"
+    folder = _hf_dir(root.mkdir() or root)
+    (folder / "config.json").write_text('{"model_type": "llama",')
+    result = nxdt(f"base_results_dir={root}/results", f"data_dir={root}/data", "cluster_type=local",
+                  "stages=[fine_tuning]", "fine_tuning=hf/sft_demo", f"fine_tuning.model.restore_from_path={folder}",
+                  "--dry-run", cwd=root)
+    _one_error_line(result, f"fine_tuning.model.restore_from_path: {folder}/config.json: is not valid JSON")
+    root = tmp_path / "no_tokenizer"
+    folder = _hf_dir(root.mkdir() or root)
+    _sft_demo_files(root / "data")
+    result = nxdt(f"base_results_dir={root}/results", f"data_dir={root}/data", "cluster_type=local",
+                  "stages=[fine_tuning]", "fine_tuning=hf/sft_demo", f"fine_tuning.model.restore_from_path={folder}",
+                  cwd=root)
+    _one_error_line(result, f"fine_tuning.model.tokenizer.model: {folder}/tokenizer.json does not exist")
+    assert not (root / "results").exists()
 
 
 def test_a_missing_chat_file_is_an_error_at_a_real_launch(tmp_path):
