@@ -1,4 +1,4 @@
-# The kill test: a run whose rank 1 is killed with SIGKILL after the step-10 checkpoint, relaunched through the
+# The kill test: a run whose rank 1 is killed with SIGKILL after the step-6 checkpoint, relaunched through the
 # launcher, ends bitwise equal to a run that was never interrupted (fp32, CPU, 2 processes, local executor).
 import os
 import signal
@@ -14,7 +14,10 @@ from tests.checkpoint.launch_helpers import (counting_corpus, final_weights, los
                                             training_overrides)
 from tests.launcher.helpers import REPO, nxdt
 
-STEPS, EVERY = 20, 10
+STEPS, EVERY = 12, 6
+# A pause after each step of the runs that are killed (runtime/train.py: no CPU, no effect on any result): the kill,
+# sent once the step-EVERY checkpoint is committed, has seconds to land before step STEPS however loaded the machine.
+PAUSE = {"NXDT_STEP_PAUSE_S": "0.15"}
 
 
 def _worker_pid(config: Path, rank: int) -> int | None:
@@ -61,8 +64,7 @@ def straight(tmp_path_factory) -> Path:
 
 
 def _overrides(data: Path, results: Path) -> list[str]:
-    # Wide enough that a step takes a noticeable time: the kill must land between the checkpoints.
-    return training_overrides(data, results, steps=STEPS, every=EVERY, hidden=256)
+    return training_overrides(data, results, steps=STEPS, every=EVERY)
 
 
 @pytest.mark.slow
@@ -73,7 +75,8 @@ def test_kill_minus_nine_then_relaunch_is_bitwise_equal(straight, tmp_path):
     config = run_dir / "training_config.yaml"
     checkpoints = open_storage(run_dir / "checkpoints")
     launcher = subprocess.Popen([sys.executable, "-m", "launcher.cli", "cluster_type=local", *killed], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env={**os.environ, **PAUSE}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
     victim = _kill_after_checkpoint(launcher, checkpoints, config, rank=1)
     output, _ = launcher.communicate(timeout=300)
     assert victim is not None, output[-3000:]
@@ -111,7 +114,7 @@ def test_torchrun_restart_in_place_resumes_and_finishes(straight, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              "--max-restarts", "1", "-m", "runtime.train", "--config", str(config)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **PAUSE})
     victim = _kill_after_checkpoint(proc, checkpoints, config, rank=0)
     output, _ = proc.communicate(timeout=300)
     assert victim is not None and proc.returncode == 0, output[-4000:]
