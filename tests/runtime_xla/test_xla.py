@@ -42,6 +42,13 @@ EVERY = 10  # validation and checkpoint saves
 CLIP = {("gpt", 4): 1.5, ("llama", 4): 1.15, ("gpt", 8): 1.5, ("llama", 8): 1.0}
 
 
+# Llama runs here with every switch the Llama 3.1+ and Qwen families turn on (tests/runtime_parallel/harness.py
+# FAMILY_SWITCHES): a head size of its own, q/k/v biases, per-head q/k norms, Llama 3.1's RoPE scaling.
+FAMILY = dict(kv_channels=12, add_qkv_bias=True, qk_layernorm=True,
+              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 4})
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     import numpy as np
@@ -167,11 +174,12 @@ def compiled_first(data, tmp_path_factory):
                   "step, validation and save graphs before they run (for GPT, after the compile step's run)")
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_single_process_on_xla_matches_cpu_and_compiles_nothing_after_warm_up(data, arch, request):
-    cpu = _train(_config(data, f"cpu_{arch}", accelerator="cpu", arch=arch))
+    switches = FAMILY if arch == "llama" else {}
+    cpu = _train(_config(data, f"cpu_{arch}", accelerator="cpu", arch=arch, **switches))
     if arch == "gpt":
         config = request.getfixturevalue("compiled_first")[0]
     else:
-        config = _config(data, f"xla_{arch}", accelerator="neuron", arch=arch)
+        config = _config(data, f"xla_{arch}", accelerator="neuron", arch=arch, **switches)
         _train(config)
     xla = _losses(config)
     assert len(cpu) == len(xla) == STEPS
@@ -223,7 +231,7 @@ MOE = dict(arch="llama", num_query_groups=2,
 # the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name); Mixtral's
 # experts over ep=2; each sequence split over cp=2 (ring attention's spelled-out block math, what Trainium compiles,
 # its K/V passes point to point, learned positions at the chunks' positions).
-LAYOUTS = {"dp": {}, "tp": dict(arch="llama", tensor_model_parallel_size=2, sequence_parallel=True),
+LAYOUTS = {"dp": {}, "tp": dict(arch="llama", tensor_model_parallel_size=2, sequence_parallel=True, **FAMILY),
            "ep": dict(expert_model_parallel_size=2, **MOE), "cp": dict(context_parallel_size=2)}
 LONG = pytest.mark.long("the module's one torchrun launch of the four two-process layouts on 2 cores (each rank "
                         "imports torch-xla once and compiles every layout's step graphs), or its wait on it")
@@ -264,7 +272,7 @@ def test_two_process_data_parallel_on_xla_matches_one_cpu_process(two_processes,
 @LONG
 def test_two_process_tensor_and_sequence_parallel_on_xla_matches_one_cpu_process(data, two_processes):
     """Llama, against its own CPU reference (global batch 8)."""
-    cpu = _train(_config(data, "gbs8_llama_cpu", accelerator="cpu", gbs=8, arch="llama"))
+    cpu = _train(_config(data, "gbs8_llama_cpu", accelerator="cpu", gbs=8, arch="llama", **FAMILY))
     _assert_matches(cpu, _two_process_result(two_processes, "tp"), "tp=2 + sp")
 
 
