@@ -115,6 +115,12 @@ INTENDED = {
     "llama3_1/70b": ("pcluster_trn1", "trn1"),
     "llama3_1/70b_trn2": ("pcluster_trn2", "trn2"),
     "llama3_1/70b_gpu": ("slurm", "h100"),
+    "llama3_2/1b": ("pcluster_trn1", "trn1"),
+    "llama3_2/1b_trn2": ("pcluster_trn2", "trn2"),
+    "llama3_2/1b_gpu": ("slurm", "h100"),
+    "llama3_2/3b": ("pcluster_trn1", "trn1"),
+    "llama3_2/3b_trn2": ("pcluster_trn2", "trn2"),
+    "llama3_2/3b_gpu": ("slurm", "h100"),
 }
 
 
@@ -214,6 +220,20 @@ PUBLISHED = {
                                   moe=dict(num_experts=8, top_k=2, frequency=1, dropless=True, capacity_factor=None,
                                            router_aux_loss_coef=0.02, router_z_loss_coef=0.0,
                                            normalize_top_k_affinities=True, router_activation="softmax")),
+    # Llama 3.2 1B / 3B as their config.json states them (the RoPE scaling is checked below), with Megatron-Bridge's
+    # GPU layouts (recipes/llama/llama32_1b.py, llama32_3b.py).
+    "llama3_2/1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                        num_query_groups=8, rotary_base=500000.0, layernorm_epsilon=1e-5,
+                        share_embeddings_and_output_weights=True, encoder_seq_length=8192, micro_batch_size=1,
+                        global_batch_size=512),
+    "llama3_2/3b": dict(num_layers=28, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=24,
+                        num_query_groups=8, rotary_base=500000.0, layernorm_epsilon=1e-5,
+                        share_embeddings_and_output_weights=True, encoder_seq_length=8192, micro_batch_size=1,
+                        global_batch_size=512),
+    "llama3_2/1b_gpu": dict(num_nodes=1, devices=8, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                            sequence_parallel=False, activations_checkpoint_granularity=None),
+    "llama3_2/3b_gpu": dict(num_nodes=1, devices=8, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                            sequence_parallel=False, activations_checkpoint_granularity=None),
 }
 
 
@@ -223,6 +243,21 @@ def test_published_shapes_and_layouts(recipe, training_of):
     flat = {**training["trainer"], **training["model"]}
     for key, value in PUBLISHED[recipe].items():
         assert flat[key] == value, (recipe, key, flat[key], value)
+
+
+# Llama 3.1 and 3.2 scale RoPE as their config.json's rope_scaling says, over their 131072 positions, in every
+# recipe of theirs (the GPU ones take their layouts from llama3/*, which has none).
+ROPE_SCALING = {"llama3_1": 8.0, "llama3_2": 32.0}  # family -> factor (low 1, high 4, original 8192 in both)
+
+
+def test_every_llama3_1_and_3_2_recipe_scales_rope_as_its_config_json(training_of):
+    for recipe in INTENDED:
+        family = recipe.split("/")[0]
+        if family in ROPE_SCALING:
+            model = training_of(recipe)["model"]
+            assert model["max_position_embeddings"] == 131072, recipe
+            assert model["rope_scaling"] == dict(rope_type="llama3", factor=ROPE_SCALING[family], low_freq_factor=1.0,
+                                                 high_freq_factor=4.0, original_max_position_embeddings=8192), recipe
 
 
 # The MoE recipes' expert layouts: EP divides DP, and an expert-parallel group (tp x ep consecutive ranks, see
