@@ -36,6 +36,21 @@ def _trained(key: str, *, _root_):
     return OmegaConf.select(_root_, f"{stage}.{key}")
 
 
+def _trained_here(key: str, *, _root_):
+    """`${trained_here:model.tokenizer.model}`: as `trained`, but null when this launch runs no stage that trains (a
+    conversion or evaluation alone), so that the stage takes what its checkpoint recorded (an imported model's own
+    tokenizer) rather than a recipe's default it never trained with."""
+    from omegaconf import OmegaConf
+
+    from launcher.stages import TRAINER_STAGES
+
+    stages = _root_.get("stages")
+    listed = list(stages) if OmegaConf.is_list(stages) else []
+    if not any(s in TRAINER_STAGES for s in listed):
+        return None
+    return _trained(key, _root_=_root_)
+
+
 def _env(key, *default):
     """OmegaConf's own ${oc.env:NAME[,DEFAULT]}, unchanged, noting which variable it read and what it held."""
     from omegaconf.resolvers.oc import env
@@ -66,6 +81,7 @@ def register_resolvers() -> None:
         "divide_floor": lambda a, b: int(a) // int(b),
         "cwd": os.getcwd,
         "trained": _trained,
+        "trained_here": _trained_here,
         "oc.env": _env,
     }
     for name, fn in resolvers.items():

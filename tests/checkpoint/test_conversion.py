@@ -68,5 +68,8 @@ def test_export_loads_in_transformers_and_round_trips(tmp_path, recipe):
     first, second = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
+    # A conversion alone exports with the tokenizer its checkpoint recorded: the imported model's own.
+    assert json.loads((tmp_path / "again" / "nxdt_export.json").read_text())["tokenizer"] == str(
+        hf_dir / "tokenizer.json")
     assert json.loads((hf_dir / "config.json").read_text())["vocab_size"] == first[next(
         k for k in first if "wte" in k or "embed_tokens" in k)].shape[0]
