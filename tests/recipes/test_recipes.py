@@ -15,15 +15,15 @@ GIB = 2**30
 
 
 @pytest.fixture(scope="session")
-def recipe_launch(recipe_data_dir, tmp_path_factory):
+def recipe_launch(recipe_data_dir, recipe_results_dir):
     """recipe -> the overrides of its dry-run launch on the cluster it is meant for (on another, its `targets` would
     compose another layout in its place), into a results directory of its own. Every test here launches or composes
-    a recipe with exactly these, so launcher/cache.py's session cache (tests/conftest.py) composes each once."""
-    results = tmp_path_factory.mktemp("recipe_results")
+    a recipe with exactly these, so launcher/cache.py's session cache (tests/conftest.py) composes each once (and
+    test_recipe_table.py's row of the recipe on that cluster is the same launch)."""
 
     def overrides(recipe: str) -> list[str]:
         return [f"training={recipe}", f"cluster={INTENDED[recipe][0]}", "stages=[training]", "cluster_type=slurm",
-                f"base_results_dir={results / recipe}", f"data_dir={recipe_data_dir}"]
+                f"base_results_dir={recipe_results_dir / recipe}", f"data_dir={recipe_data_dir}"]
 
     return overrides
 
