@@ -194,10 +194,16 @@ def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp
     assert EVERY in seen and STEPS not in seen, f"the kill should land between steps {EVERY} and {STEPS}: {seen}"
     assert [c.step for c in committed_checkpoints(open_storage(run_dir / "checkpoints"))] == [EVERY]
 
-    # 2. The same command again: it resumes from step 6 and reads the table instead of scoring again.
-    resumed = nxdt(*killed, cwd=tmp_path, timeout=600)
-    assert resumed.returncode == 0, _output(resumed)[-4000:]
-    assert "resumed from" in _output(resumed) and SCORED not in _output(resumed), _output(resumed)[-4000:]
+    # 2. The same launch again: it resumes from step 6 and reads the table instead of scoring again. The launcher
+    #    renders it and its ranks are forked from this process (the launch of the stage is step 1's, and a relaunch
+    #    through torchrun after a SIGKILL is tests/checkpoint/test_kill_resume.py's).
+    rendered = nxdt(*killed, "--dry-run", cwd=tmp_path)
+    assert rendered.returncode == 0, _output(rendered)[-4000:]
+    capfd.readouterr()
+    codes = train_rendered(run_dir / "alignment_config.yaml", "alignment")
+    resumed = "".join(capfd.readouterr())
+    assert set(codes) == {0}, resumed[-4000:]
+    assert "resumed from" in resumed and SCORED not in resumed, resumed[-4000:]
     assert cached[0].read_bytes() == table_bytes
 
     # 3. A run never interrupted (its own results, the same data cache) has the same losses, bit for bit. Its table
@@ -206,7 +212,7 @@ def test_kill_minus_nine_resumes_with_the_cached_references(preference_data, tmp
     damaged = bytearray(table_bytes)
     damaged[-8:] = bytes(8)
     cached[0].write_bytes(bytes(damaged))
-    #    The launcher renders it and its ranks are forked from this process (the launch is steps 1 and 2's).
+    #    The launcher renders it and its ranks are forked from this process (the launch is step 1's).
     rendered = nxdt(*overrides(tmp_path / "straight"), "--dry-run", cwd=tmp_path)
     assert rendered.returncode == 0, _output(rendered)[-4000:]
     capfd.readouterr()
