@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 # Directory under data_dir (as the recipes name it) -> vocabulary size of the real tokenizer.
-TOKENIZERS = {"demo": 4096, "the_pile_gpt2": 50257, "llama2": 32000, "llama3": 128256}
+TOKENIZERS = {"demo": 4096, "the_pile_gpt2": 50257, "llama2": 32000, "llama3": 128256, "qwen2_5": 151665,
+              "qwen3": 151669}
 
 
 def write_tokenizer(path: Path, vocab: int) -> None:

@@ -32,7 +32,7 @@ from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401
 
 # Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
 # tokenizer file (a laptop planning a cluster run). Matched against the tokenizer path; the file wins if present.
-KNOWN_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257}
+KNOWN_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257, "qwen2_5": 151665, "qwen3": 151669}
 
 
 @dataclasses.dataclass(frozen=True)

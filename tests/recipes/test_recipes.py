@@ -121,6 +121,15 @@ INTENDED = {
     "llama3_2/3b": ("pcluster_trn1", "trn1"),
     "llama3_2/3b_trn2": ("pcluster_trn2", "trn2"),
     "llama3_2/3b_gpu": ("slurm", "h100"),
+    "qwen2_5/7b": ("pcluster_trn1", "trn1"),
+    "qwen2_5/7b_trn2": ("pcluster_trn2", "trn2"),
+    "qwen2_5/7b_gpu": ("slurm", "h100"),
+    "qwen3/8b": ("pcluster_trn1", "trn1"),
+    "qwen3/8b_trn2": ("pcluster_trn2", "trn2"),
+    "qwen3/8b_gpu": ("slurm", "h100"),
+    "qwen3_moe/30b_a3b": ("pcluster_trn1", "trn1"),
+    "qwen3_moe/30b_a3b_trn2": ("pcluster_trn2", "trn2"),
+    "qwen3_moe/30b_a3b_gpu": ("slurm", "h100"),
 }
 
 
@@ -234,6 +243,27 @@ PUBLISHED = {
                             sequence_parallel=False, activations_checkpoint_granularity=None),
     "llama3_2/3b_gpu": dict(num_nodes=1, devices=8, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                             sequence_parallel=False, activations_checkpoint_granularity=None),
+    # Qwen2.5 7B, Qwen3 8B and Qwen3-30B-A3B as their config.json states them (embeddings padded to its vocab_size),
+    # with Megatron-Bridge's GPU layouts for the dense two (recipes/qwen/qwen2.py, qwen3.py).
+    "qwen2_5/7b": dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
+                       num_query_groups=4, rotary_base=1e6, layernorm_epsilon=1e-6, max_position_embeddings=131072,
+                       add_qkv_bias=True, share_embeddings_and_output_weights=False,
+                       make_vocab_size_divisible_by=512, encoder_seq_length=4096),
+    "qwen2_5/7b_gpu": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, micro_batch_size=2),
+    "qwen3/8b": dict(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
+                     num_query_groups=8, kv_channels=128, qk_layernorm=True, add_qkv_bias=False, rotary_base=1e6,
+                     layernorm_epsilon=1e-6, max_position_embeddings=40960,
+                     share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=151936,
+                     encoder_seq_length=4096),
+    "qwen3/8b_gpu": dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=1, micro_batch_size=2),
+    "qwen3_moe/30b_a3b": dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                              num_query_groups=4, kv_channels=128, qk_layernorm=True, add_qkv_bias=False,
+                              rotary_base=1e6, layernorm_epsilon=1e-6, max_position_embeddings=40960,
+                              share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=151936,
+                              moe=dict(num_experts=128, top_k=8, frequency=1, layers=None, ffn_hidden_size=768,
+                                       dropless=False, capacity_factor=2.0, router_aux_loss_coef=0.001,
+                                       router_z_loss_coef=0.0, normalize_top_k_affinities=True,
+                                       router_activation="softmax")),
 }
 
 
@@ -267,6 +297,9 @@ EXPERT_LAYOUTS = {  # recipe -> (dp, ep)
     "mixtral/8x7b_dropless": (2, 1),
     "mixtral/8x7b_trn2": (4, 4),
     "mixtral/8x7b_gpu": (8, 4),
+    "qwen3_moe/30b_a3b": (32, 8),
+    "qwen3_moe/30b_a3b_trn2": (32, 16),
+    "qwen3_moe/30b_a3b_gpu": (32, 4),
 }
 
 
