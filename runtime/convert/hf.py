@@ -1,7 +1,8 @@
-# Conversion between the runtime's full (unsharded) state dict and Hugging Face GPT2LMHeadModel /
-# LlamaForCausalLM / MixtralForCausalLM checkpoints: export a trained model to HF tools, or start training from an
-# HF model. Mixtral is written under the names transformers saves on disk (`block_sparse_moe.experts.{e}.w1`, ...),
-# which every transformers version loads; 5.x's fused in-memory names (`mlp.experts.gate_up_proj`) import too.
+# Conversion between the runtime's full (unsharded) state dict and Hugging Face checkpoints of every supported
+# family (runtime/schema/families: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE): export a trained model to
+# HF tools, or start training from an HF model. The families' config.json mapping is theirs; the weight names here
+# are GPT-2's and the Llama decoder's, with each MoE family's expert names (MOE_WEIGHTS) as transformers saves them
+# on disk; 5.x's fused in-memory Mixtral names (`mlp.experts.gate_up_proj`) import too.
 # Only renames, transposes, splits and concatenations touch the tensors (no arithmetic, no dtype change), so a
 # round trip is bitwise lossless. transformers is deliberately not imported: only its file format is needed.
 from __future__ import annotations
