@@ -115,6 +115,9 @@ INTENDED = {
     "llama3_1/70b": ("pcluster_trn1", "trn1"),
     "llama3_1/70b_trn2": ("pcluster_trn2", "trn2"),
     "llama3_1/70b_gpu": ("slurm", "h100"),
+    "llama3_3/70b": ("pcluster_trn1", "trn1"),
+    "llama3_3/70b_trn2": ("pcluster_trn2", "trn2"),
+    "llama3_3/70b_gpu": ("slurm", "h100"),
     "llama3_2/1b": ("pcluster_trn1", "trn1"),
     "llama3_2/1b_trn2": ("pcluster_trn2", "trn2"),
     "llama3_2/1b_gpu": ("slurm", "h100"),
@@ -124,9 +127,15 @@ INTENDED = {
     "qwen2_5/7b": ("pcluster_trn1", "trn1"),
     "qwen2_5/7b_trn2": ("pcluster_trn2", "trn2"),
     "qwen2_5/7b_gpu": ("slurm", "h100"),
+    "qwen2_5/72b": ("pcluster_trn1", "trn1"),
+    "qwen2_5/72b_trn2": ("pcluster_trn2", "trn2"),
+    "qwen2_5/72b_gpu": ("slurm", "h100"),
     "qwen3/8b": ("pcluster_trn1", "trn1"),
     "qwen3/8b_trn2": ("pcluster_trn2", "trn2"),
     "qwen3/8b_gpu": ("slurm", "h100"),
+    "qwen3/32b": ("pcluster_trn1", "trn1"),
+    "qwen3/32b_trn2": ("pcluster_trn2", "trn2"),
+    "qwen3/32b_gpu": ("slurm", "h100"),
     "qwen3_moe/30b_a3b": ("pcluster_trn1", "trn1"),
     "qwen3_moe/30b_a3b_trn2": ("pcluster_trn2", "trn2"),
     "qwen3_moe/30b_a3b_gpu": ("slurm", "h100"),
@@ -256,6 +265,26 @@ PUBLISHED = {
                      share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=151936,
                      encoder_seq_length=4096),
     "qwen3/8b_gpu": dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=1, micro_batch_size=2),
+    # Qwen2.5 72B as the base model's config.json states it (eps 1e-5, 131072 positions; the Instruct's has 1e-6 and
+    # 32768) with Megatron-Bridge's TP 8 x PP 4 on GPUs (recipes/qwen/qwen25_72b.py); Qwen3 32B as its config.json
+    # states it, with Bridge's GPU layout (recipes/qwen/qwen3_32b.py: TP 8 x PP 2, micro-batch 2, full recompute).
+    "qwen2_5/72b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=29568, num_attention_heads=64,
+                        num_query_groups=8, rotary_base=1e6, layernorm_epsilon=1e-5, max_position_embeddings=131072,
+                        add_qkv_bias=True, share_embeddings_and_output_weights=False,
+                        make_vocab_size_divisible_by=512, encoder_seq_length=4096),
+    "qwen2_5/72b_gpu": dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=4),
+    "qwen3/32b": dict(num_layers=64, hidden_size=5120, ffn_hidden_size=25600, num_attention_heads=64,
+                      num_query_groups=8, kv_channels=128, qk_layernorm=True, add_qkv_bias=False, rotary_base=1e6,
+                      layernorm_epsilon=1e-6, max_position_embeddings=40960,
+                      share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=151936,
+                      encoder_seq_length=4096),
+    "qwen3/32b_gpu": dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=2, micro_batch_size=2,
+                          sequence_parallel=False, activations_checkpoint_granularity="full"),
+    # Llama 3.3 70B is Llama 3.1 70B's network (its RoPE scaling is checked below) and runs its layouts.
+    "llama3_3/70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                         num_query_groups=8, rotary_base=500000.0, layernorm_epsilon=1e-5,
+                         share_embeddings_and_output_weights=False, num_nodes=32, tensor_model_parallel_size=32,
+                         pipeline_model_parallel_size=8),
     "qwen3_moe/30b_a3b": dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
                               num_query_groups=4, kv_channels=128, qk_layernorm=True, add_qkv_bias=False,
                               rotary_base=1e6, layernorm_epsilon=1e-6, max_position_embeddings=40960,
@@ -275,12 +304,12 @@ def test_published_shapes_and_layouts(recipe, training_of):
         assert flat[key] == value, (recipe, key, flat[key], value)
 
 
-# Llama 3.1 and 3.2 scale RoPE as their config.json's rope_scaling says, over their 131072 positions, in every
-# recipe of theirs (the GPU ones take their layouts from llama3/*, which has none).
-ROPE_SCALING = {"llama3_1": 8.0, "llama3_2": 32.0}  # family -> factor (low 1, high 4, original 8192 in both)
+# Llama 3.1, 3.2 and 3.3 scale RoPE as their config.json's rope_scaling says, over their 131072 positions, in
+# every recipe of theirs (the GPU ones take their layouts from llama3/*, which has none).
+ROPE_SCALING = {"llama3_1": 8.0, "llama3_2": 32.0, "llama3_3": 8.0}  # family -> factor (low 1, high 4, original 8192)
 
 
-def test_every_llama3_1_and_3_2_recipe_scales_rope_as_its_config_json(training_of):
+def test_every_llama3_1_to_3_3_recipe_scales_rope_as_its_config_json(training_of):
     for recipe in INTENDED:
         family = recipe.split("/")[0]
         if family in ROPE_SCALING:
