@@ -1,8 +1,8 @@
 # The checkpoint manager's guarantees: an async save writes exactly what a sync save writes; only committed
 # checkpoints are loaded, counted or kept; a crash in the middle of a write leaves the previous one as latest.
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from runtime.checkpoint import Checkpointer, committed_checkpoints, full_tensors, open_storage, read_rank_files
 from runtime.checkpoint import resolve_checkpoint
+from tests.checkpoint import crash_writer
 from tests.checkpoint import harness as CH
 from tests.runtime_parallel.dist_utils import run_distributed
-from tests.launcher.helpers import REPO
 
 
 def _async_vs_sync(directory: str) -> dict:
@@ -73,12 +73,26 @@ def test_uncommitted_is_never_latest_and_retention_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004.c", "step_00000005.c"]
 
 
+def _crash_writer(directory: str, stdout: int) -> None:
+    """crash_writer.py's main, its stdout the pipe the test reads, on one thread as a torchrun worker."""
+    torch.set_num_threads(1)  # first: the parent's OpenMP threads do not survive the fork (dist_utils.py)
+    os.dup2(stdout, 1)
+    sys.stdout = open(1, "w", closefd=False)
+    crash_writer.main(directory)
+
+
 @pytest.mark.slow
 def test_kill_during_write_leaves_previous_checkpoint_latest(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint.crash_writer", str(tmp_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # The writer is a process forked from this one, where torch and the runtime are already imported (a fresh
+    # interpreter would import them again): what is killed in the middle of a write is a process of its own.
+    assert not dist.is_initialized(), "a forked process would inherit this process's group"
+    read, write = os.pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_crash_writer, args=(str(tmp_path), write))
+    proc.start()
+    os.close(write)
     try:
-        assert proc.stdout.readline().strip() == "committed step 1"
+        with os.fdopen(read) as stdout:
+            assert stdout.readline().strip() == "committed step 1"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the spool file of step 2 exists and is being written
             spools = [p for p in tmp_path.glob("step_00000002.0/rank_00000.pt.tmp-*") if p.stat().st_size > 0]
@@ -89,7 +103,7 @@ def test_kill_during_write_leaves_previous_checkpoint_latest(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
-        proc.wait()
+        proc.join()
     storage = open_storage(tmp_path)
     assert [c.step for c in committed_checkpoints(storage)] == [1]
     _, latest = resolve_checkpoint(str(tmp_path))
