@@ -280,7 +280,10 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     # Weights not here (a dry run elsewhere, a remote path, or a missing directory that _restore_from names): the
     # YAML's shape, when it has one, is checked as the YAML states it.
     shape_known = source is None or bool(hf_keys) or (source_key == "restore_from_path" and model.has("architecture"))
-    if source is None and not any(model.has(key) for key in ("architecture", *_SHAPE_INTS)):
+    # A fine-tuning recipe that leaves the model to its starting weights (hf/sft_demo), given none: one line naming
+    # the key to set, rather than every shape key's.
+    if source is None and "restore_from_path" in model.data and not any(
+            model.has(key) for key in ("architecture", *_SHAPE_INTS)):
         report.error(f"{model.key('restore_from_path')}: missing, and the YAML has no shape; point it at a Hugging "
                      f"Face model directory (its config.json decides the model), or set {model.key('model_config')}")
         shape_known = False
