@@ -16,7 +16,6 @@ import pytest
 from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
 from tests.launcher.helpers import nxdt
 
-
 STEPS = 20
 
 
@@ -49,7 +48,10 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
         status = nxdt("status", "gpt3_tiny", f"--results-dir={tmp_path / 'results'}", cwd=tmp_path, timeout=60)
     finally:
         for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         output, _ = first.communicate(timeout=600)
     # The dry run: its files are under a fresh directory it names, each at the run's path below it; the run's own
     # launch files (what it would have rewritten, and every other file the launch wrote) are byte for byte the same.

@@ -28,15 +28,13 @@ def test_storage_uses_the_endpoint_the_job_script_exports(aws_env, monkeypatch):
     assert storage.get_bytes("step_00000001/COMMIT") == b"1" and storage.list_dirs() == ["step_00000001"]
 
 
-def _train(overrides: list[str], cwd: Path, monkeypatch, capfd) -> str:
+def _train(overrides: list[str], stage: Path, monkeypatch, capfd) -> str:
     """The training stage of this launch as the launcher renders it (--dry-run), its two ranks forked from this
     process (train_rendered) under the NXDT_S3_* variables its job script exports (the endpoint among them comes
     from cluster.s3, nowhere else): what is under test is checkpointing to S3, not the local launch of a stage
-    (tests/checkpoint/test_kill_resume.py's). Rank 0's output."""
-    result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=cwd, timeout=600)
+    (tests/checkpoint/test_kill_resume.py's). `stage`: the stage's results directory. Rank 0's output."""
+    result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=stage.parents[2], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    stage = Path(next(o.partition("=")[2] for o in overrides if o.startswith("base_results_dir="))) / "gpt3_tiny" / \
-        "training"
     exports = [shlex.split(line)[1] for line in (stage / "training.local.sh").read_text().splitlines()
                if line.startswith("export NXDT_S3_")]
     assert any(e.startswith("NXDT_S3_ENDPOINT_URL=") for e in exports), exports
@@ -60,19 +58,20 @@ def test_save_keep_last_two_and_resume_from_s3(tmp_path, s3, aws_env, monkeypatc
              "training.exp_manager.checkpoint_callback_params.save_top_k=2", SCHEDULE,
              f"cluster.s3.endpoint_url={s3.endpoint}")
 
-    _train(training_overrides(data, tmp_path / "s3run", steps=8, every=3, extra=on_s3), tmp_path, monkeypatch, capfd)
+    stage = tmp_path / "s3run" / "gpt3_tiny" / "training"
+    _train(training_overrides(data, tmp_path / "s3run", steps=8, every=3, extra=on_s3), stage, monkeypatch, capfd)
     storage = open_storage(url, S3Settings(endpoint_url=s3.endpoint))
     assert [c.step for c in committed_checkpoints(storage)] == [6, 8]  # 3 was deleted once 8 was committed
-    assert not (tmp_path / "s3run" / "gpt3_tiny" / "training" / "checkpoints").exists()
+    assert not (stage / "checkpoints").exists()
 
-    second = _train(training_overrides(data, tmp_path / "s3run", steps=12, every=3, extra=on_s3), tmp_path,
+    second = _train(training_overrides(data, tmp_path / "s3run", steps=12, every=3, extra=on_s3), stage,
                     monkeypatch, capfd)
     assert f"resumed from {url}/step_00000008" in second
     assert [c.step for c in committed_checkpoints(storage)] == [9, 12]
 
     # The second launch continued from step 8's state: it logged steps 9-12 only, from a trained model.
     # (Bitwise resume is the kill test's job; here the dataset is sized by max_steps, which changed.)
-    logged = losses(tmp_path / "s3run" / "gpt3_tiny" / "training")
+    logged = losses(stage)
     assert sorted(logged) == list(range(1, 13))
     second_lines = [line for line in second.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1].split("/")[0]) for line in second_lines] == [9, 10, 11, 12]  # "9/12"
