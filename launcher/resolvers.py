@@ -21,6 +21,17 @@ def _divide_ceil(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
+def _trainer_stage(root) -> str | None:
+    """The last stage of this launch that trains (training, fine_tuning, peft or alignment), or None."""
+    from omegaconf import OmegaConf
+
+    from launcher.stages import TRAINER_STAGES  # stages.py imports nothing of the launcher's but job.py
+
+    stages = root.get("stages")
+    listed = list(stages) if OmegaConf.is_list(stages) else []  # a malformed `stages` is validate.py's to name
+    return next((s for s in reversed(listed) if s in TRAINER_STAGES and s in root), None)
+
+
 def _trained(key: str, *, _root_):
     """`${trained:run.results_dir}`: that key of the last stage of this launch that trains (training, fine_tuning,
     peft or alignment; training when none runs), so the conversion, the evaluation and the run's name follow the
@@ -28,12 +39,7 @@ def _trained(key: str, *, _root_):
     stages=[fine_tuning,alignment,conversion] its aligned ones."""
     from omegaconf import OmegaConf
 
-    from launcher.stages import TRAINER_STAGES  # stages.py imports nothing of the launcher's but job.py
-
-    stages = _root_.get("stages")
-    listed = list(stages) if OmegaConf.is_list(stages) else []  # a malformed `stages` is validate.py's to name
-    stage = next((s for s in reversed(listed) if s in TRAINER_STAGES and s in _root_), "training")
-    return OmegaConf.select(_root_, f"{stage}.{key}")
+    return OmegaConf.select(_root_, f"{_trainer_stage(_root_) or 'training'}.{key}")
 
 
 def _trained_here(key: str, *, _root_):
@@ -42,13 +48,8 @@ def _trained_here(key: str, *, _root_):
     tokenizer) rather than a recipe's default it never trained with."""
     from omegaconf import OmegaConf
 
-    from launcher.stages import TRAINER_STAGES
-
-    stages = _root_.get("stages")
-    listed = list(stages) if OmegaConf.is_list(stages) else []
-    if not any(s in TRAINER_STAGES for s in listed):
-        return None
-    return _trained(key, _root_=_root_)
+    stage = _trainer_stage(_root_)
+    return None if stage is None else OmegaConf.select(_root_, f"{stage}.{key}")
 
 
 def _env(key, *default):

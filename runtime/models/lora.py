@@ -188,5 +188,5 @@ def adapters_off(model: nn.Module):
             module.enabled = True
 
 
-__all__ = ["LoRA", "LoRALinear", "adapter_names", "adapters_off", "apply_lora", "is_adapter", "lora_modules", "merge_lora",
-           "projection_inputs", "projection_segments"]
+__all__ = ["LoRA", "LoRALinear", "adapter_names", "adapters_off", "apply_lora", "is_adapter", "lora_modules",
+           "merge_lora", "projection_inputs", "projection_segments"]

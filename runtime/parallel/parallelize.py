@@ -125,8 +125,9 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
         # Positions and dropout act on the full replicated sequence; the blocks then see only this rank's shard.
         model.embed.register_forward_hook(lambda _module, _args, out: C.scatter_to_sequence(out, axis))
 
+    rows = {path: [size for _, size in parts] for path, parts in cfg.fused_segments().items()}
     for block in model.layers:
-        _parallelize_block(block, axis, sp)
+        _parallelize_block(block, axis, sp, rows)
 
     if cfg.share_embeddings_and_output_weights:
         # Same vocabulary rows as the embedding shard, so the tied weight stays one parameter.
@@ -152,11 +153,12 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
     return plan
 
 
-def _parallelize_block(block: Block, axis: AxisGroup, sp: bool) -> None:
+def _parallelize_block(block: Block, axis: AxisGroup, sp: bool, fused: dict[str, list[int]]) -> None:
+    """`fused`: the fused projections' parts' row counts (ModelConfig.fused_segments), each split over the ranks."""
     attn, t = block.attn, axis.size
     nh, ng, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if ng % t == 0:
-        rows = L.shard_rows([nh * d, ng * d, ng * d], axis.rank, t)  # rank keeps [q_r | k_r | v_r]
+        rows = L.shard_rows(fused["attn.qkv"], axis.rank, t)  # rank keeps [q_r | k_r | v_r]
         attn.qkv = L.ColumnParallelLinear.from_linear(attn.qkv, axis, sequence_parallel=sp, rows=rows)
     else:
         attn.qkv = L.ReplicatedKVColumnParallelLinear(attn.qkv, axis, sequence_parallel=sp, num_heads=nh,
@@ -171,8 +173,7 @@ def _parallelize_block(block: Block, axis: AxisGroup, sp: bool) -> None:
     elif isinstance(mlp, SparseMoE):
         pass  # its experts are split by apply_expert_parallel; the router stays whole on every rank
     elif isinstance(mlp, SwiGLU):
-        ffn = mlp.down.in_features
-        rows = L.shard_rows([ffn, ffn], axis.rank, t)  # rank keeps [gate_r | up_r]
+        rows = L.shard_rows(fused["mlp.gate_up"], axis.rank, t)  # rank keeps [gate_r | up_r]
         mlp.gate_up = L.ColumnParallelLinear.from_linear(mlp.gate_up, axis, sequence_parallel=sp, rows=rows)
         mlp.down = L.RowParallelLinear(mlp.down, axis, sequence_parallel=sp)
     else:

@@ -18,7 +18,6 @@ from runtime.schema.reader import ConfigErrors, Report
 from runtime.schema.rules import padded_vocab_size
 
 
-
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """`model.moe`, with NxD Training's key names: a sparse MoE block (runtime/models/moe.py) in place of the MLP
@@ -93,7 +92,8 @@ class ModelConfig:
                 report.error(f"model.{key}: {getattr(self, key)} must be a positive integer")
         report.raise_if_any()
         report.error(rules.head_size(self.hidden_size, self.num_attention_heads, self.kv_channels, ""))
-        problems = rules.llama_switches(self.architecture, {key: getattr(self, key) for key in rules.LLAMA_SWITCHES}, "")
+        switches = {key: getattr(self, key) for key in rules.LLAMA_SWITCHES}
+        problems = rules.llama_switches(self.architecture, switches, "")
         if self.rope_scaling is not None:
             problems += [ROPE_SCALING_TYPES.problem("model.rope_scaling.rope_type", self.rope_scaling.rope_type)]
             problems += rules.rope_scaling(self.rope_scaling, "model.rope_scaling")
@@ -216,5 +216,5 @@ def vocab_divisor(vocab: int, tokenizer_vocab: int | None) -> int:
     return power if vocab - tokenizer_vocab < power else vocab
 
 
-__all__ = ["ConfigErrors", "HF_MODEL_TYPES", "MoEConfig", "ModelConfig", "RopeScaling", "hf_model_keys", "padded_vocab_size",
-           "read_hf_config", "tokenizer_vocab_size", "vocab_divisor"]
+__all__ = ["ConfigErrors", "HF_MODEL_TYPES", "MoEConfig", "ModelConfig", "RopeScaling", "hf_model_keys",
+           "padded_vocab_size", "read_hf_config", "tokenizer_vocab_size", "vocab_divisor"]

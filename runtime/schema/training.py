@@ -14,7 +14,8 @@ from typing import Any
 from runtime.schema import choices as C
 from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
-from runtime.schema.model import MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config, tokenizer_vocab_size
+from runtime.schema.model import (MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config,
+                                  tokenizer_vocab_size)
 from runtime.schema.reader import REQUIRED, Report, Section
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, LoraConfig, OptimConfig,
@@ -279,7 +280,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     # laptop) only what the YAML holds is checked, and the rest at launch on the cluster.
     # Weights not here (a dry run elsewhere, a remote path, or a missing directory that _restore_from names): the
     # YAML's shape, when it has one, is checked as the YAML states it.
-    shape_known = source is None or bool(hf_keys) or (source_key == "restore_from_path" and model.has("architecture"))
+    shape_known = (source is None or bool(hf_keys)
+                   or (source_key == "restore_from_path" and model.has("architecture")))
     # A fine-tuning recipe that leaves the model to its starting weights (hf/sft_demo), given none: one line naming
     # the key to set, rather than every shape key's.
     if source is None and "restore_from_path" in model.data and not any(
@@ -373,14 +375,16 @@ def _disagreements(model: Section, hf_keys: dict, source: str | None, source_key
         return None
     pairs = ", ".join(f"{key} {mine!r} (config.json: {theirs!r})" for key, mine, theirs in found)
     first = model.key(found[0][0])
-    return (f"{first}: the YAML disagrees with {source} (model.{source_key}), which decides the model: {pairs}; drop "
-            f"{'the key' if len(found) == 1 else 'those keys'} ({first}=null{', ...' if len(found) > 1 else ''}) or "
-            f"use weights whose config.json says so")
+    keys = "the key" if len(found) == 1 else "those keys"
+    more = ", ..." if len(found) > 1 else ""
+    return (f"{first}: the YAML disagrees with {source} (model.{source_key}), which decides the model: {pairs}; "
+            f"drop {keys} ({first}=null{more}) or use weights whose config.json says so")
 
 
 def _differing(key: str, mine: Any, theirs: Any) -> list[tuple[str, Any, Any]]:
     if isinstance(theirs, dict) and isinstance(mine, dict):  # model.moe / model.rope_scaling, key by key
-        return [pair for name, value in theirs.items() if name not in _TRAINING_CHOICES and mine.get(name) is not None
+        return [pair for name, value in theirs.items()
+                if name not in _TRAINING_CHOICES and mine.get(name) is not None
                 for pair in _differing(f"{key}.{name}", mine[name], value)]
     try:
         same = mine == theirs or (isinstance(theirs, float) and float(mine) == theirs)

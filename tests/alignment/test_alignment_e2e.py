@@ -21,7 +21,7 @@ import pytest
 from runtime.alignment.synthetic import write_demo
 from runtime.checkpoint import committed_checkpoints, open_storage
 from tests.checkpoint.launch_helpers import train_rendered
-from tests.launcher.helpers import nxdt
+from tests.launcher.helpers import nxdt, pids_with
 
 SCORED = "scored by the starting model, cached in "
 QUIET = ["trainer.log_every_n_steps=1", "trainer.preflight=false", "exp_manager.create_tensorboard_logger=false",
@@ -121,17 +121,7 @@ def test_dpo_demo_learns_the_preference_on_held_out_prompts(tmp_path, capfd):
 
 def _stage_pids(config: Path) -> list[int]:
     """The processes whose command line names this stage config: torchrun and its runtime.train workers."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(config).encode() in cmdline and b"runtime.train" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return pids_with(str(config), "runtime.train")
 
 
 def _kill_after_checkpoint(launcher: threading.Thread, run_dir: Path, step: int) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
-from tests.launcher.helpers import nxdt
+from tests.launcher.helpers import nxdt, pids_with
 
 STEPS = 20
 
@@ -92,19 +92,12 @@ def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
 def _stop_workers(root: Path) -> list[int]:
     """SIGSTOP torchrun and the runtime.train workers of the launch under `root`; their pids."""
     stopped = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in pids_with("runtime.train", str(root)):
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
             continue
-        if b"runtime.train" in cmdline and any(str(root).encode() in arg for arg in cmdline):
-            try:
-                os.kill(int(entry.name), signal.SIGSTOP)
-            except ProcessLookupError:
-                continue
-            stopped.append(int(entry.name))
+        stopped.append(pid)
     return stopped
 
 

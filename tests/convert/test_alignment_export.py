@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from runtime.checkpoint import write_full_checkpoint
-from tests.convert.test_peft_export import PEFT_SECTION, TOLERANCE, _convert, _diff, _hf, _one_thread, _peft, run
+from tests.convert.test_peft_export import PEFT_SECTION, TOLERANCE, _convert, _diff, _hf, _peft, run
 
 pytest.importorskip("peft")
-__all__ = ["_one_thread", "run"]  # fixtures, used by name
+__all__ = ["run"]  # a fixture, used by name
 
 
 @pytest.mark.parametrize("strategy", ["dpo", "orpo"])

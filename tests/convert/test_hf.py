@@ -20,14 +20,6 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "a tiny model learns a t
 SMALL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64, max_position_embeddings=32)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add overhead on a shared machine
-    yield
-    torch.set_num_threads(previous)
-
-
 def _tokenizer(path, specials: tuple[str, ...]) -> int:
     """A byte-level BPE from the project's own trainer; returns its size (added tokens included)."""
     from tokenizers import Tokenizer

@@ -46,14 +46,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _hf_model(family: str):
     config_class, model_class, extra = FAMILIES[family]
     torch.manual_seed(0)

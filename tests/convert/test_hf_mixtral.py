@@ -15,7 +15,7 @@ from runtime.models import ModelConfig, build_model
 from runtime.schema.model import MoEConfig
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe
-from tests.convert.test_hf import SMALL, _ids, _make_every_weight_matter, _one_thread, _tokenizer  # noqa: F401
+from tests.convert.test_hf import SMALL, _ids, _make_every_weight_matter, _tokenizer
 
 transformers = pytest.importorskip("transformers")
 MOE = MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02)

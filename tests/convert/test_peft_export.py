@@ -28,14 +28,6 @@ PEFT_SECTION = {"peft_scheme": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture
 def run(tmp_path):
     """A tiny GQA Llama (vocab padded from the tokenizer as the runtime pads it) with non-zero adapters on all

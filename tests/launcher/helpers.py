@@ -29,6 +29,22 @@ def _environment(env: dict | None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **(env or {})}
 
 
+def pids_with(*parts: str) -> list[int]:
+    """The processes whose command line has each of `parts` in one of its arguments (say, runtime.train and a run's
+    directory): a test's way to find the workers a launch started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(any(part.encode() in arg for arg in args) for part in parts):
+            found.append(int(entry.name))
+    return found
+
+
 def nxdt_subprocess(*args: str, cwd: Path | None = None, env: dict | None = None,
                     timeout: int = 600) -> subprocess.CompletedProcess:
     """The real CLI in a fresh interpreter: for the tests whose subject is the process itself (what it imports,
