@@ -20,6 +20,9 @@ from launcher.config import LaunchConfig
 RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch[runtime]' "
            "(-e '.[runtime]' in a checkout)")
 
+EVAL = ("the eval extra: python3 -m pip install 'nxdt-launch[runtime,eval]' (-e '.[runtime,eval]' in a checkout), "
+        "or keep to the loss and exact_match tasks")
+
 # What each stage's program imports whatever its config says.
 STAGE_MODULES = {
     "data_preparation": ("numpy", "tokenizers"),
@@ -63,6 +66,12 @@ def needed(cfg: LaunchConfig) -> list[tuple[str, str, str]]:
                           f"{RUNTIME}; or set {key}create_tensorboard_logger=false"))
     if "data_preparation" in cfg.stages:
         wants += _data_preparation(cfg.stage("data_preparation").section)
+    evaluation = cfg.stage("evaluation").evaluation if "evaluation" in cfg.stages else None
+    scored_by_lm_eval = [spec.name for spec in (evaluation.tasks if evaluation else ())
+                         if spec.type not in ("loss", "exact_match")]
+    if scored_by_lm_eval:
+        wants.append(("lm_eval", f"evaluation.tasks: {scored_by_lm_eval[0]} (scored by lm-evaluation-harness)",
+                      EVAL))
     return wants
 
 

@@ -66,7 +66,10 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
     if "conversion" in stages:
         errors += parse_conversion(cfg.stage("conversion").section)[1].errors
     if "evaluation" in stages:
-        errors += parse_evaluation(cfg.stage("evaluation").section)[1].errors
+        evaluation, report = parse_evaluation(cfg.stage("evaluation").section)
+        errors += report.errors
+        if evaluation is not None:
+            errors += lm_eval_tasks(evaluation)
     # Inputs on S3 are staged inside the job; staging.problems checks their names, the job the rest.
     preparation = cfg.stage("data_preparation").section if "data_preparation" in stages else None
     if preparation is not None and not staging.s3_values(preparation):
@@ -77,6 +80,17 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         warnings += input_warnings
     errors += cluster(cfg.cluster)
     return errors, warnings
+
+
+def lm_eval_tasks(evaluation) -> list[str]:
+    """The lm-eval task names of the evaluation stage, and the local data files they read, checked here where
+    lm-eval is installed (the stage checks them again on the node before its model loads, and says the same)."""
+    names = [spec.name for spec in evaluation.tasks if spec.type == "lm_eval"]
+    if not names or importlib.util.find_spec("lm_eval") is None:
+        return []
+    from runtime.evaluate import lm_tasks  # lm-eval's task index: no torch
+
+    return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache)[1]
 
 
 def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], list[str]]:

@@ -6,7 +6,7 @@
 #     tokens = generate(model, prompts, max_new_tokens=32, stop_ids={3}, temperature=0.8, top_p=0.9, seed=7)
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -88,7 +88,8 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_p: float) -> 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              stop_ids: Iterable[int] = (), temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             pad_id: int = 0, vocab_size: int | None = None) -> list[list[int]]:
+             pad_id: int = 0, vocab_size: int | None = None,
+             finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
     """The new tokens of each prompt, without the stop token that ended it.
 
     Prompts of different lengths run as one batch, left-padded with `pad_id`: the mask hides the pads from
@@ -102,7 +103,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     the draws are the same on every device and every tensor-parallel rank (which all hold the same gathered
     logits) and the same seed gives the same tokens. vocab_size: only ids below it are generated (the model's
     vocabulary is padded past the tokenizer's). Every rank of a tensor-parallel group must call this with the
-    same arguments.
+    same arguments. finished(row, tokens so far): True ends that row after its latest token (lm-eval's stop
+    strings, which the caller cuts the decoded text at).
     """
     check_generatable(model)
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -152,7 +154,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
                         active[row] = False
                         continue
                     out[row].append(token)
-                    active[row] = step + 1 < budgets[row]
+                    active[row] = step + 1 < budgets[row] and not (finished is not None and finished(row, out[row]))
                 if not any(active):
                     break
                 fed = torch.tensor([t if a else pad_id for t, a in zip(tokens.tolist(), active)])[:, None]

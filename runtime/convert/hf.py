@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from runtime.io.files import replace_directory
-from runtime.schema.chat import ChatTokenizer, token_text
+from runtime.schema.chat import ChatTokenizer, special_tokens, token_id
 from runtime.schema.families import export_family, family_for
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
@@ -250,14 +250,6 @@ def _check_names(state: dict, expected: dict, what: str) -> None:
 
 # ---- Directories: config.json, safetensors (sharded like transformers), tokenizer files ----
 
-_SPECIAL_TOKENS = {  # the first of each that the tokenizer has; GPT-2 uses <|endoftext|> for bos and eos
-    "bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>"),
-    "eos_token": ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>"),
-    "unk_token": ("<unk>",),
-    "pad_token": ("<pad>", "<|pad|>"),
-}
-
-
 def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
                       tokenizer_path: str | None, *, overwrite: bool = False,
                       max_shard_bytes: int = _SHARD_BYTES, also: Callable[[Path], None] | None = None) -> Path:
@@ -280,14 +272,13 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch
                              "model.share_embeddings_and_output_weights is true")
     config = _hf_config(cfg, dtype)
     tokenizer = _read_json(Path(tokenizer_path), "tokenizer_path") if tokenizer_path else None
-    specials = _special_tokens(tokenizer) if tokenizer else {}
     # The source's own tokenizer_config.json (a Hugging Face model's, or data_preparation's) says best what its
     # special tokens are, and holds the chat template: an export carries both.
     source_config = _source_tokenizer_config(Path(tokenizer_path)) if tokenizer_path else {}
-    specials.update({key: token for key in _SPECIAL_TOKENS if (token := token_text(source_config.get(key)))})
+    specials = special_tokens(tokenizer, source_config) if tokenizer else {}
     for key, token in specials.items():
         if key in ("bos_token", "eos_token", "pad_token"):
-            config[key + "_id"] = _token_id(tokenizer, token)
+            config[key + "_id"] = token_id(tokenizer, token)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     if source_config.get("chat_template"):
         # A chat model ends its turn with the template's own end token (<|im_end|>, <|eot_id|>): generation stops at
@@ -379,22 +370,6 @@ def _source_tokenizer_config(tokenizer_path: Path) -> dict:
     """The tokenizer_config.json beside a tokenizer.json, or {} when there is none."""
     beside = tokenizer_path.parent / "tokenizer_config.json"
     return _read_json(beside, "tokenizer_config.json") if beside.is_file() else {}
-
-
-def _special_tokens(tokenizer: dict) -> dict[str, str]:
-    known = {entry["content"] for entry in tokenizer.get("added_tokens", [])}
-    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
-    known |= set(vocab) if isinstance(vocab, dict) else {piece for piece, _ in vocab}  # Unigram: [piece, score]
-    found = {key: next((t for t in names if t in known), None) for key, names in _SPECIAL_TOKENS.items()}
-    return {key: token for key, token in found.items() if token is not None}
-
-
-def _token_id(tokenizer: dict, token: str) -> int:
-    for entry in tokenizer.get("added_tokens", []):
-        if entry["content"] == token:
-            return int(entry["id"])
-    vocab = tokenizer["model"]["vocab"]
-    return int(vocab[token]) if isinstance(vocab, dict) else [piece for piece, _ in vocab].index(token)
 
 
 def load_hf_directory(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, str | None]:

@@ -94,3 +94,28 @@ def forward_logprobs_fn(loaded: LoadedModel, device):
         return scores[..., 0], scores[..., 1].bool()
 
     return forward_logprobs
+
+
+def greedy_tokens_fn(loaded: LoadedModel, device):
+    """(input_ids (B, T) right-padded, lengths) -> (B,) the greedy next token after each row's last real token,
+    over the whole vocabulary, for any layout: every rank calls it with the same rows and gets the same tokens.
+    Generation through it recomputes the whole prefix every token (no KV cache): what a pipeline-parallel model
+    (which runtime/generate.py does not support) generates with."""
+    model, topo = loaded.model, loaded.topo
+
+    def greedy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1).float()  # (B, T); token ids are exact in fp32 below 2^24
+
+    @torch.no_grad()
+    def next_tokens(input_ids: torch.Tensor, lengths: list[int]) -> list[int]:
+        input_ids = input_ids.to(device.torch_device)
+        if topo.pp.size > 1:
+            rows = [PreparedBatch(input_ids[i:i + 1], input_ids[i:i + 1], None) for i in range(input_ids.shape[0])]
+            tokens = torch.cat(collect_pipeline(model, rows, topo, greedy, out_shape=lambda ids: tuple(ids.shape)))
+        else:
+            tokens = greedy(model(input_ids), input_ids)
+        device.step_boundary()
+        tokens = tokens.cpu()
+        return [int(tokens[row, length - 1]) for row, length in enumerate(lengths)]
+
+    return next_tokens

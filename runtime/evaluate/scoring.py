@@ -35,11 +35,15 @@ def _window(context: Sequence[int], continuation: Sequence[int], max_length: int
 
 def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs: LogprobFn, *,
                   max_length: int, batch_size: int,
-                  progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
+                  progress: Callable[[int, int], None] | None = None,
+                  owns: Callable[[int], bool] | None = None) -> list[tuple[float, bool] | None]:
     """For each (context, continuation): (sum of log p(continuation | context), every token greedy).
 
     Deterministic for a deterministic model: requests are sorted longest first (ties by position) so that
     each batch pads little, and results come back in the order of `requests`.
+
+    owns(k): whether this caller computes the k-th batch of that order (data-parallel ranks share the batches);
+    the requests of a batch it does not own come back as None.
     """
     if max_length < 1:
         raise ValueError(f"loglikelihood: max_length must be >= 1, got {max_length}")
@@ -49,7 +53,9 @@ def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs:
     order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]), i))
     results: list[tuple[float, bool] | None] = [None] * len(rows)
 
-    for start in range(0, len(order), batch_size):
+    for number, start in enumerate(range(0, len(order), batch_size)):
+        if owns is not None and not owns(number):
+            continue
         chunk = order[start:start + batch_size]
         width = len(rows[chunk[0]]) - 1  # longest first, so the first row sets the width
         inputs = torch.full((len(chunk), width), _PAD_ID, dtype=torch.long)  # (B, T)
@@ -72,4 +78,4 @@ def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs:
             results[i] = (float(logprobs[b, span].sum()), bool(is_argmax[b, span].all()))
         if progress is not None:
             progress(min(start + batch_size, len(order)), len(order))
-    return results  # type: ignore[return-value]  # every slot was filled above
+    return results

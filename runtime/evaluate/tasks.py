@@ -1,40 +1,38 @@
-"""Zero-shot tasks read from local JSON-lines files, scored with lm-evaluation-harness's metric definitions.
+"""Zero-shot tasks read from local JSON-lines files: checked line by line before the model loads, then written
+normalized for the lm-eval task files of runtime/evaluate/task_files, which lm-eval scores (runtime/evaluate/harness.py).
 
 A task entry in the evaluation config:
 
-    {name: lambada_local, type: last_word | multiple_choice, path: /data/lambada.jsonl, limit: null}
+    {name: lambada_local, type: last_word | multiple_choice | perplexity, path: /data/lambada.jsonl, limit: null}
 
 `limit` keeps the first N examples (as lm-eval's --limit). Each line of the file is one JSON object:
 
 last_word (lambada_openai): {"text": "..."}. Trailing whitespace is dropped; the target is the last
     space-separated word with its leading space (continuation = " " + word), the context everything before
-    that space. Metrics: `acc` (the whole word is the greedy decode) and `ppl` = exp(-mean over examples of
-    the word's summed log-likelihood), lm-eval's lambada perplexity.
+    that space. Metrics (lm-eval's lambada): `acc` (the whole word is the greedy decode) and `perplexity`.
 
 multiple_choice (hellaswag, piqa, winogrande, arc): the context under "context", "query" or "ctx"; the
     choices under "choices" (a list of strings); the answer index under "gold" or "label" (an int). Other
     keys are ignored. Continuation spacing: context and choice are joined with one space unless the context
     already ends with whitespace or the choice already starts with it (lm-eval's " " target delimiter, made
     safe for files whose choices carry their own separator, such as the next line of a program).
-    Metrics: `acc` = argmax of summed log-likelihood; `acc_norm` = argmax of summed log-likelihood divided
-    by the choice's length in characters (the choice as written in the file, as lm-eval's acc_norm).
-    Ties go to the lower index.
+    Metrics: lm-eval's `acc` and `acc_norm` (log-likelihood over the choice's length in characters).
 
-Both report `<metric>_stderr` for acc-style metrics: the sample standard deviation over examples / sqrt(n),
-as lm-eval reports it (None when n < 2).
+perplexity (wikitext): {"text": "..."}, each document scored whole (lm-eval's loglikelihood_rolling). Metrics:
+    lm-eval's `word_perplexity`, `byte_perplexity`, `bits_per_byte`.
 """
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.evaluate.scoring import LogprobFn, loglikelihood
+from runtime.io.files import atomic_write_bytes
 
-TASK_TYPES = ("last_word", "multiple_choice")
+TASK_TYPES = ("last_word", "multiple_choice", "perplexity")
 _SPEC_KEYS = ("name", "type", "path", "limit")
 _CONTEXT_KEYS = ("context", "query", "ctx")
 _GOLD_KEYS = ("gold", "label")
@@ -77,7 +75,8 @@ def load_task(spec: Mapping[str, Any]) -> Task:
 
 
 def read_examples(task: Task) -> list[Example]:
-    parse = _parse_last_word if task.kind == "last_word" else _parse_multiple_choice
+    parse = {"last_word": _parse_last_word, "multiple_choice": _parse_multiple_choice,
+             "perplexity": _parse_text}[task.kind]
     examples = []
     with open(task.path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -106,6 +105,13 @@ def _parse_last_word(doc: dict, where: str) -> Example:
     if not context or not word:
         raise ValueError(f"{where}: key 'text' needs a context and a last word separated by a space")
     return Example(context=context, choices=(" " + word,), gold=0)
+
+
+def _parse_text(doc: dict, where: str) -> Example:
+    text = doc.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: key 'text' must be a non-empty string (got {text!r})")
+    return Example(context="", choices=(text,), gold=0)
 
 
 def _first_key(doc: dict, keys: tuple[str, ...], where: str) -> Any:
@@ -137,22 +143,6 @@ def join_continuation(context: str, choice: str) -> str:
     return " " + choice
 
 
-def encode_pair(tokenize: Callable[[str], list[int]], context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """Tokens of context and continuation, cut where the tokenizer would cut the joined text.
-
-    As lm-eval does, trailing whitespace moves from the context to the continuation (BPE vocabularies attach
-    whitespace to the following word), and the continuation's tokens are the tail of tokenize(whole) when
-    tokenize(context) is its prefix; when a token straddles the seam, the continuation is encoded alone.
-    """
-    stripped = context.rstrip()
-    continuation = context[len(stripped):] + continuation
-    context_tokens = tokenize(stripped)
-    whole = tokenize(stripped + continuation)
-    if len(whole) > len(context_tokens) and whole[:len(context_tokens)] == context_tokens:
-        return context_tokens, whole[len(context_tokens):]
-    return context_tokens, tokenize(continuation)
-
-
 def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
     """Mean and lm-eval's stderr (sample standard deviation / sqrt(n); None when n < 2) of per-example scores."""
     mean = sum(values) / len(values)
@@ -162,47 +152,19 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(variance / len(values))
 
 
-def _argmax(scores: list[float]) -> int:
-    return max(range(len(scores)), key=lambda i: (scores[i], -i))  # first index among equals
-
-
-def evaluate_task(task: Task, tokenize: Callable[[str], list[int]], forward_logprobs: LogprobFn, *,
-                  max_length: int, batch_size: int, progress: Callable[[int, int], None] | None = None
-                  ) -> dict[str, Any]:
-    """Scores every example of `task`; returns {"task", "type", "num_examples", metrics and their stderr}."""
-    examples = read_examples(task)
-    requests, owners = [], []  # owners[k] = (example index, choice index) of requests[k]
-    for e, example in enumerate(examples):
-        for c, choice in enumerate(example.choices):
-            context_tokens, continuation_tokens = encode_pair(
-                tokenize, example.context, join_continuation(example.context, choice))
-            if not context_tokens:
-                raise ValueError(f"tasks[{task.name}]: example {e + 1} of {task.path!r} has an empty context")
-            requests.append((context_tokens, continuation_tokens))
-            owners.append((e, c))
-    scores = loglikelihood(requests, forward_logprobs, max_length=max_length, batch_size=batch_size,
-                           progress=progress)
-    per_example: list[list[tuple[float, bool]]] = [[] for _ in examples]
-    for (e, _), score in zip(owners, scores):
-        per_example[e].append(score)
-
-    result: dict[str, Any] = {"task": task.name, "type": task.kind, "num_examples": len(examples)}
-    if task.kind == "last_word":
-        acc, acc_stderr = mean_and_stderr([float(s[0][1]) for s in per_example])
-        mean_loglik = sum(s[0][0] for s in per_example) / len(examples)
-        result.update(acc=acc, acc_stderr=acc_stderr, ppl=_safe_exp(-mean_loglik))
-    else:
-        hits, norm_hits = [], []
-        for example, choice_scores in zip(examples, per_example):
-            logliks = [loglik for loglik, _ in choice_scores]
-            hits.append(float(_argmax(logliks) == example.gold))
-            normalized = [loglik / len(choice) for loglik, choice in zip(logliks, example.choices)]
-            norm_hits.append(float(_argmax(normalized) == example.gold))
-        acc, acc_stderr = mean_and_stderr(hits)
-        acc_norm, acc_norm_stderr = mean_and_stderr(norm_hits)
-        result.update(acc=acc, acc_stderr=acc_stderr, acc_norm=acc_norm, acc_norm_stderr=acc_norm_stderr)
-    return result
-
-
-def _safe_exp(x: float) -> float:
-    return math.exp(x) if x < 700.0 else math.inf  # math.exp raises past ~709
+def write_normalized(task: Task, path: str | Path) -> Path:
+    """The task's examples as its lm-eval task file reads them (runtime/evaluate/task_files): multiple_choice
+    {"context", "choices" (joined: each with its separator), "gold"}, last_word {"context", "target"}, perplexity
+    {"text"}; written atomically, so a task never reads half a file."""
+    lines = []
+    for example in read_examples(task):
+        if task.kind == "multiple_choice":
+            doc = {"context": example.context, "gold": example.gold,
+                   "choices": [join_continuation(example.context, choice) for choice in example.choices]}
+        elif task.kind == "last_word":
+            doc = {"context": example.context, "target": example.choices[0]}
+        else:
+            doc = {"text": example.choices[0]}
+        lines.append(json.dumps(doc, ensure_ascii=False) + "\n")
+    atomic_write_bytes(path, "".join(lines).encode())
+    return Path(path)

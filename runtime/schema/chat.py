@@ -306,3 +306,34 @@ def token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+# The special tokens a tokenizer.json without a tokenizer_config.json has: the first of each name it holds (GPT-2
+# uses <|endoftext|> for bos and eos). The export writes them into its tokenizer_config.json, and the lm-eval
+# backend reads the same, so our scores and transformers' on the export condition on the same tokens.
+SPECIAL_TOKEN_NAMES = {
+    "bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>"),
+    "eos_token": ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>"),
+    "unk_token": ("<unk>",),
+    "pad_token": ("<pad>", "<|pad|>"),
+}
+
+
+def special_tokens(tokenizer: dict, config: dict[str, Any]) -> dict[str, str]:
+    """{"bos_token": text, ...} of a parsed tokenizer.json: its tokenizer_config.json's (`config`) where it names
+    them, else the first known name in its vocabulary."""
+    known = {entry["content"] for entry in tokenizer.get("added_tokens", [])}
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+    known |= set(vocab) if isinstance(vocab, dict) else {piece for piece, _ in vocab}  # Unigram: [piece, score]
+    found = {key: next((t for t in names if t in known), None) for key, names in SPECIAL_TOKEN_NAMES.items()}
+    found.update({key: token for key in SPECIAL_TOKEN_NAMES if (token := token_text(config.get(key)))})
+    return {key: token for key, token in found.items() if token is not None}
+
+
+def token_id(tokenizer: dict, token: str) -> int:
+    """The id of `token` in a parsed tokenizer.json (its added tokens first, then its vocabulary)."""
+    for entry in tokenizer.get("added_tokens", []):
+        if entry["content"] == token:
+            return int(entry["id"])
+    vocab = tokenizer["model"]["vocab"]
+    return int(vocab[token]) if isinstance(vocab, dict) else [piece for piece, _ in vocab].index(token)

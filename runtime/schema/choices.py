@@ -54,8 +54,9 @@ DPO_LOSS_TYPES = Choices(("sigmoid", "ipo"))
 # end (next to the response), so a prompt over the limit is refused by name (preference_pairs.py).
 PROMPT_TRUNCATIONS = Choices(("keep_start", "keep_end"))
 
-# The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data.
-TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "synthetic_demo", "exact_match"))
+# The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data, or an
+# lm-eval task, group or tag (type lm_eval).
+TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "perplexity", "synthetic_demo", "exact_match"))
 
 # The data_preparation stage.
 DATA_SOURCES = Choices(("demo", "files", "urls", "synthetic_instructions", "synthetic_preferences"))

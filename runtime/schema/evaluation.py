@@ -16,7 +16,7 @@ BUILTIN_TASKS = {"validation_loss": "valid", "test_loss": "test"}
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
-    type: str                  # one of TASK_TYPES
+    type: str                  # one of TASK_TYPES, or "lm_eval" (a name lm-eval knows: runtime/evaluate/lm_tasks.py)
     options: dict              # the task's own keys (path, data_prefix, corpus, limit, ...), read by runtime/evaluate;
                                # exact_match's already typed here (_exact_match_options)
 
@@ -37,6 +37,19 @@ class EvaluationConfig:
     max_length: int | None           # default: the model's max_position_embeddings
     limit_batches: int
     tasks: tuple[TaskSpec, ...]
+    lm_eval: "LmEvalOptions"
+
+
+@dataclass(frozen=True)
+class LmEvalOptions:
+    """lm-eval's own options, for every task it runs (the lm-eval names and the local types)."""
+    include_path: str | None         # a folder of the user's task YAML files (lm-eval's --include_path)
+    num_fewshot: int | None          # None: each task's own
+    limit: float | None              # examples per task: N >= 1, or a fraction below 1 (lm-eval's --limit)
+    apply_chat_template: bool        # render prompts with the tokenizer's chat template
+    fewshot_as_multiturn: bool       # with the template: few-shot examples as turns
+    bootstrap_iters: int             # lm-eval's stderr resamples for non-mean metrics (0: none)
+    datasets_cache: str | None       # where Hugging Face datasets are read from (HF_DATASETS_CACHE); never downloaded
 
 
 def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig | None, Report]:
@@ -58,6 +71,7 @@ def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig
                     max_length=s.int("max_length", None, minimum=1))
     report.error(rules.checkpoint_name(optional["checkpoint_name"], f"{p}checkpoint_name", f"{p}checkpoint_dir"))
     tasks = _tasks(s.raw("tasks", []), p, report)
+    lm_eval = _lm_eval_options(s, p, report)
     if report.errors or any(v is None for v in values.values()):
         return None, report
     world = values["num_nodes"] * values["devices"]
@@ -72,23 +86,25 @@ def parse_evaluation(raw: Any, p: str = "evaluation.") -> tuple[EvaluationConfig
                      f"1 (tensor parallelism is fine) or evaluate that task in a separate run")
     if report.errors:
         return None, report
-    return EvaluationConfig(virtual_pp=vpp, tasks=tasks, **values, **optional), report
+    return EvaluationConfig(virtual_pp=vpp, tasks=tasks, lm_eval=lm_eval, **values, **optional), report
 
 
 def _tasks(specs: Any, p: str, report: Report) -> tuple[TaskSpec, ...]:
     if not isinstance(specs, list) or not specs:  # an evaluation of nothing would pass, having measured nothing
-        report.error(f"{p}tasks: {specs!r} must be a non-empty list of task names ({', '.join(BUILTIN_TASKS)}) "
-                     f"or mappings with a type ({TASK_TYPES.listing()})")
+        report.error(f"{p}tasks: {specs!r} must be a non-empty list of task names ({', '.join(BUILTIN_TASKS)}, or "
+                     f"lm-eval tasks) or mappings with a type ({TASK_TYPES.listing()})")
         return ()
     tasks = []
     for i, spec in enumerate(specs):
         key = f"{p}tasks[{i}]"
         if isinstance(spec, str):
-            if spec not in BUILTIN_TASKS:
-                report.error(f"{key}: {spec!r} is not a built-in task; built-in: {', '.join(BUILTIN_TASKS)}, or give "
-                             f"a mapping with type {' | '.join(TASK_TYPES)}")
-                continue
-            tasks.append(TaskSpec(spec, "loss", {"split": BUILTIN_TASKS[spec]}))
+            if spec in BUILTIN_TASKS:
+                tasks.append(TaskSpec(spec, "loss", {"split": BUILTIN_TASKS[spec]}))
+            elif spec.strip() and not any(c.isspace() for c in spec):  # lm-eval checks the name (lm_tasks.py)
+                tasks.append(TaskSpec(spec, "lm_eval", {}))
+            else:
+                report.error(f"{key}: {spec!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor an lm-eval "
+                             f"task name")
         elif isinstance(spec, dict):
             kind = spec.get("type")
             if problem := TASK_TYPES.problem(f"{key}.type", kind):
@@ -104,6 +120,20 @@ def _tasks(specs: Any, p: str, report: Report) -> tuple[TaskSpec, ...]:
         else:
             report.error(f"{key}: {spec!r} is neither a built-in task name nor a mapping")
     return tuple(tasks)
+
+
+def _lm_eval_options(s: Section, p: str, report: Report) -> LmEvalOptions:
+    limit = s.raw("limit", None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0
+                              or (limit >= 1 and limit != int(limit))):
+        report.error(f"{p}limit: {limit!r} must be null, a whole number of examples per task, or a fraction below 1")
+        limit = None
+    return LmEvalOptions(
+        include_path=s.str("include_path", None), num_fewshot=s.int("num_fewshot", None, minimum=0),
+        limit=None if limit is None else (int(limit) if limit >= 1 else float(limit)),
+        apply_chat_template=s.bool("apply_chat_template", False),
+        fewshot_as_multiturn=s.bool("fewshot_as_multiturn", True),
+        bootstrap_iters=s.int("bootstrap_iters", 100_000, minimum=0), datasets_cache=s.str("datasets_cache", None))
 
 
 def _exact_match_options(spec: dict, key: str, report: Report) -> dict | None:

@@ -9,7 +9,8 @@ import torch
 
 from runtime.data_prep.demo import documents
 from runtime.evaluate.synthetic import build_demo_task
-from runtime.evaluate.tasks import evaluate_task, load_task
+from runtime.evaluate.tasks import load_task
+from tests.evaluate.standin import score
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NUM_EXAMPLES = 200
@@ -52,7 +53,7 @@ def test_items_are_valid_next_lines_with_three_reordered_distractors(corpus, tas
     assert load_task({"name": "next_line", "type": "multiple_choice", "path": task_path}).name == "next_line"
 
 
-def test_a_model_of_the_corpus_character_pairs_beats_chance(corpus, task_path):
+def test_a_model_of_the_corpus_character_pairs_beats_chance(corpus, task_path, tmp_path):
     # A character bigram model fitted on the corpus stands in for a briefly trained model.
     ids = torch.tensor([min(ord(c), 127) for c in "".join(corpus[1])])
     counts = torch.ones(128, 128).index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1), accumulate=True)
@@ -63,8 +64,7 @@ def test_a_model_of_the_corpus_character_pairs_beats_chance(corpus, task_path):
         return rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1), rows.argmax(-1) == targets
 
     task = load_task({"name": "next_line", "type": "multiple_choice", "path": task_path})
-    result = evaluate_task(task, lambda s: [min(ord(c), 127) for c in s], forward_logprobs,
-                           max_length=512, batch_size=32)
+    result = score(task, forward_logprobs, tmp_path, max_length=512, batch_size=32)  # through lm-eval
     assert result["acc"] > 0.35
     assert result["acc_norm"] == result["acc"]  # all choices have the same length
 

@@ -1,4 +1,5 @@
-"""Task files, tokenization seams and metrics, against a bigram "model" over characters whose scores are known.
+"""Local task files, checked and normalized, scored by lm-eval through this repository's task files, against a
+bigram "model" over characters whose scores are known.
 
 The model: after each character one "favorite" character has logit FAVORITE_LOGIT and all others 0, so a
 favorite costs F nats and any other character O nats (F > O), and the greedy decode is the favorite chain
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from runtime.evaluate.report import render_table, write_results
-from runtime.evaluate.tasks import Task, encode_pair, evaluate_task, join_continuation, load_task
+from runtime.evaluate.tasks import Task, join_continuation, load_task
+from tests.evaluate.standin import score
 
 VOCAB = 128
 FAVORITE_LOGIT = 6.0
@@ -40,8 +42,9 @@ def write_jsonl(path, docs) -> str:
     return str(path)
 
 
-def evaluate(task: Task) -> dict:
-    return evaluate_task(task, tokenize, forward_logprobs, max_length=64, batch_size=3)
+@pytest.fixture
+def evaluate(tmp_path):
+    return lambda task: score(task, forward_logprobs, tmp_path)
 
 
 MULTIPLE_CHOICE = [
@@ -56,24 +59,24 @@ MULTIPLE_CHOICE = [
 ]
 
 
-def test_multiple_choice_metrics_are_known_exactly(tmp_path):
+def test_multiple_choice_metrics_are_known_exactly(tmp_path, evaluate):
     assert F + O > 14 * F + O and (14 * F + O) / 14 > F + O  # the length-normalization example flips
     path = write_jsonl(tmp_path / "mc.jsonl", MULTIPLE_CHOICE)
     result = evaluate(load_task({"name": "mc", "type": "multiple_choice", "path": path, "limit": None}))
-    assert result["task"] == "mc" and result["type"] == "multiple_choice" and result["num_examples"] == 4
+    assert result["task"] == "mc" and result["type"] == "lm_eval" and result["num_examples"] == 4
     assert result["acc"] == 0.5
     assert result["acc_stderr"] == pytest.approx(math.sqrt(1 / 12))  # sample std of [1, 0, 0, 1] / sqrt(4)
     assert result["acc_norm"] == 0.75
     assert result["acc_norm_stderr"] == pytest.approx(0.25)  # sample std of [1, 0, 1, 1] / sqrt(4)
 
 
-def test_limit_keeps_the_first_examples(tmp_path):
+def test_limit_keeps_the_first_examples(tmp_path, evaluate):
     path = write_jsonl(tmp_path / "mc.jsonl", MULTIPLE_CHOICE)
     result = evaluate(load_task({"name": "mc", "type": "multiple_choice", "path": path, "limit": 1}))
     assert result["num_examples"] == 1 and result["acc"] == 1.0 and result["acc_stderr"] is None
 
 
-def test_last_word_accuracy_and_perplexity(tmp_path):
+def test_last_word_accuracy_and_perplexity(tmp_path, evaluate):
     texts = [
         "q ab",       # " ab": 3F, greedy
         "q ba",       # " ba": F + 2O
@@ -85,37 +88,13 @@ def test_last_word_accuracy_and_perplexity(tmp_path):
     assert result["num_examples"] == 4
     assert result["acc"] == 0.5
     assert result["acc_stderr"] == pytest.approx(math.sqrt(1 / 12))
-    assert result["ppl"] == pytest.approx(math.exp(-(3 * F + (F + 2 * O) + 3 * F + (3 * F + O)) / 4), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(-(3 * F + (F + 2 * O) + 3 * F + (3 * F + O)) / 4), rel=1e-5)
 
 
 def test_continuation_spacing_rule():
     assert join_continuation("Question: 2+2?", "4") == " 4"
     assert join_continuation("def f():\n", "    return 1") == "    return 1"  # context ends with whitespace
     assert join_continuation("The cat", " sat") == " sat"  # the choice brings its own space
-
-
-def merging_tokenize(text: str) -> list[int]:
-    """Characters, except that "ab" is one token (200): a tokenizer whose tokens can straddle the seam."""
-    tokens, i = [], 0
-    while i < len(text):
-        if text.startswith("ab", i):
-            tokens.append(200)
-            i += 2
-        else:
-            tokens.append(ord(text[i]))
-            i += 1
-    return tokens
-
-
-def test_encode_pair_takes_the_tail_of_the_joint_encoding():
-    assert encode_pair(merging_tokenize, "x", " ab") == ([ord("x")], [ord(" "), 200])
-    # Trailing whitespace moves to the continuation, where a BPE vocabulary would put it.
-    assert encode_pair(merging_tokenize, "x ", "ab") == ([ord("x")], [ord(" "), 200])
-
-
-def test_encode_pair_falls_back_when_a_token_straddles_the_seam():
-    # tokenize("xab") = [x, 200] does not start with tokenize("xa") = [x, a]: encode "b" alone.
-    assert encode_pair(merging_tokenize, "xa", "b") == ([ord("x"), ord("a")], [ord("b")])
 
 
 @pytest.mark.parametrize("spec, lines, message", [
@@ -130,6 +109,7 @@ def test_encode_pair_falls_back_when_a_token_straddles_the_seam():
     ({"type": "multiple_choice"}, ['{"context": "c", "choices": ["a", "b"], "label": 2}'],
      r"t\.jsonl:1: key 'gold'/'label' = 2 is out of range for 2 choices"),
     ({"type": "multiple_choice"}, [], r"tasks\[t\]\.path: .* holds no examples"),
+    ({"type": "perplexity"}, ['{"text": "  "}'], r"t\.jsonl:1: key 'text' must be a non-empty string"),
 ])
 def test_bad_specs_and_files_raise_value_error_naming_the_key(tmp_path, spec, lines, message):
     if lines is not None:
@@ -138,7 +118,7 @@ def test_bad_specs_and_files_raise_value_error_naming_the_key(tmp_path, spec, li
         load_task({"name": "t", **spec})
 
 
-def test_results_file_and_table(tmp_path):
+def test_results_file_and_table(tmp_path, evaluate):
     path = write_jsonl(tmp_path / "mc.jsonl", MULTIPLE_CHOICE)
     result = evaluate(load_task({"name": "mc", "type": "multiple_choice", "path": path}))
     out = tmp_path / "out" / "results.json"
@@ -149,5 +129,5 @@ def test_results_file_and_table(tmp_path):
     table = render_table([result])
     cells = [list(column.cells) for column in table.columns]
     rows = list(zip(*cells))
-    assert rows == [("mc", "multiple_choice", "4", "acc", "0.5000", "± 0.2887"),
+    assert rows == [("mc", "lm_eval", "4", "acc", "0.5000", "± 0.2887"),
                     ("", "", "", "acc_norm", "0.7500", "± 0.2500")]

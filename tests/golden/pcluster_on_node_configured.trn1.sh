@@ -70,15 +70,15 @@ if ! command -v "$PYTHON_FOR_VENV" > /dev/null; then
     dnf install -y -q "$PYTHON_FOR_VENV"
   fi
 fi
-# A path (a checkout or a wheel) gets the runtime extra here; anything else is a complete pip requirement,
-# e.g. 'nxdt-launch[runtime] @ git+https://...'.
+# A path (a checkout or a wheel) gets the runtime and eval extras here; anything else is a complete pip requirement,
+# e.g. 'nxdt-launch[runtime,eval] @ git+https://...'.
 case "$PROJECT" in
   /*) if [ ! -e "$PROJECT" ]; then
         echo "nxdt: $PROJECT is not there yet; put a checkout of nxdt-launch there (docs/parallelcluster.md)" >&2
         # The head node starts before anyone could copy it; compute nodes must not start without it.
         if [ "$ROLE" = head ]; then exit 0; else exit 1; fi
       fi
-      NODE_SPEC="$PROJECT[runtime]" ;;
+      NODE_SPEC="$PROJECT[runtime,eval]" ;;
   *) NODE_SPEC="$PROJECT" ;;
 esac
 "$PYTHON_FOR_VENV" -m venv "$VENV"
