@@ -7,6 +7,12 @@ import pytest
 
 pytest_plugins = ["tests.slurm_cluster", "tests.s3_server", "tests.recipe_data"]
 
+# Nothing a test runs reaches for the Hugging Face Hub (this machine has no network: datasets and transformers
+# would wait on retries), as the evaluation stage runs on a node (runtime/evaluate/lm_tasks.py offline). Set before
+# any test imports them: both read it once, at import.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(autouse=True)
 def _own_run_index(tmp_path_factory, monkeypatch):

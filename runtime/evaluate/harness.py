@@ -21,6 +21,7 @@ together. Results are written by the main rank.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -138,10 +139,13 @@ class RuntimeLM(TemplateLM):
         return out
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render_chat(self._chat, chat_history, add_generation_prompt)
+
+    @functools.cached_property
+    def _chat(self):
         from runtime.schema.chat import ChatTokenizer
 
-        chat = ChatTokenizer(self._tokenizer_json)  # the tokenizer's own template (tokenizer_config.json)
-        return chat.render(chat_history, add_generation_prompt=add_generation_prompt)
+        return ChatTokenizer(self._tokenizer_json)  # the tokenizer's own template (tokenizer_config.json)
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         if chat_template is False or chat_template is None:
@@ -235,6 +239,17 @@ class RuntimeLM(TemplateLM):
             if stops:
                 return set(stops)
         return {self._eos} if self._eos is not None else set()
+
+
+def render_chat(chat, history: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """The prompt text of a chat history, as `hf` has transformers render it: with the generation prompt, or
+    continuing the final (assistant) message, the text cut right after its content (no end of turn)."""
+    text = chat.render(history, add_generation_prompt=add_generation_prompt)
+    if add_generation_prompt or not history or history[-1]["role"] != "assistant":
+        return text
+    final = history[-1]["content"]
+    final = final if final in text else final.strip()
+    return text[:text.rindex(final) + len(final)]
 
 
 def run(lm: RuntimeLM, tasks: list[str | dict], *, task_manager, num_fewshot: int | None, limit: float | None,

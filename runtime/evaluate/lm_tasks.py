@@ -18,6 +18,7 @@ matching file of task_files/ on it.
 from __future__ import annotations
 
 import difflib
+import functools
 import glob
 import os
 from pathlib import Path
@@ -59,7 +60,9 @@ def local_task(name: str, kind: str, data_file: str | os.PathLike) -> dict[str, 
     return config
 
 
+@functools.lru_cache(maxsize=4)
 def task_manager(include_path: str | None, *, defaults: bool):
+    """lm-eval's index of task files (lm-eval's own ~15,000 take seconds: built once per process and folder)."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=include_path, include_defaults=defaults)

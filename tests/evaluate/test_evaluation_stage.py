@@ -1,5 +1,6 @@
 # The evaluation stage through the launcher: a checkpoint trained at tp=2 x pp=2 evaluates to the same loss and
-# the same zero-shot scores at tp=1 x pp=1 and under the interleaved forward-only schedule (pp=2 x vpp=2).
+# the same zero-shot scores at tp=1 x pp=1 and under the interleaved forward-only schedule (pp=2 x vpp=2); its
+# lm-eval tasks (a local type, and a task of the user's own include_path by name) take lm-eval's options.
 import json
 
 import pytest
@@ -24,6 +25,23 @@ def _evaluate(config: str) -> int:
     return main(["--config", config])
 
 
+def _named_task(directory, data):
+    """A task of the user's own, by name from evaluation.include_path (lm-eval's --include_path)."""
+    directory.mkdir()
+    (directory / "next_word.yaml").write_text(f"""
+task: next_word
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: gold
+metric_list: [{{metric: acc, aggregation: mean, higher_is_better: true}}]
+""")
+    return directory
+
+
 def _choice_file(path):
     """Counting sequences: the gold continuation keeps counting, the others break the pattern."""
     lines = []
@@ -40,6 +58,7 @@ def _choice_file(path):
 def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path, capfd):
     data = counting_corpus(tmp_path / "data")
     tasks = _choice_file(tmp_path / "choices.jsonl")
+    include = _named_task(tmp_path / "my_tasks", tasks)
     train = training_overrides(data, tmp_path / "results", steps=6, every=0,
                                extra=("training.trainer.devices=4", "training.model.tensor_model_parallel_size=2",
                                       "training.model.pipeline_model_parallel_size=2", "training.model.num_layers=4"))
@@ -54,7 +73,8 @@ def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path, capfd)
     for name, layout in EVAL_LAYOUTS.items():
         evaluate = [o.replace("stages=[training]", "stages=[evaluation]") for o in train] + layout + [
             f"evaluation.run.results_dir={tmp_path / name}", "evaluation.limit_batches=2",
-            f"evaluation.tasks=[validation_loss,{{name: count, type: multiple_choice, path: {tasks}}}]"]
+            f"evaluation.tasks=[validation_loss,{{name: count, type: multiple_choice, path: {tasks}}},next_word]",
+            f"evaluation.include_path={include}", "evaluation.num_fewshot=1", "evaluation.limit=6"]
         rendered = nxdt("cluster_type=local", *evaluate, "--dry-run", cwd=tmp_path)
         assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr[-3000:]
         devices = next(int(o.rpartition("=")[2]) for o in layout if o.startswith("evaluation.trainer.devices="))
@@ -63,8 +83,13 @@ def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path, capfd)
             [0] * devices
         assert "trained at tp 2 pp 2" in capfd.readouterr().out
         scores[name] = json.loads((tmp_path / name / "results.json").read_text())["tasks"]
+        harness = json.loads((tmp_path / name / "lm_eval_results.json").read_text())  # lm-eval's own results
+        assert harness["n-samples"]["next_word"]["effective"] == 6 and harness["configs"]["next_word"][
+            "num_fewshot"] == 1, harness["config"]
 
     reference = scores.pop("tp1_pp1")
     for name, tasks_out in scores.items():
         assert tasks_out[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-5), name
+        assert [t["task"] for t in tasks_out] == ["validation_loss", "count", "next_word"]
         assert tasks_out[1]["acc"] == reference[1]["acc"] and tasks_out[1]["acc_norm"] == reference[1]["acc_norm"]
+        assert tasks_out[2]["acc"] == reference[2]["acc"] and tasks_out[2]["num_examples"] == 6

@@ -212,3 +212,28 @@ def test_word_perplexity_equals_the_trainer_loss_path_on_the_same_text(trained, 
     nll = eval_step(loaded.model, batches, loaded.topo) * tokens  # token-weighted mean over every window
     words = sum(len(text.split()) for text in texts)
     assert row["word_perplexity"] == pytest.approx(math.exp(nll / words), rel=1e-5)
+
+
+HISTORIES = [
+    ([{"role": "user", "content": "reverse: a b"}], True),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "add: 1 + 2"},
+      {"role": "assistant", "content": "3"}, {"role": "user", "content": "add: 2 + 2"}], True),  # few-shot as turns
+    ([{"role": "user", "content": "sort: 3 1"}, {"role": "assistant", "content": "1 "}], False),  # continue the reply
+]
+
+
+@pytest.mark.parametrize("history, add_generation_prompt", HISTORIES)
+def test_chat_prompts_render_as_transformers_renders_them_for_the_hf_backend(tmp_path, history,
+                                                                             add_generation_prompt):
+    from transformers import AutoTokenizer
+
+    from runtime.schema.chat import ChatTokenizer
+    from runtime.sft.synthetic import tokenizer_config, train_tokenizer
+
+    text = train_tokenizer(["reverse sort add brief " * 20, "0 1 2 3 4 5 6 7 8 9"], vocab_size=300)
+    (tmp_path / "tokenizer.json").write_text(text)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(text)))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        history, tokenize=False, add_generation_prompt=add_generation_prompt,
+        continue_final_message=not add_generation_prompt)
+    assert harness.render_chat(ChatTokenizer(tmp_path / "tokenizer.json"), history, add_generation_prompt) == theirs

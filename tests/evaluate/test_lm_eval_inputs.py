@@ -1,0 +1,72 @@
+"""lm-eval task names and their data, refused in one line each: at launch (nothing written) and on the node before
+the model loads (runtime/evaluate/__main__.py check_inputs), with nothing downloaded."""
+import pytest
+
+from launcher.validate import lm_eval_tasks
+from runtime.evaluate.__main__ import check_inputs
+from runtime.schema.evaluation import parse_evaluation
+from runtime.schema.reader import ConfigErrors
+from tests.launcher.helpers import nxdt
+
+
+def _config(tasks, **options):
+    raw = {"run": {"results_dir": "/tmp/r"}, "checkpoint_dir": "/tmp/c", "tasks": tasks, **options}
+    cfg, report = parse_evaluation(raw)
+    assert cfg is not None, report.errors
+    return cfg
+
+
+def _task_file(directory, name: str, data: str) -> str:
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: a\n")
+    return str(directory)
+
+
+def test_an_unknown_task_name_is_refused_at_launch_with_its_close_matches(tmp_path):
+    result = nxdt("cluster_type=local", "stages=[evaluation]", "evaluation.tasks=[hellaswg]", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: evaluation.tasks: 'hellaswg' is not an lm-eval task") and "hellaswag," in line
+    assert "Traceback" not in result.stderr and not (tmp_path / "results").exists()  # nothing written
+
+
+def test_a_task_whose_local_data_file_is_missing_names_the_file(tmp_path):
+    include = _task_file(tmp_path / "tasks", "mine", str(tmp_path / "gone.jsonl"))
+    cfg = _config(["mine"], include_path=include)
+    [line] = lm_eval_tasks(cfg)  # at launch
+    assert f"mine: its data file {tmp_path / 'gone.jsonl'} does not exist" in line
+    with pytest.raises(ConfigErrors) as raised:  # and on the node, before the model loads
+        check_inputs(cfg)
+    assert raised.value.problems == [line]
+
+
+def test_a_hub_dataset_not_in_the_datasets_cache_is_one_line_naming_where_it_looked(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))  # check_inputs sets it from the config: undone after
+    cfg = _config(["hellaswag"], datasets_cache=str(cache))
+    [line] = lm_eval_tasks(cfg)
+    assert f"hellaswag: its dataset 'Rowan/hellaswag' is not in the local datasets cache (looked for {cache}/" \
+           "Rowan___hellaswag)" in line
+    # A cache folder that is there but does not hold it: datasets, offline, says so while lm-eval builds the task.
+    (cache / "Rowan___hellaswag").mkdir(parents=True)
+    with pytest.raises(ConfigErrors) as raised:
+        check_inputs(cfg)
+    [line] = raised.value.problems
+    assert "hellaswag: its dataset 'Rowan/hellaswag' is not in the local datasets cache" in line
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"tasks": ["two words"]}, "evaluation.tasks[0]: 'two words' is neither a built-in task"),
+    ({"tasks": ["hellaswag"], "limit": 1.5}, "evaluation.limit: 1.5 must be null, a whole number"),
+    ({"tasks": ["hellaswag"], "num_fewshot": -1}, "evaluation.num_fewshot"),
+])
+def test_bad_lm_eval_options_are_one_line_each(raw, message):
+    _, report = parse_evaluation({"run": {"results_dir": "/r"}, "checkpoint_dir": "/c", **raw})
+    assert len(report.errors) == 1 and message in report.errors[0], report.errors
+
+
+def test_an_include_path_that_is_no_folder_is_refused(tmp_path):
+    [line] = lm_eval_tasks(_config(["mine"], include_path=str(tmp_path / "nowhere")))
+    assert line.startswith("evaluation.include_path: ") and "is not a directory" in line
