@@ -69,7 +69,10 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         evaluation, report = parse_evaluation(cfg.stage("evaluation").section)
         errors += report.errors
         if evaluation is not None:
-            errors += lm_eval_tasks(evaluation)
+            # A dry run may render for a cluster whose files it cannot see: missing data is a warning there.
+            name_errors, missing = lm_eval_tasks(evaluation)
+            errors += name_errors + ([] if dry_run else missing)
+            warnings += missing if dry_run else []
     # Inputs on S3 are staged inside the job; staging.problems checks their names, the job the rest.
     preparation = cfg.stage("data_preparation").section if "data_preparation" in stages else None
     if preparation is not None and not staging.s3_values(preparation):
@@ -82,15 +85,15 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
     return errors, warnings
 
 
-def lm_eval_tasks(evaluation) -> list[str]:
-    """The lm-eval task names of the evaluation stage, and the local data files they read, checked here where
-    lm-eval is installed (the stage checks them again on the node before its model loads, and says the same)."""
+def lm_eval_tasks(evaluation) -> tuple[list[str], list[str]]:
+    """(problems with the evaluation stage's lm-eval task names, data they read that is not here), checked where
+    lm-eval is installed (the stage checks both again on the node before its model loads, and says the same)."""
     names = [spec.name for spec in evaluation.tasks if spec.type == "lm_eval"]
     if not names or importlib.util.find_spec("lm_eval") is None:
-        return []
+        return [], []
     from runtime.evaluate import lm_tasks  # lm-eval's task index: no torch
 
-    return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache)[1]
+    return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache)[1:]
 
 
 def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], list[str]]:

@@ -217,7 +217,8 @@ def check_inputs(cfg: EvaluationConfig):
     if not names and not any(spec.type in LOCAL_TYPES for spec in cfg.tasks):
         return None
     lm_tasks.offline(cfg.lm_eval.datasets_cache)
-    manager, errors = lm_tasks.resolve(names, cfg.lm_eval.include_path, cfg.lm_eval.datasets_cache)
+    manager, errors, missing = lm_tasks.resolve(names, cfg.lm_eval.include_path, cfg.lm_eval.datasets_cache)
+    errors += missing
     for name in names if not errors else ():
         try:
             manager.load([name])  # reads the data now (offline): what is missing fails here

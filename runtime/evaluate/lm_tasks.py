@@ -69,30 +69,30 @@ def task_manager(include_path: str | None, *, defaults: bool):
 
 
 def resolve(names: list[str], include_path: str | None, datasets_cache: str | None = None,
-            key: str = "evaluation.") -> tuple[Any, list[str]]:
-    """(an lm-eval TaskManager that knows every name, one line per problem): a name that is no task, group or tag
-    (with its close matches), an include_path that is no folder, a task whose local data file is not there or
-    whose Hub dataset is not in the datasets cache."""
+            key: str = "evaluation.") -> tuple[Any, list[str], list[str]]:
+    """(an lm-eval TaskManager that knows every name, one line per problem with the names, one per missing input):
+    a name that is no task, group or tag (with its close matches) or an include_path that is no folder; a task
+    whose local data file is not there or whose Hub dataset is not in the datasets cache."""
+    if include_path is not None and not Path(include_path).is_dir():  # nothing to look the names up in here
+        return None, [], [f"{key}include_path: {include_path!r} is not a directory; point it at a folder of lm-eval "
+                          f"task YAML files"]
     if not names:
-        return None, []
-    if include_path is not None and not Path(include_path).is_dir():
-        return None, [f"{key}include_path: {include_path!r} is not a directory; point it at a folder of lm-eval "
-                      f"task YAML files"]
+        return None, [], []
     manager = task_manager(include_path, defaults=False) if include_path else None
     if manager is None or not all(_known_closure(manager, name) for name in names):
         manager = task_manager(include_path, defaults=True)
-    errors = []
+    errors, missing = [], []
     for name in names:
         if name in manager.task_index:
             for line in _missing_data(manager, name, datasets_cache, key):
-                if line not in errors:  # a group's tasks often share one dataset: one line for it
-                    errors.append(line)
+                if line not in missing:  # a group's tasks often share one dataset: one line for it
+                    missing.append(line)
             continue
         close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
         hint = f"close matches: {', '.join(close)}" if close else "`lm-eval ls tasks` lists them"
         errors.append(f"{key}tasks: {name!r} is not an lm-eval task, group or tag ({hint}); your own task YAML files "
                       f"go in a folder named by {key}include_path")
-    return manager, errors
+    return manager, errors, missing
 
 
 def _children(manager, name: str) -> list[str]:

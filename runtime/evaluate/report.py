@@ -1,6 +1,6 @@
 """Evaluation results: one JSON file for machines, one rich table for people.
 
-A result is the dict `tasks.evaluate_task` returns: {"task", "type", "num_examples", <metric>: float,
+A result is a dict {"task", "type", "num_examples", <metric>: float,
 <metric>_stderr: float | None, ...}. Every other number in it is shown as a metric, so results from other
 sources (a validation-loss pass, say) render the same way.
 """

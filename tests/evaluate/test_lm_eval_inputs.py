@@ -35,7 +35,7 @@ def test_an_unknown_task_name_is_refused_at_launch_with_its_close_matches(tmp_pa
 def test_a_task_whose_local_data_file_is_missing_names_the_file(tmp_path):
     include = _task_file(tmp_path / "tasks", "mine", str(tmp_path / "gone.jsonl"))
     cfg = _config(["mine"], include_path=include)
-    [line] = lm_eval_tasks(cfg)  # at launch
+    [], [line] = lm_eval_tasks(cfg)  # at launch (a dry run warns: it may render for another machine's files)
     assert f"mine: its data file {tmp_path / 'gone.jsonl'} does not exist" in line
     with pytest.raises(ConfigErrors) as raised:  # and on the node, before the model loads
         check_inputs(cfg)
@@ -46,7 +46,7 @@ def test_a_hub_dataset_not_in_the_datasets_cache_is_one_line_naming_where_it_loo
     cache = tmp_path / "cache"
     monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))  # check_inputs sets it from the config: undone after
     cfg = _config(["hellaswag"], datasets_cache=str(cache))
-    [line] = lm_eval_tasks(cfg)
+    [], [line] = lm_eval_tasks(cfg)
     assert f"hellaswag: its dataset 'Rowan/hellaswag' is not in the local datasets cache (looked for {cache}/" \
            "Rowan___hellaswag)" in line
     # A cache folder that is there but does not hold it: datasets, offline, says so while lm-eval builds the task.
@@ -68,5 +68,5 @@ def test_bad_lm_eval_options_are_one_line_each(raw, message):
 
 
 def test_an_include_path_that_is_no_folder_is_refused(tmp_path):
-    [line] = lm_eval_tasks(_config(["mine"], include_path=str(tmp_path / "nowhere")))
+    [], [line] = lm_eval_tasks(_config(["mine"], include_path=str(tmp_path / "nowhere")))
     assert line.startswith("evaluation.include_path: ") and "is not a directory" in line
