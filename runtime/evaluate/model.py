@@ -66,11 +66,14 @@ def load_baseline(loaded: LoadedModel, device) -> tuple[torch.nn.Module, str]:
 
 
 def _scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) full-vocabulary logits -> (B, T, 2): log-prob of each target and whether it is the argmax."""
+    """(B, T, V) full-vocabulary logits -> (B, T[, K], 2): log-prob of each target (of each of its K candidates)
+    and whether it is the argmax."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    target = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    greedy = (logprobs.argmax(dim=-1) == targets).float()
-    return torch.stack([target, greedy], dim=-1)
+    index = targets if targets.dim() == 3 else targets.unsqueeze(-1)      # (B, T, K)
+    target = logprobs.gather(-1, index)
+    greedy = (logprobs.argmax(dim=-1, keepdim=True) == index).float()
+    scores = torch.stack([target, greedy], dim=-1)                         # (B, T, K, 2)
+    return scores if targets.dim() == 3 else scores.squeeze(2)
 
 
 def forward_logprobs_fn(loaded: LoadedModel, device):
@@ -85,7 +88,7 @@ def forward_logprobs_fn(loaded: LoadedModel, device):
             # One micro-batch per row keeps every stage busy on different rows (the schedule's whole point).
             rows = [PreparedBatch(input_ids[i:i + 1], targets[i:i + 1], None) for i in range(input_ids.shape[0])]
             parts = collect_pipeline(model, rows, topo, _scores,
-                                     out_shape=lambda ids: (*ids.shape, 2))
+                                     out_shape=lambda ids: (*ids.shape, *targets.shape[2:], 2))
             scores = torch.cat(parts)
         else:
             scores = _scores(model(input_ids), targets)

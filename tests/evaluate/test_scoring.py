@@ -16,10 +16,11 @@ def bigram_table(seed: int = 0) -> torch.Tensor:
 
 
 def bigram_forward(table: torch.Tensor):
-    def forward_logprobs(input_ids, targets):
+    def forward_logprobs(input_ids, targets):  # targets (B, T) or (B, T, K): K candidates per position
         rows = table[input_ids]  # (B, T, V)
-        logprobs = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
-        return logprobs, rows.argmax(-1) == targets
+        index = targets if targets.dim() == 3 else targets.unsqueeze(-1)
+        logprobs, greedy = rows.gather(-1, index).float(), rows.argmax(-1, keepdim=True) == index
+        return (logprobs, greedy) if targets.dim() == 3 else (logprobs.squeeze(-1), greedy.squeeze(-1))
     return forward_logprobs
 
 
@@ -69,6 +70,24 @@ def test_batch_size_does_not_change_results_or_their_order(batch_size):
     forward = bigram_forward(bigram_table(1))
     reference = loglikelihood(REQUESTS, forward, max_length=16, batch_size=1)
     assert loglikelihood(REQUESTS, forward, max_length=16, batch_size=batch_size) == reference
+
+
+def test_requests_with_the_same_inputs_share_one_row_of_one_forward_pass():
+    table = bigram_table(2)
+    forward, rows = bigram_forward(table), []
+
+    def counting(input_ids, targets):
+        rows.append(input_ids.shape[0])
+        return forward(input_ids, targets)
+
+    # Three one-token answers to one question; a two-token answer and two one-token ones with the same inputs.
+    requests = [([1, 2, 3], [4]), ([1, 2, 3], [5]), ([1, 2, 3], [6]), ([7], [8, 9]), ([7, 8], [9]), ([7, 8], [2]),
+                ([5], [6, 7, 8])]
+    got = loglikelihood(requests, counting, max_length=16, batch_size=8)
+    assert rows == [3]  # [1, 2, 3], [7, 8] and [5, 6, 7]: one row each, in one pass
+    for (context, continuation), (loglik, greedy) in zip(requests, got, strict=True):
+        want_loglik, want_greedy = by_hand(table, context, continuation)
+        assert loglik == pytest.approx(want_loglik, abs=1e-5) and greedy == want_greedy
 
 
 def test_rows_are_left_truncated_and_right_padded():
@@ -122,8 +141,8 @@ def test_a_long_task_reports_its_progress(capsys):
     from runtime.evaluate.__main__ import Progress
 
     report = Progress("demo_code_lines (3/3)", enabled=True, every_s=0.0)
-    requests = [([1, 2], [3])] * 5
-    loglikelihood(requests, lambda inputs, targets: (torch.zeros(inputs.shape), torch.ones(inputs.shape)),
+    requests = [([1, 2 + i], [3]) for i in range(5)]
+    loglikelihood(requests, lambda inputs, targets: (torch.zeros(targets.shape), torch.ones(targets.shape)),
                   max_length=8, batch_size=2, progress=report)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "demo_code_lines (3/3): started"

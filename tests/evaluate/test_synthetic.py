@@ -11,6 +11,7 @@ from runtime.data_prep.demo import documents
 from runtime.evaluate.synthetic import build_demo_task
 from runtime.evaluate.tasks import load_task
 from tests.evaluate.standin import score
+from tests.evaluate.test_tasks import lookup
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 NUM_EXAMPLES = 200
@@ -60,8 +61,7 @@ def test_a_model_of_the_corpus_character_pairs_beats_chance(corpus, task_path, t
     table = torch.log(counts / counts.sum(-1, keepdim=True))
 
     def forward_logprobs(input_ids, targets):
-        rows = table[input_ids]  # (B, T, V)
-        return rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1), rows.argmax(-1) == targets
+        return lookup(table, input_ids, targets)
 
     task = load_task({"name": "next_line", "type": "multiple_choice", "path": task_path})
     result = score(task, forward_logprobs, tmp_path, max_length=512, batch_size=32)  # through lm-eval

@@ -29,12 +29,19 @@ def tokenize(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def forward_logprobs(input_ids, targets):
+def forward_logprobs(input_ids, targets):  # targets (B, T) or (B, T, K): scoring.py's LogprobFn
     logits = torch.zeros(VOCAB, VOCAB)
     for previous in range(VOCAB):
         logits[previous, ord(favorite(chr(previous)))] = FAVORITE_LOGIT
-    table = torch.log_softmax(logits, dim=-1)[input_ids]  # (B, T, V)
-    return table.gather(-1, targets.unsqueeze(-1)).squeeze(-1), table.argmax(-1) == targets
+    return lookup(torch.log_softmax(logits, dim=-1), input_ids, targets)
+
+
+def lookup(table, input_ids, targets):
+    """A bigram log-prob table's answer to a LogprobFn call."""
+    rows = table[input_ids]  # (B, T, V)
+    index = targets if targets.dim() == 3 else targets.unsqueeze(-1)
+    logprobs, greedy = rows.gather(-1, index), rows.argmax(-1, keepdim=True) == index
+    return (logprobs, greedy) if targets.dim() == 3 else (logprobs.squeeze(-1), greedy.squeeze(-1))
 
 
 def write_jsonl(path, docs) -> str:
