@@ -265,6 +265,7 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
         activation_checkpointing=cfg.parallel.activation_checkpointing,
         recompute_modules=cfg.parallel.recompute_modules,
         virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
+        pipeline_cuts=cfg.parallel.pipeline_cuts,
         device=device.torch_device,
         data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed,
                                          overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,

@@ -14,7 +14,7 @@ import dataclasses
 from launcher.estimator.hardware import Hardware
 from launcher.estimator.memory import PRECISION_BYTES, kv_block_bytes
 from launcher.estimator.shapes import (Layout, ModelShape, count_parameters, expert_parameters, kv_heads_per_rank,
-                                       stage_moe_layers)
+                                       most_layers, stage_moe_layers)
 from runtime.schema import facts
 
 SECONDS_PER_DAY = 86400.0
@@ -207,7 +207,7 @@ def context_parallel_seconds(shape: ModelShape, layout: Layout, hardware: Hardwa
         return 0.0
     inter_node = layout.tp * layout.context > layout.devices_per_node
     gbps = hardware.inter_node_gbps if inter_node else hardware.intra_node_gbps
-    layers = layout.num_micro_batches * (shape.num_layers // layout.pp)
+    layers = layout.num_micro_batches * most_layers(shape, layout)
     if layout.cp > 1:
         flops_per_s = hardware.peak_tflops * 1e12 * mfu * gemm_efficiency(shape, layout)
         return layers * ring_seconds_per_layer(shape, layout, gbps, flops_per_s)
@@ -234,7 +234,7 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
     bubble = compute * (p - 1) / (m * v) if p > 1 else 0.0
 
     micro_activation = layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length) * shape.hidden_size * c
-    layers = shape.num_layers // p
+    layers = most_layers(shape, layout)  # the slowest stage: the others wait for it
     collectives_per_layer = 4 + (2 if layout.recompute == "full" else 0)  # 2 forward, 2 backward, 2 recomputed
     tensor_parallel = m * layers * collectives_per_layer * _ring_seconds(
         micro_activation, layout.tp, hardware.intra_node_gbps, all_reduce=True)

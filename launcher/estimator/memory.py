@@ -40,7 +40,7 @@ import math
 
 import dataclasses
 
-from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters,
+from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, rank_layers,
                                        stage_expert_parameters, stage_moe_layers, stage_parameters)
 from runtime.schema.facts import DTYPE_BYTES, PRECISION_POLICIES, PrecisionPolicy
 
@@ -291,7 +291,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     params = stage_parameters(shape, layout, first=first, last=last)
     experts = stage_expert_parameters(shape, layout, first=first)
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
-    layers = shape.num_layers // layout.pp
+    layers = len(rank_layers(shape, layout, 0 if first else layout.pp - 1))
     buffers = 0.0
     if shape.architecture == "llama":
         # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py), so a

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from launcher.errors import UserError
+from runtime.schema import rules
 from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
@@ -104,6 +105,7 @@ class Layout:
     ep: int = 1                  # expert-parallel size: experts sharded over ep consecutive data-parallel ranks
     cp: int = 1                  # context-parallel size: sequences split over cp consecutive dp ranks (ring)
     ulysses: int = 1             # Ulysses size: the same split, with head-split attention (one of cp, ulysses is 1)
+    pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
 
     @property
     def world_size(self) -> int:
@@ -225,6 +227,7 @@ def layout_from_training(sizing: SizingConfig, trainer: TrainerConfig) -> Layout
         ep=parallel.ep,
         cp=parallel.cp,
         ulysses=parallel.ulysses,
+        pipeline_cuts=parallel.pipeline_cuts,
     )
 
 
@@ -310,18 +313,25 @@ def count_parameters(shape: ModelShape) -> ParameterCount:
     )
 
 
+def rank_layers(shape: ModelShape, layout: Layout, rank: int) -> list[int]:
+    """The layers pipeline rank `rank` holds: global stages v * pp + rank of pp * vpp, split as the runtime splits
+    them (rules.stage_layers: model.pipeline_cuts, else as evenly as the layers allow)."""
+    pp, vpp = layout.pp, layout.vpp
+    ranges = rules.stage_layers(shape.num_layers, pp * vpp, layout.pipeline_cuts)
+    return [index for v in range(vpp) for index in ranges[v * pp + rank]]
+
+
+def most_layers(shape: ModelShape, layout: Layout) -> int:
+    """Layers on the pipeline rank with the most: the slowest stage, which the others wait for."""
+    return max(len(rank_layers(shape, layout, rank)) for rank in range(layout.pp))
+
+
 def stage_moe_layers(shape: ModelShape, layout: Layout, *, first: bool) -> int:
-    """MoE layers on the first pipeline rank (first) or the last. Rank r holds global stages v * pp + r of
-    pp * vpp equal runs of layers, as runtime/parallel/pipeline/stages.py splits them (the config rules make
-    num_layers divisible by pp * vpp)."""
+    """MoE layers on the first pipeline rank (first) or the last."""
     if shape.moe is None:
         return 0
-    pp, vpp = layout.pp, layout.vpp
-    per_stage = shape.num_layers // (pp * vpp)
-    rank = 0 if first else pp - 1
-    stages = [v * pp + rank for v in range(vpp)]
-    return sum(1 for stage in stages for index in range(stage * per_stage, (stage + 1) * per_stage)
-               if shape.is_moe_layer(index))
+    layers = rank_layers(shape, layout, 0 if first else layout.pp - 1)
+    return sum(1 for index in layers if shape.is_moe_layer(index))
 
 
 def stage_expert_parameters(shape: ModelShape, layout: Layout, *, first: bool) -> int:
@@ -338,7 +348,8 @@ def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bo
     """Parameters one device of a pipeline stage holds. Positions and norms are replicated over TP; with pipeline
     parallelism a tied output head is a separate copy on the last stage (Megatron's layout)."""
     h, t = shape.hidden_size, layout.tp
-    params = layer_parameters(shape, t) * (shape.num_layers // layout.pp)
+    rank = 0 if first else layout.pp - 1
+    params = layer_parameters(shape, t) * len(rank_layers(shape, layout, rank))
     moe_layers = stage_moe_layers(shape, layout, first=first)
     if moe_layers:  # the MLP replaced by this rank's experts (E / ep, a tp-th of each) and the router
         params += moe_layers * (layer_parameters(shape, t, moe=True, ep=layout.ep) - layer_parameters(shape, t))

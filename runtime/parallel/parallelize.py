@@ -30,7 +30,8 @@ from runtime.parallel.topology import AxisGroup, Topology
 def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: bool = False,
                       activation_checkpointing: str | None = None,
                       recompute_modules: Sequence[str] = ("core_attention",),
-                      virtual_pp: int | None = None, device: torch.device | str | None = None,
+                      virtual_pp: int | None = None, pipeline_cuts: Sequence[int] | None = None,
+                      device: torch.device | str | None = None,
                       data_parallel: DataParallelConfig | None = None, context: str = "ring",
                       attention_kernels=None,
                       starting_weights: Callable[[nn.Module, ShardingPlan], None] | None = None,
@@ -46,7 +47,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     activation_checkpointing: None, 'full' (recompute every transformer layer) or 'selective' (recompute the
     `recompute_modules` of every layer: 'core_attention' and/or 'mlp'; empty means ['core_attention']).
     With pp > 1 the result is this rank's PipelineStageModel (runtime/parallel/pipeline), holding `virtual_pp`
-    model chunks (None or 1: one), run by train_step/eval_step through a pipeline schedule.
+    model chunks (None or 1: one), run by train_step/eval_step through a pipeline schedule; pipeline_cuts: the
+    last layer of each stage but the last (None: as even as the layers allow; pipeline/stages.py split_layers).
     device: move the parallelized model there (and re-tie a shared embedding the move may have untied).
     data_parallel: apply data parallelism last (runtime/parallel/data_parallel.py); the optimizer needs it.
     context: how attention crosses a context group of more than one rank (topo.cp): 'ring' or 'ulysses'.
@@ -81,7 +83,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
                 checkpoint_module(block.attn.core_attention if name == "core_attention" else block.mlp)
     if topo.pp.size > 1:
         from runtime.parallel.pipeline.stages import split_into_stages  # deferred: an import cycle via runtime.parallel
-        model = split_into_stages(model, topo, plan, virtual_pp=virtual_pp, sequence_parallel=sequence_parallel)
+        model = split_into_stages(model, topo, plan, virtual_pp=virtual_pp, sequence_parallel=sequence_parallel,
+                                  cuts=pipeline_cuts)
         plan.keep_only(name for name, _ in model.named_parameters(remove_duplicate=False))
     model.sharding_plan = plan
     if shapes_only:

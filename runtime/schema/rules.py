@@ -109,12 +109,40 @@ def virtual_needs_pipeline(vpp: int | None, pp: int, p: str) -> str | None:
             f"set it to null")
 
 
-def layers_split(layers: int, pp: int, vpp: int | None, p: str) -> str | None:
+def layers_split(layers: int, pp: int, vpp: int | None, p: str, cuts: tuple[int, ...] | None = None) -> str | None:
+    """Layers over pipeline_model_parallel_size x virtual stages: evenly, or where model.pipeline_cuts says (NxD
+    Training's key: the last layer of every stage but the last, so uneven stages balance the embedding and the head)."""
     chunks = pp * (vpp or 1)
+    if cuts is not None:
+        bounds = [-1, *cuts, layers - 1]
+        if len(cuts) == chunks - 1 and all(b > a for a, b in zip(bounds, bounds[1:])):
+            return None
+        return (f"{p}model.pipeline_cuts: {list(cuts)} must be {chunks - 1} increasing layer indices below "
+                f"{layers - 1} (the last layer of each of the {chunks} stages but the last: pipeline_model_parallel_"
+                f"size x virtual_pipeline_model_parallel_size = {pp} x {vpp or 1}), e.g. "
+                f"{[round(layers * (i + 1) / chunks) - 1 for i in range(chunks - 1)]}")
     if layers % chunks == 0:
         return None
     return (f"{p}model.num_layers: {layers} is not divisible by pipeline_model_parallel_size × "
-            f"virtual_pipeline_model_parallel_size = {pp} × {vpp or 1} = {chunks}")
+            f"virtual_pipeline_model_parallel_size = {pp} × {vpp or 1} = {chunks}; or place the stages with "
+            f"model.pipeline_cuts")
+
+
+def stage_layers(layers: int, stages: int, cuts: tuple[int, ...] | None = None) -> list[range]:
+    """Layer index ranges of `stages` global pipeline stages, in stage order (the one owner of the split: the
+    runtime builds its stages by it, the estimator counts them by it). cuts: model.pipeline_cuts, checked by
+    layers_split; without them the extra layers of an uneven split go to the earliest stages (the last stage
+    already carries the output head and the loss)."""
+    if cuts is not None:
+        bounds = [-1, *cuts, layers - 1]
+        return [range(a + 1, b + 1) for a, b in zip(bounds, bounds[1:])]
+    base, extra = divmod(layers, stages)
+    ranges, start = [], 0
+    for stage in range(stages):
+        count = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
 
 
 # ------------------------------------------------------------------------------------------------------- shape

@@ -491,10 +491,28 @@ def _parallel(model: Section) -> ParallelConfig | None:
     )
     vpp = model.int("virtual_pipeline_model_parallel_size", None, minimum=1)
     granularity = model.choice("activations_checkpoint_granularity", C.CHECKPOINT_GRANULARITIES, None)
+    cuts = _pipeline_cuts(model)
     if any(v is None for v in values.values()):
         return None
     return ParallelConfig(virtual_pp=vpp, activation_checkpointing=granularity,
-                          recompute_modules=tuple(dict.fromkeys(modules)), **values)
+                          recompute_modules=tuple(dict.fromkeys(modules)), pipeline_cuts=cuts, **values)
+
+
+def _pipeline_cuts(model: Section) -> tuple[int, ...] | None:
+    """model.pipeline_cuts as layer indices: NxD Training writes module names ("model.layers.18"), a number is
+    the same layer. Their count and order are the layout rule's (rules.layers_split)."""
+    raw = model.raw("pipeline_cuts", None)
+    if raw is None:
+        return None
+    cuts = []
+    for item in raw if isinstance(raw, list) else [raw]:
+        text = str(item).removeprefix("model.").removeprefix("layers.") if not isinstance(item, bool) else ""
+        if not text.isdigit():
+            model.report.error(f"{model.key('pipeline_cuts')}: {raw!r} must be a list of layer indices or names "
+                               f"(model.layers.N), the last layer of each pipeline stage but the last")
+            return None
+        cuts.append(int(text))
+    return tuple(cuts)
 
 
 def _data(model: Section, seq_length: int | None, files: _Files, p: str, sft_data: bool = False
@@ -765,7 +783,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     report.error(rules.ffn_tp(shape["ffn_hidden_size"], tp, p))
     if heads % groups == 0:
         report.error(rules.kv_heads_tp(groups, tp, p))
-    report.error(rules.layers_split(shape["num_layers"], parallel.pp, parallel.virtual_pp, p))
+    report.error(rules.layers_split(shape["num_layers"], parallel.pp, parallel.virtual_pp, p, parallel.pipeline_cuts))
     moe = shape.get("moe")
     if moe is not None:
         for problem in rules.moe(shape.get("architecture", "llama"), moe.num_experts, moe.top_k, moe.frequency,

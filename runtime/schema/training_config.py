@@ -37,6 +37,7 @@ class ParallelConfig:
     ulysses: int = 1                      # model.ulysses_parallel_size: the same group, heads all-to-all'd
     overlap_grad_reduce: bool = True      # gradient buckets reduced during backward (runtime/parallel/data_parallel.py)
     overlap_param_gather: bool = True     # ZeRO-1's parameter all-gather overlapped with the optimizer's update
+    pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
 
     @property
     def context(self) -> int:

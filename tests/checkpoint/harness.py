@@ -27,20 +27,24 @@ class L:
     zero1: bool = False
     ep: int = 1
     cp: int = 1  # context parallelism (ring), carved out of dp like ep
+    cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
+    num_layers: int = NUM_LAYERS
 
     def __str__(self) -> str:
         return (f"tp{self.tp}_pp{self.pp}" + (f"_ep{self.ep}" if self.ep > 1 else "") +
-                (f"_cp{self.cp}" if self.cp > 1 else "") + ("_zero1" if self.zero1 else ""))
+                (f"_cp{self.cp}" if self.cp > 1 else "") + ("_zero1" if self.zero1 else "") +
+                (f"_cuts{'-'.join(map(str, self.cuts))}" if self.cuts else "") +
+                (f"_layers{self.num_layers}" if self.num_layers != NUM_LAYERS else ""))
 
 
 def build(arch: str, layout: L, seed: int):
     # "mixtral": the llama with every MLP a sparse MoE block
-    cfg = (H.tiny_config("llama", num_layers=NUM_LAYERS, seed=seed, moe=MOE) if arch == "mixtral" else
-           H.tiny_config(arch, num_layers=NUM_LAYERS, seed=seed))
+    cfg = (H.tiny_config("llama", num_layers=layout.num_layers, seed=seed, moe=MOE) if arch == "mixtral" else
+           H.tiny_config(arch, num_layers=layout.num_layers, seed=seed))
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
                                        world_size=world, ep=layout.ep, cp=layout.cp))
-    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False,
+    model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, pipeline_cuts=layout.cuts,
                               data_parallel=DataParallelConfig("fp32", layout.zero1),
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)

@@ -13,6 +13,10 @@ CASES = {
                                                  L(tp=1, cp=4, zero1=True)]),
     # Saved by a pipeline (a tied embedding split over the first and last stage), resumed without one.
     "from_tp2_pp2": (L(tp=2, pp=2), [L(tp=1, zero1=True), L(tp=1, pp=4), L(tp=2, cp=2)]),
+    # Uneven stages placed by model.pipeline_cuts (1, 3, 2 and 1 of 7 layers), resumed under the even split and
+    # without a pipeline.
+    "from_pp4_cuts": (L(pp=4, cuts=(0, 3, 5), num_layers=7),
+                      [L(pp=4, num_layers=7), L(tp=2, pp=2, num_layers=7), L(tp=1, zero1=True, num_layers=7)]),
 }
 # Mixtral saved with its experts split over EP and TP (ZeRO-1 over the expert-data-parallel group), resumed with
 # the experts whole, over 4 EP ranks, in a pipeline, and split by TP alone.

@@ -242,3 +242,21 @@ def test_a_capacity_fixes_the_expert_batches_whatever_the_routing():
     # A factor below 1 drops assignments: fewer rows than the balanced load.
     half = dataclasses.replace(MIXTRAL_8X7B, moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=0.5))
     assert all_to_all_bytes(half, trn1_tp8(ep=4, tp=1)) == all_to_all_bytes(MIXTRAL_8X7B, lay) / 2
+
+
+def test_pipeline_cuts_give_each_stage_its_own_layers():
+    """NxD Training's cuts for a 32-layer model on pp 4 (stages of 7, 9, 9 and 7 layers): the first and last
+    stages hold their own layers' parameters and activations, and the step waits on the 9-layer stages."""
+    from launcher.estimator.shapes import most_layers, rank_layers
+
+    even, cut = layout(pp=4, tp=2, num_nodes=4), layout(pp=4, tp=2, num_nodes=4, pipeline_cuts=(6, 15, 24))
+    assert [len(rank_layers(DENSE_7B, cut, r)) for r in range(4)] == [7, 9, 9, 7]
+    assert most_layers(DENSE_7B, cut) == 9 and most_layers(DENSE_7B, even) == 8
+    first_even = stage_memory(DENSE_7B, even, first=True, last=False)
+    first_cut = stage_memory(DENSE_7B, cut, first=True, last=False)
+    assert first_even.parameters - first_cut.parameters == layer_parameters(DENSE_7B, 2)  # 8 layers against 7
+    hardware = HARDWARE["trn1"]
+    assert step_time(DENSE_7B, cut, hardware, 0.3).compute_s == step_time(DENSE_7B, even, hardware, 0.3).compute_s
+    # Tensor-parallel collectives per layer, on the stage with the most layers: 9 against 8.
+    assert step_time(DENSE_7B, cut, hardware, 0.3).tensor_parallel_s == pytest.approx(
+        step_time(DENSE_7B, even, hardware, 0.3).tensor_parallel_s * 9 / 8)

@@ -35,6 +35,7 @@ class PipelineLayout:
     schedule: str | None = None  # None: 1F1B, or interleaved with vpp
     ep: int = 1
     cp: int = 1  # context parallelism: like ep, carved out of the dp ranks (dp counts every replica here)
+    cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
 
 
 def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int | None = None, clip: float = 1.0) -> dict:
@@ -46,7 +47,8 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int | None 
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, world_size=dist.get_world_size(),
                                        ep=layout.ep, cp=layout.cp))
     model = parallelize_model(H.fine_tuning_model(cfg, fine_tuning), topo, sequence_parallel=layout.sequence_parallel,
-                              virtual_pp=layout.vpp, data_parallel=DataParallelConfig("fp32", layout.zero1, bucket_numel=H.BUCKET_NUMEL),
+                              virtual_pp=layout.vpp, pipeline_cuts=layout.cuts,
+                              data_parallel=DataParallelConfig("fp32", layout.zero1, bucket_numel=H.BUCKET_NUMEL),
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []

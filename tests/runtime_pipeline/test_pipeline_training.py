@@ -41,6 +41,10 @@ TWO_RANK_JOBS = {
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),
     "llama-pp4": ("llama", {}, L(pp=4)),
+    # NxD Training's model.pipeline_cuts: stages of 1, 3, 2 and 1 of 7 layers (the tied embedding and head on the
+    # light first and last stages).
+    "gpt-pp4-cuts": ("gpt", {"num_layers": 7}, L(pp=4, cuts=(0, 3, 5))),
+    "llama-pp4-cuts": ("llama", {"num_layers": 7}, L(pp=4, cuts=(0, 3, 5))),
     "gpt-pp2-tp2-sp": ("gpt", {}, L(pp=2, tp=2, sequence_parallel=True)),
     "llama-pp2-tp2": ("llama", {}, L(pp=2, tp=2)),
     "gpt-pp2-dp2-zero1": ("gpt", {}, L(pp=2, dp=2, zero1=True)),
@@ -111,7 +115,7 @@ def test_parameters_match_single_process(results):
         torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("name", ["gpt-pp2-vpp2", "gpt-pp4"])
+@pytest.mark.parametrize("name", ["gpt-pp2-vpp2", "gpt-pp4", "gpt-pp4-cuts"])
 def test_each_stage_holds_only_its_layers(name, two_ranks, four_ranks):
     ranks = [r[name] for r in (two_ranks if name in TWO_RANK_JOBS else four_ranks)]
     owners: dict[str, set[int]] = {}
@@ -122,6 +126,8 @@ def test_each_stage_holds_only_its_layers(name, two_ranks, four_ranks):
     layer_owner = {k: v for k, v in owners.items() if k.startswith("layers.")}
     if name == "gpt-pp2-vpp2":  # stages 0..3 = rank 0 chunk 0, rank 1 chunk 0, rank 0 chunk 1, rank 1 chunk 1
         assert layer_owner == {"layers.0": {0}, "layers.1": {1}, "layers.2": {0}, "layers.3": {1}}
+    elif name == "gpt-pp4-cuts":  # cuts after layers 0, 3 and 5
+        assert layer_owner == {f"layers.{i}": {stage} for i, stage in enumerate([0, 1, 1, 1, 2, 2, 3])}
     else:
         assert layer_owner == {f"layers.{i}": {i} for i in range(4)}
     assert owners["embed.word.weight"] == {0}

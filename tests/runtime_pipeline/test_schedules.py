@@ -102,3 +102,8 @@ def test_split_layers_even_uneven_and_too_few():
     assert split_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]  # extra layers to the earliest stages
     with pytest.raises(ValueError, match="model.num_layers=3 is fewer than the pipeline stages"):
         split_layers(3, 4)
+    # NxD Training's pipeline_cuts for Llama 3 70B on trn2 (model.layers.18, .39, .60): 19, 21, 21, 19 layers.
+    assert [len(r) for r in split_layers(80, 4, (18, 39, 60))] == [19, 21, 21, 19]
+    for bad in ((18, 39), (39, 18, 60), (18, 39, 79)):
+        with pytest.raises(ValueError, match=r"model.pipeline_cuts: .* must be 3 increasing layer indices below 79"):
+            split_layers(80, 4, bad)

@@ -45,7 +45,11 @@ CASES = [
      "tensor_model_parallel_size 4; one must divide the other"),
     ([f"{M}pipeline_model_parallel_size=2", f"{M}num_layers=5"],
      "training.model.num_layers: 5 is not divisible by pipeline_model_parallel_size × "
-     "virtual_pipeline_model_parallel_size = 2 × 1 = 2"),
+     "virtual_pipeline_model_parallel_size = 2 × 1 = 2; or place the stages with model.pipeline_cuts"),
+    ([f"{M}pipeline_model_parallel_size=2", f"{M}num_layers=5", f"+{M}pipeline_cuts=[1,3]"],
+     "training.model.pipeline_cuts: [1, 3] must be 1 increasing layer indices below 4 (the last layer of each of "
+     "the 2 stages but the last: pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = 2 x 1), "
+     "e.g. [1]"),
     ([f"{M}virtual_pipeline_model_parallel_size=2"],
      "training.model.virtual_pipeline_model_parallel_size: 2 needs pipeline_model_parallel_size > 1; set it to null"),
     ([f"{M}pipeline_model_parallel_size=2", f"{M}virtual_pipeline_model_parallel_size=2", f"{M}global_batch_size=12",

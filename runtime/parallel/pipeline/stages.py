@@ -7,27 +7,29 @@
 # tests compare stage by stage against the single-process model by name.
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from runtime.models.transformer import CausalLM
 from runtime.parallel.plan import ShardingPlan
 from runtime.parallel.topology import Topology
+from runtime.schema import rules
 
 
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Layer index ranges, one per global stage, in stage order. Uneven splits give the extra layers to the
-    earliest stages (the last stage already carries the output head and the loss)."""
+def split_layers(num_layers: int, num_stages: int, cuts: Sequence[int] | None = None) -> list[range]:
+    """Layer index ranges, one per global stage, in stage order. cuts (NxD Training's model.pipeline_cuts): the
+    last layer of every stage but the last, e.g. [18, 39, 60] puts layers 0-18, 19-39, 40-60 and 61-79 of 80 on
+    four stages, so the first and last stages, which also hold the embedding and the head, hold fewer. Without
+    cuts, uneven splits give the extra layers to the earliest stages (the last stage already carries the output
+    head and the loss)."""
     if num_layers < num_stages:
         raise ValueError(f"model.num_layers={num_layers} is fewer than the pipeline stages "
                          f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {num_stages}); "
                          f"every stage needs at least one layer")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        count = base + (1 if stage < extra else 0)
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
+    if cuts is not None and (problem := rules.layers_split(num_layers, num_stages, 1, "", tuple(cuts))):
+        raise ValueError(problem)
+    return rules.stage_layers(num_layers, num_stages, None if cuts is None else tuple(cuts))
 
 
 class PipelineChunk(nn.Module):
@@ -64,11 +66,11 @@ class PipelineStageModel(nn.Module):
     """
 
     def __init__(self, model: CausalLM, topo: Topology, plan: ShardingPlan, virtual_pp: int,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, cuts: Sequence[int] | None = None):
         super().__init__()
         pp, rank = topo.pp.size, topo.pp.rank
         num_stages = pp * virtual_pp
-        ranges = split_layers(model.cfg.num_layers, num_stages)
+        ranges = split_layers(model.cfg.num_layers, num_stages, cuts)
         self.cfg = model.cfg
         self.pp_size, self.pp_rank, self.virtual_pp = pp, rank, virtual_pp
         self.sequence_parallel = sequence_parallel
@@ -109,9 +111,9 @@ def _untie_output(model: CausalLM) -> None:
 
 
 def split_into_stages(model: CausalLM, topo: Topology, plan: ShardingPlan, *, virtual_pp: int | None,
-                      sequence_parallel: bool) -> PipelineStageModel:
-    """This rank's stage of `model`; marks the pipeline ties in `plan`."""
+                      sequence_parallel: bool, cuts: Sequence[int] | None = None) -> PipelineStageModel:
+    """This rank's stage of `model`; marks the pipeline ties in `plan`. cuts: see split_layers."""
     vpp = virtual_pp or 1
     if vpp < 1:
         raise ValueError(f"model.virtual_pipeline_model_parallel_size must be >= 1, got {virtual_pp}")
-    return PipelineStageModel(model, topo, plan, vpp, sequence_parallel and topo.tp.size > 1)
+    return PipelineStageModel(model, topo, plan, vpp, sequence_parallel and topo.tp.size > 1, cuts)
