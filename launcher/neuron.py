@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,12 +144,26 @@ def cache_location(cfg: LaunchConfig) -> str:
 
 def model_key(stage_config: dict[str, Any]) -> str:
     """Names the compile cache of one model: its architecture and a hash of what shapes its graphs (the model
-    section without its data and tokenizer paths, the precision). Data-only changes reuse the cache."""
+    section without its data and tokenizer paths, the precision). Data-only changes reuse the cache. A model whose
+    architecture its config.json decides (model.architecture null: NxD Training's hf_* files, a Hugging Face
+    directory) is named after that file's model_type when it is readable here, else "model"."""
     inputs = stage_inputs(stage_config)
     model = {k: v for k, v in inputs.model_without_data.items() if k != "tokenizer"}  # its path is data too
     shaping = {"model": model, "precision": inputs.precision}
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{inputs.architecture}-{digest}"
+    return f"{inputs.architecture or _config_json_model_type(model) or 'model'}-{digest}"
+
+
+def _config_json_model_type(model: dict[str, Any]) -> str | None:
+    """model_type of the config.json that decides the model (model.model_config, or the Hugging Face directory in
+    model.restore_from_path), when it is a readable file here; a name for people, not part of the hash."""
+    source = model.get("model_config") or (f"{str(model['restore_from_path']).rstrip('/')}/config.json"
+                                            if isinstance(model.get("restore_from_path"), str) else None)
+    try:
+        model_type = json.loads(Path(str(source)).read_text()).get("model_type") if source else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return re.sub(r"[^A-Za-z0-9_.]", "_", model_type) if isinstance(model_type, str) and model_type else None
 
 
 def graph_key(job: Job, compiler_flags: str, cache_url: str) -> str:

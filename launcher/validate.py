@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher import remote, staging
@@ -40,6 +41,8 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         if stage not in TRAINER_STAGES:  # the training schema checks its own run keys, with the same rules
             errors += _stage_run(cfg.stage(stage).run, stage)
         errors += _results_dir_pattern(cfg.stage(stage).run, stage, cfg)
+        if stage in TRAINER_STAGES and (other := another_model(cfg, stage)):
+            (warnings if dry_run else errors).append(other)
     if "training" in stages:
         # The runtime runs the same schema on the node. A dry run often renders on a laptop for a cluster whose
         # file system it cannot see: missing files are warnings there.
@@ -83,6 +86,36 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         warnings += input_warnings
     errors += cluster(cfg.cluster)
     return errors, warnings
+
+
+# What makes a run's checkpoints another model's: a run resumes from the newest checkpoint in its directory.
+_MODEL_IDENTITY = ("architecture", "model_config", "num_layers", "hidden_size", "ffn_hidden_size",
+                   "num_attention_heads", "num_query_groups", "kv_channels")
+
+
+def another_model(cfg: LaunchConfig, stage: str) -> str | None:
+    """A run name shared by two models (NxD Training's eleven hf_llama files all name their run hf_llama): the
+    stage's results directory holds checkpoints, and the config the last launch wrote there describes another
+    model. Resuming would load them into this one; refused at launch rather than on the node after the queue."""
+    section = cfg.stage(stage)
+    checkpoints = section.inputs.checkpoint_dir or section.results_dir / "checkpoints"
+    previous = section.results_dir / f"{stage}_config.yaml"
+    if "://" in str(checkpoints) or not previous.is_file() or not any(Path(checkpoints).glob("*/COMMIT")):
+        return None
+    try:
+        import yaml
+
+        before = (yaml.safe_load(previous.read_text()) or {}).get("model") or {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    now = section.section.get("model") or {}
+    differs = [f"{key} {before[key]!r} there, {now[key]!r} here" for key in _MODEL_IDENTITY
+               if before.get(key) is not None and now.get(key) is not None and before[key] != now[key]]
+    if not differs:
+        return None
+    return (f"{stage}.run.name: {section.run.name!r} already holds checkpoints of another model in "
+            f"{section.results_dir} ({'; '.join(differs)}), which this run would resume from; give it its own "
+            f"{stage}.run.name (or base_results_dir), or remove {checkpoints}")
 
 
 def lm_eval_tasks(evaluation) -> tuple[list[str], list[str]]:

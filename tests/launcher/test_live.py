@@ -52,3 +52,32 @@ def test_no_record_or_no_run_directory_yet_is_not_live(tmp_path):
     assert live.recorded(str(tmp_path), "nothing") is None
     assert live.recorded(None, "a") is None and live.recorded(str(tmp_path), None) is None
     assert live.recorded(str(tmp_path), "x" * 5000) is None  # output_problems names the over-long name
+
+
+def test_a_run_name_that_holds_another_models_checkpoints_is_refused_before_anything_is_written(tmp_path,
+                                                                                              recipe_data_dir):
+    """NxD Training's hf_llama files all name their run hf_llama: the second model launched under it would resume
+    from the first one's checkpoints. A real launch is refused (one line naming the differing keys); a dry run
+    warns; the same model resumes as ever."""
+    from launcher import launch
+    from launcher.errors import UserError
+
+    stage_dir = tmp_path / "gpt3_tiny" / "training"
+    common = ["stages=[training]", "cluster_type=local", f"base_results_dir={tmp_path}", f"data_dir={recipe_data_dir}"]
+    first = launch.make_plan(common, dry_run=True, produced_by="test")
+    (stage_dir / "checkpoints" / "step_00000010.0a1b2c3d").mkdir(parents=True)
+    (stage_dir / "checkpoints" / "step_00000010.0a1b2c3d" / "COMMIT").write_text("{}")
+    import yaml
+
+    (stage_dir / "training_config.yaml").write_text(yaml.safe_dump(first.cfg["training"]))
+    launch.make_plan(common, dry_run=False, produced_by="test")  # the same model: it resumes
+    other = [*common, "training.model.num_layers=6"]
+    try:
+        launch.make_plan(other, dry_run=False, produced_by="test")
+        raise AssertionError("a launch into another model's checkpoints was not refused")
+    except UserError as error:
+        [line] = str(error).splitlines()
+        assert line.startswith("training.run.name: 'gpt3_tiny' already holds checkpoints of another model") and \
+            "num_layers 4 there, 6 here" in line
+    assert any("already holds checkpoints of another model" in w
+               for w in launch.make_plan(other, dry_run=True, produced_by="test").warnings)

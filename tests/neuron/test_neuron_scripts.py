@@ -272,3 +272,18 @@ def test_without_the_compile_step_training_runs_alone(sandbox):
     result, _, tmp = _run_script(sandbox, "cluster.neuron.compile.enabled=false")
     assert result.returncode == 0, result.stderr
     assert (tmp / "order").read_text().split() == ["run", "0", "0", "run", "1", "0"]
+
+
+def test_a_cache_is_named_after_the_model_whose_config_json_decides_it(tmp_path):
+    """NxD Training's hf_* files leave model.architecture to the config.json they name: the cache takes that
+    file's model_type, or "model" where it cannot be read here (never "None")."""
+    import copy
+
+    _, job = _job()
+    config = copy.deepcopy(job.stage_config)
+    config["model"]["architecture"] = None
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    config["model"]["model_config"] = str(tmp_path / "config.json")
+    assert neuron.model_key(config).startswith("llama-")
+    config["model"]["model_config"] = str(tmp_path / "elsewhere" / "config.json")
+    assert neuron.model_key(config).startswith("model-")
