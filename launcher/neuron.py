@@ -67,6 +67,9 @@ COMPILE_SUMMARY = "Total failed compilations: 0"
 
 DEFAULTS: dict[str, Any] = {
     "hardware": "trn1",
+    # trn2's logical NeuronCore config: 2 (the default: two physical cores per worker, 64 workers per
+    # trn2.48xlarge, NxD Training's trainer.lnc) or 1 (128 workers, each with half the memory and compute).
+    "lnc": None,
     "efa": True,
     "compiler_flags": "--model-type=transformer --distribution-strategy=llm-training",
     "async_exec_max_inflight_requests": 3,
@@ -117,6 +120,26 @@ def settings(cluster: Cluster) -> dict[str, Any]:
     merged = {**DEFAULTS, **{k: v for k, v in given.items() if k != "compile"}}
     merged["compile"] = {**DEFAULTS["compile"], **(given.get("compile") or {})}
     return merged
+
+
+# A trn2.48xlarge's physical NeuronCore-v3: the workers per node are these over the logical-core config.
+TRN2_PHYSICAL_CORES = 128
+
+
+def hardware_of(neuron: dict[str, Any]) -> Hardware:
+    """The node's workers and compiler target under cluster.neuron.lnc (problems() has refused an lnc the hardware
+    does not take)."""
+    base = HARDWARE[neuron["hardware"]]
+    lnc = neuron.get("lnc")
+    if lnc is None or lnc == base.logical_cores or base.target != "trn2":
+        return base
+    return Hardware(workers_per_node=TRN2_PHYSICAL_CORES // lnc, logical_cores=lnc, target=base.target)
+
+
+def estimator_device(neuron: dict[str, Any]) -> str:
+    """The estimator's (and the runtime's peak-FLOPs) name of one worker's device: trn1, trn2 (LNC=2) or trn2-lnc1."""
+    hardware = hardware_of(neuron)
+    return "trn2-lnc1" if hardware.target == "trn2" and hardware.logical_cores == 1 else neuron["hardware"]
 
 
 def runs_on_neuron(job: Job) -> bool:
@@ -190,24 +213,26 @@ def script(job: Job, cfg: LaunchConfig) -> NeuronScript | None:
     if not runs_on_neuron(job):
         return None
     neuron = settings(cfg.cluster)
-    hardware = HARDWARE[neuron["hardware"]]
+    hardware = hardware_of(neuron)
     precision, _ = parse_precision(job.stage_config, f"{job.stage}.")  # validate.py has refused a bad one
     precision_env, precision_flags = PRECISION_ENV[precision.type]
 
+    # trn2 compiles for one logical-core config or the other: said explicitly, 1 included.
+    logical = hardware.logical_cores > 1 or hardware.target == "trn2"
     flags = [str(neuron["compiler_flags"] or "").strip(), f"--target={hardware.target}"]
-    if hardware.logical_cores > 1:
+    if logical:
         flags.append(f"--logical-nc-config={hardware.logical_cores}")
     flags.append(precision_flags)
 
     env: dict[str, str] = {}
     env["MALLOC_ARENA_MAX"] = str(neuron["malloc_arena_max"])
     env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = str(neuron["async_exec_max_inflight_requests"])
-    if hardware.logical_cores > 1:
+    if logical:
         env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.logical_cores)
     env["NEURON_FUSE_SOFTMAX"] = "1"
     env.update(precision_env)
     env["NEURON_CC_FLAGS"] = " ".join(f for f in flags if f)
-    env["NXDT_NEURON_HARDWARE"] = neuron["hardware"]  # runtime/device.py reports peak FLOPs by it
+    env["NXDT_NEURON_HARDWARE"] = estimator_device(neuron)  # runtime/device.py reports peak FLOPs by it
 
     cache_url = f"{cache_location(cfg)}/{model_key(job.stage_config)}"
     compile_step = None
@@ -237,6 +262,15 @@ def problems(cfg: LaunchConfig) -> list[str]:
     neuron = settings(cfg.cluster)
     if neuron["hardware"] not in HARDWARE:
         return errors + [f"cluster.neuron.hardware: {neuron['hardware']!r} is not one of {', '.join(HARDWARE)}"]
+    lnc = neuron["lnc"]
+    if neuron["hardware"] == "trn2" and lnc not in (None, 1, 2) or isinstance(lnc, bool):
+        errors.append(f"cluster.neuron.lnc: {lnc!r} must be 1 or 2 (trn2's logical NeuronCore config: 2 gives "
+                      f"{TRN2_PHYSICAL_CORES // 2} workers per node, 1 gives {TRN2_PHYSICAL_CORES}), or null for 2")
+        return errors
+    if neuron["hardware"] != "trn2" and lnc not in (None, 1):
+        errors.append(f"cluster.neuron.lnc: {lnc!r}, but {neuron['hardware']} has no logical NeuronCore config "
+                      f"(one worker per physical NeuronCore); set it to null")
+        return errors
     steps = neuron["compile"]["steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         errors.append(f"cluster.neuron.compile.steps: {steps!r} must be a positive integer, e.g. 10")
@@ -250,7 +284,7 @@ def problems(cfg: LaunchConfig) -> list[str]:
                       "/fsx/neuron-compile-cache, or an s3:// URL (null: <base_results_dir>/neuron-compile-cache)")
     if "\n" in str(neuron["compiler_flags"] or ""):
         errors.append("cluster.neuron.compiler_flags: must be one line of neuronx-cc flags")
-    workers = HARDWARE[neuron["hardware"]].workers_per_node
+    workers = hardware_of(neuron).workers_per_node
     for stage in (s for s in cfg.stages if s in TRAINER_STAGES and s in cfg.sections):
         # The values as given, even where the schema refuses them (it says so beside this line).
         given = cfg.stage(stage).inputs
@@ -261,7 +295,7 @@ def problems(cfg: LaunchConfig) -> list[str]:
                 f"{stage}.trainer.accelerator=neuron {stage}.trainer.devices={workers} (docs/recipes.md lists each "
                 f"recipe's {neuron['hardware']} layout), or choose a GPU cluster (cluster=slurm)")
         elif given.devices != workers:
-            lnc = " (LNC=2)" if neuron["hardware"] == "trn2" else ""
+            lnc = f" (LNC={hardware_of(neuron).logical_cores})" if neuron["hardware"] == "trn2" else ""
             errors.append(
                 f"{stage}.trainer.devices: {given.devices!r} workers per node, but {neuron['hardware']}"
                 f"{lnc} nodes have {workers} NeuronCores, one worker each; set {stage}.trainer.devices={workers}"

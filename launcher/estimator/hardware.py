@@ -58,6 +58,9 @@ HARDWARE: dict[str, Hardware] = {
                      0.40, process_overhead_bytes=0.5 * GIB, **_node("trn1.32xlarge")),
     "trn2": Hardware("trn2", "trn2.48xlarge logical NeuronCore (LNC=2)", 24 * GIB, PEAK_TFLOPS["trn2"], 64, 200.0,
                      400.0 / 64, 0.40, process_overhead_bytes=0.5 * GIB, **_node("trn2.48xlarge")),
+    # LNC=1: each physical NeuronCore-v3 a worker, with half a logical core's memory, compute and link.
+    "trn2-lnc1": Hardware("trn2-lnc1", "trn2.48xlarge physical NeuronCore (LNC=1)", 12 * GIB, PEAK_TFLOPS["trn2-lnc1"],
+                          128, 100.0, 400.0 / 128, 0.40, process_overhead_bytes=0.5 * GIB, **_node("trn2.48xlarge")),
     "h100": Hardware("h100", "H100 SXM 80 GB", 80 * GB, PEAK_TFLOPS["h100"], 8, 360.0, 50.0, 0.40,
                      process_overhead_bytes=1.0 * GIB, **_node("p5.48xlarge")),
     "h200": Hardware("h200", "H200 SXM 141 GB", 141 * GB, PEAK_TFLOPS["h200"], 8, 360.0, 50.0, 0.40,
@@ -91,9 +94,10 @@ def cpu_hardware(devices_per_node: int, node_memory_bytes: float | None = None) 
 
 def detect(accelerator: str, devices_per_node: int) -> str:
     """The device a recipe targets, from the keys the runtime reads: neuron with 64 workers per node is a trn2
-    node at LNC=2, other neuron counts trn1; gpu means H100 (say --device h200 for H200); cpu is cpu."""
+    node at LNC=2, 128 one at LNC=1, other neuron counts trn1; gpu means H100 (say --device h200 for H200); cpu is
+    cpu."""
     if accelerator == "neuron":
-        return "trn2" if devices_per_node == 64 else "trn1"
+        return {64: "trn2", 128: "trn2-lnc1"}.get(devices_per_node, "trn1")
     if accelerator == "gpu":
         return "h100"
     return "cpu"

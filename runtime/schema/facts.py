@@ -12,6 +12,7 @@ import dataclasses
 # and the estimator's --device.
 #   trn1  a Trainium1 NeuronCore-v2: 190 per chip of two cores
 #   trn2  a logical NeuronCore at LNC=2 (two physical NeuronCore-v3): 667 per chip of four logical cores
+#   trn2-lnc1  a physical NeuronCore-v3 at LNC=1 (cluster.neuron.lnc=1): eight per chip
 #   h100, h200  SXM
 # A CPU has no row: its peak depends on the machine. The runtime computes it at start (runtime/metrics.py
 # cpu_peak: /proc/cpuinfo's theory or a measured matmul, whichever is higher); the estimator, which runs
@@ -19,6 +20,7 @@ import dataclasses
 PEAK_TFLOPS: dict[str, float] = {
     "trn1": 190.0 / 2,
     "trn2": 667.0 / 4,
+    "trn2-lnc1": 667.0 / 8,  # LNC=1: one physical NeuronCore-v3, eight per chip
     "h100": 989.0,
     "h200": 989.0,
 }

@@ -51,6 +51,20 @@ def test_precision_sets_the_environment_as_nxd_training_does(precision, cluster,
     assert job.nproc_per_node == devices == neuron.HARDWARE[hardware].workers_per_node
 
 
+def test_trn2_at_lnc_1_runs_a_worker_per_physical_core():
+    """cluster.neuron.lnc=1 (NxD Training's trainer.lnc): 128 workers per trn2.48xlarge, compiled and run for one
+    physical NeuronCore each, with the peak and memory of one (the estimator's trn2-lnc1)."""
+    from launcher.estimator.hardware import HARDWARE, detect
+
+    cfg, job = _job("cluster.neuron.lnc=1", cluster="pcluster_trn2", devices=128)
+    env = neuron.script(job, parse(cfg)).env
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "1" and "--logical-nc-config=1" in env["NEURON_CC_FLAGS"]
+    assert env["NXDT_NEURON_HARDWARE"] == "trn2-lnc1" and job.nproc_per_node == 128
+    assert detect("neuron", 128) == "trn2-lnc1"
+    assert HARDWARE["trn2-lnc1"].memory_bytes * 2 == HARDWARE["trn2"].memory_bytes
+    assert HARDWARE["trn2-lnc1"].peak_tflops * 2 == HARDWARE["trn2"].peak_tflops
+
+
 def test_cpu_stages_on_a_trainium_cluster_get_no_neuron_settings():
     cfg = resolved("cluster=pcluster_trn1", "stages=[training]")
     assert neuron.script(build(cfg)[0], parse(cfg)) is None
@@ -64,6 +78,13 @@ def test_cpu_stages_on_a_trainium_cluster_get_no_neuron_settings():
      "cluster.neuron.hardware: 'trn3' is not one of trn1, trn2"),
     (["cluster=pcluster_trn1", "training.trainer.devices=32", "cluster.neuron.compile.steps=0"],
      "cluster.neuron.compile.steps: 0 must be a positive integer"),
+    (["cluster=pcluster_trn2", "training.trainer.devices=64", "cluster.neuron.lnc=1"],
+     "training.trainer.devices: 64 workers per node, but trn2 (LNC=1) nodes have 128 NeuronCores, one worker each; "
+     "set training.trainer.devices=128"),
+    (["cluster=pcluster_trn2", "training.trainer.devices=64", "cluster.neuron.lnc=4"],
+     "cluster.neuron.lnc: 4 must be 1 or 2"),
+    (["cluster=pcluster_trn1", "training.trainer.devices=32", "cluster.neuron.lnc=2"],
+     "cluster.neuron.lnc: 2, but trn1 has no logical NeuronCore config"),
 ])
 def test_neuron_mistakes_are_one_line_each(tmp_path, overrides, expected):
     result = nxdt(f"base_results_dir={tmp_path}/results", "stages=[training]", "training.trainer.accelerator=neuron",
