@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher import remote, staging
 from launcher.config import (OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run, StageInputs,
-                             without_restore)
+                             stage_inputs, without_restore)
 from launcher.slurm import expand_hostlist, split_hostlist
 from launcher.stages import FINE_TUNING_STAGES, PROGRAMS, STAGES, TRAINER_STAGES
 from runtime.schema import choices, rules
@@ -105,10 +105,10 @@ def another_model(cfg: LaunchConfig, stage: str) -> str | None:
     try:
         import yaml
 
-        before = (yaml.safe_load(previous.read_text()) or {}).get("model") or {}
+        before = stage_inputs(yaml.safe_load(previous.read_text()) or {}).model_without_data
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return None
-    now = section.section.get("model") or {}
+    now = section.inputs.model_without_data
     differs = [f"{key} {before[key]!r} there, {now[key]!r} here" for key in _MODEL_IDENTITY
                if before.get(key) is not None and now.get(key) is not None and before[key] != now[key]]
     if not differs:

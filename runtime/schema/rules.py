@@ -110,8 +110,9 @@ def virtual_needs_pipeline(vpp: int | None, pp: int, p: str) -> str | None:
 
 
 def layers_split(layers: int, pp: int, vpp: int | None, p: str, cuts: tuple[int, ...] | None = None) -> str | None:
-    """Layers over pipeline_model_parallel_size x virtual stages: evenly, or where model.pipeline_cuts says (NxD
-    Training's key: the last layer of every stage but the last, so uneven stages balance the embedding and the head)."""
+    """Layers over pipeline_model_parallel_size x virtual stages: where model.pipeline_cuts says (NxD Training's
+    key: the last layer of every stage but the last, so uneven stages balance the embedding and the head), else as
+    evenly as they go (NxD Training's default too: Llama 3.1 405B's 126 layers over pp 32), each stage at least one."""
     chunks = pp * (vpp or 1)
     if cuts is not None:
         bounds = [-1, *cuts, layers - 1]
@@ -121,11 +122,10 @@ def layers_split(layers: int, pp: int, vpp: int | None, p: str, cuts: tuple[int,
                 f"{layers - 1} (the last layer of each of the {chunks} stages but the last: pipeline_model_parallel_"
                 f"size x virtual_pipeline_model_parallel_size = {pp} x {vpp or 1}), e.g. "
                 f"{[round(layers * (i + 1) / chunks) - 1 for i in range(chunks - 1)]}")
-    if layers % chunks == 0:
+    if layers >= chunks:
         return None
-    return (f"{p}model.num_layers: {layers} is not divisible by pipeline_model_parallel_size × "
-            f"virtual_pipeline_model_parallel_size = {pp} × {vpp or 1} = {chunks}; or place the stages with "
-            f"model.pipeline_cuts")
+    return (f"{p}model.num_layers: {layers} is fewer than the pipeline stages, pipeline_model_parallel_size × "
+            f"virtual_pipeline_model_parallel_size = {pp} × {vpp or 1} = {chunks}; every stage needs a layer")
 
 
 def stage_layers(layers: int, stages: int, cuts: tuple[int, ...] | None = None) -> list[range]:

@@ -100,7 +100,7 @@ def test_forward_only_completes(pp, vpp, m):
 def test_split_layers_even_uneven_and_too_few():
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert split_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]  # extra layers to the earliest stages
-    with pytest.raises(ValueError, match="model.num_layers=3 is fewer than the pipeline stages"):
+    with pytest.raises(ValueError, match="model.num_layers: 3 is fewer than the pipeline stages"):
         split_layers(3, 4)
     # NxD Training's pipeline_cuts for Llama 3 70B on trn2 (model.layers.18, .39, .60): 19, 21, 21, 19 layers.
     assert [len(r) for r in split_layers(80, 4, (18, 39, 60))] == [19, 21, 21, 19]

@@ -43,9 +43,9 @@ CASES = [
       f"{M}hidden_size=192", f"{M}num_query_groups=6", f"{M}ffn_hidden_size=384"],
      "training.model.num_query_groups: 6 KV heads can be neither split over nor replicated to "
      "tensor_model_parallel_size 4; one must divide the other"),
-    ([f"{M}pipeline_model_parallel_size=2", f"{M}num_layers=5"],
-     "training.model.num_layers: 5 is not divisible by pipeline_model_parallel_size × "
-     "virtual_pipeline_model_parallel_size = 2 × 1 = 2; or place the stages with model.pipeline_cuts"),
+    ([f"{M}pipeline_model_parallel_size=2", f"{M}virtual_pipeline_model_parallel_size=2", f"{M}num_layers=3"],
+     "training.model.num_layers: 3 is fewer than the pipeline stages, pipeline_model_parallel_size × "
+     "virtual_pipeline_model_parallel_size = 2 × 2 = 4; every stage needs a layer"),
     ([f"{M}pipeline_model_parallel_size=2", f"{M}num_layers=5", f"+{M}pipeline_cuts=[1,3]"],
      "training.model.pipeline_cuts: [1, 3] must be 1 increasing layer indices below 4 (the last layer of each of "
      "the 2 stages but the last: pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = 2 x 1), "

@@ -161,7 +161,7 @@ PHRASES = [
     "is not divisible by micro_batch_size",
     "the interleaved schedule needs the micro-batch count",
     "needs pipeline_model_parallel_size > 1",
-    "is not divisible by pipeline_model_parallel_size",
+    "is fewer than the pipeline stages",
     "is not divisible by num_attention_heads",
     "does not divide num_attention_heads",
     "can be neither split over nor replicated",

@@ -23,11 +23,7 @@ def split_layers(num_layers: int, num_stages: int, cuts: Sequence[int] | None = 
     four stages, so the first and last stages, which also hold the embedding and the head, hold fewer. Without
     cuts, uneven splits give the extra layers to the earliest stages (the last stage already carries the output
     head and the loss)."""
-    if num_layers < num_stages:
-        raise ValueError(f"model.num_layers={num_layers} is fewer than the pipeline stages "
-                         f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {num_stages}); "
-                         f"every stage needs at least one layer")
-    if cuts is not None and (problem := rules.layers_split(num_layers, num_stages, 1, "", tuple(cuts))):
+    if problem := rules.layers_split(num_layers, num_stages, 1, "", None if cuts is None else tuple(cuts)):
         raise ValueError(problem)
     return rules.stage_layers(num_layers, num_stages, None if cuts is None else tuple(cuts))
 
