@@ -31,6 +31,8 @@ from launcher.resolvers import register_resolvers
 ALIGNMENT_KEYS = {"dpo": ("kl_beta", "loss_type", "max_dpo_prompt_length", "precompute_ref_log_probs",
                           "truncation_mode"),
                   "orpo": ("beta", "max_prompt_length", "truncation_mode")}
+# Neuron 2.23 renamed DPO's max_dpo_prompt_length to max_prompt_length (ORPO's name); both spellings are read.
+DPO_RENAMED = ("max_prompt_length", "max_dpo_prompt_length")
 
 # NxD key -> our key under `training.` (or `cluster.` for the Neuron compiler keys). Same meaning, new place. A
 # fine-tuning or alignment file's keys land under its own stage (fine_tuning., peft. or alignment.) instead.
@@ -57,7 +59,6 @@ MAPPED: dict[str, str] = {
     "data.global_batch_size": "training.model.global_batch_size",
     "data.seq_length": "training.model.data.seq_length",
     "data.train_dir": "training.model.data.data_prefix",
-    "data.tokenizer.type": "training.model.tokenizer.model",
     **{f"model.{k}": f"training.model.{k}" for k in (
         "model_config", "encoder_seq_length", "max_position_embeddings", "num_layers", "hidden_size",
         "ffn_hidden_size", "num_attention_heads", "num_query_groups", "init_method_std", "hidden_dropout",
@@ -87,6 +88,14 @@ MAPPED: dict[str, str] = {
     **{f"{section}.{strategy}.{k}": f"training.model_alignment_strategy.{strategy}.{k}"
        for section in ("model_alignment_strategy", "data.alignment_strategy")
        for strategy, keys in ALIGNMENT_KEYS.items() for k in keys},
+    **{f"{section}.dpo.{DPO_RENAMED[0]}": f"training.model_alignment_strategy.dpo.{DPO_RENAMED[1]}"
+       for section in ("model_alignment_strategy", "data.alignment_strategy")},
+    # NxD's megatron models (model_source: megatron) read Megatron-LM's data keys and name the model's shape as
+    # NeMo does, which is how our schema names it.
+    **{f"data.{k}": f"training.model.data.{k}" for k in (
+        "data_prefix", "index_mapping_dir", "splits_string", "num_workers", "packing")},
+    "model.num_kv_heads": "training.model.num_query_groups",
+    "model.kv_channels": "training.model.kv_channels",
 }
 
 # A fine-tuning file's data: NxD's SFT train_dir and val_dir are the chat files (one file or a list each); its
@@ -111,7 +120,7 @@ SEQUENTIAL_MOVE_FACTOR = "trainer.sequential_move_factor"
 IGNORED: dict[str, str] = {
     SEQUENTIAL_MOVE_FACTOR: "every rank holds only its own shard on the host (meta-device initialization), so "
                             "moving the model to the device in groups bounds nothing",
-    "model_source": "the architecture comes from model_config or model.architecture",
+    "model_source": "the architecture comes from model_config (hf) or from the model's own keys (megatron)",
     "trainer.max_epochs": "training is step based (trainer.max_steps)",
     "trainer.check_val_every_n_epoch": "training is step based (trainer.val_check_interval)",
     "trainer.num_sanity_val_steps": "no sanity validation is run",
@@ -161,6 +170,14 @@ IGNORED: dict[str, str] = {
     "model_alignment_strategy.peft.merge_sharded_lora": "checkpoints are resharded on load whatever the layout",
     "model.moe.sinkhorn_iterations": "used only by sinkhorn routing; routing here is top_k",
     "model.moe.sinkhorn_tol": "used only by sinkhorn routing; routing here is top_k",
+    # A megatron file's keys that only pick NxD's implementation.
+    "data.skip_warmup": "no page-cache warmup of the index files",
+    "data.use_sft_style_data_module": "the fine_tuning stage reads chat files (data.train_dir)",
+    "data.tokenizer.delimiter": "used by NeMo's tabular tokenizer only",
+    "data.tokenizer.sentencepiece_legacy": "used by NeMo's SentencePiece tokenizer only; a tokenizer.json is read",
+    "data.tokenizer.use_fast": "a tokenizer.json is read by Hugging Face tokenizers; slow and fast tokenize alike",
+    "model.apply_query_key_layer_scaling": "a no-op in bf16 and fp32 (it guards fp16 overflow)",
+    "model.persist_layer_norm": "a kernel choice",
 }
 
 # Ignored, but it changes training a little: said as a warning that names the difference.
@@ -178,13 +195,37 @@ UNSUPPORTED: dict[str, str] = {
                                                      "is not built yet; set it to 1",
     "model.moe.routing_algorithm": "routing other than top_k (sinkhorn) is not built yet; set it to top_k",
     "model.moe.dropout": "dropout in the MoE layer is not built yet; set it to 0.0",
+    # A megatron file's keys: what our data reader and models always do, and what they cannot do yet.
+    "data.data_impl": "Megatron's mmap indexed format is the one read; set it to mmap",
+    "data.dataloader_type": "cyclic sampling (a new shuffle each epoch) is not built; set it to single",
+    "data.reset_position_ids": "documents are not separated inside a sequence; set it to False",
+    "data.reset_attention_mask": "documents are not separated inside a sequence; set it to False",
+    "data.eod_mask_loss": "the end-of-document token is always trained on; set it to False",
+    "data.no_seqlen_plus_one_input_tokens": "a sample is seq_length + 1 tokens (inputs and shifted labels); set it "
+                                            "to False",
+    "data.pad_samples_to_global_batch_size": "a last partial batch is dropped, not padded; set it to False",
+    "data.validation_drop_last": "validation reads whole global batches; set it to True",
+    "data.tokenizer.model": "a SentencePiece .model is not read here; give the Hugging Face tokenizer's directory "
+                            "as data.tokenizer.type and set data.tokenizer.model to null",
+    "model.rotary_percentage": "rotary embeddings on part of each head are not built; set it to 1.0",
+    "model.transformer_block_type": "only pre-norm blocks (pre_ln) are built; set it to pre_ln",
+    "model.use_scaled_init_method": "layers writing into the residual stream always get Megatron's scaled init, "
+                                    "std / sqrt(2 x num_layers); set it to True",
+    "model.ffn_dropout": "dropout inside the MLP is not built yet (hidden_dropout and attention_dropout are); set it "
+                         "to 0.0",
 }
 
 # Values that are the default here and so need no mapping (a key with another value is refused).
 NEUTRAL = {"distributed_strategy.token_shuffle_group_size": 1, "model.moe.routing_algorithm": "top_k",
            "model.moe.dropout": 0.0, "model.moe.output_router_logits": True,
            "model_alignment_strategy.peft.lora_bias": "none",
-           "model_alignment_strategy.peft.load_lora_from_ckpt": False}
+           "model_alignment_strategy.peft.load_lora_from_ckpt": False,
+           "data.data_impl": "mmap", "data.dataloader_type": "single", "data.reset_position_ids": False,
+           "data.reset_attention_mask": False, "data.eod_mask_loss": False,
+           "data.no_seqlen_plus_one_input_tokens": False,
+           "data.pad_samples_to_global_batch_size": False, "data.validation_drop_last": True,
+           "data.tokenizer.model": None, "model.rotary_percentage": 1, "model.transformer_block_type": "pre_ln",
+           "model.use_scaled_init_method": True, "model.ffn_dropout": 0}
 
 # A value that means something else here, said with another key: (value, our key, its value, why). Applied after
 # the file's own keys, so they cannot undo it.
@@ -196,12 +237,24 @@ IMPLIES: dict[str, tuple[Any, str, Any, str]] = {
 
 # Mapped keys whose null is a value of its own in NxD Training, not "use the default": carried over as null.
 NULL_MEANS = {"model.moe.capacity_factor": "no capacity, every token reaches its top_k experts (NxD's all-experts "
-                                           "path)"}
+                                           "path)",
+              "model.num_kv_heads": "every attention head has its own key and value (multi-head attention)"}
 
 # What NxD Training's Mixtral module (lightning_modules/model/hf_models/mixtral_model.py) assumes for a model.moe key
 # the file leaves out; it overrides the model_config's values, so an imported file gets the same here.
 NXD_MOE_DEFAULTS = {"top_k": 1, "frequency": 1, "capacity_factor": 1.0, "router_aux_loss_coef": 0.02,
                     "normalize_top_k_affinities": True}
+
+# A megatron file names its architecture with four switches; each of our two architectures is one combination of
+# them (runtime/models/gpt.py, llama.py). A switch the file leaves out takes NxD's default (megatron_gpt_model.py).
+MEGATRON_SWITCHES = ("model.normalization", "model.position_embedding_type", "model.activation", "model.has_bias")
+MEGATRON_ARCHITECTURES = {("layernorm", "learned_absolute", "gelu", True): "gpt",
+                          ("rmsnorm", "rope", "swiglu", False): "llama"}
+MEGATRON_SWITCH_DEFAULTS = ("layernorm", "learned_absolute", "gelu", True)
+# NxD's megatron model's values for model keys a file leaves out, where our base recipes' differ (our key: value).
+MEGATRON_DEFAULTS = {"share_embeddings_and_output_weights": True, "hidden_dropout": 0.1, "num_query_groups": None}
+# NeMo's Megatron tokenizer names GPT-2's BPE so, built from vocab_file + merge_file.
+GPT2_BPE = "GPT2BPETokenizer"
 
 
 @dataclass
@@ -296,9 +349,17 @@ def map_file(path: str, group: str | None = None) -> Mapping:
     result = Mapping(Path(path), {}, {}, stage=stage, stage_reason=reason)
     training: dict[str, Any] = {}
     weights = stage != "training" and bool((data.get("model") or {}).get("weight_init_only"))
+    tokenizer, rows, warnings, errors = _map_tokenizer(flat, at)
+    if tokenizer:
+        training.setdefault("model", {})["tokenizer"] = tokenizer
+    result.rows += rows
+    result.warnings += warnings
+    result.errors += errors
     for key, value in flat.items():
         top = longest_prefix(key, UNSUPPORTED)
-        if top is not None and NEUTRAL.get(key, object()) != value:
+        if key in TOKENIZER_KEYS:
+            continue  # _map_tokenizer's
+        elif top is not None and NEUTRAL.get(key, object()) != value:
             result.errors.append(f"{at}: {key} is not supported: {UNSUPPORTED[top]}")
             result.rows.append((key, value, "refused: " + UNSUPPORTED[top]))
         elif key == SEQUENTIAL_MOVE_FACTOR and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -317,6 +378,23 @@ def map_file(path: str, group: str | None = None) -> Mapping:
             # NxD's SFT files train on data.seq_length and keep the model's own length for its positions.
             result.rows.append((key, value, f"ignored: sequences are data.seq_length ({flat['data.seq_length']}) "
                                             f"long; positions come from max_position_embeddings"))
+        elif key in MEGATRON_SWITCHES:
+            result.rows.append((key, value, "with the other switches: training.model.architecture"))
+        elif key == "model.sliding_window_size":
+            if (problem := _sliding_window(value, flat)) is not None:
+                result.errors.append(f"{at}: {key}: {problem}")
+            result.rows.append((key, value, f"refused: {problem}" if problem else
+                                "the default here: no sequence is longer than the window"))
+        elif key == "compiler_cache_url" and _is_relative(value):
+            # NxD resolves it in the job's working directory; the shared results root is the one every node sees.
+            relative = value.removeprefix("./")
+            _put(result.cluster, "neuron.compile.cache", f"${{base_results_dir}}/{relative}")
+            result.rows.append((key, value, f"cluster.neuron.compile.cache = '<base_results_dir>/{relative}'"))
+            result.warnings.append(
+                f"{at}: {key}: {value!r} is relative; NxD Training resolves it in the job's working directory, and "
+                f"the cache must be a directory every node sees: it becomes <base_results_dir>/{relative} "
+                f"(cluster.neuron.compile.cache), which the nodes share and later runs reuse; set "
+                f"cluster.neuron.compile.cache to place it elsewhere")
         elif key == "model.weight_init_only":
             result.rows.append((key, value, f"with {WEIGHTS_FROM}: training.model.restore_from_path" if value
                                 else "the default here"))
@@ -331,12 +409,11 @@ def map_file(path: str, group: str | None = None) -> Mapping:
             result.rows.append((key, value, "refused: a fraction of an epoch"))
         elif key in MAPPED:
             target = MAPPED[key]
-            converted = _convert(key, value)
             if target.startswith("cluster."):
-                _put(result.cluster, target[len("cluster."):], converted)
+                _put(result.cluster, target[len("cluster."):], value)
             else:
-                _put(training, target[len("training."):], converted)
-            result.rows.append((key, value, target if converted == value else f"{target} = {converted!r}"))
+                _put(training, target[len("training."):], value)
+            result.rows.append((key, value, target))
         elif key in IMPLIES and value == IMPLIES[key][0]:
             _, target, implied, why = IMPLIES[key]
             result.rows.append((key, value, f"{target} = {implied!r}: {why}"))
@@ -353,6 +430,18 @@ def map_file(path: str, group: str | None = None) -> Mapping:
             result.rows.append((key, value, "unknown"))
             result.errors.append(f"{at}: {key} is not an NxD Training key nxdt-launch knows; remove it "
                                  f"(`nxdt-launch explain-config {path}` lists every key and what it maps to)")
+    if (renamed := _dpo_renamed(flat)) is not None:
+        result.errors.append(f"{at}: {renamed}")
+    megatron = data.get("model_source") == "megatron"
+    if megatron or any(key in flat for key in MEGATRON_SWITCHES):
+        architecture, row = _architecture(flat)
+        if architecture is None:
+            result.errors.append(f"{at}: {row[2]}")
+        else:
+            _put(training, "model.architecture", architecture)
+        result.rows.append(row)
+    if megatron:
+        result.rows += _megatron_defaults(flat, training)
     if result.errors:
         return result
     for key, (trigger, target, implied, _) in IMPLIES.items():
@@ -396,6 +485,117 @@ def map_file(path: str, group: str | None = None) -> Mapping:
     return result
 
 
+TOKENIZER_KEYS = ("data.tokenizer.library", "data.tokenizer.type", "data.tokenizer.vocab_file",
+                  "data.tokenizer.merge_file")
+
+
+def _map_tokenizer(flat: dict[str, Any], at: str) -> tuple[dict[str, Any], list, list[str], list[str]]:
+    """NxD's data.tokenizer -> our model.tokenizer (one Hugging Face tokenizer.json): (our keys, rows, warnings,
+    errors). type names the tokenizer's directory, for NeMo's huggingface library and its megatron library alike
+    (which loads a name it does not know as a Hugging Face tokenizer); the megatron library's GPT2BPETokenizer is
+    GPT-2's BPE from vocab_file + merge_file, which one tokenizer.json holds too."""
+    ours: dict[str, Any] = {}
+    rows, warnings, errors = [], [], []
+    library, kind = flat.get("data.tokenizer.library"), flat.get("data.tokenizer.type")
+    if library in ("huggingface", "megatron"):
+        ours["library"] = "huggingface"
+        rows.append(("data.tokenizer.library", library, "training.model.tokenizer.library = 'huggingface'"
+                     + ("" if library == "huggingface" else ": the tokenizer data.tokenizer.type names, as a "
+                                                           "tokenizer.json")))
+    elif "data.tokenizer.library" in flat:
+        errors.append(f"{at}: data.tokenizer.library: {library!r} is not read here; nxdt-launch reads a Hugging Face "
+                      f"tokenizer.json: set it to huggingface and data.tokenizer.type to the tokenizer's directory")
+    pair = {key: flat.get(f"data.tokenizer.{key}") for key in ("vocab_file", "merge_file")}
+    if kind == GPT2_BPE:
+        if None in pair.values():
+            errors.append(f"{at}: data.tokenizer.type: {GPT2_BPE} is GPT-2's BPE, built from data.tokenizer.vocab_file "
+                          f"and merge_file; set both (GPT-2's vocab.json and merges.txt)")
+            return ours, rows, warnings, errors
+        ours["model"] = str(Path(str(pair["vocab_file"])).parent / "tokenizer.json")
+        rows.append(("data.tokenizer.type", kind, f"with vocab_file and merge_file: training.model.tokenizer.model = "
+                                                  f"{ours['model']!r}"))
+        rows += [(f"data.tokenizer.{key}", value, "with type: training.model.tokenizer.model")
+                 for key, value in pair.items()]
+        warnings.append(f"{at}: data.tokenizer: GPT-2's BPE ({pair['vocab_file']} + {pair['merge_file']}) is read "
+                        f"here as one tokenizer.json, training.model.tokenizer.model = {ours['model']} (beside "
+                        f"vocab_file): write it there (a data_preparation stage with tokenizer.vocab_file and "
+                        f"merge_file writes one) or point training.model.tokenizer.model at one")
+        return ours, rows, warnings, errors
+    if kind is not None:
+        ours["model"] = _tokenizer_json(kind)
+        rows.append(("data.tokenizer.type", kind, f"training.model.tokenizer.model = {ours['model']!r}"))
+    elif "data.tokenizer.type" in flat:
+        rows.append(("data.tokenizer.type", kind, "null: the base recipe's value stays"))
+    for key, value in pair.items():
+        if value is not None:
+            errors.append(f"{at}: data.tokenizer.{key} is read only with data.tokenizer.type: {GPT2_BPE} (GPT-2's "
+                          f"BPE); set it to null, or type to {GPT2_BPE}")
+        elif f"data.tokenizer.{key}" in flat:
+            rows.append((f"data.tokenizer.{key}", value, "the default here"))
+    return ours, rows, warnings, errors
+
+
+def _tokenizer_json(kind: Any) -> str:
+    """NxD names the tokenizer's directory; we read its tokenizer.json."""
+    path = Path(str(kind))
+    return str(path if path.suffix == ".json" else path / "tokenizer.json")
+
+
+def _architecture(flat: dict[str, Any]) -> tuple[str | None, tuple[str, str, str]]:
+    """A megatron file's four switches -> (our model.architecture or None, the row that says why)."""
+    values = tuple(flat.get(key, default) for key, default in zip(MEGATRON_SWITCHES, MEGATRON_SWITCH_DEFAULTS))
+    architecture = MEGATRON_ARCHITECTURES.get(values)
+    key = f"model.{{{', '.join(key.removeprefix('model.') for key in MEGATRON_SWITCHES)}}}"
+    shown = ", ".join(map(str, values))
+    if architecture is None:
+        return None, (key, shown, f"{key}: {shown} is neither architecture built here: GPT (layernorm, "
+                                  f"learned_absolute, gelu, True) or Llama (rmsnorm, rope, swiglu, False); set the "
+                                  f"four to one of them")
+    return architecture, (f"(implied) {key}", shown, f"training.model.architecture = {architecture!r}")
+
+
+def _megatron_defaults(flat: dict[str, Any], training: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """NxD's megatron model's values for the keys a file leaves out, and its vocabulary padding (a multiple of
+    make_vocab_size_divisible_by x tensor_model_parallel_size, as its data module pads), put into `training`."""
+    model = training.setdefault("model", {})
+    rows = []
+    for key, value in MEGATRON_DEFAULTS.items():
+        if key not in model:
+            model[key] = value
+            rows.append((f"(not in the file) {key}", value, f"training.model.{key} = {value!r}, NxD Training's "
+                                                            f"megatron default"))
+    divisor, tp = model.get("make_vocab_size_divisible_by") or 128, model.get("tensor_model_parallel_size") or 1
+    model["make_vocab_size_divisible_by"] = divisor * tp
+    rows.append(("(implied) model.make_vocab_size_divisible_by x tensor_model_parallel_size", f"{divisor} x {tp}",
+                 f"training.model.make_vocab_size_divisible_by = {divisor * tp}: NxD Training's megatron data "
+                 f"module pads the vocabulary to a multiple of both"))
+    return rows
+
+
+def _sliding_window(window: Any, flat: dict[str, Any]) -> str | None:
+    """NxD masks keys more than `window` positions back: nothing, when no sequence is longer than the window."""
+    seq = flat.get("data.seq_length") or flat.get("model.encoder_seq_length")
+    if window is None or (isinstance(seq, int) and isinstance(window, int) and window >= seq):
+        return None
+    return (f"{window!r}: sliding-window attention is not built; a window below the sequence length ({seq}) changes "
+            f"the attention: set it to null")
+
+
+def _is_relative(path: Any) -> bool:
+    """A local path NxD resolves in the job's working directory (not absolute, no URL, no ~ or $ to expand)."""
+    return isinstance(path, str) and bool(path) and not path.startswith(("/", "~", "$")) and "://" not in path
+
+
+def _dpo_renamed(flat: dict[str, Any]) -> str | None:
+    """DPO's prompt limit under both its names, with two values: which one is meant is the user's to say."""
+    for section in ("model_alignment_strategy", "data.alignment_strategy"):
+        new, old = (flat.get(f"{section}.dpo.{name}") for name in DPO_RENAMED)
+        if new is not None and old is not None and new != old:
+            return (f"{section}.dpo: max_prompt_length ({new}) and its older name max_dpo_prompt_length ({old}) "
+                    f"disagree; keep one")
+    return None
+
+
 def _under_stage(rows: list[tuple[str, Any, str]], stage: str) -> list[tuple[str, Any, str]]:
     """Rows name our keys under `training.`; a fine-tuning file's are its stage's."""
     if stage == "training":
@@ -408,7 +608,9 @@ def _with_base(training: dict[str, Any], data: dict[str, Any], stage: str = "tra
     nulls for every shape key that config.json (model.model_config) supplies, so nothing of the base's shape
     leaks into the imported model. A fine-tuning file sits on <stage>/llama/tiny, without its demo data."""
     model = training.setdefault("model", {})
-    family = "gpt3/tiny" if "gpt" in str(data.get("name", "")) and "model_config" not in model else "llama/tiny"
+    architecture = model.get("architecture")  # a megatron file's; an hf file's comes from its model_config
+    named_gpt = "gpt" in str(data.get("name", "")) and "model_config" not in model
+    family = "gpt3/tiny" if architecture == "gpt" or (architecture is None and named_gpt) else "llama/tiny"
     if stage != "training":
         # An alignment file sits on the tiny recipe of its strategy: the other's section would be a second strategy.
         family = f"llama/tiny_{training['strategy']}" if stage == "alignment" else "llama/tiny"
@@ -473,13 +675,6 @@ def _from_base(training: dict[str, Any], stage: str = "training") -> list[tuple[
     given = _flatten({k: v for k, v in training.items() if k != "defaults"})
     return [(f"(not in the file) {key}", value, f"{stage}.{key}, from the base recipe {recipe}")
             for key, value in sorted(seen.items()) if key not in given]
-
-
-def _convert(key: str, value: Any) -> Any:
-    if key == "data.tokenizer.type":  # NxD names the tokenizer's directory; we read its tokenizer.json
-        path = Path(str(value))
-        return str(path if path.suffix == ".json" else path / "tokenizer.json")
-    return value
 
 
 def _flatten(data: Any, stops: dict | set = frozenset(), prefix: str = "") -> dict[str, Any]:

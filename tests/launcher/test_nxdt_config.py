@@ -1,5 +1,6 @@
-"""NxD Training's published example configs (tests/fixtures/nxdt: their keys and values, comments dropped) run
-through `nxdt-launch training=@FILE --dry-run` unchanged and render the layout of our own recipes; what we cannot
+"""NxD Training's published example configs (tests/fixtures/nxdt: their keys and values, comments dropped; its
+README names each file's release and commit) run through `nxdt-launch training=@FILE --dry-run` unchanged and
+render the layout of our own recipes (or, for the megatron files, the file's own layout and model); what we cannot
 honour is refused in one line per key, before anything is written."""
 
 import json
@@ -303,15 +304,14 @@ MIXTRAL_8X7B_CONFIG = {
 
 def _mixtral_file(tmp_path, dropless: bool = False, **replace: str):
     """NxD Training's hf_mixtral_8x7b_config.yaml, or its dropless twin (hf_mixtral_8x7b_dropless_config.yaml: the
-    same file with dropless true and capacity_factor 0.0), with `replace`'s lines swapped in."""
-    text = (FIXTURES / "hf_mixtral_8x7b_config.yaml").read_text()
-    if dropless:
-        text = text.replace("    capacity_factor: 2.0", "    capacity_factor: 0.0").replace(
-            "    dropless: False", "    dropless: True").replace("name: hf_mixtral", "name: hf_mixtral_dropless")
+    same file with dropless true, capacity_factor 0.0 and a relative compile cache), with `replace`'s lines swapped
+    in."""
+    name = "hf_mixtral_8x7b_dropless_config.yaml" if dropless else "hf_mixtral_8x7b_config.yaml"
+    text = (FIXTURES / name).read_text()
     for old, new in replace.items():
         assert old in text, old
         text = text.replace(old, new)
-    path = tmp_path / ("hf_mixtral_8x7b_dropless_config.yaml" if dropless else "hf_mixtral_8x7b_config.yaml")
+    path = tmp_path / name
     path.write_text(text)
     return path
 
@@ -610,3 +610,235 @@ def test_nemo_kv_channels_is_the_head_size(tmp_path, recipe_data_dir):
     assert training["model"]["kv_channels"] == 64 and training["model"]["hidden_size"] == 4096
     shape = estimate(training).shape
     assert (shape.head_dim, shape.query_size) == (64, 32 * 64)
+
+
+# NxD Training 2.26.0's megatron examples (model_source: megatron): the model's shape and architecture are keys of
+# the file, and the data is Megatron indexed data, as ours. File -> (the stage it configures, our architecture).
+MEGATRON = {
+    "megatron_gpt_config": ("training", "gpt"),
+    "megatron_llama_7B_config": ("training", "llama"),
+    "megatron_llama_70b_config": ("training", "llama"),
+    "megatron_mistral_config": ("training", "llama"),
+    "megatron_mixtral_8x7b_config": ("training", "llama"),
+    "megatron_mixtral_8x7b_dropless_config": ("training", "llama"),
+    "megatron_llama2_7B_SFT_config": ("fine_tuning", "llama"),
+}
+# What each of our architectures is, in the megatron switches (runtime/models/gpt.py, llama.py):
+# normalization, position_embedding_type, activation, has_bias.
+SWITCHES = {"gpt": ("layernorm", "learned_absolute", "gelu", True), "llama": ("rmsnorm", "rope", "swiglu", False)}
+# megatron_gpt_config.yaml is refused as published (ffn_dropout 0.1; test below): the layout tests run it with
+# ffn_dropout 0.0, and with constant_steps 0, as its 80000 constant steps exceed its 20000 steps.
+GPT_FIXED = {"  ffn_dropout: 0.1": "  ffn_dropout: 0.0"}
+GPT_SCHEDULE = "training.model.optim.sched.constant_steps=0"
+
+
+def _published(tmp_path, name, **replace):
+    """A fixture file as published, or with `replace`'s lines swapped in (written to tmp_path)."""
+    file = FIXTURES / f"{name}.yaml"
+    if not replace:
+        return file
+    text = file.read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / file.name
+    path.write_text(text)
+    return path
+
+
+def _megatron(tmp_path, name, *overrides):
+    """The file's plan and stage config, dry run, and the file's own keys (resolved as NxD resolves them)."""
+    stage, _ = MEGATRON[name]
+    gpt = name == "megatron_gpt_config"
+    file = _published(tmp_path, name, **(GPT_FIXED if gpt else {}))
+    plan, ours = _stage(tmp_path, stage, f"{stage}=@{file}", *([GPT_SCHEDULE] if gpt else []), *overrides)
+    nxd, _ = nxdt_config.load(str(file))
+    return plan, ours, nxd
+
+
+def _canonical(modules):
+    return [RECOMPUTE_MODULES.canonical(m) for m in modules or []]
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON))
+def test_megatron_file_dry_runs_with_its_own_layout(name, tmp_path):
+    """Each key of the layout, the batch, precision, schedule length and recompute is the file's; so is the model:
+    its architecture switches, KV heads, shape and dropout; NxD's vocabulary padding (x TP) is kept."""
+    stage, architecture = MEGATRON[name]
+    plan, ours, nxd = _megatron(tmp_path, name)
+    strategy, data, model = nxd["distributed_strategy"], nxd["data"], nxd["model"]
+    for key in ("num_nodes", "devices", "max_steps"):
+        assert ours["trainer"][key] == nxd["trainer"][key], key
+    assert ours["trainer"]["accelerator"] == "neuron" and ours["precision"]["type"] == nxd["precision"]["type"]
+    ours_model = ours["model"]
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel", "zero1"):
+        assert ours_model[key] == strategy[key], key
+    assert strategy["virtual_pipeline_model_parallel_size"] == 1 and \
+        ours_model["virtual_pipeline_model_parallel_size"] is None  # NxD's 1: no interleaving
+    assert ours_model["context_parallel_size"] == strategy.get("context_parallel_size", 1) == 1
+    assert ours_model["expert_model_parallel_size"] == strategy.get("expert_model_parallel_size", 1) == 1
+    assert (ours_model["micro_batch_size"], ours_model["global_batch_size"]) == \
+        (data["micro_batch_size"], data["global_batch_size"])
+    assert ours_model["encoder_seq_length"] == ours_model["data"]["seq_length"] == data["seq_length"]
+    assert ours_model["activations_checkpoint_granularity"] == model["activations_checkpoint_granularity"]
+    assert _canonical(ours_model["activations_checkpoint_recompute"]) == \
+        _canonical(model["activations_checkpoint_recompute"])
+    # The architecture: the file's four switches are one of ours.
+    assert ours_model["architecture"] == architecture
+    assert SWITCHES[architecture] == tuple(model[k] for k in ("normalization", "position_embedding_type",
+                                                              "activation", "has_bias"))
+    assert ours_model["num_query_groups"] == model["num_kv_heads"]
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "max_position_embeddings",
+                "share_embeddings_and_output_weights", "hidden_dropout", "attention_dropout", "init_method_std",
+                "layernorm_epsilon"):
+        assert ours_model[key] == model[key], key
+    assert ours_model["make_vocab_size_divisible_by"] == \
+        model["make_vocab_size_divisible_by"] * strategy["tensor_model_parallel_size"]
+    for key, value in (model.get("moe") or {}).items():
+        if key not in ("dropout", "routing_algorithm", "sinkhorn_iterations", "sinkhorn_tol", "output_router_logits"):
+            assert ours_model["moe"][key] == value, key
+    # The data and tokenizer it names: not on this machine, which a dry run only warns of.
+    tokenizer = data["tokenizer"]
+    directory = tokenizer["vocab_file"].rsplit("/", 1)[0] if tokenizer["type"] == "GPT2BPETokenizer" else \
+        tokenizer["type"]  # GPT-2's BPE: the tokenizer.json beside vocab_file
+    expected = f"{directory}/tokenizer.json"
+    assert ours_model["tokenizer"] == {"library": "huggingface", "model": expected}
+    assert any(w.startswith(f"{stage}.model.tokenizer.model: {expected} does not exist") for w in plan.warnings)
+    if stage == "training":
+        assert ours_model["data"]["data_prefix"] == data["data_prefix"]
+        assert ours_model["data"]["splits_string"] == data["splits_string"]
+        assert any(w.startswith("training.model.data.data_prefix: ") for w in plan.warnings)
+    else:  # the SFT file: chat files and starting weights, as NxD's hf SFT file
+        assert ours_model["data"]["train_ds"]["file_names"] == [data["train_dir"]]
+        assert ours_model["data"]["packing"] is True and ours_model["data"]["data_prefix"] is None
+        assert ours_model["restore_from_path"] == nxd["exp_manager"]["resume_from_checkpoint"]
+    (script,) = launch.write(plan)
+    text = script.read_text()
+    assert "--nproc_per_node 32" in text and f"#SBATCH --nodes={nxd['trainer']['num_nodes']}" in text
+    assert nxd["compiler_flags"] in text
+
+
+@pytest.mark.parametrize("name", [n for n, (stage, _) in sorted(MEGATRON.items()) if stage == "training"])
+def test_megatron_file_builds_the_model_it_describes(name, tmp_path, recipe_data_dir):
+    """With a tokenizer of the real size, the schema builds the file's model: GQA as num_kv_heads says, the vocabulary
+    padded as NxD pads it (GPT-2's 50257 tokens to 50304 at TP 8, a multiple of 8 x 8)."""
+    tokenizer = "the_pile_gpt2" if name == "megatron_gpt_config" else "llama2"
+    _, ours, nxd = _megatron(tmp_path, name,
+                             f"training.model.tokenizer.model={recipe_data_dir}/{tokenizer}/tokenizer.json",
+                             f"training.model.data.data_prefix={recipe_data_dir}/{tokenizer}/blend.txt")
+    cfg, report = parse_training(ours, files="error")
+    assert report.errors == [] and cfg is not None, report.errors
+    model = nxd["model"]
+    assert (cfg.model.architecture, cfg.model.kv_heads, cfg.model.num_layers) == \
+        (MEGATRON[name][1], model["num_kv_heads"], model["num_layers"])
+    assert cfg.model.vocab_size == (50304 if tokenizer == "the_pile_gpt2" else 32000)
+    assert (cfg.model.moe is None) == ("moe" not in model)
+    if cfg.model.moe is not None:
+        assert (cfg.model.moe.router_activation, cfg.model.moe.top_k) == ("sigmoid", 2)
+
+
+def test_megatron_gpt_file_names_what_is_left_to_fix(tmp_path):
+    """As published it asks for dropout inside the MLP, which is not built: one line; with that set to 0.0 its
+    schedule (80000 constant steps in 20000) is the schema's one line; with both fixed it runs (test above)."""
+    file = FIXTURES / "megatron_gpt_config.yaml"
+    with pytest.raises(UserError) as caught:
+        _training(tmp_path, f"training=@{file}")
+    assert caught.value.problems == [
+        f"training=@{file}: model.ffn_dropout is not supported: dropout inside the MLP is not built yet "
+        f"(hidden_dropout and attention_dropout are); set it to 0.0"]
+    with pytest.raises(UserError) as caught:
+        _training(tmp_path, f"training=@{_published(tmp_path, 'megatron_gpt_config', **GPT_FIXED)}")
+    assert [p for p in caught.value.problems if "constant_steps" in p] == [
+        "training.model.optim.sched.warmup_steps: warmup_steps 750 + constant_steps 80000 exceeds trainer.max_steps "
+        "20000; shorten the warmup or train longer"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron_gpt_config.yaml"]
+
+
+@pytest.mark.parametrize("replace,expected", [
+    ({"  activation: 'swiglu'": "  activation: 'gelu'"},
+     "model.{normalization, position_embedding_type, activation, has_bias}: rmsnorm, rope, gelu, False is neither "
+     "architecture built here: GPT (layernorm, learned_absolute, gelu, True) or Llama (rmsnorm, rope, swiglu, False)"),
+    ({"  has_bias: False": "  has_bias: False\n  sliding_window_size: 1024"},
+     "model.sliding_window_size: 1024: sliding-window attention is not built; a window below the sequence length "
+     "(4096) changes the attention: set it to null"),
+    ({"    library: 'huggingface'": "    library: 'sentencepiece'"},
+     "data.tokenizer.library: 'sentencepiece' is not read here"),
+    ({"  data_impl: mmap": "  data_impl: lazy"},
+     "data.data_impl is not supported: Megatron's mmap indexed format is the one read; set it to mmap"),
+    ({"  transformer_block_type: 'pre_ln'": "  transformer_block_type: 'post_ln'"},
+     "model.transformer_block_type is not supported: only pre-norm blocks (pre_ln) are built"),
+    ({"  eod_mask_loss: False": "  eod_mask_loss: True"},
+     "data.eod_mask_loss is not supported: the end-of-document token is always trained on"),
+    ({"    vocab_file: null": "    vocab_file: /data/gpt2-vocab.json"},
+     "data.tokenizer.vocab_file is read only with data.tokenizer.type: GPT2BPETokenizer"),
+])
+def test_megatron_keys_we_cannot_honour_are_refused_one_line_each(replace, expected, tmp_path):
+    file = _published(tmp_path, "megatron_llama_7B_config", **replace)
+    with pytest.raises(UserError) as caught:
+        _training(tmp_path, f"training=@{file}")
+    problems = caught.value.problems
+    assert len(problems) == 1 and problems[0].startswith(f"training=@{file}: {expected}"), problems
+    assert sorted(p.name for p in tmp_path.iterdir()) == [file.name]
+
+
+def test_megatron_sliding_window_as_long_as_the_sequence_changes_nothing(tmp_path):
+    """megatron_mistral_config.yaml's window (4096) covers its whole sequence (4096): accepted."""
+    rows = {key: what for key, _, what in nxdt_config.map_file(str(FIXTURES / "megatron_mistral_config.yaml")).rows}
+    assert rows["model.sliding_window_size"] == "the default here: no sequence is longer than the window"
+
+
+def test_explain_config_shows_the_megatron_mapping(tmp_path):
+    rows = {key: (value, what) for key, value, what in
+            nxdt_config.map_file(str(FIXTURES / "megatron_gpt_config.yaml")).rows}
+    assert rows["(implied) model.{normalization, position_embedding_type, activation, has_bias}"] == \
+        ("layernorm, learned_absolute, gelu, True", "training.model.architecture = 'gpt'")
+    assert rows["model.num_kv_heads"] == (32, "training.model.num_query_groups")
+    assert rows["data.data_prefix"][1] == "training.model.data.data_prefix"
+    assert rows["data.tokenizer.type"] == ("GPT2BPETokenizer", "with vocab_file and merge_file: "
+                                          "training.model.tokenizer.model = '/home/ubuntu/examples_datasets/gpt2/"
+                                          "tokenizer.json'")
+    assert rows["model.apply_query_key_layer_scaling"][1].startswith("ignored: a no-op in bf16 and fp32")
+    assert rows["(implied) model.make_vocab_size_divisible_by x tensor_model_parallel_size"][0] == "8 x 8"
+    assert rows["model.ffn_dropout"][1].startswith("refused: dropout inside the MLP is not built yet")
+
+
+# NxD Training 2.26.0's DPO example: the section moved to model_alignment_strategy.dpo and max_dpo_prompt_length
+# was renamed max_prompt_length (Neuron 2.23); the older file is hf_llama3_8B_DPO_config.yaml.
+DPO_2_26 = FIXTURES / "hf_llama3_8B_DPO_config_2_26.yaml"
+
+
+def test_nxd_dpo_file_of_2_26_is_the_older_files_run(tmp_path):
+    """Both spellings give the same alignment config, key for key; only the compiler flags changed upstream."""
+    old_plan, old = _stage(tmp_path, "alignment", f"alignment=@{FIXTURES / 'hf_llama3_8B_DPO_config.yaml'}")
+    plan, new = _stage(tmp_path, "alignment", f"alignment=@{DPO_2_26}")
+    assert new == old
+    assert new["model_alignment_strategy"]["dpo"]["max_dpo_prompt_length"] == 2048
+    assert plan.cfg["cluster"]["neuron"]["compiler_flags"] == "--model-type transformer"
+    assert old_plan.cfg["cluster"]["neuron"]["compiler_flags"] == \
+        "--model-type transformer --distribution-strategy=llm-training"
+
+
+def test_nxd_dpo_prompt_limit_under_both_names_must_agree(tmp_path):
+    file = _published(tmp_path, "hf_llama3_8B_DPO_config_2_26",
+                      **{"    max_prompt_length: 2048": "    max_prompt_length: 2048\n    max_dpo_prompt_length: 1024"})
+    with pytest.raises(UserError) as caught:
+        _stage(tmp_path, "alignment", f"alignment=@{file}")
+    assert caught.value.problems == [
+        f"alignment=@{file}: model_alignment_strategy.dpo: max_prompt_length (2048) and its older name "
+        f"max_dpo_prompt_length (1024) disagree; keep one"]
+
+
+@pytest.mark.parametrize("name,cache", [("hf_mixtral_8x7b_dropless_config", "neuron_cache_hf_moe"),
+                                        ("megatron_mixtral_8x7b_dropless_config", "neuron_cache")])
+def test_relative_compile_cache_goes_under_base_results_dir(name, cache, tmp_path):
+    """NxD resolves a relative compiler_cache_url in the job's working directory; here the cache must be one
+    directory every node sees, so it is <base_results_dir>/<path>, shared by the nodes and by later runs, and said."""
+    plan, _ = _training(tmp_path, f"training=@{FIXTURES / name}.yaml")
+    assert plan.cfg["cluster"]["neuron"]["compile"]["cache"] == f"{tmp_path}/{cache}"
+    assert any(f"compiler_cache_url: '{cache}' is relative" in w and f"<base_results_dir>/{cache}" in w
+               for w in plan.warnings)
+    (script,) = launch.write(plan)
+    assert f"export NEURON_COMPILE_CACHE_URL={tmp_path}/{cache}/" in script.read_text()
+    # The user's own choice on the same command line wins.
+    plan, _ = _training(tmp_path, f"training=@{FIXTURES / name}.yaml", "cluster.neuron.compile.cache=/fsx/cache")
+    assert plan.cfg["cluster"]["neuron"]["compile"]["cache"] == "/fsx/cache"
