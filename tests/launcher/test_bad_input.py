@@ -16,8 +16,9 @@ CASES = [
     (["training.model.num_attention_heads=6", "training.model.hidden_size=120", "training.model.tensor_model_parallel_size=4",
       "training.trainer.devices=4", "training.model.global_batch_size=4"],
      "training.model.num_attention_heads: 6 is not divisible by tensor_model_parallel_size 4"),
-    (["training.model.num_layers=5", "training.model.pipeline_model_parallel_size=2"],
-     "training.model.num_layers: 5 is not divisible by pipeline_model_parallel_size × virtual_pipeline_model_parallel_size = 2 × 1 = 2"),
+    (["training.model.num_layers=1", "training.model.pipeline_model_parallel_size=2"],
+     "training.model.num_layers: 1 is fewer than the pipeline stages, pipeline_model_parallel_size × "
+     "virtual_pipeline_model_parallel_size = 2 × 1 = 2; every stage needs a layer"),
     (["training.model.num_layers=4", "training.model.pipeline_model_parallel_size=2",
       "training.model.virtual_pipeline_model_parallel_size=4", "training.model.global_batch_size=8"],
      "= 2 × 4 = 8"),

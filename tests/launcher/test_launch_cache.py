@@ -166,8 +166,8 @@ def test_a_damaged_entry_is_recomposed_and_replaced(launch):
     (["stages=[training"], "override 'stages=[training' is not valid Hydra syntax", False),
     (["training.trainer.max_steps=${oc.env:NXDT_TEST_UNSET_VARIABLE}"], "NXDT_TEST_UNSET_VARIABLE", False),
     # Composes, and the rules refuse it: from the cache the second time, the same way.
-    (["training.model.num_layers=5", "training.model.pipeline_model_parallel_size=2"],
-     "training.model.num_layers: 5 is not divisible by pipeline_model_parallel_size", True),
+    (["training.model.num_layers=1", "training.model.pipeline_model_parallel_size=2"],
+     "training.model.num_layers: 1 is fewer than the pipeline stages", True),
 ])
 def test_a_mistake_is_one_line_every_time_and_writes_nothing(launch, overrides, message, composes):
     first, second = launch("stages=[training]", *overrides), launch("stages=[training]", *overrides)
