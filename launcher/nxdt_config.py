@@ -77,6 +77,9 @@ MAPPED: dict[str, str] = {
     "precision.type": "training.precision.type",
     "compiler_flags": "cluster.neuron.compiler_flags",
     "compiler_cache_url": "cluster.neuron.compile.cache",
+    # Trn2: the logical NeuronCore config (2: 64 workers per trn2.48xlarge, 1: 128) and uneven pipeline stages.
+    "trainer.lnc": "cluster.neuron.lnc",
+    "model.pipeline_cuts": "training.model.pipeline_cuts",
     "aync_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",  # NxD's own spelling
     "async_exec_max_inflight_requests": "cluster.neuron.async_exec_max_inflight_requests",
     # Fine-tuning: NxD's SFT packing and LoRA keys are the schema's own (model.data.packing, model.peft.*).
@@ -159,6 +162,8 @@ IGNORED: dict[str, str] = {
     "exp_manager.ckpt_ptl_version": "checkpoints use nxdt-launch's own format",
     "model.transpose_nki_inputs": "a Neuron kernel detail",
     "precision.fp32_grads_cc": "gradients are reduced in fp32 in every precision type",
+    "precision.parallel_layers_reduce_dtype": "tensor-parallel reductions run in the activations' dtype: bf16 under "
+                                              "the bf16 precision types, fp32 under fp32",
     "data.val_dir": "pretraining validates on the validation split of data_prefix (splits_string)",
     "model_alignment_strategy.peft.lora_verbose": "the adapters are listed in the log",
     "model_alignment_strategy.peft.save_lora_base": "a LoRA run's checkpoints hold its adapters; the base weights are "
@@ -178,6 +183,15 @@ IGNORED: dict[str, str] = {
     "data.tokenizer.use_fast": "a tokenizer.json is read by Hugging Face tokenizers; slow and fast tokenize alike",
     "model.apply_query_key_layer_scaling": "a no-op in bf16 and fp32 (it guards fp16 overflow)",
     "model.persist_layer_norm": "a kernel choice",
+}
+
+# NxD Training's recompute modules with no module of that exact extent here: the nearest, and what differs (never
+# the result: recomputing is exact; only memory and time move).
+RECOMPUTE_NEAREST = {
+    "ActivationMultiplyMLP": ("mlp", "recomputes the whole MLP here (NxD: its activation and multiply only): more "
+                                     "compute, less activation memory"),
+    "LlamaRMSNorm": (None, "norms are kept, not recomputed, here: more activation memory than NxD's (the "
+                           "estimator counts it)"),
 }
 
 # Ignored, but it changes training a little: said as a warning that names the difference.
@@ -395,6 +409,14 @@ def map_file(path: str, group: str | None = None) -> Mapping:
                 f"the cache must be a directory every node sees: it becomes <base_results_dir>/{relative} "
                 f"(cluster.neuron.compile.cache), which the nodes share and later runs reuse; set "
                 f"cluster.neuron.compile.cache to place it elsewhere")
+        elif key == "model.activations_checkpoint_recompute" and isinstance(value, list) and \
+                any(m in RECOMPUTE_NEAREST for m in value):
+            modules = list(dict.fromkeys(RECOMPUTE_NEAREST.get(m, (m,))[0] for m in value if
+                                         RECOMPUTE_NEAREST.get(m, (m,))[0] is not None))
+            _put(training, "model.activations_checkpoint_recompute", modules)
+            result.rows.append((key, value, f"training.model.activations_checkpoint_recompute = {modules!r}"))
+            for module in (m for m in value if m in RECOMPUTE_NEAREST):
+                result.warnings.append(f"{at}: {key}: {module}: {RECOMPUTE_NEAREST[module][1]}")
         elif key == "model.weight_init_only":
             result.rows.append((key, value, f"with {WEIGHTS_FROM}: training.model.restore_from_path" if value
                                 else "the default here"))
