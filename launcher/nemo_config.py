@@ -124,10 +124,6 @@ IGNORED: dict[str, tuple[tuple | None, str]] = {
     "model.data.data_impl": (("mmap",), "Megatron's mmap indexed format is the one read"),
     "model.data.skip_warmup": (None, "no page-cache warmup"),
     "model.data.dataloader_type": (("single",), "one pass over the sample index"),
-    "model.data.reset_position_ids": ((False,), "documents are not separated inside a pretraining sequence: "
-                                                "attention and positions run across the end-of-document token"),
-    "model.data.reset_attention_mask": ((False,), "documents are not separated inside a pretraining sequence: "
-                                                  "attention and positions run across the end-of-document token"),
     "model.data.eod_mask_loss": ((False,), "the end-of-document token is trained on"),
     # Fine-tuning (NeMo-Launcher's fine_tuning and peft stages).
     "name": (None, "NeMo's experiment name; the run is named by run.name"),

@@ -98,6 +98,8 @@ MAPPED: dict[str, str] = {
     **{f"data.{k}": f"training.model.data.{k}" for k in (
         "data_prefix", "index_mapping_dir", "splits_string", "num_workers", "packing")},
     "model.num_kv_heads": "training.model.num_query_groups",
+    "data.reset_position_ids": "training.model.data.reset_position_ids",
+    "data.reset_attention_mask": "training.model.data.reset_attention_mask",
     "model.kv_channels": "training.model.kv_channels",
 }
 
@@ -212,8 +214,6 @@ UNSUPPORTED: dict[str, str] = {
     # A megatron file's keys: what our data reader and models always do, and what they cannot do yet.
     "data.data_impl": "Megatron's mmap indexed format is the one read; set it to mmap",
     "data.dataloader_type": "cyclic sampling (a new shuffle each epoch) is not built; set it to single",
-    "data.reset_position_ids": "documents are not separated inside a sequence; set it to False",
-    "data.reset_attention_mask": "documents are not separated inside a sequence; set it to False",
     "data.eod_mask_loss": "the end-of-document token is always trained on; set it to False",
     "data.no_seqlen_plus_one_input_tokens": "a sample is seq_length + 1 tokens (inputs and shifted labels); set it "
                                             "to False",
@@ -234,8 +234,7 @@ NEUTRAL = {"distributed_strategy.token_shuffle_group_size": 1, "model.moe.routin
            "model.moe.dropout": 0.0, "model.moe.output_router_logits": True,
            "model_alignment_strategy.peft.lora_bias": "none",
            "model_alignment_strategy.peft.load_lora_from_ckpt": False,
-           "data.data_impl": "mmap", "data.dataloader_type": "single", "data.reset_position_ids": False,
-           "data.reset_attention_mask": False, "data.eod_mask_loss": False,
+           "data.data_impl": "mmap", "data.dataloader_type": "single", "data.eod_mask_loss": False,
            "data.no_seqlen_plus_one_input_tokens": False,
            "data.pad_samples_to_global_batch_size": False, "data.validation_drop_last": True,
            "data.tokenizer.model": None, "model.rotary_percentage": 1, "model.transformer_block_type": "pre_ln",
@@ -717,7 +716,8 @@ def _our_keys() -> set[str]:
     from launcher.paths import conf_dir
 
     keys = {"model.num_query_groups", "model.rotary_base", "model.model_config", "model.kv_channels",
-            "model.add_qkv_bias", "model.qk_layernorm"}
+            "model.add_qkv_bias", "model.qk_layernorm", "model.pipeline_cuts", "model.data.reset_position_ids",
+            "model.data.reset_attention_mask"}
     for recipe in ("training/gpt3/tiny", "training/llama/tiny", "fine_tuning/llama/tiny", "peft/llama/tiny"):
         data = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{recipe}.yaml"), resolve=False)
         keys |= set(_flatten({k: v for k, v in data.items() if k != "defaults"}))

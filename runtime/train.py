@@ -92,8 +92,13 @@ def build_data(
     columns = None
     if topo.cp.size > 1:  # long context: this rank's tokens of every sample its context group reads
         columns = sequence_index(data.seq_length, topo.cp.rank, topo.cp.size, cfg.parallel.context_kind)
+    eod = None
+    if data.reset_documents:  # the schema has checked the tokenizer has one
+        from runtime.schema.chat import end_of_document_id
+
+        eod = end_of_document_id(cfg.tokenizer_path)
     batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns)
+                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod)
     train = DataParallelBatches(train_set, **batches)
     valid = None
     if trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:

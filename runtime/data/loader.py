@@ -61,6 +61,15 @@ def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: i
         raise ValueError(problem)
 
 
+def document_positions(inputs: torch.Tensor, end_of_document: int) -> torch.Tensor:
+    """(B, T) positions that restart at 0 after every end-of-document token (Megatron's reset_position_ids: the
+    token itself ends its document), as int64."""
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    starts = torch.zeros_like(inputs, dtype=torch.long)
+    starts[:, 1:] = (inputs[:, :-1] == end_of_document).long() * index[:, 1:]  # where a new document begins
+    return index - starts.cummax(dim=1).values
+
+
 class DataParallelBatches:
     """This rank's micro-batches of successive global batches, and the position within the dataset."""
 
@@ -73,6 +82,7 @@ class DataParallelBatches:
         dp_size: int = 1,
         consumed_samples: int = 0,
         columns: torch.Tensor | None = None,
+        end_of_document: int | None = None,
     ):
         _check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
         assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
@@ -83,6 +93,9 @@ class DataParallelBatches:
         # Under a context group (long context), the positions of each sample this rank keeps
         # (runtime/parallel/context.py: sequence_index); the other ranks of the group read the same samples.
         self.columns = columns
+        # model.data.reset_position_ids / reset_attention_mask: the token that ends a document; each pretraining
+        # row then carries position_ids restarting after it, which also stops attention there (runtime/micro_batch.py).
+        self.end_of_document = end_of_document
 
     @property
     def num_micro_batches(self) -> int:
@@ -124,8 +137,13 @@ class DataParallelBatches:
             return [MicroBatch(*parts) for parts in zip(*(f.split(self.micro_batch_size) for f in fields))]
         tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        if self.columns is not None:
+        if self.columns is not None:  # (documents are not separated under a context group: the schema says so)
             inputs, labels = inputs[:, self.columns], labels[:, self.columns]
+        if self.end_of_document is not None:
+            positions = document_positions(inputs.long(), self.end_of_document)
+            return [MicroBatch(i.contiguous(), l.contiguous(), position_ids=n) for i, l, n in
+                    zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size),
+                        positions.split(self.micro_batch_size))]
         return [MicroBatch(i.contiguous(), l.contiguous())
                 for i, l in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size))]
 

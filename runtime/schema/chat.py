@@ -337,3 +337,12 @@ def token_id(tokenizer: dict, token: str) -> int:
             return int(entry["id"])
     vocab = tokenizer["model"]["vocab"]
     return int(vocab[token]) if isinstance(vocab, dict) else [piece for piece, _ in vocab].index(token)
+
+
+def end_of_document_id(tokenizer_path: str | os.PathLike) -> int | None:
+    """The id that ends a document in pretraining data: the tokenizer's eos (Megatron's tokenizer.eod: GPT-2's
+    <|endoftext|>, Llama 3's <|end_of_text|>), by the export's rule (special_tokens), or None when it has none."""
+    tokenizer_json, config_json = tokenizer_files(tokenizer_path)
+    parsed = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    eos = special_tokens(parsed, _read_config(config_json)).get("eos_token")
+    return None if eos is None else token_id(parsed, eos)

@@ -567,6 +567,32 @@ def lora_replicated_kv(targets: tuple[str, ...], kv_heads: int, tp: int, p: str)
     return None
 
 
+def document_reset(positions: bool | None, attention: bool | None, p: str) -> str | None:
+    """Megatron's reset_position_ids and reset_attention_mask: documents separated inside a pretraining sequence
+    (positions restart after each end-of-document token and attention stops there), built as one switch."""
+    if positions is None or attention is None or positions == attention:
+        return None
+    return (f"{p}model.data.reset_position_ids: {positions} with reset_attention_mask: {attention}: documents are "
+            f"separated in positions and attention together here; set both to {positions or attention} (or both "
+            f"to false)")
+
+
+def document_reset_eod(eod: int | None, tokenizer: str, p: str) -> str | None:
+    if eod is not None:
+        return None
+    return (f"{p}model.data.reset_attention_mask: true, but the tokenizer {tokenizer} has no end-of-document token "
+            f"to separate documents at; name its eos_token in the tokenizer_config.json beside it, or set "
+            f"reset_position_ids and reset_attention_mask to false")
+
+
+def document_reset_context(reset: bool, context: int, p: str) -> str | None:
+    if reset and context > 1:
+        return (f"{p}model.data.reset_attention_mask: true with a context group of {context} ranks: documents "
+                f"separated under context parallelism are not built; set reset_position_ids and reset_attention_mask "
+                f"to false, or context/ulysses size 1")
+    return None
+
+
 def packing_context(packing: bool, context: int, p: str) -> str | None:
     if packing and context > 1:
         return (f"{p}model.data.packing: true with a context group of {context} ranks: packed examples under "

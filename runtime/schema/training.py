@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.schema import choices as C
+from runtime.schema.chat import end_of_document_id
 from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import (MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config,
@@ -130,6 +131,9 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     if sft is not None and sft.chat_template is None and file_checks.inputs_checked and tokenizer_path \
             and not is_remote(tokenizer_path):
         report.error(_tokenizer_template(tokenizer_path, p))
+    if data is not None and data.reset_documents and file_checks.inputs_checked and tokenizer_path \
+            and not is_remote(tokenizer_path) and Path(tokenizer_path).is_file():
+        report.error(rules.document_reset_eod(end_of_document_id(tokenizer_path), tokenizer_path, p))
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
@@ -546,11 +550,13 @@ def _data(model: Section, seq_length: int | None, files: _Files, p: str, sft_dat
     if splits is not None:
         model.report.error(rules.splits(splits, p))
     workers = data.int("num_workers", 0, minimum=0)
+    reset = (data.bool("reset_position_ids", False), data.bool("reset_attention_mask", False))
+    model.report.error(rules.document_reset(*reset, p))
     if None in (micro, global_, splits, workers) or (data_prefix is None and not sft_data) or seq_length is None:
         return None
     return DataConfig(data_prefix=data_prefix, splits_string=splits, seq_length=seq_length, micro_batch_size=micro,
                       global_batch_size=global_, index_mapping_dir=None if index_dir is None else str(index_dir),
-                      num_workers=workers)
+                      num_workers=workers, reset_documents=bool(reset[0] and reset[1]))
 
 
 
@@ -743,6 +749,8 @@ def _layout_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Para
     report.error(rules.world_divisible(world, rules.world_text(trainer.num_nodes, trainer.devices), tp, pp, p))
     report.error(rules.tp_within_node(tp, trainer.devices, p))
     report.error(rules.virtual_needs_pipeline(vpp, pp, p))
+    if data is not None:
+        report.error(rules.document_reset_context(data.reset_documents, parallel.context, p))
     if data is None or world % (tp * pp):
         return
     dp = world // (tp * pp)

@@ -59,6 +59,9 @@ class DataConfig:
     global_batch_size: int
     index_mapping_dir: str | None
     num_workers: int
+    # model.data.reset_position_ids and reset_attention_mask (Megatron's names, both or neither): each document of
+    # a pretraining sequence restarts its positions after an end-of-document token and attends only to itself.
+    reset_documents: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from launcher.errors import UserError
 from .helpers import REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "nemo"
-# The document masking of the Llama 3 files (reset_position_ids / reset_attention_mask: true) is not built: those
-# two files are refused for it, and run with the two set to false.
+# The Llama 3 files separate documents (reset_position_ids / reset_attention_mask: true) and split sequences over
+# cp 2 on GPUs: documents separated under context parallelism are not built, so there they are refused in one line
+# and run with the two set to false; on pcluster_trn1 (our recipe's layout, cp 1) they run unchanged.
 NO_DOCUMENT_MASK = (("reset_position_ids: true", "reset_position_ids: false"),
                     ("reset_attention_mask: true", "reset_attention_mask: false"))
 
@@ -46,10 +47,10 @@ IMPLEMENTATION = ("defaults", "model.transformer_engine", "model.gc_interval", "
                   "model.fp8_hybrid", "model.use_flash_attention", "model.defer_embedding_wgrad_compute")
 
 
-def _file(name, tmp_path):
-    """The fixture, or for the Llama 3 files a copy without document masking."""
+def _file(name, tmp_path, unchanged=False):
+    """The fixture, or for the Llama 3 files a copy without document masking (unless `unchanged`)."""
     path = FIXTURES / f"{name}.yaml"
-    if "llama3" not in name:
+    if "llama3" not in name or unchanged:
         return path
     text = path.read_text()
     for old, new in NO_DOCUMENT_MASK:
@@ -94,7 +95,7 @@ def test_current_training_file_runs_our_trn1_layout_for_its_model(name, tmp_path
     """On pcluster_trn1 the file keeps its model, data, batch and schedule, with the trn1 layout of our recipe for
     the same model (launcher/targets.py, as training=<recipe> does)."""
     recipe, layout_recipe = RECIPES[name]
-    _, ours = _plan(tmp_path, "pcluster_trn1", f"training=@{_file(name, tmp_path)}")
+    _, ours = _plan(tmp_path, "pcluster_trn1", f"training=@{_file(name, tmp_path, unchanged=True)}")
     _, theirs = _plan(tmp_path, "pcluster_trn1", f"training={recipe}")
     for key in (*LAYOUT_KEYS, "micro_batch_size", "zero1", "activations_checkpoint_granularity",
                 "activations_checkpoint_recompute"):
@@ -110,14 +111,18 @@ def test_current_training_file_runs_our_trn1_layout_for_its_model(name, tmp_path
     assert len(ours["model"]["data"]["data_prefix"]) == 60  # the file's 30 datasets, not the recipe's blend
 
 
-def test_llama3_files_refuse_document_masking_in_one_line_each(tmp_path):
+def test_llama3_files_separate_documents_and_refuse_it_only_under_context_parallelism(tmp_path):
     for name in ("training_llama_llama3_8b", "training_llama_llama3_1_70b"):
         path = FIXTURES / f"{name}.yaml"
         with pytest.raises(UserError) as caught:
             _plan(tmp_path, "slurm", f"training=@{path}")
-        assert [p.split(": ", 1)[1].split(" ")[0] for p in caught.value.problems] == \
-            ["model.data.reset_position_ids", "model.data.reset_attention_mask"], caught.value.problems
-        assert all("documents are not separated" in p and "use False" in p for p in caught.value.problems)
+        assert [p for p in caught.value.problems] == [
+            "training.model.data.reset_attention_mask: true with a context group of 2 ranks: documents separated "
+            "under context parallelism are not built; set reset_position_ids and reset_attention_mask to false, or "
+            "context/ulysses size 1"], caught.value.problems
+        _, training = _plan(tmp_path, "pcluster_trn1", f"training=@{path}")
+        data = training["model"]["data"]
+        assert data["reset_position_ids"] is True and data["reset_attention_mask"] is True
     assert not (tmp_path / "results").exists()
 
 

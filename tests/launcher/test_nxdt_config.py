@@ -476,7 +476,9 @@ def test_nemo_launcher_file_trains_what_our_recipe_trains(tmp_path, recipe_data_
     # The file's own blend of 30 datasets and its singleton dependency are kept; everything else is the recipe:
     # layout (16 x 8, TP 1, ZeRO-1 from distributed_fused_adam), shape, bf16 + O2 = mixed_precision, schedule,
     # and checkpoints at every validation (2000 steps), as NeMo's callback saves.
-    assert differ == {"model.data.data_prefix", "run.dependency"}, differ
+    # ...and its document masking (reset_position_ids / reset_attention_mask), which our recipe leaves out.
+    assert differ - {"model.data.reset_position_ids", "model.data.reset_attention_mask"} == \
+        {"model.data.data_prefix", "run.dependency"}, differ
     assert theirs["run.dependency"] == "singleton" and len(theirs["model.data.data_prefix"]) == 60
     assert any("30 of 30 datasets are missing" in w for w in plan.warnings)  # a dry run only warns
     assert any("NeMo keys ignored" in w for w in plan.warnings)
