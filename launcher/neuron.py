@@ -263,7 +263,10 @@ def problems(cfg: LaunchConfig) -> list[str]:
     if neuron["hardware"] not in HARDWARE:
         return errors + [f"cluster.neuron.hardware: {neuron['hardware']!r} is not one of {', '.join(HARDWARE)}"]
     lnc = neuron["lnc"]
-    if neuron["hardware"] == "trn2" and lnc not in (None, 1, 2) or isinstance(lnc, bool):
+    if lnc is not None and (isinstance(lnc, bool) or not isinstance(lnc, int)):
+        errors.append(f"cluster.neuron.lnc: {lnc!r} must be a whole number: 1 or 2 on trn2, or null")
+        return errors
+    if neuron["hardware"] == "trn2" and lnc not in (None, 1, 2):
         errors.append(f"cluster.neuron.lnc: {lnc!r} must be 1 or 2 (trn2's logical NeuronCore config: 2 gives "
                       f"{TRN2_PHYSICAL_CORES // 2} workers per node, 1 gives {TRN2_PHYSICAL_CORES}), or null for 2")
         return errors

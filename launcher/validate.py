@@ -95,17 +95,23 @@ _MODEL_IDENTITY = ("architecture", "model_config", "num_layers", "hidden_size", 
 
 def another_model(cfg: LaunchConfig, stage: str) -> str | None:
     """A run name shared by two models (NxD Training's eleven hf_llama files all name their run hf_llama): the
-    stage's results directory holds checkpoints, and the config the last launch wrote there describes another
-    model. Resuming would load them into this one; refused at launch rather than on the node after the queue."""
+    stage's newest complete checkpoint was saved with another model's config (the config.yaml each checkpoint
+    keeps; not the results directory's <stage>_config.yaml, which any launch, a dry run too, points at its own).
+    Resuming would load it into this one; refused at launch rather than on the node after the queue."""
     section = cfg.stage(stage)
-    checkpoints = section.inputs.checkpoint_dir or section.results_dir / "checkpoints"
-    previous = section.results_dir / f"{stage}_config.yaml"
-    if "://" in str(checkpoints) or not previous.is_file() or not any(Path(checkpoints).glob("*/COMMIT")):
+    checkpoints = Path(str(section.inputs.checkpoint_dir or section.results_dir / "checkpoints"))
+    if "://" in str(checkpoints) or not checkpoints.is_dir():
+        return None
+    complete = [d for d in checkpoints.iterdir() if (d / "COMMIT").is_file() and (d / "config.yaml").is_file()]
+    steps = {d: re.match(r"step_(\d+)", d.name) for d in complete}
+    newest = max((d for d in complete if steps[d]), key=lambda d: (int(steps[d].group(1)), d.stat().st_mtime),
+                 default=None)
+    if newest is None:
         return None
     try:
         import yaml
 
-        before = stage_inputs(yaml.safe_load(previous.read_text()) or {}).model_without_data
+        before = stage_inputs(yaml.safe_load((newest / "config.yaml").read_text()) or {}).model_without_data
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return None
     now = section.inputs.model_without_data
@@ -113,9 +119,9 @@ def another_model(cfg: LaunchConfig, stage: str) -> str | None:
                if before.get(key) is not None and now.get(key) is not None and before[key] != now[key]]
     if not differs:
         return None
-    return (f"{stage}.run.name: {section.run.name!r} already holds checkpoints of another model in "
-            f"{section.results_dir} ({'; '.join(differs)}), which this run would resume from; give it its own "
-            f"{stage}.run.name (or base_results_dir), or remove {checkpoints}")
+    return (f"{stage}.run.name: {section.run.name!r} already holds checkpoints of another model in {checkpoints} "
+            f"({'; '.join(differs)}), which this run would resume from; give it its own {stage}.run.name (or "
+            f"base_results_dir), or remove {checkpoints}")
 
 
 def lm_eval_tasks(evaluation) -> tuple[list[str], list[str]]:

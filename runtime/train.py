@@ -30,6 +30,7 @@ from runtime.checkpoint.manager import CheckpointSaveFailed
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
+from runtime.data.loader import end_of_document
 from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
 from runtime.finetune import starting_weights
 from runtime.graphs import GraphAccounting
@@ -92,11 +93,7 @@ def build_data(
     columns = None
     if topo.cp.size > 1:  # long context: this rank's tokens of every sample its context group reads
         columns = sequence_index(data.seq_length, topo.cp.rank, topo.cp.size, cfg.parallel.context_kind)
-    eod = None
-    if data.reset_documents:  # the schema has checked the tokenizer has one
-        from runtime.schema.chat import end_of_document_id
-
-        eod = end_of_document_id(cfg.tokenizer_path)
+    eod = end_of_document(data, cfg.tokenizer_path)
     batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
                    dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod)
     train = DataParallelBatches(train_set, **batches)

@@ -41,7 +41,7 @@ import math
 import dataclasses
 
 from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, rank_layers,
-                                       stage_expert_parameters, stage_moe_layers, stage_parameters)
+                                       stage_expert_parameters, stage_moe_layers, stage_parameters, stage_rank)
 from runtime.schema.facts import DTYPE_BYTES, PRECISION_POLICIES, PrecisionPolicy
 
 
@@ -286,19 +286,24 @@ def loss_bytes(shape: ModelShape, layout: Layout) -> float:
 
 
 def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
-                 kernels: Kernels = Kernels()) -> StageMemory:
+                 kernels: Kernels = Kernels(), rank: int | None = None) -> StageMemory:
+    """rank: a middle pipeline rank (first and last False), which model.pipeline_cuts can make the largest."""
     bytes_ = PRECISION_BYTES[layout.precision]
-    params = stage_parameters(shape, layout, first=first, last=last)
-    experts = stage_expert_parameters(shape, layout, first=first)
+    params = stage_parameters(shape, layout, first=first, last=last, rank=rank)
+    experts = stage_expert_parameters(shape, layout, first=first, rank=rank)
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
-    layers = len(rank_layers(shape, layout, 0 if first else layout.pp - 1))
+    layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
     if shape.architecture == "llama":
         # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py), so a
         # device holds one pair whatever its number of layers.
         buffers += shape.max_position_embeddings * shape.head_dim * 2 * 4
-    in_flight = in_flight_micro_batches(layout) if first else 1.0
-    moe_layers = stage_moe_layers(shape, layout, first=first)
+    if first or last or rank is None:
+        in_flight = in_flight_micro_batches(layout) if first else 1.0
+    else:  # 1F1B: rank r holds pp - r micro-batches at its peak (the interleaved schedule's factor on top)
+        in_flight = in_flight_micro_batches(layout) * min(layout.pp - rank, layout.num_micro_batches) / \
+            min(layout.pp, layout.num_micro_batches)
+    moe_layers = stage_moe_layers(shape, layout, first=first, rank=rank)
     activations = (layers - moe_layers) * in_flight * layer_activation_bytes(shape, layout, kernels)
     if moe_layers:
         activations += moe_layers * in_flight * layer_activation_bytes(shape, layout, kernels, moe=True)
@@ -312,7 +317,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     backward = max(backward_working_bytes(shape, layout, moe=moe)
                    + (layer_activation_bytes(shape, rebuilt, kernels, moe=moe) if layout.recompute == "full" else 0)
                    for moe in kinds)
-    name = "only" if first and last else "first" if first else "last"
+    name = "only" if first and last else "first" if first else "last" if last else f"rank {rank}"
     return StageMemory(
         stage=name,
         parameters=params,
@@ -329,9 +334,13 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
 
 
 def peak_memory(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels()) -> StageMemory:
-    """The device with the most memory: the first stage (most micro-batches in flight) or the last (logits)."""
+    """The device with the most memory: the first stage (most micro-batches in flight) or the last (logits); with
+    model.pipeline_cuts a middle stage may hold more layers than either, so every rank is looked at."""
     if layout.pp == 1:
         return stage_memory(shape, layout, first=True, last=True, kernels=kernels)
     stages = [stage_memory(shape, layout, first=True, last=False, kernels=kernels),
               stage_memory(shape, layout, first=False, last=True, kernels=kernels)]
+    if layout.pipeline_cuts is not None:
+        stages += [stage_memory(shape, layout, first=False, last=False, kernels=kernels, rank=r)
+                   for r in range(1, layout.pp - 1)]
     return max(stages, key=lambda stage: stage.total)

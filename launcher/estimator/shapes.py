@@ -326,31 +326,35 @@ def most_layers(shape: ModelShape, layout: Layout) -> int:
     return max(len(rank_layers(shape, layout, rank)) for rank in range(layout.pp))
 
 
-def stage_moe_layers(shape: ModelShape, layout: Layout, *, first: bool) -> int:
-    """MoE layers on the first pipeline rank (first) or the last."""
+def stage_rank(layout: Layout, first: bool, rank: int | None) -> int:
+    """The pipeline rank a stage figure is for: `rank` when given (a middle stage), else the first or the last."""
+    return rank if rank is not None else 0 if first else layout.pp - 1
+
+
+def stage_moe_layers(shape: ModelShape, layout: Layout, *, first: bool, rank: int | None = None) -> int:
+    """MoE layers on the first pipeline rank (first), the last, or `rank`."""
     if shape.moe is None:
         return 0
-    layers = rank_layers(shape, layout, 0 if first else layout.pp - 1)
+    layers = rank_layers(shape, layout, stage_rank(layout, first, rank))
     return sum(1 for index in layers if shape.is_moe_layer(index))
 
 
-def stage_expert_parameters(shape: ModelShape, layout: Layout, *, first: bool) -> int:
+def stage_expert_parameters(shape: ModelShape, layout: Layout, *, first: bool, rank: int | None = None) -> int:
     """Expert weights one device of the first (or last) pipeline stage holds: E / ep experts of each of its MoE
     layers, a tp-th of each. They are reduced and ZeRO-sharded over the expert-data-parallel group (dp / ep
     ranks), where every other parameter is over dp."""
     if shape.moe is None:
         return 0
     experts = shape.moe.num_experts // layout.ep
-    return stage_moe_layers(shape, layout, first=first) * experts * expert_parameters(shape, layout.tp)
+    return stage_moe_layers(shape, layout, first=first, rank=rank) * experts * expert_parameters(shape, layout.tp)
 
 
-def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bool) -> int:
+def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bool, rank: int | None = None) -> int:
     """Parameters one device of a pipeline stage holds. Positions and norms are replicated over TP; with pipeline
     parallelism a tied output head is a separate copy on the last stage (Megatron's layout)."""
     h, t = shape.hidden_size, layout.tp
-    rank = 0 if first else layout.pp - 1
-    params = layer_parameters(shape, t) * len(rank_layers(shape, layout, rank))
-    moe_layers = stage_moe_layers(shape, layout, first=first)
+    params = layer_parameters(shape, t) * len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
+    moe_layers = stage_moe_layers(shape, layout, first=first, rank=rank)
     if moe_layers:  # the MLP replaced by this rank's experts (E / ep, a tp-th of each) and the router
         params += moe_layers * (layer_parameters(shape, t, moe=True, ep=layout.ep) - layer_parameters(shape, t))
     if first:

@@ -61,6 +61,21 @@ def _check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: i
         raise ValueError(problem)
 
 
+def end_of_document(data, tokenizer_path: str) -> int | None:
+    """The token that ends a pretraining document where model.data.reset_* separate them (`data`: the schema's
+    DataConfig), else None; the one line the schema gives where the tokenizer has none (it said so at launch where
+    it could look)."""
+    if data is None or not data.reset_documents:
+        return None
+    from runtime.schema.chat import end_of_document_id
+    from runtime.schema.rules import document_reset_eod
+
+    eod = end_of_document_id(tokenizer_path)
+    if problem := document_reset_eod(eod, tokenizer_path, "training."):
+        raise ValueError(problem)
+    return eod
+
+
 def document_positions(inputs: torch.Tensor, end_of_document: int) -> torch.Tensor:
     """(B, T) positions that restart at 0 after every end-of-document token (Megatron's reset_position_ids: the
     token itself ends its document), as int64."""

@@ -35,6 +35,7 @@ import yaml
 from runtime.checkpoint import resolve_checkpoint
 from runtime.config import TrainingConfig, parse_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
+from runtime.data.loader import end_of_document
 from runtime.device import init_device, shutdown
 from runtime.evaluate.exact_match import evaluate_exact_match, load_exact_match
 from runtime.evaluate import lm_tasks
@@ -60,8 +61,10 @@ def _loss_task(loaded: LoadedModel, training: TrainingConfig, device, name: str,
         splits_string=data.splits_string if split != "all" else "100,0,0", seq_length=data.seq_length,
         seed=training.seed, index_mapping_dir=index_dir or data.index_mapping_dir,
         is_builder=device.local_rank == 0, barrier=device.barrier)
+    # Documents separated as in training (model.data.reset_*): the loss it trained on.
     batches = DataParallelBatches(dataset, global_batch_size=data.global_batch_size,
-                                  micro_batch_size=data.micro_batch_size, dp_rank=dp.rank, dp_size=dp.size)
+                                  micro_batch_size=data.micro_batch_size, dp_rank=dp.rank, dp_size=dp.size,
+                                  end_of_document=end_of_document(data, training.tokenizer_path))
     micro = []
     for index in range(limit_batches):
         for batch in batches.batch_at(index * data.global_batch_size):

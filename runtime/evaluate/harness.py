@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -133,7 +134,9 @@ class RuntimeLM(TemplateLM):
                 raise ValueError(f"generate_until: max_gen_toks {max_gen_toks} leaves no context within the "
                                  f"model's max_length {self.max_length}; lower the task's max_gen_toks")
             keep = self.max_length - max_gen_toks
-            contexts = [self.tok_encode(requests[n].args[0], left_truncate_len=keep) for n in members]
+            # An empty context (no bos added) starts from the prefix token, as an empty loglikelihood context does.
+            contexts = [self.tok_encode(requests[n].args[0], left_truncate_len=keep) or [self.prefix_token_id]
+                        for n in members]
             for n, tokens in zip(members, self._generate(contexts, max_gen_toks, until)):
                 out[n] = postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None)
         return out
@@ -167,7 +170,7 @@ class RuntimeLM(TemplateLM):
                              progress=report, owns=self._owns if self._dp.size > 1 else None)
         if self._dp.size == 1:
             return mine
-        # [float32 high part, float32 remainder, greedy]: a float64 sum through a float32 collective, exactly.
+        # [float32 high part, float32 remainder, greedy]: a float64 sum through a float32 collective, to ~1e-15.
         table = torch.zeros(len(pairs), 3, dtype=torch.float32)
         for row, result in enumerate(mine):
             if result is not None:
@@ -218,7 +221,7 @@ class RuntimeLM(TemplateLM):
                     active[b] = False
                     continue
                 outs[b].append(token)
-                active[b] = len(rows[b]) + 1 < positions and not stop(b, outs[b])
+                active[b] = len(rows[b]) + 1 <= positions and not stop(b, outs[b])
             if not any(active):
                 break
         return outs
@@ -258,6 +261,19 @@ def run(lm: RuntimeLM, tasks: list[str | dict], *, task_manager, num_fewshot: in
     dict (results, n-samples, configs, versions, ...)."""
     import lm_eval
 
+    # lm-eval hands its results back only where LOCAL_RANK is 0 (its tensor-parallel backends compute on every
+    # rank and report on one): every rank here runs it as the one process it sees, so each gets them.
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        return _simple_evaluate(lm_eval, lm, tasks, task_manager, num_fewshot, limit, apply_chat_template,
+                                fewshot_as_multiturn, bootstrap_iters, log_samples)
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
+
+
+def _simple_evaluate(lm_eval, lm, tasks, task_manager, num_fewshot, limit, apply_chat_template, fewshot_as_multiturn,
+                     bootstrap_iters, log_samples) -> dict:
     return lm_eval.simple_evaluate(
         model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, batch_size=lm._batch_size,
         apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,

@@ -26,8 +26,6 @@ _PAD_ID = 0
 
 def _window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
     """context + continuation, left-truncated to max_length + 1 tokens (max_length predictions)."""
-    if not continuation:
-        raise ValueError("loglikelihood: a request has an empty continuation; there is nothing to score")
     if not context:
         raise ValueError("loglikelihood: a request has an empty context; the first continuation token needs "
                          "at least one token before it (e.g. an end-of-text token)")
@@ -55,10 +53,13 @@ def loglikelihood(requests: list[tuple[list[int], list[int]]], forward_logprobs:
         raise ValueError(f"loglikelihood: batch_size must be >= 1, got {batch_size}")
     rows = [_window(context, continuation, max_length) for context, continuation in requests]
     shared: dict[tuple[int, ...], list[int]] = {}  # the model's inputs -> the requests they score
+    results: list[tuple[float, bool] | None] = [None] * len(rows)
     for i, row in enumerate(rows):
+        if not requests[i][1]:  # nothing to score: log 1, and greedy, as lm-eval's hf backend has it
+            results[i] = (0.0, True)
+            continue
         shared.setdefault(tuple(row[:-1]), []).append(i)
     units = sorted(shared.values(), key=lambda members: (-len(rows[members[0]]), members[0]))
-    results: list[tuple[float, bool] | None] = [None] * len(rows)
 
     for number, start in enumerate(range(0, len(units), batch_size)):
         if owns is not None and not owns(number):

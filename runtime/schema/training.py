@@ -132,7 +132,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
             and not is_remote(tokenizer_path):
         report.error(_tokenizer_template(tokenizer_path, p))
     if data is not None and data.reset_documents and file_checks.inputs_checked and tokenizer_path \
-            and not is_remote(tokenizer_path) and Path(tokenizer_path).is_file():
+            and not is_remote(tokenizer_path) and Path(tokenizer_path).exists():
         report.error(rules.document_reset_eod(end_of_document_id(tokenizer_path), tokenizer_path, p))
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))

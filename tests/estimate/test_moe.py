@@ -260,3 +260,15 @@ def test_pipeline_cuts_give_each_stage_its_own_layers():
     # Tensor-parallel collectives per layer, on the stage with the most layers: 9 against 8.
     assert step_time(DENSE_7B, cut, hardware, 0.3).tensor_parallel_s == pytest.approx(
         step_time(DENSE_7B, even, hardware, 0.3).tensor_parallel_s * 9 / 8)
+
+
+def test_a_middle_stage_that_cuts_make_the_largest_is_the_peak():
+    """Cuts after layers 0, 28 and 29 of 32: stages of 1, 28, 1 and 2 layers. The peak is rank 1's, not the first's
+    or the last's."""
+    from launcher.estimator.memory import peak_memory
+
+    cut = layout(pp=4, tp=2, num_nodes=4, pipeline_cuts=(0, 28, 29))
+    peak = peak_memory(DENSE_7B, cut)
+    assert peak.stage == "rank 1" and peak.parameters >= 28 * layer_parameters(DENSE_7B, 2)
+    assert peak.total > max(stage_memory(DENSE_7B, cut, first=True, last=False).total,
+                            stage_memory(DENSE_7B, cut, first=False, last=True).total)

@@ -129,11 +129,17 @@ def test_padding_values_are_never_read():
 @pytest.mark.parametrize("request_, message", [
     (([1, 2], [3, 4, 5]), "does not fit max_length=2"),
     (([], [3]), "empty context"),
-    (([1], []), "empty continuation"),
 ])
 def test_bad_requests_raise_value_error(request_, message):
     with pytest.raises(ValueError, match=message):
         loglikelihood([request_], bigram_forward(bigram_table()), max_length=2, batch_size=1)
+
+
+def test_an_empty_continuation_scores_log_one_as_the_hf_backend_has_it():
+    # lm-eval makes one when a continuation merges into the context's last token, or an empty context's continuation
+    # is the prefix token alone.
+    assert loglikelihood([([1], []), ([1, 2], [3])], bigram_forward(bigram_table()), max_length=4,
+                         batch_size=1)[0] == (0.0, True)
 
 
 def test_a_long_task_reports_its_progress(capsys):

@@ -77,6 +77,17 @@ def test_multiple_choice_metrics_are_known_exactly(tmp_path, evaluate):
     assert result["acc_norm_stderr"] == pytest.approx(0.25)  # sample std of [1, 0, 1, 1] / sqrt(4)
 
 
+def test_every_rank_of_a_node_gets_the_results(tmp_path, evaluate, monkeypatch):
+    """torchrun gives each worker its LOCAL_RANK; lm-eval returns results only where it is 0, and each worker here
+    runs lm-eval as the one process it sees."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    path = write_jsonl(tmp_path / "mc.jsonl", MULTIPLE_CHOICE)
+    assert evaluate(load_task({"name": "mc", "type": "multiple_choice", "path": path}))["acc"] == 0.5
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"  # given back
+
+
 def test_limit_keeps_the_first_examples(tmp_path, evaluate):
     path = write_jsonl(tmp_path / "mc.jsonl", MULTIPLE_CHOICE)
     result = evaluate(load_task({"name": "mc", "type": "multiple_choice", "path": path, "limit": 1}))

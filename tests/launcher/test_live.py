@@ -65,11 +65,14 @@ def test_a_run_name_that_holds_another_models_checkpoints_is_refused_before_anyt
     stage_dir = tmp_path / "gpt3_tiny" / "training"
     common = ["stages=[training]", "cluster_type=local", f"base_results_dir={tmp_path}", f"data_dir={recipe_data_dir}"]
     first = launch.make_plan(common, dry_run=True, produced_by="test")
-    (stage_dir / "checkpoints" / "step_00000010.0a1b2c3d").mkdir(parents=True)
-    (stage_dir / "checkpoints" / "step_00000010.0a1b2c3d" / "COMMIT").write_text("{}")
+    checkpoint = stage_dir / "checkpoints" / "step_00000010.0a1b2c3d"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMMIT").write_text("{}")
     import yaml
 
-    (stage_dir / "training_config.yaml").write_text(yaml.safe_dump(first.cfg["training"]))
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(first.cfg["training"]))  # what the checkpoint keeps
+    # A dry run of another model has pointed the directory's training_config.yaml at its own config: no matter.
+    (stage_dir / "training_config.yaml").write_text(yaml.safe_dump({"model": {"num_layers": 6}}))
     launch.make_plan(common, dry_run=False, produced_by="test")  # the same model: it resumes
     other = [*common, "training.model.num_layers=6"]
     try:
