@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from runtime.io.files import replace_directory
-from runtime.schema.chat import ChatTokenizer, special_tokens, token_id
+from runtime.schema.chat import chat_stop_ids, special_tokens, token_id
 from runtime.schema.families import export_family, family_for
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
@@ -280,12 +280,8 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch
         if key in ("bos_token", "eos_token", "pad_token"):
             config[key + "_id"] = token_id(tokenizer, token)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-    if source_config.get("chat_template"):
-        # A chat model ends its turn with the template's own end token (<|im_end|>, <|eot_id|>): generation stops at
-        # it as at eos, as in the generation_config.json of Llama 3 and Qwen instruct models.
-        stops = sorted(ChatTokenizer(tokenizer_path).stop_ids)
-        if stops:
-            generation["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    if stops := chat_stop_ids(tokenizer_path, source_config) if tokenizer_path else []:
+        generation["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

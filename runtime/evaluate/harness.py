@@ -37,7 +37,7 @@ from runtime.evaluate.model import LoadedModel, forward_logprobs_fn, greedy_toke
 from runtime.evaluate.scoring import loglikelihood
 from runtime.generate import generate
 from runtime.parallel import collectives as C
-from runtime.schema.chat import special_tokens, token_id, tokenizer_files
+from runtime.schema.chat import chat_stop_ids, special_tokens, token_id, tokenizer_files
 
 
 class RuntimeLM(TemplateLM):
@@ -58,7 +58,9 @@ class RuntimeLM(TemplateLM):
         self._config = json.loads(config_json.read_text(encoding="utf-8")) if config_json.is_file() else {}
         specials = {key: token_id(parsed, text) for key, text in special_tokens(parsed, self._config).items()}
         self._eos, self._bos = specials.get("eos_token"), specials.get("bos_token")
-        self._stop_ids = self._generation_stops()
+        # Where the export's generation_config.json stops (runtime/convert/hf.py): a chat model's end of turn, else eos.
+        stops = chat_stop_ids(self._tokenizer_json, self._config)
+        self._stop_ids = set(stops) if stops else ({self._eos} if self._eos is not None else set())
         self._forward = forward_logprobs_fn(loaded, device)
         self._greedy = greedy_tokens_fn(loaded, device) if loaded.topo.pp.size > 1 else None
         self._dp = loaded.topo.dp
@@ -232,18 +234,6 @@ class RuntimeLM(TemplateLM):
         self._device.step_boundary()
         return on_device.cpu()
 
-    def _generation_stops(self) -> set[int]:
-        """The ids generation ends at, as the export's generation_config.json has them (runtime/convert/hf.py):
-        a chat tokenizer's end-of-turn tokens, else eos."""
-        if self._config.get("chat_template"):
-            from runtime.schema.chat import ChatTokenizer
-
-            stops = ChatTokenizer(self._tokenizer_json).stop_ids
-            if stops:
-                return set(stops)
-        return {self._eos} if self._eos is not None else set()
-
-
 def render_chat(chat, history: list[dict[str, str]], add_generation_prompt: bool) -> str:
     """The prompt text of a chat history, as `hf` has transformers render it: with the generation prompt, or
     continuing the final (assistant) message, the text cut right after its content (no end of turn)."""
@@ -265,19 +255,14 @@ def run(lm: RuntimeLM, tasks: list[str | dict], *, task_manager, num_fewshot: in
     # rank and report on one): every rank here runs it as the one process it sees, so each gets them.
     local_rank = os.environ.pop("LOCAL_RANK", None)
     try:
-        return _simple_evaluate(lm_eval, lm, tasks, task_manager, num_fewshot, limit, apply_chat_template,
-                                fewshot_as_multiturn, bootstrap_iters, log_samples)
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, batch_size=lm._batch_size,
+            apply_chat_template=apply_chat_template,
+            fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template, task_manager=task_manager,
+            log_samples=log_samples, bootstrap_iters=bootstrap_iters)
     finally:
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = local_rank
-
-
-def _simple_evaluate(lm_eval, lm, tasks, task_manager, num_fewshot, limit, apply_chat_template, fewshot_as_multiturn,
-                     bootstrap_iters, log_samples) -> dict:
-    return lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, batch_size=lm._batch_size,
-        apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn and apply_chat_template,
-        task_manager=task_manager, log_samples=log_samples, bootstrap_iters=bootstrap_iters)
 
 
 def result_rows(results: dict) -> list[dict[str, Any]]:

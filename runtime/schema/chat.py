@@ -346,3 +346,12 @@ def end_of_document_id(tokenizer_path: str | os.PathLike) -> int | None:
     parsed = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     eos = special_tokens(parsed, _read_config(config_json)).get("eos_token")
     return None if eos is None else token_id(parsed, eos)
+
+
+def chat_stop_ids(tokenizer_path: str | os.PathLike, config: dict[str, Any]) -> list[int]:
+    """The ids a chat model's generation ends at besides eos: its template's end-of-turn tokens (<|im_end|>,
+    <|eot_id|>), when the tokenizer_config.json (`config`) holds a chat template, as the generation_config.json of
+    Llama 3 and Qwen instruct models lists them; [] otherwise. The export writes them, lm-eval's backend stops at them."""
+    if not config.get("chat_template"):
+        return []
+    return sorted(ChatTokenizer(tokenizer_path).stop_ids)

@@ -127,6 +127,18 @@ def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
     return subprocess.CompletedProcess(["nxdt-launch", *args], os.waitstatus_to_exitcode(status), stdout, stderr)
 
 
+def edited_copy(source: Path, directory: Path, replace: dict[str, str], name: str | None = None) -> Path:
+    """A published config file with each of `replace`'s texts (each must be in it) swapped for its value, written
+    into `directory` (as `name`, else the source's name): a fixture stays as published, its variants are made here."""
+    text = source.read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = directory / (name or source.name)
+    path.write_text(text)
+    return path
+
+
 def refused(result: subprocess.CompletedProcess, expected: str) -> list[str]:
     """The contract for a user mistake: exit 2, no traceback, only `error:` lines, one of them holding `expected`.
     Returns the lines."""

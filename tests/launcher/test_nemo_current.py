@@ -8,7 +8,7 @@ import pytest
 from launcher import launch, nxdt_config
 from launcher.errors import UserError
 
-from .helpers import REPO
+from .helpers import REPO, edited_copy
 
 FIXTURES = REPO / "tests" / "fixtures" / "nemo"
 # The Llama 3 files separate documents (reset_position_ids / reset_attention_mask: true) and split sequences over
@@ -50,15 +50,7 @@ IMPLEMENTATION = ("defaults", "model.transformer_engine", "model.gc_interval", "
 def _file(name, tmp_path, unchanged=False):
     """The fixture, or for the Llama 3 files a copy without document masking (unless `unchanged`)."""
     path = FIXTURES / f"{name}.yaml"
-    if "llama3" not in name or unchanged:
-        return path
-    text = path.read_text()
-    for old, new in NO_DOCUMENT_MASK:
-        assert old in text, old
-        text = text.replace(old, new)
-    copy = tmp_path / path.name
-    copy.write_text(text)
-    return copy
+    return path if "llama3" not in name or unchanged else edited_copy(path, tmp_path, dict(NO_DOCUMENT_MASK))
 
 
 def _plan(tmp_path, cluster, *overrides):

@@ -15,7 +15,7 @@ from launcher.estimator import estimate
 from runtime.schema.choices import RECOMPUTE_MODULES
 from runtime.schema.training import parse_training
 
-from .helpers import REPO, nxdt
+from .helpers import REPO, edited_copy, nxdt
 
 FIXTURES = REPO / "tests" / "fixtures" / "nxdt"
 COMMON = ["stages=[training]", "cluster=pcluster_trn1", "cluster_type=slurm", "data_dir=/data"]
@@ -308,13 +308,7 @@ def _mixtral_file(tmp_path, dropless: bool = False, **replace: str):
     same file with dropless true, capacity_factor 0.0 and a relative compile cache), with `replace`'s lines swapped
     in."""
     name = "hf_mixtral_8x7b_dropless_config.yaml" if dropless else "hf_mixtral_8x7b_config.yaml"
-    text = (FIXTURES / name).read_text()
-    for old, new in replace.items():
-        assert old in text, old
-        text = text.replace(old, new)
-    path = tmp_path / name
-    path.write_text(text)
-    return path
+    return edited_copy(FIXTURES / name, tmp_path, replace)
 
 
 @pytest.mark.parametrize("dropless,recipe", [(False, "mixtral/8x7b"), (True, "mixtral/8x7b_dropless")])
@@ -552,14 +546,10 @@ def test_explain_config_shows_what_the_base_recipe_supplies(tmp_path):
 def _nxd_cp_file(tmp_path, size: int = 2):
     """NxD Training's hf_llama3_70B_CP_config.yaml: its hf_llama3_70B_config.yaml with context_parallel_size 2 and
     ring attention in place of flash attention (the published file differs from it in nothing else)."""
-    text = (FIXTURES / "hf_llama3_70B_config.yaml").read_text()
-    for old, new in (("  context_parallel_size: 1", f"  context_parallel_size: {size}"),
-                     ("    flash_attention: True", "    flash_attention: False\n    ring_attention: True")):
-        assert old in text, old
-        text = text.replace(old, new)
-    path = tmp_path / "hf_llama3_70B_CP_config.yaml"
-    path.write_text(text)
-    return path
+    return edited_copy(FIXTURES / "hf_llama3_70B_config.yaml", tmp_path,
+                       {"  context_parallel_size: 1": f"  context_parallel_size: {size}",
+                        "    flash_attention: True": "    flash_attention: False\n    ring_attention: True"},
+                       name="hf_llama3_70B_CP_config.yaml")
 
 
 def test_nxd_context_parallel_file_renders_our_context_parallel_recipe(tmp_path):
@@ -640,15 +630,7 @@ GPT_SCHEDULE = "training.model.optim.sched.constant_steps=0"
 def _published(tmp_path, name, **replace):
     """A fixture file as published, or with `replace`'s lines swapped in (written to tmp_path)."""
     file = FIXTURES / f"{name}.yaml"
-    if not replace:
-        return file
-    text = file.read_text()
-    for old, new in replace.items():
-        assert old in text, old
-        text = text.replace(old, new)
-    path = tmp_path / file.name
-    path.write_text(text)
-    return path
+    return edited_copy(file, tmp_path, replace) if replace else file
 
 
 def _megatron(tmp_path, name, *overrides):
