@@ -1,6 +1,6 @@
 """A FAKE Slurm head node (shell scripts named as Slurm's clients), for what the real local cluster cannot show:
 a cluster whose every trn1 node is busy, where nothing may be submitted. Each call is logged to `calls`, so a test
-can tell whether Slurm was asked at all; sbatch refuses. The real 2-node cluster is tests/slurm_cluster.py."""
+can tell whether Slurm was asked at all; sbatch refuses. The real 3-node cluster is tests/slurm_cluster.py."""
 
 from __future__ import annotations
 

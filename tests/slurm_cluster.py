@@ -1,4 +1,4 @@
-"""pytest fixture `slurm_cluster`: the real two-node Slurm of csp_tools/local_slurm, once per test session.
+"""pytest fixture `slurm_cluster`: the real three-node Slurm of csp_tools/local_slurm, once per test session.
 
 Register it from tests/conftest.py with `pytest_plugins = ["tests.slurm_cluster"]`. Then:
 

@@ -1,7 +1,7 @@
 """The whole product, end to end, with the real programs: the embedded default pipeline on this machine
-(what the README's first command runs), and the same pipeline on the real 2-node Slurm cluster: mixtral/tiny at
-tp=2 x dp=2 with its experts over an expert-parallel group spanning both nodes, then the data preparation and
-training of gpt3/tiny at pp=2 and llama/tiny at cp=2 across the two nodes."""
+(what the README's first command runs), and the same pipeline on two nodes of the real 3-node Slurm cluster:
+mixtral/tiny at tp=2 x dp=2 with its experts over an expert-parallel group spanning both nodes, then the data
+preparation and training of gpt3/tiny at pp=2 and llama/tiny at cp=2 across the two nodes."""
 
 import json
 import math
@@ -135,7 +135,7 @@ def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     # Short stages, so that the pipeline is mostly its programs starting (about 30 s on two idle cores): 4 steps
     # logged at 1, 2 and 4, validated (one batch) at 2 and 4; the evaluation scores every kind of task it has by
     # default, each on a little data (one batch per loss task, 16 demo examples). The three layouts run one after
-    # the other: their data-preparation arrays must each find both nodes free to be seen spreading over them (with
+    # the other: their data-preparation arrays must each find two nodes free to be seen spreading over them (with
     # nodes shared, or pipelines interleaved on exclusive ones, Slurm may put both tasks on one node).
     steps = 4
     results = tmp_path / "results"
@@ -159,10 +159,11 @@ def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     logs = nxdt("logs", run, "--results-dir", str(results), env=slurm_cluster.env).stdout
     assert states == ["COMPLETED"] * len(STAGES_OF[layout]), logs[-4000:]
 
-    # The data-preparation array ran its two tasks on both nodes, then training spanned both nodes.
+    # The data-preparation array ran its two tasks on two nodes (any two of the cluster's three), then training
+    # spanned two nodes.
     prep_logs = sorted((results / run / "data_preparation" / "logs").glob("*_node0.log"))
     assert len(prep_logs) == 2
-    assert prep_nodes == {"node1", "node2"}, prep_nodes
+    assert len(prep_nodes) == 2 and prep_nodes <= set(slurm_cluster.nodes), prep_nodes
     train_logs = sorted((results / run / "training" / "logs").glob("*_node*.log"))
     assert len(train_logs) == 2, train_logs
     topology = {"tp2_dp2_ep2": "tp=0/2, dp=0/2, pp=0/1, ep=0/2", "pp2": "tp=0/1, dp=0/1, pp=0/2",

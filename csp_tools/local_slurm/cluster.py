@@ -1,6 +1,8 @@
-"""A real two-node Slurm cluster (node1, node2, one partition) on this one machine, for tests and trying the tool.
+"""A real three-node Slurm cluster (node1-node3, one partition) on this one machine, for tests and trying the tool.
 
-Two slurmd on one host: Debian's Slurm is built with --enable-multiple-slurmd (`scontrol show config` lists
+Three nodes, so that a 2-node job can lose one and still find two to run on.
+
+Three slurmd on one host: Debian's Slurm is built with --enable-multiple-slurmd (`scontrol show config` lists
 MULTIPLE_SLURMD = Yes), so each slurmd is started as `slurmd -N <node>` and the nodes differ only by Port= on
 127.0.0.1; %n in the spool, pid and log paths keeps their files apart. No network namespaces or veth pairs are
 needed, which also keeps this working in containers that may not create them.
@@ -8,8 +10,8 @@ needed, which also keeps this working in containers that may not create them.
 Everything lives under one root directory (state, spool, pid files, logs, slurm.conf); clients reach the
 cluster through SLURM_CONF (see `LocalSlurm.env`), and /etc/slurm is never touched.
 
-    python -m csp_tools.local_slurm up        # as root; waits until both nodes are idle
-    export SLURM_CONF=/tmp/nxdt-slurm/slurm.conf && srun -N2 -n2 hostname
+    python -m csp_tools.local_slurm up        # as root; waits until every node is idle
+    export SLURM_CONF=/tmp/nxdt-slurm/slurm.conf && srun -N3 -n3 hostname
     python -m csp_tools.local_slurm down
 """
 
@@ -28,7 +30,7 @@ from string import Template
 from csp_tools.local_slurm import munge, procs
 
 DEFAULT_ROOT = Path("/tmp/nxdt-slurm")
-NODES = ("node1", "node2")
+NODES = ("node1", "node2", "node3")
 TEMPLATE = Path(__file__).with_name("slurm.conf.template")
 
 # A job in one of these states will not run again (a requeued job passes through PENDING, not these).
@@ -53,7 +55,7 @@ class LocalSlurm:
     # Per node. More than this 2-core machine has: oversubscription is fine and leaves room for job arrays.
     cpus: int = 4
     memory_mb: int = 4096
-    # slurmctld listens on port_base, node1 and node2 on the next two; away from Slurm's default 6817-6818.
+    # slurmctld listens on port_base, node1-node3 on the next three; away from Slurm's default 6817-6818.
     port_base: int = 16817
 
     @property
@@ -81,14 +83,13 @@ class LocalSlurm:
             cpus=self.cpus,
             memory_mb=self.memory_mb,
             ctld_port=self.port_base,
-            node1_port=self.port_base + 1,
-            node2_port=self.port_base + 2,
+            **{f"{node}_port": self.port_base + index for index, node in enumerate(NODES, start=1)},
         )
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
     def up(self, timeout: float = 60.0) -> bool:
-        """Start munge, slurmctld and both slurmd; wait until both nodes are idle.
+        """Start munge, slurmctld and a slurmd per node; wait until every node is idle.
 
         Returns False if a healthy cluster with this configuration was already running (it is left as is),
         True if it was (re)started. Anything half-running is taken down first.
@@ -196,7 +197,7 @@ class LocalSlurm:
         return "is UP" in self._client(["scontrol", "ping"])
 
     def healthy(self) -> bool:
-        """All three daemons and munge run with this configuration, and both nodes can take work."""
+        """slurmctld, every slurmd and munge run with this configuration, and every node can take work."""
         if not self.conf_path.exists() or self.conf_path.read_text() != self.render_conf():
             return False
         if not all(self._daemon_alive(name) for name in ("slurmctld", *(f"slurmd-{n}" for n in NODES))):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the local 2-node Slurm test cluster needs (Debian/Ubuntu, as root), for CI and fresh machines.
+# Installs what the local 3-node Slurm test cluster needs (Debian/Ubuntu, as root), for CI and fresh machines.
 # Idempotent: does nothing, not even `apt-get update`, when every program is already there.
 #   slurmctld, slurmd, slurm-client (sinfo, srun, ...): pulled in by the slurm-wlm metapackage
 #   munge: Slurm's authentication daemon and its munge/unmunge clients

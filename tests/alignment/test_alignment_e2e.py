@@ -2,7 +2,7 @@
 the preference rule on held-out prompts; a run killed with SIGKILL after a checkpoint resumes from it, reads the
 reference log-probs cached by the first attempt instead of scoring the pairs again, and ends with the losses of a
 run never interrupted; a damaged cache is named, recomputed and comes out the same; ORPO trains from the same data;
-and DPO runs with dp=2 across the two nodes of the local Slurm cluster."""
+and DPO runs with dp=2 across two nodes of the local 3-node Slurm cluster."""
 from __future__ import annotations
 
 import io

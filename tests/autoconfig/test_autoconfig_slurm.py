@@ -1,4 +1,4 @@
-"""`nxdt-launch autoconfig` end to end on the real 2-node Slurm: the tiny search launches three candidates (2 nodes
+"""`nxdt-launch autoconfig` end to end on the real 3-node Slurm: the tiny search launches three candidates (2 nodes
 x 2 CPU workers each: data, pipeline and tensor parallel) through the Slurm executor, writes the CSV sorted by
 measured throughput and the best config, and that config then trains through the launcher like any recipe."""
 

@@ -1,5 +1,5 @@
 """A small counting corpus on disk and the launcher overrides that train on it, for the checkpoint tests that
-run the real CLI (local executor or the 2-node Slurm cluster)."""
+run the real CLI (local executor or the 3-node Slurm cluster)."""
 from __future__ import annotations
 
 import json
@@ -75,7 +75,7 @@ def convert_rendered(overrides: list[str], cwd: Path, stage_dir: Path) -> None:
     """The conversion stage as the launcher renders it (--dry-run: its script and conversion_config.yaml), the
     script's command run in this process, where torch is already imported: a fresh interpreter per conversion would
     cost more than the conversion. For the tests whose subject is what the stage's code does with that config; the
-    stage's script itself runs in tests/test_pipeline.py (this machine and the 2-node Slurm cluster)."""
+    stage's script itself runs in tests/test_pipeline.py (this machine and the 3-node Slurm cluster)."""
     import shlex
 
     from runtime.convert.__main__ import main

@@ -1,4 +1,4 @@
-# The preemption test on the real 2-node Slurm: a training job submitted with a 1-minute time limit, far shorter
+# The preemption test on the real 3-node Slurm: a training job submitted with a 1-minute time limit, far shorter
 # than its training, gets Slurm's time-limit warning (SIGUSR1, training.run.preemption_signal_s) in a real
 # allocation, commits a checkpoint, requeues itself, and a later allocation resumes it and finishes with exactly
 # the per-step losses of an uninterrupted run of the same config (fp32, CPU, dp=2 over two nodes; the local

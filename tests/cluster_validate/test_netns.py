@@ -1,6 +1,6 @@
 """Three pretend nodes in three network namespaces on one bridge, node1's link rate limited with tc tbf: the
 node agents (python -m csp_tools.cluster_validate) run inside the namespaces exactly as they run on Slurm
-nodes, and the pair sweep must name node1 and only node1. (The local Slurm's two nodes share 127.0.0.1, so
+nodes, and the pair sweep must name node1 and only node1. (The local Slurm's nodes all share 127.0.0.1, so
 a slow link can only be made this way.)"""
 
 import json

@@ -1,6 +1,6 @@
-"""`nxdt-launch cluster-validate` on the real 2-node Slurm of tests/slurm_cluster.py: a healthy run passes on
-both nodes and reports every measurement; a node whose shared file system is missing is named, and the
-override written for it keeps it out of the next launch's sbatch script."""
+"""`nxdt-launch cluster-validate` on the real 3-node Slurm of tests/slurm_cluster.py, pinned to node1 and node2
+(cluster.nodelist): a healthy run passes on both nodes and reports every measurement; a node whose shared file
+system is missing is named, and the override written for it keeps it out of the next launch's sbatch script."""
 
 import json
 import sys

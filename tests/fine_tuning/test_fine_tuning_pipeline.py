@@ -1,6 +1,7 @@
 """The fine-tuning stages end to end through the real CLI: full SFT from a Hugging Face Qwen3 directory written by
 transformers (fine_tuning=hf/sft_demo: its config.json and tokenizer decide), exported; LoRA from that run's own
-checkpoint, exported merged and as a PEFT adapter that `peft` loads; and stages=[data_preparation,fine_tuning] on the real 2-node Slurm cluster."""
+checkpoint, exported merged and as a PEFT adapter that `peft` loads; and stages=[data_preparation,fine_tuning] on
+two nodes of the real 3-node Slurm cluster."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The launcher against a real 2-node Slurm (tests/slurm_cluster.py): pipelines run in order across both
+"""The launcher against a real 3-node Slurm (tests/slurm_cluster.py): pipelines run in order across two
 nodes, a failed stage stops the ones after it, and status, logs and cancel work without accounting.
 
 The stage programs are replaced by a STAND-IN interpreter (`python=` override) that records where and
@@ -57,7 +57,7 @@ def _rows(record_file: Path) -> list[list[str]]:
     return [line.split() for line in record_file.read_text().splitlines()] if record_file.exists() else []
 
 
-def test_pipeline_runs_in_order_across_both_nodes(slurm_cluster, launch):
+def test_pipeline_runs_in_order_across_two_nodes(slurm_cluster, launch):
     result = launch()
     assert result.returncode == 0, result.stdout + result.stderr
     record = _launch_record(launch.results)
@@ -68,7 +68,8 @@ def test_pipeline_runs_in_order_across_both_nodes(slurm_cluster, launch):
     prep = [r for r in rows if r[0] == "data_preparation"]
     train = [r for r in rows if r[0] == "training"]
     assert prep and len(train) == 2
-    assert {r[1] for r in train} == {"node1", "node2"}, "training must span both nodes"
+    train_nodes = {r[1] for r in train}  # any two of the cluster's three
+    assert len(train_nodes) == 2 and train_nodes <= set(slurm_cluster.nodes), "training must span two nodes"
     assert {r[2] for r in train} == {"0", "1"}
     assert max(float(r[3]) for r in prep) < min(float(r[3]) for r in train), "training ran before data prep"
     assert all("--node_rank" in r and "runtime.train" in r for r in train)
@@ -77,7 +78,7 @@ def test_pipeline_runs_in_order_across_both_nodes(slurm_cluster, launch):
     assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2, status.stdout
     logs = nxdt("logs", "gpt3_tiny", "training", "--results-dir", str(launch.results), env=slurm_cluster.env)
     assert logs.returncode == 0, logs.stderr
-    assert "hello from training on node1" in logs.stdout and "hello from training on node2" in logs.stdout
+    assert all(f"hello from training on {node}" in logs.stdout for node in train_nodes), logs.stdout
 
 
 def test_failed_first_stage_never_runs_the_second(slurm_cluster, launch):

@@ -1,6 +1,6 @@
 """A real OpenSSH server on 127.0.0.1 for the remote-submission tests: Debian's sshd on a free port with a
 test-only config, host key and client key generated in a temporary directory, root login by that key only.
-Its sessions get SLURM_CONF of the local 2-node Slurm (csp_tools/local_slurm), so a command run over SSH
+Its sessions get SLURM_CONF of the local 3-node Slurm (csp_tools/local_slurm), so a command run over SSH
 reaches the same cluster a head node would. Started once per session, stopped at the end even on failure.
 
 Without sshd installed (apt-get install openssh-server) or as non-root the fixture skips, except under CI."""
