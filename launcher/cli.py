@@ -293,6 +293,9 @@ def status(run: str | None, results_dir: Path) -> None:
         progress = runs.training_progress(entry) if entry["stage"] in TRAINER_STAGES and state.state == "RUNNING" else None
         if progress:
             click.echo(f"{entry['stage']}: {progress}")
+        if record["executor"] == "slurm" and entry["stage"] in TRAINER_STAGES:
+            for line in runs.attempt_history(entry):
+                click.echo(f"{entry['stage']}: {line}")
     from runtime.io import run_lock
 
     for entry in record["stages"]:

@@ -29,6 +29,10 @@ class Job:
     # the job while $SLURM_RESTART_COUNT < max_restarts. Both unset: the script handles no signals.
     preemption_signal_s: int | None = None
     max_restarts: int = 0
+    # <stage>.fault_tolerance of a trainer stage (runtime/schema/training_config.FaultToleranceConfig), when enabled:
+    # the node's watchdog times the workers, and on Slurm the script restarts a failed attempt, checks its nodes and
+    # requeues without a bad one (docs/fault_tolerance.md). None: none of that.
+    fault_tolerance: Any = None
     # Where this launch's stage config is written (launch.make_plan: <results_dir>/launches/<launch id>/): a name no
     # later launch writes, so a queued or running job reads what it was submitted with. None: the results directory
     # itself (a job rendered outside a launch, as the golden files are).
@@ -55,6 +59,22 @@ class Job:
     @property
     def preemptible(self) -> bool:
         return bool(self.preemption_signal_s or self.max_restarts)
+
+    @property
+    def requeues(self) -> bool:
+        """Whether the job may requeue itself (#SBATCH --requeue): after a signal, or without a bad node."""
+        return bool(self.max_restarts or (self.fault_tolerance and self.fault_tolerance.requeues_on_failure))
+
+    @property
+    def watchdog_env(self) -> dict[str, str]:
+        """The watchdog's timeouts, as runtime.torchrun reads them (runtime/fault_tolerance/watchdog.py)."""
+        if not self.fault_tolerance:
+            return {}
+        from runtime.fault_tolerance.watchdog import Timeouts
+
+        ft = self.fault_tolerance
+        return Timeouts(ft.setup_timeout_s, ft.checkpoint_timeout_s, ft.step_timeout_s, ft.step_timeout_factor,
+                        ft.step_timeout_floor_s).env()
 
     @property
     def shutdown_timeout_s(self) -> int:

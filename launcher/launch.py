@@ -100,6 +100,9 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         raise UserError(*errors)
     launch_id = new_launch_id()
     jobs = [job.in_launch(launch_id) for job in build(config, dry_run=dry_run)]
+    if executor == "slurm" and jobs and (errors := validate.excluded_every_node(
+            config.cluster, max(job.nodes for job in jobs), ask_slurm=not dry_run and not remote_settings)):
+        raise UserError(*errors)
     mirror = None
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"

@@ -196,4 +196,5 @@ def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produ
         s3_env=s3_env(cfg),
         python=python(cfg),
         preempted_exit_code=PREEMPTED_EXIT_CODE,
+        hyperpod=cfg.cluster.hyperpod is True,
     )

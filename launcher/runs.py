@@ -343,6 +343,46 @@ def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
             f"about {_duration(left_s)} left at {recent[-1]:.2f} s/step{memory}{graphs}")
 
 
+# --- what fault tolerance did (runtime/fault_tolerance/attempts.py writes the history) -----------------------------
+
+def attempt_history(entry: dict[str, Any]) -> list[str]:
+    """One line per failed attempt of this stage's job: its cause, the rank and node, what the job did about it,
+    and, once the restarted run was past the fault, the step it resumed from and the time it cost; and the bad
+    nodes the job's node checks named."""
+    runner = remote.current()
+    path = str(Path(entry["log_dir"]) / f"{entry['stage']}_attempts.jsonl")
+    try:
+        rows = [r for r in json_lines(runner.read_text(path)) if str(r.get("job_id")) == str(entry["job_id"])]
+    except (OSError, ValueError):
+        return []
+    recovered = [r for r in rows if r.get("event") == "recovered"]
+    lines = []
+    for row in rows:
+        if row.get("event") == "failed":
+            what = {"hang": f"hang of rank {row.get('rank')} on {row.get('node')} in {row.get('section')}",
+                    "lost node": f"{row.get('node')} reported nothing",
+                    "preflight": f"preflight failed on {row.get('node')}"}.get(
+                row.get("cause"), f"exit {row.get('exit_code')} of rank {row.get('rank')} on {row.get('node')}")
+            line = (f"attempt {row.get('attempt')} (requeue {row.get('slurm_restart', 0)}): {what}"
+                    f"{' at step ' + str(row['step']) if row.get('step') else ''}")
+            if row.get("time_to_detect_s") is not None:
+                line += f", detected in {_duration(row['time_to_detect_s'])}"
+            line += f"; {row.get('action')}"
+            match = next((r for r in recovered if r.get("attempt") == row.get("attempt")
+                          and r.get("job") == row.get("job")), None)
+            if match:
+                line += (f"; resumed from step {match.get('resumed_from_step')}, training again "
+                         f"{_duration(match.get('time_to_recover_s') or 0)} after, "
+                         f"{_duration(match.get('time_lost_s') or 0)} lost")
+            lines.append(line)
+        elif row.get("event") == "node_check":
+            bad = row.get("bad_nodes") or {}
+            verdict = ("bad: " + "; ".join(f"{n} ({why})" for n, why in bad.items())) if bad else "every node passed"
+            excluded = f", excluded {','.join(row['exclude'])}" if row.get("exclude") else ""
+            lines.append(f"node checks after attempt {row.get('attempt')}: {verdict}; {row.get('action')}{excluded}")
+    return lines
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)

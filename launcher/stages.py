@@ -44,15 +44,19 @@ def data_preparation(cfg: LaunchConfig, *, tasks: int | None = None) -> Job:
 def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
     """A stage the trainer runs: torchrun over num_nodes x devices, preemptible like training. Only training's
     command line stays as it always was; the others name their stage."""
+    from runtime.schema.training import parse_fault_tolerance
+
     section = cfg.stage(stage)
     trainer, run = section.trainer, section.run
     assert trainer is not None, f"{stage}.trainer: validated before any job is built"
+    fault_tolerance = parse_fault_tolerance(section.section, f"{stage}.")[0]
     # A recipe without the preemption keys gets a script that handles no signals (validate.py checks values).
     return _job(
         cfg, stage, "runtime.train", *(() if stage == "training" else ("--stage", stage)),
         nodes=trainer.num_nodes, nproc_per_node=trainer.devices, distributed=True, accelerator=trainer.accelerator,
         preemption_signal_s=int(run.preemption_signal_s or 0) or None,
         max_restarts=int(run.max_restarts or 0),
+        fault_tolerance=fault_tolerance if fault_tolerance is not None and fault_tolerance.enabled else None,
     )
 
 

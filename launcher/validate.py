@@ -85,7 +85,21 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         errors += input_errors
         warnings += input_warnings
     errors += cluster(cfg.cluster)
+    errors += injected_fault(cfg)
     return errors, warnings
+
+
+def injected_fault(cfg: LaunchConfig) -> list[str]:
+    """NXDT_INJECT_FAULT (runtime/schema/faults.py), from env_vars or this environment, which Slurm passes on to
+    the job: a malformed one is refused here, not found by the workers after the queue."""
+    import os
+
+    from runtime.schema import faults
+
+    values = [os.environ.get(faults.ENV, "")]
+    if isinstance(cfg.env_vars, dict):
+        values.append(str(cfg.env_vars.get(faults.ENV) or ""))
+    return [problem for value in values if (problem := faults.parse(value)[1])]
 
 
 # What makes a run's checkpoints another model's: a run resumes from the newest checkpoint in its directory.
@@ -372,6 +386,41 @@ def inputs_unseen(stage: dict[str, Any]) -> bool:
     return bool(missing)
 
 
+def _nodes(value: Any) -> list[str]:
+    """A node list as written (a list, or one hostlist string), every node named; [] where it is unreadable."""
+    try:
+        items = value if isinstance(value, list) else split_hostlist(value) if isinstance(value, str) else []
+        return [node for item in items for node in expand_hostlist(str(item))]
+    except ValueError:
+        return []
+
+
+def excluded_every_node(section: Cluster, nodes_needed: int, *, ask_slurm: bool) -> list[str]:
+    """cluster.exclude leaving fewer nodes than the largest job needs: of cluster.nodelist, and (`ask_slurm`, a real
+    launch where sinfo answers) of the partition. A job that can never start would wait in the queue for ever."""
+    excluded = set(_nodes(section.exclude))
+    if not excluded:
+        return []
+    candidates, where = _nodes(section.nodelist), "cluster.nodelist"
+    if not candidates and ask_slurm:
+        import subprocess
+
+        argv = ["sinfo", "-h", "-N", "-o", "%N"] + ([f"--partition={section.partition}"] if section.partition else [])
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        candidates = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+        where = f"partition {section.partition}" if section.partition else "the cluster"
+    if not candidates:
+        return []
+    left = [node for node in candidates if node not in excluded]
+    if len(left) >= nodes_needed:
+        return []
+    return [f"cluster.exclude: leaves {len(left)} of the {len(candidates)} nodes of {where} "
+            f"({', '.join(left) or 'none'}) for a job of {nodes_needed} node(s); exclude fewer nodes"]
+
+
 def _hostlist(value: Any, key: str) -> list[str]:
     """A list of nodes, or one Slurm hostlist string ('node[1-8]', 'node[01-03,7]', 'a,b'), which sbatch and
     cluster-validate read as it is: one error line per entry Slurm would not read."""
@@ -423,6 +472,9 @@ def cluster(section: Cluster) -> list[str]:
     for key in ("nodelist", "exclude"):
         errors += _hostlist(section.sbatch.get(key), f"cluster.{key}")
     errors += _env_vars(section.env_vars, "cluster.env_vars")
+    if section.hyperpod not in (None, True, False):
+        errors.append(f"cluster.hyperpod: {section.hyperpod!r} must be true (SageMaker HyperPod's Slurm: "
+                      "srun --auto-resume=1) or false")
     errors += node_memory(section)
     if section.venv is not None and not str(section.venv).startswith("/"):
         errors.append(f"cluster.venv: {section.venv!r} must be the absolute path of a venv on every node, "

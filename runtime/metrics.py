@@ -209,6 +209,14 @@ class MetricsLogger:
             print(f"step {step} | val_loss {val_loss:.4f}" + _shown(values), flush=True)
             self._write({"step": step, "val_loss": float(val_loss), **values})
 
+    def record_event(self, event: dict) -> None:
+        """A record of something that happened to the run (a recovery, runtime/fault_tolerance/recovery.py): in
+        metrics.jsonl beside the steps, with no loss, so that readers of losses pass it by; not charted."""
+        if self.is_main:
+            print("nxdt: " + ", ".join(f"{k} {v}" for k, v in event.items() if k not in ("event", "at")), flush=True)
+            self._jsonl.write(json.dumps(event) + "\n")
+            self._jsonl.flush()
+
     def _write(self, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         step = record["step"]

@@ -88,10 +88,20 @@ class _Watchdog:
 
 
 def preflight(device=None, *, timeout_s: float = 60.0, nbytes: int = 8 << 20, iters: int = 5,
-              min_busbw_gbps: float | None = None, log=print, exit=os._exit) -> PreflightResult:
-    """Check the default process group. `device` is runtime.device.Device (or None for CPU tensors)."""
+              min_busbw_gbps: float | None = None, log=print, exit=os._exit,
+              results_dir: str | None = None) -> PreflightResult:
+    """Check the default process group. `device` is runtime.device.Device (or None for CPU tensors). With the
+    run's `results_dir`, a node that an injected fault makes unhealthy (runtime/schema/faults.py) fails here first."""
     started = time.perf_counter()
     rank, world = topology.world()
+    if results_dir is not None:
+        from runtime.fault_tolerance.node_check import injected_unhealthy
+        from runtime.fault_tolerance.watchdog import node_name
+
+        why = injected_unhealthy(node_name(), results_dir)
+        if why:
+            raise PreflightError(f"preflight: node {node_name()} (rank {rank}) failed its health check ({why}); "
+                                 f"{_ADVICE}")
     torch_device = getattr(device, "torch_device", torch.device("cpu"))
 
     def finish() -> None:  # lazy (XLA) devices run queued work only at a step boundary

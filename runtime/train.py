@@ -31,6 +31,8 @@ from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches, build_split_dataset
 from runtime.data.loader import end_of_document
+from runtime.fault_tolerance.progress import Progress
+from runtime.fault_tolerance.recovery import Recovery
 from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
 from runtime.finetune import starting_weights
 from runtime.graphs import GraphAccounting
@@ -242,12 +244,12 @@ def one_writer(results_dir: str, device: Device):
             run_lock.release(results_dir)
 
 
-def train(cfg: TrainingConfig, device: Device) -> None:
+def train(cfg: TrainingConfig, device: Device, progress: Progress | None = None) -> None:
     with one_writer(cfg.results_dir, device):
-        _train(cfg, device)
+        _train(cfg, device, progress)
 
 
-def _train(cfg: TrainingConfig, device: Device) -> None:
+def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None) -> None:
     topo = build_topology(cfg, device)
     device.manual_seed(cfg.seed)
     # On the meta device: shapes only. parallelize_model materializes this rank's part alone (its TP slices, its
@@ -314,6 +316,9 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                                       cfg.trainer.max_steps)
     checkpoints.check_room()
     start_step = checkpoints.resume()
+    # After a restart (the job script's, runtime/fault_tolerance/attempts.py): rank 0 records how long the fault took
+    # to detect and recover from, and the time it cost, in metrics.jsonl and the run's attempt history.
+    recovery = Recovery.from_env(start_step) if device.is_main else None
     if start_step >= cfg.trainer.max_steps and device.is_main:
         print(f"training {cfg.run_name}: the newest checkpoint is at step {start_step}, trainer.max_steps is "
               f"{cfg.trainer.max_steps}: nothing to train (raise training.trainer.max_steps to continue)", flush=True)
@@ -332,10 +337,14 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
     try:
         for step in range(start_step, cfg.trainer.max_steps):
             done = step + 1
+            if progress is not None:  # the node's hang watchdog times each section (runtime/fault_tolerance)
+                progress.enter("data", done)
             started = time.perf_counter()
             lr = schedule(step)
             with graphs.part("step", done):
                 micro_batches = _to_device(train_batches.next_batch(), device)
+                if progress is not None:
+                    progress.enter("step", done)
                 result = train_step(model, optimizer, micro_batches, topo, lr=lr,
                                     clip=cfg.trainer.gradient_clip_val, objective=objective,
                                     read_with=watch.flag() if watch is not None else None)
@@ -359,12 +368,18 @@ def _train(cfg: TrainingConfig, device: Device) -> None:
                 step_stats(model, report=False)
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
                                 memory_gib=device.memory_gib(), extra=extra)
+            if recovery is not None and (event := recovery.after_step(done)) is not None:
+                metrics.record_event(event)
             if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
                                               or done == cfg.trainer.max_steps):
+                if progress is not None:
+                    progress.enter("validation", done)
                 with graphs.part("validation", done):
                     val_loss, val_metrics = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches,
                                                      topo, device, valid_objective)
                 metrics.record_validation(done, val_loss, val_metrics)
+            if progress is not None:
+                progress.enter("checkpoint", done)
             with graphs.part("save", done):
                 checkpoints.after_step(done)
             if pause_s:
@@ -431,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0") or 0)
     try:
         cfg = load_training_config(args.config, args.stage)
+        progress = Progress.from_env(str(cfg.results_dir))
     except ValueError as error:
         # Every rank reads the same file and fails the same way: one line is enough.
         if rank == 0:
@@ -441,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = init_device(cfg.trainer.accelerator)
         if cfg.trainer.preflight and device.world_size > 1 and not device.trial_run:  # a trial run reads zeros
-            preflight(device, timeout_s=cfg.trainer.preflight_timeout_s)
-        train(cfg, device)
+            preflight(device, timeout_s=cfg.trainer.preflight_timeout_s, results_dir=str(cfg.results_dir))
+        train(cfg, device, progress)
         if device.is_main and cfg.plot:
             _draw(cfg.results_dir)
         # Leave together: rank 0 released the run lock, closed its metric sinks and drew metrics.png since train()'s
@@ -463,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as error:
         if device is None or device.world_size == 1 or not C.peer_lost(error):
             raise
+        if progress is not None:
+            progress.close("peer_lost")
         _say(f"error (rank {rank}): another rank stopped (its error is above); stopping too")
         return 1
     except ValueError as error:
@@ -470,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"{prefix}: {_one_line(error)}")
         return USER_ERROR_EXIT_CODE
     finally:
+        if progress is not None:
+            progress.close()
         if device is not None:
             shutdown(device, drain=clean)
     return 0

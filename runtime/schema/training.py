@@ -19,8 +19,8 @@ from runtime.schema.model import (MoEConfig, ModelConfig, RopeScaling, hf_model_
                                   tokenizer_vocab_size)
 from runtime.schema.reader import REQUIRED, Report, Section
 from runtime.schema.safetensors_file import hf_weights_problems
-from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, LoraConfig, OptimConfig,
-                                            ParallelConfig,
+from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
+                                            LoraConfig, OptimConfig, ParallelConfig,
                                             PrecisionConfig, SchedConfig, SFTDataConfig, SizingConfig,
                                             TrainerConfig,
                                             TrainingConfig)
@@ -78,6 +78,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         return None, report
 
     _run_keys(run, p, report)
+    _fault_tolerance(root.section("fault_tolerance"), report)
     trainer = _trainer(trainer_s, p, report)
     shape, vocab, tokenizer_path = _model_shape(model_s, p, report, file_checks, vocab_size)
     parallel = _parallel(model_s)
@@ -224,6 +225,31 @@ def _run_keys(run: Section, p: str, report: Report) -> None:
     if signal_s is not None:
         report.error(rules.preemption_signal(signal_s, "" if limit is None else str(limit), p))
     run.int("max_restarts", 0, minimum=0)
+
+
+def parse_fault_tolerance(raw: Any, p: str = PREFIX) -> tuple[FaultToleranceConfig | None, Report]:
+    """Only <stage>.fault_tolerance of a trainer stage's config `raw`: what the launcher renders into the job script
+    (the watchdog's timeouts, the restart loop); parse_training reads it the same way."""
+    report = Report()
+    return _fault_tolerance(Section(raw, p.rstrip("."), report).section("fault_tolerance"), report), report
+
+
+def _fault_tolerance(s: Section, report: Report) -> FaultToleranceConfig | None:
+    values = dict(
+        enabled=s.bool("enabled", True),
+        setup_timeout_s=s.float("setup_timeout_s", 1800, above=0),
+        step_timeout_s=s.float("step_timeout_s", None, above=0),
+        step_timeout_factor=s.float("step_timeout_factor", 5.0, above=1),
+        step_timeout_floor_s=s.float("step_timeout_floor_s", 300, above=0),
+        checkpoint_timeout_s=s.float("checkpoint_timeout_s", 1800, above=0),
+        in_job_restarts=s.int("in_job_restarts", 3, minimum=0),
+        requeues_on_failure=s.int("requeues_on_failure", 2, minimum=0),
+        same_node_failures=s.int("same_node_failures", 2, minimum=1),
+    )
+    s.done()
+    if any(v is None for k, v in values.items() if k != "step_timeout_s"):
+        return None
+    return FaultToleranceConfig(**values)
 
 
 def parse_trainer(raw: Any, p: str = PREFIX) -> tuple[TrainerConfig | None, Report]:

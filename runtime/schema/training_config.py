@@ -24,6 +24,24 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class FaultToleranceConfig:
+    """<stage>.fault_tolerance (docs/fault_tolerance.md): the hang watchdog's timeouts and what the job script does
+    after a dead or hung rank (restart in the job) or a bad node (requeue without it). Defaults as NeMo's fault
+    tolerance has them: 3 restarts in the job, 2 requeues, a 30-minute setup timeout, the step's learned with a
+    safety factor of 5."""
+
+    enabled: bool
+    setup_timeout_s: float           # start to the first section, and any section's first run (a compile)
+    step_timeout_s: float | None     # None: learned, step_timeout_factor x the slowest recent step
+    step_timeout_factor: float
+    step_timeout_floor_s: float
+    checkpoint_timeout_s: float
+    in_job_restarts: int             # workers restarted in the same allocation
+    requeues_on_failure: int         # the job requeued with its bad nodes excluded
+    same_node_failures: int          # failures in a row on one node before every node is checked
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tp: int
     pp: int

@@ -20,6 +20,13 @@ exec > >(tee -a "$LOG_DIR/alignment_local.log") 2>&1
 # `nxdt-launch status` reads the exit code from here.
 trap 'echo $? > "$LOG_DIR/alignment_local.exit"' EXIT
 
+# The watchdog's timeouts (alignment.fault_tolerance): a hung worker ends the stage with one line naming it,
+# instead of holding this machine until someone looks. (Restarts and node checks are the Slurm script's.)
+export NXDT_FT_SETUP_TIMEOUT_S=1800
+export NXDT_FT_CHECKPOINT_TIMEOUT_S=1800
+export NXDT_FT_STEP_TIMEOUT_S=''
+export NXDT_FT_STEP_TIMEOUT_FACTOR=5
+export NXDT_FT_STEP_TIMEOUT_FLOOR_S=300
 # All 2 workers of the stage's 1 node(s) run on this machine, under torchrun
 # (runtime.torchrun: ending a failure in one line, with the failing worker's exit code).
 "$PYTHON" -m runtime.torchrun --standalone --nnodes 1 --nproc_per_node 2 \

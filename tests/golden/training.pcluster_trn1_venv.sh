@@ -130,19 +130,72 @@ else
 fi
 
 echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
-# In the background, so that a signal is handled at once: bash runs a trap only between commands, and `wait` is
-# one that a trapped signal interrupts (it then returns > 128 while the step goes on).
-if [ -z "$SIGNALLED" ]; then
-  srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_node%n.log" \
-    bash -c node_main &
-  STEP_PID=$!
-  while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID" || true; done
-  STEP_EXIT=0
-  wait "$STEP_PID" || STEP_EXIT=$?
-else
-  STEP_EXIT=143  # signalled before the step could start (during the compile step, say): no time left to train
-fi
+# The node watchdog's timeouts (training.fault_tolerance; runtime.torchrun reads them), and the run's attempt
+# history, which `nxdt-launch status` shows.
+export NXDT_FT_SETUP_TIMEOUT_S=1800
+export NXDT_FT_CHECKPOINT_TIMEOUT_S=1800
+export NXDT_FT_STEP_TIMEOUT_S=''
+export NXDT_FT_STEP_TIMEOUT_FACTOR=5
+export NXDT_FT_STEP_TIMEOUT_FLOOR_S=300
+export NXDT_ATTEMPTS_FILE="$LOG_DIR/training_attempts.jsonl"
+ATTEMPT=0
+ATTEMPT_TAG=""
+while :; do
+  # What each node's torchrun writes about this attempt (how it ended there, a hang's verdict, the node checks).
+  export NXDT_ATTEMPT_DIR="$LOG_DIR/attempts/${JOB_TAG}_restart${RESTART}_attempt${ATTEMPT}"
+  mkdir -p "$NXDT_ATTEMPT_DIR"
+  # In the background, so that a signal is handled at once: bash runs a trap only between commands, and `wait` is
+  # one that a trapped signal interrupts (it then returns > 128 while the step goes on).
+  if [ -z "$SIGNALLED" ]; then
+    srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+      --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}${ATTEMPT_TAG}_node%n.log" \
+      bash -c node_main &
+    STEP_PID=$!
+    while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID" || true; done
+    STEP_EXIT=0
+    wait "$STEP_PID" || STEP_EXIT=$?
+  else
+    STEP_EXIT=143  # signalled before the step could start (during the compile step, say): no time left to train
+  fi
+
+  # Finished, or stopped at a checkpoint by a signal: as without fault tolerance, below.
+  if [ "$STEP_EXIT" = 0 ] || [ -n "$SIGNALLED" ] || [ "$STEP_EXIT" = 75 ]; then break; fi
+  DECIDE=(--attempt-dir "$NXDT_ATTEMPT_DIR" --history "$NXDT_ATTEMPTS_FILE" --stage training \
+    --job "$JOB_TAG" --attempt "$ATTEMPT" --exit "$STEP_EXIT" --in-job-restarts 3 \
+    --same-node-failures 2 --requeues-on-failure 2 \
+    --min-nodes 2 --partition "${SLURM_JOB_PARTITION:-}")
+  ACTION=$("$PYTHON" -m runtime.fault_tolerance.attempts failed "${DECIDE[@]}") || ACTION=stop
+  if [ "$ACTION" = check-nodes ]; then
+    srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=0 \
+      --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_attempt${ATTEMPT}_nodecheck_node%n.log" \
+      bash -c '"$PYTHON" "$@"' python \
+      -m runtime.fault_tolerance.node_check --out "$NXDT_ATTEMPT_DIR" --accelerator neuron \
+      --results-dir /results/gpt3_tiny/training || true
+    ACTION=$("$PYTHON" -m runtime.fault_tolerance.attempts checked "${DECIDE[@]}") || ACTION=stop
+  fi
+  case "$ACTION" in
+    restart)
+      ATTEMPT=$((ATTEMPT + 1))
+      ATTEMPT_TAG="_attempt$ATTEMPT"
+      echo "nxdt: training job $JOB_TAG restart $RESTART attempt $ATTEMPT on $SLURM_JOB_NODELIST" ;;
+    requeue\ *)
+      # Requeued, then told to avoid the bad nodes: Slurm takes ExcNodeList only from a job that is pending, and
+      # holds a requeued job for cred_expire (120 s by default) before it may start again, which the update needs
+      # a moment of. The requeue ends this allocation with a TERM, ignored until then.
+      REQUEUED=1
+      trap '' TERM
+      if scontrol requeue "$SLURM_JOB_ID"; then
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${ACTION#requeue }" \
+          || echo "nxdt: could not exclude ${ACTION#requeue } from the requeued job $SLURM_JOB_ID" >&2
+        exit 0
+      fi
+      REQUEUED=0
+      echo "nxdt: scontrol requeue $SLURM_JOB_ID failed; launch the run again with cluster.exclude=[${ACTION#requeue }]" >&2
+      exit "$STEP_EXIT" ;;
+    *)
+      exit "$STEP_EXIT" ;;
+  esac
+done
 if [ "$SIGNALLED" = USR1 ] || { [ -z "$SIGNALLED" ] && [ "$STEP_EXIT" = 75 ]; }; then
   ENDED="nxdt: training job $JOB_TAG restart $RESTART ended (exit $STEP_EXIT${SIGNALLED:+ after SIG$SIGNALLED})"
   if [ "$RESTART" -lt "$MAX_RESTARTS" ]; then

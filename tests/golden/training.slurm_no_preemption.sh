@@ -8,6 +8,7 @@
 #SBATCH --time=0:30:00
 #SBATCH --output=/results/gpt3_tiny/training/logs/training_%j.out
 #SBATCH --open-mode=append
+#SBATCH --requeue
 #SBATCH --exclusive
 set -euo pipefail
 export NXDT_STAGE=training
@@ -25,8 +26,28 @@ mkdir -p "$LOG_DIR"
 # Which array task or job this is, and how often Slurm has requeued it: every log name carries both.
 JOB_TAG="${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID:-0}"
 RESTART="${SLURM_RESTART_COUNT:-0}"
-# `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue.
-trap 'echo $? > "$LOG_DIR/training_${JOB_TAG}.exit"' EXIT
+# `nxdt-launch status` reads this when Slurm accounting is off and the job has left the queue. An allocation
+# that requeues the job writes none: the job is not over, and its last allocation writes the real code.
+REQUEUED=0
+trap 'CODE=$?; [ "$REQUEUED" = 1 ] || echo "$CODE" > "$LOG_DIR/training_${JOB_TAG}.exit"' EXIT
+rm -f "$LOG_DIR/training_${JOB_TAG}.exit"  # an earlier allocation's, if Slurm requeued the job itself
+
+# USR1 asks the training to save a checkpoint and stop, so that the job can requeue itself and resume.
+# By hand: `scancel --batch --signal=USR1 <job>`. This shell passes it to srun, srun to every process of the
+# step (torchrun on each node, which passes it on too, and its workers), and the workers finish their step,
+# save and exit 75. TERM means Slurm is ending the job (scancel, the time limit, a preemption): Slurm sends it
+# to every process itself (srun would take a TERM as "kill the step now"), and whether the job runs again is
+# Slurm's decision, so this shell only notes it.
+MAX_RESTARTS=0  # training.run.max_restarts
+SIGNALLED=""
+STEP_PID=""
+on_signal() {
+  echo "nxdt: training job $JOB_TAG restart $RESTART: SIG$1"
+  if [ "$SIGNALLED" != TERM ]; then SIGNALLED=$1; fi
+  if [ "$1" = USR1 ] && [ -n "$STEP_PID" ]; then kill -s USR1 "$STEP_PID" 2>/dev/null || true; fi
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
 
 # Rendezvous on the allocation's first node, at the address slurmd itself is reached at. (sed, not head: head
 # would exit before scontrol finished writing, and pipefail would end the job on scontrol's SIGPIPE.)
@@ -49,6 +70,76 @@ node_main() {
 export -f node_main
 
 echo "nxdt: training job $JOB_TAG restart $RESTART on $SLURM_JOB_NODELIST"
-srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 \
-  --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_node%n.log" \
-  bash -c node_main
+# The node watchdog's timeouts (training.fault_tolerance; runtime.torchrun reads them), and the run's attempt
+# history, which `nxdt-launch status` shows.
+export NXDT_FT_SETUP_TIMEOUT_S=1800
+export NXDT_FT_CHECKPOINT_TIMEOUT_S=1800
+export NXDT_FT_STEP_TIMEOUT_S=''
+export NXDT_FT_STEP_TIMEOUT_FACTOR=5
+export NXDT_FT_STEP_TIMEOUT_FLOOR_S=300
+export NXDT_ATTEMPTS_FILE="$LOG_DIR/training_attempts.jsonl"
+ATTEMPT=0
+ATTEMPT_TAG=""
+while :; do
+  # What each node's torchrun writes about this attempt (how it ended there, a hang's verdict, the node checks).
+  export NXDT_ATTEMPT_DIR="$LOG_DIR/attempts/${JOB_TAG}_restart${RESTART}_attempt${ATTEMPT}"
+  mkdir -p "$NXDT_ATTEMPT_DIR"
+  STEP_EXIT=0
+  srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}${ATTEMPT_TAG}_node%n.log" \
+    bash -c node_main || STEP_EXIT=$?
+
+  # Finished, or stopped at a checkpoint by a signal: as without fault tolerance, below.
+  if [ "$STEP_EXIT" = 0 ] || [ -n "$SIGNALLED" ] || [ "$STEP_EXIT" = 75 ]; then break; fi
+  DECIDE=(--attempt-dir "$NXDT_ATTEMPT_DIR" --history "$NXDT_ATTEMPTS_FILE" --stage training \
+    --job "$JOB_TAG" --attempt "$ATTEMPT" --exit "$STEP_EXIT" --in-job-restarts 3 \
+    --same-node-failures 2 --requeues-on-failure 2 \
+    --min-nodes 1 --partition "${SLURM_JOB_PARTITION:-}")
+  ACTION=$("$PYTHON" -m runtime.fault_tolerance.attempts failed "${DECIDE[@]}") || ACTION=stop
+  if [ "$ACTION" = check-nodes ]; then
+    srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=0 \
+      --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_attempt${ATTEMPT}_nodecheck_node%n.log" \
+      bash -c '"$PYTHON" "$@"' python \
+      -m runtime.fault_tolerance.node_check --out "$NXDT_ATTEMPT_DIR" --accelerator cpu \
+      --results-dir /results/gpt3_tiny/training || true
+    ACTION=$("$PYTHON" -m runtime.fault_tolerance.attempts checked "${DECIDE[@]}") || ACTION=stop
+  fi
+  case "$ACTION" in
+    restart)
+      ATTEMPT=$((ATTEMPT + 1))
+      ATTEMPT_TAG="_attempt$ATTEMPT"
+      echo "nxdt: training job $JOB_TAG restart $RESTART attempt $ATTEMPT on $SLURM_JOB_NODELIST" ;;
+    requeue\ *)
+      # Requeued, then told to avoid the bad nodes: Slurm takes ExcNodeList only from a job that is pending, and
+      # holds a requeued job for cred_expire (120 s by default) before it may start again, which the update needs
+      # a moment of. The requeue ends this allocation with a TERM, ignored until then.
+      REQUEUED=1
+      trap '' TERM
+      if scontrol requeue "$SLURM_JOB_ID"; then
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${ACTION#requeue }" \
+          || echo "nxdt: could not exclude ${ACTION#requeue } from the requeued job $SLURM_JOB_ID" >&2
+        exit 0
+      fi
+      REQUEUED=0
+      echo "nxdt: scontrol requeue $SLURM_JOB_ID failed; launch the run again with cluster.exclude=[${ACTION#requeue }]" >&2
+      exit "$STEP_EXIT" ;;
+    *)
+      exit "$STEP_EXIT" ;;
+  esac
+done
+if [ "$SIGNALLED" = USR1 ] || { [ -z "$SIGNALLED" ] && [ "$STEP_EXIT" = 75 ]; }; then
+  ENDED="nxdt: training job $JOB_TAG restart $RESTART ended (exit $STEP_EXIT${SIGNALLED:+ after SIG$SIGNALLED})"
+  if [ "$RESTART" -lt "$MAX_RESTARTS" ]; then
+    echo "$ENDED: scontrol requeue $SLURM_JOB_ID (restart $((RESTART + 1)) of at most $MAX_RESTARTS)"
+    REQUEUED=1
+    trap - TERM  # the requeue ends this allocation with a TERM
+    if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+    REQUEUED=0
+    echo "nxdt: scontrol requeue $SLURM_JOB_ID failed; launch the run again to resume it" >&2
+  else
+    echo "$ENDED; training.run.max_restarts is $MAX_RESTARTS: not requeueing;" \
+      "launch the run again to resume it" >&2
+  fi
+  exit 75  # runtime/preemption.py PREEMPTED_EXIT_CODE: stopped at a checkpoint, not finished
+fi
+if [ "$STEP_EXIT" != 0 ]; then exit "$STEP_EXIT"; fi

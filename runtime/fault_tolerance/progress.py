@@ -1,0 +1,124 @@
+# The worker's half of hang detection: each rank says which section it is in (setup, data, step, validation,
+# checkpoint) and since when, in one small file its node's watchdog reads (watchdog.py). A section change is one
+# pwrite of a fixed-size record into a file on node-local memory (NXDT_HEARTBEAT_DIR, under /dev/shm): no device
+# read, no collective, nothing on XLA's graph. The record also carries the slowest recent duration of each
+# section this process has finished, from which the watchdog learns the step timeout; a section that has not
+# finished once in this process (it may be compiling its graph) is timed by the setup timeout.
+#
+# SIGUSR2 makes the worker write its Python stack (faulthandler, which works while the main thread is blocked in
+# C): the watchdog asks a stalled rank for it, to tell a rank waiting in a collective from the one it waits for.
+#
+# The injected fault (runtime/schema/faults.py) is checked here, at section changes, and only when one is set.
+from __future__ import annotations
+
+import collections
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+
+from runtime.schema import faults
+
+RECORD_BYTES = 512
+DIR_ENV = "NXDT_HEARTBEAT_DIR"
+STACK_SIGNAL = signal.SIGUSR2
+_RECENT = 20  # the step timeout follows the slowest of this many recent durations
+
+
+def record_path(directory: str, local_rank: int) -> str:
+    return os.path.join(directory, f"rank{local_rank}.json")
+
+
+def stack_path(directory: str, local_rank: int) -> str:
+    return os.path.join(directory, f"rank{local_rank}.stack")
+
+
+class Progress:
+    """Opened once per worker by `from_env`; `enter(section, step)` at each section change."""
+
+    def __init__(self, rank: int, local_rank: int, directory: str | None, fault: faults.Fault | None,
+                 fired_marker: str | None):
+        self.rank, self.local_rank = rank, local_rank
+        self._fault, self._marker = fault, fired_marker
+        self._fd = None
+        self._section, self._step, self._since = "setup", 0, time.time()
+        self._slowest: dict[str, collections.deque] = {}
+        if directory:
+            self._fd = os.open(record_path(directory, local_rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._stack = open(stack_path(directory, local_rank), "w")
+            faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
+            self._write()
+
+    @classmethod
+    def from_env(cls, results_dir: str) -> "Progress | None":
+        """None when there is neither a watchdog nor a fault to inject: the step loop then checks nothing."""
+        directory = os.environ.get(DIR_ENV) or None
+        fault, problem = faults.parse(os.environ.get(faults.ENV, ""))
+        if problem:
+            raise ValueError(problem)
+        if fault is not None and fault.kind == "unhealthy":
+            fault = None  # the health checks read that one (runtime/preflight.py, node_check.py)
+        if directory is None and fault is None:
+            return None
+        rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+        return cls(rank, local_rank, directory, fault, os.path.join(results_dir, faults.FIRED))
+
+    def enter(self, section: str, step: int) -> None:
+        now = time.time()
+        if self._section != "setup":
+            recent = self._slowest.setdefault(self._section, collections.deque(maxlen=_RECENT))
+            recent.append(now - self._since)
+        self._section, self._step, self._since = section, step, now
+        if self._fd is not None:
+            self._write()
+        if self._fault is not None and self._fault.rank == self.rank and self._fault.step == step \
+                and self._fault.section == section:
+            self._fire()
+
+    def close(self, why: str = "done") -> None:
+        """Leaving: nothing more to time (a rank that finished waits for no one). `why` is "peer_lost" for a rank
+        that stops because another one did: the job script then looks for the cause elsewhere."""
+        self._section = why
+        if self._fd is not None:
+            self._write()
+            os.close(self._fd)
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stack.close()
+            self._fd = None
+
+    def _write(self) -> None:
+        record = {"rank": self.rank, "pid": os.getpid(), "section": self._section, "step": self._step,
+                  "since": self._since, "slowest": {k: max(v) for k, v in self._slowest.items()}}
+        os.pwrite(self._fd, json.dumps(record).encode().ljust(RECORD_BYTES), 0)
+
+    def _fire(self) -> None:
+        fault, self._fault = self._fault, None
+        try:  # once per run: the first worker to fire it leaves the marker, a restarted run finds it
+            os.close(os.open(self._marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return
+        say = f"nxdt: injected fault ({faults.ENV}={fault}): rank {self.rank} "
+        if fault.kind == "exit":
+            sys.stderr.write(say + f"exits with 1 as {fault.section} {fault.step} begins\n")
+            sys.stderr.flush()
+            os._exit(1)
+        if fault.kind == "sleep":
+            sys.stderr.write(say + f"sleeps {fault.seconds:g} s in {fault.section} {fault.step}\n")
+            sys.stderr.flush()
+            time.sleep(fault.seconds)
+            return
+        sys.stderr.write(say + f"stops making progress in {fault.section} {fault.step}\n")
+        sys.stderr.flush()
+        while True:
+            time.sleep(3600)
+
+
+def read_record(path: str) -> dict | None:
+    """A worker's last record, or None before its first (or on a torn read, which the next poll retries)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read(RECORD_BYTES).decode().strip() or "null")
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,279 @@
+# The watchdog: a thread of each node's runtime.torchrun, outside the training processes, that reads its workers'
+# progress records (progress.py) and ends the job step when a section makes no progress for its timeout.
+#
+# Timeouts (the stage's fault_tolerance keys, which the job script exports as NXDT_FT_*):
+#   setup       from the worker's start to its first section, and any section's first run in this process (it may
+#               be compiling its graph: a Neuron first step takes minutes and is no hang);
+#   checkpoint  a save;
+#   step        a step, a data wait or a validation once it has run before: step_timeout_s where set, else learned,
+#               step_timeout_factor x the slowest of its recent runs, and never under step_timeout_floor_s.
+#
+# Who hung: the ranks that wait for a hung one stop making progress too, inside a collective. So before naming
+# one, the watchdog asks every stalled worker for its Python stack (SIGUSR2, progress.py), and on a multi-node job
+# it shares what it saw through the attempt's directory on the shared file system: the first watchdog to see a
+# stall writes stall_<node>.json, every other watchdog answers with its own, and the rank named is one that is not
+# inside a collective and is furthest behind (lowest step, earliest section, longest silent). Its node's line, once
+# per attempt, names rank, host and section; hang.json keeps it for the job script (attempts.py), and every node
+# then kills its workers, so that torchrun exits and srun ends the step.
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from runtime.fault_tolerance import progress
+
+HANG_EXIT_CODE = 124  # as timeout(1): the job script tells a hang from a worker's own exit by hang.json, not by it
+SECTION_ORDER = ("setup", "data", "step", "validation", "checkpoint")
+_WAITING_MARKS = ("torch/distributed/", "runtime/parallel/collectives.py")
+ATTEMPT_ENV = "NXDT_ATTEMPT_DIR"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    setup_s: float
+    checkpoint_s: float
+    step_s: float | None    # None: learned
+    factor: float
+    floor_s: float
+
+    ENV = ("NXDT_FT_SETUP_TIMEOUT_S", "NXDT_FT_CHECKPOINT_TIMEOUT_S", "NXDT_FT_STEP_TIMEOUT_S",
+           "NXDT_FT_STEP_TIMEOUT_FACTOR", "NXDT_FT_STEP_TIMEOUT_FLOOR_S")
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "Timeouts | None":
+        """None where the job script set no timeouts: no watchdog."""
+        if not env.get(cls.ENV[0]):
+            return None
+        setup, checkpoint, step, factor, floor = (env.get(name, "") for name in cls.ENV)
+        return cls(float(setup), float(checkpoint), float(step) if step else None, float(factor or 5),
+                   float(floor or 0))
+
+    def env(self) -> dict[str, str]:
+        values = (self.setup_s, self.checkpoint_s, "" if self.step_s is None else self.step_s, self.factor,
+                  self.floor_s)
+        return {name: f"{value:g}" if not isinstance(value, str) else value for name, value in zip(self.ENV, values)}
+
+    def of(self, record: dict) -> tuple[float | None, str]:
+        """The timeout of the section a record is in, and where it comes from; None: not timed."""
+        section, slowest = record.get("section"), record.get("slowest") or {}
+        if section in ("done", "peer_lost"):
+            return None, "finished"
+        if section == "setup":
+            return self.setup_s, "setup_timeout_s"
+        if section == "checkpoint":
+            return self.checkpoint_s, "checkpoint_timeout_s"
+        if section not in slowest:
+            return self.setup_s, f"setup_timeout_s: the first {section} in this process may compile"
+        if self.step_s is not None and section in ("step", "data"):
+            return self.step_s, "step_timeout_s"
+        learned = self.factor * slowest[section]
+        if learned <= self.floor_s:
+            return self.floor_s, f"step_timeout_floor_s, above {self.factor:g} x its slowest recent {slowest[section]:.2f} s"
+        return learned, f"{self.factor:g} x its slowest recent {section} {slowest[section]:.2f} s"
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _main_thread_frames(dump: str) -> list[str]:
+    """The main thread's frames, innermost first, from one faulthandler dump (threads are listed newest first, so
+    the main thread is the last block)."""
+    blocks = [b for b in dump.split("\n\n") if "(most recent call first)" in b]
+    if not blocks:
+        return []
+    lines = blocks[-1].splitlines()
+    return [line.strip() for line in lines[1:] if line.strip().startswith("File ")]
+
+
+def _where(frames: list[str]) -> tuple[bool, str]:
+    """(waiting in a collective, the innermost frame as file:line function)."""
+    waiting = any(mark in frame for frame in frames for mark in _WAITING_MARKS)
+    if not frames:
+        return False, "no stack"
+    # File "/x/y.py", line 12 in func
+    text = frames[0].replace('File "', "").replace('", line ', ":").replace(" in ", " in ")
+    return waiting, text
+
+
+def culprit(ranks: list[dict]) -> dict:
+    """The rank to name among every stalled rank seen: not waiting in a collective where any such rank exists,
+    then the furthest behind."""
+    live = [r for r in ranks if r.get("section") not in ("done", "peer_lost")] or ranks
+
+    def key(r):
+        order = SECTION_ORDER.index(r["section"]) if r.get("section") in SECTION_ORDER else 0
+        return (bool(r.get("waiting")), not r.get("over"), r.get("step", 0), order, r.get("since", 0))
+
+    return min(live, key=key)
+
+
+class Watchdog:
+    def __init__(self, directory: str, nproc: int, nnodes: int, timeouts: Timeouts, attempt_dir: str | None = None,
+                 poll_s: float = 1.0, gather_s: float = 5.0):
+        self.directory, self.nproc, self.nnodes, self.timeouts = directory, nproc, nnodes, timeouts
+        self.attempt_dir, self.poll_s, self.gather_s = attempt_dir, poll_s, gather_s
+        self.node = node_name()
+        self.started = time.time()
+        self.fired: dict | None = None  # the decision, once this node stopped its workers for a hang
+        self._answered = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nxdt-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def records(self) -> dict[int, dict]:
+        found = {}
+        for local in range(self.nproc):
+            record = progress.read_record(progress.record_path(self.directory, local))
+            # Before its first record a worker is starting (importing, joining the group): setup, since we began.
+            found[local] = record or {"rank": None, "pid": None, "section": "setup", "step": 0, "since": self.started,
+                                      "slowest": {}, "local_rank": local}
+            found[local].setdefault("local_rank", local)
+        return found
+
+    def stalled(self, records: dict[int, dict], now: float) -> list[dict]:
+        out = []
+        for record in records.values():
+            timeout, why = self.timeouts.of(record)
+            silent = now - float(record.get("since", now))
+            if timeout is not None and silent > timeout:
+                out.append({**record, "silent": silent, "timeout": timeout, "why": why, "over": True})
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            now = time.time()
+            records = self.records()
+            stalled = self.stalled(records, now)
+            if stalled:
+                self._detect(records, now)
+                return
+            if self.attempt_dir and not self._answered and self._others_stalled():
+                self._snapshot(records, now, detected=False)
+
+    def _others_stalled(self) -> bool:
+        try:
+            return any(n.startswith("stall_") and n != f"stall_{self.node}.json" for n in os.listdir(self.attempt_dir))
+        except OSError:
+            return False
+
+    def _snapshot(self, records: dict[int, dict], now: float, *, detected: bool) -> list[dict]:
+        """Every local rank's record with its stack's verdict; written for the other nodes' watchdogs."""
+        self._answered = True
+        ranks = []
+        stacks = self._stacks([r.get("pid") for r in records.values() if r.get("section") != "done"], records)
+        for local, record in records.items():
+            timeout, why = self.timeouts.of(record)
+            silent = now - float(record.get("since", now))
+            waiting, where = stacks.get(local, (False, "no stack"))
+            ranks.append({**record, "node": self.node, "silent": silent, "timeout": timeout, "why": why,
+                          "over": timeout is not None and silent > timeout, "waiting": waiting, "where": where})
+        if self.attempt_dir:
+            write_json(os.path.join(self.attempt_dir, f"stall_{self.node}.json"),
+                        {"node": self.node, "detected": detected, "at": now, "ranks": ranks})
+        return ranks
+
+    def _stacks(self, pids: list, records: dict[int, dict]) -> dict[int, tuple[bool, str]]:
+        sizes = {}
+        for local, record in records.items():
+            path = progress.stack_path(self.directory, local)
+            sizes[local] = os.path.getsize(path) if os.path.exists(path) else 0
+            if record.get("pid") and record.get("section") != "done":
+                try:
+                    os.kill(int(record["pid"]), progress.STACK_SIGNAL)
+                except OSError:
+                    pass
+        time.sleep(0.5)
+        verdicts = {}
+        for local in records:
+            try:
+                with open(progress.stack_path(self.directory, local)) as f:
+                    f.seek(sizes[local])
+                    verdicts[local] = _where(_main_thread_frames(f.read()))
+            except OSError:
+                continue
+        return verdicts
+
+    def _detect(self, records: dict[int, dict], now: float) -> None:
+        ranks = self._snapshot(records, now, detected=True)
+        if self.attempt_dir and self.nnodes > 1:
+            deadline = time.time() + self.gather_s
+            while time.time() < deadline and len(_stall_files(self.attempt_dir)) < self.nnodes:
+                time.sleep(0.2)
+            ranks = [r for path in _stall_files(self.attempt_dir) for r in (_read_json(path) or {}).get("ranks", [])]
+        named = culprit(ranks)
+        behind = sum(1 for r in ranks if r is not named and r.get("waiting"))
+        decision = {"cause": "hang", "rank": named.get("rank"), "node": named.get("node", self.node),
+                    "section": named.get("section"), "step": named.get("step"), "last_progress_at": named.get("since"),
+                    "detected_at": time.time(), "silent_s": named.get("silent"), "timeout_s": named.get("timeout"),
+                    "timeout_from": named.get("why"), "where": named.get("where"), "waiting_ranks": behind}
+        self.fired = decision
+        first = True
+        if self.attempt_dir:
+            first = _create_json(os.path.join(self.attempt_dir, "hang.json"), decision)
+        if first:
+            print(f"nxdt: hang: rank {decision['rank']} on {decision['node']} made no progress in section "
+                  f"{decision['section']} (step {decision['step']}) for {decision['silent_s']:.0f} s, over its "
+                  f"{decision['timeout_s']:.0f} s timeout ({decision['timeout_from']}); stuck at {decision['where']}"
+                  f"{f'; {behind} other rank(s) wait for it in a collective' if behind else ''}; stopping the workers",
+                  flush=True)
+        self._kill_workers(records)
+
+    def _kill_workers(self, records: dict[int, dict]) -> None:
+        pids = {int(r["pid"]) for r in records.values() if r.get("pid")}
+        try:  # workers that never wrote a record too: every child of this torchrun
+            import psutil
+
+            pids |= {child.pid for child in psutil.Process().children(recursive=True)}
+        except Exception:  # psutil missing or a child gone: the recorded pids are the workers
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _stall_files(directory: str) -> list[str]:
+    try:
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith("stall_"))
+    except OSError:
+        return []
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _create_json(path: str, data: dict) -> bool:
+    """Write `data` to a new file; False when another process wrote it first."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    return True
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

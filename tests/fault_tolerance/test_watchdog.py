@@ -1,0 +1,132 @@
+"""The hang watchdog (runtime/fault_tolerance/watchdog.py) against STAND-IN workers: small Python processes that
+report their sections through the real progress records (runtime/fault_tolerance/progress.py) and sleep where a
+trainer would compute, so that what is under test is the timing rule, not training (the real trainer meets the
+watchdog on Slurm, tests/checkpoint/test_fault_tolerance_slurm.py). Both sides of each timeout:
+  - a first step slower than the step timeout but within the setup timeout (a Neuron compile) is no hang; a first
+    step past the setup timeout is one, named as such;
+  - a checkpoint save slower than the step timeout but within the checkpoint timeout is no hang; one past it is;
+  - a step that has run before is timed by the learned timeout (factor x its slowest, at least the floor);
+and of naming: of two stalled ranks, the one inside a collective is not the one named."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from runtime.fault_tolerance import progress
+from runtime.fault_tolerance.watchdog import Timeouts, Watchdog, culprit
+
+# setup 4 s, checkpoint 3 s, step learned with factor 5 over a 1 s floor: the margins below are 2x either way.
+TIMEOUTS = Timeouts(setup_s=4.0, checkpoint_s=3.0, step_s=None, factor=5.0, floor_s=1.0)
+
+# A stand-in worker: steps 1..N, each `data` then `step` (0.02 s), a checkpoint section after step 3; `slow` makes one
+# section of one step sleep that long, and a sleep longer than the test is a hang.
+WORKER = textwrap.dedent("""
+    import sys, time
+    from runtime.fault_tolerance.progress import Progress
+    steps, slow_section, slow_step, slow_s = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    p = Progress(0, 0, sys.argv[5], None, None)
+    time.sleep(0.2)  # setup
+    for step in range(1, steps + 1):
+        for section in ("data", "step") + (("checkpoint",) if step == 3 else ()):
+            p.enter(section, step)
+            time.sleep(slow_s if (section, step) == (slow_section, slow_step) else 0.02)
+    p.close()
+""")
+
+
+def _run(tmp_path, slow_section: str, slow_step: int, slow_s: float, steps: int = 6):
+    """(the worker's exit code, the watchdog's verdict or None, seconds)."""
+    directory = tmp_path / "progress"
+    directory.mkdir(parents=True)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(steps), slow_section, str(slow_step), str(slow_s),
+                               str(directory)], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    watchdog = Watchdog(str(directory), nproc=1, nnodes=1, timeouts=TIMEOUTS, poll_s=0.2).start()
+    started = time.monotonic()
+    try:
+        code = worker.wait(timeout=30)
+    finally:
+        worker.kill()
+        watchdog.stop()
+    return code, watchdog.fired, time.monotonic() - started
+
+
+def test_a_slow_first_step_is_no_hang_and_a_hung_one_is_named_by_the_setup_timeout(tmp_path):
+    code, fired, _ = _run(tmp_path / "slow", "step", 1, 2.0)  # over the 1 s step floor, within setup's 4 s
+    assert code == 0 and fired is None
+    code, fired, seconds = _run(tmp_path / "hung", "step", 1, 60.0)
+    assert code == -9 and fired is not None and seconds < 15
+    assert (fired["section"], fired["step"], fired["timeout_s"]) == ("step", 1, 4.0), fired
+    assert fired["timeout_from"].startswith("setup_timeout_s: the first step"), fired
+
+
+def test_a_slow_checkpoint_is_no_hang_and_a_hung_one_is_named_by_the_checkpoint_timeout(tmp_path):
+    code, fired, _ = _run(tmp_path / "slow", "checkpoint", 3, 1.5)  # over the step floor, within 3 s
+    assert code == 0 and fired is None
+    code, fired, _ = _run(tmp_path / "hung", "checkpoint", 3, 60.0)
+    assert code == -9 and fired is not None
+    assert (fired["section"], fired["step"], fired["timeout_s"], fired["timeout_from"]) == \
+        ("checkpoint", 3, 3.0, "checkpoint_timeout_s"), fired
+
+
+def test_a_later_step_is_timed_by_the_learned_timeout(tmp_path):
+    code, fired, seconds = _run(tmp_path / "hung", "step", 5, 60.0)
+    assert code == -9 and fired is not None and seconds < 10
+    assert (fired["section"], fired["step"], fired["timeout_s"]) == ("step", 5, 1.0), fired
+    assert fired["timeout_from"].startswith("step_timeout_floor_s"), fired
+
+
+def test_timeouts_by_section():
+    learned = {"section": "step", "slowest": {"step": 0.5}}
+    assert TIMEOUTS.of(learned) == (2.5, "5 x its slowest recent step 0.50 s")
+    assert TIMEOUTS.of({"section": "step", "slowest": {}})[0] == 4.0  # its first run: it may compile
+    assert TIMEOUTS.of({"section": "validation", "slowest": {"step": 9.0}})[0] == 4.0
+    assert TIMEOUTS.of({"section": "setup"})[0] == 4.0 and TIMEOUTS.of({"section": "checkpoint"})[0] == 3.0
+    assert TIMEOUTS.of({"section": "done"})[0] is None
+    fixed = Timeouts(4.0, 3.0, 7.0, 5.0, 1.0)
+    assert fixed.of(learned) == (7.0, "step_timeout_s") and fixed.of({"section": "data", "slowest": {"data": 1}})[0] == 7
+    assert Timeouts.from_env(TIMEOUTS.env()) == TIMEOUTS and Timeouts.from_env({}) is None
+
+
+def test_the_rank_named_is_not_the_one_waiting_in_a_collective():
+    waiting = {"rank": 0, "section": "step", "step": 10, "since": 1.0, "over": True, "waiting": True}
+    stuck = {"rank": 1, "section": "step", "step": 10, "since": 2.0, "over": True, "waiting": False}
+    assert culprit([waiting, stuck])["rank"] == 1
+    # Nobody outside a collective: the one furthest behind.
+    assert culprit([waiting, {**stuck, "waiting": True, "step": 9}])["rank"] == 1
+    assert culprit([waiting, {**stuck, "waiting": True}])["rank"] == 0
+
+
+def test_a_stalled_worker_tells_its_stack(tmp_path):
+    """SIGUSR2 makes a worker write its Python stack (faulthandler), which the watchdog reads to tell a rank waiting
+    in a collective from the one it waits for."""
+    directory = tmp_path / "progress"
+    directory.mkdir()
+    code = textwrap.dedent(f"""
+        import time
+        from runtime.fault_tolerance.progress import Progress
+        p = Progress(0, 0, {str(directory)!r}, None, None)
+        p.enter("step", 1)
+        def stuck_here():
+            time.sleep(60)
+        stuck_here()
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 10
+        while progress.read_record(progress.record_path(str(directory), 0)) is None or \
+                progress.read_record(progress.record_path(str(directory), 0))["section"] != "step":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        watchdog = Watchdog(str(directory), nproc=1, nnodes=1, timeouts=TIMEOUTS)
+        verdicts = watchdog._stacks([worker.pid], watchdog.records())
+    finally:
+        worker.kill()
+    waiting, where = verdicts[0]
+    assert not waiting and "stuck_here" in where, where
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
