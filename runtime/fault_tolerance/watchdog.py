@@ -102,13 +102,15 @@ def _where(frames: list[str]) -> tuple[bool, str]:
 
 
 def culprit(ranks: list[dict]) -> dict:
-    """The rank to name among every stalled rank seen: not waiting in a collective where any such rank exists,
-    then the furthest behind."""
+    """The rank to name among every stalled rank seen: not waiting in a collective where any such rank exists (past
+    its own timeout first), then the furthest behind."""
     live = [r for r in ranks if r.get("section") not in ("done", "peer_lost")] or ranks
 
     def key(r):
         order = SECTION_ORDER.index(r["section"]) if r.get("section") in SECTION_ORDER else 0
-        return (bool(r.get("waiting")), not r.get("over"), r.get("step", 0), order, r.get("since", 0))
+        waiting = bool(r.get("waiting"))
+        # Among ranks that wait in collectives (a deadlock), whether one is past its timeout says nothing.
+        return (waiting, False if waiting else not r.get("over"), r.get("step", 0), order, r.get("since", 0))
 
     return min(live, key=key)
 
@@ -121,7 +123,8 @@ class Watchdog:
         self.node = node_name()
         self.started = time.time()
         self.fired: dict | None = None  # the decision, once this node stopped its workers for a hang
-        self._answered = False
+        self._answered = 0.0  # the newest other node's stall this one answered
+        self.recheck_s = max(poll_s, 2.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nxdt-watchdog", daemon=True)
 
@@ -156,24 +159,31 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             now = time.time()
             records = self.records()
-            stalled = self.stalled(records, now)
-            if stalled:
-                self._detect(records, now)
-                return
-            if self.attempt_dir and not self._answered and self._others_stalled():
-                self._snapshot(records, now, detected=False)
+            if self.stalled(records, now):
+                if self._detect(records, now):
+                    return
+                self._stop.wait(self.recheck_s)  # the rank they wait for is still within its own timeout
+                continue
+            if self.attempt_dir and (asked := self._asked()) is not None:
+                self._snapshot(records, now, detected=False, answering=asked)
 
-    def _others_stalled(self) -> bool:
-        try:
-            return any(n.startswith("stall_") and n != f"stall_{self.node}.json" for n in os.listdir(self.attempt_dir))
-        except OSError:
-            return False
+    def _asked(self) -> float | None:
+        """The time of the newest stall another node's watchdog wrote that this one has not answered yet."""
+        newest = None
+        for path in _stall_files(self.attempt_dir):
+            if os.path.basename(path) == f"stall_{self.node}.json":
+                continue
+            asked = (_read_json(path) or {}).get("at")
+            if asked is not None and asked > self._answered and (newest is None or asked > newest):
+                newest = asked
+        return newest
 
-    def _snapshot(self, records: dict[int, dict], now: float, *, detected: bool) -> list[dict]:
+    def _snapshot(self, records: dict[int, dict], now: float, *, detected: bool, answering: float = 0.0
+                  ) -> list[dict]:
         """Every local rank's record with its stack's verdict; written for the other nodes' watchdogs."""
-        self._answered = True
+        self._answered = max(self._answered, answering)
         ranks = []
-        stacks = self._stacks([r.get("pid") for r in records.values() if r.get("section") != "done"], records)
+        stacks = self._stacks(records)
         for local, record in records.items():
             timeout, why = self.timeouts.of(record)
             silent = now - float(record.get("since", now))
@@ -182,15 +192,15 @@ class Watchdog:
                           "over": timeout is not None and silent > timeout, "waiting": waiting, "where": where})
         if self.attempt_dir:
             write_json(os.path.join(self.attempt_dir, f"stall_{self.node}.json"),
-                        {"node": self.node, "detected": detected, "at": now, "ranks": ranks})
+                       {"node": self.node, "detected": detected, "at": max(now, answering), "ranks": ranks})
         return ranks
 
-    def _stacks(self, pids: list, records: dict[int, dict]) -> dict[int, tuple[bool, str]]:
+    def _stacks(self, records: dict[int, dict]) -> dict[int, tuple[bool, str]]:
         sizes = {}
         for local, record in records.items():
             path = progress.stack_path(self.directory, local)
             sizes[local] = os.path.getsize(path) if os.path.exists(path) else 0
-            if record.get("pid") and record.get("section") != "done":
+            if record.get("pid") and record.get("section") not in ("done", "peer_lost"):
                 try:
                     os.kill(int(record["pid"]), progress.STACK_SIGNAL)
                 except OSError:
@@ -206,14 +216,20 @@ class Watchdog:
                 continue
         return verdicts
 
-    def _detect(self, records: dict[int, dict], now: float) -> None:
+    def _detect(self, records: dict[int, dict], now: float) -> bool:
+        """Whether a rank hung: one that is not waiting for another is past its own timeout, or every rank waits
+        in a collective (a deadlock). A rank past its step timeout while it waits for one still within a longer
+        timeout (a save slower than a step, say) is no hang yet: False, and the caller looks again."""
         ranks = self._snapshot(records, now, detected=True)
         if self.attempt_dir and self.nnodes > 1:
             deadline = time.time() + self.gather_s
-            while time.time() < deadline and len(_stall_files(self.attempt_dir)) < self.nnodes:
+            while time.time() < deadline and len(self._answers(now)) < self.nnodes:
                 time.sleep(0.2)
-            ranks = [r for path in _stall_files(self.attempt_dir) for r in (_read_json(path) or {}).get("ranks", [])]
+            ranks = [r for answer in self._answers(now) for r in answer.get("ranks", [])]
         named = culprit(ranks)
+        live = [r for r in ranks if r.get("section") not in ("done", "peer_lost")]
+        if not named.get("over") and not all(r.get("waiting") for r in live):
+            return False
         behind = sum(1 for r in ranks if r is not named and r.get("waiting"))
         decision = {"cause": "hang", "rank": named.get("rank"), "node": named.get("node", self.node),
                     "section": named.get("section"), "step": named.get("step"), "last_progress_at": named.get("since"),
@@ -230,6 +246,12 @@ class Watchdog:
                   f"{f'; {behind} other rank(s) wait for it in a collective' if behind else ''}; stopping the workers",
                   flush=True)
         self._kill_workers(records)
+        return True
+
+    def _answers(self, asked: float) -> list[dict]:
+        """Every node's snapshot written since `asked` (this node's own included)."""
+        found = [_read_json(path) or {} for path in _stall_files(self.attempt_dir)]
+        return [a for a in found if (a.get("at") or 0) >= asked - 1e-6]
 
     def _kill_workers(self, records: dict[int, dict]) -> None:
         pids = {int(r["pid"]) for r in records.values() if r.get("pid")}
