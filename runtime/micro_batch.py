@@ -20,8 +20,9 @@ class MicroBatch(NamedTuple):
     input_ids     int64  tokens[:, :-1] of a (B, T+1) sample
     labels        int64  tokens[:, 1:]
     loss_mask     float  1 where the token counts (fine-tuning: assistant tokens; padding 0); None: every token
-    position_ids  int64  fine-tuning's packed rows: positions restarting at 0 at every example, which also resets
-                         attention there; None: one causal sequence per row
+    position_ids  int64  fine-tuning's packed rows, or pretraining's separated documents: positions restarting at
+                         0 at every example, which also resets attention there; None: one causal sequence per row.
+                         Under a context group, the whole row's (B, T·cp) while the tokens are the rank's (B, T)
     pair_ids      int64  the alignment stage's (m,) pair indices: rows [:m] chosen, [m:] rejected (the objective
                          looks up their reference log-probabilities by them); None otherwise
     """
@@ -53,7 +54,12 @@ class MicroBatch(NamedTuple):
                              "in shape")
         mask = torch.ones(self.labels.shape, device=self.labels.device) if self.loss_mask is None \
             else self.loss_mask.to(torch.float32)
-        layout = None if self.position_ids is None else SequenceLayout.packed(self.position_ids)
+        if self.position_ids is None:
+            layout = None
+        elif self.position_ids.shape[1] != self.input_ids.shape[1]:  # a context group's rank: the whole row's
+            layout = SequenceLayout.context_split(self.position_ids)
+        else:
+            layout = SequenceLayout.packed(self.position_ids)
         return PreparedBatch(self.input_ids, self.labels, mask, layout, self.pair_ids)
 
 

@@ -152,10 +152,12 @@ class DataParallelBatches:
             return [MicroBatch(*parts) for parts in zip(*(f.split(self.micro_batch_size) for f in fields))]
         tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        if self.columns is not None:  # (documents are not separated under a context group: the schema says so)
+        # Documents are found in the whole row; under a context group the rank keeps its tokens and the whole row's
+        # positions (runtime/micro_batch.py), from which its attention knows which keys share a query's document.
+        positions = None if self.end_of_document is None else document_positions(inputs.long(), self.end_of_document)
+        if self.columns is not None:
             inputs, labels = inputs[:, self.columns], labels[:, self.columns]
-        if self.end_of_document is not None:
-            positions = document_positions(inputs.long(), self.end_of_document)
+        if positions is not None:
             return [MicroBatch(i.contiguous(), l.contiguous(), position_ids=n) for i, l, n in
                     zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size),
                         positions.split(self.micro_batch_size))]

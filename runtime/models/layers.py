@@ -21,10 +21,16 @@ class SequenceLayout:
 
     positions: (B, T) int64, each token's position (RoPE or learned), restarting at 0 for each packed example.
     mask: (B, 1, T, S) bool, True where query t may attend key s (S = T, or the cache's length).
+
+    Under a context group (runtime/parallel/context.py) a rank holds only some of a row's tokens, so the layout is
+    the whole row's instead: positions (B, T·cp), documents (B, T·cp) int64 (which document each token belongs to)
+    and no mask. The rank's own positions are picked by the context seam (RotaryEmbedding/Embeddings.positions),
+    and its attention (ring or Ulysses) builds each block's mask from the documents.
     """
 
     positions: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    documents: torch.Tensor | None = None
 
     @classmethod
     def packed(cls, position_ids: torch.Tensor) -> "SequenceLayout":
@@ -34,6 +40,20 @@ class SequenceLayout:
         example = (position_ids == 0).cumsum(dim=1)  # (B, T): which example each token belongs to
         causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
         return cls(position_ids, ((example[:, :, None] == example[:, None, :]) & causal).unsqueeze(1))
+
+    @classmethod
+    def context_split(cls, position_ids: torch.Tensor) -> "SequenceLayout":
+        """The whole row's layout for a rank that holds part of it (see above): `position_ids` (B, T·cp)."""
+        return cls(position_ids, None, (position_ids == 0).cumsum(dim=1))
+
+
+def document_mask(documents: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, 1, len(queries), len(keys)) bool: True where the query at whole-row index queries[i] may attend the key
+    at keys[j], both in the same document (and j's index not after i's, when `causal`)."""
+    same = documents[:, queries][:, :, None] == documents[:, keys][:, None, :]
+    if causal:
+        same = same & (keys[None, :] <= queries[:, None])
+    return same.unsqueeze(1)
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +118,8 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # q, k: (B, T, heads, d); tables broadcast over batch and heads. positions: (B, T), a SequenceLayout's.
         T = q.shape[1]
+        if positions is not None and positions.shape[1] != T and self.positions is not None:
+            positions = positions[:, self.positions(T, q.device)]  # the whole row's, under a context group
         if positions is not None:
             cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, d)
         elif self.positions is None:
@@ -170,8 +192,14 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(k, v)  # (B, S, ng, d): the cached tokens, then these
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that.
-        y = self.core_attention(q, k, v) if layout is None else self.core_attention(q, k, v, layout.mask)
+        # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that, and a
+        # context-split row's documents.
+        if layout is None:
+            y = self.core_attention(q, k, v)
+        elif layout.documents is not None:
+            y = self.core_attention(q, k, v, documents=layout.documents)
+        else:
+            y = self.core_attention(q, k, v, layout.mask)
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
         return self.proj(y)
 

@@ -33,6 +33,8 @@ class Embeddings(nn.Module):
         h = self.word(input_ids)  # (B, T, H)
         if self.position is not None:
             T = input_ids.shape[1]
+            if positions is not None and positions.shape[1] != T and self.positions is not None:
+                positions = positions[:, self.positions(T, input_ids.device)]  # the whole row's (context group)
             if positions is not None:  # a SequenceLayout's (B, T)
                 h = h + self.position.weight[positions]
             elif self.positions is None:

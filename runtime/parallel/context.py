@@ -5,18 +5,19 @@
 #   ulysses  DeepSpeed-Ulysses (model.ulysses_parallel_size): an all-to-all turns the sequence split into a head
 #            split for core attention (the whole sequence, heads / u of them) and a second one turns it back;
 #            rank r holds the r-th contiguous chunk.
-# The data loader hands each rank only its tokens (sequence_index), positions (RoPE, learned) follow the tokens,
-# and the loss needs nothing: step.py sums per-token losses over the DP group, which contains the context group,
+# The data loader hands each rank only its tokens (sequence_index), positions (RoPE, learned) follow the tokens
+# (separated documents: the whole row's positions and document ids travel in the layout, and each attention masks
+# by them), and the loss needs nothing: step.py sums per-token losses over the DP group, which contains the context group,
 # and divides by the global token count, so the mean is over the same tokens as in one process.
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from runtime.models.layers import CoreAttention, RotaryEmbedding
+from runtime.models.layers import CoreAttention, RotaryEmbedding, document_mask
 from runtime.models.transformer import CausalLM, Embeddings
 from runtime.parallel import collectives as C
-from runtime.parallel.ring_attention import ring_attention
+from runtime.parallel.ring_attention import held_positions, ring_attention
 from runtime.parallel.topology import AxisGroup
 
 KINDS = ("ring", "ulysses")
@@ -28,9 +29,7 @@ def sequence_index(seq_length: int, rank: int, size: int, kind: str) -> torch.Te
     if kind == "ulysses":
         chunk = seq_length // size
         return torch.arange(rank * chunk, (rank + 1) * chunk)
-    chunk = seq_length // (2 * size)
-    late = 2 * size - 1 - rank
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk), torch.arange(late * chunk, (late + 1) * chunk)])
+    return held_positions(rank, size, seq_length // (2 * size))
 
 
 class ContextPositions:
@@ -67,8 +66,9 @@ class RingAttention(nn.Module):
         super().__init__()
         self.axis, self.kernels_for = axis, kernels_for
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.axis, self.kernels_for)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return ring_attention(q, k, v, self.axis, self.kernels_for, documents)
 
 
 class UlyssesAttention(nn.Module):
@@ -80,13 +80,18 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.inner, self.axis = inner, axis
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+                ) -> torch.Tensor:
         u, heads = self.axis.size, q.shape[1]
         if k.shape[1] % u:
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
         q, k, v = (_sequence_to_heads(x, self.axis) for x in (q, k, v))
-        return _heads_to_sequence(self.inner(q, k, v), self.axis)
+        mask = None
+        if documents is not None:  # the whole row, in order: the documents' causal mask as one process has it
+            index = torch.arange(documents.shape[1], device=documents.device)
+            mask = document_mask(documents, index, index, causal=True)
+        return _heads_to_sequence(self.inner(q, k, v) if mask is None else self.inner(q, k, v, mask), self.axis)
 
 
 def _sequence_to_heads(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:

@@ -585,14 +585,6 @@ def document_reset_eod(eod: int | None, tokenizer: str, p: str) -> str | None:
             f"reset_position_ids and reset_attention_mask to false")
 
 
-def document_reset_context(reset: bool, context: int, p: str) -> str | None:
-    if reset and context > 1:
-        return (f"{p}model.data.reset_attention_mask: true with a context group of {context} ranks: documents "
-                f"separated under context parallelism are not built; set reset_position_ids and reset_attention_mask "
-                f"to false, or context/ulysses size 1")
-    return None
-
-
 def packing_context(packing: bool, context: int, p: str) -> str | None:
     if packing and context > 1:
         return (f"{p}model.data.packing: true with a context group of {context} ranks: packed examples under "

@@ -775,8 +775,6 @@ def _layout_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Para
     report.error(rules.world_divisible(world, rules.world_text(trainer.num_nodes, trainer.devices), tp, pp, p))
     report.error(rules.tp_within_node(tp, trainer.devices, p))
     report.error(rules.virtual_needs_pipeline(vpp, pp, p))
-    if data is not None:
-        report.error(rules.document_reset_context(data.reset_documents, parallel.context, p))
     if data is None or world % (tp * pp):
         return
     dp = world // (tp * pp)

@@ -8,14 +8,12 @@ import pytest
 from launcher import launch, nxdt_config
 from launcher.errors import UserError
 
-from .helpers import REPO, edited_copy
+from .helpers import REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "nemo"
 # The Llama 3 files separate documents (reset_position_ids / reset_attention_mask: true) and split sequences over
-# cp 2 on GPUs: documents separated under context parallelism are not built, so there they are refused in one line
-# and run with the two set to false; on pcluster_trn1 (our recipe's layout, cp 1) they run unchanged.
-NO_DOCUMENT_MASK = (("reset_position_ids: true", "reset_position_ids: false"),
-                    ("reset_attention_mask: true", "reset_attention_mask: false"))
+# cp 2 on GPUs: each context rank masks its attention by the whole row's documents (runtime/parallel/ring_attention.py),
+# so they run unchanged there as on pcluster_trn1.
 
 # file -> its layout as NeMo-Launcher publishes it: (nodes, GPUs per node, tp, pp, vpp, cp, ep, sp, seq, global
 # batch, micro-batch, max steps, recompute); precision is bf16 with O2 (mixed_precision) in every one.
@@ -47,10 +45,9 @@ IMPLEMENTATION = ("defaults", "model.transformer_engine", "model.gc_interval", "
                   "model.fp8_hybrid", "model.use_flash_attention", "model.defer_embedding_wgrad_compute")
 
 
-def _file(name, tmp_path, unchanged=False):
-    """The fixture, or for the Llama 3 files a copy without document masking (unless `unchanged`)."""
-    path = FIXTURES / f"{name}.yaml"
-    return path if "llama3" not in name or unchanged else edited_copy(path, tmp_path, dict(NO_DOCUMENT_MASK))
+def _file(name, tmp_path):
+    """The fixture as NeMo-Launcher publishes it."""
+    return FIXTURES / f"{name}.yaml"
 
 
 def _plan(tmp_path, cluster, *overrides):
@@ -87,7 +84,7 @@ def test_current_training_file_runs_our_trn1_layout_for_its_model(name, tmp_path
     """On pcluster_trn1 the file keeps its model, data, batch and schedule, with the trn1 layout of our recipe for
     the same model (launcher/targets.py, as training=<recipe> does)."""
     recipe, layout_recipe = RECIPES[name]
-    _, ours = _plan(tmp_path, "pcluster_trn1", f"training=@{_file(name, tmp_path, unchanged=True)}")
+    _, ours = _plan(tmp_path, "pcluster_trn1", f"training=@{_file(name, tmp_path)}")
     _, theirs = _plan(tmp_path, "pcluster_trn1", f"training={recipe}")
     for key in (*LAYOUT_KEYS, "micro_batch_size", "zero1", "activations_checkpoint_granularity",
                 "activations_checkpoint_recompute"):
@@ -103,19 +100,16 @@ def test_current_training_file_runs_our_trn1_layout_for_its_model(name, tmp_path
     assert len(ours["model"]["data"]["data_prefix"]) == 60  # the file's 30 datasets, not the recipe's blend
 
 
-def test_llama3_files_separate_documents_and_refuse_it_only_under_context_parallelism(tmp_path):
+def test_llama3_files_separate_documents_under_context_parallelism_on_gpus(tmp_path):
     for name in ("training_llama_llama3_8b", "training_llama_llama3_1_70b"):
         path = FIXTURES / f"{name}.yaml"
-        with pytest.raises(UserError) as caught:
-            _plan(tmp_path, "slurm", f"training=@{path}")
-        assert [p for p in caught.value.problems] == [
-            "training.model.data.reset_attention_mask: true with a context group of 2 ranks: documents separated "
-            "under context parallelism are not built; set reset_position_ids and reset_attention_mask to false, or "
-            "context/ulysses size 1"], caught.value.problems
-        _, training = _plan(tmp_path, "pcluster_trn1", f"training=@{path}")
-        data = training["model"]["data"]
-        assert data["reset_position_ids"] is True and data["reset_attention_mask"] is True
-    assert not (tmp_path / "results").exists()
+        for cluster in ("slurm", "pcluster_trn1"):
+            _, training = _plan(tmp_path, cluster, f"training=@{path}")
+            data = training["model"]["data"]
+            assert data["reset_position_ids"] is True and data["reset_attention_mask"] is True
+        assert training["model"]["context_parallel_size"] == 1  # our trn1 recipe's layout
+        _, training = _plan(tmp_path, "slurm", f"training=@{path}")
+        assert training["model"]["context_parallel_size"] == 2
 
 
 def test_implementation_only_keys_are_accepted_with_their_reason(tmp_path):

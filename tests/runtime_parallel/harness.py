@@ -109,10 +109,13 @@ def packed_positions(rows: int, seq: int = SEQ) -> torch.Tensor:
     return torch.stack(positions)
 
 
-def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str = "ring", packed: bool = False):
+def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str = "ring", packed: bool = False,
+                      documents: bool = False):
     """This DP rank's share of the step's global batch, cut into micro-batches; under a context group, only the
     rank's tokens of each sample (the data loader's job in training). packed: fine-tuning rows, with position ids
-    and the loss on each example's second half only (its "assistant" tokens)."""
+    and the loss on each example's second half only (its "assistant" tokens). documents: pretraining rows with
+    separated documents (model.data.reset_attention_mask), laid out as packed_positions says; under a context group
+    the rank keeps its tokens and the whole row's positions, as runtime/data/loader.py hands them over."""
     input_ids, labels, mask = global_batch(vocab, step)
     if packed:
         positions = packed_positions(GLOBAL_BATCH)
@@ -124,9 +127,13 @@ def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str =
     per_rank = GLOBAL_BATCH // topo.data_size
     rows = slice(topo.data_rank * per_rank, (topo.data_rank + 1) * per_rank)
     input_ids, labels, mask = input_ids[rows], labels[rows], mask[rows]
+    positions = packed_positions(GLOBAL_BATCH)[rows] if documents else None
     if topo.cp.size > 1:
         columns = sequence_index(SEQ, topo.cp.rank, topo.cp.size, context_kind)
         input_ids, labels, mask = input_ids[:, columns], labels[:, columns], mask[:, columns]
+    if documents:
+        return [(input_ids[i:i + MICRO_BATCH], labels[i:i + MICRO_BATCH], mask[i:i + MICRO_BATCH],
+                 positions[i:i + MICRO_BATCH]) for i in range(0, per_rank, MICRO_BATCH)]
     return [(input_ids[i:i + MICRO_BATCH], labels[i:i + MICRO_BATCH], mask[i:i + MICRO_BATCH])
             for i in range(0, per_rank, MICRO_BATCH)]
 
@@ -175,10 +182,12 @@ def preference_objective(kind: str, topo: Topology):
 
 
 def step_inputs(kind: str | None, step: int, vocab: int, topo: Topology, context_kind: str = "ring"):
-    """(micro-batches, objective) of one step for a job kind: None (pretraining), 'sft'/'lora' (packed rows) or
-    a preference kind (PREFERENCE)."""
+    """(micro-batches, objective) of one step for a job kind: None (pretraining), 'documents' (pretraining with
+    separated documents), 'sft'/'lora' (packed rows) or a preference kind (PREFERENCE)."""
     if kind in PREFERENCE:
         return preference_micro_batches(step, vocab, topo), preference_objective(kind, topo)
+    if kind == "documents":
+        return micro_batches_for(step, vocab, topo, context_kind, documents=True), None
     return micro_batches_for(step, vocab, topo, context_kind, kind is not None), None
 
 

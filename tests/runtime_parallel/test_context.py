@@ -1,5 +1,6 @@
 """Long context: ring attention and Ulysses equal full causal attention (outputs and all three gradients) on random
-inputs, in real gloo processes; the layout each rank holds; the explicit-math block attention (what XLA and CUDA
+inputs, in real gloo processes, also with documents separated inside the rows (each query sees its own document's
+keys only, some blocks then nothing); the layout each rank holds; the explicit-math block attention (what XLA and CUDA
 run) equals the CPU flash kernel. Training under cp/ulysses layouts is in test_parallel_training.py."""
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def _inputs(kv_heads: int):
     return [torch.randn(B, n, SEQ, DIM, generator=gen) for n in (HEADS, kv_heads, kv_heads, HEADS)]  # q k v upstream
 
 
+# Which document each token of the two rows belongs to: boundaries inside and between the ranks' chunks, a
+# one-token document, and a row that is one document.
+DOCUMENTS = torch.tensor([[0] * 3 + [1] * 9 + [2] + [3] * 13 + [4] * 6, [0] * SEQ])
+
+
+def _document_mask() -> torch.Tensor:
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    return ((DOCUMENTS[:, :, None] == DOCUMENTS[:, None, :]) & causal).unsqueeze(1)
+
+
 def _attend_split(cases) -> dict:
     """Inside each process: every (kind, kv_heads) case of this world size, one spawn for all of them."""
     import torch.distributed as dist
@@ -34,29 +45,32 @@ def _attend_split(cases) -> dict:
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world, cp=world))
     out = {}
-    for kind, kv_heads in cases:
+    for kind, kv_heads, documents in cases:
         q, k, v, upstream = _inputs(kv_heads)
         index = sequence_index(SEQ, topo.cp.rank, topo.cp.size, kind)
         q, k, v = (x[:, :, index].clone().requires_grad_() for x in (q, k, v))
         attention = (RingAttention(topo.cp, flash_attention_kernels) if kind == "ring" else
                      UlyssesAttention(CoreAttention(0.0), topo.cp))
-        result = attention(q, k, v)
+        result = attention(q, k, v, documents=DOCUMENTS) if documents else attention(q, k, v)
         (result * upstream[:, :, index]).sum().backward()
-        out[kind, kv_heads] = {"index": index, "out": result.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        out[kind, kv_heads, documents] = {"index": index, "out": result.detach(), "dq": q.grad, "dk": k.grad,
+                                          "dv": v.grad}
     return out
 
 
-def _full_attention(kv_heads: int) -> dict:
+def _full_attention(kv_heads: int, documents: bool = False) -> dict:
     q, k, v, upstream = _inputs(kv_heads)
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     repeat = HEADS // kv_heads
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
-                                         is_causal=True)
+                                         attn_mask=_document_mask() if documents else None, is_causal=not documents)
     (out * upstream).sum().backward()
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-CASES = {2: [("ring", KV_HEADS), ("ulysses", KV_HEADS)], 4: [("ring", KV_HEADS), ("ring", 1), ("ulysses", 1)]}
+CASES = {2: [("ring", KV_HEADS, False), ("ulysses", KV_HEADS, False), ("ring", KV_HEADS, True),
+            ("ulysses", KV_HEADS, True)],
+         4: [("ring", KV_HEADS, False), ("ring", 1, False), ("ulysses", 1, False), ("ring", 1, True)]}
 
 
 @functools.cache
@@ -64,10 +78,10 @@ def _split_results(world: int) -> list[dict]:
     return run_distributed(_attend_split, world, args=(CASES[world],))
 
 
-@pytest.mark.parametrize("world,kind,kv_heads", [(w, kind, kv) for w, cases in CASES.items() for kind, kv in cases])
-def test_split_attention_equals_full_attention(world, kind, kv_heads):
-    ranks = [r[kind, kv_heads] for r in _split_results(world)]
-    full = _full_attention(kv_heads)
+@pytest.mark.parametrize("world,kind,kv_heads,documents", [(w, *case) for w, cases in CASES.items() for case in cases])
+def test_split_attention_equals_full_attention(world, kind, kv_heads, documents):
+    ranks = [r[kind, kv_heads, documents] for r in _split_results(world)]
+    full = _full_attention(kv_heads, documents)
     covered = torch.cat([r["index"] for r in ranks]).sort().values
     assert torch.equal(covered, torch.arange(SEQ)), "the ranks hold every position exactly once"
     for r in ranks:

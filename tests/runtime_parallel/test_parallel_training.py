@@ -50,6 +50,10 @@ TWO_RANK_JOBS.update({
     "gpt-ulysses2": ("gpt", {}, L(ulysses=2)),
     "llama-ulysses2": ("llama", {}, L(ulysses=2)),
     "llama-kv1-ulysses2": ("llama", {"num_query_groups": 1}, L(ulysses=2)),
+    # Pretraining rows with separated documents (reset_position_ids/reset_attention_mask) split over the group:
+    # each rank masks its blocks by the whole row's documents.
+    "gpt-documents-cp2": ("gpt", {"fine_tuning": "documents"}, L(cp=2)),
+    "llama-documents-ulysses2": ("llama", {"fine_tuning": "documents"}, L(ulysses=2)),
     # Fine-tuning: packed rows (attention reset per example, loss on part of each) with every weight training,
     # and LoRA (frozen base, adapters on every projection; sharded with their base layers).
     "llama-sft-tp2-sp": ("llama", {"fine_tuning": "sft"}, L(tp=2, sequence_parallel=True)),
@@ -92,6 +96,7 @@ FOUR_RANK_JOBS = {
     "gpt-cp2-tp2-sp": ("gpt", {}, L(cp=2, tp=2, sequence_parallel=True)),
     "llama-cp2-tp2": ("llama", {}, L(cp=2, tp=2)),
     "gpt-cp2-dp2-zero1": ("gpt", {}, L(cp=2, dp=2, zero1=True)),
+    "llama-documents-cp2-tp2-sp": ("llama", {"fine_tuning": "documents"}, L(cp=2, tp=2, sequence_parallel=True)),
     # The ring recomputed in backward (selective recompute of core attention) still sums the same gradients.
     "llama-cp2-dp2-zero1-selective": ("llama", {}, L(cp=2, dp=2, zero1=True, activation_checkpointing="selective")),
     "llama-cp4": ("llama", {}, L(cp=4)),

@@ -43,8 +43,7 @@ def test_each_document_of_a_packed_row_trains_as_if_alone(arch):
         assert not torch.allclose(model(inputs, labels)[0][4:], per_token[4:], rtol=1e-5, atol=1e-6)
 
 
-def test_the_two_keys_go_together_with_an_end_of_document_token_and_not_under_context_parallelism(recipe_data_dir,
-                                                                                                  tmp_path):
+def test_the_two_keys_go_together_with_an_end_of_document_token(recipe_data_dir, tmp_path):
     from launcher import launch
     from launcher.errors import UserError
 
@@ -55,9 +54,22 @@ def test_the_two_keys_go_together_with_an_end_of_document_token_and_not_under_co
         (on, "training.model.data.reset_attention_mask: true, but the tokenizer "),
         (on[:1], "training.model.data.reset_position_ids: True with reset_attention_mask: False: documents are "
                  "separated in positions and attention together here; set both to True (or both to false)"),
-        ([*on, "training.model.context_parallel_size=2"],
-         "training.model.data.reset_attention_mask: true with a context group of 2 ranks"),
     ]:
         with pytest.raises(UserError) as refused:
             launch.make_plan([*common, *overrides], dry_run=False, produced_by="test")
         assert any(p.startswith(line) for p in refused.value.problems), refused.value.problems
+
+
+def test_under_a_context_group_a_rank_keeps_its_tokens_and_the_whole_rows_positions():
+    """The documents are found in the whole row (a boundary may sit in another rank's chunk): the rank's tokens
+    are its columns, its position_ids the whole row's, and prepare() makes the context layout of them."""
+    from runtime.parallel.context import sequence_index
+
+    row = np.array([5, EOD, 9, 9, EOD, 7, 7, 7, 3], dtype=np.int64)
+    columns = sequence_index(8, 1, 2, "ring")  # rank 1 of 2: chunks 1 and 2 of 4, positions 2..5
+    [batch] = DataParallelBatches(np.stack([row] * 2), global_batch_size=2, micro_batch_size=2, columns=columns,
+                                  end_of_document=EOD).batch_at(0)
+    assert batch.input_ids.tolist() == [[9, 9, EOD, 7]] * 2
+    assert batch.position_ids.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]] * 2
+    layout = batch.prepare().layout
+    assert layout.mask is None and layout.documents.tolist() == [[1, 1, 2, 2, 2, 3, 3, 3]] * 2
