@@ -368,8 +368,8 @@ def attempt_history(entry: dict[str, Any]) -> list[str]:
             if row.get("time_to_detect_s") is not None:
                 line += f", detected in {_duration(row['time_to_detect_s'])}"
             line += f"; {row.get('action')}"
-            match = next((r for r in recovered if r.get("attempt") == row.get("attempt")
-                          and r.get("job") == row.get("job")), None)
+            match = next((r for r in recovered if (r.get("attempt"), r.get("slurm_restart")) ==
+                          (row.get("attempt"), row.get("slurm_restart"))), None)
             if match:
                 line += (f"; resumed from step {match.get('resumed_from_step')}, training again "
                          f"{_duration(match.get('time_to_recover_s') or 0)} after, "

@@ -65,8 +65,12 @@ def _report(watchdog, outcome: str, **fields) -> None:
     if not attempt_dir or not os.path.isdir(attempt_dir):
         return
     records = list(watchdog.records().values()) if watchdog is not None else []
-    write_json(os.path.join(attempt_dir, f"node_{node_name()}.json"),
-               {"node": node_name(), "outcome": outcome, "ended_at": time.time(), "records": records, **fields})
+    try:  # what the job script decides on; never a reason to fail a run that finished
+        write_json(os.path.join(attempt_dir, f"node_{node_name()}.json"),
+                   {"node": node_name(), "outcome": outcome, "ended_at": time.time(), "records": records, **fields})
+    except OSError as error:
+        print(f"nxdt: could not write this node's report of the attempt into {attempt_dir}: {error}",
+              file=sys.stderr, flush=True)
 
 
 def _signal_name(number: int) -> str:
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as failed:
         rank, failure = root_cause(failed.failures)
         if watchdog is not None and watchdog.fired:  # its one line already said who hung, and where
-            _report(watchdog, "hang", **watchdog.fired)
+            _report(watchdog, "hang", hang=watchdog.fired)
             return HANG_EXIT_CODE
         code = exit_code(failure.exitcode)
         how = (f"was killed by {_signal_name(-failure.exitcode)}" if failure.exitcode < 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -24,7 +23,6 @@ from runtime.fault_tolerance.recovery import append, read_history
 
 PREFLIGHT_EXIT_CODE = 3        # runtime/preflight.py: a node failed its health or collective check
 USER_ERROR_EXIT_CODE = 2       # runtime/train.py: a mistake in the config, which a restart would only repeat
-_USABLE = ("idle", "mix", "alloc", "comp", "completing", "mixed", "allocated")
 
 
 def _read(path: str) -> dict | None:
@@ -33,17 +31,6 @@ def _read(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def allocation_nodes() -> list[str]:
-    listed = os.environ.get("SLURM_JOB_NODELIST", "")
-    if not listed:
-        return []
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", listed], capture_output=True, text=True, timeout=30)
-        return out.stdout.split() if out.returncode == 0 else [listed]
-    except (OSError, subprocess.TimeoutExpired):
-        return [listed]
 
 
 def what_failed(attempt_dir: str, nodes: list[str], step_exit: int) -> dict:
@@ -100,7 +87,7 @@ def _same_node_run(history: list[dict], job: str, node: str | None) -> int:
 
 def failed(args) -> str:
     history = read_history(args.history)
-    found = what_failed(args.attempt_dir, allocation_nodes(), args.exit)
+    found = what_failed(args.attempt_dir, args.allocation.split(), args.exit)
     record = {"event": "failed", "job": args.job, "job_id": os.environ.get("SLURM_JOB_ID"),
               "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0), "attempt": args.attempt,
               **{k: found.get(k) for k in ("cause", "node", "rank", "section", "step", "exit_code", "fault_at",
@@ -123,32 +110,9 @@ def failed(args) -> str:
     return action
 
 
-def _partition_nodes(partition: str | None) -> list[str] | None:
-    argv = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return sorted({line.split()[0] for line in out.stdout.splitlines()
-                   if len(line.split()) == 2 and line.split()[1].rstrip("*~#!%$@^-") in _USABLE})
-
-
-def _job_field(name: str) -> str:
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", os.environ.get("SLURM_JOB_ID", "")],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-    value = fields.get(name, "")
-    return "" if value in ("(null)", "") else value
-
-
 def checked(args) -> str:
     history = read_history(args.history)
-    nodes = allocation_nodes()
+    nodes = args.allocation.split()
     bad = {}
     for node in nodes:
         report = _read(os.path.join(args.attempt_dir, f"check_{node}.json"))
@@ -168,9 +132,9 @@ def checked(args) -> str:
         named = ", ".join(f"{n} ({why})" for n, why in bad.items())
         done = sum(1 for r in history if r.get("event") == "node_check" and r.get("action") == "requeue"
                    and r.get("job_id") == record["job_id"])
-        excluded = sorted(set(filter(None, _job_field("ExcNodeList").split(","))) | set(bad))
-        usable = _partition_nodes(args.partition)
-        healthy = None if usable is None else [n for n in usable if n not in excluded]
+        excluded = sorted(set(args.excluded.split()) | set(bad))
+        usable = args.usable.split()
+        healthy = [n for n in usable if n not in excluded] if usable else None  # None: sinfo said nothing
         if done >= args.requeues_on_failure:
             action, line = "stop", (f"bad node(s): {named}; fault_tolerance.requeues_on_failure "
                                     f"({args.requeues_on_failure}) used up: launch again with cluster.exclude=[...]")
@@ -205,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-node-failures", type=int, default=2)
     parser.add_argument("--requeues-on-failure", type=int, default=2)
     parser.add_argument("--min-nodes", type=int, default=1)
-    parser.add_argument("--partition", default=None)
+    parser.add_argument("--allocation", default="", help="the allocation's nodes, space-separated (scontrol show "
+                                                         "hostnames, on the batch host)")
+    parser.add_argument("--excluded", default="", help="the nodes the job excludes already, space-separated")
+    parser.add_argument("--usable", default="", help="the partition's nodes that can take work, space-separated")
     args = parser.parse_args(argv)
     print(failed(args) if args.what == "failed" else checked(args), flush=True)
     return 0

@@ -77,16 +77,19 @@ class Progress:
                 and self._fault.section == section:
             self._fire()
 
-    def close(self, why: str = "done") -> None:
-        """Leaving: nothing more to time (a rank that finished waits for no one). `why` is "peer_lost" for a rank
-        that stops because another one did: the job script then looks for the cause elsewhere."""
-        self._section = why
-        if self._fd is not None:
-            self._write()
-            os.close(self._fd)
-            faulthandler.unregister(STACK_SIGNAL)
-            self._stack.close()
-            self._fd = None
+    def close(self, why: str = "shutdown") -> None:
+        """Leaving: the process group's teardown is still timed (by the checkpoint timeout: a hung teardown would
+        otherwise hold the job to its time limit). `why` is "peer_lost" for a rank that stops because another one
+        did: the job script then looks for the cause elsewhere. Idempotent."""
+        if self._fd is None:
+            return
+        self._section, self._since = why, time.time()
+        self._write()
+        os.close(self._fd)
+        self._fd = None
+        faulthandler.unregister(STACK_SIGNAL)
+        signal.signal(STACK_SIGNAL, signal.SIG_IGN)  # a watchdog's late ask must not end the process
+        self._stack.close()
 
     def _write(self) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "section": self._section, "step": self._step,

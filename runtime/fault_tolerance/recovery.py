@@ -65,7 +65,8 @@ class Recovery:
         if done < (self.failure.get("step") or 0):
             return None
         f = self.failure
-        event = {"event": "recovered", "step": done, "job": f.get("job"), "job_id": f.get("job_id"), "attempt": f.get("attempt"), "cause": f.get("cause"),
+        event = {"event": "recovered", "step": done, "job": f.get("job"), "job_id": f.get("job_id"),
+                 "slurm_restart": f.get("slurm_restart"), "attempt": f.get("attempt"), "cause": f.get("cause"),
                  "resumed_from_step": self.start_step, "at": now,
                  "time_to_detect_s": f.get("time_to_detect_s"),
                  "time_to_recover_s": round(self.first_step_at - f["detected_at"], 3),

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from runtime.fault_tolerance import progress
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job script tells a hang from a worker's own exit by hang.json, not by it
-SECTION_ORDER = ("setup", "data", "step", "validation", "checkpoint")
-_WAITING_MARKS = ("torch/distributed/", "runtime/parallel/collectives.py")
+SECTION_ORDER = ("setup", "data", "step", "validation", "checkpoint", "shutdown")
+# Frames that mean "blocked until the other ranks get here": a collective (gloo blocks in it), or the device's step
+# boundary, synchronize and barrier (NCCL and XLA return from the collective at once and block there).
+_WAITING_MARKS = ("torch/distributed/", "runtime/parallel/collectives.py", "torch_xla/", "runtime/device.py")
 ATTEMPT_ENV = "NXDT_ATTEMPT_DIR"
 
 
@@ -61,11 +63,11 @@ class Timeouts:
     def of(self, record: dict) -> tuple[float | None, str]:
         """The timeout of the section a record is in, and where it comes from; None: not timed."""
         section, slowest = record.get("section"), record.get("slowest") or {}
-        if section in ("done", "peer_lost"):
+        if section == "done":
             return None, "finished"
         if section == "setup":
             return self.setup_s, "setup_timeout_s"
-        if section == "checkpoint":
+        if section in ("checkpoint", "shutdown", "peer_lost"):  # a save, or leaving (the last save's wait, teardown)
             return self.checkpoint_s, "checkpoint_timeout_s"
         if section not in slowest:
             return self.setup_s, f"setup_timeout_s: the first {section} in this process may compile"
@@ -101,6 +103,20 @@ def _where(frames: list[str]) -> tuple[bool, str]:
     return waiting, text
 
 
+def _order(r: dict) -> tuple[int, int]:
+    return (r.get("step", 0), SECTION_ORDER.index(r["section"]) if r.get("section") in SECTION_ORDER else 0)
+
+
+def mark_waiting(ranks: list[dict]) -> list[dict]:
+    """A rank further on than another live one (a later step, or a later section of the same step) waits for it,
+    whatever its stack shows: on NCCL or XLA a rank blocks wherever the device makes it wait."""
+    live = [r for r in ranks if r.get("section") not in ("done", "peer_lost")]
+    if not live:
+        return ranks
+    earliest = min(_order(r) for r in live)
+    return [{**r, "waiting": True} if r in live and _order(r) > earliest else r for r in ranks]
+
+
 def culprit(ranks: list[dict]) -> dict:
     """The rank to name among every stalled rank seen: not waiting in a collective where any such rank exists (past
     its own timeout first), then the furthest behind."""
@@ -123,6 +139,7 @@ class Watchdog:
         self.node = node_name()
         self.started = time.time()
         self.fired: dict | None = None  # the decision, once this node stopped its workers for a hang
+        self._last: dict[int, dict] = {}  # each worker's last good record
         self._answered = 0.0  # the newest other node's stall this one answered
         self.recheck_s = max(poll_s, 2.0)
         self._stop = threading.Event()
@@ -137,14 +154,14 @@ class Watchdog:
         self._thread.join(timeout=5)
 
     def records(self) -> dict[int, dict]:
-        found = {}
         for local in range(self.nproc):
             record = progress.read_record(progress.record_path(self.directory, local))
+            if record is not None:  # a torn read (the worker writing just then) keeps the last good one
+                self._last[local] = {**record, "local_rank": local}
             # Before its first record a worker is starting (importing, joining the group): setup, since we began.
-            found[local] = record or {"rank": None, "pid": None, "section": "setup", "step": 0, "since": self.started,
-                                      "slowest": {}, "local_rank": local}
-            found[local].setdefault("local_rank", local)
-        return found
+            self._last.setdefault(local, {"rank": None, "pid": None, "section": "setup", "step": 0,
+                                          "since": self.started, "slowest": {}, "local_rank": local})
+        return dict(self._last)
 
     def stalled(self, records: dict[int, dict], now: float) -> list[dict]:
         out = []
@@ -221,14 +238,20 @@ class Watchdog:
         in a collective (a deadlock). A rank past its step timeout while it waits for one still within a longer
         timeout (a save slower than a step, say) is no hang yet: False, and the caller looks again."""
         ranks = self._snapshot(records, now, detected=True)
+        complete = True
         if self.attempt_dir and self.nnodes > 1:
             deadline = time.time() + self.gather_s
             while time.time() < deadline and len(self._answers(now)) < self.nnodes:
                 time.sleep(0.2)
-            ranks = [r for answer in self._answers(now) for r in answer.get("ranks", [])]
+            answers = self._answers(now)
+            complete = len(answers) >= self.nnodes
+            ranks = [r for answer in answers for r in answer.get("ranks", [])]
+        ranks = mark_waiting(ranks)
         named = culprit(ranks)
         live = [r for r in ranks if r.get("section") not in ("done", "peer_lost")]
-        if not named.get("over") and not all(r.get("waiting") for r in live):
+        if not named.get("over") and (not complete or not all(r.get("waiting") for r in live)):
+            # The rank the others wait for is within its own timeout, or a node has not answered yet (its ranks
+            # may be the busy ones): look again.
             return False
         behind = sum(1 for r in ranks if r is not named and r.get("waiting"))
         decision = {"cause": "hang", "rank": named.get("rank"), "node": named.get("node", self.node),
@@ -270,7 +293,8 @@ class Watchdog:
 
 def _stall_files(directory: str) -> list[str]:
     try:
-        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith("stall_"))
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                      if n.startswith("stall_") and n.endswith(".json"))
     except OSError:
         return []
 

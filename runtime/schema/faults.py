@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 ENV = "NXDT_INJECT_FAULT"
 KINDS = ("exit", "hang", "sleep", "unhealthy")
-SECTIONS = ("setup", "data", "step", "validation", "checkpoint")
+SECTIONS = ("data", "step", "validation", "checkpoint")  # where a worker reports progress (progress.py)
 FIRED = ".nxdt_fault_fired"
 _FORMS = ("exit:rank=R:step=S, hang:rank=R:step=S[:section=checkpoint], sleep:rank=R:step=S:seconds=N or "
           "unhealthy:node=NAME")

@@ -20,12 +20,13 @@ def _node(directory, node, outcome, **fields):
 def _args(tmp_path, attempt_dir, attempt=0, exit=1, **kw):
     return SimpleNamespace(attempt_dir=str(attempt_dir), history=str(tmp_path / "history.jsonl"), stage="training",
                            job="7_0", attempt=attempt, exit=exit, in_job_restarts=kw.get("restarts", 3),
-                           same_node_failures=kw.get("same", 2), requeues_on_failure=2, min_nodes=2, partition=None)
+                           same_node_failures=kw.get("same", 2), requeues_on_failure=2, min_nodes=2,
+                           allocation="node1 node2", excluded=kw.get("excluded", ""),
+                           usable=kw.get("usable", "node1 node2 node3"))
 
 
 @pytest.fixture
 def nodes(monkeypatch):
-    monkeypatch.setattr(attempts, "allocation_nodes", lambda: ["node1", "node2"])
     monkeypatch.setenv("SLURM_JOB_ID", "7")
 
 
@@ -75,24 +76,22 @@ def test_a_hang_a_failed_preflight_a_silent_node_and_a_config_mistake(tmp_path, 
     assert attempts.failed(_args(tmp_path, used_up, attempt=3, same=9)) == "stop"
 
 
-def test_node_checks_exclude_the_bad_node_or_say_too_few_are_left(tmp_path, nodes, monkeypatch):
+def test_node_checks_exclude_the_bad_node_or_say_too_few_are_left(tmp_path, nodes):
     checked = _attempt(tmp_path, 0)
     (checked / "check_node1.json").write_text(json.dumps({"node": "node1", "ok": True, "checks": []}))
     (checked / "check_node2.json").write_text(json.dumps({"node": "node2", "ok": False, "checks": [
         {"name": "memory", "status": "fail", "detail": "0.2 GiB available"}]}))
-    monkeypatch.setattr(attempts, "_job_field", lambda name: "")
-    monkeypatch.setattr(attempts, "_partition_nodes", lambda partition: ["node1", "node2", "node3"])
     assert attempts.checked(_args(tmp_path, checked)) == "requeue node2"
-    monkeypatch.setattr(attempts, "_partition_nodes", lambda partition: ["node1", "node2"])
-    assert attempts.checked(_args(tmp_path, checked)) == "stop"
+    assert attempts.checked(_args(tmp_path, checked, usable="node1 node2")) == "stop"
     history = read_history(str(tmp_path / "history.jsonl"))
     assert [r["action"] for r in history] == ["requeue", "stop"]
     assert history[0]["bad_nodes"] == {"node2": "memory: 0.2 GiB available"} and history[0]["exclude"] == ["node2"]
     (checked / "check_node2.json").unlink()  # a node that could not even report is bad
-    monkeypatch.setattr(attempts, "_partition_nodes", lambda partition: ["node1", "node2", "node3", "node4"])
-    assert attempts.checked(_args(tmp_path, checked)) == "requeue node2"
+    # The job's own exclusions stay excluded.
+    assert attempts.checked(_args(tmp_path, checked, excluded="node4", usable="node1 node2 node3 node4 node5")) == \
+        "requeue node2,node4"
     # Two requeues already: fault_tolerance.requeues_on_failure is used up.
-    assert attempts.checked(_args(tmp_path, checked)) == "stop"
+    assert attempts.checked(_args(tmp_path, checked, usable="node1 node2 node3 node4 node5")) == "stop"
 
 
 @pytest.mark.parametrize("value, problem", [

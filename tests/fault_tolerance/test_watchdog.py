@@ -128,9 +128,6 @@ def test_a_stalled_worker_tells_its_stack(tmp_path):
     assert not waiting and "stuck_here" in where, where
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 def test_a_rank_waiting_for_a_slow_save_is_no_hang_until_the_save_passes_its_own_timeout(tmp_path, monkeypatch):
     """Rank 0 waits in a collective past its step timeout for rank 1, which is still saving within the checkpoint
@@ -152,3 +149,32 @@ def test_a_rank_waiting_for_a_slow_save_is_no_hang_until_the_save_passes_its_own
     monkeypatch.setattr(stuck, "_stacks", lambda records: {0: (True, "a"), 1: (True, "b")})
     monkeypatch.setattr(stuck, "_kill_workers", lambda records: None)
     assert stuck._detect(records, 102.0) is True and stuck.fired["rank"] == 1
+
+
+
+def test_a_rank_ahead_of_another_waits_for_it_whatever_its_stack_says(tmp_path, monkeypatch):
+    """On NCCL or XLA a rank waiting for the others blocks in the device (a read, the step boundary), not in the
+    collective: one a step ahead of another live rank is waiting, so a slow save is no hang there either."""
+    watchdog = Watchdog(str(tmp_path), nproc=2, nnodes=1, timeouts=TIMEOUTS)
+    monkeypatch.setattr(watchdog, "_stacks", lambda records: {0: (False, "cuda_kernels.py:1 in read"),
+                                                              1: (False, "storage.py:40 in write")})
+    monkeypatch.setattr(watchdog, "_kill_workers", lambda records: None)
+    records = {0: {"rank": 0, "pid": None, "section": "step", "step": 5, "since": 100.0, "slowest": {"step": 0.1}},
+               1: {"rank": 1, "pid": None, "section": "checkpoint", "step": 4, "since": 99.5, "slowest": {}}}
+    assert watchdog._detect(records, 102.0) is False
+    assert watchdog._detect(records, 103.0) is True and watchdog.fired["rank"] == 1
+
+
+def test_a_torn_record_keeps_the_last_good_one(tmp_path):
+    watchdog = Watchdog(str(tmp_path), nproc=1, nnodes=1, timeouts=TIMEOUTS)
+    path = progress.record_path(str(tmp_path), 0)
+    with open(path, "w") as f:
+        f.write('{"rank": 0, "pid": 1, "section": "step", "step": 3, "since": 5.0, "slowest": {}}')
+    assert watchdog.records()[0]["section"] == "step"
+    with open(path, "w") as f:
+        f.write('{"rank": 0, "pid": 1, "sect')  # the worker writing just then
+    assert watchdog.records()[0]["step"] == 3 and watchdog.records()[0]["section"] == "step"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -101,13 +101,26 @@ while :; do
 
   # Finished, or stopped at a checkpoint by a signal: as without fault tolerance, below.
   if [ "$STEP_EXIT" = 0 ] || [ -n "$SIGNALLED" ] || [ "$STEP_EXIT" = 75 ]; then break; fi
+  STEP_PID=""
+  # What Slurm says, asked here on the batch host (a container image may have no Slurm clients): the allocation's
+  # nodes, the nodes the job already excludes, and the partition's nodes that can take work.
+  ALLOCATION=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | tr '\n' ' ' || true)
+  EXCLUDED=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* ExcNodeList=\([^ ]*\).*/\1/p' || true)
+  if [ -n "$EXCLUDED" ] && [ "$EXCLUDED" != "(null)" ]; then
+    EXCLUDED=$(scontrol show hostnames "$EXCLUDED" 2>/dev/null | tr '\n' ' ' || true)
+  else
+    EXCLUDED=""
+  fi
+  USABLE=$(sinfo -h -N -p "${SLURM_JOB_PARTITION:-}" -o '%N %t' 2>/dev/null \
+    | awk '$2 ~ /^(idle|mix|alloc|comp)$/ { print $1 }' | sort -u | tr '\n' ' ' || true)
   DECIDE=(--attempt-dir "$NXDT_ATTEMPT_DIR" --history "$NXDT_ATTEMPTS_FILE" --stage training \
     --job "$JOB_TAG" --attempt "$ATTEMPT" --exit "$STEP_EXIT" --in-job-restarts 3 \
     --same-node-failures 2 --requeues-on-failure 2 \
-    --min-nodes 1 --partition "${SLURM_JOB_PARTITION:-}")
+    --min-nodes 1 --allocation "$ALLOCATION" --excluded "$EXCLUDED" --usable "$USABLE")
   ACTION=$("$PYTHON" -m runtime.fault_tolerance.attempts failed "${DECIDE[@]}") || ACTION=stop
   if [ "$ACTION" = check-nodes ]; then
-    srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=0 \
+    # Bounded (--time, minutes): a node whose check hangs on a dead mount is the bad one, not a reason to wait.
+    srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=0 --time=10 \
       --output="$LOG_DIR/training_${JOB_TAG}_restart${RESTART}_attempt${ATTEMPT}_nodecheck_node%n.log" \
       bash -c '"$PYTHON" "$@"' python \
       -m runtime.fault_tolerance.node_check --out "$NXDT_ATTEMPT_DIR" --accelerator cpu \
@@ -137,9 +150,11 @@ while :; do
       exit "$STEP_EXIT" ;;
   esac
 done
+# Requeues after a bad node (the attempt history's) are not preemptions: run.max_restarts counts only those.
+FAILURE_REQUEUES=$(grep -c "\"job_id\": \"$SLURM_JOB_ID\".*\"action\": \"requeue\"" "$NXDT_ATTEMPTS_FILE" 2>/dev/null || true)
 if [ "$SIGNALLED" = USR1 ] || { [ -z "$SIGNALLED" ] && [ "$STEP_EXIT" = 75 ]; }; then
   ENDED="nxdt: training job $JOB_TAG restart $RESTART ended (exit $STEP_EXIT${SIGNALLED:+ after SIG$SIGNALLED})"
-  if [ "$RESTART" -lt "$MAX_RESTARTS" ]; then
+  if [ "$((RESTART - ${FAILURE_REQUEUES:-0}))" -lt "$MAX_RESTARTS" ]; then
     echo "$ENDED: scontrol requeue $SLURM_JOB_ID (restart $((RESTART + 1)) of at most $MAX_RESTARTS)"
     REQUEUED=1
     trap - TERM  # the requeue ends this allocation with a TERM
