@@ -117,3 +117,15 @@ def test_dead_rank_hung_rank_and_bad_node_recover_by_themselves(slurm_cluster, t
     assert info["ExcNodeList"] == "node2" and info["NodeList"] == "node[1,3]", info
     assert recovered["resumed_from_step"] == 0 and "node checks after attempt 0: bad: node2" in status, status
     print(f"{time.monotonic() - started:.0f} s")
+
+
+def test_excluding_every_node_of_the_partition_is_refused_at_launch(slurm_cluster, recipe_data_dir, tmp_path):
+    """cluster.exclude against the partition as sinfo lists it at launch: a job that could never start is refused in
+    one line, and nothing is submitted or written."""
+    result = nxdt("cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", "stages=[training]",
+                  f"base_results_dir={tmp_path}/results", f"data_dir={recipe_data_dir}", "training.trainer.num_nodes=2",
+                  "cluster.exclude=[node1,node3]", cwd=tmp_path, env=slurm_cluster.env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (f"error: cluster.exclude: leaves 1 of the 3 nodes of partition {slurm_cluster.partition} (node2) for a "
+            "job of 2 node(s); exclude fewer nodes") in result.stderr, result.stderr
+    assert not (tmp_path / "results").exists()
