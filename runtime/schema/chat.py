@@ -336,7 +336,11 @@ def token_id(tokenizer: dict, token: str) -> int:
         if entry["content"] == token:
             return int(entry["id"])
     vocab = tokenizer["model"]["vocab"]
-    return int(vocab[token]) if isinstance(vocab, dict) else [piece for piece, _ in vocab].index(token)
+    pieces = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}
+    if token not in pieces:
+        raise ValueError(f"tokenizer: the special token {token!r} its tokenizer_config.json names is neither an "
+                         f"added token nor in the vocabulary of its tokenizer.json; fix the name or add the token")
+    return int(pieces[token])
 
 
 def end_of_document_id(tokenizer_path: str | os.PathLike) -> int | None:
