@@ -3,7 +3,8 @@
 # environment, which sbatch passes on to every worker) and finishes by itself, with exactly the per-step losses of an
 # uninterrupted run of the same config (fp32, dp=2 over two nodes; the local executor runs the reference with the
 # same two workers):
-#   - a rank killed at step 10: the job restarts its workers on the same allocation, resuming from step 8;
+#   - a rank killed at step 10: the job restarts its workers on the same allocation, resuming from step 8 (or 4,
+#     where step 8's asynchronous save had not committed when the rank died);
 #   - a rank hung at step 10: the node's watchdog names rank, host and section once its step timeout (floor 10 s)
 #     passes, and the job restarts as above;
 #   - node2's health check failing: the preflight fails there, the job checks every node, names node2, requeues
@@ -90,11 +91,12 @@ def test_dead_rank_hung_rank_and_bad_node_recover_by_themselves(slurm_cluster, t
               f"{recovered[0]['time_to_recover_s']} s to recover, {recovered[0]['time_lost_s']} s lost")
         jobs[name] = (job, training, out, failed[0], recovered[0], status.stdout)
 
-    # A killed rank: the worker's own exit, restarted in the same allocation from the step-8 checkpoint.
+    # A killed rank: the worker's own exit, restarted in the same allocation from the newest complete checkpoint:
+    # step 8's, or step 4's where step 8's asynchronous save had not committed yet (a loaded machine).
     job, training, out, failed, recovered, status = jobs["killed"]
     assert (failed["cause"], failed["rank"], failed["step"], failed["action"]) == ("exit", 1, FAULT_STEP, "restart")
-    assert recovered["resumed_from_step"] == 8 and "attempt 1" in out, out[-3000:]
-    assert "exit 1 of rank 1" in status and "resumed from step 8" in status, status
+    assert recovered["resumed_from_step"] in (4, 8) and "attempt 1" in out, out[-3000:]
+    assert "exit 1 of rank 1" in status and f"resumed from step {recovered['resumed_from_step']}" in status, status
 
     # A hung rank: named with its host and section by its node's watchdog, then restarted as above.
     job, training, out, failed, recovered, status = jobs["hung"]
@@ -105,7 +107,7 @@ def test_dead_rank_hung_rank_and_bad_node_recover_by_themselves(slurm_cluster, t
     assert "other rank(s) wait for it in a collective" in line.group(0), line.group(0)
     assert (failed["cause"], failed["rank"], failed["node"], failed["section"]) == ("hang", 1, "node2", "step")
     assert 10 <= failed["time_to_detect_s"] < 30, failed
-    assert recovered["resumed_from_step"] == 8 and "hang of rank 1 on node2 in step" in status, status
+    assert recovered["resumed_from_step"] in (4, 8) and "hang of rank 1 on node2 in step" in status, status
 
     # A bad node: named by the checks, excluded, and the job requeued onto the other two.
     job, training, out, failed, recovered, status = jobs["bad_node"]
