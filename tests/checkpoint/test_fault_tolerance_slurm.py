@@ -106,7 +106,7 @@ def test_dead_rank_hung_rank_and_bad_node_recover_by_themselves(slurm_cluster, t
     assert line and node_logs.count("nxdt: hang:") == 1, node_logs[-3000:]
     assert "other rank(s) wait for it in a collective" in line.group(0), line.group(0)
     assert (failed["cause"], failed["rank"], failed["node"], failed["section"]) == ("hang", 1, "node2", "step")
-    assert 10 <= failed["time_to_detect_s"] < 30, failed
+    assert 10 <= failed["time_to_detect_s"] < 60, failed  # its 10 s timeout, a poll, the stacks, the answers
     assert recovered["resumed_from_step"] in (4, 8) and "hang of rank 1 on node2 in step" in status, status
 
     # A bad node: named by the checks, excluded, and the job requeued onto the other two.
