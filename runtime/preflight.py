@@ -28,8 +28,8 @@ import torch
 # Through the collectives module, as every collective of the runtime: it stages gloo over XLA tensors on host.
 from runtime.parallel import topology
 from runtime.parallel.collectives import all_reduce_world
+from runtime.schema.facts import PREFLIGHT_EXIT_CODE  # noqa: F401 (train.py exits with it; the job script's decider reads it)
 
-PREFLIGHT_EXIT_CODE = 3
 _KEY = "nxdt_preflight"
 _ADVICE = "run `nxdt-launch cluster-validate` on these nodes to find the bad one"
 

@@ -48,9 +48,8 @@ from runtime.parallel.context import sequence_index
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
+from runtime.schema.facts import USER_ERROR_EXIT_CODE  # the job script's decider reads it too
 from runtime.step import eval_result, train_step
-
-USER_ERROR_EXIT_CODE = 2
 
 
 def build_topology(cfg: TrainingConfig, device: Device) -> Topology:

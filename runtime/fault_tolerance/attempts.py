@@ -20,9 +20,8 @@ import sys
 import time
 
 from runtime.fault_tolerance.recovery import append, read_history
+from runtime.schema.facts import PREFLIGHT_EXIT_CODE, USER_ERROR_EXIT_CODE
 
-PREFLIGHT_EXIT_CODE = 3        # runtime/preflight.py: a node failed its health or collective check
-USER_ERROR_EXIT_CODE = 2       # runtime/train.py: a mistake in the config, which a restart would only repeat
 
 
 def _read(path: str) -> dict | None:

@@ -59,6 +59,10 @@ PRECISION_POLICIES: dict[str, PrecisionPolicy] = {
 # "Temporary failure, try again" (sysexits.h EX_TEMPFAIL): training saved a checkpoint and stopped (runtime/
 # preemption.py); the job script requeues on it, the launcher reports "stopped at a checkpoint".
 PREEMPTED_EXIT_CODE = 75
+# A mistake in the config (runtime/train.py): a restart would only repeat it, so the job script stops.
+USER_ERROR_EXIT_CODE = 2
+# A node failed its health or collective check (runtime/preflight.py): the job script checks every node.
+PREFLIGHT_EXIT_CODE = 3
 
 
 # FLOPs per token (model FLOPs, the convention behind MFU in the PaLM and Megatron papers):
