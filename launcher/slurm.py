@@ -40,6 +40,17 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     return result
 
 
+def partition_nodes(partition: str | None) -> list[str]:
+    """Every node of the partition (of the cluster, with none) as sinfo lists them; [] where sinfo does not answer
+    (then nothing is judged by them)."""
+    argv = ["sinfo", "-h", "-N", "-o", "%N", *([f"--partition={partition}"] if partition else [])]
+    try:
+        done = _run(argv)
+    except (SlurmError, subprocess.TimeoutExpired):
+        return []
+    return sorted(set(done.stdout.split())) if done.returncode == 0 else []
+
+
 def dependency_flag(kind: str, after: str | None) -> list[str]:
     """afterok/afterany wait for the previous stage; singleton also keeps one job of this name at a time.
     A job whose dependency can never be met is cancelled (not left pending forever)."""

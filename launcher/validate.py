@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from launcher import remote, staging
 from launcher.config import (OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run, StageInputs,
                              stage_inputs, without_restore)
-from launcher.slurm import expand_hostlist, split_hostlist
+from launcher.slurm import expand_hostlist, partition_nodes, split_hostlist
 from launcher.stages import FINE_TUNING_STAGES, PROGRAMS, STAGES, TRAINER_STAGES
 from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
@@ -403,14 +403,7 @@ def excluded_every_node(section: Cluster, nodes_needed: int, *, ask_slurm: bool)
         return []
     candidates, where = _nodes(section.nodelist), "cluster.nodelist"
     if not candidates and ask_slurm:
-        import subprocess
-
-        argv = ["sinfo", "-h", "-N", "-o", "%N"] + ([f"--partition={section.partition}"] if section.partition else [])
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return []
-        candidates = sorted(set(done.stdout.split())) if done.returncode == 0 else []
+        candidates = partition_nodes(section.partition)
         where = f"partition {section.partition}" if section.partition else "the cluster"
     if not candidates:
         return []

@@ -59,15 +59,17 @@ def _start_watchdog(args):
 def _report(watchdog, outcome: str, **fields) -> None:
     """What this node saw of the attempt, for the job script (runtime/fault_tolerance/attempts.py): its workers'
     last progress records and how the step ended here."""
-    from runtime.fault_tolerance.watchdog import ATTEMPT_ENV, node_name, write_json
+    from runtime.fault_tolerance.watchdog import ATTEMPT_ENV, node_name
+    from runtime.io.files import atomic_write_json
 
     attempt_dir = os.environ.get(ATTEMPT_ENV)
     if not attempt_dir or not os.path.isdir(attempt_dir):
         return
     records = list(watchdog.records().values()) if watchdog is not None else []
     try:  # what the job script decides on; never a reason to fail a run that finished
-        write_json(os.path.join(attempt_dir, f"node_{node_name()}.json"),
-                   {"node": node_name(), "outcome": outcome, "ended_at": time.time(), "records": records, **fields})
+        atomic_write_json(os.path.join(attempt_dir, f"node_{node_name()}.json"),
+                          {"node": node_name(), "outcome": outcome, "ended_at": time.time(), "records": records,
+                           **fields})
     except OSError as error:
         print(f"nxdt: could not write this node's report of the attempt into {attempt_dir}: {error}",
               file=sys.stderr, flush=True)

@@ -14,31 +14,23 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 from runtime.fault_tolerance.recovery import append, read_history
+from runtime.io.files import read_json
 from runtime.schema.facts import PREFLIGHT_EXIT_CODE, USER_ERROR_EXIT_CODE
 
-
-
-def _read(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def what_failed(attempt_dir: str, nodes: list[str], step_exit: int) -> dict:
     """The cause of a failed attempt, from its directory: hang, preflight, exit or lost node."""
     now = time.time()
-    hang = _read(os.path.join(attempt_dir, "hang.json"))
+    hang = read_json(os.path.join(attempt_dir, "hang.json"))
     if hang:
         return {**hang, "fault_at": hang.get("last_progress_at"), "exit_code": step_exit}
-    reports = {n: _read(os.path.join(attempt_dir, f"node_{n}.json")) for n in nodes}
+    reports = {n: read_json(os.path.join(attempt_dir, f"node_{n}.json")) for n in nodes}
     exits = [r for r in reports.values() if r and r.get("outcome") == "exit"]
     if exits:
         def victim(report: dict) -> bool:
@@ -114,7 +106,7 @@ def checked(args) -> str:
     nodes = args.allocation.split()
     bad = {}
     for node in nodes:
-        report = _read(os.path.join(args.attempt_dir, f"check_{node}.json"))
+        report = read_json(os.path.join(args.attempt_dir, f"check_{node}.json"))
         if report is None:
             bad[node] = "did not report (unreachable, or its check could not start)"
         elif not report.get("ok"):

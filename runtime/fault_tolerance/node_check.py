@@ -2,7 +2,7 @@
 # (a failed preflight, the same node failing again, a node that reported nothing):
 #
 #   srun --ntasks-per-node=1 python -m runtime.fault_tolerance.node_check --out ATTEMPT_DIR --accelerator cpu \
-#        --path RESULTS_DIR
+#        --results-dir RESULTS_DIR
 #
 # Each node runs cluster-validate's own checks of itself (csp_tools/cluster_validate/health.py local_checks: the
 # accelerator count for its instance type, EFA, free space and a write/read round trip on the results directory,
@@ -12,10 +12,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from runtime.fault_tolerance.progress import claim_fault
 from runtime.schema import faults
 
 FAIL = "fail"
@@ -27,27 +27,18 @@ def injected_unhealthy(node: str, results_dir: str) -> str | None:
     fault, _ = faults.parse(os.environ.get(faults.ENV, ""))
     if fault is None or fault.kind != "unhealthy" or fault.node != node:
         return None
-    marker = os.path.join(results_dir, faults.FIRED)
     here = f"{os.environ.get('SLURM_JOB_ID', '')}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(here)
-    except FileExistsError:
-        try:
-            with open(marker) as f:
-                if f.read().strip() != here:
-                    return None
-        except OSError:
-            return None
+    first = claim_fault(os.path.join(results_dir, faults.FIRED), here)
+    if first is not None and first != here:
+        return None  # fired in an earlier allocation
     return f"injected fault {faults.ENV}={fault}"
 
 
-def check(node: str, accelerator: str, paths: list[str], results_dir: str) -> list[dict]:
+def check(node: str, accelerator: str, results_dir: str) -> list[dict]:
     from csp_tools.cluster_validate import config, health
 
     cfg = config.parse({"accelerator": accelerator, "run": {"results_dir": results_dir},
-                        "health": {"paths": paths, "timeout_s": 60}})
+                        "health": {"paths": [results_dir], "timeout_s": 60}})
     instance_type = health.detect_instance_type(cfg.instance_type, cfg.health.timeout_s)
     checks = [c.to_json() for c in health.local_checks(cfg, node, instance_type, token="")]
     injected = injected_unhealthy(node, results_dir)
@@ -57,7 +48,8 @@ def check(node: str, accelerator: str, paths: list[str], results_dir: str) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.fault_tolerance.watchdog import write_json, node_name
+    from runtime.fault_tolerance.watchdog import node_name
+    from runtime.io.files import atomic_write_json
 
     parser = argparse.ArgumentParser(prog="python -m runtime.fault_tolerance.node_check")
     parser.add_argument("--out", required=True, help="the attempt's directory: check_<node>.json goes there")
@@ -67,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     node = node_name()
     try:
-        checks = check(node, args.accelerator, [args.results_dir], args.results_dir)
+        checks = check(node, args.accelerator, args.results_dir)
     except Exception as error:  # a check that cannot run is a failed node, named with why
         checks = [{"name": "node check", "status": FAIL, "detail": f"could not run: {error}", "data": {}}]
     failed = [c for c in checks if c["status"] == FAIL]
-    write_json(os.path.join(args.out, f"check_{node}.json"), {"node": node, "ok": not failed, "checks": checks})
+    atomic_write_json(os.path.join(args.out, f"check_{node}.json"), {"node": node, "ok": not failed, "checks": checks})
     verdict = "; ".join(f"{c['name']}: {c['detail']}" for c in failed) or "every check passed"
     print(f"nxdt: node check on {node}: {'FAIL' if failed else 'pass'}: {verdict}", flush=True)
     return 1 if failed else 0

@@ -98,9 +98,7 @@ class Progress:
 
     def _fire(self) -> None:
         fault, self._fault = self._fault, None
-        try:  # once per run: the first worker to fire it leaves the marker, a restarted run finds it
-            os.close(os.open(self._marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except FileExistsError:
+        if claim_fault(self._marker) is not None:  # fired already, by another worker or an earlier attempt
             return
         say = f"nxdt: injected fault ({faults.ENV}={fault}): rank {self.rank} "
         if fault.kind == "exit":
@@ -116,6 +114,22 @@ class Progress:
         sys.stderr.flush()
         while True:
             time.sleep(3600)
+
+
+def claim_fault(marker: str, holder: str = "") -> str | None:
+    """The injected fault fires once per run: create `marker` (<results_dir>/.nxdt_fault_fired) holding `holder`.
+    None when this call created it; else what the first claimant wrote (a restarted run finds it there)."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            with open(marker) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    with os.fdopen(fd, "w") as f:
+        f.write(holder)
+    return None
 
 
 def read_record(path: str) -> dict | None:

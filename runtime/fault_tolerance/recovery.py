@@ -11,22 +11,18 @@ import json
 import os
 import time
 
+from runtime.io.files import json_lines
+
 HISTORY_ENV = "NXDT_ATTEMPTS_FILE"
 
 
 def read_history(path: str) -> list[dict]:
+    """The history's records; a line cut short by a node that died while writing is left out, the others count."""
     try:
         with open(path) as f:
-            lines = f.read().splitlines()
+            return json_lines(f.read())
     except OSError:
         return []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a node that died while writing: the others still count
-    return records
 
 
 def append(path: str, record: dict) -> None:

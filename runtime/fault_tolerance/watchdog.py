@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from runtime.fault_tolerance import progress
+from runtime.io.files import atomic_write_bytes, atomic_write_json, publish_first, read_json, temp_name
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job script tells a hang from a worker's own exit by hang.json, not by it
 SECTION_ORDER = ("setup", "data", "step", "validation", "checkpoint", "shutdown")
@@ -99,7 +100,7 @@ def _where(frames: list[str]) -> tuple[bool, str]:
     if not frames:
         return False, "no stack"
     # File "/x/y.py", line 12 in func
-    text = frames[0].replace('File "', "").replace('", line ', ":").replace(" in ", " in ")
+    text = frames[0].replace('File "', "").replace('", line ', ":")
     return waiting, text
 
 
@@ -123,10 +124,9 @@ def culprit(ranks: list[dict]) -> dict:
     live = [r for r in ranks if r.get("section") not in ("done", "peer_lost")] or ranks
 
     def key(r):
-        order = SECTION_ORDER.index(r["section"]) if r.get("section") in SECTION_ORDER else 0
         waiting = bool(r.get("waiting"))
         # Among ranks that wait in collectives (a deadlock), whether one is past its timeout says nothing.
-        return (waiting, False if waiting else not r.get("over"), r.get("step", 0), order, r.get("since", 0))
+        return (waiting, False if waiting else not r.get("over"), *_order(r), r.get("since", 0))
 
     return min(live, key=key)
 
@@ -163,14 +163,16 @@ class Watchdog:
                                           "since": self.started, "slowest": {}, "local_rank": local})
         return dict(self._last)
 
+    def judged(self, record: dict, now: float) -> dict:
+        """The record with its section's timeout, where that comes from, how long it has been silent, and whether
+        that is over the timeout."""
+        timeout, why = self.timeouts.of(record)
+        silent = now - float(record.get("since", now))
+        return {**record, "silent": silent, "timeout": timeout, "why": why,
+                "over": timeout is not None and silent > timeout}
+
     def stalled(self, records: dict[int, dict], now: float) -> list[dict]:
-        out = []
-        for record in records.values():
-            timeout, why = self.timeouts.of(record)
-            silent = now - float(record.get("since", now))
-            if timeout is not None and silent > timeout:
-                out.append({**record, "silent": silent, "timeout": timeout, "why": why, "over": True})
-        return out
+        return [judged for record in records.values() if (judged := self.judged(record, now))["over"]]
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -190,7 +192,7 @@ class Watchdog:
         for path in _stall_files(self.attempt_dir):
             if os.path.basename(path) == f"stall_{self.node}.json":
                 continue
-            asked = (_read_json(path) or {}).get("at")
+            asked = (read_json(path) or {}).get("at")
             if asked is not None and asked > self._answered and (newest is None or asked > newest):
                 newest = asked
         return newest
@@ -202,14 +204,11 @@ class Watchdog:
         ranks = []
         stacks = self._stacks(records)
         for local, record in records.items():
-            timeout, why = self.timeouts.of(record)
-            silent = now - float(record.get("since", now))
             waiting, where = stacks.get(local, (False, "no stack"))
-            ranks.append({**record, "node": self.node, "silent": silent, "timeout": timeout, "why": why,
-                          "over": timeout is not None and silent > timeout, "waiting": waiting, "where": where})
+            ranks.append({**self.judged(record, now), "node": self.node, "waiting": waiting, "where": where})
         if self.attempt_dir:
-            write_json(os.path.join(self.attempt_dir, f"stall_{self.node}.json"),
-                       {"node": self.node, "detected": detected, "at": max(now, answering), "ranks": ranks})
+            atomic_write_json(os.path.join(self.attempt_dir, f"stall_{self.node}.json"),
+                              {"node": self.node, "detected": detected, "at": max(now, answering), "ranks": ranks})
         return ranks
 
     def _stacks(self, records: dict[int, dict]) -> dict[int, tuple[bool, str]]:
@@ -261,7 +260,7 @@ class Watchdog:
         self.fired = decision
         first = True
         if self.attempt_dir:
-            first = _create_json(os.path.join(self.attempt_dir, "hang.json"), decision)
+            first = _create_json(os.path.join(self.attempt_dir, "hang.json"), decision)  # one node prints it
         if first:
             print(f"nxdt: hang: rank {decision['rank']} on {decision['node']} made no progress in section "
                   f"{decision['section']} (step {decision['step']}) for {decision['silent_s']:.0f} s, over its "
@@ -273,7 +272,7 @@ class Watchdog:
 
     def _answers(self, asked: float) -> list[dict]:
         """Every node's snapshot written since `asked` (this node's own included)."""
-        found = [_read_json(path) or {} for path in _stall_files(self.attempt_dir)]
+        found = [read_json(path) or {} for path in _stall_files(self.attempt_dir)]
         return [a for a in found if (a.get("at") or 0) >= asked - 1e-6]
 
     def _kill_workers(self, records: dict[int, dict]) -> None:
@@ -299,27 +298,8 @@ def _stall_files(directory: str) -> list[str]:
         return []
 
 
-def write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
 def _create_json(path: str, data: dict) -> bool:
-    """Write `data` to a new file; False when another process wrote it first."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    return True
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    """Publish `data` at `path` unless a file is there already; False when another process's came first."""
+    tmp = temp_name(path)
+    atomic_write_bytes(tmp, json.dumps(data).encode())
+    return publish_first(tmp, path)
