@@ -5,7 +5,9 @@
 #   bash csp_tools/xla_venv.sh   ->   .../xla-venv/bin/python
 set -euo pipefail
 VENV="${NXDT_XLA_VENV:-$HOME/.cache/nxdt/xla-venv}"
-WANT="torch==2.9.1 torch-xla==2.9.0"
+LOCK="$(cd "$(dirname "$0")/.." && pwd)/constraints.txt"
+# The rest at constraints.txt's versions (csp_tools/lock.py), less its torch: this venv's torch is 2.9's.
+WANT="torch==2.9.1 torch-xla==2.9.0 lock:$(grep -v -i '^torch==' "$LOCK" | sha256sum | cut -c1-16)"
 STAMP="$VENV/.nxdt-packages"
 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
@@ -14,7 +16,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   mkdir -p "$(dirname "$VENV")"
   uv venv -q "$VENV" --python 3.11 >&2
   # uv resolves and installs the CUDA build of torch in about a minute; pip takes several.
-  VIRTUAL_ENV="$VENV" uv pip install -q $WANT numpy pyyaml omegaconf tokenizers tensorboard pytest >&2
+  grep -v -i '^torch==' "$LOCK" > "$VENV.constraints"
+  VIRTUAL_ENV="$VENV" uv pip install -q -c "$VENV.constraints" torch==2.9.1 torch-xla==2.9.0 \
+    numpy pyyaml omegaconf tokenizers tensorboard pytest >&2
   echo "$WANT" > "$STAMP"
 fi
 echo "$VENV/bin/python"

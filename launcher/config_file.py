@@ -41,6 +41,10 @@ def read(path: str, at: str, what: str) -> str:
     try:
         problem = _shape_problem(yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
     except yaml.MarkedYAMLError as error:
+        if "maximum nesting depth" in (error.problem or ""):  # libyaml's own cap (1,000 in PyYAML 6.0.4's wheels)
+            mark = error.problem_mark          # stops its scanner before our count of events sees the file
+            raise UserError(f"{at}: nests more than {MAX_DEPTH} levels deep (line {mark.line + 1 if mark else 1}); "
+                            f"give {what}") from None
         raise UserError(f"{at.removesuffix(str(path))}{syntax_error(path, error, text)}") from None
     except yaml.YAMLError as error:
         raise UserError(f"{at}: not valid YAML ({str(error).splitlines()[0]})") from None

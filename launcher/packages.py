@@ -18,7 +18,7 @@ from pathlib import Path
 from launcher.config import LaunchConfig
 
 RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch[runtime]' "
-           "(-e '.[runtime]' in a checkout)")
+           "(-c constraints.txt -e '.[runtime]' in a checkout)")
 
 EVAL = ("the eval extra: python3 -m pip install 'nxdt-launch[runtime,eval]' (-e '.[runtime,eval]' in a checkout), "
         "or keep to the loss and exact_match tasks")

@@ -83,11 +83,18 @@ case "$PROJECT" in
 esac
 "$PYTHON_FOR_VENV" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
+# A checkout's constraints.txt holds the versions its test suite passed with (csp_tools/lock.py); its torch line is
+# dropped: the Neuron packages bring their own torch.
+LOCK=()
+if [ -f "$PROJECT/constraints.txt" ]; then
+  grep -v -i '^torch==' "$PROJECT/constraints.txt" > "$VENV/constraints.txt"
+  LOCK=(-c "$VENV/constraints.txt")
+fi
 if [ "$ROLE" = head ]; then
   # The head node renders and submits: the launcher alone.
-  "$VENV/bin/pip" install -q "$PROJECT"
+  "$VENV/bin/pip" install -q ${LOCK[@]+"${LOCK[@]}"} "$PROJECT"
 else
-  "$VENV/bin/pip" install -q --extra-index-url https://pip.repos.neuron.amazonaws.com \
+  "$VENV/bin/pip" install -q ${LOCK[@]+"${LOCK[@]}"} --extra-index-url https://pip.repos.neuron.amazonaws.com \
     torch-neuronx \
     neuronx-cc \
     "$NODE_SPEC"

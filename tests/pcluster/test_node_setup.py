@@ -91,3 +91,35 @@ def test_a_container_job_does_not_activate_the_host_venv():
 def test_a_relative_venv_is_refused():
     assert cluster_problems(parse_cluster({"venv": "venv"})) == [
         "cluster.venv: 'venv' must be the absolute path of a venv on every node, e.g. cluster.venv=/opt/nxdt/venv"]
+
+
+@pytest.mark.parametrize("role", ["compute", "head"])
+def test_a_checkouts_locked_versions_reach_the_nodes_venv_without_its_torch(role, tmp_path):
+    """Section 4 of the real node script, run with a stand-in interpreter whose venv's pip records what it is asked
+    (a fake: pip would reach the network): the checkout's constraints.txt is passed, less its torch line (the
+    Neuron packages bring their own)."""
+    text = _script()
+    section = text[text.index("# 4. This project"):]
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "constraints.txt").write_text("# lock\nPyYAML==6.0.4\ntorch==2.13.0\nTorch==2.13.0\n")
+    fake = tmp_path / "python3.11"
+    fake.write_text('#!/bin/bash\n[ "$1 $2" = "-m venv" ] || exit 9\nmkdir -p "$3/bin"\n'
+                    'printf \'#!/bin/bash\\necho "$*" >> "%s"\\n\' "$3/pip.log" > "$3/bin/pip"\n'
+                    'chmod +x "$3/bin/pip"\n')
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    prelude = (f"set -euo pipefail\nROLE={role}\nVENV={venv}\nPYTHON_FOR_VENV={fake}\nPROJECT={checkout}\n"
+               f"PATH={tmp_path}:$PATH\n")
+    run = subprocess.run(["bash", "-c", prelude + section], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    installs = [line for line in (venv / "pip.log").read_text().splitlines() if "--upgrade pip" not in line]
+    assert len(installs) == 1 and installs[0].startswith(f"install -q -c {venv}/constraints.txt ")
+    assert (venv / "constraints.txt").read_text() == "# lock\nPyYAML==6.0.4\n"
+    assert installs[0].endswith(f"{checkout}[runtime,eval]" if role == "compute" else str(checkout))
+    # A wheel or a pip requirement has no constraints.txt beside it: installed as before.
+    (checkout / "constraints.txt").unlink()
+    (venv / "pip.log").unlink()
+    run = subprocess.run(["bash", "-c", prelude + section], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert " -c " not in (venv / "pip.log").read_text()
