@@ -103,6 +103,13 @@ MAPPED: dict[str, str] = {
     "model.kv_channels": "training.model.kv_channels",
 }
 
+# The model keys NxD Training's Hugging Face models apply over model_config's config.json (their _get_model: "if
+# self.config.model.get('num_layers', -1) != -1: config.num_hidden_layers = ..."): the file's explicit value is the
+# user's intent (hf_llama_7B_config trains a 4-layer cut of Llama 2 7B), so it goes to
+# model.model_config_overrides, which the schema applies over config.json and names in a warning.
+OVER_CONFIG_JSON = {"model.num_layers": "num_layers", "model.hidden_size": "hidden_size",
+                    "model.rope_theta": "rotary_base"}
+
 # A fine-tuning file's data: NxD's SFT train_dir and val_dir are the chat files (one file or a list each); its
 # weights: exp_manager.resume_from_checkpoint with model.weight_init_only: true (weights only, a fresh run).
 FINE_TUNING_MAPPED = {
@@ -428,6 +435,13 @@ def map_file(path: str, group: str | None = None) -> Mapping:
             result.errors.append(f"{at}: {key}: {value!r} is a fraction of an epoch (PyTorch Lightning's "
                                  f"float form); nxdt-launch counts steps: give a whole number")
             result.rows.append((key, value, "refused: a fraction of an epoch"))
+        elif key in OVER_CONFIG_JSON and flat.get("model.model_config") is not None:
+            if value == -1:  # NxD's "not set"
+                result.rows.append((key, value, "-1: config.json's value stays"))
+            else:
+                target = f"training.model.model_config_overrides.{OVER_CONFIG_JSON[key]}"
+                _put(training, target[len("training."):], value)
+                result.rows.append((key, value, f"{target}: applied over config.json, as NxD Training does"))
         elif key in MAPPED:
             target = MAPPED[key]
             if target.startswith("cluster."):

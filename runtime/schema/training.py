@@ -17,7 +17,7 @@ from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
 from runtime.schema.model import (MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config,
                                   tokenizer_vocab_size)
-from runtime.schema.reader import REQUIRED, Report, Section
+from runtime.schema.reader import REQUIRED, Report, Section, closest
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
                                             LoraConfig, OptimConfig, ParallelConfig,
@@ -305,7 +305,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
             elif source_key == "model_config":  # a missing restore_from_path is _restore_from's to name
                 files.problem(f"{model.key(source_key)}: {source} does not exist; point it at the model's "
                               f"Hugging Face config.json")
-    report.error(_disagreements(model, hf_keys, source, source_key))
+    overrides = _config_overrides(model, hf_keys, source, report)
+    report.error(_disagreements(model, {**hf_keys, **overrides} if hf_keys else {}, source, source_key))
     # Without a config.json the YAML holds the whole shape; with one that cannot be read here (a dry run on a
     # laptop) only what the YAML holds is checked, and the rest at launch on the cluster.
     # Weights not here (a dry run elsewhere, a remote path, or a missing directory that _restore_from names): the
@@ -319,7 +320,7 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         report.error(f"{model.key('restore_from_path')}: missing, and the YAML has no shape; point it at a Hugging "
                      f"Face model directory (its config.json decides the model), or set {model.key('model_config')}")
         shape_known = False
-    merged = {**{k: v for k, v in hf_keys.items() if k != "make_vocab_size_divisible_by"},
+    merged = {**{k: v for k, v in hf_keys.items() if k != "make_vocab_size_divisible_by"}, **overrides,
               **{k: v for k, v in model.data.items() if v is not None}}
     if isinstance(hf_keys.get("moe"), dict) and isinstance(model.data.get("moe"), dict):
         merged["moe"] = {**hf_keys["moe"], **model.data["moe"]}  # key by key: a YAML key keeps the others
@@ -376,6 +377,39 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
 _YAML_DECIDES = ("encoder_seq_length", "make_vocab_size_divisible_by")
 # model.moe keys that shape training, not the network: token dropping and the auxiliary losses' weights.
 _TRAINING_CHOICES = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+
+
+# What model.model_config_overrides may set over config.json: the keys NxD Training's Hugging Face models apply from
+# their YAML (model.num_layers, hidden_size, rope_theta; e.g. hf_llama_7B_config's 4-layer cut of Llama 2 7B).
+CONFIG_OVERRIDES = {"num_layers": "int", "hidden_size": "int", "rotary_base": "float"}
+
+
+def _config_overrides(model: Section, hf_keys: dict, source: str | None, report: Report) -> dict[str, Any]:
+    """model.model_config_overrides, typed: keys that win over config.json's (an NxD Training file's explicit model
+    keys, launcher/nxdt_config.py), each named in a warning where it changes config.json's value. Elsewhere a YAML
+    key that contradicts config.json is refused (_disagreements)."""
+    overrides = model.mapping("model_config_overrides") or {}
+    key = model.key("model_config_overrides")
+    if overrides and source is None:
+        report.error(f"{key}: there is no config.json to override (model.model_config is not set); set the model's "
+                     f"keys themselves (model.{next(iter(overrides))})")
+        return {}
+    typed: dict[str, Any] = {}
+    section = Section(overrides, key, report)
+    for name in overrides:
+        if name not in CONFIG_OVERRIDES:
+            report.error(f"{key}.{name}: not a key that can be set over config.json; "
+                         f"{closest(str(name), list(CONFIG_OVERRIDES))}valid keys here: {', '.join(CONFIG_OVERRIDES)}")
+            continue
+        value = (section.int(name, minimum=1) if CONFIG_OVERRIDES[name] == "int"
+                 else section.float(name, above=0.0))
+        if value is None:
+            continue
+        typed[name] = value
+        if name in hf_keys and hf_keys[name] != value:
+            report.warn(f"{key}.{name}: {value} replaces config.json's {hf_keys[name]} ({source}), as NxD Training "
+                        f"applies its YAML's model keys over config.json")
+    return typed
 
 
 def _model_config_source(model: Section) -> tuple[str | None, str]:

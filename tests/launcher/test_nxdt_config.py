@@ -422,7 +422,7 @@ def test_explain_config_lists_every_key(tmp_path):
     assert result.returncode == 0, result.stderr
     flat = " ".join(result.stdout.split())
     for row in ("distributed_strategy.tensor_model_parallel_size", "training.model.tensor_model_parallel_size",
-                "model.rope_theta", "training.model.rotary_base", "compiler_cache_url",
+                "model.rope_theta", "training.model.model_config_overrides.rotary_base", "compiler_cache_url",
                 "cluster.neuron.compile.cache", "ignored: KV heads are replicated"):
         assert row in flat, row
     mixtral = nxdt("explain-config", str(FIXTURES / "hf_mixtral_8x7b_config.yaml"), cwd=tmp_path)

@@ -15,7 +15,8 @@ from .helpers import REPO
 RELEASE = REPO / "tests" / "fixtures" / "nxdt" / "release_2_26"
 CONFIG_JSON = RELEASE / "config_json"
 # The Hugging Face config.json each hf_* file's model_config names (/home/ubuntu/config.json in every file): the
-# model its name says. hf_llama_7B_config trains a 4-layer cut of Llama 2 7B (its num_layers: 4).
+# model its name says, as published. hf_llama_7B_config trains a 4-layer cut of Llama 2 7B (its num_layers: 4, which
+# NxD Training applies over config.json's 32).
 MODELS = {
     "hf_llama3.1_405B_trn1_config": "llama3.1_405b", "hf_llama3.1_70B_config": "llama3.1_70b",
     "hf_llama3.1_8B_config": "llama3.1_8b", "hf_llama3_70B_CP_config": "llama3_70b",
@@ -23,7 +24,7 @@ MODELS = {
     "hf_llama3_8B_DPO_config": "llama3_8b", "hf_llama3_8B_ORPO_config": "llama3_8b",
     "hf_llama3_8B_SFT_config": "llama3_8b", "hf_llama3_8B_SFT_lora_config": "llama3_8b",
     "hf_llama3_8B_config": "llama3_8b", "hf_llama3_8B_trn2_config": "llama3_8b",
-    "hf_llama_7B_config": "llama2_7b_4layers", "hf_mixtral_8x7b_config": "mixtral_8x7b",
+    "hf_llama_7B_config": "llama2_7b", "hf_mixtral_8x7b_config": "mixtral_8x7b",
     "hf_mixtral_8x7b_dropless_config": "mixtral_8x7b",
 }
 FILES = sorted(path.stem for path in RELEASE.glob("*.yaml"))
@@ -122,3 +123,50 @@ def test_the_trn2_file_keeps_its_logical_cores_and_uneven_stages(tmp_path):
     cuts = parsed.parallel.pipeline_cuts
     assert cuts == (18, 39, 60) and [len(r) for r in rules.stage_layers(80, 4, cuts)] == [19, 21, 21, 19]
     assert any("LlamaRMSNorm: norms are kept, not recomputed" in w for w in plan.warnings)
+
+
+def test_hf_llama_7B_trains_the_4_layer_cut_of_llama_2_7b_that_nxd_trains(tmp_path):
+    """NxD Training builds the model from config.json and applies the YAML's num_layers, hidden_size and rope_theta
+    over it: with Llama 2 7B's published config.json (32 layers) the file's num_layers: 4 wins, and the dry run
+    says so. The other keys stay config.json's."""
+    from runtime.schema.training import parse_training
+
+    stage, plan = _plan("hf_llama_7B_config", tmp_path)
+    assert plan.cfg[stage]["model"]["model_config_overrides"] == {"num_layers": 4, "hidden_size": 4096}
+    parsed, report = parse_training(plan.cfg[stage], files="warn")
+    assert parsed is not None, report.errors
+    model = parsed.model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads) == (4, 4096, 11008,
+                                                                                                      32)
+    said = [w for w in plan.warnings if "model_config_overrides" in w]
+    assert len(said) == 1 and said[0].endswith(
+        f"training.model.model_config_overrides.num_layers: 4 replaces config.json's 32 "
+        f"({CONFIG_JSON / 'llama2_7b.json'}), as NxD Training applies its YAML's model keys over config.json"), said
+
+
+def test_outside_an_nxd_file_a_key_against_config_json_is_still_refused_and_overrides_are_checked(tmp_path):
+    """model.model_config_overrides is how an NxD file's explicit keys win; the same key written plainly (our recipes
+    against a user's config.json) stays a refused contradiction, and the overrides themselves are checked."""
+    import copy
+
+    from runtime.schema.training import parse_training
+
+    stage, plan = _plan("hf_llama_7B_config", tmp_path)
+
+    def errors(**model):
+        cfg = copy.deepcopy(plan.cfg[stage])
+        cfg["model"].update(model)
+        parsed, report = parse_training(cfg, files="warn")
+        assert (parsed is None) == bool(report.errors)
+        return report.errors
+
+    assert errors(model_config_overrides=None, num_layers=4)[0].startswith(
+        "training.model.num_layers: the YAML disagrees with ")
+    assert errors(model_config_overrides={"nums_layers": 4}) == [
+        "training.model.model_config_overrides.nums_layers: not a key that can be set over config.json; did you "
+        "mean 'num_layers'? valid keys here: num_layers, hidden_size, rotary_base"]
+    assert errors(model_config_overrides={"num_layers": 0}) == [
+        "training.model.model_config_overrides.num_layers: 0 must be a positive integer"]
+    assert errors(model_config=None, model_config_overrides={"num_layers": 4})[0] == (
+        "training.model.model_config_overrides: there is no config.json to override (model.model_config is not set); "
+        "set the model's keys themselves (model.num_layers)")
