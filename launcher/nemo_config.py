@@ -116,7 +116,6 @@ IGNORED: dict[str, tuple[tuple | None, str]] = {
     "model.transformer_block_type": (("pre_ln",), "pre-norm blocks"),
     "model.rotary_percentage": ((1.0, 1), "rotary embeddings cover each whole head"),
     "model.use_scaled_init_method": ((True,), "layers writing into the residual stream get std / sqrt(2 x layers)"),
-    "model.ffn_dropout": ((0, 0.0), "no dropout inside the MLP (hidden_dropout and attention_dropout are built)"),
     "model.do_layer_norm_weight_decay": ((False,), "norm weights and biases get no weight decay"),
     "model.seq_len_interpolation_factor": ((None,), "no position interpolation"),
     "model.mcore_customization_config.new_decoder_architecture": ((False,), "Falcon's decoder is not built"),

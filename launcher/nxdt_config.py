@@ -62,7 +62,7 @@ MAPPED: dict[str, str] = {
     **{f"model.{k}": f"training.model.{k}" for k in (
         "model_config", "encoder_seq_length", "max_position_embeddings", "num_layers", "hidden_size",
         "ffn_hidden_size", "num_attention_heads", "num_query_groups", "init_method_std", "hidden_dropout",
-        "attention_dropout", "layernorm_epsilon", "make_vocab_size_divisible_by",
+        "attention_dropout", "ffn_dropout", "layernorm_epsilon", "make_vocab_size_divisible_by",
         "share_embeddings_and_output_weights", "activations_checkpoint_granularity",
         "activations_checkpoint_recompute")},
     "model.rope_theta": "training.model.rotary_base",
@@ -153,7 +153,8 @@ IGNORED: dict[str, str] = {
     "exp_manager.save_xser": "checkpoints use nxdt-launch's own sharded format",
     "exp_manager.load_xser": "checkpoints use nxdt-launch's own sharded format",
     "exp_manager.save_bf16": "checkpoints keep the training dtype",
-    "distributed_strategy.kv_replicator": "KV heads are replicated to tensor_model_parallel_size automatically",
+    "distributed_strategy.kv_replicator": "KV heads are replicated to tensor_model_parallel_size automatically "
+                                          "(LoRA adapters on k and v too: one per real KV head)",
     "model.qkv_linear": "QKV is one fused column-parallel linear",
     "model.fuse_qkv": "QKV is one fused column-parallel linear",
     "model.use_cpu_initialization": "weights are initialized on the host, then sharded",
@@ -232,8 +233,6 @@ UNSUPPORTED: dict[str, str] = {
     "model.transformer_block_type": "only pre-norm blocks (pre_ln) are built; set it to pre_ln",
     "model.use_scaled_init_method": "layers writing into the residual stream always get Megatron's scaled init, "
                                     "std / sqrt(2 x num_layers); set it to True",
-    "model.ffn_dropout": "dropout inside the MLP is not built yet (hidden_dropout and attention_dropout are); set it "
-                         "to 0.0",
 }
 
 # Values that are the default here and so need no mapping (a key with another value is refused).
@@ -245,7 +244,7 @@ NEUTRAL = {"distributed_strategy.token_shuffle_group_size": 1, "model.moe.routin
            "data.no_seqlen_plus_one_input_tokens": False,
            "data.pad_samples_to_global_batch_size": False, "data.validation_drop_last": True,
            "data.tokenizer.model": None, "model.rotary_percentage": 1, "model.transformer_block_type": "pre_ln",
-           "model.use_scaled_init_method": True, "model.ffn_dropout": 0}
+           "model.use_scaled_init_method": True}
 
 # A value that means something else here, said with another key: (value, our key, its value, why). Applied after
 # the file's own keys, so they cannot undo it.
@@ -724,14 +723,14 @@ def _flatten(data: Any, stops: dict | set = frozenset(), prefix: str = "") -> di
 
 def _our_keys() -> set[str]:
     """Every training key our reference recipes set, plus the schema's optional ones (Megatron's names, as NeMo's:
-    kv_channels is the head size, null for hidden_size / num_attention_heads)."""
+    kv_channels is the head size, null for hidden_size / num_attention_heads; ffn_dropout the MLP's dropout)."""
     from omegaconf import OmegaConf
 
     from launcher.paths import conf_dir
 
     keys = {"model.num_query_groups", "model.rotary_base", "model.model_config", "model.kv_channels",
             "model.add_qkv_bias", "model.qk_layernorm", "model.pipeline_cuts", "model.data.reset_position_ids",
-            "model.data.reset_attention_mask"}
+            "model.data.reset_attention_mask", "model.ffn_dropout"}
     for recipe in ("training/gpt3/tiny", "training/llama/tiny", "fine_tuning/llama/tiny", "peft/llama/tiny"):
         data = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{recipe}.yaml"), resolve=False)
         keys |= set(_flatten({k: v for k, v in data.items() if k != "defaults"}))

@@ -16,7 +16,7 @@ class GPTModel(CausalLM):
             attn = Attention(H, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim, qkv_bias=True, proj_bias=True,
                              dropout=cfg.attention_dropout, rotary=None)
             return Block(nn.LayerNorm(H, eps=eps), attn, nn.LayerNorm(H, eps=eps),
-                         GeluMLP(H, cfg.ffn_hidden_size, bias=True), cfg.hidden_dropout)
+                         GeluMLP(H, cfg.ffn_hidden_size, bias=True, dropout=cfg.ffn_dropout), cfg.hidden_dropout)
 
         super().__init__(cfg,
                          embed=Embeddings(cfg.vocab_size, H, max_positions=cfg.max_position_embeddings,

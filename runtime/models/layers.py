@@ -204,30 +204,40 @@ class Attention(nn.Module):
         return self.proj(y)
 
 
-class GeluMLP(nn.Module):
-    """GPT-3 MLP: fc2(gelu(fc1(x)))."""
+def ffn_dropout(p: float) -> nn.Module:
+    """Megatron's ffn_dropout: on the MLP's hidden units, after the activation, before the output projection.
+    An identity at 0, so a model without it runs exactly the ops it ran before. Under tensor parallelism each rank
+    drops units of its own shard of the hidden units, drawing from the generator every rank seeds alike, as the
+    attention dropout on its heads does."""
+    return nn.Dropout(p) if p else nn.Identity()
 
-    def __init__(self, hidden: int, ffn: int, *, bias: bool):
+
+class GeluMLP(nn.Module):
+    """GPT-3 MLP: fc2(drop(gelu(fc1(x))))."""
+
+    def __init__(self, hidden: int, ffn: int, *, bias: bool, dropout: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(hidden, ffn, bias=bias)
         self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+        self.dropout = ffn_dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # tanh approximation as in GPT-2/3; one fused kernel rather than the formula spelled out.
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(self.dropout(F.gelu(self.fc1(x), approximate="tanh")))  # (B, T, ffn) in the middle
 
 
 class SwiGLU(nn.Module):
-    """Llama MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul laid out [gate | up]."""
+    """Llama MLP: down(drop(silu(gate(x)) * up(x))), with gate and up fused into one matmul laid out [gate | up]."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, *, dropout: float = 0.0):
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
+        self.dropout = ffn_dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each; the local share under TP
-        return self.down(F.silu(gate) * up)
+        return self.down(self.dropout(F.silu(gate) * up))
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ class LlamaModel(CausalLM):
         def mlp(index: int):
             moe = cfg.moe
             if moe is None or not moe.is_moe_layer(index):
-                return SwiGLU(H, cfg.ffn_hidden_size)
+                return SwiGLU(H, cfg.ffn_hidden_size, dropout=cfg.ffn_dropout)
             return SparseMoE(H, moe.expert_size(cfg.ffn_hidden_size), moe.num_experts, moe.top_k,
                              capacity_factor=moe.capacity_factor, activation=moe.router_activation,
                              normalize_top_k=moe.normalize_top_k_affinities,

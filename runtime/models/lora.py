@@ -12,7 +12,8 @@
 #   y = x W^T + b + scale * concat_s [ B_s A_s dropout(x)  if s is adapted, else 0 ],  scale = alpha / rank
 #
 # Tensor parallelism (runtime/parallel/layers.py) shards the adapters with their base layer: B by output rows in a
-# column-parallel layer, A by input columns in a row-parallel one; the other factor is replicated.
+# column-parallel layer, A by input columns in a row-parallel one; the other factor is replicated. Where tp exceeds
+# the KV heads, a rank's B_k / B_v rows are its replicated head's, shared by that head's copies like the base.
 from __future__ import annotations
 
 import contextlib
@@ -50,16 +51,19 @@ class LoRA(nn.Module):
                  for t, a in self.A.items()}
         return rules | {f"{prefix}.B.{t}": Init("zeros") for t in self.B}
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (..., out) the base projection's output for input x (..., in): y plus the adapters' deltas."""
+    def forward(self, x: torch.Tensor, y: torch.Tensor, B: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """y (..., out) the base projection's output for input x (..., in): y plus the adapters' deltas.
+        B: factors to use in place of some of self.B's, as the layer hands them over (a replicated KV head's B,
+        whose gradient the layer sums over the head's copies)."""
         if not self.enabled:
             return y
         x = self.dropout(x)
+        B = {**self.B, **(B or {})}
         parts = y.split([rows for _, rows in self.segments], dim=-1) if len(self.segments) > 1 else (y,)
         out = []
         for (target, _), part in zip(self.segments, parts):
             if target in self.A:
-                part = part + self.scale * F.linear(F.linear(x, self.A[target]), self.B[target])
+                part = part + self.scale * F.linear(F.linear(x, self.A[target]), B[target])
             out.append(part)
         return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
 

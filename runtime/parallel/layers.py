@@ -43,22 +43,25 @@ def _param_from(full: torch.Tensor, index: torch.Tensor, dim: int, *, copies: in
     return param, Placement(dim=dim, index=index, full_size=full.shape[dim], tp_copies=copies, source=source)
 
 
-def column_parallel_lora(lora: LoRA | None, axis: AxisGroup, local_rows: dict[str, int] | None = None
-                         ) -> LoRA | None:
+def column_parallel_lora(lora: LoRA | None, axis: AxisGroup,
+                         replicated: dict[str, tuple[torch.Tensor, int]] | None = None) -> LoRA | None:
     """The adapters of a column-parallel layer: B_t keeps this rank's chunk of target t's output rows (the same
     rows as the base weight's segment), A_t is whole on every rank. A's gradient on one rank covers only that
-    rank's output rows, so it is marked partial: summed over TP. local_rows: segments whose local size is not
-    rows / tp (a replicated KV head)."""
+    rank's output rows, so it is marked partial: summed over TP.
+
+    replicated: segments this rank holds whole rather than a 1/tp chunk of, as target -> (the rows of the full B,
+    how many TP ranks hold the same rows): a replicated KV head's k and v. Their B rows are then that head's own,
+    one adapter per real KV head, which the head's copies share (the layer sums their gradients, as for the base)."""
     if lora is None:
         return None
-    local_rows = local_rows or {}
+    replicated = replicated or {}
     A, B, placements = {}, {}, {}
     for target, param in lora.B.items():
-        index = shard_rows([param.shape[0]], axis.rank, axis.size)
-        B[target], placements[f"B.{target}"] = _param_from(param, index, 0)
+        index, copies = replicated.get(target, (shard_rows([param.shape[0]], axis.rank, axis.size), 1))
+        B[target], placements[f"B.{target}"] = _param_from(param, index, 0, copies=copies)
         A[target] = lora.A[target].detach().clone()
         placements[f"A.{target}"] = Placement(partial_grad=True)
-    segments = [(t, local_rows.get(t, rows // axis.size)) for t, rows in lora.segments]
+    segments = [(t, len(replicated[t][0]) if t in replicated else rows // axis.size) for t, rows in lora.segments]
     sharded = LoRA(segments, {t: a.data for t, a in A.items()}, {t: b.data for t, b in B.items()}, lora.scale, 0.0)
     sharded.dropout, sharded.placements, sharded.seed = lora.dropout, placements, lora.seed
     return sharded
@@ -148,6 +151,9 @@ class ReplicatedKVColumnParallelLinear(ColumnParallelLinear):
     Queries are split as usual (nh/t heads per rank); each rank keeps a copy of the one KV head its queries use,
     so tp/ng ranks hold the same K/V rows. Those rows live in their own parameter (`kv_weight`) because they are
     replicated, not sharded: their gradients are summed over the replica set and counted once in the grad norm.
+    LoRA adapters on k and v follow the same rule: B_k and B_v keep the head's rows of the real heads' adapter,
+    their gradients summed over the copies, so the copies stay one adapter and a checkpoint or export holds each
+    real head's once; A_k and A_v are whole on every rank, their gradients summed over TP as in any column layer.
     """
 
     def __init__(self, linear: nn.Linear, axis: AxisGroup, *, sequence_parallel: bool, num_heads: int,
@@ -171,9 +177,9 @@ class ReplicatedKVColumnParallelLinear(ColumnParallelLinear):
         super().__init__(weight, bias, axis, sequence_parallel, placements)
         self.kv_slot, self.num_kv_slots = kv_slot, num_kv_heads
         self.kv_weight, self.kv_bias = kv_weight, kv_bias
-        # Adapters on q only (a schema rule keeps k/v adapters off replicated heads); k and v rows are one head.
+        head = torch.arange(kv_slot * head_dim, (kv_slot + 1) * head_dim)  # the head's rows of the full B_k, B_v
         self.lora = column_parallel_lora(getattr(linear, "lora", None), axis,
-                                         {"k_proj": head_dim, "v_proj": head_dim})
+                                         {"k_proj": (head, replicas), "v_proj": (head, replicas)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sync = lambda w: _SumOverReplicas.apply(w, self.axis, self.kv_slot, self.num_kv_slots)
@@ -181,7 +187,9 @@ class ReplicatedKVColumnParallelLinear(ColumnParallelLinear):
         bias = torch.cat([self.bias, sync(self.kv_bias)]) if self.bias is not None else None
         x = self._input(x)
         y = F.linear(x, weight, bias)
-        return y if self.lora is None else self.lora(x, y)
+        if self.lora is None:
+            return y
+        return self.lora(x, y, {t: sync(b) for t, b in self.lora.B.items() if t in ("k_proj", "v_proj")})
 
 
 class RowParallelLinear(nn.Module):

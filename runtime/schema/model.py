@@ -74,6 +74,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    ffn_dropout: float = 0.0               # inside the MLP, after its activation (Megatron's; NxD's megatron models)
     seed: int = 1234
     moe: MoEConfig | None = None           # llama only: Mixtral-style sparse MoE layers
     # Megatron's names. kv_channels: the head size when it is not hidden_size / num_attention_heads (Qwen3).
@@ -100,12 +101,13 @@ class ModelConfig:
         for problem in problems:
             report.error(problem)
         report.error(rules.heads_groups(self.num_attention_heads, self.kv_heads, ""))
-        for key in ("hidden_dropout", "attention_dropout"):
+        for key in rules.DROPOUTS:
             report.error(rules.dropout(key, getattr(self, key), ""))
         if self.moe is not None:
             for problem in rules.moe(self.architecture, self.moe.num_experts, self.moe.top_k, self.moe.frequency,
                                      self.num_layers, self.moe.capacity_factor, self.moe.router_activation, "",
-                                     layers=self.moe.layers, ffn=self.moe.ffn_hidden_size):
+                                     layers=self.moe.layers, ffn=self.moe.ffn_hidden_size,
+                                     ffn_dropout=self.ffn_dropout):
                 report.error(problem)
         report.raise_if_any()
 

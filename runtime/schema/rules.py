@@ -253,6 +253,9 @@ def data_seq_length(data_seq: int, seq_length: int, p: str) -> str | None:
     return f"{p}model.data.seq_length: {data_seq} differs from model.encoder_seq_length {seq_length}; make them equal"
 
 
+DROPOUTS = ("hidden_dropout", "attention_dropout", "ffn_dropout")  # model keys, each a probability in [0, 1)
+
+
 def dropout(name: str, value: float, p: str) -> str | None:
     if 0.0 <= value < 1.0:
         return None
@@ -383,9 +386,10 @@ def max_record_mb(value: float, p: str) -> str | None:
 
 def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_layers: int,
         capacity_factor: float | None, activation: str, p: str, *, layers: tuple[int, ...] | None = None,
-        ffn: int | None = None) -> list[str]:
+        ffn: int | None = None, ffn_dropout: float | None = None) -> list[str]:
     """model.moe: a sparse MoE block needs the Llama block (SwiGLU experts), top_k of the experts, a layer pattern
-    that leaves at least one MoE layer, and a positive capacity factor (or dropless)."""
+    that leaves at least one MoE layer, and a positive capacity factor (or dropless); model.ffn_dropout is the dense
+    MLP's, which the experts do not have."""
     key = f"{p}model.moe"
     problems = []
     if architecture != "llama":
@@ -408,6 +412,9 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
                         f"{key}.dropless=true")
     if activation not in ("softmax", "sigmoid"):
         problems.append(f"{key}.router_activation: {activation!r} is not one of softmax, sigmoid")
+    if ffn_dropout:
+        problems.append(f"{p}model.ffn_dropout: {ffn_dropout} with {key}: dropout inside the experts is not built; "
+                        f"set it to 0.0")
     return problems
 
 
@@ -556,14 +563,6 @@ def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str) -> str |
     if num_experts and mlp:
         return (f"{p}model.peft.target_modules: {', '.join(mlp)} on a mixture-of-experts model: adapters on experts "
                 f"are not built; adapt the attention projections only (q_proj, k_proj, v_proj, o_proj)")
-    return None
-
-
-def lora_replicated_kv(targets: tuple[str, ...], kv_heads: int, tp: int, p: str) -> str | None:
-    kv = [t for t in targets if t in ("k_proj", "v_proj")]
-    if kv and tp > kv_heads:
-        return (f"{p}model.peft.target_modules: {', '.join(kv)} with tensor_model_parallel_size {tp} above the "
-                f"{kv_heads} KV heads (replicated KV heads): adapt q_proj / o_proj only, or lower tp to {kv_heads}")
     return None
 
 

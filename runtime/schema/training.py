@@ -341,7 +341,7 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     for key in ("num_query_groups", "kv_channels"):
         if merged.get(key) is not None:
             keys[key] = shape.int(key, minimum=1)
-    for key in ("rotary_base", "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout"):
+    for key in ("rotary_base", "layernorm_epsilon", "init_method_std", *rules.DROPOUTS):
         if merged.get(key) is not None:
             keys[key] = shape.float(key, minimum=0.0)
     for key in ("share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
@@ -833,7 +833,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
             report.warn(problem)  # only the tokenizer can decide; the node has it
         else:
             report.error(problem)
-    for name in ("hidden_dropout", "attention_dropout"):
+    for name in rules.DROPOUTS:
         if name in shape:
             report.error(rules.dropout(name, shape[name], p))
     if "hidden_size" not in shape:
@@ -854,7 +854,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     if moe is not None:
         for problem in rules.moe(shape.get("architecture", "llama"), moe.num_experts, moe.top_k, moe.frequency,
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p,
-                                 layers=moe.layers, ffn=moe.ffn_hidden_size):
+                                 layers=moe.layers, ffn=moe.ffn_hidden_size, ffn_dropout=shape.get("ffn_dropout")):
             report.error(problem)
         if moe.ffn_hidden_size:
             report.error(rules.ffn_tp(moe.ffn_hidden_size, tp, p, "moe.ffn_hidden_size"))
@@ -914,9 +914,6 @@ def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: 
     if lora is not None:
         moe = shape.get("moe")
         report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p))
-        if "num_attention_heads" in shape:
-            kv = shape.get("num_query_groups") or shape["num_attention_heads"]
-            report.error(rules.lora_replicated_kv(lora.target_modules, kv, parallel.tp, p))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

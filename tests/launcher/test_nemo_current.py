@@ -148,9 +148,9 @@ def test_a_defaults_entry_naming_another_config_is_refused(tmp_path):
 # squad file -> the lines it is refused with (the key each begins with)
 SQUAD = {
     "fine_tuning_llama_squad": ("model.data.train_ds.file_names", "exp_manager.checkpoint_callback_params."
-                                "save_nemo_on_train_end", "model.restore_from_path", "model.ffn_dropout"),
+                                "save_nemo_on_train_end", "model.restore_from_path"),
     "fine_tuning_gpt3_squad": ("model.data.train_ds.file_names", "exp_manager.checkpoint_callback_params."
-                               "save_nemo_on_train_end", "model.restore_from_path", "model.ffn_dropout"),
+                               "save_nemo_on_train_end", "model.restore_from_path"),
     "peft_llama_squad": ("model.data.train_ds.file_names", "exp_manager.checkpoint_callback_params."
                          "save_nemo_on_train_end", "exp_manager.create_early_stopping_callback",
                          "model.restore_from_path"),

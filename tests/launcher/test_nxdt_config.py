@@ -133,16 +133,14 @@ def test_nxd_fine_tuning_files_run_as_their_stage(stage, file, tmp_path):
     assert any("not NxD Training's own checkpoint format" in w for w in plan.warnings)
 
 
-def test_nxd_lora_at_tp_32_meets_the_kv_head_rule(tmp_path):
-    """NxD runs LoRA on Llama 3 8B at TP 32 with its 8 KV heads replicated; k and v adapters here need a whole KV
-    head per rank: with the model's config.json read, the schema names the fix, and the fix on the same line runs."""
+def test_nxd_lora_at_tp_32_runs_over_replicated_kv_heads(tmp_path):
+    """NxD runs LoRA on Llama 3 8B at TP 32 with its 8 KV heads replicated (kv_replicator 4), adapters on q, k and v:
+    with the model's config.json read, the schema takes it as it is (one adapter per real KV head, its 4 copies
+    kept one: tests/fine_tuning/test_lora_replicated_kv.py)."""
     config = f"peft.model.model_config={FIXTURES / 'llama3_8b_config.json'}"
-    with pytest.raises(UserError) as caught:
-        _stage(tmp_path, "peft", f"peft=@{LORA}", config)
-    assert ("peft.model.peft.target_modules: k_proj, v_proj with tensor_model_parallel_size 32 above the 8 KV heads "
-            "(replicated KV heads): adapt q_proj / o_proj only, or lower tp to 8") in caught.value.problems
-    _, ours = _stage(tmp_path, "peft", f"peft=@{LORA}", config, "peft.model.tensor_model_parallel_size=8")
-    assert ours["model"]["tensor_model_parallel_size"] == 8
+    _, ours = _stage(tmp_path, "peft", f"peft=@{LORA}", config)
+    assert ours["model"]["tensor_model_parallel_size"] == 32
+    assert ours["model"]["peft"]["target_modules"] == ["qkv_proj"]  # NxD's name for q, k and v
 
 
 @pytest.mark.parametrize("given,file,expected", [
@@ -621,9 +619,8 @@ MEGATRON = {
 # What each of our architectures is, in the megatron switches (runtime/models/gpt.py, llama.py):
 # normalization, position_embedding_type, activation, has_bias.
 SWITCHES = {"gpt": ("layernorm", "learned_absolute", "gelu", True), "llama": ("rmsnorm", "rope", "swiglu", False)}
-# megatron_gpt_config.yaml is refused as published (ffn_dropout 0.1; test below): the layout tests run it with
-# ffn_dropout 0.0, and with constant_steps 0, as its 80000 constant steps exceed its 20000 steps.
-GPT_FIXED = {"  ffn_dropout: 0.1": "  ffn_dropout: 0.0"}
+# megatron_gpt_config.yaml is refused as published for its schedule (test below): the layout tests run it with
+# constant_steps 0, as its 80000 constant steps exceed its 20000 steps.
 GPT_SCHEDULE = "training.model.optim.sched.constant_steps=0"
 
 
@@ -637,7 +634,7 @@ def _megatron(tmp_path, name, *overrides):
     """The file's plan and stage config, dry run, and the file's own keys (resolved as NxD resolves them)."""
     stage, _ = MEGATRON[name]
     gpt = name == "megatron_gpt_config"
-    file = _published(tmp_path, name, **(GPT_FIXED if gpt else {}))
+    file = _published(tmp_path, name)
     plan, ours = _stage(tmp_path, stage, f"{stage}=@{file}", *([GPT_SCHEDULE] if gpt else []), *overrides)
     nxd, _ = nxdt_config.load(str(file))
     return plan, ours, nxd
@@ -679,6 +676,7 @@ def test_megatron_file_dry_runs_with_its_own_layout(name, tmp_path):
                 "share_embeddings_and_output_weights", "hidden_dropout", "attention_dropout", "init_method_std",
                 "layernorm_epsilon"):
         assert ours_model[key] == model[key], key
+    assert ours_model.get("ffn_dropout", 0) == model.get("ffn_dropout", 0)  # megatron_gpt_config's 0.1
     assert ours_model["make_vocab_size_divisible_by"] == \
         model["make_vocab_size_divisible_by"] * strategy["tensor_model_parallel_size"]
     for key, value in (model.get("moe") or {}).items():
@@ -725,20 +723,15 @@ def test_megatron_file_builds_the_model_it_describes(name, tmp_path, recipe_data
 
 
 def test_megatron_gpt_file_names_what_is_left_to_fix(tmp_path):
-    """As published it asks for dropout inside the MLP, which is not built: one line; with that set to 0.0 its
-    schedule (80000 constant steps in 20000) is the schema's one line; with both fixed it runs (test above)."""
+    """As published its dropout inside the MLP (ffn_dropout 0.1) is built; its schedule (80000 constant steps in
+    20000) is the schema's one line; with that fixed it runs (test above)."""
     file = FIXTURES / "megatron_gpt_config.yaml"
     with pytest.raises(UserError) as caught:
         _training(tmp_path, f"training=@{file}")
     assert caught.value.problems == [
-        f"training=@{file}: model.ffn_dropout is not supported: dropout inside the MLP is not built yet "
-        f"(hidden_dropout and attention_dropout are); set it to 0.0"]
-    with pytest.raises(UserError) as caught:
-        _training(tmp_path, f"training=@{_published(tmp_path, 'megatron_gpt_config', **GPT_FIXED)}")
-    assert [p for p in caught.value.problems if "constant_steps" in p] == [
         "training.model.optim.sched.warmup_steps: warmup_steps 750 + constant_steps 80000 exceeds trainer.max_steps "
         "20000; shorten the warmup or train longer"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron_gpt_config.yaml"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("replace,expected", [
@@ -786,7 +779,7 @@ def test_explain_config_shows_the_megatron_mapping(tmp_path):
                                           "tokenizer.json'")
     assert rows["model.apply_query_key_layer_scaling"][1].startswith("ignored: a no-op in bf16 and fp32")
     assert rows["(implied) model.make_vocab_size_divisible_by x tensor_model_parallel_size"][0] == "8 x 8"
-    assert rows["model.ffn_dropout"][1].startswith("refused: dropout inside the MLP is not built yet")
+    assert rows["model.ffn_dropout"] == (0.1, "training.model.ffn_dropout")
 
 
 # NxD Training 2.26.0's DPO example: the section moved to model_alignment_strategy.dpo and max_dpo_prompt_length

@@ -33,6 +33,7 @@ def config(arch: str, **overrides) -> ModelConfig:
 LAYOUTS = {
     "llama tp4 (replicated KV: 2 heads)": (config("llama", num_query_groups=2), dict(tp=4)),
     "llama tp2 pp2 vpp2, lora": (config("llama", num_query_groups=4), dict(tp=2, pp=2, vpp=2, lora=True)),
+    "llama tp4 lora (v adapter of replicated KV heads)": (config("llama", num_query_groups=2), dict(tp=4, lora=True)),
     "gpt tp2 pp2 (tied embedding on both ends)": (config("gpt"), dict(tp=2, pp=2)),
     "gpt tp4 lora (row-parallel A)": (config("gpt"), dict(tp=4, lora=True)),
     "moe ep2 tp2": (config("llama", num_query_groups=4, moe=MoEConfig(num_experts=4, top_k=2)),
