@@ -290,10 +290,23 @@ def min_lr(minimum: float, lr: float, schedule: str, p: str) -> str | None:
 
 
 def schedule_fits(warmup: int, constant: int, max_steps: int, p: str) -> str | None:
-    if warmup + constant <= max_steps:
+    """A warmup longer than the training never reaches the learning rate: refused."""
+    if warmup <= max_steps:
         return None
-    return (f"{p}model.optim.sched.warmup_steps: warmup_steps {warmup} + constant_steps {constant} exceeds "
-            f"trainer.max_steps {max_steps}; shorten the warmup or train longer")
+    return (f"{p}model.optim.sched.warmup_steps: warmup_steps {warmup} exceeds trainer.max_steps {max_steps}; "
+            f"shorten the warmup or train longer")
+
+
+def schedule_holds(warmup: int, constant: int, max_steps: int, p: str) -> str | None:
+    """constant_steps reaching past max_steps leaves no room to decay: NeMo's schedules then hold min_lr from the end
+    of the warmup (their decay length, max_steps - warmup - constant, is negative), as runtime/optim_schedule.py does
+    (NxD's megatron_gpt_config: 750 + 80000 over 20000 steps). Legal, and surely not what most users mean: a
+    warning."""
+    if warmup + constant <= max_steps or warmup > max_steps:
+        return None
+    return (f"{p}model.optim.sched.constant_steps: warmup_steps {warmup} + constant_steps {constant} exceeds "
+            f"trainer.max_steps {max_steps}: as in NeMo, the learning rate holds min_lr from step {warmup + 1} to the "
+            f"end, with no decay; lower constant_steps to {max_steps - warmup} or less to decay")
 
 
 # ------------------------------------------------------------------------------------------ trainer, checkpoints

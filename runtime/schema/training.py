@@ -139,6 +139,8 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     report.error(rules.learning_rate(optim.lr, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
     report.error(rules.schedule_fits(sched.warmup_steps, sched.constant_steps, sched.max_steps, p))
+    if holds := rules.schedule_holds(sched.warmup_steps, sched.constant_steps, sched.max_steps, p):
+        report.warn(holds)
     if report.errors or vocab is None or "hidden_size" not in shape:
         return None, report  # a dry run without the tokenizer or model_config checks what it can, and stops here
     return TrainingConfig(

@@ -39,7 +39,7 @@ CASES = [
     (["training.run.max_restarts=-1"], "training.run.max_restarts: -1 must be an integer >= 0"),
     (["training.run.max_restarts=often"], "training.run.max_restarts: 'often' is not an integer"),
     (["training.precision.type=fp8"], "training.precision.type: 'fp8' is not one of fp32, bf16SR, mixed_precision"),
-    (["training.trainer.max_steps=10"], "training.model.optim.sched.warmup_steps: warmup_steps 15 + constant_steps 0 exceeds trainer.max_steps 10"),
+    (["training.trainer.max_steps=10"], "training.model.optim.sched.warmup_steps: warmup_steps 15 exceeds trainer.max_steps 10"),
     (["training.model.architecture=mamba"], "training.model.architecture: 'mamba' is not one of gpt, llama"),
     (["cluster_type=kubernetes"], "cluster_type: 'kubernetes' is not one of auto, local, slurm, bcm"),
     (["run_name='my run'"], "run_name: 'my run' must be non-empty, without '/', spaces"),

@@ -34,7 +34,7 @@ def test_constant_after_warmup():
     [
         ({"name": "Cosine"}, "model.optim.sched.name: 'Cosine' is not one of CosineAnnealing"),
         ({"min_lr": 5.0}, "model.optim.sched.min_lr: 5.0 must be between 0 and model.optim.lr"),
-        ({"warmup_steps": 8, "constant_steps": 5}, "warmup_steps 8 \\+ constant_steps 5 exceeds trainer.max_steps"),
+        ({"warmup_steps": 11, "constant_steps": 5}, "warmup_steps 11 exceeds trainer.max_steps 10"),
         ({"warmup_steps": -1}, "model.optim.sched.warmup_steps: -1 must be an integer >= 0"),
     ],
 )

@@ -58,7 +58,7 @@ CASES = [
      "to be a multiple of pipeline_model_parallel_size (2); raise global_batch_size or set "
      "virtual_pipeline_model_parallel_size=null"),
     ([f"{T}max_steps=10"],
-     "training.model.optim.sched.warmup_steps: warmup_steps 15 + constant_steps 0 exceeds trainer.max_steps 10; "
+     "training.model.optim.sched.warmup_steps: warmup_steps 15 exceeds trainer.max_steps 10; "
      "shorten the warmup or train longer"),
     ([f"{M}optim.sched.min_lr=0.1"],
      "training.model.optim.sched.min_lr: 0.1 must be between 0 and model.optim.lr 0.003"),
