@@ -7,7 +7,7 @@ nothing of a Slurm node's)."""
 from launcher.estimator.hardware import GIB, host_memory_bytes
 from tests.launcher.helpers import nxdt, refused
 
-# The tiny GPT recipe widened to GPT-3 175B's shape: some 8 TiB of host memory for each of its two CPU workers
+# The tiny GPT recipe widened to GPT-3 175B's shape: over 4 TiB of host memory for each of its two CPU workers
 # (weights, gradients, Adam moments and the checkpoint's copy, in fp32), more than any one machine has; the
 # estimator sizes it by arithmetic, so nothing that size is ever allocated.
 BEYOND_ANY_MACHINE = ["training.model.num_layers=96", "training.model.hidden_size=12288",
