@@ -11,9 +11,9 @@ from launcher.autoconfig import report, runner, search, sizing
 from launcher.compose import compose, resolve
 from launcher.config import LaunchConfig, parse
 from launcher.errors import UserError, print_not_checked
-from launcher.launch import choose_executor
 from launcher.estimator.hardware import DEVICE_NAMES, Hardware, detect, hardware_for
 from launcher.estimator.shapes import padded_vocab, vocab_for
+from launcher.launch import choose_executor
 from runtime.schema.data_preparation import UserError as PreparationError
 from runtime.schema.data_preparation import parse_config as parse_preparation
 from runtime.schema.data_preparation import trained_vocab_size

@@ -83,8 +83,9 @@ def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
     # A node whose memory cannot hold the two workers' state is refused by the launch's own rule, with its figures.
     tighter = search.rank(base, candidates[:1], device="cpu", mfu=None, vocab_size=4096, cluster=_nodes(0.5),
                           local=False)
-    assert tighter[0].rejected.startswith("refused at launch: training.model: host memory per node by the estimator:"
-                                          " 2 workers × ") and tighter[0].rejected.endswith("(cluster.node_memory_gib)")
+    refusal = tighter[0].rejected
+    assert refusal.startswith("refused at launch: training.model: host memory per node by the estimator: 2 workers × ")
+    assert refusal.endswith("(cluster.node_memory_gib)"), refusal
 
 
 def test_context_parallel_sizes_are_searched_for_long_sequences():
