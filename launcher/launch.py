@@ -84,10 +84,11 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     found = None if remote_settings else live.recorded(config.base_results_dir, config.run_name)
     if found and not dry_run:
         raise UserError(live.refusal(str(config.run_name), found))
-    # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
-    errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None)
-    errors += neuron.problems(config) + remote.problems(config) + staging.problems(config)
     executor, reason = choose_executor(str(config.cluster_type), (remote_settings or {}).get("host"))
+    # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
+    errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None,
+                                         local=executor == "local")
+    errors += neuron.problems(config) + remote.problems(config) + staging.problems(config)
     if executor == "local" and config.container:
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")

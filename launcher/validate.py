@@ -32,7 +32,8 @@ _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]:
+def problems(cfg: LaunchConfig, *, dry_run: bool, local: bool) -> tuple[list[str], list[str]]:
+    """`local`: the local executor runs the stages on this machine (its memory is a CPU node's, memory_fit)."""
     warnings: list[str] = []
     errors = _top_level(cfg)
     # A stage whose program is missing is already reported; its own checks would only add noise.
@@ -51,7 +52,7 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         errors += report.errors
         warnings += report.warnings
         if not report.errors:
-            fit_errors, fit_warnings = memory_fit(cfg)
+            fit_errors, fit_warnings = memory_fit(cfg, local=local)
             errors += fit_errors
             warnings += fit_warnings
         if "data_preparation" in stages:
@@ -60,7 +61,7 @@ def problems(cfg: LaunchConfig, *, dry_run: bool) -> tuple[list[str], list[str]]
         if stage in stages:
             stage_errors, stage_warnings = _fine_tuning(cfg, stage, stages, dry_run=dry_run)
             if not stage_errors:
-                fit_errors, fit_warnings = memory_fit(cfg, stage)
+                fit_errors, fit_warnings = memory_fit(cfg, stage, local=local)
                 stage_errors += fit_errors
                 stage_warnings += fit_warnings
             errors += stage_errors
@@ -149,29 +150,41 @@ def lm_eval_tasks(evaluation) -> tuple[list[str], list[str]]:
     return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache)[1:]
 
 
-def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], list[str]]:
-    """(errors, warnings) of a trainer stage's layout against memory, by the estimator, refused here rather than
-    after the queue wait. Host memory per node (every trainer stage): the workers' shards, checkpoint staging, data
-    and process overhead together need more than the node has: an error. On CPU the device is the host: there the
-    activations count too, as a warning, and the node is judged only where cluster.node_memory_gib states it (this
-    machine's memory says nothing of a Slurm node's). Device memory (the training stage on a GPU or NeuronCore):
-    weights, gradients and optimizer state alone need more than the device has: an error; activations on top of that
-    are a warning, as the estimator's activation model is an upper bound (NxD Training's published Llama 3 70B layout
-    runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know here (no tokenizer file): not
-    judged."""
+def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of a trainer stage's layout against memory (stage_memory_fit), refused here rather than
+    after the queue wait. `local`: the local executor runs the workers on this machine."""
     section = cfg.stage(stage)
-    result = _estimate(cfg, stage)
+    if section.trainer is None:
+        return [], []
+    return stage_memory_fit(section.section, stage, cfg.cluster, local=local)
+
+
+def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, local: bool,
+                     vocab_size: int | None = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of a trainer stage's config (`section`, as composed) on `cluster`'s nodes, by the
+    estimator: the launch's rule, which autoconfig ranks its layouts by too. Host memory per node (every trainer
+    stage): the workers' shards, checkpoint staging, data and process overhead together need more than the node
+    has: an error. Which node memory applies: cluster.node_memory_gib when it states one; else, for an accelerator,
+    the instance's documented memory; for CPU, this machine's where the local executor runs the workers here, and
+    none on Slurm (this machine's memory says nothing of a Slurm node's: not judged). On CPU the device is the host:
+    the activations count too, as a warning. Device memory (the training stage on a GPU or NeuronCore): weights,
+    gradients and optimizer state alone need more than the device has: an error; activations on top of that are a
+    warning, as the estimator's activation model is an upper bound (NxD Training's published Llama 3 70B layout
+    runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know here (no tokenizer file, no
+    `vocab_size`): not judged."""
+    result = _estimate(section, cluster, vocab_size)
     if result is None:
         return [], []
     fixes = ("(nxdt-launch estimate training=... shows where the memory goes; docs/recipes.md lists each recipe's "
              "layouts)")
     errors, warnings = [], []
+    on_cpu = result.hardware.name == "cpu"
     # More workers than the node has devices is refused on its own (launcher/neuron.py): judging the node's host
     # memory for workers it cannot run would only repeat that mistake as a second, misleading one.
-    if result.hardware.name == "cpu" or section.trainer.devices <= result.hardware.devices_per_node:
-        errors, warnings = host_memory_fit(result.host, stage, on_cpu=result.hardware.name == "cpu",
-                                           stated=cfg.cluster.node_memory_bytes is not None)
-    if stage != "training" or section.trainer.accelerator not in ("gpu", "neuron"):
+    if on_cpu or result.layout.devices_per_node <= result.hardware.devices_per_node:
+        known = not on_cpu or local or cluster.node_memory_bytes is not None
+        errors, warnings = host_memory_fit(result.host, stage, on_cpu=on_cpu, known=known)
+    if stage != "training" or on_cpu:
         return errors, warnings
     gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
     where = f"the {usable / gib:.1f} GiB usable on {result.hardware.description}"
@@ -186,18 +199,15 @@ def memory_fit(cfg: LaunchConfig, stage: str = "training") -> tuple[list[str], l
     return errors, warnings
 
 
-def _estimate(cfg: LaunchConfig, stage: str):
-    """The estimator's reading of a trainer stage on the cluster's nodes; None for a stage that is not a trainer's
-    or that the estimator cannot size here (no tokenizer file for the vocabulary)."""
+def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None = None):
+    """The estimator's reading of a trainer stage's config on the cluster's nodes; None where the estimator cannot
+    size it here (no tokenizer file for the vocabulary)."""
     from launcher.errors import UserError
     from launcher.estimator import estimate
 
-    section = cfg.stage(stage)
-    if section.trainer is None:
-        return None
     try:
-        return estimate(section.section, neuron_hardware=cfg.cluster.neuron_hardware,
-                        node_memory_bytes=cfg.cluster.node_memory_bytes)
+        return estimate(section, neuron_hardware=cluster.neuron_hardware, node_memory_bytes=cluster.node_memory_bytes,
+                        vocab_size=vocab_size)
     except UserError:
         return None
 
@@ -205,14 +215,16 @@ def _estimate(cfg: LaunchConfig, stage: str):
 def host_memory_note(cfg: LaunchConfig, stage: str) -> str | None:
     """What the launch prints for a trainer stage: host memory per node, by the estimator (as memory_fit judges
     it)."""
-    result = _estimate(cfg, stage)
+    section = cfg.stage(stage)
+    result = None if section.trainer is None else _estimate(section.section, cfg.cluster)
     return None if result is None else f"host memory per node ({stage}): {result.host.arithmetic(static=True)}"
 
 
-def host_memory_fit(host: HostMemory, stage: str, *, on_cpu: bool, stated: bool) -> tuple[list[str], list[str]]:
+def host_memory_fit(host: HostMemory, stage: str, *, on_cpu: bool, known: bool) -> tuple[list[str], list[str]]:
     """(errors, warnings) of host memory per node (launcher/estimator/host.py's HostMemory): one line each, with
-    the arithmetic and the fixes."""
-    if on_cpu and not stated:
+    the arithmetic and the fixes. `known`: the node's memory is (stated, an instance's, or this machine's for a
+    local run); a CPU node's that is not is not judged."""
+    if on_cpu and not known:
         return [], []
     shown = " (nxdt-launch estimate training=... shows the breakdown)" if stage == "training" else ""
     fixes = (f"raise {stage}.model.tensor_model_parallel_size or pipeline_model_parallel_size (smaller shards per "

@@ -13,6 +13,7 @@ from launcher.config import LaunchConfig, parse
 from launcher.errors import UserError, print_not_checked
 from launcher.estimator.hardware import DEVICE_NAMES, Hardware, detect, hardware_for
 from launcher.estimator.shapes import padded_vocab, vocab_for
+from launcher.launch import choose_executor
 from runtime.schema.data_preparation import UserError as PreparationError
 from runtime.schema.data_preparation import parse_config as parse_preparation
 from runtime.schema.data_preparation import trained_vocab_size
@@ -193,7 +194,7 @@ def read_budget(train: dict[str, Any], cfg: LaunchConfig, *, dry_run: bool = Fal
     neuron = cfg.cluster.neuron_hardware
     if device is None:
         device = neuron if trainer.accelerator == "neuron" and neuron else detect(trainer.accelerator, devices)
-    hardware = hardware_for(device, devices)
+    hardware = hardware_for(device, devices, cfg.cluster.node_memory_bytes)
     seq = numbers["seq_length"] or int(model_shape(sizing)["encoder_seq_length"])
     gbs = numbers["global_batch_size"] or sizing.global_batch_size
     if gbs is None:
@@ -209,12 +210,42 @@ def read_budget(train: dict[str, Any], cfg: LaunchConfig, *, dry_run: bool = Fal
     )
 
 
-def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> int:
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    """A search up to its trials: what it launches each trial with, and the layouts ranked."""
+    settings: Search
+    launch_overrides: list[str]      # the user's, passed to every trial
+    recipe_overrides: list[str]      # the base recipe and the launch overrides
+    base_overrides: list[str]        # the sized model and the budget's schedule, under training.
+    budget: Budget
+    ranked: list[search.Ranked]      # launchable first, fastest estimate first (search.rank)
+    dry_run: bool
+
+    @property
+    def launchable(self) -> list[search.Ranked]:
+        return [r for r in self.ranked if r.rejected is None]
+
+    def trial_overrides(self, item: search.Ranked, index: int) -> tuple[str, list[str]]:
+        """(run name, launch overrides) of the `index`th trial, the ranked layout `item` as a short run."""
+        name, budget = self.settings.name, self.budget
+        run_name = f"{name}_{index:02d}_{item.candidate.tag}"
+        short_run = [override("training.trainer.max_steps", budget.max_steps), "training.trainer.val_check_interval=0",
+                     "training.trainer.log_every_n_steps=1", "training.model.optim.sched.warmup_steps=0",
+                     "training.model.optim.sched.constant_steps=0", f"training.run.time_limit={budget.minutes}",
+                     "training.exp_manager.create_tensorboard_logger=false",
+                     "training.exp_manager.resume_if_exists=false", "stages=[training]",
+                     f"base_results_dir={self.settings.results_dir / 'runs'}"]
+        layout = [override(f"training.{key}", value) for key, value in item.candidate.settings().items()]
+        return run_name, [*self.recipe_overrides, *self.base_overrides, *layout, *short_run, f"run_name={run_name}",
+                          f"training.run.name={run_name}"]
+
+
+def rank(overrides: list[str], *, dry_run: bool, console) -> Ranking:
+    """Compose the search, size the model, and rank the layout grid (printing both); launch nothing."""
     from rich.markup import escape
 
     choice, own, launch_overrides = split_overrides(overrides)
     settings = read_search(_compose_search(choice, own, launch_overrides))
-    name, results_dir = settings.name, settings.results_dir
     recipe_overrides = [f"training={settings.base_recipe}", *launch_overrides]
     cfg = parse(resolve(compose(recipe_overrides)))
     dry_run = dry_run or cfg.dry_run  # dry_run=true, as for a launch
@@ -231,7 +262,7 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
         mfu=budget.mfu, model_size=budget.model_size)
     spec = advice.spec
     console.print(
-        f"search {escape(name)}: {budget.nodes} × {budget.devices} {escape(budget.hardware.description)}, "
+        f"search {escape(settings.name)}: {budget.nodes} × {budget.devices} {escape(budget.hardware.description)}, "
         f"{budget.tokens:,.0f} tokens in {budget.days:g} days at MFU {budget.mfu:.0%} = {advice.budget_flops:.3g} "
         f"FLOPs; 6·N·T gives N = {advice.six_n_t_parameters:,.0f}. Model: {spec.num_layers} layers, hidden "
         f"{spec.hidden_size}, {spec.num_attention_heads} heads ({advice.parameters:,} parameters, "
@@ -243,37 +274,41 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
     base_training = parse(resolve(compose([*recipe_overrides, *base_overrides]))).composed_section("training")
     base_parallel = parse_sizing(base_training)[0].parallel
 
-    # 2. The layouts, filtered and ranked by the estimator.
+    # 2. The layouts, filtered and ranked by the estimator and by the launch's own memory check: the trials launch
+    # as the search's own launch would (its cluster, and its executor: locally, this machine is the node).
     candidates = search.grid(settings.grid, nodes=budget.nodes, devices_per_node=budget.devices,
                              num_layers=spec.num_layers, zero1_default=bool(base_parallel and base_parallel.zero1),
                              seq_length=budget.seq_length)
-    ranked = search.rank(base_training, candidates, device=budget.device, mfu=budget.mfu, vocab_size=budget.vocab)
-    launchable = [r for r in ranked if r.rejected is None]
+    executor, _ = choose_executor(str(cfg.cluster_type))
+    ranked = search.rank(base_training, candidates, device=budget.device, mfu=budget.mfu, vocab_size=budget.vocab,
+                         cluster=cfg.cluster, local=executor == "local")
+    ranking = Ranking(settings, launch_overrides, recipe_overrides, base_overrides, budget, ranked, dry_run)
+    launchable = ranking.launchable
     console.print(report.candidates_table(ranked, max(budget.limit, budget.top_n) + 3,
                                           f"{len(ranked)} layouts, {len(launchable)} valid and within memory; "
                                           f"the first {min(budget.limit, len(launchable))} are launched"))
     if not launchable:
-        raise UserError(f"search_config.search: none of the {len(ranked)} layouts is valid and fits the device; "
-                        "widen the grid (e.g. search_config.search.tensor_parallel_sizes=auto) or add nodes")
-    if dry_run:
+        raise UserError(f"search_config.search: none of the {len(ranked)} layouts is valid and fits the device and "
+                        "the node's host memory; widen the grid (e.g. search_config.search.tensor_parallel_sizes="
+                        "auto), add nodes, or set cluster.node_memory_gib if the nodes have more host memory")
+    return ranking
+
+
+def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> int:
+    from rich.markup import escape
+
+    ranking = rank(overrides, dry_run=dry_run, console=console)
+    if ranking.dry_run:
         return 0
+    name, results_dir, budget = ranking.settings.name, ranking.settings.results_dir, ranking.budget
 
     # 3. Short runs of the best-ranked layouts, through the launcher's executors.
-    runs_dir = results_dir / "runs"
-    short_run = [override("training.trainer.max_steps", budget.max_steps), "training.trainer.val_check_interval=0",
-                 "training.trainer.log_every_n_steps=1", "training.model.optim.sched.warmup_steps=0",
-                 "training.model.optim.sched.constant_steps=0", f"training.run.time_limit={budget.minutes}",
-                 "training.exp_manager.create_tensorboard_logger=false",
-                 "training.exp_manager.resume_if_exists=false", "stages=[training]", f"base_results_dir={runs_dir}"]
-    trials = []
-    for index, item in enumerate(launchable[:budget.limit], start=1):
-        run_name = f"{name}_{index:02d}_{item.candidate.tag}"
-        layout = [override(f"training.{key}", value) for key, value in item.candidate.settings().items()]
-        trials.append(runner.Trial(item, run_name, [*recipe_overrides, *base_overrides, *layout, *short_run,
-                                                    f"run_name={run_name}", f"training.run.name={run_name}"]))
+    trials = [runner.Trial(item, *ranking.trial_overrides(item, index))
+              for index, item in enumerate(ranking.launchable[:budget.limit], start=1)]
     runner.submit(trials, produced_by=produced_by)
     executor = trials[0].plan.executor
-    console.print(f"launched {len(trials)} candidate runs ({executor} executor) under {escape(str(runs_dir))}")
+    console.print(f"launched {len(trials)} candidate runs ({executor} executor) under "
+                  f"{escape(str(results_dir / 'runs'))}")
     if executor == "slurm":
         runner.wait_slurm(trials, deadline_s=len(trials) * (budget.minutes + 5) * 60)
     else:
@@ -291,10 +326,10 @@ def run(overrides: list[str], *, dry_run: bool, produced_by: str, console) -> in
         console.print("[red]no candidate finished[/]; see the reasons above and the runs' logs")
         return 1
     conf_root = results_dir / "conf"
-    best_path = write_best_config(good[0], name=name, conf_root=conf_root, recipe_overrides=recipe_overrides,
-                                  base_overrides=base_overrides, tried=len(measurements), command=produced_by)
+    best_path = write_best_config(good[0], name=name, conf_root=conf_root, recipe_overrides=ranking.recipe_overrides,
+                                  base_overrides=ranking.base_overrides, tried=len(measurements), command=produced_by)
     # The launch overrides the search ran with, less the training ones the config now holds.
-    extra = [o for o in launch_overrides if not o.lstrip("+~").startswith(("training.", "stages="))]
+    extra = [o for o in ranking.launch_overrides if not o.lstrip("+~").startswith(("training.", "stages="))]
     usage = shlex.join(["nxdt-launch", f"hydra.searchpath=[file://{conf_root}]", f"training=autoconfig/{name}",
                         "stages=[training]", *extra])
     console.print(f"best config: {escape(str(best_path))}\ntrain it:    {escape(usage)}", soft_wrap=True)

@@ -1,7 +1,8 @@
 # The layout grid of an autoconfig search: every combination of tensor, pipeline, virtual pipeline and context
 # parallel sizes, micro-batch size and activation checkpointing, kept when the schema's rules accept it
-# (runtime/schema, the same rules as at launch and on the node) and the memory estimate fits the device; ranked
-# by the estimator's step time. Pure functions of the base training config and the search settings.
+# (runtime/schema, the same rules as at launch and on the node), the launch's memory check would not refuse it
+# (device and host memory, launcher/validate.py) and the memory estimate fits the device; ranked by the
+# estimator's step time. Pure functions of the base training config and the search settings.
 from __future__ import annotations
 
 import copy
@@ -9,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from launcher import validate
+from launcher.config import Cluster
 from launcher.errors import UserError
 from launcher.estimator import Estimate, estimate
 
@@ -141,9 +143,11 @@ def apply(training: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | None, mfu: float | None,
-         vocab_size: int | None, neuron_hardware: str | None = None,
-         node_memory_bytes: float | None = None) -> list[Ranked]:
-    """Launchable candidates first, fastest estimated step first; then the rejected ones with their reason."""
+         vocab_size: int | None, cluster: Cluster, local: bool) -> list[Ranked]:
+    """Launchable candidates first, fastest estimated step first; then the rejected ones with their reason: the
+    schema's rules reject the layout, the launch would refuse it for memory (validate.stage_memory_fit, the launch's
+    own rule, on `cluster`'s nodes, or this machine where the local executor runs it: `local`), or its estimate on
+    `device` does not fit the device with the activations (stricter than the launch, which only warns there)."""
     ranked = []
     for candidate in candidates:
         training = apply(base, candidate.settings())
@@ -151,9 +155,13 @@ def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | Non
         if errors:
             ranked.append(Ranked(candidate, None, "invalid: " + errors[0]))
             continue
-        result = estimate(training, device=device, mfu=mfu, vocab_size=vocab_size, neuron_hardware=neuron_hardware,
-                          node_memory_bytes=node_memory_bytes)
-        if not result.fits:
+        result = estimate(training, device=device, mfu=mfu, vocab_size=vocab_size,
+                          neuron_hardware=cluster.neuron_hardware, node_memory_bytes=cluster.node_memory_bytes)
+        refusals, _ = validate.stage_memory_fit(training, "training", cluster, local=local, vocab_size=vocab_size)
+        if refusals:
+            # The line's figures; its fixes (other parallel sizes) are what the search tries anyway.
+            ranked.append(Ranked(candidate, result, "refused at launch: " + refusals[0].split("; ")[0]))
+        elif not result.fits:
             ranked.append(Ranked(candidate, result, f"estimated {result.memory.total / 2**30:.1f} GiB > "
                                                     f"{result.hardware.usable_bytes / 2**30:.1f} GiB usable"))
         else:

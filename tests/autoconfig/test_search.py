@@ -9,13 +9,11 @@ import types
 import pytest
 
 from launcher.autoconfig import driver, report, runner, search, sizing
-from launcher.config import parse
+from launcher.config import Cluster, parse, parse_cluster
 from launcher.errors import UserError
 from launcher.estimator.compute import flops_per_token
 from launcher.estimator.hardware import HARDWARE
 from tests.launcher.helpers import nxdt, resolved
-
-GIB = 2**30
 
 
 def test_model_size_is_the_largest_shape_the_budget_trains():
@@ -50,6 +48,11 @@ def test_base_settings_consume_the_token_budget():
     assert settings["model.optim.sched.warmup_steps"] == 5 and settings["model.optim.sched.constant_steps"] == 0
 
 
+def _nodes(gib: float) -> Cluster:
+    """A cluster whose nodes have `gib` of host memory (cluster.node_memory_gib)."""
+    return parse_cluster({"node_memory_gib": gib})
+
+
 def _tiny_base(**trainer):
     training = resolved("training=gpt3/tiny")["training"]
     training["trainer"].update(trainer)
@@ -63,7 +66,7 @@ def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
                               "micro_batch_sizes": [4, 16], "activations_checkpoint": [None]},
                              nodes=4, devices_per_node=2, num_layers=4, zero1_default=False)
     assert len(candidates) == 8
-    ranked = search.rank(base, candidates, device="cpu", mfu=None, vocab_size=4096, node_memory_bytes=64 * GIB)
+    ranked = search.rank(base, candidates, device="cpu", mfu=None, vocab_size=4096, cluster=_nodes(64), local=False)
     reasons = {(r.candidate.tp, r.candidate.micro_batch_size): r.rejected for r in ranked}
     assert "not divisible" in reasons[(3, 4)]                         # the launcher's own layout arithmetic
     assert "global_batch_size" in reasons[(1, 16)]                    # 16 x dp 8 does not divide 64
@@ -75,8 +78,14 @@ def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
     assert steps == sorted(steps)                                     # ... fastest estimate first
     # Memory: on a device too small for the model every layout is rejected with the estimate.
     tight = search.rank(base, candidates[:1], device="cpu", mfu=None, vocab_size=4096,
-                        node_memory_bytes=0.9 * GIB)  # 0.45 GiB per worker, 0.4 of it the process itself
+                        cluster=_nodes(0.9), local=False)  # 0.45 GiB per worker, 0.4 of it the process itself
     assert tight[0].rejected.startswith("estimated")
+    # A node whose memory cannot hold the two workers' state is refused by the launch's own rule, with its figures.
+    tighter = search.rank(base, candidates[:1], device="cpu", mfu=None, vocab_size=4096, cluster=_nodes(0.5),
+                          local=False)
+    refusal = tighter[0].rejected
+    assert refusal.startswith("refused at launch: training.model: host memory per node by the estimator: 2 workers × ")
+    assert refusal.endswith("(cluster.node_memory_gib)"), refusal
 
 
 def test_context_parallel_sizes_are_searched_for_long_sequences():
@@ -109,7 +118,8 @@ def test_context_parallel_candidates_are_validated_and_ranked_by_the_estimate():
                               "micro_batch_sizes": [1], "activations_checkpoint": [None, "selective_mlp"],
                               "context_parallel_sizes": [1, 2, 3, 4]},
                              nodes=32, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=32768)
-    ranked = search.rank(base, candidates, device="trn1", mfu=None, vocab_size=128256)
+    ranked = search.rank(base, candidates, device="trn1", mfu=None, vocab_size=128256,
+                         cluster=parse_cluster(resolved("cluster=pcluster_trn1")["cluster"]), local=False)
     by_key = {(r.candidate.cp, r.candidate.recompute): r for r in ranked}
     assert by_key[(1, None)].rejected.startswith("estimated")
     assert "context_parallel_size: 3 must divide the data-parallel size 128" in by_key[(3, None)].rejected

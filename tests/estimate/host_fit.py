@@ -29,5 +29,5 @@ def host_memory_problems(cfg: dict, stage: str, vocab_size: int | None = None) -
     result = sized(stated)
     if result.hardware.name == "cpu" and stated is None:
         result = sized(CPU_NODE_GIB * GIB)
-    errors, warnings = host_memory_fit(result.host, stage, on_cpu=result.hardware.name == "cpu", stated=True)
+    errors, warnings = host_memory_fit(result.host, stage, on_cpu=result.hardware.name == "cpu", known=True)
     return errors + warnings
