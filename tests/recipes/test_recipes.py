@@ -115,6 +115,9 @@ INTENDED = {
     "llama3_1/70b": ("pcluster_trn1", "trn1"),
     "llama3_1/70b_trn2": ("pcluster_trn2", "trn2"),
     "llama3_1/70b_gpu": ("slurm", "h100"),
+    "llama3_1/405b": ("pcluster_trn1", "trn1"),
+    "llama3_1/405b_trn2": ("pcluster_trn2", "trn2"),
+    "llama3_1/405b_gpu": ("slurm", "h100"),
     "llama3_3/70b": ("pcluster_trn1", "trn1"),
     "llama3_3/70b_trn2": ("pcluster_trn2", "trn2"),
     "llama3_3/70b_gpu": ("slurm", "h100"),
@@ -211,6 +214,12 @@ PUBLISHED = {
                       num_query_groups=8, ffn_hidden_size=14336),
     "llama3/70b": dict(num_nodes=16, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
     "llama3_1/70b": dict(num_nodes=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=8),
+    # NxD Training's hf_llama3.1_405B_trn1_config.yaml with Llama 3.1 405B's config.json shape.
+    "llama3_1/405b": dict(num_nodes=64, devices=32, tensor_model_parallel_size=32, pipeline_model_parallel_size=32,
+                          sequence_parallel=True, zero1=True, micro_batch_size=1, global_batch_size=256,
+                          encoder_seq_length=8192, max_position_embeddings=131072, num_layers=126, hidden_size=16384,
+                          ffn_hidden_size=53248, num_attention_heads=128, num_query_groups=8, rotary_base=500000.0,
+                          activations_checkpoint_granularity="full"),
     "llama3/8b_trn2": dict(num_nodes=1, devices=64, tensor_model_parallel_size=16),
     # NxD Training's hf_llama3_70B_CP_config.yaml.
     "llama3/70b_cp": dict(num_nodes=16, devices=32, tensor_model_parallel_size=32, context_parallel_size=2,
