@@ -174,3 +174,31 @@ def test_the_docs_state_the_noise_tolerated_with_the_codes_figures():
                    f"down to {fraction * 100:.0f}% of its peers' median"):
         assert figure in doc, figure
     assert f"runs again {HEALTH_RECHECK_PAUSE_S:g} s later" in (REPO / "docs/fault_tolerance.md").read_text()
+
+
+def test_the_report_says_a_transient_deficit_under_the_node_that_passed():
+    from csp_tools.cluster_validate import report
+
+    text = report.verdict_text({"verdicts": {"node3": {"passed": True, "reasons": [],
+                                                       "transient": ["pairs: slow; transient: not repeated"]}},
+                                "exclude_override": "cluster.exclude=[]"})
+    assert text.splitlines()[:2] == ["PASS node3", "  node3: pairs: slow; transient: not repeated"]
+
+
+def test_the_node_check_on_this_machine_names_an_injected_fault_once_it_repeats(tmp_path, monkeypatch, capsys):
+    from csp_tools.cluster_validate import confirm as confirm_module
+    from runtime.fault_tolerance import node_check
+    from runtime.schema import faults
+
+    monkeypatch.setattr(confirm_module, "HEALTH_RECHECK_PAUSE_S", 0.0)
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    argv = ["--out", str(tmp_path), "--results-dir", str(tmp_path)]
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert node_check.main(argv) == 0  # this machine's real checks pass (results dir writable, memory available)
+    assert json.loads((tmp_path / "check_node2.json").read_text())["named"] == {}
+    monkeypatch.setenv(faults.ENV, "unhealthy:node=node2")
+    assert node_check.main(argv) == 1  # the injected fault holds for the allocation: it fails again, and is named
+    report = json.loads((tmp_path / "check_node2.json").read_text())
+    assert not report["ok"] and "repeated when measured again (fail: injected fault" in report["named"]["injected"]
+    assert "node check on node2: FAIL: injected: injected fault" in capsys.readouterr().out
