@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, TypeVar
 
+from csp_tools.cluster_validate.health import FAIL
 from csp_tools.cluster_validate.sweep import Group, Measure, Measurement, Policy
 
 REMEASURES = 1               # times a suspect is measured again before it is named
@@ -60,6 +61,15 @@ def confirm(suspects: dict[Key, str], remeasure: Callable[[list[Key]], dict[Key,
         result.named[key] = (f"{suspects[key]}; repeated when measured again ({'; '.join(repeats[key])})"
                              if repeats[key] else suspects[key])
     return result
+
+
+def recheck(first: dict, now: dict | None) -> Remeasured:
+    """A failed health check (its JSON: name, status, detail) run again: `now`, None when it did not run."""
+    if now is None:
+        return Remeasured(True, "the check did not run")
+    if now["status"] != FAIL:
+        return Remeasured(False, f"{now['status']}: {now['detail']}")
+    return Remeasured(True, "failed the same way" if now["detail"] == first["detail"] else f"fail: {now['detail']}")
 
 
 # -- collective tests -----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from csp_tools.cluster_validate import health, report
 from csp_tools.cluster_validate.bandwidth import Row, judged_size, sweep_sizes
 from csp_tools.cluster_validate.confirm import (HEALTH_RECHECK_PAUSE_S, Confirmation, Remeasured, confirm,
-                                                median_or_none, remeasure_groups)
+                                                median_or_none, recheck, remeasure_groups)
 from csp_tools.cluster_validate.sweep import Measurement, Policy, bisect, judge, pair_sweep
 
 
@@ -142,8 +142,10 @@ class Coordinator:
         return confirm(suspects, lambda nodes: remeasure_groups(nodes, healthy, measure, policy, size=size,
                                                                 baseline=baseline))
 
-    def _recheck_health(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], Remeasured]:
-        """The failed health checks (node, check name) run again on their nodes, after a pause."""
+    def _recheck_health(self, keys: list[tuple[str, str]], first: dict[str, list[health.Check]]
+                        ) -> dict[tuple[str, str], Remeasured]:
+        """The failed health checks (node, check name) run again on their nodes, after a pause; `first`: each
+        node's checks the first time."""
         time.sleep(HEALTH_RECHECK_PAUSE_S)
         seq, self.seq = self.seq, self.seq + 1
         names = sorted({node for node, _ in keys})
@@ -156,12 +158,9 @@ class Coordinator:
             again[name] = {c["name"]: c for c in got.get("checks") or []}
         found = {}
         for node, check in keys:
-            now = again[node].get(check)
-            if now is None:
-                found[(node, check)] = Remeasured(True, "no health report in time" if not again[node] else
-                                                  "the check did not run")
-            else:
-                found[(node, check)] = Remeasured(now["status"] == health.FAIL, f"{now['status']}: {now['detail']}")
+            before = next(c.to_json() for c in first[node] if c.name == check)
+            found[(node, check)] = (recheck(before, again[node].get(check)) if again[node]
+                                    else Remeasured(True, "no health report in time"))
         return found
 
     def _floor(self, floors, which: str) -> float | None:
@@ -203,7 +202,7 @@ class Coordinator:
         # A node's own failed checks run again before they name it (node 0's markers are still there).
         transient: dict[str, list[str]] = {name: [] for name in reasons}
         rechecked = confirm({(name, c.name): f"{c.name}: {c.detail}" for name in facts for c in checks[name]
-                             if c.status == health.FAIL}, self._recheck_health)
+                             if c.status == health.FAIL}, lambda keys: self._recheck_health(keys, checks))
         for name, check in health.compare_versions({n: f["versions"] for n, f in facts.items()}).items():
             checks[name].append(check)
         for name, check in health.clock_checks(offsets, cfg.health.max_clock_skew_s).items():

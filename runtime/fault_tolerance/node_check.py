@@ -54,7 +54,7 @@ def check(node: str, accelerator: str, results_dir: str) -> list[dict]:
 def confirmed(run: Callable[[], list[dict]], pause: Callable[[], None]) -> dict:
     """The node's checks (`run`), each failed one run again after `pause`: the node is bad only where a failure
     repeats. {"ok", "checks" (the first run's), "named" and "transient" (check name -> why)}."""
-    from csp_tools.cluster_validate.confirm import Remeasured, confirm
+    from csp_tools.cluster_validate.confirm import Remeasured, confirm, recheck
 
     first = run()
     failed = {c["name"]: f"{c['name']}: {c['detail']}" for c in first if c["status"] == FAIL}
@@ -62,8 +62,7 @@ def confirmed(run: Callable[[], list[dict]], pause: Callable[[], None]) -> dict:
     def again(names: list[str]) -> dict[str, Remeasured]:
         pause()
         now = {c["name"]: c for c in run()}
-        return {name: Remeasured(now[name]["status"] == FAIL, f"{now[name]['status']}: {now[name]['detail']}")
-                if name in now else Remeasured(True, "the check did not run") for name in names}
+        return {name: recheck(next(c for c in first if c["name"] == name), now.get(name)) for name in names}
 
     found = confirm(failed, again)
     return {"ok": not found.named, "checks": first, "named": found.named, "transient": found.transient}
