@@ -6,8 +6,9 @@
 # re-measure shows the deficit again. A suspect that measures well is a *transient* deficit: it passes, and the
 # report says so with both measurements. A collective test is measured again in a group like the one it failed in
 # (the node alone, or with a known-good partner), beside a reference group of healthy nodes measured in the same
-# round where the groups are disjoint, else in the round just before, and is judged against that reference rather
-# than against the first measurement's peers: a machine or fabric that is busy for a moment slows the reference too.
+# round where the groups are disjoint, else in the rounds just before and after (judged against the lower of the
+# two), and is judged against that reference rather than against the first measurement's peers: a machine or
+# fabric that is busy for a moment slows the reference too.
 # PURE: the measurements come from callbacks, so the rule is tested without processes (tests/cluster_validate/
 # test_confirm.py).
 from __future__ import annotations
@@ -97,11 +98,12 @@ def judge_remeasure(m: Measurement, reference: tuple[str, float] | None, policy:
 def _plan(suspects: list[str], healthy: list[str], size: int,
           with_reference: bool) -> list[tuple[list[Group], list[str]]]:
     """Rounds of disjoint groups, each with the suspects it measures: every suspect with size-1 healthy partners
-    (the best first), or, with no healthy node left to partner, with other suspects; then (`with_reference`) a
-    reference group of `size` healthy nodes in the same round when enough are free, else in a round of its own
-    just before."""
+    (the best first), or, with no healthy node left to partner, with other suspects; and (`with_reference`) a
+    reference group of `size` healthy nodes in the same round when enough are free, else in rounds of its own just
+    before and just after (a round that measures no suspect)."""
     rounds: list[tuple[list[Group], list[str]]] = []
     waiting = list(suspects)
+    reference_round = ([tuple(healthy[:size])], [])
     while waiting:
         free, groups, measured = list(healthy), [], []
         if size > 1 and len(healthy) < size - 1:   # nobody healthy to partner with: suspects together
@@ -119,12 +121,14 @@ def _plan(suspects: list[str], healthy: list[str], size: int,
                 groups.append((suspect, *free[: size - 1]))
                 free = free[size - 1:]
                 measured.append(suspect)
-        reference = [] if len(healthy) < size or not with_reference else (free[:size] if len(free) >= size else None)
-        if reference is None:
-            rounds.append(([tuple(healthy[:size])], []))
-        elif reference:
-            groups.append(tuple(reference))
+        apart = with_reference and len(healthy) >= size and len(free) < size
+        if with_reference and len(free) >= size:
+            groups.append(tuple(free[:size]))
+        if apart and (not rounds or rounds[-1] != reference_round):
+            rounds.append(reference_round)
         rounds.append((groups, measured))
+        if apart:
+            rounds.append(reference_round)
         waiting = [s for s in waiting if s not in measured]
     return rounds
 
@@ -132,23 +136,29 @@ def _plan(suspects: list[str], healthy: list[str], size: int,
 def remeasure_groups(suspects: list[str], healthy: list[str], measure: Measure, policy: Policy, *, size: int,
                      baseline: float | None = None) -> dict[str, Remeasured]:
     """Measure each suspect again in a group of `size` (1: the node alone; 2: with a healthy partner), beside a
-    reference group of healthy nodes, and judge it (judge_remeasure). `healthy` is best first. Where no reference
-    could be measured, `baseline` (the healthy nodes' median in the first measurement) stands in for it."""
-    found: dict[str, Remeasured] = {}
-    reference: tuple[str, float] | None = None
-    for groups, measured in _plan(suspects, healthy, size, with_reference=policy.outlier_fraction > 0):
+    reference group of healthy nodes, and judge it (judge_remeasure) against the reference of its own round, or the
+    lower of those just before and after it. `healthy` is best first. Where no reference could be measured,
+    `baseline` (the healthy nodes' median in the first measurement) stands in for it."""
+    plan = _plan(suspects, healthy, size, with_reference=policy.outlier_fraction > 0)
+    rounds = []
+    for groups, measured in plan:
         results = measure(groups)
         assert [m.group for m in results] == groups, "measure must answer every group, in order"
-        suspect_groups = {g for g in groups if set(g) & set(measured)}
+        rounds.append((results, measured))
+    found: dict[str, Remeasured] = {}
+    for i, (results, measured) in enumerate(rounds):
+        if not measured:
+            continue
+        references = [m for m in results if not set(m.group) & set(measured) and m.ok]
+        if not references:   # the reference rounds around this one
+            references = [m for j in (i - 1, i + 1) if 0 <= j < len(rounds) and not rounds[j][1]
+                          for m in rounds[j][0] if m.ok]
+        lowest = min(references, key=lambda m: m.busbw, default=None)
+        against = ((f"the healthy {'node' if size == 1 else 'group'} {','.join(lowest.group)}", lowest.busbw)
+                   if lowest else ("the healthy nodes' earlier median", baseline) if baseline is not None else None)
         for m in results:
-            if m.group not in suspect_groups and m.ok:
-                reference = (f"the healthy {'node' if size == 1 else 'group'} {','.join(m.group)}", m.busbw)
-        for m in results:
-            if m.group in suspect_groups:
-                judged_against = reference or (("the healthy nodes' earlier median", baseline)
-                                               if baseline is not None else None)
-                for node in set(m.group) & set(measured):
-                    found[node] = judge_remeasure(m, judged_against, policy)
+            for node in set(m.group) & set(measured):
+                found[node] = judge_remeasure(m, against, policy)
     for node in suspects:
         found.setdefault(node, Remeasured(True, "no group to measure it in again"))
     return found

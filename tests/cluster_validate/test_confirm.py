@@ -75,8 +75,16 @@ def test_a_node_slow_only_while_the_machine_was_busy_is_transient():
     assert list(suspects) == ["node3"], "the first measurement marks node3"
     assert found.named == {} and "transient" in found.transient["node3"]
     assert "node3,node1: busbw 10 GB/s, 1.00 x the 10 GB/s of the healthy group node1,node2" in found.transient["node3"]
-    # measured again with a healthy partner, beside a healthy reference (the round before: they share node1)
-    assert machine.rounds[-2:] == [[("node1", "node2")], [("node3", "node1")]]
+    # measured again with a healthy partner, beside a healthy reference (the rounds before and after: they share node1)
+    assert machine.rounds[3:] == [[("node1", "node2")], [("node3", "node1")], [("node1", "node2")]]
+
+
+def test_a_load_that_starts_during_the_remeasure_is_judged_against_the_lower_reference_around_it():
+    # quiet for the reference before, busy from the suspect's round on: the reference after is as busy as it
+    machine = Machine({"node1": FAST, "node2": FAST, "node3": FAST}, busy={2, 3, 5, 6})
+    suspects, found = sweep_then_confirm(machine, ["node1", "node2", "node3"])
+    assert list(suspects) == ["node3"] and found.named == {}
+    assert "1.00 x the 2.5 GB/s of the healthy group node1,node2" in found.transient["node3"]
 
 
 def test_a_machine_busy_during_the_remeasure_names_nobody_because_the_reference_is_busy_too():
@@ -97,6 +105,11 @@ def test_with_enough_healthy_nodes_the_reference_runs_in_the_same_round():
     machine = Machine({f"n{i}": FAST for i in range(6)} | {"n2": SLOW, "n4": SLOW})
     found = remeasure_groups(["n2", "n4"], ["n0", "n1", "n3", "n5"], machine.measure, Policy(), size=2)
     assert machine.rounds == [[("n2", "n0"), ("n4", "n1"), ("n3", "n5")]]
+    # more suspects than healthy partners: rounds of suspects, the references between them shared
+    five = Machine({"a": SLOW, "b": FAST, "c": SLOW, "d": FAST, "e": FAST})
+    judged = remeasure_groups(["a", "b", "c"], ["d", "e"], five.measure, Policy(), size=2)
+    assert five.rounds == [[("d", "e")], [("a", "d"), ("b", "e")], [("d", "e")], [("c", "d")], [("d", "e")]]
+    assert sorted(n for n, r in judged.items() if r.deficit) == ["a", "c"]
     assert found["n2"].deficit and found["n4"].deficit and "n3,n5" in found["n2"].detail
     # judged by the floor alone (the bisection's rule), no reference is measured
     alone = Machine({"a": SLOW, "b": FAST, "c": FAST})
