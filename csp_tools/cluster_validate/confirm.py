@@ -5,10 +5,9 @@
 # A first measurement marks a suspect. The suspect is measured again, REMEASURES times, and named only when every
 # re-measure shows the deficit again. A suspect that measures well is a *transient* deficit: it passes, and the
 # report says so with both measurements. A collective test is measured again in a group like the one it failed in
-# (the node alone, or with a known-good partner), beside a reference group of healthy nodes measured in the same
-# round where the groups are disjoint, else in the rounds just before and after (judged against the lower of the
-# two), and is judged against that reference rather than against the first measurement's peers: a machine or
-# fabric that is busy for a moment slows the reference too.
+# (the node alone, or with a known-good partner) and judged against a reference group of healthy nodes measured in
+# the same round where the groups are disjoint, else in the rounds just before and after (the lower of the two),
+# not against the first measurement's peers: a machine or fabric that is busy for a moment slows the reference too.
 # PURE: the measurements come from callbacks, so the rule is tested without processes (tests/cluster_validate/
 # test_confirm.py).
 from __future__ import annotations
@@ -35,7 +34,7 @@ class Remeasured:
 @dataclass
 class Confirmation:
     named: dict = field(default_factory=dict)      # key -> the first deficit and each repeat
-    transient: dict = field(default_factory=dict)  # key -> the first deficit, and the measure that did not repeat it
+    transient: dict = field(default_factory=dict)  # key -> the first deficit, and the measurement without it
 
 
 def confirm(suspects: dict[Key, str], remeasure: Callable[[list[Key]], dict[Key, Remeasured]],
