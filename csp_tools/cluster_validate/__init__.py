@@ -10,6 +10,7 @@ Parts (each readable on its own):
     parsers.py     neuron-ls -j, fi_info, nvidia-smi and nccom-test output (torch-free)
     health.py      per-node checks, and the cross-node comparisons (versions, clock skew)
     sweep.py       PURE pair sweep and bisection over a measurement callback: which nodes are bad
+    confirm.py     PURE: a suspect is named only when its deficit repeats (also the training job's node checks)
     measure.py     the timed torch.distributed loop and its correctness check
     worker.py      one worker process per device; runs measure.py for the agent
     node.py        the agent every node runs; node 0 also hosts the control store and coordinates

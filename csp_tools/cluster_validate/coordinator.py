@@ -7,6 +7,10 @@
 #   5. pairs      sweep.pair_sweep over the nodes still good, each round's pairs in parallel
 #   6. all nodes  one test over every good node; if it fails, sweep.bisect names the node
 #
+# A node that fails a health check or a test is a suspect, named only when its deficit repeats (confirm.py): its
+# failed checks run again, its test runs again beside a healthy reference. One that passes then is reported as a
+# transient deficit, and passes.
+#
 # A test is a "task": node 0 publishes which agent joins which group (task/<n>), the agents' workers join the
 # group through this store under a prefix of their own, and each agent answers result/<n>/<rank>.
 from __future__ import annotations
@@ -18,6 +22,8 @@ from datetime import datetime, timezone
 
 from csp_tools.cluster_validate import health, report
 from csp_tools.cluster_validate.bandwidth import Row, judged_size, sweep_sizes
+from csp_tools.cluster_validate.confirm import (HEALTH_RECHECK_PAUSE_S, Confirmation, Remeasured, confirm,
+                                                median_or_none, recheck, remeasure_groups)
 from csp_tools.cluster_validate.sweep import Measurement, Policy, bisect, judge, pair_sweep
 
 
@@ -123,11 +129,39 @@ class Coordinator:
             error = f"no {op} result"
         return {"operation": op, "size": self.judge_size, "busbw": busbw, "error": error}
 
-    def _measure(self, phase: str):
+    def _measure(self, phase: str, operations=None):
         def measure(groups):
             return [Measurement(tuple(t["group"]), t["judged"]["busbw"], t["judged"]["error"])
-                    for t in self.run_groups(groups, self.cfg.sweep.pair_operations, phase)]
+                    for t in self.run_groups(groups, operations or self.cfg.sweep.pair_operations, phase)]
         return measure
+
+    def _confirm_tests(self, phase: str, suspects: dict[str, str], healthy: list[str], policy: Policy, *,
+                       size: int, operations=None, baseline: float | None = None) -> Confirmation:
+        """The suspects of a collective test, measured again (phase '<phase> recheck') beside a healthy reference."""
+        measure = self._measure(f"{phase} recheck", operations)
+        return confirm(suspects, lambda nodes: remeasure_groups(nodes, healthy, measure, policy, size=size,
+                                                                baseline=baseline))
+
+    def _recheck_health(self, keys: list[tuple[str, str]], first: dict[str, list[health.Check]]
+                        ) -> dict[tuple[str, str], Remeasured]:
+        """The failed health checks (node, check name) run again on their nodes, after a pause; `first`: each
+        node's checks the first time."""
+        time.sleep(HEALTH_RECHECK_PAUSE_S)
+        seq, self.seq = self.seq, self.seq + 1
+        names = sorted({node for node, _ in keys})
+        self.control.put(f"task/{seq}", {"kind": "run", "assign": {str(self.by_name[n].rank): {"kind": "health"}
+                                                                   for n in names}})
+        deadline = time.monotonic() + self.cfg.health.timeout_s * 4 + 60
+        again = {}
+        for name in names:
+            got = self._get(f"result/{seq}/{self.by_name[name].rank}", deadline) or {}
+            again[name] = {c["name"]: c for c in got.get("checks") or []}
+        found = {}
+        for node, check in keys:
+            before = next(c.to_json() for c in first[node] if c.name == check)
+            found[(node, check)] = (recheck(before, again[node].get(check)) if again[node]
+                                    else Remeasured(True, "no health report in time"))
+        return found
 
     def _floor(self, floors, which: str) -> float | None:
         value = getattr(floors, which)
@@ -165,6 +199,10 @@ class Coordinator:
                 continue
             checks[node.name] = [health.Check(**c) for c in got["checks"]]
             facts[node.name], offsets[node.name] = got["facts"], tuple(got["clock"])
+        # A node's own failed checks run again before they name it (node 0's markers are still there).
+        transient: dict[str, list[str]] = {name: [] for name in reasons}
+        rechecked = confirm({(name, c.name): f"{c.name}: {c.detail}" for name in facts for c in checks[name]
+                             if c.status == health.FAIL}, lambda keys: self._recheck_health(keys, checks))
         for name, check in health.compare_versions({n: f["versions"] for n, f in facts.items()}).items():
             checks[name].append(check)
         for name, check in health.clock_checks(offsets, cfg.health.max_clock_skew_s).items():
@@ -172,7 +210,11 @@ class Coordinator:
         for path in cfg.health.shared_paths:
             health.marker_path(path, token).unlink(missing_ok=True)
         for name, node_checks in checks.items():
-            reasons[name] += [f"{c.name}: {c.detail}" for c in node_checks if c.status == health.FAIL]
+            for c in node_checks:
+                if (name, c.name) in rechecked.transient:
+                    transient[name].append(rechecked.transient[(name, c.name)])
+                elif c.status == health.FAIL:
+                    reasons[name].append(rechecked.named.get((name, c.name), f"{c.name}: {c.detail}"))
 
         types = sorted({f["instance_type"] for f in facts.values()}) or ["unknown"]
         instance_type = types[0]
@@ -184,13 +226,20 @@ class Coordinator:
         good = [n.name for n in nodes if not reasons[n.name]]
         if cfg.sweep.intra_node and cfg.devices > 1 and good:
             tests = self.run_groups([(n,) for n in good], cfg.collectives.operations, "intra_node")
+            policy = Policy(self._floor(floors, "intra_node"), cfg.sweep.outlier_fraction)
             verdicts = judge({t["group"][0]: (t["judged"]["busbw"] if t["judged"]["error"] is None else None)
-                              for t in tests}, Policy(self._floor(floors, "intra_node"), cfg.sweep.outlier_fraction))
+                              for t in tests}, policy)
+            suspects = {}
             for t in tests:
                 name = t["group"][0]
                 busbw[name]["intra_node_busbw"] = t["judged"]["busbw"]
                 if not verdicts[name].passed:
-                    reasons[name].append(f"intra-node {t['judged']['error'] or verdicts[name].reason}")
+                    suspects[name] = f"intra-node {t['judged']['error'] or verdicts[name].reason}"
+            healthy = sorted((n for n in verdicts if verdicts[n].passed),
+                             key=lambda n: -(busbw[n]["intra_node_busbw"] or 0.0))
+            self._settle(self._confirm_tests(
+                "intra_node", suspects, healthy, policy, size=1, operations=cfg.collectives.operations,
+                baseline=median_or_none(busbw[n]["intra_node_busbw"] for n in healthy)), reasons, transient)
         if cfg.accelerator == "neuron" and cfg.nccom_test.enabled != "false" and good:
             # auto: where nccom-test is installed; true: everywhere (a node without it then fails)
             have = [n for n in good if cfg.nccom_test.enabled == "true" or facts[n]["tools"].get("nccom-test")]
@@ -204,12 +253,17 @@ class Coordinator:
         policy = Policy(self._floor(floors, "pair") if len(good) > 1 else None, cfg.sweep.outlier_fraction,
                         cfg.sweep.max_rounds)
         swept = pair_sweep(good, self._measure("pair"), policy)
+        suspects = {}
         for name, verdict in swept.verdicts.items():
             scores = [t["judged"]["busbw"] for t in self.tests if t["phase"] == "pair" and name in t["group"]
                       and t["judged"]["error"] is None]
             busbw[name]["pair_busbw"] = max(scores) if scores else None
             if not verdict.passed:
-                reasons[name].append(f"pairs: {verdict.reason}")
+                suspects[name] = f"pairs: {verdict.reason}"
+        healthy = sorted((n for n in good if swept.verdicts[n].passed), key=lambda n: -(busbw[n]["pair_busbw"] or 0.0))
+        self._settle(self._confirm_tests("pair", suspects, healthy, policy, size=2,
+                                         baseline=median_or_none(busbw[n]["pair_busbw"] for n in healthy)),
+                     reasons, transient)
         good = [n for n in good if not reasons[n]]
 
         if cfg.sweep.all_nodes and len(good) >= 2:
@@ -224,13 +278,15 @@ class Coordinator:
                 why = j["error"] or f"busbw {j['busbw']:.3g} GB/s is below the floor of {floor:g} GB/s"
                 self.notes.append(f"the test over all {len(good)} good nodes failed ({why}); bisecting")
                 found = bisect(tuple(good), self._measure("bisect"), passes, max_rounds=cfg.sweep.max_rounds)
-                for name, why in found.named.items():
-                    reasons[name].append(f"bisection: {why}")
                 self.notes += found.notes
+                # judged as the bisection judges (an error, the floor), so no relative reference is measured
+                self._settle(self._confirm_tests("bisect", {n: f"bisection: {why}" for n, why in found.named.items()},
+                                                 [n for n in good if n not in found.named], Policy(floor, 0.0),
+                                                 size=2), reasons, transient)
 
         names = [n.name for n in nodes] + list(missing)
-        verdicts = {name: {"passed": not reasons[name], "reasons": reasons[name], **busbw.get(name, {})}
-                    for name in names}
+        verdicts = {name: {"passed": not reasons[name], "reasons": reasons[name],
+                           "transient": transient.get(name, []), **busbw.get(name, {})} for name in names}
         bad = sorted(name for name in names if reasons[name])
         health_json = {name: [c.to_json() for c in node_checks] for name, node_checks in checks.items()}
         shared = report.common_failures(health_json) if bad and len(bad) == len(names) else []
@@ -255,6 +311,13 @@ class Coordinator:
         self.log(f"report: {path}")
         self._finish(nodes)
         return 0 if data["passed"] else 1
+
+    @staticmethod
+    def _settle(found: Confirmation, reasons: dict[str, list[str]], transient: dict[str, list[str]]) -> None:
+        for name, why in found.named.items():
+            reasons[name].append(why)
+        for name, why in found.transient.items():
+            transient[name].append(why)
 
     def _finish(self, nodes: list[NodeInfo]) -> None:
         self.control.put(f"task/{self.seq}", {"kind": "exit"})

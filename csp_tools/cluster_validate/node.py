@@ -7,7 +7,8 @@ node's address come from Slurm; elsewhere pass them, e.g. three agents in three 
 
 Without either, it validates this machine alone. Node 0 hosts the control store (a torch TCPStore) and runs
 the coordinator (coordinator.py) beside its own agent. Agents register, measure their clock offset, run the
-health checks, then run whatever collective tests the coordinator assigns them until it says exit. Each
+health checks, then run whatever collective tests (or health checks again) the coordinator assigns them until it
+says exit. Each
 collective runs in the node's worker processes (worker.py), which a stuck test cannot take down with it: the
 agent kills and restarts a worker that misses its deadline.
 """
@@ -274,7 +275,11 @@ def agent(cfg, ident: Identity, pool: WorkerPool) -> None:
         job = task["assign"].get(str(ident.rank))
         if job is not None:
             try:
-                result = run_assignment(cfg, control, pool, job)
+                if job["kind"] == "health":  # a failed check, run again before it names this node (confirm.py)
+                    checks = health.local_checks(cfg, ident.name, instance_type, start["token"])
+                    result = {"ok": True, "checks": [c.to_json() for c in checks]}
+                else:
+                    result = run_assignment(cfg, control, pool, job)
             except Exception as error:  # noqa: BLE001 - the coordinator must hear about it, not wait forever
                 result = {"ok": False, "rows": [], "errors": [f"agent: {type(error).__name__}: {error}"]}
             control.put(f"result/{seq}/{ident.rank}", result)

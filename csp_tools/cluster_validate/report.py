@@ -10,6 +10,7 @@ from csp_tools.cluster_validate.bandwidth import Row, format_table
 
 REPORT_FILE = "cluster_validation.json"
 EXCLUDE_FILE = "exclude_override.txt"
+PAIR_PHASES = ("pair", "bisect", "pair recheck", "bisect recheck")  # tests shown as one busbw line each
 _STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
 
 
@@ -64,6 +65,7 @@ def verdict_text(report: dict) -> str:
     for name, verdict in report["verdicts"].items():
         state = "PASS" if verdict["passed"] else "FAIL"
         out.append(f"{state} {name}" + (f": {'; '.join(verdict['reasons'])}" if verdict["reasons"] else ""))
+        out += [f"  {name}: {why}" for why in verdict.get("transient", [])]
     out += [f"note: {note}" for note in report.get("notes", [])]
     out.append(f"exclude override: {report['exclude_override']}")
     return "\n".join(out)
@@ -93,7 +95,8 @@ def print_rich(console, report: dict, report_path: str | Path | None = None) -> 
         health = " ".join(f"[{_STATUS_STYLE[s]}]{n} {s}[/]" for s, n in counts.items() if n) or "-"
         state = "[green]pass[/]" if verdict["passed"] else "[bold red]FAIL[/]"
         summary.add_row(escape(name), state, health, _busbw(verdict.get("intra_node_busbw")),
-                        _busbw(verdict.get("pair_busbw")), escape("; ".join(verdict["reasons"]) or "-"))
+                        _busbw(verdict.get("pair_busbw")),
+                        escape("; ".join(verdict["reasons"] + verdict.get("transient", [])) or "-"))
     console.print(summary)
 
     for name, checks in report["health"].items():
@@ -105,7 +108,7 @@ def print_rich(console, report: dict, report_path: str | Path | None = None) -> 
             table.add_row(escape(check["name"]), f"[{style}]{check['status']}[/]", escape(check["detail"]))
         console.print(table)
 
-    pairs = [t for t in report["tests"] if t["phase"] in ("pair", "bisect")]
+    pairs = [t for t in report["tests"] if t["phase"] in PAIR_PHASES]
     if pairs:
         judged = report["judged"]
         table = Table(title=escape(f"pair sweep · {judged['operation']} busbw at {judged['size']} B"),
@@ -120,7 +123,7 @@ def print_rich(console, report: dict, report_path: str | Path | None = None) -> 
         console.print(table)
 
     for test in report["tests"]:
-        if test["phase"] in ("pair", "bisect"):
+        if test["phase"] in PAIR_PHASES:
             continue
         table = Table(title=escape(test_title(test)), title_justify="left")
         for column in ("operation", "size(B)", "count(elems)", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)",

@@ -104,15 +104,20 @@ def failed(args) -> str:
 def checked(args) -> str:
     history = read_history(args.history)
     nodes = args.allocation.split()
-    bad = {}
+    bad, transient = {}, {}
     for node in nodes:
         report = read_json(os.path.join(args.attempt_dir, f"check_{node}.json"))
         if report is None:
             bad[node] = "did not report (unreachable, or its check could not start)"
-        elif not report.get("ok"):
-            bad[node] = "; ".join(f"{c['name']}: {c['detail']}" for c in report["checks"] if c["status"] == "fail")
+            continue
+        if report.get("transient"):  # failed once, passed when run again: not bad (node_check.py)
+            transient[node] = "; ".join(report["transient"].values())
+        if not report.get("ok"):
+            bad[node] = "; ".join(report.get("named", {}).values()) or "; ".join(
+                f"{c['name']}: {c['detail']}" for c in report["checks"] if c["status"] == "fail")
     record = {"event": "node_check", "job": args.job, "job_id": os.environ.get("SLURM_JOB_ID"),
-              "attempt": args.attempt, "at": time.time(), "bad_nodes": bad}
+              "attempt": args.attempt, "at": time.time(), "bad_nodes": bad,
+              **({"transient": transient} if transient else {})}
     if not bad:
         if args.attempt < args.in_job_restarts:
             action, line = "restart", "every node passed its checks; restarting the workers"
@@ -138,6 +143,8 @@ def checked(args) -> str:
             line = (f"bad node(s): {named}; requeueing with --exclude={','.join(excluded)} "
                     f"(requeue {done + 1} of at most {args.requeues_on_failure}, fault_tolerance.requeues_on_failure)")
     append(args.history, {**record, "action": action})
+    if transient:
+        line += "; transient, not named: " + "; ".join(f"{n} ({why})" for n, why in transient.items())
     _say(f"nxdt: {args.stage} job {args.job} node checks: {line}")
     return f"requeue {','.join(record['exclude'])}" if action == "requeue" else action
 

@@ -7,13 +7,17 @@
 # Each node runs cluster-validate's own checks of itself (csp_tools/cluster_validate/health.py local_checks: the
 # accelerator count for its instance type, EFA, free space and a write/read round trip on the results directory,
 # available memory), and the injected fault's (runtime/schema/faults.py unhealthy:node=NAME), and writes
-# check_<node>.json; attempts.py reads them. The training preflight's collective check runs again in the next
-# attempt itself. Exits 0 when the node passes, 1 when it fails.
+# check_<node>.json; attempts.py reads them. A check that fails runs again after a pause, and names the node only
+# when it fails again: cluster-validate's rule for every suspect (csp_tools/cluster_validate/confirm.py); one that
+# passes then is reported as transient. The training preflight's collective check runs again in the next attempt
+# itself. Exits 0 when the node passes, 1 when it fails.
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+from typing import Callable
 
 from runtime.fault_tolerance.progress import claim_fault
 from runtime.schema import faults
@@ -47,6 +51,23 @@ def check(node: str, accelerator: str, results_dir: str) -> list[dict]:
     return checks
 
 
+def confirmed(run: Callable[[], list[dict]], pause: Callable[[], None]) -> dict:
+    """The node's checks (`run`), each failed one run again after `pause`: the node is bad only where a failure
+    repeats. {"ok", "checks" (the first run's), "named" and "transient" (check name -> why)}."""
+    from csp_tools.cluster_validate.confirm import Remeasured, confirm, recheck
+
+    first = run()
+    failed = {c["name"]: f"{c['name']}: {c['detail']}" for c in first if c["status"] == FAIL}
+
+    def again(names: list[str]) -> dict[str, Remeasured]:
+        pause()
+        now = {c["name"]: c for c in run()}
+        return {name: recheck(next(c for c in first if c["name"] == name), now.get(name)) for name in names}
+
+    found = confirm(failed, again)
+    return {"ok": not found.named, "checks": first, "named": found.named, "transient": found.transient}
+
+
 def main(argv: list[str] | None = None) -> int:
     from runtime.fault_tolerance.watchdog import node_name
     from runtime.io.files import atomic_write_json
@@ -57,16 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", required=True, help="the run's results directory (checked, and where the "
                                                              "injected fault's marker is)")
     args = parser.parse_args(argv)
+    from csp_tools.cluster_validate.confirm import HEALTH_RECHECK_PAUSE_S
+
     node = node_name()
-    try:
-        checks = check(node, args.accelerator, args.results_dir)
-    except Exception as error:  # a check that cannot run is a failed node, named with why
-        checks = [{"name": "node check", "status": FAIL, "detail": f"could not run: {error}", "data": {}}]
-    failed = [c for c in checks if c["status"] == FAIL]
-    atomic_write_json(os.path.join(args.out, f"check_{node}.json"), {"node": node, "ok": not failed, "checks": checks})
-    verdict = "; ".join(f"{c['name']}: {c['detail']}" for c in failed) or "every check passed"
-    print(f"nxdt: node check on {node}: {'FAIL' if failed else 'pass'}: {verdict}", flush=True)
-    return 1 if failed else 0
+
+    def run() -> list[dict]:
+        try:
+            return check(node, args.accelerator, args.results_dir)
+        except Exception as error:  # a check that cannot run is a failed node, named with why
+            return [{"name": "node check", "status": FAIL, "detail": f"could not run: {error}", "data": {}}]
+
+    found = confirmed(run, lambda: time.sleep(HEALTH_RECHECK_PAUSE_S))
+    atomic_write_json(os.path.join(args.out, f"check_{node}.json"), {"node": node, **found})
+    verdict = "; ".join(found["named"].values()) or "every check passed"
+    if found["transient"]:
+        verdict += "; " + "; ".join(found["transient"].values())
+    print(f"nxdt: node check on {node}: {'pass' if found['ok'] else 'FAIL'}: {verdict}", flush=True)
+    return 0 if found["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Three pretend nodes in three network namespaces on one bridge, node1's link rate limited with tc tbf: the
 node agents (python -m csp_tools.cluster_validate) run inside the namespaces exactly as they run on Slurm
-nodes, and the pair sweep must name node1 and only node1. (The local Slurm's nodes all share 127.0.0.1, so
-a slow link can only be made this way.)"""
+nodes, and the pair sweep must name node1 and only node1, once its deficit repeated when measured again. (The
+local Slurm's nodes all share 127.0.0.1, so a slow link can only be made this way.)"""
 
 import json
 import subprocess
@@ -45,6 +45,10 @@ def test_sweep_names_the_rate_limited_node(namespaces_available, stage_config, t
     report = json.loads((report_dir / "cluster_validation.json").read_text())
     assert report["bad_nodes"] == ["node1"], report["verdicts"]
     assert "known-good" in report["verdicts"]["node1"]["reasons"][0]
+    # named only once the deficit repeated: node1 measured again with a healthy partner, beside a healthy reference
+    assert "repeated when measured again (node1,node" in report["verdicts"]["node1"]["reasons"][0]
+    rechecks = [sorted(t["group"]) for t in report["tests"] if t["phase"] == "pair recheck"]
+    assert rechecks[0] == rechecks[2] == ["node0", "node2"] and "node1" in rechecks[1], rechecks
     assert report["exclude_override"] == "cluster.exclude=[node1]"
     assert (report_dir / "exclude_override.txt").read_text().strip() == "cluster.exclude=[node1]"
 
