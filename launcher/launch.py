@@ -42,6 +42,7 @@ class Plan:
     files: list[tuple[Path, Path, int]] = field(default_factory=list)  # written: (here, on the cluster, mode)
     unchecked: list[str] = field(default_factory=list)  # what a dry run rendered without asking (the cluster's state)
     mirror: Path | None = None   # a dry run of a live run writes here (live.py), each file at its path below it
+    launch_lock: Any = None      # a real launch's hold on its run (live.hold_launch), from write() to the process's end
 
     @cached_property
     def config(self) -> LaunchConfig:
@@ -192,6 +193,8 @@ def write(plan: Plan) -> list[Path]:
     cluster (the same as here unless the launch is remote). If the file system refuses one (full, read-only,
     gone since make_plan looked), what this call made is removed again and the error names the file."""
     made: list[Path] = []  # directories this call created (the topmost of each chain) and files it wrote
+    if not plan.dry_run and plan.remote is None and plan.mirror is None and plan.launch_lock is None:
+        _hold_run(plan, made)
     try:
         return _write(plan, made)
     except OSError as error:
@@ -203,6 +206,27 @@ def write(plan: Plan) -> list[Path]:
         plan.files.clear()
         raise UserError(f"{error.filename or 'a launch file'}: cannot be written ({error.strerror or error}); "
                         "nothing was written; free the space or fix the permissions and launch again") from None
+
+
+def _hold_run(plan: Plan, made: list[Path]) -> None:
+    """The run's launch lock, then make_plan's look at the run again under it: a launch of the same run that won the
+    race has written its record (or holds a training's lock) by the time it lets go. A refusal writes nothing."""
+    try:
+        _makedirs(plan.run_dir, made)
+    except OSError as error:
+        raise UserError(f"base_results_dir: cannot create {plan.run_dir} ({error.strerror}); give a directory you "
+                        f"can write, e.g. base_results_dir=/fsx/results") from None
+    try:
+        plan.launch_lock = live.hold_launch(plan.run_dir, str(plan.config.run_name))
+        found = live.recorded(plan.config.base_results_dir, plan.config.run_name) or live.locked(plan.jobs)
+        if found:
+            plan.launch_lock.close()
+            plan.launch_lock = None
+            raise UserError(live.refusal(str(plan.config.run_name), found))
+    except UserError:
+        if made:  # this launch made the run directory: nothing of it stays
+            shutil.rmtree(made[0], ignore_errors=True)
+        raise
 
 
 def _makedirs(path: Path, made: list[Path]) -> None:

@@ -109,3 +109,33 @@ def refusal(run_name: str, live: Live) -> str:
             f"launch under another name, e.g. {live.key}={run_name}_2" if live.key == "run_name" else
             f"{live.key}: {live.what}; launching it again would have two writers of one run: wait for it to "
             f"finish or stop it (nxdt-launch cancel), or give another results directory")
+
+
+# Held by a real launch from the moment it writes into the run directory until its process ends: two launches of
+# one run started together both pass make_plan's look (neither has a record yet), and the one that comes second to
+# this lock writes nothing (issue 57: the loser of that race once left its config link and script in the run).
+LAUNCH_LOCK = ".launch.lock"
+
+
+def hold_launch(run_dir: Path, run_name: str):
+    """An open file holding an exclusive flock on `<run_dir>/.launch.lock` (closing it, or the process ending,
+    releases it); UserError naming the other launch when one holds it. Creates run_dir if it is missing: the lock
+    lives where every launch of the run, from any process on this host, looks."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / LAUNCH_LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read(200).strip() or "another nxdt-launch process"
+        handle.close()
+        raise UserError(f"run_name: run {run_name} is being launched by {holder} right now; this launch wrote "
+                        f"nothing: wait for it (nxdt-launch status {run_name}) or launch under another name, e.g. "
+                        f"run_name={run_name}_2") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} (since {datetime.now().isoformat(timespec='seconds')})\n")
+    handle.flush()
+    return handle
