@@ -116,7 +116,8 @@ def _gated_save(directory: str, ring_bytes: int, freeze: bool) -> dict:
     finally:
         rankfile._pwrite_all = write
     dist.barrier()
-    return {"staged": staged, "saved_bytes": streamed.last_host_bytes, "staging_bytes": streamed.staging_bytes}
+    return {"staged": staged, "saved_bytes": streamed.last_host_bytes, "sync_saved_bytes": sync.last_host_bytes,
+            "staging_bytes": streamed.staging_bytes}
 
 
 def _equal_to_sync(directory) -> bool:
@@ -132,6 +133,8 @@ def test_a_save_the_next_update_overlaps_writes_what_a_sync_save_writes(tmp_path
     # The update found all but the first chunk unwritten and copied some of it: the ring is what it held.
     assert all(0 < r["staged"] <= r["saved_bytes"] for r in ranks), ranks
     assert all(r["staging_bytes"] == 2 * CHECKPOINT_CHUNK_BYTES for r in ranks), ranks
+    # What the file needs (named when the disk is full) is the same either way (issue 39: it once said "about 0").
+    assert all(r["saved_bytes"] == r["sync_saved_bytes"] > 0 for r in ranks), ranks
     assert _equal_to_sync(tmp_path)
 
 
