@@ -207,7 +207,7 @@ class Checkpointer:
             if self._ring is None:
                 self._ring = ChunkRing(self._ring_bytes if self._ring_bytes is not None else
                                        checkpoint_staging_bytes(self.last_host_bytes, state_on_host=True))
-            snapshot = StreamedSnapshot(tensors, self._ring)
+            snapshot = StreamedSnapshot(name, tensors, self._ring)
         elif run_async or not _on_host(live):
             live = self._staging.copy(live)  # device -> host now; the background thread only writes
         self.last_timings = {"snapshot_s": time.perf_counter() - started}
@@ -231,8 +231,14 @@ class Checkpointer:
     def wait_for_copy(self) -> None:
         """Block until the save in flight reads nothing more from the live tensors (the optimizer calls this
         before its update changes them)."""
-        if self._snapshot is not None:
-            self._snapshot.freeze()
+        snapshot = self._snapshot
+        if snapshot is not None and not snapshot.frozen:
+            began = time.perf_counter()
+            snapshot.freeze()
+            waited = self.last_timings["update_wait_s"] = time.perf_counter() - began
+            if self.rank == 0:
+                self.log(f"checkpoint {snapshot.name}: the next update waited {waited:.2f} s for the write on rank 0 "
+                         f"({snapshot.staged_bytes / 2**20:.0f} MiB of it copied first)")
         self._raise()
 
     def wait(self) -> None:

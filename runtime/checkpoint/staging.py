@@ -57,8 +57,8 @@ class StreamedSnapshot:
     """The host tensors of one save, handed to the writer as chunks of their bytes (chunks(), on the writer thread)
     and kept from change by freeze() (on the training thread, before the tensors change)."""
 
-    def __init__(self, tensors: list[torch.Tensor], ring: ChunkRing):
-        self.tensors, self.ring = tensors, ring
+    def __init__(self, name: str, tensors: list[torch.Tensor], ring: ChunkRing):
+        self.name, self.tensors, self.ring = name, tensors, ring
         self._flat = []
         self._chunks: list[tuple[int, int, int]] = []  # (tensor, first byte, end byte)
         for i, tensor in enumerate(tensors):
@@ -70,6 +70,7 @@ class StreamedSnapshot:
         self._slot: dict[int, int] = {}
         self._changed = threading.Condition()
         self._closed = False
+        self.frozen = False     # freeze() has returned
         self.staged_bytes = 0  # how much freeze() copied (the rest was written in place)
         ring.reset()
 
@@ -101,7 +102,7 @@ class StreamedSnapshot:
                 while self._state[c] == PENDING and not self.ring.has_free() and not self._closed:
                     self._changed.wait()
                 if self._closed:
-                    return
+                    break
                 if self._state[c] != PENDING:  # the writer has it (in place) or is done with it
                     continue
                 slot = self._slot[c] = self.ring.take()
@@ -114,6 +115,7 @@ class StreamedSnapshot:
         with self._changed:
             while LIVE in self._state and not self._closed:
                 self._changed.wait()
+        self.frozen = True
 
     def close(self) -> None:
         """The writer is done with the snapshot (written, or failed): freeze() has nothing to wait for."""

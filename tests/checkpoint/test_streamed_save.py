@@ -33,7 +33,7 @@ def test_the_update_copies_only_what_the_ring_holds_and_the_writer_sees_the_save
     tensors = [torch.arange(i * 3 * 2**18, (i * 3 + 2) * 2**18, dtype=torch.float32) for i in range(3)]  # 2 MiB
     saved = [t.clone() for t in tensors]
     ring = ChunkRing(2 * MIB, chunk=MIB)
-    snapshot = StreamedSnapshot(tensors, ring)
+    snapshot = StreamedSnapshot("step", tensors, ring)
     chunks = snapshot.chunks()
     written = {}
 
@@ -69,7 +69,7 @@ def test_the_update_copies_only_what_the_ring_holds_and_the_writer_sees_the_save
 
 def test_without_a_ring_the_update_waits_for_the_whole_write():
     tensors = [torch.ones(2**18) * i for i in range(3)]
-    snapshot = StreamedSnapshot(tensors, ChunkRing(0, chunk=MIB))
+    snapshot = StreamedSnapshot("step", tensors, ChunkRing(0, chunk=MIB))
     chunks = snapshot.chunks()
     next(chunks)
     freeze = threading.Thread(target=snapshot.freeze)
