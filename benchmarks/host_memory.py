@@ -3,6 +3,13 @@
     python benchmarks/host_memory.py --tree /tmp/hm-before --label before --out benchmarks/host_memory_before.json
     python benchmarks/host_memory.py --tree /work/main --label after --out benchmarks/host_memory_after.json
     python benchmarks/host_memory.py --markdown benchmarks/host_memory_before.json [benchmarks/host_memory_after.json]
+    # issue 56, the asynchronous saves' host memory (before: a tree at the commit before it):
+    python benchmarks/host_memory.py --tree /tmp/hm-before --label before --size 0.12b \
+        --cases tp2_pp2_saves,tp4_pp2_saves --out benchmarks/host_memory_saves_before.json
+    python benchmarks/host_memory.py --label after --size 0.12b --cases tp2_pp2_saves,tp4_pp2_saves \
+        --out benchmarks/host_memory_saves_after.json
+    python benchmarks/host_memory.py --label after045 --cases tp2_pp2_saves,tp4_pp2_saves \
+        --out benchmarks/host_memory_saves_after_045b.json
 
 Every case is the job the launcher renders: `nxdt-launch ... --dry-run` (the launcher of --tree) writes the stage
 config and the local job script, and that script is run unchanged (`python -m runtime.torchrun --standalone ...
