@@ -231,7 +231,7 @@ def main() -> None:
             i, steps = i + 1, steps + 1
         stalls.append((time.perf_counter() - started - steps * step_s, steps))
         asynchronous.wait()
-    host_bytes = asynchronous.last_host_bytes
+    host_bytes = asynchronous.staging_bytes  # the ring (CPU): no copy of the state
     stall, steps_in_flight = statistics.median(s for s, _ in stalls), statistics.median(n for _, n in stalls)
 
     print(f"\nload average (1 min): {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} after")
@@ -255,7 +255,7 @@ def main() -> None:
     print(f"the first copy of a run (also maps the host staging buffers): {first_copy:.2f} s")
     print(f"\nasync: plain step {step_s:.2f} s; {steps_in_flight:.0f} steps ran while the save was in flight, "
           f"{stall:.2f} s longer than plain steps = {100 * stall / rows['ours'][0]:.1f}% of the sync save; "
-          f"host copy {host_bytes / 2**30:.2f} GiB (one save in flight at a time)")
+          f"host staging {host_bytes / 2**30:.2f} GiB (one save in flight at a time)")
     shutil.rmtree(root, ignore_errors=True)
 
 

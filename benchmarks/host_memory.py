@@ -3,6 +3,13 @@
     python benchmarks/host_memory.py --tree /tmp/hm-before --label before --out benchmarks/host_memory_before.json
     python benchmarks/host_memory.py --tree /work/main --label after --out benchmarks/host_memory_after.json
     python benchmarks/host_memory.py --markdown benchmarks/host_memory_before.json [benchmarks/host_memory_after.json]
+    # issue 56, the asynchronous saves' host memory (before: a tree at the commit before it):
+    python benchmarks/host_memory.py --tree /tmp/hm-before --label before --size 0.12b \
+        --cases tp2_pp2_saves,tp4_pp2_saves --out benchmarks/host_memory_saves_before.json
+    python benchmarks/host_memory.py --label after --size 0.12b --cases tp2_pp2_saves,tp4_pp2_saves \
+        --out benchmarks/host_memory_saves_after.json
+    python benchmarks/host_memory.py --label after045 --cases tp2_pp2_saves,tp4_pp2_saves \
+        --out benchmarks/host_memory_saves_after_045b.json
 
 Every case is the job the launcher renders: `nxdt-launch ... --dry-run` (the launcher of --tree) writes the stage
 config and the local job script, and that script is run unchanged (`python -m runtime.torchrun --standalone ...
@@ -12,14 +19,19 @@ worker's RSS read; a worker is a process whose environment holds RANK (its rank)
 stage's module. The kernel's own high-water mark (VmHWM in /proc/<pid>/status, read at each sample) is kept too:
 it catches what a 0.1 s sample misses.
 
+The save cases (*_saves) train 6 steps with an asynchronous checkpoint every 2 (steps 2 and 4; step 6's, the last,
+is synchronous) and split each rank's peak at the moment rank 0 logs step 2, right before the first save: before
+the first save, and after it (issue 56: the save's host copy once stayed for the run).
+
 A rank's own state is the bytes of its shard: parameters, gradients, two Adam moments and fp32 master weights
 where the precision keeps them (own_state below). Targets: every rank's peak <= 1.25 x own state + the fixed
 process overhead (the peak RSS of an idle torchrun worker that imported the trainer and joined a gloo group,
 benchmarks/host_memory_idle.py); the export's peak <= 3 x its largest tensor + that overhead.
 
-The model: a Llama of 0.45B parameters (hidden 1536, 14 layers, 12 heads / 4 KV groups, SwiGLU 4096, vocabulary
-32000: the demo tokenizer's 4096 ids padded with make_vocab_size_divisible_by=32000), fp32, sequence 128, micro
-batch 1, global batch = dp, 2 steps, no validation. Everything it needs (the demo corpus, a Hugging Face directory
+The model (--size): 0.45b, a Llama of 0.45B parameters (hidden 1536, 14 layers, 12 heads / 4 KV groups, SwiGLU
+4096, vocabulary 32000: the demo tokenizer's 4096 ids padded with make_vocab_size_divisible_by=32000), or 0.12b
+(hidden 768, 12 layers, SwiGLU 2048, the same heads and vocabulary: the save cases at 4 and 8 ranks next to
+other work on a 24 GiB machine); fp32, sequence 128, micro batch 1, global batch = dp, 2 steps, no validation. Everything it needs (the demo corpus, a Hugging Face directory
 of the model in 300 MB safetensors shards with an index, checkpoints) is made under --work.
 
 A guard watches the machine: if available memory falls under --guard-gib, the case's process group is killed
@@ -46,9 +58,16 @@ HERE = Path(__file__).resolve().parent
 GIB = 1024 ** 3
 MB = 1e6
 
-MODEL = {"hidden_size": 1536, "num_layers": 14, "num_attention_heads": 12, "num_query_groups": 4,
-         "ffn_hidden_size": 4096, "make_vocab_size_divisible_by": 32000, "encoder_seq_length": 128,
-         "micro_batch_size": 1}
+MODELS = {
+    "0.45b": {"hidden_size": 1536, "num_layers": 14, "num_attention_heads": 12, "num_query_groups": 4,
+              "ffn_hidden_size": 4096, "make_vocab_size_divisible_by": 32000, "encoder_seq_length": 128,
+              "micro_batch_size": 1},
+    "0.12b": {"hidden_size": 768, "num_layers": 12, "num_attention_heads": 12, "num_query_groups": 4,
+              "ffn_hidden_size": 2048, "make_vocab_size_divisible_by": 32000, "encoder_seq_length": 128,
+              "micro_batch_size": 1},
+}
+MODEL = MODELS["0.45b"]
+SAVE_STEPS, SAVE_EVERY = 6, 2  # the save cases: async saves at steps 2 and 4, the last (6) sync
 
 # name -> (stage, tp, pp, dp, zero1, what it is); world = tp * pp * dp
 CASES = {
@@ -60,6 +79,8 @@ CASES = {
     "finetune_tp2": ("fine_tuning", 2, 1, 1, False, "fine-tuning, tp=2, from sharded HF safetensors"),
     "tp2_checkpoint": ("training", 2, 1, 1, False, "tp=2, checkpoint at step 2 (the export's source)"),
     "export": ("conversion", 1, 1, 1, False, "export of tp2_checkpoint's checkpoint"),
+    "tp2_pp2_saves": ("training", 2, 2, 1, False, "tp=2 x pp=2, async saves at steps 2 and 4"),
+    "tp4_pp2_saves": ("training", 4, 2, 1, False, "tp=4 x pp=2 (8 ranks), async saves at steps 2 and 4"),
 }
 
 
@@ -143,10 +164,19 @@ def _worker_rank(proc: psutil.Process, module: str) -> int | None:
     return int(env["RANK"]) if "RANK" in env else (0 if module == "runtime.convert" else None)
 
 
+def _saved(log: Path, marker: str | None) -> bool:
+    """Whether the stage's output holds `marker` (rank 0's log line of the step the first save follows)."""
+    try:
+        return marker is not None and marker in log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def sample(cmd: list[str], *, cwd: str, env: dict, module: str, log: Path, interval: float, guard: int,
-           timeout: float) -> dict:
+           timeout: float, save_marker: str | None = None) -> dict:
     """Run cmd (its own session), walk its process tree every `interval` s; per rank, the peak of the summed RSS
-    of its processes and the largest VmHWM read."""
+    of its processes and the largest VmHWM read. save_marker: the peaks are also kept apart before and after it
+    appears in the output (the first save: its copy, where there is one, starts right after)."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -154,6 +184,9 @@ def sample(cmd: list[str], *, cwd: str, env: dict, module: str, log: Path, inter
     rank_of: dict[int, int] = {}            # pid -> rank, once seen as a worker
     peak = collections.defaultdict(int)
     peak_at = {}
+    split = {"before": collections.defaultdict(int), "after": collections.defaultdict(int)}
+    first_save_at = None
+    series = collections.defaultdict(list)  # rank -> [[s, MB], ...], one sample a second
     hwm = collections.defaultdict(int)
     total_peak, samples, aborted, min_available = 0, 0, None, psutil.virtual_memory().available
     start = time.monotonic()
@@ -176,9 +209,15 @@ def sample(cmd: list[str], *, cwd: str, env: dict, module: str, log: Path, inter
                 hwm[rank] = max(hwm[rank], _hwm(child.pid))
             except (psutil.Error, OSError):
                 continue
+        if first_save_at is None and _saved(log, save_marker):
+            first_save_at = round(tick - start, 1)
+        side = split["before" if first_save_at is None else "after"]
         for rank, value in rss.items():
             if value > peak[rank]:
                 peak[rank], peak_at[rank] = value, round(tick - start, 1)
+            side[rank] = max(side[rank], value)
+            if samples % max(1, round(1 / interval)) == 0:
+                series[rank].append([round(tick - start, 1), round(value / MB)])
         total_peak = max(total_peak, sum(rss.values()))
         samples += 1
         available = psutil.virtual_memory().available
@@ -192,9 +231,13 @@ def sample(cmd: list[str], *, cwd: str, env: dict, module: str, log: Path, inter
             os.killpg(proc.pid, signal.SIGKILL)
         time.sleep(max(0.0, interval - (time.monotonic() - tick)))
     rc = proc.wait()
-    return {"rc": rc, "wall_s": round(time.monotonic() - start, 1), "samples": samples, "aborted": aborted,
-            "peak_rss": dict(peak), "peak_at_s": peak_at, "hwm": dict(hwm), "total_peak_rss": total_peak,
-            "min_available_bytes": min_available}
+    out = {"rc": rc, "wall_s": round(time.monotonic() - start, 1), "samples": samples, "aborted": aborted,
+           "peak_rss": dict(peak), "peak_at_s": peak_at, "hwm": dict(hwm), "total_peak_rss": total_peak,
+           "min_available_bytes": min_available}
+    if save_marker is not None:
+        out.update(first_save_at_s=first_save_at, peak_rss_before_save=dict(split["before"]),
+                   peak_rss_after_save=dict(split["after"]), rss_series_mb=dict(series))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +259,8 @@ def launcher(tree: Path, overrides: list[str], log: Path) -> None:
                            f"{result.stderr[-2000:]}")
 
 
-def training_overrides(prefix: str, name: str, tp: int, pp: int, dp: int, zero1: bool, checkpoint: bool) -> list:
+def training_overrides(prefix: str, name: str, tp: int, pp: int, dp: int, zero1: bool, checkpoint: bool,
+                       saves: bool = False) -> list:
     o = {**{f"model.{k}": v for k, v in MODEL.items()},
          "run.name": name, "trainer.devices": tp * pp * dp, "trainer.num_nodes": 1,
          "model.tensor_model_parallel_size": tp, "model.pipeline_model_parallel_size": pp,
@@ -228,6 +272,12 @@ def training_overrides(prefix: str, name: str, tp: int, pp: int, dp: int, zero1:
     if checkpoint:
         o.update({"exp_manager.checkpoint_callback_params.every_n_train_steps": 2,
                   "exp_manager.checkpoint_callback_params.save_top_k": -1})
+    if saves:
+        o.update({"exp_manager.create_checkpoint_callback": "true", "trainer.max_steps": SAVE_STEPS,
+                  "exp_manager.checkpoint_callback_params.every_n_train_steps": SAVE_EVERY,
+                  "exp_manager.checkpoint_callback_params.save_top_k": -1,
+                  "exp_manager.checkpoint_callback_params.async_save": "true",
+                  "exp_manager.checkpoint_callback_params.save_last": "true"})
     return [f"{prefix}.{k}={v}" for k, v in o.items()]
 
 
@@ -239,7 +289,8 @@ def render(case: str, tree: Path, work: Path, results: Path, export_source: Path
     run = f"hm_{case}"
     if stage == "training":
         overrides = ["stages=[training]", "training=llama/tiny",
-                     *training_overrides("training", run, tp, pp, dp, zero1, case == "tp2_checkpoint"), *common]
+                     *training_overrides("training", run, tp, pp, dp, zero1, case == "tp2_checkpoint",
+                                         case.endswith("_saves")), *common]
     elif stage == "fine_tuning":
         overrides = ["stages=[fine_tuning]", "fine_tuning=llama/tiny",
                      *training_overrides("fine_tuning", run, tp, pp, dp, zero1, False),
@@ -286,7 +337,7 @@ def measure(args) -> dict:
     report = {"label": args.label, "tree": str(tree), "commit": commit, "tree_has_uncommitted_changes": dirty,
               "machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
                           "python": platform.python_version()},
-              "interval_s": args.interval, "model": MODEL, "cases": {}}
+              "interval_s": args.interval, "size": args.size, "model": MODEL, "cases": {}}
     env = tree_env(tree)
 
     def save():
@@ -348,9 +399,10 @@ def measure(args) -> dict:
                 module = "runtime.train"
             entry["config"], entry["script"] = str(config), str(script)
             print(f"{case}: {what} (free {psutil.virtual_memory().available / GIB:.1f} GiB) ...", flush=True)
+            marker = f"step {SAVE_EVERY}/{SAVE_STEPS} " if case.endswith("_saves") else None
             run = sample(["bash", str(script)], cwd=str(tree), env=env, module=module,
                          log=work / f"{case}_{args.label}.log", interval=args.interval,
-                         guard=int(args.guard_gib * GIB), timeout=args.timeout)
+                         guard=int(args.guard_gib * GIB), timeout=args.timeout, save_marker=marker)
             entry.update(run)
             entry["log_tail"] = tail(work / f"{case}_{args.label}.log", 8)
         except Exception as error:  # one case failing must not lose the others
@@ -367,6 +419,12 @@ def measure(args) -> dict:
                 r["target_bytes"] = int(1.25 * r["own_state_bytes"] + overhead)
             rows = entry["ranks"]
         for r in rows:
+            for side in ("before", "after"):
+                if f"peak_rss_{side}_save" in entry:
+                    peak = entry[f"peak_rss_{side}_save"].get(r["rank"])
+                    r[f"peak_{side}_save_per_own_state"] = peak and round(peak / r["own_state_bytes"], 3)
+                    r[f"peak_{side}_save_over_overhead_per_own_state"] = \
+                        peak and round((peak - overhead) / r["own_state_bytes"], 3)
             r["peak_rss"] = entry["peak_rss"].get(r["rank"])
             r["hwm"] = entry["hwm"].get(r["rank"])
             target = r.get("target_bytes", entry.get("target_bytes"))
@@ -395,8 +453,12 @@ def table(report: dict) -> str:
             peak = f"{r['peak_rss'] / MB:,.0f}" if r["peak_rss"] else "-"
             hwm = f"{r['hwm'] / MB:,.0f}" if r["hwm"] else "-"
             ratio = f"{r['peak_rss'] / target:.2f}" if r["peak_rss"] else "-"
+            saves = ""
+            if "peak_after_save_per_own_state" in r:
+                saves = (f"  (peak - overhead) / own state: {r['peak_before_save_over_overhead_per_own_state']} "
+                         f"before the first save, {r['peak_after_save_over_overhead_per_own_state']} after")
             lines.append(f"{case:<16} {r['rank']:>4} {own:>13} {peak:>12} {hwm:>9} {target / MB:>10,.0f} {ratio:>11}"
-                         f"  {e['wall_s']:>6}")
+                         f"  {e['wall_s']:>6}{saves}")
         if e["rc"] != 0 or e["aborted"]:
             lines.append(f"{'':<16} exit {e['rc']}; {e['aborted'] or ''} {e['log_tail'].splitlines()[-1:]}")
     return "\n".join(lines)
@@ -446,6 +508,7 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=float, default=0.1, help="sampling interval, seconds")
     parser.add_argument("--guard-gib", type=float, default=1.5, help="kill a case when available memory falls under")
     parser.add_argument("--timeout", type=float, default=1200, help="per case, seconds")
+    parser.add_argument("--size", default="0.45b", choices=sorted(MODELS), help="the model (see above)")
     parser.add_argument("--shard-mb", type=int, default=300, help="safetensors shard size of the HF directory")
     parser.add_argument("--markdown", nargs="+", metavar="JSON", help="print the README table of BEFORE [AFTER]")
     args = parser.parse_args(argv)
@@ -453,6 +516,8 @@ def main(argv=None) -> int:
         loaded = [json.loads(Path(p).read_text()) for p in args.markdown]
         print(markdown(loaded[0], loaded[1] if len(loaded) > 1 else None))
         return 0
+    global MODEL
+    MODEL = MODELS[args.size]
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:

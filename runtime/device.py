@@ -58,7 +58,8 @@ class Device:
 
     @property
     def defers_staging_copy(self) -> bool:
-        """Checkpoint staging: on CPU the copy into host buffers can wait for the next step (nothing to offload)."""
+        """Checkpoint staging: on CPU an async save writes the live state in place until the next update changes it
+        (runtime/checkpoint/staging.py); elsewhere it copies the state to the host at the save."""
         return self.kind == "cpu"
 
     @property

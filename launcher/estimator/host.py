@@ -5,9 +5,10 @@
 #                 them; ZeRO-1 divides the optimizer's by dp) and RoPE tables, as memory.py counts them for the
 #                 device: that is what start-up materializes on the host before moving it to the device, and on
 #                 CPU it stays there for the whole run, with the activations beside it (`working`)
-#   staging       the async checkpoint's host copy of what the rank saves (runtime/checkpoint/shards.py:
-#                 HostStaging keeps buffers for its model and optimizer pieces for the whole run); counted for a
-#                 rank that saves both, data-parallel rank 0 (without ZeRO-1 only it saves the moments)
+#   staging       the async checkpoint's host memory beside the state, for a rank that saves both weights and
+#                 moments (data-parallel rank 0; without ZeRO-1 only it saves the moments): on an accelerator a
+#                 copy of what it saves, kept for the run; on CPU, which writes the state in place, a ring of
+#                 chunks (runtime/schema/facts.py checkpoint_staging_bytes, the rule the runtime sizes it by)
 #   data loader   the rank's share of a global batch as the loader stacks it (runtime/data/loader.py) plus a
 #                 fixed allowance for the index arrays it keeps (the token files are memory-mapped: page cache)
 #   process       the Python + torch + runtime baseline of a worker, measured (PROCESS_OVERHEAD_BYTES)
@@ -23,6 +24,7 @@ import dataclasses
 from launcher.estimator.hardware import GIB, Hardware
 from launcher.estimator.memory import Kernels, StageMemory, stage_memory
 from launcher.estimator.shapes import Layout, ModelShape
+from runtime.schema.facts import checkpoint_staging_bytes
 
 MIB = 2**20
 # A training worker before its first tensor: 227 MiB resident, measured on this project's CPU build of torch
@@ -49,7 +51,7 @@ class HostMemory:
     workers: int                 # worker processes per node (trainer.devices)
     stage: str                   # the pipeline stage whose worker holds the most: first | last | only
     shard_state: float           # weights, gradients, optimizer state and buffers of the worker's shard
-    staging: float               # the checkpoint's host copy of the worker's saved state
+    staging: float               # the async checkpoint's host memory beside the worker's state
     data_loader: float
     process: float               # the fixed per-process overhead (measured)
     working: float               # CPU only: activations and the peak working set (the device is the host)
@@ -115,7 +117,7 @@ def host_memory(shape: ModelShape, layout: Layout, hardware: Hardware, kernels: 
         workers=layout.devices_per_node,
         stage=held.stage,
         shard_state=held.static,
-        staging=0.0 if lora else held.weights + held.optimizer,
+        staging=0.0 if lora else checkpoint_staging_bytes(held.weights + held.optimizer, state_on_host=on_cpu),
         data_loader=data_loader_bytes(shape, layout),
         process=PROCESS_OVERHEAD_BYTES,
         working=held.total - held.static if on_cpu else 0.0,

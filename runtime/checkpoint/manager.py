@@ -16,10 +16,11 @@
 # committed directories beyond keep_last plus any uncommitted leftovers of crashed saves.
 #
 # A sync save of host tensors writes them where they are (the caller waits, so nothing changes under the write).
-# Async saves: the state is copied to host memory and written by a background thread. On CPU the copy itself is
-# deferred too: it runs in the background while the next step's forward and backward read (never write) the
-# weights, and the optimizer's next update waits for it (a pre-step hook). One save in flight at a time, so host
-# memory is bounded by one copy of this rank's shards, which is reported.
+# Async saves are written by a background thread. On an accelerator the state is first copied to host memory (one
+# copy of this rank's shards, kept for the run). On CPU there is no copy: the writer reads the live tensors in place
+# while the next step's forward and backward read (never write) them, and the optimizer's next update, before it
+# changes anything, copies what is not written yet into a small ring and waits for the rest (a pre-step hook;
+# runtime/checkpoint/staging.py). One save in flight at a time; the host memory it holds is reported.
 from __future__ import annotations
 
 import errno
@@ -35,10 +36,12 @@ from typing import Callable
 
 import torch
 
-from runtime.checkpoint.rankfile import write_rank_file
+from runtime.checkpoint.rankfile import saved_tensors, write_rank_file
 from runtime.checkpoint.shards import HostStaging, host_copy, rank_pieces
+from runtime.checkpoint.staging import ChunkRing, StreamedSnapshot
 from runtime.checkpoint.storage import LocalStorage, Storage, open_storage
 from runtime.parallel.data_parallel import data_parallel_of
+from runtime.schema.facts import checkpoint_staging_bytes
 
 FORMAT = 2  # 1: a torch.save zip per rank (read still); 2: raw bytes and an index (rankfile.py)
 COMMIT = "COMMIT"
@@ -128,13 +131,16 @@ def _on_host(tree) -> bool:
     return all(t.is_cpu for t in HostStaging._tensors(tree, []))
 
 
-def _put_rank_file(storage: Storage, key: str, header: dict, pieces: dict) -> dict:
-    """Write the rank file into the storage's spool file, then publish it under `key` in one step; returns its
-    size and the checksum of its index (which holds every block's checksum)."""
+def _put_rank_file(storage: Storage, key: str, header: dict, pieces: dict,
+                   snapshot: StreamedSnapshot | None = None) -> dict:
+    """Write the rank file into the storage's spool file (the tensors' bytes from `snapshot` when given), then
+    publish it under `key` in one step; returns its size and the checksum of its index (which holds every block's
+    checksum)."""
     spool = storage.spool_path(key)
     try:
         # A local spool is the file itself (renamed into place): start the disk on it while it is written.
-        digest = write_rank_file(spool, header, pieces, flush_early=isinstance(storage, LocalStorage))
+        digest = write_rank_file(spool, header, pieces, flush_early=isinstance(storage, LocalStorage),
+                                 chunks=None if snapshot is None else snapshot.chunks())
         storage.put_file(key, spool)
         return digest
     finally:
@@ -153,8 +159,10 @@ class Checkpointer:
 
     def __init__(self, location: str, *, rank: int, world_size: int, token: str, keep_last: int | None = None,
                  async_save: bool = True, deferred_copy: bool = False, pin_memory: bool = False,
-                 commit_timeout_s: float = 3600.0,
+                 commit_timeout_s: float = 3600.0, ring_bytes: int | None = None,
                  log: Callable[[str], None] | None = None):
+        """deferred_copy: the state is host memory (CPU), which an async save writes in place (staging.py) with a
+        ring of ring_bytes (default: runtime/schema/facts.py checkpoint_staging_bytes of what the rank saves)."""
         self.storage = open_storage(location)
         self.location = str(location)
         self.rank, self.world_size, self.token = rank, world_size, token
@@ -163,12 +171,12 @@ class Checkpointer:
         self.commit_timeout_s = commit_timeout_s
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._thread: threading.Thread | None = None
-        self._copied = threading.Event()
-        self._copied.set()
+        self._snapshot: StreamedSnapshot | None = None
         self._error: BaseException | None = None
-        self.last_host_bytes = 0
+        self.last_host_bytes = 0   # the tensor bytes of this rank's last save (what its file needs)
         self.last_timings: dict[str, float] = {}
         self._staging = HostStaging(pin=pin_memory)
+        self._ring_bytes, self._ring = ring_bytes, None
 
     # ---- saving ------------------------------------------------------------------------------------------
 
@@ -191,34 +199,53 @@ class Checkpointer:
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "layout": {
             "tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size, "zero1": dp.zero1}}
         live = {"model": model_pieces, "optim": optim_pieces}
+        tensors = saved_tensors(live)
+        self.last_host_bytes = sum(t.numel() * t.element_size() for t in tensors)
         run_async = self.async_save and not sync
-        if run_async and not self.deferred_copy or not run_async and not _on_host(live):
+        snapshot = None
+        if run_async and self.deferred_copy:  # host tensors, written in place until the next update
+            if self._ring is None:
+                self._ring = ChunkRing(self._ring_bytes if self._ring_bytes is not None else
+                                       checkpoint_staging_bytes(self.last_host_bytes, state_on_host=True))
+            snapshot = StreamedSnapshot(name, tensors, self._ring)
+        elif run_async or not _on_host(live):
             live = self._staging.copy(live)  # device -> host now; the background thread only writes
         self.last_timings = {"snapshot_s": time.perf_counter() - started}
-        self._copied.clear()
         self._error = None
-        args = (name, header, live, run_async and self.deferred_copy, meta, config, started)
+        args = (name, header, live, snapshot, meta, config, started)
         if run_async:
+            self._snapshot = snapshot
             self._thread = threading.Thread(target=self._write, args=args, name="nxdt-checkpoint", daemon=True)
             self._thread.start()
-            if self.deferred_copy:
+            if snapshot is not None:
                 optimizer.add_pre_step_hook(self.wait_for_copy)
-            else:
-                self._copied.wait()
         else:
             self._write(*args)
             self._raise()
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the saves hold besides the live state: the ring (CPU) or the host copy (accelerators)."""
+        return (self._ring.nbytes if self._ring is not None else 0) + self._staging.nbytes
+
     def wait_for_copy(self) -> None:
-        """Block until the background thread has its copy of the state (the optimizer calls this)."""
-        self._copied.wait()
+        """Block until the save in flight reads nothing more from the live tensors (the optimizer calls this
+        before its update changes them)."""
+        snapshot = self._snapshot
+        if snapshot is not None and not snapshot.frozen:
+            began = time.perf_counter()
+            snapshot.freeze()
+            waited = self.last_timings["update_wait_s"] = time.perf_counter() - began
+            if self.rank == 0:
+                self.log(f"checkpoint {snapshot.name}: the next update waited {waited:.2f} s for the write on rank 0 "
+                         f"({snapshot.staged_bytes / 2**20:.0f} MiB of it copied first)")
         self._raise()
 
     def wait(self) -> None:
         """Block until the save in flight is written (and, on rank 0, committed)."""
         if self._thread is not None:
             self._thread.join()
-            self._thread = None
+            self._thread = self._snapshot = None
         self._raise()
 
     def _raise(self) -> None:
@@ -226,8 +253,8 @@ class Checkpointer:
             error, self._error = self._error, None
             raise CheckpointSaveFailed(_save_failure(self.location, error, self.last_host_bytes)) from error
 
-    def _write(self, name: str, header: dict, live: dict, needs_copy: bool, meta: dict, config: dict | None,
-               started: float) -> None:
+    def _write(self, name: str, header: dict, live: dict, snapshot: StreamedSnapshot | None, meta: dict,
+               config: dict | None, started: float) -> None:
         if threading.current_thread() is not threading.main_thread():
             # Background writes yield the CPU to training: on a host whose cores also compute (CPU training,
             # or the input pipeline of an accelerator), the write should fill idle time, not take turns.
@@ -236,27 +263,23 @@ class Checkpointer:
             except (AttributeError, OSError):
                 pass
         try:
-            state = self._staging.copy(live) if needs_copy else live
-            # What this rank's file holds (a state already on the host has no staging copy to count).
-            self.last_host_bytes = sum(t.numel() * t.element_size() for t in HostStaging._tensors(state, []))
-            self._copied.set()
-            copied = time.perf_counter()
-            digest = _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", header, state)
+            digest = _put_rank_file(self.storage, f"{name}/{_rank_file(self.rank)}", header, live, snapshot)
             if self.rank == 0 and config is not None:
                 _put_config(self.storage, name, config)
             self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", json.dumps(digest).encode())
             written = time.perf_counter()
             if self.rank == 0:
                 self._commit(name, meta)
-            self.last_timings.update({"copy_s": copied - started, "write_s": written - copied,
-                                      "total_s": time.perf_counter() - started})
+            self.last_timings.update({"write_s": written - started, "total_s": time.perf_counter() - started})
             if self.rank == 0:
                 self.log(f"checkpoint {self.location}/{name} committed: {self.last_host_bytes / 2**30:.3f} GiB "
-                         f"host copy on rank 0, written in {self.last_timings['total_s']:.2f} s")
+                         f"from rank 0, {self.staging_bytes / 2**30:.3f} GiB host staging, written in "
+                         f"{self.last_timings['total_s']:.2f} s")
         except BaseException as error:  # surfaced on the training thread by wait()/wait_for_copy()
             self._error = error
         finally:
-            self._copied.set()
+            if snapshot is not None:  # a failed write reads no more: the update need not wait (it raises)
+                snapshot.close()
 
     def _commit(self, name: str, meta: dict) -> None:
         deadline, delay = time.monotonic() + self.commit_timeout_s, 0.02

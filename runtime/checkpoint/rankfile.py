@@ -12,8 +12,9 @@
 # which), each widened to whole blocks so that every byte it uses is checked; the reads run on a small thread
 # pool, straight into their destination where the layouts allow (pread and crc32 both let go of the GIL), or,
 # for a scatter, checked and handed over from a mapping of the file (locally) or a buffer (S3).
-# A save writes each tensor's bytes from memory (no serialization, no copy) while another thread computes the
-# block checksums from the same memory, and (locally) a third starts the disk on what is written.
+# A save writes each tensor's bytes from memory (no serialization, no copy; an async save of host tensors reads
+# them in place, chunk by chunk: staging.py) while another thread computes the block checksums from the same
+# memory, and (locally) a third starts the disk on what is written.
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -124,12 +125,28 @@ def _rows(runs: list) -> torch.Tensor:
     return torch.cat([torch.arange(a, b) for a, b in runs])
 
 
-def write_rank_file(path: str, header: dict, pieces: dict, *, flush_early: bool = False) -> dict:
+def saved_tensors(pieces: dict) -> list[torch.Tensor]:
+    """The tensors of `pieces` in the order their bytes lie in a rank file."""
+    return [piece[key] for section in ("model", "optim") for entries in pieces.get(section, {}).values()
+            for piece in entries for key in TENSOR_KEYS if isinstance(piece.get(key), torch.Tensor)]
+
+
+def _whole(tensors: list[torch.Tensor]) -> Iterator[tuple[int, int, memoryview]]:
+    for i, tensor in enumerate(tensors):
+        yield i, 0, _bytes(tensor)
+
+
+def write_rank_file(path: str, header: dict, pieces: dict, *, flush_early: bool = False,
+                    chunks: Iterator[tuple[int, int, memoryview]] | None = None) -> dict:
     """Write `header` and `pieces` ({"model": {name: [piece]}, "optim": ...}, tensors on the host) to `path` in
     this format; returns the digest for the .done marker and COMMIT: size and sha256 of the index. The caller
-    makes the file durable (the storage's put_file fsyncs it)."""
+    makes the file durable (the storage's put_file fsyncs it).
+
+    chunks: where the tensors' bytes come from, as (index in saved_tensors(pieces), first byte, bytes), in order
+    and each starting on a checksum block (staging.StreamedSnapshot.chunks); a chunk is written and checksummed
+    before the next is asked for. Default: each tensor's memory, whole."""
     listed: dict = {}
-    tensors: list[tuple[dict, torch.Tensor]] = []
+    records: list[dict] = []
     offset = 0
     for section in ("model", "optim"):
         listed[section] = {}
@@ -144,25 +161,25 @@ def write_rank_file(path: str, header: dict, pieces: dict, *, flush_early: bool 
                     tensor = piece.get(key)
                     if isinstance(tensor, torch.Tensor):
                         entry[key] = {"offset": offset, "dtype": str(tensor.dtype).removeprefix("torch."),
-                                      "shape": list(tensor.shape)}
-                        tensors.append((entry[key], tensor))
+                                      "shape": list(tensor.shape), "crc32": []}
+                        records.append(entry[key])
                         offset += tensor.numel() * tensor.element_size()
                         offset += -offset % ALIGN
                 out.append(entry)
             listed[section][name] = out
+    if chunks is None:
+        chunks = _whole(saved_tensors(pieces))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     flusher = _EarlyFlush(fd) if flush_early else None
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="nxdt-checkpoint-crc") as hasher:
-            pending = []
-            for record, tensor in tensors:
-                data = _bytes(tensor)
-                pending.append((record, hasher.submit(block_crcs, data)))
-                _pwrite_all(fd, data, record["offset"])
+            for i, start, data in chunks:
+                assert start % BLOCK == 0, start
+                crcs = hasher.submit(block_crcs, data)  # from the same memory, while it is written
+                _pwrite_all(fd, data, records[i]["offset"] + start)
                 if flusher is not None:
                     flusher.wrote(len(data))
-            for record, crcs in pending:
-                record["crc32"] = crcs.result()
+                records[i]["crc32"] += crcs.result()
         buffer = io.BytesIO()
         torch.save({**header, "block_bytes": BLOCK, "pieces": json.dumps(listed, separators=(",", ":"))}, buffer)
         data = buffer.getvalue()

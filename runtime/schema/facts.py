@@ -56,6 +56,26 @@ PRECISION_POLICIES: dict[str, PrecisionPolicy] = {
     "autocast": PrecisionPolicy("fp32", False, False, "bf16"),
 }
 
+# Host memory an asynchronous checkpoint holds besides the rank's state (runtime/checkpoint/staging.py). Where the
+# state is on an accelerator the save copies all of it to host buffers (the writer thread cannot read device memory
+# while the next step runs) and keeps them for the run. Where it is host memory already (CPU) the writer reads it in
+# place, chunk by chunk, and the next optimizer step, before it changes anything, copies what is not written yet
+# into a ring of chunks and waits for the writer to get through the rest: the ring is 1/16 of what the rank saves,
+# in whole chunks, at most 256 MiB (none at all: the step waits for the whole write).
+CHECKPOINT_CHUNK_BYTES = 16 << 20   # a multiple of the rank file's checksum block (1 MiB)
+CHECKPOINT_RING_FRACTION = 16
+CHECKPOINT_RING_MAX_BYTES = 256 << 20
+
+
+def checkpoint_staging_bytes(saved_bytes: float, *, state_on_host: bool) -> int:
+    """Host bytes an async save of `saved_bytes` holds besides the live state: the ring on CPU, a full copy
+    elsewhere."""
+    if not state_on_host:
+        return int(saved_bytes)
+    ring = int(saved_bytes) // CHECKPOINT_RING_FRACTION // CHECKPOINT_CHUNK_BYTES * CHECKPOINT_CHUNK_BYTES
+    return min(ring, CHECKPOINT_RING_MAX_BYTES)
+
+
 # "Temporary failure, try again" (sysexits.h EX_TEMPFAIL): training saved a checkpoint and stopped (runtime/
 # preemption.py); the job script requeues on it, the launcher reports "stopped at a checkpoint".
 PREEMPTED_EXIT_CODE = 75

@@ -1,5 +1,5 @@
-# The checkpoint manager's guarantees: an async save writes exactly what a sync save writes; only committed
-# checkpoints are loaded, counted or kept; a crash in the middle of a write leaves the previous one as latest.
+# The checkpoint manager's guarantees: only committed checkpoints are loaded, counted or kept; a crash in the middle
+# of a write leaves the previous one as latest. (An async save writes what a sync save writes: test_streamed_save.py.)
 import multiprocessing
 import os
 import signal
@@ -15,37 +15,6 @@ from runtime.checkpoint import resolve_checkpoint
 from tests.checkpoint import crash_writer
 from tests.checkpoint import harness as CH
 from tests.runtime_parallel.dist_utils import run_distributed
-
-
-def _async_vs_sync(directory: str) -> dict:
-    cfg, topo, model, optimizer = CH.build("llama", CH.L(tp=1, zero1=True), seed=3)
-    for i in range(2):
-        CH.step(cfg, topo, model, optimizer, i)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sync = Checkpointer(f"{directory}/sync", rank=rank, world_size=world, token="0", async_save=False)
-    sync.save(2, model, optimizer, topo, extra={"step": 2}, config={})
-    deferred = Checkpointer(f"{directory}/async", rank=rank, world_size=world, token="0", async_save=True,
-                            deferred_copy=True)
-    deferred.save(2, model, optimizer, topo, extra={"step": 2}, config={})
-    # Training goes on at once: the next update waits for the background copy, and changes the live weights.
-    CH.step(cfg, topo, model, optimizer, 2)
-    deferred.wait()
-    dist.barrier()
-    return {"host_bytes": deferred.last_host_bytes, "sync_bytes": sync.last_host_bytes}
-
-
-def test_async_save_with_deferred_copy_writes_what_a_sync_save_writes(tmp_path):
-    ranks = run_distributed(_async_vs_sync, world_size=2, args=(str(tmp_path),))
-    assert all(r["host_bytes"] > 0 for r in ranks)  # reported host memory of the copy
-    # A save of a state already on the host has no copy; what its file needs (named when the disk is full) is
-    # the same size (issue 39: it once said "about 0 bytes").
-    assert all(r["sync_bytes"] == r["host_bytes"] for r in ranks), ranks
-    a = full_tensors(read_rank_files(open_storage(tmp_path / "sync"), "step_00000002.0"))
-    b = full_tensors(read_rank_files(open_storage(tmp_path / "async"), "step_00000002.0"))
-    assert a.names() == b.names() and a.names()
-    for name in a.names():
-        for key in ("value", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a.get(name, key), b.get(name, key)), (name, key)
 
 
 def _save_steps(directory: str, steps: list[int], keep: int | None, token: str) -> None:
