@@ -12,6 +12,15 @@ dict that depends on nothing but what its key names:
 - the working directory (${cwd:});
 - and, checked on reading, the value of every environment variable ${oc.env:NAME} read (launcher/resolvers.py).
 
+Where the launch's files go is not in the key: base_results_dir, run_name and each stage's run.name, when given
+as a plain word or path (`base_results_dir=/fsx/results`, `training.run.name=gpt3_175b_v2`), are left out of it.
+Such a launch composes without them, sets each of those keys to a placeholder of its own before resolving, and
+stores the config with the placeholders in it, and each key's own value in terms of the others' placeholders
+(run_name is the training run's name); a launch then puts its values, as given or as the entry holds them, in
+their place. A value reaches the rest of the config only by interpolation, so this is what a fresh compose gives;
+where a resolver is handed one of them as an argument (${oc.env:X,${base_results_dir}}), or a key holds something
+other than a string, the entry says so and the launch is keyed on every override as typed.
+
 A hit imports neither Hydra nor OmegaConf. Nothing that failed is stored, so a mistake is reported by compose.py
 every time, as before. Not cached: a file choice (training=@FILE, read from outside conf/), an override of
 `hydra.*` (hydra.searchpath adds config directories), choices registered in this process's ConfigStore, a config
@@ -72,23 +81,243 @@ def resolved(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     """compose.resolve(compose.compose(overrides)) and compose's warnings, from the cache when nothing it reads has
     changed; a UserError exactly as compose.py raises it otherwise."""
     where = cache_dir()
-    key = cache_key(overrides) if where is not None else None
-    path = where / "compose" / f"{key.digest}.json" if key is not None else None
-    if path is not None and (hit := load(path)) is not None:
-        return hit
+    inputs = _inputs(overrides) if where is not None else None
+    if inputs is None:
+        return _compose(overrides, None, None)
+    if (split := split_locations(overrides)) is not None:
+        kept, given = split
+        general = _key(inputs, kept, general=True)
+        path = where / "compose" / f"{general.digest}.json"
+        entry = load(path)
+        if entry is not None and "placeholders" in entry:
+            if (cfg := fill(entry, given)) is not None:
+                return cfg, entry["warnings"]
+        elif entry is None:  # compose it for every location; `None` when it cannot be
+            if (made := _compose_general(kept, given, general, path, overrides)) is not None:
+                return made
+    key = _key(inputs, overrides)
+    path = where / "compose" / f"{key.digest}.json"
+    if (entry := load(path)) is not None and "config" in entry:
+        return entry["config"], entry["warnings"]
+    return _compose(overrides, None if key.racy else path, overrides)
+
+
+def _compose(overrides: list[str], path: Path | None, typed: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     from launcher.compose import compose, resolve
     from launcher.resolvers import recording_env
 
     warnings: list[str] = []
     with recording_env() as env_reads:
         cfg = resolve(compose(overrides, warnings))
-    if path is not None and not key.racy and storable(cfg, overrides):
+    if path is not None and storable(cfg, typed):
         store(path, {"env": env_reads, "warnings": warnings, "config": cfg})
     return cfg, warnings
 
 
-def cache_key(overrides: list[str]) -> Key | None:
-    """None when these overrides read something the key cannot name."""
+# --- the locations of a launch's files, out of the key ---------------------------------------------------------
+
+# The keys that say where a launch's files go; besides these, each stage's `run.name` (LOCATIONS_UNDER).
+LOCATIONS = ("base_results_dir", "run_name")
+LOCATIONS_UNDER = "run.name"
+# A value that Hydra's override grammar reads back as this very string (not a number, a boolean, null, a list or
+# an interpolation), and that no resolver would take apart: a word or a path.
+PLAIN_WORD = re.compile(r"[A-Za-z0-9_./+-]+")
+NOT_STRINGS = ("true", "false", "null", "inf", "nan")
+
+
+def _location(key: str) -> bool:
+    group, _, rest = key.partition(".")
+    return key in LOCATIONS or (group in CONFIG_GROUPS and rest == LOCATIONS_UNDER)
+
+
+def _plain_word(value: str) -> bool:
+    if not PLAIN_WORD.fullmatch(value):
+        return False
+    return "/" in value or ((value[0].isalpha() or value[0] == "_") and value.lower() not in NOT_STRINGS)
+
+
+def split_locations(overrides: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """(the other overrides, {location key: value, the last given}), or None when a location is given in another
+    form (an interpolation, a number, `+key=`), or another override touches one (`training.run={...}`,
+    `~training.run`): then every override is keyed as typed."""
+    kept, given = [], {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and _location(key):
+            if not _plain_word(value):
+                return None
+            given[key] = value
+        else:
+            kept.append(override)
+    for override in kept:
+        key = override.partition("=")[0].lstrip("+~")
+        if key not in CONFIG_GROUPS and any(k == key or k.startswith(key + ".") or key.startswith(k + ".")
+                                            for k in [*LOCATIONS, *(f"{g}.{LOCATIONS_UNDER}" for g in CONFIG_GROUPS)]):
+            return None
+    return kept, given
+
+
+def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Path,
+                     overrides: list[str]) -> tuple[dict[str, Any], list[str]] | None:
+    """The config of `kept` with a placeholder at each location, stored at `path`, filled with `given`; or None
+    (and an entry that says so) when it would not be what a fresh compose gives. A mistake is left to the caller's
+    compose of every override as typed, which names it as always."""
+    from launcher.compose import compose, resolve
+    from launcher.errors import UserError
+    from launcher.resolvers import recording_env
+
+    warnings: list[str] = []
+    with recording_env() as env_reads:
+        try:
+            cfg = compose(kept, warnings)
+            placed = _place(cfg, key.digest[:16])
+            if placed is not None and not set(given) <= set(placed["placeholders"]):
+                return None  # a key this config lacks: the compose of every override names it
+            if placed is None:
+                general = None
+            else:
+                with _watching_resolvers(placed["placeholders"].values()) as handed:
+                    general = resolve(cfg)
+                tokens = placed["placeholders"].values()
+                if handed or any(t in name for t in tokens for name in env_reads) or not _keys_plain(general, tokens):
+                    general = None
+        except UserError:
+            return None
+    if key.racy:
+        path = None
+    if general is None:
+        if path is not None:
+            store(path, {"env": env_reads, "warnings": warnings})  # a launch of these overrides is keyed as typed
+        return None
+    entry = {"env": env_reads, "warnings": warnings, "config": general, **placed}
+    if path is not None and storable(general, overrides):
+        store(path, entry)
+    cfg = fill(entry, given)
+    return None if cfg is None else (cfg, warnings)
+
+
+def _place(cfg, salt: str) -> dict[str, Any] | None:
+    """Sets every location of the composed `cfg` to a placeholder (`salt` makes it one no value holds by chance:
+    part of the entry's key): {"placeholders": {key: placeholder},
+    "defaults": {key: its own value, resolved, with the other keys' placeholders in it}}, or None when one of them
+    holds something else than a string."""
+    from omegaconf import OmegaConf
+
+    keys = [*LOCATIONS, *(f"{g}.{LOCATIONS_UNDER}" for g in CONFIG_GROUPS)]
+    nodes = {}
+    for key in keys:
+        parent, _, leaf = key.rpartition(".")
+        container = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+        if not OmegaConf.is_dict(container) or leaf not in container:
+            continue
+        node = container._get_node(leaf)
+        if OmegaConf.is_config(node) or not isinstance(node._value(), str):
+            return None
+        nodes[key] = (container, leaf, node._value())
+    placeholders = {key: f"@@nxdt-{salt}-{i}@@" for i, key in enumerate(nodes)}
+    for key, (container, leaf, _) in nodes.items():
+        container[leaf] = placeholders[key]
+    defaults = {}
+    for key, (container, leaf, own) in nodes.items():
+        container[leaf] = own
+        defaults[key] = OmegaConf.select(cfg, key, throw_on_resolution_failure=False, throw_on_missing=False)
+        container[leaf] = placeholders[key]
+        if not isinstance(defaults[key], str):
+            return None
+    return {"placeholders": placeholders, "defaults": defaults}
+
+
+class _watching_resolvers:
+    """Within the block, whether any resolver was called with an argument that holds one of `tokens`: a value that
+    does not flow into the config as text. OmegaConf keeps its resolvers in BaseContainer._resolvers; where it does
+    not, every call counts as such."""
+
+    def __init__(self, tokens):
+        self.tokens, self.handed = tuple(tokens), []
+
+    def __enter__(self) -> list[str]:
+        from omegaconf.basecontainer import BaseContainer
+
+        self.registry = getattr(BaseContainer, "_resolvers", None)
+        if not isinstance(self.registry, dict):
+            self.handed.append("?")
+            return self.handed
+        self.saved = dict(self.registry)
+        for name, call in self.saved.items():
+            self.registry[name] = self._watch(name, call)
+        return self.handed
+
+    def _watch(self, name, call):
+        def watched(config, parent, node, args, args_str):
+            if any(token in (arg if isinstance(arg, str) else repr(arg)) for arg in args for token in self.tokens):
+                self.handed.append(name)
+            return call(config, parent, node, args, args_str)
+        return watched
+
+    def __exit__(self, *exc) -> None:
+        if isinstance(self.registry, dict):
+            self.registry.clear()
+            self.registry.update(self.saved)
+
+
+def _keys_plain(value: Any, tokens) -> bool:
+    """No placeholder in a mapping's key: fill() puts values in strings only."""
+    if isinstance(value, dict):
+        return all(not any(t in k for t in tokens) and _keys_plain(v, tokens) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_keys_plain(v, tokens) for v in value)
+    return True
+
+
+def fill(entry: dict[str, Any], given: dict[str, str]) -> dict[str, Any] | None:
+    """The entry's config with each placeholder replaced by its location's value: as given, else the entry's
+    default with the other locations' values in it. None when the entry does not name a location that is given or
+    the defaults read each other in a circle (a fresh compose reports what is wrong)."""
+    placeholders, defaults = entry["placeholders"], entry["defaults"]
+    if not set(given) <= set(placeholders) or set(defaults) != set(placeholders):
+        return None
+    pattern = re.compile("|".join(re.escape(token) for token in placeholders.values()))
+    key_of = {token: key for key, token in placeholders.items()}
+    values: dict[str, str] = {}
+
+    def value(key: str, reading: tuple[str, ...]) -> str:
+        if key not in values:
+            if key in reading:
+                raise RecursionError(key)
+            text = given[key] if key in given else defaults[key]
+            values[key] = pattern.sub(lambda m: value(key_of[m.group()], (*reading, key)), text)
+        return values[key]
+
+    try:
+        for key in placeholders:
+            value(key, ())
+    except RecursionError:
+        return None
+    by_token = {token: values[key] for key, token in placeholders.items()}
+    marker = "@@nxdt-"
+
+    def put(node: Any) -> Any:
+        if isinstance(node, str):
+            return pattern.sub(lambda m: by_token[m.group()], node) if marker in node else node
+        if isinstance(node, dict):
+            return {k: put(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [put(v) for v in node]
+        return node
+
+    return put(entry["config"])
+
+
+def _key(inputs: tuple[list, int], overrides: list[str], general: bool = False) -> Key:
+    """`general`: the key of a config with its locations as placeholders (split_locations)."""
+    material, newest = inputs
+    digest = hashlib.sha256(json.dumps([FORMAT, general, list(overrides), *material]).encode()).hexdigest()
+    return Key(digest, racy=newest > time.time_ns() - RACY_NS)
+
+
+def _inputs(overrides: list[str]) -> tuple[list, int] | None:
+    """What a key names besides the overrides, and the newest file's mtime; None when these overrides read
+    something a key cannot name."""
     for override in overrides:
         name, _, value = override.partition("=")
         name = name.lstrip("+~")
@@ -105,9 +334,7 @@ def cache_key(overrides: list[str]) -> Key | None:
         return None
     if None in versions:
         return None
-    material = json.dumps([FORMAT, sys.version, cwd, str(conf), list(overrides), versions, files])
-    newest = max((mtime for _, mtime, _ in files), default=0)
-    return Key(hashlib.sha256(material.encode()).hexdigest(), racy=newest > time.time_ns() - RACY_NS)
+    return [sys.version, cwd, str(conf), versions, files], max((mtime for _, mtime, _ in files), default=0)
 
 
 def _stamps(root: Path, wanted) -> list[tuple[str, int, int]]:
@@ -146,9 +373,8 @@ def _registered_choices() -> bool:
     return any(group in repo for group in CONFIG_GROUPS)
 
 
-def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
-    """The entry's (config, warnings), or None when there is none, it is damaged, or an environment variable it
-    read has changed."""
+def load(path: Path) -> dict[str, Any] | None:
+    """The entry, or None when there is none, it is damaged, or an environment variable it read has changed."""
     try:
         data = path.read_bytes()
         header, _, body = data.partition(b"\n")
@@ -157,8 +383,10 @@ def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
         entry = json.loads(body)
         if any(os.environ.get(name) != value for name, value in entry["env"].items()):
             return None
-        cfg, warnings = entry["config"], entry["warnings"]
-        if not isinstance(cfg, dict) or not isinstance(warnings, list):
+        if not isinstance(entry.get("config", {}), dict) or not isinstance(entry["warnings"], list):
+            return None
+        if "placeholders" in entry and not (isinstance(entry["placeholders"], dict) and "config" in entry
+                                            and isinstance(entry["defaults"], dict)):
             return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
@@ -166,7 +394,7 @@ def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
         os.utime(path)  # recently used: kept when old entries are removed
     except OSError:
         pass
-    return cfg, warnings
+    return entry
 
 
 def storable(cfg: dict[str, Any], overrides: list[str]) -> bool:
