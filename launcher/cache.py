@@ -12,14 +12,11 @@ dict that depends on nothing but what its key names:
 - the working directory (${cwd:});
 - and, checked on reading, the value of every environment variable ${oc.env:NAME} read (launcher/resolvers.py).
 
-Where the launch's files go is not in the key: base_results_dir, run_name and each stage's run.name, when given
-as a plain word or path (`base_results_dir=/fsx/results`, `training.run.name=gpt3_175b_v2`), are left out of it.
-Such a launch composes without them, sets each of those keys to a placeholder of its own before resolving, and
-stores the config with the placeholders in it, and each key's own value in terms of the others' placeholders
-(run_name is the training run's name); a launch then puts its values, as given or as the entry holds them, in
-their place. A value reaches the rest of the config only by interpolation, so this is what a fresh compose gives;
-where a resolver is handed one of them as an argument (${oc.env:X,${base_results_dir}}), or a key holds something
-other than a string, the entry says so and the launch is keyed on every override as typed.
+Where the launch's files go is not in the key: base_results_dir, run_name and each stage's run.name, given as a
+plain word or path (`base_results_dir=/fsx/results`, `training.run.name=gpt3_175b_v2`) or not at all, are left out
+of it, and the entry holds placeholders in their place (launcher/placeholders.py), filled for each launch. Where one
+of them does not reach the config as text (a resolver is handed it as an argument), the entry says so, and the
+launch is keyed on every override as typed.
 
 A hit imports neither Hydra nor OmegaConf. Nothing that failed is stored, so a mistake is reported by compose.py
 every time, as before. Not cached: a file choice (training=@FILE, read from outside conf/), an override of
@@ -47,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import placeholders
 from launcher.paths import CONFIG_GROUPS, conf_dir
 
 ENV = "NXDT_LAUNCH_CACHE"
@@ -84,13 +82,13 @@ def resolved(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     inputs = _inputs(overrides) if where is not None else None
     if inputs is None:
         return _compose(overrides, None, None)
-    if (split := split_locations(overrides)) is not None:
+    if (split := placeholders.split_locations(overrides)) is not None:
         kept, given = split
         general = _key(inputs, kept, general=True)
         path = where / "compose" / f"{general.digest}.json"
         entry = load(path)
         if entry is not None and "placeholders" in entry:
-            if (cfg := fill(entry, given)) is not None:
+            if (cfg := placeholders.fill(entry, given)) is not None:
                 return cfg, entry["warnings"]
         elif entry is None:  # compose it for every location; `None` when it cannot be
             if (made := _compose_general(kept, given, general, path, overrides)) is not None:
@@ -114,49 +112,6 @@ def _compose(overrides: list[str], path: Path | None, typed: list[str] | None) -
     return cfg, warnings
 
 
-# --- the locations of a launch's files, out of the key ---------------------------------------------------------
-
-# The keys that say where a launch's files go; besides these, each stage's `run.name` (LOCATIONS_UNDER).
-LOCATIONS = ("base_results_dir", "run_name")
-LOCATIONS_UNDER = "run.name"
-# A value that Hydra's override grammar reads back as this very string (not a number, a boolean, null, a list or
-# an interpolation), and that no resolver would take apart: a word or a path.
-PLAIN_WORD = re.compile(r"[A-Za-z0-9_./+-]+")
-NOT_STRINGS = ("true", "false", "null", "inf", "nan")
-
-
-def _location(key: str) -> bool:
-    group, _, rest = key.partition(".")
-    return key in LOCATIONS or (group in CONFIG_GROUPS and rest == LOCATIONS_UNDER)
-
-
-def _plain_word(value: str) -> bool:
-    if not PLAIN_WORD.fullmatch(value):
-        return False
-    return "/" in value or ((value[0].isalpha() or value[0] == "_") and value.lower() not in NOT_STRINGS)
-
-
-def split_locations(overrides: list[str]) -> tuple[list[str], dict[str, str]] | None:
-    """(the other overrides, {location key: value, the last given}), or None when a location is given in another
-    form (an interpolation, a number, `+key=`), or another override touches one (`training.run={...}`,
-    `~training.run`): then every override is keyed as typed."""
-    kept, given = [], {}
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if sep and _location(key):
-            if not _plain_word(value):
-                return None
-            given[key] = value
-        else:
-            kept.append(override)
-    for override in kept:
-        key = override.partition("=")[0].lstrip("+~")
-        if key not in CONFIG_GROUPS and any(k == key or k.startswith(key + ".") or key.startswith(k + ".")
-                                            for k in [*LOCATIONS, *(f"{g}.{LOCATIONS_UNDER}" for g in CONFIG_GROUPS)]):
-            return None
-    return kept, given
-
-
 def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Path,
                      overrides: list[str]) -> tuple[dict[str, Any], list[str]] | None:
     """The config of `kept` with a placeholder at each location, stored at `path`, filled with `given`; or None
@@ -170,17 +125,10 @@ def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Pat
     with recording_env() as env_reads:
         try:
             cfg = compose(kept, warnings)
-            placed = _place(cfg, key.digest[:16])
+            placed = placeholders.place(cfg, key.digest[:16])
             if placed is not None and not set(given) <= set(placed["placeholders"]):
                 return None  # a key this config lacks: the compose of every override names it
-            if placed is None:
-                general = None
-            else:
-                with _watching_resolvers(placed["placeholders"].values()) as handed:
-                    general = resolve(cfg)
-                tokens = placed["placeholders"].values()
-                if handed or any(t in name for t in tokens for name in env_reads) or not _keys_plain(general, tokens):
-                    general = None
+            general = None if placed is None else placeholders.resolve_placed(cfg, placed, resolve, env_reads)
         except UserError:
             return None
     if key.racy:
@@ -192,120 +140,8 @@ def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Pat
     entry = {"env": env_reads, "warnings": warnings, "config": general, **placed}
     if path is not None and storable(general, overrides):
         store(path, entry)
-    cfg = fill(entry, given)
+    cfg = placeholders.fill(entry, given)
     return None if cfg is None else (cfg, warnings)
-
-
-def _place(cfg, salt: str) -> dict[str, Any] | None:
-    """Sets every location of the composed `cfg` to a placeholder (`salt` makes it one no value holds by chance:
-    part of the entry's key): {"placeholders": {key: placeholder},
-    "defaults": {key: its own value, resolved, with the other keys' placeholders in it}}, or None when one of them
-    holds something else than a string."""
-    from omegaconf import OmegaConf
-
-    keys = [*LOCATIONS, *(f"{g}.{LOCATIONS_UNDER}" for g in CONFIG_GROUPS)]
-    nodes = {}
-    for key in keys:
-        parent, _, leaf = key.rpartition(".")
-        container = OmegaConf.select(cfg, parent, default=None) if parent else cfg
-        if not OmegaConf.is_dict(container) or leaf not in container:
-            continue
-        node = container._get_node(leaf)
-        if OmegaConf.is_config(node) or not isinstance(node._value(), str):
-            return None
-        nodes[key] = (container, leaf, node._value())
-    placeholders = {key: f"@@nxdt-{salt}-{i}@@" for i, key in enumerate(nodes)}
-    for key, (container, leaf, _) in nodes.items():
-        container[leaf] = placeholders[key]
-    defaults = {}
-    for key, (container, leaf, own) in nodes.items():
-        container[leaf] = own
-        defaults[key] = OmegaConf.select(cfg, key, throw_on_resolution_failure=False, throw_on_missing=False)
-        container[leaf] = placeholders[key]
-        if not isinstance(defaults[key], str):
-            return None
-    return {"placeholders": placeholders, "defaults": defaults}
-
-
-class _watching_resolvers:
-    """Within the block, whether any resolver was called with an argument that holds one of `tokens`: a value that
-    does not flow into the config as text. OmegaConf keeps its resolvers in BaseContainer._resolvers; where it does
-    not, every call counts as such."""
-
-    def __init__(self, tokens):
-        self.tokens, self.handed = tuple(tokens), []
-
-    def __enter__(self) -> list[str]:
-        from omegaconf.basecontainer import BaseContainer
-
-        self.registry = getattr(BaseContainer, "_resolvers", None)
-        if not isinstance(self.registry, dict):
-            self.handed.append("?")
-            return self.handed
-        self.saved = dict(self.registry)
-        for name, call in self.saved.items():
-            self.registry[name] = self._watch(name, call)
-        return self.handed
-
-    def _watch(self, name, call):
-        def watched(config, parent, node, args, args_str):
-            if any(token in (arg if isinstance(arg, str) else repr(arg)) for arg in args for token in self.tokens):
-                self.handed.append(name)
-            return call(config, parent, node, args, args_str)
-        return watched
-
-    def __exit__(self, *exc) -> None:
-        if isinstance(self.registry, dict):
-            self.registry.clear()
-            self.registry.update(self.saved)
-
-
-def _keys_plain(value: Any, tokens) -> bool:
-    """No placeholder in a mapping's key: fill() puts values in strings only."""
-    if isinstance(value, dict):
-        return all(not any(t in k for t in tokens) and _keys_plain(v, tokens) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_keys_plain(v, tokens) for v in value)
-    return True
-
-
-def fill(entry: dict[str, Any], given: dict[str, str]) -> dict[str, Any] | None:
-    """The entry's config with each placeholder replaced by its location's value: as given, else the entry's
-    default with the other locations' values in it. None when the entry does not name a location that is given or
-    the defaults read each other in a circle (a fresh compose reports what is wrong)."""
-    placeholders, defaults = entry["placeholders"], entry["defaults"]
-    if not set(given) <= set(placeholders) or set(defaults) != set(placeholders):
-        return None
-    pattern = re.compile("|".join(re.escape(token) for token in placeholders.values()))
-    key_of = {token: key for key, token in placeholders.items()}
-    values: dict[str, str] = {}
-
-    def value(key: str, reading: tuple[str, ...]) -> str:
-        if key not in values:
-            if key in reading:
-                raise RecursionError(key)
-            text = given[key] if key in given else defaults[key]
-            values[key] = pattern.sub(lambda m: value(key_of[m.group()], (*reading, key)), text)
-        return values[key]
-
-    try:
-        for key in placeholders:
-            value(key, ())
-    except RecursionError:
-        return None
-    by_token = {token: values[key] for key, token in placeholders.items()}
-    marker = "@@nxdt-"
-
-    def put(node: Any) -> Any:
-        if isinstance(node, str):
-            return pattern.sub(lambda m: by_token[m.group()], node) if marker in node else node
-        if isinstance(node, dict):
-            return {k: put(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [put(v) for v in node]
-        return node
-
-    return put(entry["config"])
 
 
 def _key(inputs: tuple[list, int], overrides: list[str], general: bool = False) -> Key:
