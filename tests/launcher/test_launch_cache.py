@@ -135,6 +135,17 @@ def test_a_location_a_resolver_reads_is_keyed_as_typed(launch, tmp_path):
     assert not launch(*base, "training.run.name=second", env=env)["hydra"]  # keyed on the name, as typed
 
 
+def test_a_location_set_again_by_another_override_is_keyed_as_typed(launch):
+    """Hydra applies overrides in order: `training.run={name:second}` names the run again after
+    `training.run.name=first`, so the name cannot be filled in after composing."""
+    overrides = ["stages=[training]", "training=gpt3/tiny", "cluster_type=slurm", "training.run.name=first",
+                 "training.run={name:second}"]
+    fresh = launch(*overrides, env={"NXDT_LAUNCH_CACHE": "off"})
+    cached = launch(*overrides)
+    assert fresh["code"] == 0 and "second/training/training.sbatch" in fresh["files"]
+    assert (cached["code"], cached["files"]) == (0, fresh["files"])
+
+
 def _conf_copy(tmp_path: Path) -> Path:
     """conf/ with every file dated a day back: none of them counts as just changed."""
     conf = tmp_path / "conf"
