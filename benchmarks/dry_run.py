@@ -5,7 +5,7 @@ results directory DIR each run, median of several runs, next to references timed
 - cache warm / cold / off: the launch cache (launcher/cache.py) holding the config and compiled templates of an
   earlier launch into another results directory under another run name (training.run.name=warm_up), emptied before
   each run (compose, then store), or switched off (NXDT_LAUNCH_CACHE=off, compose only);
-- on pcluster_trn1: the cluster switches the recipe to gpt3/175b_trn1 (launcher/targets.py), two composes uncached;
+- on pcluster_trn1: the cluster switches the recipe to gpt3/175b_trn1 (launcher/targets.py, one compose uncached);
 - python -c pass: the interpreter's own start-up, the floor for any Python launcher;
 - Hydra compose alone: what composing our conf/ costs without validation, rendering or writing;
 - import torch: what a launcher that imported torch at start-up would pay before doing anything.
