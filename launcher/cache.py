@@ -12,6 +12,12 @@ dict that depends on nothing but what its key names:
 - the working directory (${cwd:});
 - and, checked on reading, the value of every environment variable ${oc.env:NAME} read (launcher/resolvers.py).
 
+Where the launch's files go is not in the key: base_results_dir, run_name and each stage's run.name, given as a
+plain word or path (`base_results_dir=/fsx/results`, `training.run.name=gpt3_175b_v2`) or not at all, are left out
+of it, and the entry holds placeholders in their place (launcher/placeholders.py), filled for each launch. Where one
+of them does not reach the config as text (a resolver is handed it as an argument), the entry says so, and the
+launch is keyed on every override as typed.
+
 A hit imports neither Hydra nor OmegaConf. Nothing that failed is stored, so a mistake is reported by compose.py
 every time, as before. Not cached: a file choice (training=@FILE, read from outside conf/), an override of
 `hydra.*` (hydra.searchpath adds config directories), choices registered in this process's ConfigStore, a config
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import placeholders
 from launcher.paths import CONFIG_GROUPS, conf_dir
 
 ENV = "NXDT_LAUNCH_CACHE"
@@ -72,23 +79,81 @@ def resolved(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     """compose.resolve(compose.compose(overrides)) and compose's warnings, from the cache when nothing it reads has
     changed; a UserError exactly as compose.py raises it otherwise."""
     where = cache_dir()
-    key = cache_key(overrides) if where is not None else None
-    path = where / "compose" / f"{key.digest}.json" if key is not None else None
-    if path is not None and (hit := load(path)) is not None:
-        return hit
+    inputs = _inputs(overrides) if where is not None else None
+    if inputs is None:
+        return _compose(overrides, None, None)
+    if (split := placeholders.split_locations(overrides)) is not None:
+        kept, given = split
+        general = _key(inputs, kept, general=True)
+        path = where / "compose" / f"{general.digest}.json"
+        entry = load(path)
+        if entry is not None and "placeholders" in entry:
+            if (cfg := placeholders.fill(entry, given)) is not None:
+                return cfg, entry["warnings"]
+        elif entry is None:  # compose it for every location; `None` when it cannot be
+            if (made := _compose_general(kept, given, general, path, overrides)) is not None:
+                return made
+    key = _key(inputs, overrides)
+    path = where / "compose" / f"{key.digest}.json"
+    if (entry := load(path)) is not None and "config" in entry:
+        return entry["config"], entry["warnings"]
+    return _compose(overrides, None if key.racy else path, overrides)
+
+
+def _compose(overrides: list[str], path: Path | None, typed: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     from launcher.compose import compose, resolve
     from launcher.resolvers import recording_env
 
     warnings: list[str] = []
     with recording_env() as env_reads:
         cfg = resolve(compose(overrides, warnings))
-    if path is not None and not key.racy and storable(cfg, overrides):
+    if path is not None and storable(cfg, typed):
         store(path, {"env": env_reads, "warnings": warnings, "config": cfg})
     return cfg, warnings
 
 
-def cache_key(overrides: list[str]) -> Key | None:
-    """None when these overrides read something the key cannot name."""
+def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Path,
+                     overrides: list[str]) -> tuple[dict[str, Any], list[str]] | None:
+    """The config of `kept` with a placeholder at each location, stored at `path`, filled with `given`; or None
+    (and an entry that says so) when it would not be what a fresh compose gives. A mistake is left to the caller's
+    compose of every override as typed, which names it as always."""
+    from launcher.compose import compose, resolve
+    from launcher.errors import UserError
+    from launcher.resolvers import recording_env
+
+    warnings: list[str] = []
+    with recording_env() as env_reads:
+        try:
+            cfg = compose(kept, warnings)
+            placed = placeholders.place(cfg, key.digest[:16])
+            if placed is not None and not set(given) <= set(placed["placeholders"]):
+                return None  # a key this config lacks: the compose of every override names it
+            general = None if placed is None else placeholders.resolve_placed(cfg, placed, resolve, env_reads)
+        except UserError:
+            return None
+    if key.racy:
+        path = None
+    if general is None:
+        if path is not None:
+            store(path, {"env": env_reads, "warnings": warnings})  # a launch of these overrides is keyed as typed
+        return None
+    entry = {"env": env_reads, "warnings": warnings, "config": general, **placed}
+    if path is not None and storable(general, overrides):
+        store(path, entry)
+    cfg = placeholders.fill(entry, given)
+    return None if cfg is None else (cfg, warnings)
+
+
+def _key(inputs: tuple[list, int], overrides: list[str], general: bool = False) -> Key:
+    """`general`: the key of a config with its locations as placeholders (split_locations)."""
+    material, newest = inputs
+    digest = hashlib.sha256(json.dumps([FORMAT, general, list(overrides), *material]).encode()).hexdigest()
+    return Key(digest, racy=newest > time.time_ns() - RACY_NS)
+
+
+def _inputs(overrides: list[str]) -> tuple[list, int] | None:
+    """What a key names besides the overrides, and the newest file's mtime; None when these overrides read
+    something a key cannot name."""
     for override in overrides:
         name, _, value = override.partition("=")
         name = name.lstrip("+~")
@@ -105,9 +170,7 @@ def cache_key(overrides: list[str]) -> Key | None:
         return None
     if None in versions:
         return None
-    material = json.dumps([FORMAT, sys.version, cwd, str(conf), list(overrides), versions, files])
-    newest = max((mtime for _, mtime, _ in files), default=0)
-    return Key(hashlib.sha256(material.encode()).hexdigest(), racy=newest > time.time_ns() - RACY_NS)
+    return [sys.version, cwd, str(conf), versions, files], max((mtime for _, mtime, _ in files), default=0)
 
 
 def _stamps(root: Path, wanted) -> list[tuple[str, int, int]]:
@@ -146,9 +209,8 @@ def _registered_choices() -> bool:
     return any(group in repo for group in CONFIG_GROUPS)
 
 
-def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
-    """The entry's (config, warnings), or None when there is none, it is damaged, or an environment variable it
-    read has changed."""
+def load(path: Path) -> dict[str, Any] | None:
+    """The entry, or None when there is none, it is damaged, or an environment variable it read has changed."""
     try:
         data = path.read_bytes()
         header, _, body = data.partition(b"\n")
@@ -157,8 +219,10 @@ def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
         entry = json.loads(body)
         if any(os.environ.get(name) != value for name, value in entry["env"].items()):
             return None
-        cfg, warnings = entry["config"], entry["warnings"]
-        if not isinstance(cfg, dict) or not isinstance(warnings, list):
+        if not isinstance(entry.get("config", {}), dict) or not isinstance(entry["warnings"], list):
+            return None
+        if "placeholders" in entry and not (isinstance(entry["placeholders"], dict) and "config" in entry
+                                            and isinstance(entry["defaults"], dict)):
             return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
@@ -166,7 +230,7 @@ def load(path: Path) -> tuple[dict[str, Any], list[str]] | None:
         os.utime(path)  # recently used: kept when old entries are removed
     except OSError:
         pass
-    return cfg, warnings
+    return entry
 
 
 def storable(cfg: dict[str, Any], overrides: list[str]) -> bool:

@@ -145,12 +145,15 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
     from hydra import initialize_config_dir
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
-    from launcher import nxdt_config, targets
+    from launcher import targets
 
     register_resolvers()
-    overrides, file_warnings = nxdt_config.expand(list(overrides))
-    if warnings is not None:
-        warnings += file_warnings
+    if any(_value_text(o).startswith("@") for o in overrides):  # a file choice, perhaps: imported only for one
+        from launcher import nxdt_config
+
+        overrides, file_warnings = nxdt_config.expand(list(overrides))
+        if warnings is not None:
+            warnings += file_warnings
     typed = list(overrides)
     check_overrides(typed)
     overrides = [_with_open_map_prefix(o) for o in overrides]

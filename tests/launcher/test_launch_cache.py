@@ -96,6 +96,56 @@ def test_a_hit_writes_byte_for_byte_what_a_fresh_compose_writes_without_importin
         assert result["files"] == fresh["files"]
 
 
+@pytest.mark.parametrize("names", [
+    [],
+    ["training.run.name=other"],
+    ["run_name=top", "conversion.run.name=conv"],
+], ids=["recipe-name", "training-name", "run-and-conversion-name"])
+def test_a_launch_into_another_results_dir_and_run_name_is_a_hit_that_writes_what_a_fresh_compose_writes(
+        launch, tmp_path, names):
+    """The entry holds the locations as placeholders (launcher/cache.py): every path, name and interpolation that
+    reads them, the user's own too, comes out as a compose of this launch's overrides gives it."""
+    base = ["stages=[training,conversion,evaluation]", "training=gpt3/175b", "cluster_type=slurm",
+            "env_vars.WHERE=${base_results_dir}/${run_name}:${training.run.name}:${conversion.run.name}"]
+    launch.results = tmp_path / "first"
+    assert launch(*base, "training.run.name=seed", "run_name=seed_run")["code"] == 0
+    launch.results = tmp_path / "second"
+    fresh = launch(*base, *names, env={"NXDT_LAUNCH_CACHE": "off"})
+    assert fresh["code"] == 0 and fresh["files"], fresh["stderr"]
+    hit = launch(*base, *names)
+    assert not hit["hydra"] and len(launch.entries()) == 1
+    assert (hit["code"], hit["stdout"], hit["stderr"], hit["files"]) == (0, fresh["stdout"], fresh["stderr"],
+                                                                        fresh["files"])
+    assert str(launch.results) in hit["stdout"]
+
+
+def test_a_location_a_resolver_reads_is_keyed_as_typed(launch, tmp_path):
+    """${oc.env:NAME,DEFAULT} is handed the run name to build a variable's name, not given it as text: a placeholder
+    in its place would read another variable. Each launch composes and comes out as a fresh compose does."""
+    base = ["stages=[training]", "training=gpt3/tiny", "cluster_type=slurm",
+            "env_vars.FOUND='${oc.env:NXDT_TEST_${training.run.name},unset}'"]
+    env = {"NXDT_TEST_second": "found"}
+    for name in ("first", "second"):
+        launch.results = tmp_path / name
+        fresh = launch(*base, f"training.run.name={name}", env={**env, "NXDT_LAUNCH_CACHE": "off"})
+        cached = launch(*base, f"training.run.name={name}", env=env)
+        assert cached["hydra"] and fresh["code"] == 0 and cached["files"] == fresh["files"]
+        found = "found" if name == "second" else "unset"
+        assert f"export FOUND={found}\n".encode() in cached["files"][f"{name}/training/training.sbatch"]
+    assert not launch(*base, "training.run.name=second", env=env)["hydra"]  # keyed on the name, as typed
+
+
+def test_a_location_set_again_by_another_override_is_keyed_as_typed(launch):
+    """Hydra applies overrides in order: `training.run={name:second}` names the run again after
+    `training.run.name=first`, so the name cannot be filled in after composing."""
+    overrides = ["stages=[training]", "training=gpt3/tiny", "cluster_type=slurm", "training.run.name=first",
+                 "training.run={name:second}"]
+    fresh = launch(*overrides, env={"NXDT_LAUNCH_CACHE": "off"})
+    cached = launch(*overrides)
+    assert fresh["code"] == 0 and "second/training/training.sbatch" in fresh["files"]
+    assert (cached["code"], cached["files"]) == (0, fresh["files"])
+
+
 def _conf_copy(tmp_path: Path) -> Path:
     """conf/ with every file dated a day back: none of them counts as just changed."""
     conf = tmp_path / "conf"
