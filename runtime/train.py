@@ -353,8 +353,8 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
                 device.synchronize()
             elapsed = time.perf_counter() - started
             loss, grad_norm = result.loss, result.grad_norm
-            if not math.isfinite(loss) and not device.trial_run:
-                raise RuntimeError(f"loss became {loss} at step {done}; lower model.optim.lr or check the data")
+            if not math.isfinite(loss) and not device.trial_run:  # the step's one read already holds it
+                raise LossNotFinite(_diverged(loss, done, cfg, checkpoints.last_saved))
             logged = metrics.should_log(done)
             # The signal any rank had received when this step began, agreed inside the step and read with it.
             signum = (int(result.extra[0]) or None) if watch is not None and not device.trial_run else None
@@ -396,6 +396,22 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
         if watch is not None:
             watch.close()
         metrics.close()
+
+
+class LossNotFinite(Exception):
+    """The global loss (the same on every rank) stopped being finite: rank 0 says so in one line, every rank stops."""
+
+
+def _diverged(loss: float, step: int, cfg: TrainingConfig, last_good: int | None) -> str:
+    """What to do about a loss that became NaN or inf: where to restart from, and what to change."""
+    if last_good is not None and cfg.checkpoint.enabled:
+        restart = (f"the last checkpoint is at step {last_good} in {cfg.checkpoint.dirpath} (resume from it after "
+                   f"the change)")
+    else:
+        restart = "no checkpoint was saved before it"
+    clip = "" if cfg.trainer.gradient_clip_val else ", set trainer.gradient_clip_val (e.g. 1.0)"
+    return (f"the loss became {loss} at step {step}; {restart}; lower model.optim.lr{clip}, check the data, and "
+            f"check that the starting weights (model.restore_from_path) are finite")
 
 
 def memory_peaks(device: Device, devices_per_node: int) -> dict:
@@ -469,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         if device.is_main:
             _say(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued")
         return PREEMPTED_EXIT_CODE
+    except LossNotFinite as error:
+        clean = True  # every rank read the same loss after the same step, and stops there
+        if device.is_main:
+            _say(f"error: {error}")
+        return 1
     except PreflightError as error:
         _say(f"error: {_one_line(error)}")
         return PREFLIGHT_EXIT_CODE
