@@ -96,7 +96,8 @@ def build_data(
         columns = sequence_index(data.seq_length, topo.cp.rank, topo.cp.size, cfg.parallel.context_kind)
     eod = end_of_document(data, cfg.tokenizer_path)
     batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod)
+                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod,
+                   vocab_size=cfg.model.vocab_size)
     train = DataParallelBatches(train_set, **batches)
     valid = None
     if trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
