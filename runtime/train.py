@@ -140,7 +140,7 @@ def build_preference_data(cfg: TrainingConfig, topo: Topology, device: Device
     build = partial(build_preference_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=cfg.data.seq_length,
                     chat_template=cfg.sft.chat_template, max_prompt_length=alignment.max_prompt_length,
                     truncation_mode=alignment.truncation_mode, limit_key=alignment.limit_key,
-                    **_cache_args(cfg, device))
+                    identical_pairs=cfg.sft.identical_pairs, **_cache_args(cfg, device))
 
     def describe(stats: dict) -> str:
         return (f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
