@@ -96,7 +96,8 @@ def build_data(
         columns = sequence_index(data.seq_length, topo.cp.rank, topo.cp.size, cfg.parallel.context_kind)
     eod = end_of_document(data, cfg.tokenizer_path)
     batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod)
+                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod,
+                   vocab_size=cfg.model.vocab_size)
     train = DataParallelBatches(train_set, **batches)
     valid = None
     if trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
@@ -139,7 +140,7 @@ def build_preference_data(cfg: TrainingConfig, topo: Topology, device: Device
     build = partial(build_preference_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=cfg.data.seq_length,
                     chat_template=cfg.sft.chat_template, max_prompt_length=alignment.max_prompt_length,
                     truncation_mode=alignment.truncation_mode, limit_key=alignment.limit_key,
-                    **_cache_args(cfg, device))
+                    identical_pairs=cfg.sft.identical_pairs, **_cache_args(cfg, device))
 
     def describe(stats: dict) -> str:
         return (f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
@@ -353,8 +354,8 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
                 device.synchronize()
             elapsed = time.perf_counter() - started
             loss, grad_norm = result.loss, result.grad_norm
-            if not math.isfinite(loss) and not device.trial_run:
-                raise RuntimeError(f"loss became {loss} at step {done}; lower model.optim.lr or check the data")
+            if not math.isfinite(loss) and not device.trial_run:  # the step's one read already holds it
+                raise LossNotFinite(_diverged(loss, done, cfg, checkpoints.last_saved))
             logged = metrics.should_log(done)
             # The signal any rank had received when this step began, agreed inside the step and read with it.
             signum = (int(result.extra[0]) or None) if watch is not None and not device.trial_run else None
@@ -396,6 +397,22 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
         if watch is not None:
             watch.close()
         metrics.close()
+
+
+class LossNotFinite(Exception):
+    """The global loss (the same on every rank) stopped being finite: rank 0 says so in one line, every rank stops."""
+
+
+def _diverged(loss: float, step: int, cfg: TrainingConfig, last_good: int | None) -> str:
+    """What to do about a loss that became NaN or inf: where to restart from, and what to change."""
+    if last_good is not None and cfg.checkpoint.enabled:
+        restart = (f"the last checkpoint is at step {last_good} in {cfg.checkpoint.dirpath} (resume from it after "
+                   f"the change)")
+    else:
+        restart = "no checkpoint was saved before it"
+    clip = "" if cfg.trainer.gradient_clip_val else ", set trainer.gradient_clip_val (e.g. 1.0)"
+    return (f"the loss became {loss} at step {step}; {restart}; lower model.optim.lr{clip}, check the data, and "
+            f"check that the starting weights (model.restore_from_path) are finite")
 
 
 def memory_peaks(device: Device, devices_per_node: int) -> dict:
@@ -469,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         if device.is_main:
             _say(f"nxdt: {stop}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued")
         return PREEMPTED_EXIT_CODE
+    except LossNotFinite as error:
+        clean = True  # every rank read the same loss after the same step, and stops there
+        if device.is_main:
+            _say(f"error: {error}")
+        return 1
     except PreflightError as error:
         _say(f"error: {_one_line(error)}")
         return PREFLIGHT_EXIT_CODE

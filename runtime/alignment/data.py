@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
@@ -31,8 +32,9 @@ from typing import Callable
 import numpy as np
 
 from runtime.schema.chat import ChatTokenizer
-from runtime.schema.preference_pairs import (DEFAULT_LIMIT_KEY, Limits, check_limits, chunks, encode_pairs,
-                                             every_pair_dropped)
+from runtime.schema.preference_pairs import (DEFAULT_LIMIT_KEY, IDENTICAL_KEY, IDENTICAL_PAIRS, Limits,
+                                             check_limits, chunks, encode_pairs, every_pair_dropped,
+                                             identical_pairs_problem)
 from runtime.schema.records import FILES_KEY, PreferenceRecord, read_all_preferences
 from runtime.sft.dataset import _digest, cached_arrays
 from runtime.workers import OrderedPool
@@ -51,8 +53,9 @@ class PreferenceDataset(Sequence):
 
     stats: pairs (records read), kept, dropped (a response without a loss token left after truncation),
     truncated (kept pairs with a prompt or a response cut), prompts_truncated, prompt_tokens, response_tokens
-    (chosen + rejected, after truncation), loss_tokens. cache_key names the tokenized content; cache_dir is where
-    it lives (the trainer keeps f"ref_{cache_key}_{model_key}.npy" beside it)."""
+    (chosen + rejected, after truncation), loss_tokens, identical (pairs dropped for chosen == rejected).
+    cache_key names the tokenized content; cache_dir is where it lives (the trainer keeps
+    f"ref_{cache_key}_{model_key}.npy" beside it)."""
 
     def __init__(self, arrays: dict[str, np.ndarray], seq_length: int, pad_id: int, stats: dict, cache_key: str,
                  cache_dir: Path):
@@ -84,13 +87,17 @@ class PreferenceDataset(Sequence):
 def build_preference_dataset(files: list[str | os.PathLike], tokenizer_path: str | os.PathLike, seq_length: int, *,
                              chat_template: str | None = None, max_prompt_length: int,
                              truncation_mode: str = "keep_start", limit_key: str = DEFAULT_LIMIT_KEY,
-                             cache_dir: str | os.PathLike | None = None, num_workers: int = 1,
-                             is_builder: bool = True, barrier: Callable[[], None] | None = None) -> PreferenceDataset:
+                             identical_pairs: str = "error", cache_dir: str | os.PathLike | None = None,
+                             num_workers: int = 1, is_builder: bool = True,
+                             barrier: Callable[[], None] | None = None) -> PreferenceDataset:
     """Tokenize and truncate the pairs of `files` once; every later call (and every rank) reads the cache.
 
     Only `is_builder` writes the cache; `barrier` (when given) runs after it, so the others find it complete.
-    `limit_key` is the config key of max_prompt_length, named in errors."""
+    `limit_key` is the config key of max_prompt_length, named in errors. Pairs whose chosen equals rejected are
+    refused (identical_pairs "error") or dropped with a warning ("drop"; stats["identical"])."""
     limits = check_limits(seq_length, max_prompt_length, truncation_mode, limit_key)
+    if problem := IDENTICAL_PAIRS.problem(IDENTICAL_KEY, identical_pairs):
+        raise ValueError(problem)
     files = [os.fspath(f) for f in files]
     if not files:
         raise ValueError(f"no preference files; list them in {FILES_KEY}")
@@ -98,14 +105,15 @@ def build_preference_dataset(files: list[str | os.PathLike], tokenizer_path: str
     params = {"format": _FORMAT, "files": [_digest(f) for f in files],
               "tokenizer": _digest(chat.tokenizer_json), "tokenizer_config": _digest(chat.config_json),
               "template": chat.template_text, "seq_length": limits.seq_length,
-              "max_prompt_length": limits.max_prompt_length, "truncation_mode": limits.truncation_mode}
+              "max_prompt_length": limits.max_prompt_length, "truncation_mode": limits.truncation_mode,
+              "identical_pairs": identical_pairs}
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     directory = Path(cache_dir) if cache_dir else Path(files[0]).parent / ".nxdt_preference_cache"
     description = directory / f"pairs_{key}.json"
 
     def build() -> tuple[dict[str, np.ndarray], dict]:
         return _encode(read_all_preferences(files), chat, tokenizer_path, chat_template, limits, num_workers,
-                       files)
+                       files, identical_pairs)
 
     cached = cached_arrays(description, build, params, names=_ARRAYS, what="preference", is_builder=is_builder,
                            barrier=barrier)
@@ -113,7 +121,8 @@ def build_preference_dataset(files: list[str | os.PathLike], tokenizer_path: str
 
 
 def _encode(records: list[PreferenceRecord], chat: ChatTokenizer, tokenizer_path, chat_template: str | None,
-            limits: Limits, num_workers: int, files: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+            limits: Limits, num_workers: int, files: list[str], identical_pairs: str = "error"
+            ) -> tuple[dict[str, np.ndarray], dict]:
     """The cache arrays and stats of `records`, in order; in worker processes when num_workers > 1."""
     pieces = chunks(records, num_workers)
     if num_workers > 1 and len(pieces) > 1:
@@ -130,12 +139,18 @@ def _encode(records: list[PreferenceRecord], chat: ChatTokenizer, tokenizer_path
               "loss": np.concatenate([p["loss"] for p in parts]), "bounds": bounds.astype(np.int64),
               "records": np.concatenate([p["records"] + record_offsets[i] for i, p in enumerate(parts)])}
     counts = np.sum([p["counts"] for p in parts], axis=0)
+    identical = [where for p in parts for where in p["identical"]]
+    if identical and (identical_pairs == "error" or len(bounds) == 0):  # before anything is cached
+        raise ValueError(identical_pairs_problem(identical))
+    if identical:
+        print(f"warning: dropped {len(identical)} preference pairs whose chosen equals rejected (the first at "
+              f"{identical[0]}; {IDENTICAL_KEY}=drop)", file=sys.stderr, flush=True)
     if len(bounds) == 0:
         raise ValueError(every_pair_dropped(files, limits))
     stats = {"pairs": len(records), "kept": len(bounds), "dropped": int(counts[0]), "truncated": int(counts[1]),
              "prompts_truncated": int(counts[2]), "prompt_tokens": int((bounds[:, 1] - bounds[:, 0]).sum()),
              "response_tokens": int((bounds[:, 3] - bounds[:, 1]).sum()),
-             "loss_tokens": int(arrays["loss"].sum())}
+             "loss_tokens": int(arrays["loss"].sum()), "identical": len(identical)}
     return arrays, stats
 
 
@@ -155,4 +170,5 @@ def _encode_chunk(records: list[PreferenceRecord], limits: Limits,
     pairs = encode_pairs(records, limits, chat or _worker_chat)
     return {"tokens": np.array(pairs.tokens, dtype=np.int32), "loss": np.array(pairs.loss, dtype=np.uint8),
             "bounds": np.array(pairs.bounds, dtype=np.int64).reshape(-1, 4),
-            "records": np.array(pairs.kept, dtype=np.int64), "counts": np.array(pairs.counts, dtype=np.int64)}
+            "records": np.array(pairs.kept, dtype=np.int64), "counts": np.array(pairs.counts, dtype=np.int64),
+            "identical": pairs.identical}

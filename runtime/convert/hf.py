@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -27,6 +28,27 @@ from runtime.schema.families import export_family, family_for
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.models import meta_model
+
+# What a Hugging Face directory may hold besides weights: GPT-2's old causal-mask buffers (with or without OpenAI's
+# missing "transformer." prefix) and Llama's rotary inv_freq. Both readers drop them.
+_BUFFER = re.compile(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|"
+                     r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def check_weight(name: str, tensor, where) -> None:
+    """A starting weight is a floating-point tensor with finite values: anything else (an int64 tensor cast
+    silently, NaN or inf that only shows as a NaN loss steps later) is refused naming the tensor and its file."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{where}: {name} is a {type(tensor).__name__}, not a tensor; give a model's weights")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{where}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}, not floating "
+                         f"point; these are not a model's weights (re-save them as float32/bfloat16)")
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        bad = tensor[~finite]
+        raise ValueError(f"{where}: tensor {name} holds NaN or inf values ({bad.numel()} of the {tensor.numel()} "
+                         f"read, first: {bad[0].item()}); these weights are damaged or diverged: use another copy")
+
 
 # Our GeluMLP uses the tanh approximation; HF spells that two ways with identical math.
 _SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
@@ -204,10 +226,7 @@ def _normalized_hf_state(hf_state: dict[str, torch.Tensor], model_type: str, tie
     if model_type == "gpt2":
         if "transformer.wte.weight" not in state:  # OpenAI's original GPT-2 files lack the prefix
             state = {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in state.items()}
-        buffer = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)$")  # old causal-mask buffers
-    else:
-        buffer = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-    state = {k: v for k, v in state.items() if not buffer.match(k)}
+    state = {k: v for k, v in state.items() if not _BUFFER.match(k)}
     if model_type == "mixtral":
         state = _legacy_mixtral_names(state)
     embedding = state.get("transformer.wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight")
@@ -393,17 +412,35 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
 
     def torch_load(file: Path) -> dict[str, torch.Tensor]:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        fix = "convert it to safetensors where it was made, or give the model's real weights"
+        try:  # weights_only: the pickle may rebuild tensors and plain containers, never run code
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise ValueError(f"{file}: holds Python objects other than tensors, which torch.load(weights_only=True) "
+                             f"refuses to run; {fix}") from None
+        except (RuntimeError, EOFError, OSError) as error:
+            raise ValueError(f"{file}: not a readable PyTorch checkpoint ({' '.join(str(error).split())[:200]}); "
+                             f"re-download it or {fix}") from None
+        if not isinstance(state, dict):
+            raise ValueError(f"{file}: holds a {type(state).__name__}, not a state dict of tensors; {fix}")
+        return state
+
+    def checked(file: Path, load) -> dict[str, torch.Tensor]:
+        state = load(file)
+        for name, tensor in state.items():
+            if not _BUFFER.match(name):
+                check_weight(name, tensor, file)
+        return state
 
     for single, index, load in [("model.safetensors", "model.safetensors.index.json", safetensors_load),
                                 ("pytorch_model.bin", "pytorch_model.bin.index.json", torch_load)]:
         if (directory / single).is_file():
-            return load(directory / single)
+            return checked(directory / single, load)
         if (directory / index).is_file():
             weight_map = _read_json(directory / index, index).get("weight_map", {})
             state: dict[str, torch.Tensor] = {}
             for file in sorted(set(weight_map.values())):
-                state.update(load(directory / file))
+                state.update(checked(directory / file, load))
             return state
     raise ValueError(f"{str(directory)!r} has no weights: expected model.safetensors, "
                      "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
@@ -455,7 +492,11 @@ class SlicedReader:
                              "re-download the model or use a complete copy") from None
 
     def check(self) -> None:
-        """Every HF tensor the config implies has the shape it implies (from the headers alone)."""
+        """The directory holds exactly the HF tensors the config implies (as the whole read, from_hf, requires),
+        each of the shape it implies (from the headers alone)."""
+        tied = self.cfg.share_embeddings_and_output_weights
+        present = {n for n in self.files if not _BUFFER.match(n) and not (tied and n == "lm_head.weight")}
+        _check_names(present, {name for rule in self._rules.values() for name in rule.hf}, "holds a state that")
         shapes = state_shapes(self.cfg)
         for ours, rule in self._rules.items():
             for name, want in zip(rule.hf, _hf_shapes(rule, shapes[ours]), strict=True):
@@ -486,6 +527,11 @@ class SlicedReader:
         if dim is not None and rule.transpose:
             dim = 1 - dim  # the dim of the stored (pre-transpose) matrix
         pieces = []
+
+        def checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            check_weight(name, tensor, self.files[name])  # this rank's part: the ranks together check it all
+            return tensor
+
         if dim == 0:  # rows: each part gives the selected rows that fall in it
             out, start = None, 0
             for name, rows in zip(parts, rule.rows or (None,)):
@@ -495,7 +541,7 @@ class SlicedReader:
                 if inside.numel():
                     wanted = index[inside] - start
                     lo, hi = int(wanted.min()), int(wanted.max()) + 1
-                    block = part[lo:hi].index_select(0, wanted - lo)
+                    block = checked(name, part[lo:hi]).index_select(0, wanted - lo)
                     if out is None:
                         out = block.new_empty((index.numel(), *block.shape[1:]))
                     out[inside] = block
@@ -506,9 +552,9 @@ class SlicedReader:
                 part = self._slice(name)
                 if dim == 1:
                     lo, hi = int(index.min()), int(index.max()) + 1
-                    pieces.append(part[:, lo:hi].index_select(1, index - lo))
+                    pieces.append(checked(name, part[:, lo:hi]).index_select(1, index - lo))
                 else:
-                    pieces.append(part[:])
+                    pieces.append(checked(name, part[:]))
             matrix = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         return matrix.t().contiguous() if rule.transpose else matrix
 

@@ -16,7 +16,7 @@ import torch
 
 from runtime.checkpoint import full_tensors, ranged_full_tensors, read_rank_files, resolve_checkpoint
 from runtime.checkpoint.reshard import Target
-from runtime.convert.hf import SlicedReader, load_hf_directory, state_shapes
+from runtime.convert.hf import SlicedReader, check_weight, load_hf_directory, state_shapes
 from runtime.schema.model import ModelConfig
 
 KEY = "model.restore_from_path"
@@ -44,6 +44,8 @@ def read_pretrained(path: str, cfg: ModelConfig, key: str = KEY) -> dict[str, to
         full = full_tensors(read_rank_files(storage, checkpoint))
         state = {name: full.get(name, "value") for name in expected if full.has(name, "value")}
         where = f"checkpoint {storage.root}/{checkpoint.name}"
+        for name, tensor in state.items():  # a Hugging Face directory's tensors were checked as they were read
+            _checked(name, tensor, where, key)
     _check_names(expected, set(state), cfg, where, key, any(".lora." in n for n in state))
     for name, shape in expected.items():
         if name in state and tuple(state[name].shape) != tuple(shape):
@@ -52,6 +54,15 @@ def read_pretrained(path: str, cfg: ModelConfig, key: str = KEY) -> dict[str, to
     if cfg.share_embeddings_and_output_weights and "output.weight" not in state:
         state["output.weight"] = state["embed.word.weight"]
     return state
+
+
+def _checked(name: str, tensor: torch.Tensor, where: str, key: str) -> torch.Tensor:
+    """A weight from a checkpoint of ours passes the same check as one from a Hugging Face file (hf.check_weight)."""
+    try:
+        check_weight(name, tensor, where)
+    except ValueError as error:
+        raise ValueError(f"{key}: {error}") from None
+    return tensor
 
 
 _SHAPE_HINT = ("set the model keys from its config (model.model_config=<dir>/config.json for a Hugging Face model) "
@@ -86,7 +97,11 @@ def read_selected(path: str, cfg: ModelConfig, targets: Selected, key: str = KEY
             except ValueError as error:
                 raise ValueError(f"{key}: the Hugging Face model in {path} {error}; {_SHAPE_HINT}") from None
             for local, (full, select) in targets.items():
-                yield local, reader.read(full, select)
+                try:
+                    part = reader.read(full, select)
+                except ValueError as error:  # a tensor's values (hf.check_weight): the message names its file
+                    raise ValueError(f"{key}: {error}") from None
+                yield local, part
             return
         state = read_pretrained(path, cfg, key)
         for local, (full, select) in targets.items():
@@ -113,4 +128,4 @@ def _from_checkpoint(path: str, cfg: ModelConfig, targets: Selected, key: str
             if shape != tuple(expected[name]):
                 raise ValueError(f"{key}: {where} holds {name} with shape {shape} but the model config makes "
                                  f"{tuple(expected[name])}; {_SHAPE_HINT}")
-            yield local, full.read(name, "value", select)
+            yield local, _checked(name, full.read(name, "value", select), where, key)

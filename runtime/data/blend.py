@@ -41,3 +41,7 @@ class BlendedDataset:
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.datasets[int(self.dataset_index[index])][int(self.dataset_sample_index[index])]
+
+    def locate(self, index: int, position: int) -> tuple[str, int, int]:
+        """(prefix, sequence, token offset) of token `position` of blended sample `index` (GPTDataset.locate)."""
+        return self.datasets[int(self.dataset_index[index])].locate(int(self.dataset_sample_index[index]), position)

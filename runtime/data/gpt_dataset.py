@@ -158,6 +158,17 @@ class GPTDataset:
             doc_position, offset = doc_position + 1, 0
         return np.concatenate(pieces).astype(np.int64)
 
+    def locate(self, index: int, position: int) -> tuple[str, int, int]:
+        """Where token `position` of sample `index` lies on disk: (prefix, sequence in the .idx, token offset)."""
+        doc_position, offset = (int(v) for v in self.sample_idx[int(self.shuffle_idx[index])])
+        while True:  # the same walk as __getitem__
+            unit = int(self.doc_idx[doc_position])
+            take = int(self.indexed.sizes[unit]) - offset
+            if position < take:
+                return self.indexed.prefix, unit, offset + position
+            position -= max(take, 0)
+            doc_position, offset = doc_position + 1, 0
+
 
 def _save_atomically(directory: Path, paths: dict[str, Path], arrays, description: Path, params: dict) -> None:
     """Write each array to a private temporary name and rename it into place.

@@ -98,6 +98,7 @@ class DataParallelBatches:
         consumed_samples: int = 0,
         columns: torch.Tensor | None = None,
         end_of_document: int | None = None,
+        vocab_size: int | None = None,
     ):
         _check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
         assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
@@ -111,6 +112,10 @@ class DataParallelBatches:
         # model.data.reset_position_ids / reset_attention_mask: the token that ends a document; each pretraining
         # row then carries position_ids restarting after it, which also stops attention there (runtime/micro_batch.py).
         self.end_of_document = end_of_document
+        # Pretraining token ids come from .bin files, not from the tokenizer: each batch is checked against the
+        # model's vocabulary on the host (one max over it), so a damaged file or another tokenizer's data is named
+        # here instead of failing as an index error inside the embedding on the device.
+        self.vocab_size = vocab_size
 
     @property
     def num_micro_batches(self) -> int:
@@ -150,6 +155,8 @@ class DataParallelBatches:
             fields = [rows[:, k].contiguous() for k in range(4)]  # input_ids, labels, loss_mask, position_ids
             fields[2] = fields[2].float()
             return [MicroBatch(*parts) for parts in zip(*(f.split(self.micro_batch_size) for f in fields))]
+        if self.vocab_size is not None:
+            self._check_token_ids(samples, batch_start)
         tokens = torch.from_numpy(samples)  # (global_batch_size / dp, seq_length + 1)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         # Documents are found in the whole row; under a context group the rank keeps its tokens and the whole row's
@@ -163,6 +170,18 @@ class DataParallelBatches:
                         positions.split(self.micro_batch_size))]
         return [MicroBatch(i.contiguous(), l.contiguous())
                 for i, l in zip(inputs.split(self.micro_batch_size), labels.split(self.micro_batch_size))]
+
+    def _check_token_ids(self, samples: np.ndarray, batch_start: int) -> None:
+        """ValueError naming the file and position of the first token id outside [0, vocab_size) in `samples`."""
+        if samples.size == 0 or (0 <= samples.min() and samples.max() < self.vocab_size):
+            return
+        row, position = (int(v) for v in np.argwhere((samples < 0) | (samples >= self.vocab_size))[0])
+        index = int(self.rank_sample_indices(batch_start)[row])
+        prefix, sequence, offset = self.dataset.locate(index, position)
+        raise ValueError(f"model.data.data_prefix: {prefix}.bin holds token id {int(samples[row, position])} at "
+                         f"sequence {sequence}, token {offset}, but the model's vocabulary has {self.vocab_size} "
+                         f"ids; the file is damaged or was made with another tokenizer than model.tokenizer.model: "
+                         f"prepare the data again with this tokenizer")
 
     def next_batch(self) -> list[MicroBatch]:
         batch = self.batch_at(self.consumed_samples)

@@ -8,6 +8,8 @@ truncation_mode), prompt first, then the responses:
                             keep_end refuses the pair by file:line (it never cuts a prompt)
     each response:          cut at its end so that prompt + response <= seq_length + 1 tokens
     a pair where either response has no loss token left is dropped; every pair dropped is an error
+A pair whose chosen and rejected responses are the same messages teaches nothing (DPO's loss is ln 2 with no
+gradient): model.data.identical_pairs (IDENTICAL_PAIRS) refuses such data by default, or drops them with a warning.
 
 Counting tokens needs the `tokenizers` library, which is in pyproject's runtime extra, not in the launcher's core
 dependencies: a launch checks prompt lengths where it is installed, and the job, which always has it, checks them
@@ -23,9 +25,13 @@ from typing import NamedTuple
 
 from runtime.schema.chat import ChatTokenizer
 from runtime.schema.choices import PROMPT_TRUNCATIONS
+from runtime.schema.reader import Choices
 from runtime.schema.records import LAUNCH_SCAN_BYTES, PreferenceRecord, read_preference_records
 
 DEFAULT_LIMIT_KEY = "model_alignment_strategy.dpo.max_dpo_prompt_length"
+# model.data.identical_pairs: what to do with pairs whose chosen equals rejected
+IDENTICAL_PAIRS = Choices(("error", "drop"))
+IDENTICAL_KEY = "model.data.identical_pairs"
 
 
 class Limits(NamedTuple):
@@ -42,6 +48,7 @@ class EncodedPairs(NamedTuple):
     bounds: list[tuple[int, int, int, int]]  # per kept pair: start, prompt end, chosen end, rejected end
     kept: list[int]             # each kept pair's record number
     counts: list[int]           # dropped, truncated, prompts truncated
+    identical: list[str]        # where each pair with chosen == rejected is (file:line); never kept
 
 
 def check_limits(seq_length: int, max_prompt_length: int, truncation_mode: str, limit_key: str) -> Limits:
@@ -72,8 +79,11 @@ def encode_pairs(records: list[PreferenceRecord], limits: Limits, chat: ChatToke
     prompts = chat.prompts_ids([r.prompt + r.chosen[:1] for r in records], where[::2])
     tokens: list[int] = []
     loss: list[int] = []
-    bounds, kept, counts = [], [], [0, 0, 0]
+    bounds, kept, counts, identical = [], [], [0, 0, 0], []
     for number, record in enumerate(records):
+        if record.chosen == record.rejected:
+            identical.append(record.where)
+            continue
         (chosen, chosen_mask), (rejected, rejected_mask) = examples[2 * number], examples[2 * number + 1]
         prompt = prompts[number]
         length = len(prompt)
@@ -103,7 +113,17 @@ def encode_pairs(records: list[PreferenceRecord], limits: Limits, chat: ChatToke
             loss += mask
         bounds.append((start, start + len(prompt), start + len(prompt) + len(cut[0][0]), len(tokens)))
         kept.append(number)
-    return EncodedPairs(tokens, loss, bounds, kept, counts)
+    return EncodedPairs(tokens, loss, bounds, kept, counts, identical)
+
+
+def identical_pairs_problem(wheres: list[str]) -> str:
+    """The one line that refuses preference data with pairs whose chosen equals rejected, naming the first file."""
+    file = wheres[0].rsplit(":", 1)[0]
+    in_file = sum(1 for where in wheres if where.rsplit(":", 1)[0] == file)
+    elsewhere = f" ({len(wheres)} in all files)" if in_file < len(wheres) else ""
+    return (f"{file}: {in_file} preference pairs have chosen equal to rejected{elsewhere}, the first at {wheres[0]}; "
+            f"they teach nothing (DPO's loss stays ln 2 with no gradient): fix the data, or set "
+            f"{IDENTICAL_KEY}=drop to drop them with a warning")
 
 
 def every_pair_dropped(files: list[str], limits: Limits) -> str:

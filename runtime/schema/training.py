@@ -656,6 +656,8 @@ def _sft_data(model: Section, files: _Files, p: str, pairs: bool = False) -> SFT
                            f"({', '.join(C.CHAT_TEMPLATES)}) nor a jinja2 file; null uses the tokenizer's own")
         return None
     values = dict(packing=data.bool("packing", True), truncation=data.choice("truncation", C.TRUNCATIONS, "right"))
+    if pairs:  # the alignment stage only (elsewhere the key is unknown); a bad value is already reported
+        values["identical_pairs"] = data.choice("identical_pairs", preference_pairs.IDENTICAL_PAIRS, "error") or "error"
     if any(v is None for v in values.values()):
         return None
     return SFTDataConfig(train_files=lists["train_ds"], validation_files=lists["validation_ds"],

@@ -91,6 +91,7 @@ class SFTDataConfig:
     chat_template: str | None           # a built-in name (choices.CHAT_TEMPLATES), or None: the tokenizer's own
     packing: bool                       # several examples per sequence, attention reset at each boundary
     truncation: str                     # right | left | drop (choices.TRUNCATIONS)
+    identical_pairs: str = "error"      # alignment: pairs with chosen == rejected (preference_pairs.IDENTICAL_PAIRS)
 
 
 @dataclass(frozen=True)

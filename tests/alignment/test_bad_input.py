@@ -48,6 +48,8 @@ CASES = [
      "alignment.model.context_parallel_size: a context group of 2 ranks in the alignment stage"),
     ([f"+{A}model.data.packing=true"],
      "alignment.model.data.packing: true in the alignment stage: each pair is its own two rows"),
+    ([f"+{A}model.data.identical_pairs=warn"],
+     "alignment.model.data.identical_pairs: 'warn' is not one of error, drop"),
     ([f"{A}model.data.train_ds.file_names=[${{data_dir}}/preference_demo/no_chosen.jsonl]"],
      "no_chosen.jsonl:3:"),
     ([f"{S}truncation_mode=keep_end", f"{S}max_dpo_prompt_length=32",
