@@ -1,7 +1,8 @@
 """A YAML file a user gives as a config (`training=@FILE`, `explain-config FILE`), looked at before anything parses it
 in full: a config is a few KiB of plain keys, and what is far from that is refused on one line instead of costing
 minutes, gigabytes or the interpreter (issue 39's sweep: a 50 MB file parsed for minutes; libyaml's composer
-crashes the process on 100,000 nested brackets; a 1 KiB file of aliases expands to a billion values).
+crashes the process on 100,000 nested brackets; a 1 KiB file of aliases expands to a billion values;
+issue 57's: a 100 KB string aliased 400 times is 40 MB of text, which explain-config printed for minutes).
 
 The scan reads libyaml's event stream, which is flat, so nothing here recurses however deep the file nests."""
 
@@ -14,6 +15,9 @@ from launcher.errors import UserError
 MAX_FILE_BYTES = 128 << 10  # NxD Training's and NeMo-Launcher's largest configs are under 16 KiB
 MAX_DEPTH = 64              # theirs nest 5 deep
 MAX_VALUES = 100_000        # keys, values and collections, after every alias is expanded
+MAX_EXPANDED_BYTES = 1 << 20  # the text of its scalars, after every alias is expanded (8 x the largest file)
+MAX_KEY_CHARS = 256         # a key is a name (theirs are under 60 characters)
+EXCERPT_CHARS = 60          # what an error line quotes of a file's text
 
 
 def read(path: str, at: str, what: str) -> str:
@@ -54,38 +58,68 @@ def read(path: str, at: str, what: str) -> str:
 
 
 def _shape_problem(events) -> str | None:
-    """Too deep, or too many values once aliases are expanded: counted from the events alone, in one pass."""
+    """Too deep, too many values or too much text once aliases are expanded, a document that is not a mapping, or a
+    key no config has (a page of text): counted from the events alone, in one pass."""
     import yaml
 
-    expanded: dict[str, int] = {}   # anchor -> how many values it stands for
-    open_nodes: list[list] = []     # [anchor, values in it so far] of each collection not closed yet
-    total = 0
+    expanded: dict[str, tuple[int, int]] = {}  # anchor -> (values, bytes of text) it stands for
+    open_nodes: list[list] = []  # [anchor, values in it so far, bytes so far, is a mapping, children] of each open one
+    total = size = 0
+    root = False  # the next node is a document's own
     for event in events:
         if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            anchor, values = open_nodes.pop()
+            anchor, values, text, _, _ = open_nodes.pop()
             if anchor:
-                expanded[anchor] = values
+                expanded[anchor] = (values, text)
             if open_nodes:
                 open_nodes[-1][1] += values
+                open_nodes[-1][2] += text
             continue
+        if isinstance(event, yaml.DocumentStartEvent):
+            root = True
+            continue
+        if not isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent, yaml.ScalarEvent,
+                                  yaml.AliasEvent)):
+            continue  # stream and document ends
+        line = event.start_mark.line + 1
+        if root and isinstance(event, yaml.ScalarEvent) and event.value:
+            return f"holds text, not a config mapping (line {line}: {excerpt(event.value)!r})"
+        root = False
+        is_key = bool(open_nodes) and open_nodes[-1][3] and open_nodes[-1][4] % 2 == 0
+        if open_nodes:
+            open_nodes[-1][4] += 1
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            open_nodes.append([event.anchor, 1])  # its parent counts it, with its contents, when it closes
+            open_nodes.append([event.anchor, 1, 0, isinstance(event, yaml.MappingStartEvent), 0])
             if len(open_nodes) > MAX_DEPTH:
-                return f"nests more than {MAX_DEPTH} levels deep (line {event.start_mark.line + 1})"
-            added = 1
-        elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
-            added = expanded.get(event.anchor, 1) if isinstance(event, yaml.AliasEvent) else 1
-            if isinstance(event, yaml.ScalarEvent) and event.anchor:
-                expanded[event.anchor] = 1
-            if open_nodes:
-                open_nodes[-1][1] += added
+                return f"nests more than {MAX_DEPTH} levels deep (line {line})"
+            added, text = 1, 0  # its parent counts it, with its contents, when it closes
+        elif isinstance(event, yaml.AliasEvent):
+            added, text = expanded.get(event.anchor, (1, 0))
         else:
-            continue  # stream and document boundaries
+            added, text = 1, len(event.value.encode())
+            if is_key and len(event.value) > MAX_KEY_CHARS:
+                return (f"has a key of {len(event.value):,} characters (line {line}: {excerpt(event.value)!r}); "
+                        f"a config's keys are names of at most {MAX_KEY_CHARS}")
+            if event.anchor:
+                expanded[event.anchor] = (1, text)
+        if open_nodes:
+            open_nodes[-1][1] += added
+            open_nodes[-1][2] += text
         total += added
+        size += text
         if total > MAX_VALUES:
-            return (f"holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded (line "
-                    f"{event.start_mark.line + 1}); a config is a few hundred")
+            return (f"holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded (line {line}); a "
+                    f"config is a few hundred")
+        if size > MAX_EXPANDED_BYTES:
+            return (f"holds more than {MAX_EXPANDED_BYTES >> 20} MiB of text once its aliases (*name) are expanded "
+                    f"(line {line}); a config is a few KiB")
     return None
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """At most `limit` characters of `text` (whitespace runs as one space), for an error line that quotes a file."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else f"{text[:limit - 1]}…"
 
 
 def syntax_error(path: str, error, text: str = "") -> str:

@@ -20,7 +20,7 @@ from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
 from runtime.schema.s3 import parse_s3
-from runtime.schema.training import parse_training
+from runtime.schema.training import parse_sizing, parse_training, too_long_paths
 
 if TYPE_CHECKING:
     from launcher.estimator.host import HostMemory
@@ -36,6 +36,8 @@ def problems(cfg: LaunchConfig, *, dry_run: bool, local: bool) -> tuple[list[str
     """`local`: the local executor runs the stages on this machine (its memory is a CPU node's, memory_fit)."""
     warnings: list[str] = []
     errors = _top_level(cfg)
+    if too_long := _too_long_paths(cfg):  # before anything below looks at one on the file system
+        return errors + too_long, warnings
     # A stage whose program is missing is already reported; its own checks would only add noise.
     stages = [s for s in cfg.stages if s in STAGES and importlib.util.find_spec(PROGRAMS[s])]
     for stage in stages:
@@ -175,6 +177,12 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     result = _estimate(section, cluster, vocab_size)
     if result is None:
         return [], []
+    # The vocabulary as the estimator read it (a tokenizer this launch's data_preparation would otherwise make is
+    # not read by the schema): an absurd one is refused here even where no node memory is known to judge it by.
+    tokenizer = parse_sizing(section)[0].tokenizer_path
+    if problem := rules.vocab_rows(result.shape.vocab_size, f"{stage}.model.tokenizer.model",
+                                   repr(tokenizer) if tokenizer else "its tokenizer"):
+        return [problem], []
     fixes = ("(nxdt-launch estimate training=... shows where the memory goes; docs/recipes.md lists each recipe's "
              "layouts)")
     errors, warnings = [], []
@@ -315,6 +323,26 @@ def _top_level(cfg: LaunchConfig) -> list[str]:
         elif key == "base_results_dir" and (problem := rules.slurm_pattern(value, key)):
             errors.append(problem)  # every stage's logs are under it, in #SBATCH --output
     errors += _env_vars(cfg.env_vars, "env_vars")
+    return errors
+
+
+def _too_long_paths(cfg: LaunchConfig) -> list[str]:
+    """rules.path_length on base_results_dir, data_dir and each stage's results directory, and a trainer stage's
+    checkpoint directory and tokenizer: a path inside a refused one is not named again."""
+    errors, refused = [], []
+    for key, value in (("base_results_dir", cfg.base_results_dir), ("data_dir", cfg.data_dir)):
+        if value and (problem := rules.path_length(str(value), key)):
+            errors.append(problem)
+            refused.append(str(value))
+    for stage in (s for s in cfg.stages if s in cfg.sections):
+        section = cfg.stage(stage).section
+        if stage in TRAINER_STAGES:
+            errors += too_long_paths(section, f"{stage}.", tuple(refused))
+            continue
+        results_dir = str(cfg.stage(stage).run.results_dir or "")
+        if not results_dir.startswith(tuple(refused)) and \
+                (problem := rules.path_length(results_dir, f"{stage}.run.results_dir")):
+            errors.append(problem)
     return errors
 
 

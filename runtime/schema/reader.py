@@ -74,6 +74,7 @@ class Section:
         return f"{self.path}.{name}" if self.path else name
 
     def has(self, name: str) -> bool:
+        self.seen.add(name)  # a key the parser asks about is one it knows (done() does not call it unknown)
         return self.data.get(name) is not None
 
     def raw(self, name: str, default: Any = REQUIRED) -> Any:

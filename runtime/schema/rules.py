@@ -49,6 +49,32 @@ def results_dir(value: object, p: str) -> str | None:
             f"(it appears in #SBATCH lines)")
 
 
+NAME_MAX = 255    # bytes in one path component (Linux's, and every file system's it mounts)
+PATH_MAX = 4096   # bytes in a whole path
+
+
+def path_length(value: object, key: str) -> str | None:
+    """A path no file system can hold: checked before any call on it (the OS answers `File name too long`)."""
+    text = "" if value is None else str(value)
+    if len(text.encode(errors="surrogateescape")) >= PATH_MAX:
+        return (f"{key}: a path of {len(text.encode(errors='surrogateescape')):,} bytes is longer than any file "
+                f"system takes (at most {PATH_MAX - 1}); give a shorter path")
+    long = [part for part in text.split("/") if len(part.encode(errors="surrogateescape")) > NAME_MAX]
+    if long:
+        return (f"{key}: the path's part {long[0][:40]!r}... is {len(long[0].encode(errors='surrogateescape')):,} "
+                f"bytes, more than a file system takes in one name (at most {NAME_MAX}); give a shorter name")
+    return None
+
+
+SEED_MAX = 2**32 - 1  # numpy's generators take seeds in [0, 2**32 - 1]; torch.manual_seed takes these too
+
+
+def seed(value: int, key: str) -> str | None:
+    if 0 <= value <= SEED_MAX:
+        return None
+    return f"{key}: {value} must be in [0, {SEED_MAX}] (numpy and torch seed their generators with it), e.g. 1234"
+
+
 def unsafe_path(value: str) -> bool:
     """True for a path or name that cannot stand unquoted in an #SBATCH line."""
     return bool(_PATH_UNSAFE.search(value)) or not value.isprintable()
@@ -260,6 +286,18 @@ def dropout(name: str, value: float, p: str) -> str | None:
     if 0.0 <= value < 1.0:
         return None
     return f"{p}model.{name}: {value} must be in [0, 1)"
+
+
+MAX_VOCAB = 2**31  # rows an embedding may have: token ids are int32 in the data's index files and in NxD's kernels
+
+
+def vocab_rows(vocab: int, key: str, source: str) -> str | None:
+    """A vocabulary no embedding holds (an id of 99,999,999,998 in a tokenizer.json: 4.5 TB of embedding), refused
+    before any memory is sized for it. `source` names the file it was read from."""
+    if vocab <= MAX_VOCAB:
+        return None
+    return (f"{key}: {source} has {vocab:,} tokens, more than an embedding holds (at most "
+            f"{MAX_VOCAB:,}); give the model's own tokenizer")
 
 
 def tokenizer_fits(tokenizer_vocab: int, config_vocab: int, p: str) -> str | None:

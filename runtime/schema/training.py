@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,25 @@ class _Files:
             self.report.warn(message)
 
 
+# The stage's paths the launcher and the runtime look at on the file system (the data's are under data_dir, which
+# the launcher checks as a whole).
+PATH_KEYS = ("run.results_dir", "exp_manager.checkpoint_callback_params.dirpath", "model.tokenizer.model")
+
+
+def too_long_paths(raw: Any, p: str = PREFIX, skip: tuple[str, ...] = ()) -> list[str]:
+    """rules.path_length for each of PATH_KEYS a training-like stage sets, before any file system call on them;
+    a value under one of `skip` (a path already refused, e.g. base_results_dir) is that one's problem."""
+    found = []
+    for key in PATH_KEYS:
+        node: Any = raw
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, str) and not any(node.startswith(s) for s in skip) and \
+                (problem := rules.path_length(node, p + key)):
+            found.append(problem)
+    return found
+
+
 def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p: str = PREFIX,
                    vocab_size: int | None = None) -> tuple[TrainingConfig | None, Report]:
     """Read and check one training stage config. Returns the config (None if anything is wrong, or if a file it
@@ -74,7 +94,9 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     for name in ("run", "trainer", "model"):
         if not root.has(name):
             report.error(f"{p}{name}: missing; every training config has run, trainer and model sections")
-    if report.errors:
+    for problem in too_long_paths(raw, p):
+        report.error(problem)
+    if report.errors:  # nothing below looks at a path no file system can hold
         return None, report
 
     _run_keys(run, p, report)
@@ -104,10 +126,11 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     optim = _optim(model_s, trainer.max_steps if trainer else None, p)
     precision = _precision(precision_s)
     checkpoint = _checkpoint(exp, run, p)
-    seed = model_s.int("seed", 1234)
+    seed = _seed(model_s)
     tensorboard, wandb = exp.bool("create_tensorboard_logger", True), exp.bool("create_wandb_logger", False)
     plot = exp.bool("create_metrics_plot", True)
     wandb_kwargs = _wandb_kwargs(exp, p, report)
+    _unknown_model_keys(model_s, shape, report)
     if report.errors:  # the rules below need well-typed values
         return None, report
 
@@ -151,6 +174,21 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         checkpoint=checkpoint,
         raw=raw, restore_from_path=restore_from, sft=sft, lora=lora, alignment=alignment,
     ), report
+
+
+def _unknown_model_keys(model: Section, shape: dict, report: Report) -> None:
+    """A key under model that nothing reads (`+training.model.zero_stage=3`) is a typo or another trainer's key:
+    refused as Section.done refuses one, with the keys this stage reads (those its model shape reads included)."""
+    # A null key is an unset one (a recipe's num_query_groups: null is GPT's multi-head attention).
+    shape_read = Section({k: v for k, v in model.data.items() if v is not None}, model.path, report)
+    shape_read.seen = set(model.seen) | set(shape)
+    shape_read.done()
+
+
+def _seed(section: Section) -> int | None:
+    value = section.int("seed", 1234)
+    section.report.error(None if value is None else rules.seed(value, section.key("seed")))
+    return value
 
 
 def parse_model(model_raw: Any, *, files: str = "error", p: str = PREFIX) -> tuple[ModelConfig | None, Report]:
@@ -339,7 +377,7 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     if seq is not None:
         keys["max_position_embeddings"] = shape.int("max_position_embeddings", seq, minimum=1)
     keys["make_vocab_size_divisible_by"] = shape.int("make_vocab_size_divisible_by", 128, minimum=1)
-    keys["seed"] = shape.int("seed", 1234)
+    keys["seed"] = _seed(shape)
     for key in ("num_query_groups", "kv_channels"):
         if merged.get(key) is not None:
             keys[key] = shape.int(key, minimum=1)
@@ -365,6 +403,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
     vocab = known_vocab
     if vocab is None and path:
         vocab = _tokenizer_vocab(path, p, files)
+    if vocab is not None and known_vocab is None:
+        report.error(rules.vocab_rows(vocab, tokenizer.key("model"), repr(path)))
     if config_vocab is not None:
         if vocab is not None:
             report.error(rules.tokenizer_fits(vocab, config_vocab, p))

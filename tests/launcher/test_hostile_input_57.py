@@ -1,0 +1,116 @@
+"""Issue 57's hostile-input sweep, kept true: paths no file system holds, a seed numpy refuses, a vocabulary no
+embedding holds, a 40 MB alias bomb, a system file given as a config, a key added under the model section that
+nothing reads. Each ends in one `error:` line naming the key or file and the fix, exit 2, nothing written. Through
+the real CLI, forked (helpers.nxdt)."""
+
+import json
+
+import pytest
+
+from launcher.config_file import EXCERPT_CHARS, MAX_EXPANDED_BYTES, MAX_FILE_BYTES
+from runtime.schema import rules
+
+from .helpers import nxdt, refused
+
+
+def _refused(result, expected: str, cwd) -> list[str]:
+    lines = refused(result, expected)
+    assert not [p for p in cwd.iterdir() if p.name not in ("configs", "tok.json")], "a refused command wrote files"
+    return lines
+
+
+LONG_NAME = "n" * (rules.NAME_MAX + 1)
+LONG_PATH = "/tmp" + "/n" * (rules.PATH_MAX // 2)
+
+PATHS = [
+    ("base_results_dir={name}", "base_results_dir: the path's part"),
+    ("training.run.results_dir={name}", "training.run.results_dir: the path's part"),
+    ("training.exp_manager.checkpoint_callback_params.dirpath={name}",
+     "training.exp_manager.checkpoint_callback_params.dirpath: the path's part"),
+    ("data_dir={name}", "data_dir: the path's part"),
+    ("training.model.tokenizer.model={name}/tokenizer.json", "training.model.tokenizer.model: the path's part"),
+    ("base_results_dir=" + LONG_PATH, f"base_results_dir: a path of {len(LONG_PATH):,} bytes is longer than any"),
+]
+
+
+@pytest.mark.parametrize("override,expected", PATHS, ids=[p[1][:40] for p in PATHS])
+def test_a_path_no_file_system_holds_is_refused_before_it_is_looked_at(tmp_path, override, expected):
+    for dry_run in (["--dry-run"], []):
+        args = [override.format(name=f"{tmp_path}/{LONG_NAME}"), "stages=[training]", "cluster_type=local",
+                *dry_run]
+        if not override.startswith("base_results_dir"):
+            args.append(f"base_results_dir={tmp_path}/results")
+        lines = _refused(nxdt(*args, cwd=tmp_path), expected, tmp_path)
+        assert len(lines) == 1, lines
+
+
+def test_the_runtime_runs_the_same_path_rule():
+    from runtime.schema.training import parse_training
+
+    from .helpers import resolved
+
+    section = resolved("stages=[training]", f"training.run.results_dir=/r/{LONG_NAME}")["training"]
+    _, report = parse_training(section, files="error")
+    assert report.errors == [rules.path_length(f"/r/{LONG_NAME}", "training.run.results_dir")]
+
+
+@pytest.mark.parametrize("seed", ["-1", str(rules.SEED_MAX + 1)])
+def test_a_seed_numpy_and_torch_refuse_is_refused_at_launch(tmp_path, seed):
+    _refused(nxdt(f"training.model.seed={seed}", "stages=[training]", f"base_results_dir={tmp_path}/results",
+                  "cluster_type=local", "--dry-run", cwd=tmp_path),
+             f"training.model.seed: {seed} must be in [0, {rules.SEED_MAX}]", tmp_path)
+
+
+@pytest.mark.parametrize("stages", ["[training]", "[data_preparation,training]"])
+@pytest.mark.parametrize("cluster", ["local", "slurm"])
+def test_a_vocabulary_no_embedding_holds_is_refused_at_launch(tmp_path, stages, cluster):
+    """99,999,999,999 tokens: killed natively on the node (a 4.5 TB allocation) where no node memory judged it (a
+    Slurm CPU node's is not known), or where this launch's data_preparation makes the tokenizer (the schema does not
+    read it then; the estimator does)."""
+    tokenizer = tmp_path / "tok.json"
+    tokenizer.write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
+                                     "added_tokens": [{"id": 99_999_999_998, "content": "x"}]}))
+    lines = _refused(nxdt(f"training.model.tokenizer.model={tokenizer}", f"stages={stages}",
+                          f"base_results_dir={tmp_path}/results", f"cluster_type={cluster}", "--dry-run",
+                          cwd=tmp_path),
+                     f"training.model.tokenizer.model: '{tokenizer}' has ", tmp_path)
+    assert "more than an embedding holds" in lines[0] and len(lines) == 1, lines
+
+
+def _bomb() -> str:
+    """The sweep's file: a 99 KB string aliased 400 times, 40 MB of text once expanded (explain-config printed it
+    for over 500 s), though only 400 values."""
+    return "s: &s " + "x" * 99_000 + "\nmodel:\n" + "".join(f"  k{i}: *s\n" for i in range(400))
+
+
+@pytest.mark.parametrize("entry", ["training", "explain-config"])
+def test_an_alias_bomb_of_text_is_refused_by_explain_config_as_by_a_launch(tmp_path, entry):
+    (tmp_path / "configs").mkdir()
+    text = _bomb()
+    assert len(text) < MAX_FILE_BYTES and 99_000 * 400 > MAX_EXPANDED_BYTES
+    (tmp_path / "configs" / "bomb.yaml").write_text(text)
+    args = ["explain-config", "configs/bomb.yaml"] if entry == "explain-config" else \
+        ["training=@configs/bomb.yaml", f"base_results_dir={tmp_path}/results", "--dry-run"]
+    lines = _refused(nxdt(*args, cwd=tmp_path, timeout=60),
+                     f"configs/bomb.yaml: holds more than {MAX_EXPANDED_BYTES >> 20} MiB of text once its aliases",
+                     tmp_path)
+    assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("".join(f"user{i}:x:{i}:{i}::/home/user{i}:/bin/sh\n" for i in range(200)), "holds text, not a config mapping"),
+    ("k" * 1000 + ": 1\n", "has a key of 1,000 characters"),
+])
+def test_an_error_line_quotes_a_bounded_excerpt_of_the_file(tmp_path, text, expected):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "passwd").write_text(text)
+    for args in (["training=@configs/passwd", "--dry-run"], ["explain-config", "configs/passwd"]):
+        lines = _refused(nxdt(*args, cwd=tmp_path), expected, tmp_path)
+        assert len(lines) == 1 and len(lines[0]) < 200 + EXCERPT_CHARS, lines
+
+
+def test_a_key_added_under_the_model_section_that_nothing_reads_is_refused(tmp_path):
+    lines = _refused(nxdt("+training.model.zero_stage=3", "stages=[training]", f"base_results_dir={tmp_path}/results",
+                          "cluster_type=local", "--dry-run", cwd=tmp_path),
+                     "training.model.zero_stage: unknown key; ", tmp_path)
+    assert "zero1" in lines[0] and len(lines) == 1, lines
