@@ -27,6 +27,7 @@ from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
 from launcher.render import render
+from runtime.schema import rules
 
 
 @dataclass
@@ -123,10 +124,6 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
                 mirror=mirror)
 
 
-# Linux NAME_MAX on ext4, xfs and Lustre/FSx: the longest one directory or file name may be.
-NAME_MAX_BYTES = 255
-
-
 def output_problems(targets: list[tuple[str, Path]]) -> list[str]:
     """Whether each (key, directory) can be created and written, found before anything is written: every name in
     it fits NAME_MAX, and the deepest part that exists is a directory that takes a new one (tried with a directory
@@ -134,10 +131,8 @@ def output_problems(targets: list[tuple[str, Path]]) -> list[str]:
     first key that leads to it."""
     errors, tried = [], set()
     for key, path in targets:
-        long = next((part for part in path.parts if len(part.encode()) > NAME_MAX_BYTES), None)
-        if long is not None:
-            errors.append(f"{key}: {long[:40]}... in {str(path)[:80]}... is {len(long.encode())} bytes; a directory "
-                          f"name holds at most {NAME_MAX_BYTES}, use a shorter one")
+        if too_long := rules.path_length(path, key):  # NAME_MAX and PATH_MAX: the schema's one rule
+            errors.append(too_long)
             continue
         existing = path
         while not os.path.lexists(existing) and existing != existing.parent:

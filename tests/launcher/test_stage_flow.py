@@ -29,7 +29,7 @@ def test_a_recipe_brings_its_data_preparation(recipe, preparation):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_trains_on_what_its_default_launch_prepares(recipe):
     cfg = resolved(f"training={recipe}", "cluster_type=slurm")
-    errors, _ = problems(parse(cfg), dry_run=True)
+    errors, _ = problems(parse(cfg), dry_run=True, local=False)
     assert not [e for e in errors if "is not what data_preparation" in e], errors
 
 
