@@ -327,13 +327,17 @@ def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.
     pieces = {n: [{"dim": None, "index": None, "full_shape": tuple(t.shape), "shard_shape": tuple(t.shape),
                    "start": 0, "value": t.detach().cpu().contiguous()}] for n, t in full_state.items()}
     layout = {"tp": 1, "pp": 1, "dp": 1, "zero1": False}
-    digest = _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
-        "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout,
-        "optim_scalars": {"step": 0, "sr_generator": None},
-        "extra": {"step": step, "data": {"consumed_samples": 0}}}, {"model": pieces, "optim": {}})
-    _put_config(storage, name, config)
-    storage.put_bytes(f"{name}/{_done_file(0)}", json.dumps(digest).encode())
-    meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": layout, "committed_at": time.time(),
-            "source": "import", "files": {_rank_file(0): digest}}
-    storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
+    try:
+        digest = _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
+            "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout,
+            "optim_scalars": {"step": 0, "sr_generator": None},
+            "extra": {"step": step, "data": {"consumed_samples": 0}}}, {"model": pieces, "optim": {}})
+        _put_config(storage, name, config)
+        storage.put_bytes(f"{name}/{_done_file(0)}", json.dumps(digest).encode())
+        meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": layout, "committed_at": time.time(),
+                "source": "import", "files": {_rank_file(0): digest}}
+        storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
+    except BaseException:  # a full disk, say: no uncommitted directory is left for the next reader to skip
+        storage.delete_prefix(name)
+        raise
     return f"{storage.root}/{name}"

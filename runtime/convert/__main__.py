@@ -9,7 +9,8 @@ mode: export   merge a runtime checkpoint saved under any tp x pp x dp (x ZeRO-1
 mode: import   read a Hugging Face GPT-2 or Llama directory and write a runtime checkpoint (weights only) that
                training resumes from under any layout (training.exp_manager.resume_from_checkpoint=<it>).
 
-Mistakes end with one `error: ...` line and exit code 2.
+Mistakes end with one `error: ...` line and exit code 2; a full disk (or quota, or file-size limit) with one line and
+exit code 1, nothing half-written left behind.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from runtime.config import parse_model_config, tokenizer_vocab_size
 from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
 from runtime.convert.peft import ADAPTER_DIR, adapters, check_peft_exportable, load_base, lora_of, save_adapter, \
     to_peft
+from runtime.io.files import no_room, no_room_line
 from runtime.models import ModelConfig
 from runtime.models.lora import merge_lora
 from runtime.schema.conversion import ConversionConfig, parse_conversion
@@ -216,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         for line in getattr(error, "problems", None) or [" ".join(str(error).split())]:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
+    except OSError as error:
+        if not no_room(error):
+            raise
+        # save_hf_directory and write_full_checkpoint removed what they had begun: the output appears whole or not.
+        key = "output_dir" if cfg.mode == "export" else "checkpoint_dir"
+        print(f"error: {no_room_line(error, f'conversion.{key}', getattr(cfg, key))}", file=sys.stderr, flush=True)
+        return 1
     print(f"conversion done in {time.perf_counter() - started:.1f} s")
     return 0
 

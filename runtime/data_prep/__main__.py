@@ -10,7 +10,7 @@
 Exit codes: 0 this task's shards are complete; 2 a config or input mistake (one line on stderr, before any
 work); 1 a failure while running (bad data under on_bad_line or on_long_record: fail, a truncated or corrupt
 input, nothing tokenized, a download or worker that failed). Rerunning after any failure resumes: finished
-shards are skipped.
+shards are skipped. A full disk (or quota, or file-size limit) is one line too, exit 1, with no half-written file left.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-tasks", type=int, default=1, help="array tasks in the stage (default 1)")
     parser.add_argument("--check", action="store_true", help="only check the config and inputs, then exit")
     args = parser.parse_args(argv)
+    data: dict = {}
     try:
         from runtime.schema.data_preparation import parse_config
         from runtime.data_prep.plan import check_inputs
@@ -65,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        from runtime.io.files import no_room, no_room_line
+
+        if not no_room(err):
+            raise
+        # Each writer removed the file it had begun (shard.py, runtime/io/files.py); finished shards are kept.
+        print(f"error: {no_room_line(err, 'output_dir', data.get('output_dir'))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; rerun to resume (finished shards are kept)", file=sys.stderr)

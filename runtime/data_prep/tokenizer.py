@@ -26,7 +26,7 @@ from runtime.schema.data_preparation import DataError, StageConfig, UserError
 from runtime.data_prep.demo import write_demo_shard
 from runtime.data_prep.download import download
 from runtime.data_prep.encode import EncoderSpec
-from runtime.io.files import atomic_write_json, publish_first, read_json, temp_name
+from runtime.io.files import atomic_write_json, publish_first_bytes, read_json, temp_name
 from runtime.data_prep.indexed import token_dtype
 
 LOCK_STALE_S = 120.0     # a lock untouched this long belongs to a dead task (the holder touches it every 10 s)
@@ -137,9 +137,7 @@ def _huggingface_json(cfg: StageConfig, log: Callable[[str], None]) -> bytes:
 def _publish_same(final: Path, data: bytes, what: str) -> None:
     """Publishes `data` as `final`, or checks that the file already there is the same."""
     if not final.exists():
-        tmp = temp_name(final)
-        tmp.write_bytes(data)
-        publish_first(tmp, final)
+        publish_first_bytes(data, final)
     if final.read_bytes() != data:
         raise UserError(f"{final} differs from the configured {what}: it was made for another config; delete "
                         "it together with the outputs made with it, or set output_dir elsewhere")
@@ -230,13 +228,10 @@ def _train_and_publish(cfg: StageConfig, files: list[str], fingerprint: dict, lo
     texts = tokenizer_train.training_texts(files, cfg.input.text_key, train.max_mb,
                                            int(cfg.input.max_record_mb * 1e6))
     if cfg.tokenizer.library == "huggingface":
-        tmp = temp_name(out / "tokenizer.json")
-        tmp.write_text(tokenizer_train.train_huggingface(texts, train), encoding="utf-8")
-        publish_first(tmp, out / "tokenizer.json")
+        publish_first_bytes(tokenizer_train.train_huggingface(texts, train).encode("utf-8"), out / "tokenizer.json")
     else:
-        tmp = temp_name(out / "tokenizer.model")
-        tmp.write_bytes(tokenizer_train.train_sentencepiece(texts, train, cfg.workers_per_node))
-        publish_first(tmp, out / "tokenizer.model")
+        publish_first_bytes(tokenizer_train.train_sentencepiece(texts, train, cfg.workers_per_node),
+                            out / "tokenizer.model")
         _publish_spm_json(out)
     log(f"tokenizer trained in {time.monotonic() - started:.1f}s -> {out / 'tokenizer.json'}")
 

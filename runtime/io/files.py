@@ -27,16 +27,43 @@ def is_temp(name: str) -> bool:
     return ".tmp-" in name
 
 
+# A write refused for want of room: a full disk, a full quota, or a file-size limit (RLIMIT_FSIZE, a file
+# system's largest file). Each is reported alike (no_room_line), after the writer removed what it had begun.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def no_room(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in NO_ROOM
+
+
+def no_room_line(error: OSError, key: str, where: str | os.PathLike) -> str:
+    """One line for a write with no room under `where` (the directory `key` names): what ran out, that nothing
+    half-written was kept, and the fix."""
+    return (f"{key} {str(where)!r}: no room to write ({error.strerror or os.strerror(error.errno)}); nothing "
+            f"half-written was kept: free space there (or raise the quota or file-size limit), or set {key} to a "
+            f"disk with room, then run it again")
+
+
+def write_temp(path: str | os.PathLike, data: bytes) -> Path:
+    """`data` in a new file under `path`'s temp_name, flushed to disk; removed again if the write fails (a full
+    disk), so that no half-written file is left."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Readers see the old file or the new one, never half of one (rename is atomic within a filesystem)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(write_temp(path, data), path)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -65,6 +92,11 @@ def publish_first(tmp: str | os.PathLike, final: str | os.PathLike) -> bool:
         return True
     tmp.unlink()
     return True
+
+
+def publish_first_bytes(data: bytes, final: str | os.PathLike) -> bool:
+    """publish_first of `data`, written under a temp name that a failed write does not leave behind."""
+    return publish_first(write_temp(final, data), final)
 
 
 def replace_directory(tmp: str | os.PathLike, out: str | os.PathLike) -> None:

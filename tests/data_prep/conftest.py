@@ -157,4 +157,4 @@ def run_cli(cfg: dict, tmp_path: Path, *args: str, wait: bool = True, **popen):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if not wait:
         return subprocess.Popen(command, cwd=REPO, env=env, **popen)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, **popen)
