@@ -126,10 +126,14 @@ def another_model(cfg: LaunchConfig, stage: str) -> str | None:
     if newest is None:
         return None
     try:
-        import yaml
-
-        before = stage_inputs(yaml.safe_load((newest / "config.yaml").read_text()) or {}).model_without_data
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        config, problem = rules.checkpoint_config((newest / "config.yaml").read_bytes(), str(newest / "config.yaml"))
+    except OSError:
+        return None
+    if problem:
+        return problem
+    try:
+        before = stage_inputs(config).model_without_data
+    except (ValueError, AttributeError):
         return None
     now = section.inputs.model_without_data
     differs = [f"{key} {before[key]!r} there, {now[key]!r} here" for key in _MODEL_IDENTITY

@@ -198,10 +198,13 @@ def _headers(storage: Storage, name: str, rank: int) -> list[dict]:
 
 
 def read_config(storage: Storage, checkpoint: Committed) -> dict:
-    """The resolved training config saved with a checkpoint."""
-    import yaml
+    """The resolved training config saved with a checkpoint; a ValueError of one line when it is damaged."""
+    from runtime.schema import rules
 
     key = f"{checkpoint.name}/config.yaml"
     if not storage.exists(key):
         raise ValueError(f"checkpoint {storage.root}/{checkpoint.name} has no config.yaml")
-    return yaml.safe_load(storage.get_bytes(key))
+    config, problem = rules.checkpoint_config(storage.get_bytes(key), f"{storage.root}/{key}")
+    if problem:
+        raise ValueError(problem)
+    return config

@@ -750,3 +750,23 @@ def checkpoint_name(name: str | None, key: str, directory_key: str) -> str | Non
     if "/" in name or name in ("", "."):
         return f"{key}: {name!r} is not one directory name in {directory_key}; {fix}"
     return None
+
+
+def checkpoint_config(text: str | bytes, path: str) -> tuple[dict | None, str | None]:
+    """(the training config a checkpoint was saved with, None), or (None, one line naming its config.yaml) when the
+    file is not YAML or not a mapping (edited by hand, damaged on disk). The launcher reads it at launch (a resume
+    from another model's checkpoints), the conversion and evaluation stages on the node."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(getattr(error, "problem", None) or error).split())[:60]
+        return None, (f"{path}: not valid YAML{at} ({what}); it is the config this checkpoint was saved with: "
+                      f"restore it from a copy, or move the checkpoint's directory aside to use the one before")
+    if not isinstance(config, dict):
+        return None, (f"{path}: holds {type(config).__name__}, not the config this checkpoint was saved with; restore "
+                      f"it from a copy, or move the checkpoint's directory aside to use the one before")
+    return config, None

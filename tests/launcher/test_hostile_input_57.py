@@ -4,6 +4,7 @@ nothing reads. Each ends in one `error:` line naming the key or file and the fix
 the real CLI, forked (helpers.nxdt)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,40 @@ def test_a_key_added_under_the_model_section_that_nothing_reads_is_refused(tmp_p
                           "cluster_type=local", "--dry-run", cwd=tmp_path),
                      "training.model.zero_stage: unknown key; ", tmp_path)
     assert "zero1" in lines[0] and len(lines) == 1, lines
+
+
+BROKEN_YAML = "model:\n  num_layers: [4, 6\n  hidden_size: 64\n"  # a flow sequence never closed: yaml's ScannerError
+
+
+def _damaged_checkpoint(checkpoints: Path, config: dict | None = None) -> Path:
+    """A complete checkpoint (its COMMIT) whose config.yaml is no longer YAML."""
+    step = checkpoints / "step_00000010.0a1b2c3d"
+    step.mkdir(parents=True)
+    (step / "COMMIT").write_text("{}")
+    (step / "config.yaml").write_text(BROKEN_YAML)
+    return step / "config.yaml"
+
+
+def test_a_checkpoint_config_that_is_not_yaml_is_refused_at_launch(tmp_path, recipe_data_dir):
+    """The launcher reads the newest checkpoint's config.yaml (is it another model's?): a damaged one is named."""
+    path = _damaged_checkpoint(tmp_path / "results" / "gpt3_tiny" / "training" / "checkpoints")
+    before = sorted(tmp_path.rglob("*"))
+    result = nxdt("stages=[training]", "cluster_type=local", f"base_results_dir={tmp_path}/results",
+                  f"data_dir={recipe_data_dir}", cwd=tmp_path)
+    [line] = refused(result, f"{path}: not valid YAML at line 3, column 14 (expected ',' or ']'")
+    assert "restore it from a copy, or move the checkpoint's directory aside" in line
+    assert sorted(tmp_path.rglob("*")) == before, "a refused launch wrote files"
+
+
+def test_a_checkpoint_config_that_is_not_yaml_is_one_line_on_the_node(tmp_path, capsys):
+    """Export reads the config the checkpoint was saved with (runtime.checkpoint.read_config): one line, exit 2."""
+    from runtime.convert.__main__ import main
+
+    path = _damaged_checkpoint(tmp_path / "checkpoints")
+    config = tmp_path / "conversion_config.yaml"
+    config.write_text(json.dumps({"mode": "export", "checkpoint_dir": str(tmp_path / "checkpoints"),
+                                  "output_dir": str(tmp_path / "hf")}))
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}: not valid YAML at line 3, column 14") and "\n" not in err, err
+    assert not (tmp_path / "hf").exists()
