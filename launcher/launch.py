@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import cache, live, neuron, packages, records, remote, slurm, stages, staging, validate
+from launcher import cache, live, neuron, packages, records, remote, runs, slurm, stages, staging, validate
 from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
@@ -358,6 +358,7 @@ def run_local(plan: Plan, scripts: list[Path], record: dict[str, Any], console) 
     Returns the exit code of the last stage run."""
     records.archive_previous(plan.run_dir)
     record["pid"] = os.getpid()
+    record["pid_started"] = runs.process_started(os.getpid())  # `cancel` and `status` tell a reused pid by it
     records.write(plan.run_dir, record)
     code = 0
     for i, (job, script, entry) in enumerate(zip(plan.jobs, scripts, record["stages"]), start=1):

@@ -42,6 +42,36 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
+def process_started(pid: int) -> float | None:
+    """When the process `pid` started, in seconds since the epoch (psutil: the same value each time it is asked);
+    None when there is no such process or it cannot be asked."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
+def launch_running(record: dict[str, Any]) -> bool:
+    """Whether the local launch this record names still runs: its pid is alive and is that launch, not a later
+    process the system has given the pid to. The launch records its start time next to its pid (pid_started);
+    a record from before that is the launch's only if the process started before the record was created."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    started = process_started(pid)
+    if started is None:
+        return False
+    recorded = record.get("pid_started")
+    if isinstance(recorded, (int, float)):
+        return abs(started - recorded) < 0.5  # the kernel counts start times in ticks: the same process, same value
+    try:
+        return started <= datetime.fromisoformat(str(record.get("created"))).timestamp() + 1
+    except ValueError:
+        return False
+
+
 def use_record(record: dict[str, Any]):
     """The runner for this recorded run: SSH to the head node it was launched on, or this machine."""
     return remote.use(record.get("remote"))
@@ -70,7 +100,7 @@ def stage_states(record: dict[str, Any]) -> list[tuple[dict[str, Any], slurm.Job
         for entry in record["stages"]:
             rows.append((entry, slurm.state(str(entry["job_id"]), _exit_files(entry))))
         return rows
-    running = pid_alive(record.get("pid"))
+    running = launch_running(record)
     cancelled = set(record.get("cancelled") or [])
     waiting = False
     for entry in record["stages"]:
@@ -224,7 +254,7 @@ def _processes() -> dict[int, tuple[int, str]]:
 
 def _stage_process(table: dict[int, tuple[int, str]], launcher_pid: int, entry: dict[str, Any]) -> int | None:
     """The script the launcher runs for this stage (its pid leads the stage's process group)."""
-    if entry.get("pid") in table:
+    if table.get(entry.get("pid"), (None,))[0] == launcher_pid:  # a pid the system gave to another is not it
         return entry["pid"]
     return next((pid for pid, (parent, args) in table.items() if parent == launcher_pid and entry["script"] in args),
                 None)
@@ -264,13 +294,16 @@ def _signal(pid: int, signum: int, group: bool = False) -> None:
 def _cancel_local(run_dir: Path, record: dict[str, Any], *, timeout_s: float) -> str:
     """Ask the running stage to stop (a training: save and stop; any other stage: TERM), wait for the launcher to
     stop with it, and TERM whatever still runs after `timeout_s`."""
-    launcher_pid = record.get("pid")
-    if not pid_alive(launcher_pid):
-        return "nothing to cancel: the local launch is not running"
+    launch = {key: record.get(key) for key in ("pid", "pid_started", "created")}  # the record drops pid at the end
+    launcher_pid = launch["pid"]
+    if not launch_running(launch):
+        reused = (f"; its pid {launcher_pid} now belongs to another process, which is left alone"
+                  if isinstance(launcher_pid, int) and pid_alive(launcher_pid) else "")
+        return f"nothing to cancel: the local launch is not running{reused}"
     asked: dict[str, str] = {}   # stage -> what it was sent
     usr1_sent: set[int] = set()
     deadline, termed = time.monotonic() + timeout_s, False
-    while pid_alive(launcher_pid) and not (termed and time.monotonic() > deadline):
+    while launch_running(launch) and not (termed and time.monotonic() > deadline):
         record = records.load(run_dir)
         entry = next((e for e, state in stage_states(record) if state.state == "RUNNING"), None)
         table = _processes() if entry is not None else {}
@@ -295,7 +328,7 @@ def _cancel_local(run_dir: Path, record: dict[str, Any], *, timeout_s: float) ->
         time.sleep(0.2)
     record = records.load(run_dir)
     lines = [f"{entry['stage']}: {state}" for entry, state in stage_states(record)]
-    if pid_alive(launcher_pid):
+    if launch_running(launch):  # still this launch: never another process that has its pid
         lines.append(f"the launch (pid {launcher_pid}) is still running {TERM_GRACE_S} s after SIGTERM; "
                      f"stop it with: kill {launcher_pid}")
     elif not asked:

@@ -4,6 +4,7 @@ nothing reads. Each ends in one `error:` line naming the key or file and the fix
 the real CLI, forked (helpers.nxdt)."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,37 @@ def test_a_checkpoint_config_that_is_not_yaml_is_one_line_on_the_node(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {path}: not valid YAML at line 3, column 14") and "\n" not in err, err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("record_kind", ["pid_started recorded", "record from before pid_started"])
+def test_cancel_leaves_alone_a_process_that_was_given_the_launchs_pid(tmp_path, record_kind):
+    """The launch ended long ago and the system gave its pid to another program: cancel neither waits for it nor
+    tells the user to kill it, and status does not call the run RUNNING."""
+    from datetime import datetime, timezone
+
+    from launcher import runs
+
+    other = subprocess.Popen(["sleep", "120"], start_new_session=True)  # a session of its own: nothing else is hit
+    try:
+        started = runs.process_started(other.pid)
+        run_dir = tmp_path / "results" / "L"
+        (run_dir / "training").mkdir(parents=True)
+        record = {"run_name": "L", "executor": "local", "pid": other.pid,
+                  "created": datetime.fromtimestamp(started - 3600, timezone.utc).isoformat(timespec="seconds"),
+                  "stages": [{"stage": "training", "job_id": "local", "pid": other.pid, "exit_code": None,
+                              "script": str(run_dir / "training" / "training.local.sh"),
+                              "log_dir": str(run_dir / "training" / "log")}]}
+        if record_kind == "pid_started recorded":
+            record["pid_started"] = started - 3600
+        (run_dir / "launch.json").write_text(json.dumps(record))
+        where = ["--results-dir", str(tmp_path / "results")]
+        result = nxdt("cancel", "L", *where, "--timeout", "1", cwd=tmp_path, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == (f"nothing to cancel: the local launch is not running; its pid {other.pid} "
+                                         "now belongs to another process, which is left alone"), result.stdout
+        assert "kill" not in result.stdout + result.stderr and other.poll() is None
+        status = nxdt("status", "L", *where, cwd=tmp_path, timeout=60)
+        assert status.returncode == 0 and "RUNNING" not in status.stdout and "NOT RUN" in status.stdout, status.stdout
+    finally:
+        other.kill()
+        other.wait()
