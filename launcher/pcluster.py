@@ -19,6 +19,7 @@ from typing import Any
 
 from launcher.errors import UserError
 from launcher.paths import REPO_ROOT, conf_dir
+from runtime.schema import rules
 
 PCLUSTER_VERSION = "3.16.1"
 INSTALL_HINT = (f"python3 -m venv .venv-pcluster && .venv-pcluster/bin/pip install aws-parallelcluster=={PCLUSTER_VERSION}"
@@ -266,9 +267,20 @@ def schema_errors(config: dict[str, Any], cluster_name: str, python: str,
     return lines
 
 
+def s3_problems(cfg: dict[str, Any]) -> list[str]:
+    """The node script's S3 URI and the buckets of s3_access, by the schema's S3 rules (a newline or a `$(...)` in
+    them would reach the YAML and the commands printed after it)."""
+    problems = [rules.s3_uri(cfg["node_setup"]["script_s3_uri"], "node_setup.script_s3_uri")]
+    buckets = cfg.get("s3_access") or []
+    problems += [rules.s3_bucket(b, "s3_access") for b in (buckets if isinstance(buckets, list) else [buckets])]
+    return [p for p in problems if p]
+
+
 def render(overrides: list[str], *, validate: bool = True) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """(cluster YAML as a dict, node script, composed config); UserError if the schema refuses the YAML."""
     cfg = compose(overrides)
+    if errors := s3_problems(cfg):
+        raise UserError(*errors)
     config = cluster_yaml(cfg)
     if validate:
         python = find_python()

@@ -23,7 +23,8 @@ from typing import Any
 
 from launcher.config import FINE_TUNING_STAGES, LaunchConfig, parse, typed
 from runtime.io.manifest import BLEND, INDEXED, OBJECT, PUSH_TREE, mirror
-from runtime.io.s3 import is_s3, split_url
+from runtime.io.s3 import is_s3
+from runtime.schema import rules
 from runtime.schema.reader import Report, Section
 from runtime.schema.s3 import KEYS as S3_KEYS
 
@@ -201,6 +202,6 @@ def problems(cfg: LaunchConfig) -> list[str]:
             elif _GLOB.search(value) or "{" in value and base != "input.files":
                 errors.append(f"{stage}.{key}: {value}: S3 URLs cannot hold wildcards (nothing is listed at "
                               "launch); name each object, or use a {:02d} pattern with input.file_numbers")
-            elif not split_url(value)[1]:
-                errors.append(f"{stage}.{key}: {value} names a bucket without a key; add the object's path")
+            elif problem := rules.s3_uri(value, f"{stage}.{key}", patterns=base == "input.files"):
+                errors.append(problem)
     return errors

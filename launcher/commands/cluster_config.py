@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 
 import click
@@ -82,9 +83,10 @@ def command(overrides: tuple[str, ...], output_dir: Path, no_validate: bool) -> 
                         "choose another --output-dir") from None
     checked = "not checked (--no-validate)" if no_validate else f"passes ParallelCluster {pcluster.PCLUSTER_VERSION}'s schema"
     click.echo(f"wrote {config_path} ({checked}) and {script_path}")
+    q = shlex.quote  # every value printed into a command: copied and pasted, it runs as shown
     click.echo("next:")
-    click.echo(f"  aws s3 cp {script_path} {cfg['node_setup']['script_s3_uri']}")
-    click.echo(f"  pcluster create-cluster --cluster-name {cfg['cluster_name']} --cluster-configuration {config_path} "
-               f"--region {cfg['region']}")
-    click.echo(f"then, on the head node: nxdt-launch cluster=pcluster_{cfg['instance']['queue_name']} ...  "
-               "(docs/parallelcluster.md)")
+    click.echo(f"  aws s3 cp {q(str(script_path))} {q(cfg['node_setup']['script_s3_uri'])}")
+    click.echo(f"  pcluster create-cluster --cluster-name {q(name)} --cluster-configuration {q(str(config_path))} "
+               f"--region {q(str(cfg['region']))}")
+    click.echo(f"then, on the head node: nxdt-launch {q('cluster=pcluster_' + str(cfg['instance']['queue_name']))} "
+               "...  (docs/parallelcluster.md)")

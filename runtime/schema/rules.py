@@ -770,3 +770,37 @@ def checkpoint_config(text: str | bytes, path: str) -> tuple[dict | None, str | 
         return None, (f"{path}: holds {type(config).__name__}, not the config this checkpoint was saved with; restore "
                       f"it from a copy, or move the checkpoint's directory aside to use the one before")
     return config, None
+
+
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{0,62}")
+# AWS's "characters to avoid" in object keys, and '$': none is needed, and each misleads a shell or a URL parser.
+_S3_KEY_AVOID = '\\{}^%`[]"<>~#|$'
+
+
+def s3_uri(value: object, key: str, *, patterns: bool = False) -> str | None:
+    """s3://<bucket>/<object key>: a bucket name S3 takes, and a key without spaces, control characters (a newline
+    would end the line it is printed on) or the characters AWS says to avoid. `patterns`: a key may hold {:02d}
+    patterns (data_preparation's input.files)."""
+    text = "" if value is None else str(value)
+    example = f"e.g. {key}=s3://my-bucket/nxdt/file"
+    if not text.startswith("s3://"):
+        return f"{key}: {text!r} is not an S3 URI; give s3://<bucket>/<key>, {example}"
+    bucket, _, path = text[len("s3://"):].partition("/")
+    if not _S3_BUCKET.fullmatch(bucket):
+        return (f"{key}: {text!r}: {bucket[:63]!r} is not an S3 bucket name (lowercase letters, digits, '.' and '-', "
+                f"at most 63); {example}")
+    if not path.strip("/"):
+        return f"{key}: {text} names a bucket without a key; add the object's path"
+    avoid = _S3_KEY_AVOID.replace("{", "").replace("}", "") if patterns else _S3_KEY_AVOID
+    if bad := next((c for c in path if not c.isprintable() or c.isspace() or c in avoid), None):
+        return (f"{key}: {text!r} holds {bad!r}; an S3 key here takes no spaces, control characters or any of "
+                f"{avoid} (AWS's characters to avoid): rename the object, {example}")
+    return None
+
+
+def s3_bucket(value: object, key: str) -> str | None:
+    """A bare bucket name (cluster-config's s3_access)."""
+    if _S3_BUCKET.fullmatch(str(value)):
+        return None
+    return (f"{key}: {str(value)[:63]!r} is not an S3 bucket name (lowercase letters, digits, '.' and '-', at most "
+            f"63), e.g. {key}=[my-data-bucket]")

@@ -187,3 +187,32 @@ def test_cancel_leaves_alone_a_process_that_was_given_the_launchs_pid(tmp_path, 
     finally:
         other.kill()
         other.wait()
+
+
+CLUSTER = ["cluster-config", "subnet_id=subnet-0abc", "--no-validate"]
+S3_URIS = [
+    ("'s3://b/x.sh\nrm -rf ~'", "'s3://b/x.sh\\nrm -rf ~' holds '\\n'; an S3 key here takes no spaces, control"),
+    ("'s3://b/$(touch pwned).sh'", "'s3://b/$(touch pwned).sh' holds '$'; an S3 key here takes no spaces"),
+    ("s3://My_Bucket/x.sh", "'s3://My_Bucket/x.sh': 'My_Bucket' is not an S3 bucket name"),
+    ("s3://bucket", "s3://bucket names a bucket without a key; add the object's path"),
+]
+
+
+@pytest.mark.parametrize("uri,expected", S3_URIS, ids=[u[1][:30] for u in S3_URIS])
+def test_cluster_config_refuses_an_s3_uri_no_command_can_hold(tmp_path, uri, expected):
+    _refused(nxdt(*CLUSTER, f"node_setup.script_s3_uri={uri}", cwd=tmp_path),
+             f"node_setup.script_s3_uri: {expected}", tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_cluster_config_quotes_every_value_it_prints_into_a_command(tmp_path):
+    """What `next:` prints runs as shown when pasted: each value one word, whatever it holds."""
+    import shlex
+
+    out, uri, region = tmp_path / "my clusters", "s3://b/nxdt/on_node(1).sh", "us-east-1;touch pwned"
+    result = nxdt(*CLUSTER, f"node_setup.script_s3_uri='{uri}'", f"region='{region}'", "-o", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = {line.split()[0]: shlex.split(line) for line in result.stdout.splitlines()[2:4]}
+    assert lines["aws"] == ["aws", "s3", "cp", str(out / "on_node_configured.sh"), uri], result.stdout
+    assert lines["pcluster"] == ["pcluster", "create-cluster", "--cluster-name", "nxdt", "--cluster-configuration",
+                                 str(out / "nxdt.yaml"), "--region", region], result.stdout
