@@ -317,10 +317,11 @@ def logs(run: str, stage: str | None, follow: bool, results_dir: Path) -> None:
     run_dir = runs.require_run(run, results_dir, use_index=not _named_results_dir())
     record = records.load(run_dir)
     runner = runs.use_record(record)  # the head node over SSH for a remote run
-    files = runs.log_files(record, stage)
-    if not files and (not follow or runs.ended(record, stage)):
+    source = runs.launch_of(run_dir, record, stage)  # an earlier launch's, for a stage this launch did not run
+    files = runs.log_files(source, stage) if stage or follow else runs.every_log_file(run_dir, record)
+    if not files and (not follow or runs.ended(source, stage)):
         raise UserError(f"run {run!r}: no logs yet for {stage or 'any stage'} (is it still pending?)")
-    if follow:
+    if follow and source is record:  # an earlier launch's stage has ended: its logs are printed whole
         runs.follow(run_dir, record, stage, lambda text: click.echo(text, nl=False))
         return
     for path in files:

@@ -76,6 +76,23 @@ def load(run_dir: Path) -> dict[str, Any]:
     return record
 
 
+def earlier(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of the run's earlier launches (archive_previous kept them as launch.<created>.json), newest
+    first; a damaged one is left out (status names the current record's damage, and these are history)."""
+    found = []
+    for path in sorted(run_dir.glob("launch.*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("stages"), list) and \
+                all(isinstance(e, dict) and {"stage", "job_id", "log_dir"} <= e.keys() for e in record["stages"]):
+            record.setdefault("executor", "?")
+            record.setdefault("run_name", run_dir.name)
+            found.append(record)
+    return found
+
+
 def write_cancel(run_dir: Path, record: dict[str, Any], stages: list[str], how: str) -> None:
     """Note that `cancel` stopped these stages of this launch (named by its `created`, so that a relaunch of the
     run is not shown as cancelled)."""

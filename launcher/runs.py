@@ -148,6 +148,29 @@ def require_run(target: str, results_dir: Path, *, use_index: bool = True) -> Pa
                     f"; recorded runs: {', '.join(known) or 'none'} (use --results-dir to look elsewhere)")
 
 
+def launch_of(run_dir: Path, record: dict[str, Any], stage: str | None) -> dict[str, Any]:
+    """The record of the newest launch of the run that ran `stage`: this one, or an earlier launch's kept record
+    (a stage-only launch, stages=[conversion], after a full one leaves the training's logs where they were)."""
+    if stage is None or any(e["stage"] == stage for e in record["stages"]):
+        return record
+    found = next((r for r in records.earlier(run_dir) if any(e["stage"] == stage for e in r["stages"])), None)
+    if found is None:
+        _entries(record, stage, launched=_launched(run_dir, record))  # raises: the stages the run ever ran
+    return found
+
+
+def _launched(run_dir: Path, record: dict[str, Any]) -> list[str]:
+    """Every stage the run has launched, this launch's first."""
+    names = [e["stage"] for r in [record, *records.earlier(run_dir)] for e in r["stages"]]
+    return list(dict.fromkeys(names))
+
+
+def every_log_file(run_dir: Path, record: dict[str, Any]) -> list[Path]:
+    """The logs of every stage the run has launched: this launch's stages, then those only earlier launches ran."""
+    return [path for stage in _launched(run_dir, record)
+            for path in log_files(launch_of(run_dir, record, stage), stage)]
+
+
 def log_files(record: dict[str, Any], stage: str | None) -> list[Path]:
     files = []
     for entry in _entries(record, stage):
@@ -160,10 +183,10 @@ def log_files(record: dict[str, Any], stage: str | None) -> list[Path]:
     return files
 
 
-def _entries(record: dict[str, Any], stage: str | None) -> list[dict[str, Any]]:
+def _entries(record: dict[str, Any], stage: str | None, launched: list[str] | None = None) -> list[dict[str, Any]]:
     entries = [e for e in record["stages"] if stage in (None, e["stage"])]
     if stage and not entries:
-        stages = ", ".join(e["stage"] for e in record["stages"])
+        stages = ", ".join(launched or [e["stage"] for e in record["stages"]])
         raise UserError(f"stage {stage!r} is not part of run {record['run_name']!r}; its stages: {stages}")
     return entries
 

@@ -216,3 +216,36 @@ def test_cluster_config_quotes_every_value_it_prints_into_a_command(tmp_path):
     assert lines["aws"] == ["aws", "s3", "cp", str(out / "on_node_configured.sh"), uri], result.stdout
     assert lines["pcluster"] == ["pcluster", "create-cluster", "--cluster-name", "nxdt", "--cluster-configuration",
                                  str(out / "nxdt.yaml"), "--region", region], result.stdout
+
+
+def test_logs_finds_every_stage_the_run_ever_launched(tmp_path, recipe_data_dir):
+    """A full launch, then a stage-only launch of the same run (stages=[conversion]): the second record replaces the
+    first (kept as launch.<created>.json), and `logs RUN training` still prints the training's log."""
+    import time
+
+    from launcher import launch, records
+
+    common = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={recipe_data_dir}"]
+    logs = {}
+    for created, stages in (("2026-01-01T00:00:00+00:00", "[training,conversion]"),
+                            ("2026-01-02T00:00:00+00:00", "[conversion]")):
+        plan = launch.make_plan([f"stages={stages}", *common], dry_run=True, produced_by="test")
+        record = {**launch.new_record(plan, [j.results_dir / f"{j.stage}.local.sh" for j in plan.jobs]),
+                  "created": created}
+        for job, entry in zip(plan.jobs, record["stages"]):  # what run_local records as each stage ends
+            entry.update(job_id="local", exit_code=0)
+            job.log_dir.mkdir(parents=True, exist_ok=True)
+            logs[job.stage] = f"{job.stage} of the launch of {created}\n"
+            (job.log_dir / f"{job.stage}_local.log").write_text(logs[job.stage])
+        records.archive_previous(plan.run_dir)
+        records.write(plan.run_dir, record)
+        time.sleep(0.01)  # archives are ordered by their time
+    where = ["--results-dir", f"{tmp_path}/results"]
+    training = nxdt("logs", "gpt3_tiny", "training", *where, cwd=tmp_path)
+    assert training.returncode == 0, training.stderr
+    assert logs["training"] in training.stdout and "2026-01-01" in training.stdout, training.stdout
+    every = nxdt("logs", "gpt3_tiny", *where, cwd=tmp_path)
+    assert every.returncode == 0 and logs["training"] in every.stdout and "conversion of the launch of 2026-01-02" \
+        in every.stdout, every.stdout
+    refused(nxdt("logs", "gpt3_tiny", "evaluation", *where, cwd=tmp_path),
+            "stage 'evaluation' is not part of run 'gpt3_tiny'; its stages: conversion, training")
