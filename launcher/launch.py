@@ -26,6 +26,7 @@ from launcher import cache, live, neuron, packages, records, remote, runs, slurm
 from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
+from launcher.paths import dry_run_dir
 from launcher.render import render
 from runtime.schema import rules
 
@@ -116,7 +117,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         if not dry_run:
             raise UserError(live.refusal(str(config.run_name), found))
         # What the launch would write, rendered where the live run cannot see it: the paths inside are the real ones.
-        mirror = Path(tempfile.mkdtemp(prefix=f"nxdt-dry-run-{config.run_name}-"))
+        mirror = dry_run_dir(str(config.run_name))  # the one an earlier dry run of it left is removed
         warnings.append(f"run {config.run_name} is live ({found.what}): this dry run wrote its files under {mirror} "
                         f"(each at its path below that directory), not into the run")
         reason += f"; rendered under {mirror}, the run being live"

@@ -249,3 +249,37 @@ def test_logs_finds_every_stage_the_run_ever_launched(tmp_path, recipe_data_dir)
         in every.stdout, every.stdout
     refused(nxdt("logs", "gpt3_tiny", "evaluation", *where, cwd=tmp_path),
             "stage 'evaluation' is not part of run 'gpt3_tiny'; its stages: conversion, training")
+
+
+def test_dry_runs_of_a_live_run_leave_one_directory_not_one_each(tmp_path, monkeypatch):
+    """A dry run of a live run renders under a new nxdt-dry-run-<run>-* directory (the run's files must not change);
+    the next one removes it, so that they do not pile up in the temporary directory. Another run's stays."""
+    import os
+    import tempfile
+    import time
+
+    from launcher import paths
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    results = tmp_path / "results"
+    run_dir = results / "gpt3_tiny"
+    run_dir.mkdir(parents=True)
+    # Live: its local launcher (this process) started before the record was created.
+    (run_dir / "launch.json").write_text(json.dumps({
+        "run_name": "gpt3_tiny", "executor": "local", "pid": os.getpid(), "created": "2999-01-01T00:00:00+00:00",
+        "stages": [{"stage": "training", "job_id": "local", "log_dir": str(run_dir / "training" / "logs"),
+                    "exit_code": None}]}))
+    other = Path(tempfile.mkdtemp(prefix="nxdt-dry-run-gpt3_tiny-b-"))  # run gpt3_tiny-b's
+    args = ["stages=[training]", "cluster_type=local", f"base_results_dir={results}", "--dry-run"]
+    made = []
+    for _ in range(3):
+        result = nxdt(*args, cwd=tmp_path, env={"TMPDIR": str(temp)})
+        assert result.returncode == 0 and "this dry run wrote its files under" in result.stdout, result.stderr
+        made.append(next(p for p in temp.iterdir() if p not in made and p != other))
+        past = time.time() - 2 * paths.DRY_RUN_KEEP_S
+        for directory in (made[-1], other):
+            os.utime(directory, (past, past))
+    assert sorted(temp.iterdir()) == sorted([made[-1], other]), "earlier dry runs' directories were kept"
+    assert (made[-1] / str(run_dir).lstrip("/") / "training" / "training_config.yaml").is_file()
