@@ -69,14 +69,19 @@ def test_a_vocabulary_no_embedding_holds_is_refused_at_launch(tmp_path, stages, 
     """99,999,999,999 tokens: killed natively on the node (a 4.5 TB allocation) where no node memory judged it (a
     Slurm CPU node's is not known), or where this launch's data_preparation makes the tokenizer (the schema does not
     read it then; the estimator does)."""
-    tokenizer = tmp_path / "tok.json"
-    tokenizer.write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
-                                     "added_tokens": [{"id": 99_999_999_998, "content": "x"}]}))
+    tokenizer = write_huge_vocabulary(tmp_path / "tok.json")
     lines = _refused(nxdt(f"training.model.tokenizer.model={tokenizer}", f"stages={stages}",
                           f"base_results_dir={tmp_path}/results", f"cluster_type={cluster}", "--dry-run",
                           cwd=tmp_path),
                      f"training.model.tokenizer.model: '{tokenizer}' has ", tmp_path)
     assert "more than an embedding holds" in lines[0] and len(lines) == 1, lines
+
+
+def write_huge_vocabulary(path: Path) -> Path:
+    """A tokenizer.json whose added token has id 99,999,999,998."""
+    path.write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
+                                "added_tokens": [{"id": 99_999_999_998, "content": "x"}]}))
+    return path
 
 
 def _bomb() -> str:
@@ -99,10 +104,13 @@ def test_an_alias_bomb_of_text_is_refused_by_explain_config_as_by_a_launch(tmp_p
     assert len(lines) == 1, lines
 
 
-@pytest.mark.parametrize("text,expected", [
+PLAIN_TEXTS = [  # (a file given as a config, what its one error line says)
     ("".join(f"user{i}:x:{i}:{i}::/home/user{i}:/bin/sh\n" for i in range(200)), "holds text, not a config mapping"),
     ("k" * 1000 + ": 1\n", "has a key of 1,000 characters"),
-])
+]
+
+
+@pytest.mark.parametrize("text,expected", PLAIN_TEXTS)
 def test_an_error_line_quotes_a_bounded_excerpt_of_the_file(tmp_path, text, expected):
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "passwd").write_text(text)
@@ -155,27 +163,31 @@ def test_a_checkpoint_config_that_is_not_yaml_is_one_line_on_the_node(tmp_path, 
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("record_kind", ["pid_started recorded", "record from before pid_started"])
-def test_cancel_leaves_alone_a_process_that_was_given_the_launchs_pid(tmp_path, record_kind):
-    """The launch ended long ago and the system gave its pid to another program: cancel neither waits for it nor
-    tells the user to kill it, and status does not call the run RUNNING."""
+def write_reused_pid_record(run_dir: Path, pid: int, with_pid_started: bool) -> None:
+    """The record of a local launch that ended an hour before the process now holding `pid` started."""
     from datetime import datetime, timezone
 
     from launcher import runs
 
+    started = runs.process_started(pid)
+    (run_dir / "training").mkdir(parents=True)
+    record = {"run_name": run_dir.name, "executor": "local", "pid": pid,
+              "created": datetime.fromtimestamp(started - 3600, timezone.utc).isoformat(timespec="seconds"),
+              "stages": [{"stage": "training", "job_id": "local", "pid": pid, "exit_code": None,
+                          "script": str(run_dir / "training" / "training.local.sh"),
+                          "log_dir": str(run_dir / "training" / "log")}]}
+    if with_pid_started:
+        record["pid_started"] = started - 3600
+    (run_dir / "launch.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("record_kind", ["pid_started recorded", "record from before pid_started"])
+def test_cancel_leaves_alone_a_process_that_was_given_the_launchs_pid(tmp_path, record_kind):
+    """The launch ended long ago and the system gave its pid to another program: cancel neither waits for it nor
+    tells the user to kill it, and status does not call the run RUNNING."""
     other = subprocess.Popen(["sleep", "120"], start_new_session=True)  # a session of its own: nothing else is hit
     try:
-        started = runs.process_started(other.pid)
-        run_dir = tmp_path / "results" / "L"
-        (run_dir / "training").mkdir(parents=True)
-        record = {"run_name": "L", "executor": "local", "pid": other.pid,
-                  "created": datetime.fromtimestamp(started - 3600, timezone.utc).isoformat(timespec="seconds"),
-                  "stages": [{"stage": "training", "job_id": "local", "pid": other.pid, "exit_code": None,
-                              "script": str(run_dir / "training" / "training.local.sh"),
-                              "log_dir": str(run_dir / "training" / "log")}]}
-        if record_kind == "pid_started recorded":
-            record["pid_started"] = started - 3600
-        (run_dir / "launch.json").write_text(json.dumps(record))
+        write_reused_pid_record(tmp_path / "results" / "L", other.pid, record_kind == "pid_started recorded")
         where = ["--results-dir", str(tmp_path / "results")]
         result = nxdt("cancel", "L", *where, "--timeout", "1", cwd=tmp_path, timeout=120)
         assert result.returncode == 0, result.stderr
@@ -218,14 +230,14 @@ def test_cluster_config_quotes_every_value_it_prints_into_a_command(tmp_path):
                                  str(out / "nxdt.yaml"), "--region", region], result.stdout
 
 
-def test_logs_finds_every_stage_the_run_ever_launched(tmp_path, recipe_data_dir):
-    """A full launch, then a stage-only launch of the same run (stages=[conversion]): the second record replaces the
-    first (kept as launch.<created>.json), and `logs RUN training` still prints the training's log."""
+def write_two_launches(results: Path, data_dir: Path) -> dict[str, str]:
+    """Run gpt3_tiny's records as a full local launch and then a stage-only one leave them, each stage's log
+    written; returns the log text of each stage."""
     import time
 
     from launcher import launch, records
 
-    common = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={recipe_data_dir}"]
+    common = ["cluster_type=local", f"base_results_dir={results}", f"data_dir={data_dir}"]
     logs = {}
     for created, stages in (("2026-01-01T00:00:00+00:00", "[training,conversion]"),
                             ("2026-01-02T00:00:00+00:00", "[conversion]")):
@@ -240,6 +252,13 @@ def test_logs_finds_every_stage_the_run_ever_launched(tmp_path, recipe_data_dir)
         records.archive_previous(plan.run_dir)
         records.write(plan.run_dir, record)
         time.sleep(0.01)  # archives are ordered by their time
+    return logs
+
+
+def test_logs_finds_every_stage_the_run_ever_launched(tmp_path, recipe_data_dir):
+    """A full launch, then a stage-only launch of the same run (stages=[conversion]): the second record replaces the
+    first (kept as launch.<created>.json), and `logs RUN training` still prints the training's log."""
+    logs = write_two_launches(tmp_path / "results", recipe_data_dir)
     where = ["--results-dir", f"{tmp_path}/results"]
     training = nxdt("logs", "gpt3_tiny", "training", *where, cwd=tmp_path)
     assert training.returncode == 0, training.stderr
@@ -249,6 +268,18 @@ def test_logs_finds_every_stage_the_run_ever_launched(tmp_path, recipe_data_dir)
         in every.stdout, every.stdout
     refused(nxdt("logs", "gpt3_tiny", "evaluation", *where, cwd=tmp_path),
             "stage 'evaluation' is not part of run 'gpt3_tiny'; its stages: conversion, training")
+
+
+def write_live_record(run_dir: Path) -> Path:
+    """A live local run: its launcher (this process) started before its record was created."""
+    import os
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "launch.json").write_text(json.dumps({
+        "run_name": run_dir.name, "executor": "local", "pid": os.getpid(), "created": "2999-01-01T00:00:00+00:00",
+        "stages": [{"stage": "training", "job_id": "local", "log_dir": str(run_dir / "training" / "logs"),
+                    "exit_code": None}]}))
+    return run_dir
 
 
 def test_dry_runs_of_a_live_run_leave_one_directory_not_one_each(tmp_path, monkeypatch):
@@ -264,13 +295,7 @@ def test_dry_runs_of_a_live_run_leave_one_directory_not_one_each(tmp_path, monke
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     results = tmp_path / "results"
-    run_dir = results / "gpt3_tiny"
-    run_dir.mkdir(parents=True)
-    # Live: its local launcher (this process) started before the record was created.
-    (run_dir / "launch.json").write_text(json.dumps({
-        "run_name": "gpt3_tiny", "executor": "local", "pid": os.getpid(), "created": "2999-01-01T00:00:00+00:00",
-        "stages": [{"stage": "training", "job_id": "local", "log_dir": str(run_dir / "training" / "logs"),
-                    "exit_code": None}]}))
+    run_dir = write_live_record(results / "gpt3_tiny")
     other = Path(tempfile.mkdtemp(prefix="nxdt-dry-run-gpt3_tiny-b-"))  # run gpt3_tiny-b's
     args = ["stages=[training]", "cluster_type=local", f"base_results_dir={results}", "--dry-run"]
     made = []
