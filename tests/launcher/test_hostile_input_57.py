@@ -167,9 +167,9 @@ def write_reused_pid_record(run_dir: Path, pid: int, with_pid_started: bool) -> 
     """The record of a local launch that ended an hour before the process now holding `pid` started."""
     from datetime import datetime, timezone
 
-    from launcher import runs
+    import psutil
 
-    started = runs.process_started(pid)
+    started = psutil.Process(pid).create_time()
     (run_dir / "training").mkdir(parents=True)
     record = {"run_name": run_dir.name, "executor": "local", "pid": pid,
               "created": datetime.fromtimestamp(started - 3600, timezone.utc).isoformat(timespec="seconds"),
