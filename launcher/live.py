@@ -117,25 +117,44 @@ def refusal(run_name: str, live: Live) -> str:
 LAUNCH_LOCK = ".launch.lock"
 
 
-def hold_launch(run_dir: Path, run_name: str):
+def hold_launch(run_dir: Path, run_name: str, made: list[Path]):
     """An open file holding an exclusive flock on `<run_dir>/.launch.lock` (closing it, or the process ending,
     releases it); UserError naming the other launch when one holds it. Creates run_dir if it is missing: the lock
-    lives where every launch of the run, from any process on this host, looks."""
+    lives where every launch of the run, from any process on this host, looks. The lock file is appended to `made`
+    when this launch created it, so that a launch refused under it leaves none behind: removing it while holding it
+    is safe, as a launch that opened the old file before it went finds, once it holds that file's lock, that the
+    name now leads elsewhere, and opens it again."""
     import fcntl
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / LAUNCH_LOCK, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read(200).strip() or "another nxdt-launch process"
-        handle.close()
-        raise UserError(f"run_name: run {run_name} is being launched by {holder} right now; this launch wrote "
-                        f"nothing: wait for it (nxdt-launch status {run_name}) or launch under another name, e.g. "
-                        f"run_name={run_name}_2") from None
+    path = run_dir / LAUNCH_LOCK
+    while True:
+        existed = os.path.lexists(path)
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read(200).strip() or "another nxdt-launch process"
+            handle.close()
+            raise UserError(f"run_name: run {run_name} is being launched by {holder} right now; this launch wrote "
+                            f"nothing: wait for it (nxdt-launch status {run_name}) or launch under another name, e.g. "
+                            f"run_name={run_name}_2") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()  # the file was removed (by a refused launch) after this one opened it
+    if not existed:
+        made.append(path)
+    return handle
+
+
+def announce(handle) -> None:
+    """Name this process in the lock file it holds (what a launch that finds it held shows): once the launch is
+    accepted, so that a refused one changes nothing there."""
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} (since {datetime.now().isoformat(timespec='seconds')})\n")
     handle.flush()
-    return handle
