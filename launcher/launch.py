@@ -306,10 +306,15 @@ def _claim(plan: Plan, made: list[Path]) -> None:
         path = Path(os.path.abspath(target.path))
         if not target.claim or (target.key != "base_results_dir" and path.resolve().is_relative_to(inside)):
             continue
-        _makedirs(path, made)
-        if not os.path.lexists(path / ownership.OWNER):
-            made.append(path / ownership.OWNER)
-        if (theirs := ownership.claim(path, mine)).run_id != mine.run_id:
+        try:
+            _makedirs(path, made)
+            if not os.path.lexists(path / ownership.OWNER):
+                made.append(path / ownership.OWNER)
+            theirs = ownership.claim(path, mine)
+        except OSError as error:
+            raise UserError(f"{target.key}: cannot write {path} ({error.strerror or error}); give a directory you can "
+                            f"write") from None
+        if theirs.run_id != mine.run_id:
             raise UserError(f"{target.key}: {target.path} belongs to {theirs.describe()}, which claimed it while this "
                             f"launch started; {target.fix}")
 
