@@ -29,7 +29,6 @@ from launcher.job import Job
 from launcher.render import render
 from runtime.io import ownership
 from runtime.schema import rules
-from runtime.schema.conversion import parse_conversion
 
 
 @dataclass
@@ -114,7 +113,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     elif errors := output_problems([("base_results_dir", config.run_dir),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
-    elif errors := ownership_problems(config, jobs):
+    elif errors := live.ownership_problems(config, jobs):
         raise UserError(*errors)
     elif found := found or live.locked(jobs):
         if not dry_run:
@@ -154,76 +153,6 @@ def output_problems(targets: list[tuple[str, Path]]) -> list[str]:
             errors.append(f"{key}: cannot create {path}: {existing} takes no new directory ({error.strerror}); "
                           f"give a directory you can write{_example(key)}")
     return errors
-
-
-@dataclass(frozen=True)
-class _Target:
-    key: str        # the key that names the directory
-    path: Path
-    would: str      # what this launch would do there
-    fix: str        # what to set instead, when another run owns it
-    claim: bool     # recorded as this run's when the launch is written (a directory it writes into)
-
-
-def _targets(config: LaunchConfig, jobs: list[Job]) -> list[_Target]:
-    """Every local directory this launch would resume from, write into or prune, as its keys name it."""
-    run_dir = config.run_dir
-    found = [_Target("base_results_dir", run_dir, "write its run directory inside it",
-                     "give base_results_dir a directory outside that run's, e.g. base_results_dir=/fsx/results", True)]
-    for job in jobs:
-        key = f"{job.stage}.run.results_dir"
-        found.append(_Target(key, job.results_dir, "write its stage files there",
-                             f"give it a directory of its own, e.g. {key}={run_dir}/{job.stage}", True))
-        section = config.stage(job.stage).section
-        if job.stage in stages.TRAINER_STAGES:
-            dirpath = config.stage(job.stage).inputs.checkpoint_dir
-            if ownership.local(dirpath):
-                key = f"{job.stage}.exp_manager.checkpoint_callback_params.dirpath"
-                found.append(_Target(key, Path(str(dirpath)), ownership.CHECKPOINTS_WOULD, ownership.checkpoints_fix(
-                    f"{job.stage}.", dirpath, job.results_dir / "checkpoints"), True))
-        elif job.stage == "conversion" and (conversion := parse_conversion(section)[0]) is not None:
-            if conversion.mode == "import" and ownership.local(conversion.checkpoint_dir):
-                found.append(_Target("conversion.checkpoint_dir", Path(conversion.checkpoint_dir),
-                                     "write an imported checkpoint among its checkpoints",
-                                     f"import into a directory of this run, e.g. conversion.checkpoint_dir="
-                                     f"{run_dir}/imported", True))
-            if conversion.mode == "export" and ownership.local(conversion.output_dir):
-                found.append(_Target("conversion.output_dir", Path(str(conversion.output_dir)),
-                                     "write its export there", f"export into a directory of this run, e.g. "
-                                     f"conversion.output_dir={job.results_dir}/hf_model", False))
-    return found
-
-
-def _export_inputs(section: dict[str, Any]) -> tuple[str, list[str]] | None:
-    """An export with conversion.overwrite=true: its output_dir and the inputs replacing it must not delete."""
-    conversion = parse_conversion(section)[0]
-    if conversion is None or conversion.mode != "export" or not conversion.overwrite:
-        return None
-    source = conversion.checkpoint_dir
-    if conversion.checkpoint_name and conversion.checkpoint_name != "latest":
-        source = f"{source.rstrip('/')}/{conversion.checkpoint_name}"
-    return str(conversion.output_dir), [source, *([conversion.tokenizer_model] if conversion.tokenizer_model else [])]
-
-
-def ownership_problems(config: LaunchConfig, jobs: list[Job]) -> list[str]:
-    """A directory this launch would resume from, write into or prune that another run owns (runtime/io/ownership.py),
-    and an overwrite that would delete the stage's inputs or any run's checkpoints: one line each, before anything is
-    written. Reading another run's checkpoints (an export, an evaluation, resume_from_checkpoint) is not refused."""
-    mine = ownership.recorded_at(config.run_dir)
-    found: dict[str, str] = {}  # one line per key, none for a directory inside one already refused
-    refused: list[Path] = []
-    for target in _targets(config, jobs):
-        path = Path(os.path.abspath(target.path))
-        if target.key in found or any(path.is_relative_to(there) for there in refused):
-            continue
-        if problem := ownership.foreign(target.key, target.path, mine, target.would, target.fix):
-            found[target.key] = problem
-            refused.append(path)
-    if "conversion" in config.stages and "conversion.output_dir" not in found and (
-            export := _export_inputs(config.stage("conversion").section)):
-        if problem := ownership.overwrite_problem("conversion.output_dir", *export):
-            found["conversion.output_dir"] = problem
-    return list(found.values())
 
 
 def _example(key: str) -> str:
@@ -302,7 +231,7 @@ def _claim(plan: Plan, made: list[Path]) -> None:
     """Record the run as the owner of its run directory and of each directory outside it that it writes into."""
     mine = ownership.of_run(plan.run_dir, str(plan.config.run_name))
     inside = plan.run_dir.resolve()
-    for target in _targets(plan.config, plan.jobs):
+    for target in live.targets(plan.config, plan.jobs):
         path = Path(os.path.abspath(target.path))
         if not target.claim or (target.key != "base_results_dir" and path.resolve().is_relative_to(inside)):
             continue

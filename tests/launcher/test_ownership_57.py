@@ -6,8 +6,6 @@ Reading another run's checkpoints stays open: an export or evaluation of them, a
 exp_manager.resume_from_checkpoint (read only)."""
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import signal
