@@ -28,6 +28,7 @@ from launcher.errors import UserError
 from launcher.job import Job
 from launcher.paths import dry_run_dir
 from launcher.render import render
+from runtime.io import ownership
 from runtime.schema import rules
 
 
@@ -113,6 +114,8 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     elif errors := output_problems([("base_results_dir", config.run_dir),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
+    elif errors := live.ownership_problems(config, jobs):
+        raise UserError(*errors)
     elif found := found or live.locked(jobs):
         if not dry_run:
             raise UserError(live.refusal(str(config.run_name), found))
@@ -194,11 +197,7 @@ def write(plan: Plan) -> list[Path]:
     try:
         return _write(plan, made)
     except OSError as error:
-        for path in reversed(made):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+        _remove(made)
         plan.files.clear()
         raise UserError(f"{error.filename or 'a launch file'}: cannot be written ({error.strerror or error}); "
                         "nothing was written; free the space or fix the permissions and launch again") from None
@@ -206,23 +205,56 @@ def write(plan: Plan) -> list[Path]:
 
 def _hold_run(plan: Plan, made: list[Path]) -> None:
     """The run's launch lock, then make_plan's look at the run again under it: a launch of the same run that won the
-    race has written its record (or holds a training's lock) by the time it lets go. A refusal writes nothing."""
+    race has written its record (or holds a training's lock) by the time it lets go. Then the run's ownership of the
+    directories it writes into is recorded (runtime/io/ownership.py); another run that recorded one first refuses
+    this launch. A refusal writes nothing: what this call made (the run directory, its lock file, records) goes."""
     try:
         _makedirs(plan.run_dir, made)
     except OSError as error:
         raise UserError(f"base_results_dir: cannot create {plan.run_dir} ({error.strerror}); give a directory you "
                         f"can write, e.g. base_results_dir=/fsx/results") from None
     try:
-        plan.launch_lock = live.hold_launch(plan.run_dir, str(plan.config.run_name))
+        plan.launch_lock = live.hold_launch(plan.run_dir, str(plan.config.run_name), made)
         found = live.recorded(plan.config.base_results_dir, plan.config.run_name) or live.locked(plan.jobs)
         if found:
+            raise UserError(live.refusal(str(plan.config.run_name), found))
+        _claim(plan, made)
+    except UserError:
+        _remove(made)  # the lock file too, still held: a launch waiting on it opens the name again (live.py)
+        if plan.launch_lock is not None:
             plan.launch_lock.close()
             plan.launch_lock = None
-            raise UserError(live.refusal(str(plan.config.run_name), found))
-    except UserError:
-        if made:  # this launch made the run directory: nothing of it stays
-            shutil.rmtree(made[0], ignore_errors=True)
         raise
+    live.announce(plan.launch_lock)
+
+
+def _claim(plan: Plan, made: list[Path]) -> None:
+    """Record the run as the owner of its run directory and of each directory outside it that it writes into."""
+    mine = ownership.of_run(plan.run_dir, str(plan.config.run_name))
+    inside = plan.run_dir.resolve()
+    for target in live.targets(plan.config, plan.jobs):
+        path = Path(os.path.abspath(target.path))
+        if not target.claim or (target.key != "base_results_dir" and path.resolve().is_relative_to(inside)):
+            continue
+        try:
+            _makedirs(path, made)
+            if not os.path.lexists(path / ownership.OWNER):
+                made.append(path / ownership.OWNER)
+            theirs = ownership.claim(path, mine)
+        except OSError as error:
+            raise UserError(f"{target.key}: cannot write {path} ({error.strerror or error}); give a directory you can "
+                            f"write") from None
+        if theirs.run_id != mine.run_id:
+            raise UserError(f"{target.key}: {target.path} belongs to {theirs.describe()}, which claimed it while this "
+                            f"launch started; {target.fix}")
+
+
+def _remove(made: list[Path]) -> None:
+    for path in reversed(made):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _makedirs(path: Path, made: list[Path]) -> None:

@@ -314,7 +314,7 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
 
     checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
                                       cfg.trainer.max_steps)
-    checkpoints.check_room()
+    checkpoints.check_room(str(cfg.results_dir))
     start_step = checkpoints.resume()
     # After a restart (the job script's, runtime/fault_tolerance/attempts.py): rank 0 records how long the fault took
     # to detect and recover from, and the time it cost, in metrics.jsonl and the run's attempt history.

@@ -15,6 +15,7 @@ from runtime.checkpoint.manager import Checkpointer, Committed, committed_checkp
 from runtime.checkpoint.shards import rank_pieces
 from runtime.parallel.data_parallel import data_parallel_of
 from runtime.config import CheckpointConfig
+from runtime.io import ownership
 from runtime.parallel import collectives as C
 
 
@@ -51,11 +52,17 @@ class TrainingCheckpoints:
 
     # ---- before training ---------------------------------------------------------------------------------
 
-    def check_room(self) -> None:
+    def check_room(self, results_dir: str) -> None:
         """Find out now, not at the first save after hours of training, that the checkpoint directory cannot take
-        files or (on a file system) has no room for one checkpoint. Every rank probes; all stop together."""
+        files or (on a file system) has no room for one checkpoint. Every rank probes; all stop together. First,
+        that it is not another run's (runtime/io/ownership.py: this run would resume from it, write into it and
+        prune it), whoever started this trainer."""
         if self.checkpointer is None:
             return
+        if problem := ownership.foreign("exp_manager.checkpoint_callback_params.dirpath", self.cfg.dirpath,
+                                        ownership.owner(results_dir), ownership.CHECKPOINTS_WOULD,
+                                        ownership.checkpoints_fix("", self.cfg.dirpath, f"{results_dir}/checkpoints")):
+            raise ValueError(problem)
         storage, key = self.checkpointer.storage, f".nxdt_write_probe_{self.device.rank:05d}"
         problem = None
         try:

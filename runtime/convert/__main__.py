@@ -31,6 +31,7 @@ from runtime.config import parse_model_config, tokenizer_vocab_size
 from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
 from runtime.convert.peft import ADAPTER_DIR, adapters, check_peft_exportable, load_base, lora_of, save_adapter, \
     to_peft
+from runtime.io import ownership
 from runtime.io.files import no_room, no_room_line
 from runtime.models import ModelConfig
 from runtime.models.lora import merge_lora
@@ -66,6 +67,11 @@ def export(cfg: ConversionConfig) -> Path:
     if not cfg.overwrite and previous is None and out.is_dir() and any(out.iterdir()):
         raise ValueError(f"conversion.output_dir {str(out)!r} holds files this stage did not export; set "
                          f"conversion.overwrite=true to replace them, or choose another conversion.output_dir")
+    if out.is_dir() and any(out.iterdir()):  # replaced below: never a directory that holds what must stay
+        inputs = [source["checkpoint"], str(tokenizer), *([str(source["restore_from_path"])]
+                                                            if source.get("restore_from_path") else [])]
+        if problem := ownership.overwrite_problem("conversion.output_dir", out, inputs):
+            raise ValueError(problem)
     model_cfg = parse_model_config(training["model"], str(tokenizer))
     if lora is not None:
         _export_lora(cfg, lora, training, model_cfg, storage, checkpoint, source, str(tokenizer), where)
