@@ -35,32 +35,6 @@ class Live:
     key: str    # the key a user would change to launch elsewhere
 
 
-def _started_at(pid: int) -> float | None:
-    """When the process started (seconds since the epoch), from /proc; None where /proc cannot tell."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def _launcher_alive(record: dict) -> bool:
-    from launcher.runs import pid_alive
-
-    pid = record.get("pid")
-    if not isinstance(pid, int) or not pid_alive(pid):
-        return False
-    started = _started_at(pid)
-    try:
-        created = datetime.fromisoformat(str(record.get("created"))).timestamp()
-    except ValueError:
-        return True
-    # The launcher writes its record after it starts; a process started later is another program with that pid.
-    return started is None or started <= created + 1
-
-
 def recorded(base_results_dir: object, run_name: object) -> Live | None:
     """What keeps the run live by its record (its launcher, its Slurm jobs), or None."""
     if not isinstance(base_results_dir, str) or not isinstance(run_name, str) or not run_name:
@@ -78,7 +52,9 @@ def recorded(base_results_dir: object, run_name: object) -> Live | None:
     if record.get("remote"):
         return None  # the head node's own record answers for it there
     if record["executor"] == "local":
-        if not _launcher_alive(record):
+        from launcher.runs import launch_running
+
+        if not launch_running(record):  # its pid, and that pid is still the launch (its start time)
             return None
         from launcher.runs import stage_states
 
