@@ -78,9 +78,10 @@ def versus_baseline(rev: str, commands: dict[str, list[str]], runs: int, cache: 
                     others: dict[str, list[str]]) -> dict[str, tuple[float, float]]:
     """Median (wall, CPU) of each command in this checkout, warm and cold cache, and in a worktree of `rev`,
     alternating run by run, and of each of `others` in this checkout in the same rounds. Keys: "<name>,
-    <warm|cold|rev>", and the names of `others`."""
+    <warm|cold|rev|rev cold>", and the names of `others`."""
     warm, cold = {"NXDT_LAUNCH_CACHE": str(cache)}, {"NXDT_LAUNCH_CACHE": str(cache / "cold")}
     theirs = {"NXDT_LAUNCH_CACHE": str(cache / "rev")}  # warmed as ours, by a launch under another run name
+    theirs_cold = {"NXDT_LAUNCH_CACHE": str(cache / "rev-cold")}
     with tempfile.TemporaryDirectory() as tree:
         subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -99,6 +100,8 @@ def versus_baseline(rev: str, commands: dict[str, list[str]], runs: int, cache: 
                     samples.setdefault(f"{name}, cold", []).append(
                         timed(cmd, 1, env=cold, before=lambda: _empty(cache / "cold")))
                     samples.setdefault(f"{name}, {rev}", []).append(timed(cmd, 1, Path(tree), env=theirs))
+                    samples.setdefault(f"{name}, {rev} cold", []).append(
+                        timed(cmd, 1, Path(tree), env=theirs_cold, before=lambda: _empty(cache / "rev-cold")))
             return {name: (statistics.median(s[0] for s in pairs), statistics.median(s[1] for s in pairs))
                     for name, pairs in samples.items()}
         finally:
@@ -145,19 +148,20 @@ def main() -> None:
             medians = versus_baseline(args.baseline, commands, args.runs, cache, others)
             print(f"load after: {_load()}")
             print(f"| dry run | median wall (s), {args.runs} runs, interleaved | median CPU (s) "
-                  f"| CPU ratio to {args.baseline} |")
+                  f"| CPU ratio to {args.baseline}, same cache state |")
             print("| --- | --- | --- | --- |")
             for name in commands:
-                theirs_cpu = medians[f"{name}, {args.baseline}"][1]
-                for label, key in ((f"{name}, this checkout, cache warm", "warm"),
-                                   (f"{name}, this checkout, cache cold", "cold"),
-                                   (f"{name}, {args.baseline}", args.baseline)):
-                    wall, cpu = medians[f"{name}, {key}"]
-                    print(f"| {label} | {wall:.3f} | {cpu:.3f} | {cpu / theirs_cpu:.2f} |")
+                for kind, theirs_key in (("warm", args.baseline), ("cold", f"{args.baseline} cold")):
+                    theirs_cpu = medians[f"{name}, {theirs_key}"][1]
+                    for label, key in ((f"{name}, this checkout, cache {kind}", kind),
+                                       (f"{name}, {args.baseline}, cache {kind}", theirs_key)):
+                        wall, cpu = medians[f"{name}, {key}"]
+                        print(f"| {label} | {wall:.3f} | {cpu:.3f} | {cpu / theirs_cpu:.2f} |")
             floor = medians["python -c pass"][1]
             print(f"\n| command (this checkout) | median wall (s) | median CPU (s) | CPU ratio to python -c pass |")
             print("| --- | --- | --- | --- |")
-            for key in (*(f"{name}, {kind}" for name in commands for kind in ("warm", "cold", args.baseline)), *others):
+            kinds = ("warm", "cold", args.baseline, f"{args.baseline} cold")
+            for key in (*(f"{name}, {kind}" for name in commands for kind in kinds), *others):
                 wall, cpu = medians[key]
                 print(f"| {key} | {wall:.3f} | {cpu:.3f} | {cpu / floor:.2f} |")
             return

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 from omegaconf import OmegaConf
 
 from launcher import plain_compose, plain_resolve
@@ -101,8 +100,8 @@ def test_every_conf_file_reads_as_omegaconf_reads_it():
 
 @pytest.mark.parametrize("text", [
     "a: 1e-5", "a: 1.5e5", "a: -3", "a: +4", "a: 0.25", "a: 1_000", "a: 0x1f", "a: 017", "a: 1:30", "a: .inf",
-    "a: .5", "a: 2024-01-01", "a: yes", "a: ~", "a: 1.2.3", "a: '1e5'", "a: [1, b]", "a: {b: 1}\nb: *x" if False
-    else "a: &x {b: 1}\nc: *x", "a: 1\na: 2", "a: ???",
+    "a: .5", "a: 2024-01-01", "a: yes", "a: ~", "a: 1.2.3", "a: '1e5'", "a: [1, b]", "a: &x {b: 1}\nc: *x",
+    "a: 1\na: 2", "a: ???", "a: -.5", "a: 175b", "a: 0",
 ])
 def test_yaml_scalars_read_as_omegaconf_reads_them_or_are_left_to_it(tmp_path, monkeypatch, text):
     (tmp_path / "config.yaml").write_text(text + "\n")
@@ -172,4 +171,3 @@ def test_no_hydra_or_omegaconf_is_imported(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-    assert yaml  # PyYAML (libyaml's parser where present) reads the files
