@@ -7,12 +7,14 @@ results directory DIR each run, median of several runs, next to references timed
   each run (compose, then store), or switched off (NXDT_LAUNCH_CACHE=off, compose only);
 - on pcluster_trn1: the cluster switches the recipe to gpt3/175b_trn1 (launcher/targets.py, one compose uncached);
 - python -c pass: the interpreter's own start-up, the floor for any Python launcher;
-- Hydra compose alone: what composing our conf/ costs without validation, rendering or writing;
+- Hydra compose alone: what composing our conf/ with Hydra costs without validation, rendering or writing, and the
+  same compose without Hydra (launcher/plain_compose.py, what a launch composes on a cache miss);
 - import torch: what a launcher that imported torch at start-up would pay before doing anything.
 
 NeMo-Framework-Launcher itself is not installable here (not on PyPI), so it is not in the table.
 With --baseline REV the same dry run of an earlier commit (a git worktree of REV) is timed in the same run,
-interleaved with ours (warm and cold cache), so a change's cost is a ratio measured under the same load.
+interleaved with ours (warm and cold cache) and with `python -c pass` and the composes alone, so a change's cost
+is a ratio measured under the same load; the load average is printed before and after.
 CPU time is the better figure on a shared machine: other work stretches wall time, not the CPU a run uses.
 Every command runs with its bytecode present, as an installed or once-run checkout has it: the children write and
 read .pyc files under a temporary PYTHONPYCACHEPREFIX (PYTHONDONTWRITEBYTECODE is dropped), filled by untimed runs.
@@ -72,11 +74,14 @@ def warm_up(cmd: list[str], env: dict[str, str], cwd: Path = REPO) -> None:
     timed([*cmd, "training.run.name=warm_up"] if "--dry-run" in cmd else cmd, 2, cwd, env)
 
 
-def versus_baseline(rev: str, commands: dict[str, list[str]], runs: int, cache: Path) -> dict[str, tuple[float, float]]:
+def versus_baseline(rev: str, commands: dict[str, list[str]], runs: int, cache: Path,
+                    others: dict[str, list[str]]) -> dict[str, tuple[float, float]]:
     """Median (wall, CPU) of each command in this checkout, warm and cold cache, and in a worktree of `rev`,
-    alternating run by run. Keys: "<name>, <warm|cold|rev>"."""
+    alternating run by run, and of each of `others` in this checkout in the same rounds. Keys: "<name>,
+    <warm|cold|rev|rev cold>", and the names of `others`."""
     warm, cold = {"NXDT_LAUNCH_CACHE": str(cache)}, {"NXDT_LAUNCH_CACHE": str(cache / "cold")}
     theirs = {"NXDT_LAUNCH_CACHE": str(cache / "rev")}  # warmed as ours, by a launch under another run name
+    theirs_cold = {"NXDT_LAUNCH_CACHE": str(cache / "rev-cold")}
     with tempfile.TemporaryDirectory() as tree:
         subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -85,16 +90,26 @@ def versus_baseline(rev: str, commands: dict[str, list[str]], runs: int, cache: 
             for cmd in commands.values():
                 warm_up(cmd, theirs, Path(tree))  # `python -m launcher.cli` from the worktree imports the worktree's launcher
                 warm_up(cmd, warm)
+            for cmd in others.values():
+                warm_up(cmd, warm)
             for _ in range(runs):
+                for name, cmd in others.items():
+                    samples.setdefault(name, []).append(timed(cmd, 1, env=warm))
                 for name, cmd in commands.items():
                     samples.setdefault(f"{name}, warm", []).append(timed(cmd, 1, env=warm))
                     samples.setdefault(f"{name}, cold", []).append(
                         timed(cmd, 1, env=cold, before=lambda: _empty(cache / "cold")))
                     samples.setdefault(f"{name}, {rev}", []).append(timed(cmd, 1, Path(tree), env=theirs))
+                    samples.setdefault(f"{name}, {rev} cold", []).append(
+                        timed(cmd, 1, Path(tree), env=theirs_cold, before=lambda: _empty(cache / "rev-cold")))
             return {name: (statistics.median(s[0] for s in pairs), statistics.median(s[1] for s in pairs))
                     for name, pairs in samples.items()}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, check=True)
+
+
+def _load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _empty(folder: Path) -> None:
@@ -117,22 +132,38 @@ def main() -> None:
             "from launcher.compose import compose, resolve; "
             "resolve(compose(['stages=[training]', 'training=gpt3/175b']))"
         )
+        plain = (
+            "from launcher.plain_compose import compose; from launcher.plain_resolve import resolve; "
+            "resolve(compose(['stages=[training]', 'training=gpt3/175b']))"
+        )
+        others = {"python -c pass": [sys.executable, "-c", "pass"],
+                  "Hydra compose of conf/ alone": [sys.executable, "-c", compose],
+                  "compose of conf/ without Hydra alone (plain_compose)": [sys.executable, "-c", plain]}
         dry_run = [sys.executable, "-m", "launcher.cli", "stages=[training]", "training=gpt3/175b",
                    "cluster_type=slurm", "--dry-run"]
         trn1 = [*dry_run, "cluster=pcluster_trn1"]
         if args.baseline:
             commands = {"175B": dry_run, "175B on pcluster_trn1": trn1}
-            medians = versus_baseline(args.baseline, commands, args.runs, cache)
+            print(f"load before: {_load()}")
+            medians = versus_baseline(args.baseline, commands, args.runs, cache, others)
+            print(f"load after: {_load()}")
             print(f"| dry run | median wall (s), {args.runs} runs, interleaved | median CPU (s) "
-                  f"| CPU ratio to {args.baseline} |")
+                  f"| CPU ratio to {args.baseline}, same cache state |")
             print("| --- | --- | --- | --- |")
             for name in commands:
-                theirs_cpu = medians[f"{name}, {args.baseline}"][1]
-                for label, key in ((f"{name}, this checkout, cache warm", "warm"),
-                                   (f"{name}, this checkout, cache cold", "cold"),
-                                   (f"{name}, {args.baseline}", args.baseline)):
-                    wall, cpu = medians[f"{name}, {key}"]
-                    print(f"| {label} | {wall:.3f} | {cpu:.3f} | {cpu / theirs_cpu:.2f} |")
+                for kind, theirs_key in (("warm", args.baseline), ("cold", f"{args.baseline} cold")):
+                    theirs_cpu = medians[f"{name}, {theirs_key}"][1]
+                    for label, key in ((f"{name}, this checkout, cache {kind}", kind),
+                                       (f"{name}, {args.baseline}, cache {kind}", theirs_key)):
+                        wall, cpu = medians[f"{name}, {key}"]
+                        print(f"| {label} | {wall:.3f} | {cpu:.3f} | {cpu / theirs_cpu:.2f} |")
+            floor = medians["python -c pass"][1]
+            print(f"\n| command (this checkout) | median wall (s) | median CPU (s) | CPU ratio to python -c pass |")
+            print("| --- | --- | --- | --- |")
+            kinds = ("warm", "cold", args.baseline, f"{args.baseline} cold")
+            for key in (*(f"{name}, {kind}" for name in commands for kind in kinds), *others):
+                wall, cpu = medians[key]
+                print(f"| {key} | {wall:.3f} | {cpu:.3f} | {cpu / floor:.2f} |")
             return
         rows: dict[str, tuple[list[str], dict[str, str], Callable[[], None] | None]] = {
             "nxdt-launch 175B training --dry-run, cache warm": (dry_run, warm, None),
@@ -142,6 +173,7 @@ def main() -> None:
             "the same on pcluster_trn1 (175b_trn1), cache cold": (trn1, cold, lambda: _empty(cache / "cold")),
             "python -c pass": ([sys.executable, "-c", "pass"], off, None),
             "Hydra compose of conf/ alone": ([sys.executable, "-c", compose], off, None),
+            "compose of conf/ without Hydra alone (plain_compose)": ([sys.executable, "-c", plain], off, None),
             "python -c 'import torch'": ([sys.executable, "-c", "import torch"], off, None),
         }
         for cmd, _, _ in rows.values():

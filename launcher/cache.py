@@ -18,7 +18,8 @@ of it, and the entry holds placeholders in their place (launcher/placeholders.py
 of them does not reach the config as text (a resolver is handed it as an argument), the entry says so, and the
 launch is keyed on every override as typed.
 
-A hit imports neither Hydra nor OmegaConf. Nothing that failed is stored, so a mistake is reported by compose.py
+A hit imports neither Hydra nor OmegaConf, nor does a miss that launcher/plain_compose.py composes (the subset of
+Hydra that conf/ and a launch's plain overrides use; everything else is Hydra's). Nothing that failed is stored, so a mistake is reported by compose.py
 every time, as before. Not cached: a file choice (training=@FILE, read from outside conf/), an override of
 `hydra.*` (hydra.searchpath adds config directories), choices registered in this process's ConfigStore, a config
 that could call a resolver other than those whose result these inputs fix (${now:...}), a value that JSON would
@@ -45,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher import placeholders
-from launcher.paths import CONFIG_GROUPS, conf_dir
+from launcher.paths import conf_dir
+from launcher.plain_compose import Unsupported, registered_choices
 
 ENV = "NXDT_LAUNCH_CACHE"
 OFF = ("off", "0", "false", "no")
@@ -101,15 +103,50 @@ def resolved(overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 
 def _compose(overrides: list[str], path: Path | None, typed: list[str] | None) -> tuple[dict[str, Any], list[str]]:
-    from launcher.compose import compose, resolve
     from launcher.resolvers import recording_env
 
     warnings: list[str] = []
     with recording_env() as env_reads:
-        cfg = resolve(compose(overrides, warnings))
+        try:
+            cfg = _without_hydra(overrides)
+        except Unsupported:
+            from launcher.compose import compose, resolve
+
+            cfg = resolve(compose(overrides, warnings))
     if path is not None and storable(cfg, typed):
         store(path, {"env": env_reads, "warnings": warnings, "config": cfg})
     return cfg, warnings
+
+
+def _without_hydra(overrides: list[str]) -> dict[str, Any]:
+    """compose.resolve(compose.compose(overrides)) without Hydra or OmegaConf, or Unsupported."""
+    from launcher import plain_compose, plain_resolve
+
+    return plain_resolve.resolve(plain_compose.compose(overrides))
+
+
+def _placed(kept: list[str], given: dict[str, str], salt: str, warnings: list[str],
+            env_reads: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(`place`'s record, the config of `kept` resolved with a placeholder at each location): composed without
+    Hydra where launcher/plain_compose.py can, else with it. The record is None when a location holds something
+    else than text, the config None when it cannot hold placeholders or lacks a key that is `given`. A mistake
+    raises compose.py's UserError."""
+    from launcher import plain_compose, plain_resolve
+
+    try:
+        nodes = plain_resolve.PlainNodes(plain_compose.compose(kept))
+        return _placed_in(nodes, given, salt, env_reads)
+    except Unsupported:
+        from launcher.compose import compose, resolve
+
+        return _placed_in(placeholders.OmegaConfNodes(compose(kept, warnings), resolve), given, salt, env_reads)
+
+
+def _placed_in(nodes, given: dict[str, str], salt: str, env_reads: dict[str, Any]):
+    placed = placeholders.place(nodes, salt)
+    if placed is None or not set(given) <= set(placed["placeholders"]):
+        return placed, None
+    return placed, placeholders.resolve_placed(nodes, placed, env_reads)
 
 
 def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Path,
@@ -117,20 +154,17 @@ def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Pat
     """The config of `kept` with a placeholder at each location, stored at `path`, filled with `given`; or None
     (and an entry that says so) when it would not be what a fresh compose gives. A mistake is left to the caller's
     compose of every override as typed, which names it as always."""
-    from launcher.compose import compose, resolve
     from launcher.errors import UserError
     from launcher.resolvers import recording_env
 
     warnings: list[str] = []
     with recording_env() as env_reads:
         try:
-            cfg = compose(kept, warnings)
-            placed = placeholders.place(cfg, key.digest[:16])
-            if placed is not None and not set(given) <= set(placed["placeholders"]):
-                return None  # a key this config lacks: the compose of every override names it
-            general = None if placed is None else placeholders.resolve_placed(cfg, placed, resolve, env_reads)
+            placed, general = _placed(kept, given, key.digest[:16], warnings, env_reads)
         except UserError:
             return None
+    if placed is not None and not set(given) <= set(placed["placeholders"]):
+        return None  # a key this config lacks: the compose of every override names it
     if key.racy:
         path = None
     if general is None:
@@ -159,7 +193,7 @@ def _inputs(overrides: list[str]) -> tuple[list, int] | None:
         name = name.lstrip("+~")
         if name == "hydra" or name.startswith("hydra.") or value.startswith("@"):
             return None
-    if _registered_choices():
+    if registered_choices():
         return None
     try:
         cwd = os.getcwd()
@@ -197,16 +231,6 @@ def _package_file(package: str, name: str) -> str | None:
         return None
     folder = Path(list(spec.submodule_search_locations)[0])
     return f"{folder}:{(folder / name).read_text()}"
-
-
-def _registered_choices() -> bool:
-    """Whether this process registered config choices in Hydra's ConfigStore (a training=@FILE launch before this
-    one, in tests or autoconfig): a config composed here could depend on them."""
-    module = sys.modules.get("hydra.core.config_store")
-    if module is None:
-        return False
-    repo = module.ConfigStore.instance().repo
-    return any(group in repo for group in CONFIG_GROUPS)
 
 
 def load(path: Path) -> dict[str, Any] | None:

@@ -53,34 +53,70 @@ def split_locations(overrides: list[str]) -> tuple[list[str], dict[str, str]] | 
     return kept, given
 
 
-def place(cfg, salt: str) -> dict[str, Any] | None:
-    """Sets every location of the composed `cfg` to a placeholder (`salt` makes it one no value holds by chance:
+def place(nodes, salt: str) -> dict[str, Any] | None:
+    """Sets every location of a composed config to a placeholder (`salt` makes it one no value holds by chance:
     part of the entry's key): {"placeholders": {key: placeholder},
     "defaults": {key: its own value, resolved, with the other keys' placeholders in it}}, or None when one of them
-    holds something else than a string."""
-    from omegaconf import OmegaConf
-
-    nodes = {}
+    holds something else than a string. `nodes`: the config's Nodes (OmegaConfNodes, or plain_resolve.PlainNodes)."""
+    found = {}
     for key in KEYS:
-        parent, _, leaf = key.rpartition(".")
-        container = OmegaConf.select(cfg, parent, default=None) if parent else cfg
-        if not OmegaConf.is_dict(container) or leaf not in container:
+        raw = nodes.raw(key)
+        if raw is ABSENT:
             continue
-        node = container._get_node(leaf)
-        if OmegaConf.is_config(node) or not isinstance(node._value(), str):
+        if not isinstance(raw, str):
             return None
-        nodes[key] = (container, leaf, node._value())
-    placeholders = {key: f"{MARKER}{salt}-{i}@@" for i, key in enumerate(nodes)}
-    for key, (container, leaf, _) in nodes.items():
-        container[leaf] = placeholders[key]
+        found[key] = raw
+    placeholders = {key: f"{MARKER}{salt}-{i}@@" for i, key in enumerate(found)}
+    for key in found:
+        nodes.set(key, placeholders[key])
     defaults = {}
-    for key, (container, leaf, own) in nodes.items():
-        container[leaf] = own
-        defaults[key] = OmegaConf.select(cfg, key, throw_on_resolution_failure=False, throw_on_missing=False)
-        container[leaf] = placeholders[key]
+    for key, own in found.items():
+        nodes.set(key, own)
+        defaults[key] = nodes.select(key)
+        nodes.set(key, placeholders[key])
         if not isinstance(defaults[key], str):
             return None
     return {"placeholders": placeholders, "defaults": defaults}
+
+
+ABSENT = object()   # Nodes.raw of a key the config does not have
+
+
+class OmegaConfNodes:
+    """A config composed by Hydra, as `place` and `resolve_placed` read and set it."""
+
+    def __init__(self, cfg, resolve) -> None:
+        self.cfg, self.resolve = cfg, resolve
+
+    def raw(self, key: str) -> Any:
+        """The value as written (an interpolation unexpanded); a mapping or list as itself; ABSENT."""
+        from omegaconf import OmegaConf
+
+        parent, _, leaf = key.rpartition(".")
+        container = OmegaConf.select(self.cfg, parent, default=None) if parent else self.cfg
+        if not OmegaConf.is_dict(container) or leaf not in container:
+            return ABSENT
+        node = container._get_node(leaf)
+        return node if OmegaConf.is_config(node) else node._value()
+
+    def set(self, key: str, value: str) -> None:
+        from omegaconf import OmegaConf
+
+        parent, _, leaf = key.rpartition(".")
+        container = OmegaConf.select(self.cfg, parent) if parent else self.cfg
+        container[leaf] = value
+
+    def select(self, key: str) -> Any:
+        """The value resolved; None where it does not resolve."""
+        from omegaconf import OmegaConf
+
+        return OmegaConf.select(self.cfg, key, throw_on_resolution_failure=False, throw_on_missing=False)
+
+    def resolve_watching(self, tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+        """The config resolved, and the resolvers that were handed an argument holding one of `tokens`."""
+        with _watching_resolvers(tokens) as handed:
+            general = self.resolve(self.cfg)
+        return general, handed
 
 
 class _watching_resolvers:
@@ -116,12 +152,11 @@ class _watching_resolvers:
             self.registry.update(self.saved)
 
 
-def resolve_placed(cfg, placed: dict[str, Any], resolve, env_reads: dict[str, Any]) -> dict[str, Any] | None:
-    """resolve(cfg) with `place`'s placeholders in it, or None when one of them did not reach the config as text
-    only: a resolver was handed it, an environment variable's name holds it, or a mapping's key."""
+def resolve_placed(nodes, placed: dict[str, Any], env_reads: dict[str, Any]) -> dict[str, Any] | None:
+    """The config resolved with `place`'s placeholders in it, or None when one of them did not reach the config as
+    text only: a resolver was handed it, an environment variable's name holds it, or a mapping's key."""
     tokens = list(placed["placeholders"].values())
-    with _watching_resolvers(tokens) as handed:
-        general = resolve(cfg)
+    general, handed = nodes.resolve_watching(tokens)
     if handed or any(token in name for token in tokens for name in env_reads) or not _keys_plain(general, tokens):
         return None
     return general

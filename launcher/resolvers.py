@@ -21,35 +21,45 @@ def _divide_ceil(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
-def _trainer_stage(root) -> str | None:
-    """The last stage of this launch that trains (training, fine_tuning, peft or alignment), or None."""
-    from omegaconf import OmegaConf
-
+def trained_key(stages, root, key: str, here: bool) -> str | None:
+    """The key that `${trained:KEY}` (here=False) or `${trained_here:KEY}` (here=True) reads: KEY under the last stage
+    of `stages` (the launch's `stages`, a list; anything else lists none) that trains (training, fine_tuning, peft or
+    alignment) and is in `root`, so the conversion, the evaluation and the run's name follow the model this launch
+    ends with: a fine-tuning launch converts and evaluates its fine-tuned checkpoints,
+    stages=[fine_tuning,alignment,conversion] its aligned ones. With no such stage, `trained` reads training's and
+    `trained_here` nothing (None): a conversion or evaluation alone takes what its checkpoint recorded (an imported
+    model's own tokenizer) rather than a recipe's default it never trained with. Shared by OmegaConf's resolvers here
+    and launcher/plain_resolve.py."""
     from launcher.stages import TRAINER_STAGES  # stages.py imports nothing of the launcher's but job.py
 
+    listed = stages if isinstance(stages, list) else []
+    stage = next((s for s in reversed(listed) if s in TRAINER_STAGES and s in root), None)
+    if stage is None:
+        return None if here else f"training.{key}"
+    return f"{stage}.{key}"
+
+
+def _listed(root) -> list:
+    """The launch's `stages` as a list (a malformed `stages` is validate.py's to name)."""
+    from omegaconf import OmegaConf
+
     stages = root.get("stages")
-    listed = list(stages) if OmegaConf.is_list(stages) else []  # a malformed `stages` is validate.py's to name
-    return next((s for s in reversed(listed) if s in TRAINER_STAGES and s in root), None)
+    return list(stages) if OmegaConf.is_list(stages) else []
 
 
 def _trained(key: str, *, _root_):
-    """`${trained:run.results_dir}`: that key of the last stage of this launch that trains (training, fine_tuning,
-    peft or alignment; training when none runs), so the conversion, the evaluation and the run's name follow the
-    model this launch ends with: a fine-tuning launch converts and evaluates its fine-tuned checkpoints,
-    stages=[fine_tuning,alignment,conversion] its aligned ones."""
+    """`${trained:run.results_dir}`: that key of the last stage of this launch that trains (trained_key)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.select(_root_, f"{_trainer_stage(_root_) or 'training'}.{key}")
+    return OmegaConf.select(_root_, trained_key(_listed(_root_), _root_, key, here=False))
 
 
 def _trained_here(key: str, *, _root_):
-    """`${trained_here:model.tokenizer.model}`: as `trained`, but null when this launch runs no stage that trains (a
-    conversion or evaluation alone), so that the stage takes what its checkpoint recorded (an imported model's own
-    tokenizer) rather than a recipe's default it never trained with."""
+    """`${trained_here:model.tokenizer.model}`: as `trained`, but null when this launch runs no stage that trains."""
     from omegaconf import OmegaConf
 
-    stage = _trainer_stage(_root_)
-    return None if stage is None else OmegaConf.select(_root_, f"{stage}.{key}")
+    path = trained_key(_listed(_root_), _root_, key, here=True)
+    return None if path is None else OmegaConf.select(_root_, path)
 
 
 def _env(key, *default):
@@ -73,17 +83,19 @@ def recording_env() -> Iterator[dict[str, str | None]]:
         _env_reads = previous
 
 
+# The resolvers that compute from their arguments alone: OmegaConf's (register_resolvers) and
+# launcher/plain_resolve.py's.
+FUNCTIONS = {
+    "multiply": lambda *xs: math.prod(xs),
+    "divide_ceil": _divide_ceil,
+    "divide_floor": lambda a, b: int(a) // int(b),
+    "cwd": os.getcwd,
+}
+
+
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    resolvers = {
-        "multiply": lambda *xs: math.prod(xs),
-        "divide_ceil": _divide_ceil,
-        "divide_floor": lambda a, b: int(a) // int(b),
-        "cwd": os.getcwd,
-        "trained": _trained,
-        "trained_here": _trained_here,
-        "oc.env": _env,
-    }
+    resolvers = {**FUNCTIONS, "trained": _trained, "trained_here": _trained_here, "oc.env": _env}
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

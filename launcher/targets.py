@@ -22,6 +22,7 @@ names the same target: a Hydra compose costs most of a dry run, and this saves t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.errors import UserError
@@ -33,28 +34,50 @@ from launcher.stages import TRAINER_STAGES
 TARGETS = ("trn1", "trn2", "gpu")   # the keys of a recipe's `targets`
 
 
+def _select(cfg, key: str):
+    """The value at a dotted key, None where there is none: OmegaConf.select on a composed DictConfig, a walk
+    through the mappings of a plain one (launcher/plain_compose.py, which leaves a config with interpolations
+    there to Hydra)."""
+    if isinstance(cfg, dict):
+        for part in key.split("."):
+            if not isinstance(cfg, dict) or part not in cfg:
+                return None
+            cfg = cfg[part]
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def _pop(node, key: str) -> None:
+    if isinstance(node, dict):
+        node.pop(key)
+        return
+    from omegaconf import open_dict
+
+    with open_dict(node):
+        node.pop(key)
+
+
 def cluster_target(cfg) -> str | None:
     """trn1 | trn2 from cluster.neuron.hardware (None when that names no known hardware: neuron.py reports it),
     gpu for a cluster without a `neuron` section."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.select(cfg, "cluster.neuron", default=None) is None:
+    if _select(cfg, "cluster.neuron") is None:
         return "gpu"
-    name = OmegaConf.select(cfg, "cluster.neuron.hardware", default=None) or NEURON_DEFAULTS["hardware"]
+    name = _select(cfg, "cluster.neuron.hardware") or NEURON_DEFAULTS["hardware"]
     return name if name in NEURON_HARDWARE else None
 
 
 def apply(cfg) -> str | None:
     """The recipe that is the training recipe's layout for the cluster's target, when it names one (compose.py
     composes that instead); None to keep this config. Removes `targets` from every trainer stage either way (the
-    fine-tuning recipes that start from a training recipe inherit its, but have their own variants)."""
-    from omegaconf import OmegaConf, open_dict
-
+    fine-tuning recipes that start from a training recipe inherit its, but have their own variants). `cfg`: a
+    composed DictConfig or a plain one."""
     target = cluster_target(cfg)
     chosen = None
     for stage in TRAINER_STAGES:
         node = cfg.get(stage)
-        if node is None or not OmegaConf.is_dict(node) or "targets" not in node:
+        if node is None or not isinstance(node, Mapping) or "targets" not in node:
             continue
         layouts = node.get("targets")
         if stage == "training" and layouts is not None:
@@ -62,8 +85,7 @@ def apply(cfg) -> str | None:
             if chosen is not None and not isinstance(chosen, str):
                 raise UserError(f"training.targets.{target}: {chosen!r} must name a training recipe that holds the "
                                 f"{target} layout, e.g. gpt3/175b_{target}")
-        with open_dict(node):
-            node.pop("targets")
+        _pop(node, "targets")
     select_validation_hardware(cfg, target)
     return chosen
 
@@ -75,9 +97,9 @@ def select_validation_hardware(cfg, target: str | None) -> None:
         return
     neuron = target in NEURON_HARDWARE
     if node.get("accelerator") == "auto":
-        node.accelerator = "neuron" if neuron else "cpu"
+        node["accelerator"] = "neuron" if neuron else "cpu"
     if node.get("devices") == "auto":
-        node.devices = NEURON_HARDWARE[target].workers_per_node if neuron else 1
+        node["devices"] = NEURON_HARDWARE[target].workers_per_node if neuron else 1
 
 
 # --- choosing the target's recipe from conf/'s files, before composing -----------------------------------------

@@ -16,12 +16,14 @@ import pytest
 
 from .helpers import REPO
 
-# Runs the CLI, then says on stderr's last line whether Hydra and OmegaConf were imported.
+# Runs the CLI, then says on stderr's last line whether Hydra and OmegaConf were imported, and whether the launch
+# composed (with Hydra, launcher/compose.py, or without, launcher/plain_resolve.py) rather than read the cache.
 PROBE = (
     "import sys\n"
     "from launcher.cli import run\n"
     "code = run(sys.argv[1:])\n"
     "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'omegaconf'})\n"
+    "loaded += ['composed'] if {'launcher.compose', 'launcher.plain_resolve'} & set(sys.modules) else []\n"
     "print('imported:', ','.join(loaded) or '-', file=sys.stderr)\n"
     "sys.exit(code)\n"
 )
@@ -53,6 +55,7 @@ class Launches:
             "stderr": errors,
             "hydra": "hydra" in imported,
             "omegaconf": "omegaconf" in imported,
+            "composed": "composed" in imported,
             "files": _files(self.results),
         }
 
@@ -83,14 +86,14 @@ def launch(tmp_path) -> Launches:
     ["stages=[training]", "training=gpt3/tiny", "cluster_type=local"],
 ], ids=["175b", "175b-trn1", "llama3-8b-trn2", "fine-tuning", "tiny-local"])
 def test_a_hit_writes_byte_for_byte_what_a_fresh_compose_writes_without_importing_hydra(launch, overrides):
-    fresh = launch(*overrides, env={"NXDT_LAUNCH_CACHE": "off"})
+    fresh = launch(*overrides, env={"NXDT_LAUNCH_CACHE": "off", "NXDT_LAUNCH_COMPOSE": "hydra"})
     assert fresh["code"] == 0, fresh["stderr"]
     assert fresh["hydra"] and fresh["files"] and not launch.cache.exists()
 
-    cold = launch(*overrides)
-    assert cold["hydra"] and len(launch.entries()) == 1
+    cold = launch(*overrides)  # composed without Hydra or OmegaConf (launcher/plain_compose.py)
+    assert cold["composed"] and not cold["hydra"] and not cold["omegaconf"] and len(launch.entries()) == 1
     hit = launch(*overrides)
-    assert not hit["hydra"] and not hit["omegaconf"]
+    assert not hit["composed"] and not hit["hydra"] and not hit["omegaconf"]
     for result in (cold, hit):
         assert (result["code"], result["stdout"], result["stderr"]) == (0, fresh["stdout"], fresh["stderr"])
         assert result["files"] == fresh["files"]
@@ -110,10 +113,10 @@ def test_a_launch_into_another_results_dir_and_run_name_is_a_hit_that_writes_wha
     launch.results = tmp_path / "first"
     assert launch(*base, "training.run.name=seed", "run_name=seed_run")["code"] == 0
     launch.results = tmp_path / "second"
-    fresh = launch(*base, *names, env={"NXDT_LAUNCH_CACHE": "off"})
+    fresh = launch(*base, *names, env={"NXDT_LAUNCH_CACHE": "off", "NXDT_LAUNCH_COMPOSE": "hydra"})
     assert fresh["code"] == 0 and fresh["files"], fresh["stderr"]
     hit = launch(*base, *names)
-    assert not hit["hydra"] and len(launch.entries()) == 1
+    assert not hit["composed"] and len(launch.entries()) == 1
     assert (hit["code"], hit["stdout"], hit["stderr"], hit["files"]) == (0, fresh["stdout"], fresh["stderr"],
                                                                         fresh["files"])
     assert str(launch.results) in hit["stdout"]
@@ -129,10 +132,10 @@ def test_a_location_a_resolver_reads_is_keyed_as_typed(launch, tmp_path):
         launch.results = tmp_path / name
         fresh = launch(*base, f"training.run.name={name}", env={**env, "NXDT_LAUNCH_CACHE": "off"})
         cached = launch(*base, f"training.run.name={name}", env=env)
-        assert cached["hydra"] and fresh["code"] == 0 and cached["files"] == fresh["files"]
+        assert cached["composed"] and fresh["code"] == 0 and cached["files"] == fresh["files"]
         found = "found" if name == "second" else "unset"
         assert f"export FOUND={found}\n".encode() in cached["files"][f"{name}/training/training.sbatch"]
-    assert not launch(*base, "training.run.name=second", env=env)["hydra"]  # keyed on the name, as typed
+    assert not launch(*base, "training.run.name=second", env=env)["composed"]  # keyed on the name, as typed
 
 
 def test_a_location_set_again_by_another_override_is_keyed_as_typed(launch):
@@ -160,7 +163,7 @@ def test_a_changed_conf_file_or_override_composes_again(launch, tmp_path):
     launch.env["NXDT_CONF_DIR"] = str(_conf_copy(tmp_path))
     recipe = tmp_path / "conf/training/gpt3/tiny.yaml"
     base = ["stages=[training]", "training=gpt3/tiny", "cluster_type=slurm"]
-    assert launch(*base)["hydra"] and not launch(*base)["hydra"]
+    assert launch(*base)["composed"] and not launch(*base)["composed"]
 
     # Same size, one second newer: only the mtime tells.
     text = recipe.read_text()
@@ -169,14 +172,14 @@ def test_a_changed_conf_file_or_override_composes_again(launch, tmp_path):
     recipe.write_text(text.replace("max_steps: 150\n", "max_steps: 250\n"))
     os.utime(recipe, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     changed = launch(*base)
-    assert changed["hydra"] and changed["code"] == 0, changed["stderr"]
+    assert changed["composed"] and changed["code"] == 0, changed["stderr"]
     assert b"max_steps: 250\n" in changed["files"]["gpt3_tiny/training/training_config.yaml"]
-    assert not launch(*base)["hydra"]
+    assert not launch(*base)["composed"]
 
     other = launch(*base, "training.trainer.max_steps=300")
-    assert other["hydra"] and b"max_steps: 300\n" in other["files"]["gpt3_tiny/training/training_config.yaml"]
+    assert other["composed"] and b"max_steps: 300\n" in other["files"]["gpt3_tiny/training/training_config.yaml"]
     again = launch(*base)
-    assert not again["hydra"] and b"max_steps: 250\n" in again["files"]["gpt3_tiny/training/training_config.yaml"]
+    assert not again["composed"] and b"max_steps: 250\n" in again["files"]["gpt3_tiny/training/training_config.yaml"]
 
 
 def test_a_file_changed_in_the_last_seconds_is_not_stored(launch, tmp_path):
@@ -202,7 +205,7 @@ def test_a_damaged_entry_is_recomposed_and_replaced(launch):
     for data in damaged:
         entry.write_bytes(data)
         result = launch(*base)
-        assert result["hydra"] and (result["code"], result["files"]) == (0, fresh["files"])
+        assert result["composed"] and (result["code"], result["files"]) == (0, fresh["files"])
         assert entry.read_bytes() == good
     # Jinja's compiled templates too.
     for compiled in (launch.cache / "templates").iterdir():
@@ -234,9 +237,9 @@ def test_an_environment_variable_the_config_reads_is_checked_on_every_hit(launch
     script = "gpt3_tiny/training/training.sbatch"
     first = launch(*base, env={"NXDT_TEST_VALUE": "first"})
     assert b"export FROM_ENV=first\n" in first["files"][script]
-    assert not launch(*base, env={"NXDT_TEST_VALUE": "first"})["hydra"]
+    assert not launch(*base, env={"NXDT_TEST_VALUE": "first"})["composed"]
     second = launch(*base, env={"NXDT_TEST_VALUE": "second"})
-    assert second["hydra"] and b"export FROM_ENV=second\n" in second["files"][script]
+    assert second["composed"] and b"export FROM_ENV=second\n" in second["files"][script]
     unset = launch(*base)
     assert unset["code"] == 2 and "NXDT_TEST_VALUE" in unset["stderr"][0]
 
@@ -246,15 +249,15 @@ def test_the_working_directory_is_part_of_the_key(launch, tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         result = launch("stages=[training]", "cluster_type=slurm", cwd=tmp_path / name, results=False)
-        assert result["code"] == 0 and result["hydra"], result["stderr"]
+        assert result["code"] == 0 and result["composed"], result["stderr"]
         assert (tmp_path / name / "results/gpt3_tiny/training/training.sbatch").is_file()
-    assert not launch("stages=[training]", "cluster_type=slurm", cwd=tmp_path / "a", results=False)["hydra"]
+    assert not launch("stages=[training]", "cluster_type=slurm", cwd=tmp_path / "a", results=False)["composed"]
 
 
 def test_a_resolver_the_key_cannot_fix_is_never_cached(launch):
     """Hydra's ${now:...} reads the clock."""
     base = ["stages=[training]", "cluster_type=slurm", "env_vars.STARTED=${now:%H%M%S%f}"]
-    assert launch(*base)["code"] == 0 and launch(*base)["hydra"]
+    assert launch(*base)["code"] == 0 and launch(*base)["composed"]
     assert launch.entries() == []
 
 
@@ -262,12 +265,12 @@ def test_off_composes_every_time_and_writes_no_cache(launch, tmp_path):
     home = tmp_path / "home"
     env = {"NXDT_LAUNCH_CACHE": "off", "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
     for _ in range(2):
-        assert launch("stages=[training]", "cluster_type=slurm", env=env)["hydra"]
+        assert launch("stages=[training]", "cluster_type=slurm", env=env)["composed"]
     assert not home.exists() and not launch.cache.exists()
 
 
 def test_the_default_cache_is_under_xdg_cache_home(launch, tmp_path):
     env = {"NXDT_LAUNCH_CACHE": "", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     launch("stages=[training]", "cluster_type=slurm", env=env)
-    assert not launch("stages=[training]", "cluster_type=slurm", env=env)["hydra"]
+    assert not launch("stages=[training]", "cluster_type=slurm", env=env)["composed"]
     assert list((tmp_path / "xdg/nxdt-launch/compose").glob("*.json"))

@@ -31,6 +31,8 @@ NOT_THE_COMPOSED_CONFIG = {
     "nemo_config.py": "parses a NeMo-Launcher YAML file (training=@FILE) into our keys",
     "resolvers.py": "OmegaConf resolvers, run by Hydra while it composes, before there is a config to parse",
     "targets.py": "edits the Hydra tree while it composes (which layout a recipe names for the cluster)",
+    "plain_compose.py": "composes conf/ as Hydra does (a cache miss), before there is a config to parse",
+    "plain_resolve.py": "resolves that composed tree's interpolations as OmegaConf does, before it is parsed",
     "pcluster.py": "composes and reads conf/pcluster/, the ParallelCluster config, not a launch",
     "records.py": "reads and writes our own launch records (JSON)",
     "runs.py": "reads our own launch records (status, logs, cancel)",
