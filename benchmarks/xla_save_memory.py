@@ -2,6 +2,8 @@
 sampled from outside, against 1.25 x its own state + the fixed part.
 
     python benchmarks/xla_save_memory.py --before <a checkout of the older runtime> [--after .] [--out out.json]
+    # issue 56 (benchmarks/xla_save_memory.json): git archive d9d1827 | tar -x -C /tmp/before, then
+    python benchmarks/xla_save_memory.py --before /tmp/before --out benchmarks/xla_save_memory.json
 
 Each run trains the same config (the GPT model below, one process, PJRT_DEVICE=CPU in the XLA environment:
 csp_tools/xla_venv.sh) for 8 steps; the save runs checkpoint asynchronously at steps 2, 4 and 6 (and synchronously at
