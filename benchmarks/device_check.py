@@ -15,7 +15,8 @@ Run it through the shell wrapper, which puts a hard time limit on the whole run 
    near zero; see NORM_FLOOR_STD); the largest element-wise differences are reported beside it.
    A second CUDA run checks run-to-run determinism (bitwise). With 2 or more GPUs the same training also runs as 2
    processes over NCCL (torchrun, dp=2, plain and ZeRO-1) against the one-process CPU reference; with one GPU that
-   part is skipped with a line saying so.
+   part is skipped with a line saying so. Then an asynchronous checkpoint save streamed from the device through
+   a one-slot ring while the next step runs (issue 56) is checked bitwise against the whole-copy save of the step.
 2. MFU. A ~1.1B Llama (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV groups, SwiGLU 5632, vocabulary
    32000) at sequence 2048 under the runtime's `mixed_precision` policy (bf16 weights and compute, fp32 master
    weights, fp32 gradients; runtime/precision.py), a few warm-up steps then timed ones. Tokens/s, model TFLOP/s by
@@ -309,6 +310,52 @@ def exactness(sizes: ExactSizes, device: torch.device, smoke: bool) -> tuple[dic
     return results, refs, ok
 
 
+# ---- part 1c: an asynchronous save streamed through the ring (issue 56) ---------------------------------------
+
+def streamed_save(sizes: ExactSizes, device: torch.device) -> tuple[dict, bool]:
+    """The Llama trained a step on `device`, saved twice at that step: the old way (the whole state copied to the
+    host at the save) and streamed (runtime/checkpoint/staging.py: on CUDA, 16 MiB chunks copied on a side stream
+    into one page-locked ring slot, the next step's update bringing the unwritten ones in before it changes them),
+    the next step run right after the streamed save starts. The two files hold the same tensors, bitwise."""
+    from runtime.checkpoint import Checkpointer, full_tensors, open_storage, read_rank_files
+    from runtime.schema.facts import CHECKPOINT_CHUNK_BYTES
+
+    batches, topo = make_batches(sizes), solo_topology()
+    model = parallelize_model(build_model(sizes.config("llama")), topo, device=device,
+                              data_parallel=DataParallelConfig(precision="fp32", seed=0))
+    optimizer = ShardedAdamW(model, AdamWConfig(lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS))
+
+    def step(micro_batches):
+        train_step(model, optimizer, [MicroBatch(*mb).to(device) for mb in micro_batches], topo, lr=LR, clip=CLIP)
+
+    step(batches[0])
+    with tempfile.TemporaryDirectory(prefix="nxdt_device_check_") as root:
+        kwargs = dict(rank=0, world_size=1, token="0", pin_memory=device.type == "cuda")
+        Checkpointer(f"{root}/whole", async_save=False, **kwargs).save(1, model, optimizer, topo, extra={"step": 1},
+                                                                      config={})
+        streamed = Checkpointer(f"{root}/streamed", deferred_copy=True, ring_bytes=CHECKPOINT_CHUNK_BYTES, **kwargs)
+        began = time.perf_counter()
+        streamed.save(1, model, optimizer, topo, extra={"step": 1}, config={})
+        snapshot = streamed._snapshot
+        step(batches[1])  # its update waits for what the ring cannot hold
+        streamed.wait()
+        seconds = time.perf_counter() - began
+        a, b = (full_tensors(read_rank_files(open_storage(f"{root}/{kind}"), "step_00000001.0"))
+                for kind in ("whole", "streamed"))
+        names = sorted(a.names())
+        equal = names == sorted(b.names()) and all(
+            torch.equal(a.get(name, key), b.get(name, key)) for name in names
+            for key in ("value", "exp_avg", "exp_avg_sq"))
+    result = {"saved_bytes": streamed.last_host_bytes, "ring_bytes": streamed.staging_bytes,
+              "staged_by_update_bytes": snapshot.staged_bytes, "transfer": type(snapshot.transfer).__name__,
+              "seconds": seconds, "bitwise_equal": equal}
+    say(f"streamed save on {device.type} ({result['transfer']}): {result['saved_bytes'] / 2**20:.1f} MiB through a "
+        f"{result['ring_bytes'] / 2**20:.0f} MiB ring, {result['staged_by_update_bytes'] / 2**20:.1f} MiB of it "
+        f"brought in by the next update; {'PASS' if equal else 'FAIL'} bitwise equal to the whole copy's file")
+    del model, optimizer
+    return result, equal
+
+
 # ---- part 1b: two processes (NCCL on 2 GPUs; gloo on CPU in the smoke run) -----------------------------------
 
 def two_process(sizes: ExactSizes, refs: dict[str, Trained], smoke: bool, timeout_s: int, warn_only: bool
@@ -534,7 +581,8 @@ def main() -> int:
         warn_only = any(r["deterministic_mode"] != "strict" for r in summary["exactness"].values())
         summary["two_process"], dp_ok = two_process(EXACT[key], refs, smoke, timeout_s=150 if smoke else 180,
                                                     warn_only=warn_only)
-        ok = exact_ok and dp_ok
+        summary["streamed_save"], save_ok = streamed_save(EXACT[key], device)
+        ok = exact_ok and dp_ok and save_ok
         summary["exactness_passed"] = ok
         say(f"exactness: {'PASS' if ok else 'FAIL'} ({elapsed():.0f} s so far)")
     if not args.skip_mfu:

@@ -7,6 +7,7 @@ import ctypes
 import os
 import resource
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -58,9 +59,9 @@ class Device:
 
     @property
     def defers_staging_copy(self) -> bool:
-        """Checkpoint staging: on CPU an async save writes the live state in place until the next update changes it
-        (runtime/checkpoint/staging.py); elsewhere it copies the state to the host at the save."""
-        return self.kind == "cpu"
+        """Checkpoint staging: an async save streams the live state to its file until the next update changes it
+        (runtime/checkpoint/staging.py), on every device; checkpoint_transfer says how its bytes reach the host."""
+        return True
 
     @property
     def pins_host_memory(self) -> bool:
@@ -98,10 +99,13 @@ class Device:
         met = self._xla["met"]
         # Counters where torch-xla keeps them (ExecuteTime's samples lag further). ExecuteComputation is counted
         # by the execution thread once a graph has run: GraphAccounting waits for the device before it reads them.
-        # A transfer is synchronous: its metric is recorded before the read returns.
-        transfers = met.metric_data("TransferFromDeviceTime")
-        return GraphCounts(int(met.counter_value("UncachedCompile") or 0),
-                           int(met.counter_value("ExecuteComputation") or 0), int(transfers[0]) if transfers else 0)
+        # A transfer is synchronous: its metric is recorded before the read returns. A checkpoint writer's own
+        # transfers (XlaTransfer, on its thread, whichever part the training thread is in) are counted apart.
+        with XlaTransfer.lock:
+            transfers = met.metric_data("TransferFromDeviceTime")
+            return GraphCounts(int(met.counter_value("UncachedCompile") or 0),
+                               int(met.counter_value("ExecuteComputation") or 0),
+                               (int(transfers[0]) if transfers else 0) - XlaTransfer.transfers)
 
     def settle_views(self, views: list[torch.Tensor]) -> None:
         """XLA: bring views of a buffer that was updated in place (the parameters in data parallelism's flat
@@ -163,6 +167,97 @@ def fetch_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
     fetched = iter(torch_xla._XLAC._xla_get_cpu_tensors([tensors[i].detach().clone() for i in on_xla]))
     wanted = set(on_xla)
     return [next(fetched) if i in wanted else t.detach().clone() for i, t in enumerate(tensors)]
+
+
+class HostTransfer:
+    """How an asynchronous checkpoint's bytes reach the host (runtime/checkpoint/staging.py), for host tensors: the
+    writer reads them in place, and a copy (the update's, into a ring slot) is a memcpy. The accelerators' kinds
+    below differ only in this transfer; checkpoint_transfer picks one by where the tensors are."""
+
+    in_place = True        # the writer may read the live tensors themselves
+    whole_tensors = False  # False: any byte range of a tensor transfers alone (chunks); True: only whole tensors
+    pin = False            # ring slots page-locked
+
+    def __init__(self, bases: list[torch.Tensor]):
+        self._flat = [t.detach().reshape(-1).view(torch.uint8) for t in bases]
+
+    def live(self, base: int, start: int, end: int) -> torch.Tensor:
+        """Bytes [start, end) of base tensor `base` where they are (host memory here)."""
+        return self._flat[base][start:end]
+
+    def fetch(self, base: int, start: int, end: int, into: torch.Tensor | None) -> torch.Tensor:
+        """Bytes [start, end) of base `base` on the host, in `into` (a ring slot's bytes) when given."""
+        return into.copy_(self.live(base, start, end))
+
+    def release(self) -> None:
+        """Nothing more is fetched (the update may change the tensors): drop what pins the saved values."""
+
+
+class CudaTransfer(HostTransfer):
+    """GPU: chunks copied into page-locked ring slots on a side stream, after the work that produced the saved step
+    (an event recorded at the save), each waited for by its own event on the thread that asked for it (the
+    writer, or the update before it runs)."""
+
+    in_place, pin = False, True
+
+    def __init__(self, bases: list[torch.Tensor]):
+        super().__init__(bases)
+        self._stream = torch.cuda.Stream(bases[0].device)
+        self._stream.wait_event(torch.cuda.current_stream(bases[0].device).record_event())
+
+    def fetch(self, base, start, end, into):
+        with torch.cuda.stream(self._stream):
+            into.copy_(self.live(base, start, end), non_blocking=True)
+            done = self._stream.record_event()
+        done.synchronize()
+        return into
+
+    def release(self) -> None:
+        self._flat = []
+
+
+class XlaTransfer(HostTransfer):
+    """XLA: whole tensors, each as it is on the device. A tensor that is device data transfers without a graph;
+    a slice of one would be a graph of its own (a compile, minutes on Neuron). The save takes a handle on each
+    tensor's device buffer (no graph), which the writer thread transfers while the training thread traces the
+    next step; the step's graph donates the buffers it updates in place, so every transfer must be done before
+    it runs (the update's freeze). Transfers are counted apart from the training thread's (graph_counts)."""
+
+    in_place, whole_tensors = False, True
+    lock = threading.Lock()
+    transfers = 0  # made by checkpoint writers in this process, so far
+
+    def __init__(self, bases: list[torch.Tensor]):
+        import torch_xla
+
+        self._xlac = torch_xla._XLAC
+        self._handles: list[torch.Tensor | None] = []
+        for base in bases:
+            _, found = self._xlac._get_tensors_xla_device_data_node([base])
+            # One device buffer of the base's shape: the base holds a value computed and stored on the device,
+            # not a pending computation (whose inputs would be found instead).
+            assert len(found) == 1 and found[0].shape == base.shape, "save a step whose graph has run"
+            self._handles.append(found[0])
+
+    def live(self, base, start, end):
+        raise AssertionError("XLA tensors transfer whole")
+
+    def fetch(self, base, start, end, into):
+        handle = self._handles[base]
+        with XlaTransfer.lock:
+            [host] = self._xlac._xla_get_cpu_tensors([handle])
+            XlaTransfer.transfers += 1
+        self._handles[base] = None  # its buffer may be donated now
+        return host.reshape(-1).view(torch.uint8)[start:end]
+
+    def release(self) -> None:
+        self._handles = []
+
+
+def checkpoint_transfer(tensor: torch.Tensor | None) -> type[HostTransfer]:
+    """The transfer for a save of tensors on `tensor`'s device (None: host tensors)."""
+    kind = tensor.device.type if tensor is not None else "cpu"
+    return {"cuda": CudaTransfer, "xla": XlaTransfer}.get(kind, HostTransfer)
 
 
 def release_freed_host_memory() -> None:

@@ -173,7 +173,7 @@ def host_table(result):
     table.add_row("shard state (weights, gradients, optimizer state as on the device)", _gib(host.shard_state))
     if host.working:
         table.add_row("activations and peak working set (on CPU the device is the host)", _gib(host.working))
-    table.add_row("checkpoint staging (the async save's host copy of weights and optimizer state)",
+    table.add_row("checkpoint staging (the ring an async save streams weights and optimizer state through)",
                   _gib(host.staging))
     table.add_row(f"data loader ({layout.global_batch_size // layout.batch_dp} rows of the global batch, + "
                   f"{DATA_LOADER_FIXED_BYTES // 2**20} MiB of indices)", _gib(host.data_loader))

@@ -6,9 +6,10 @@
 #                 device: that is what start-up materializes on the host before moving it to the device, and on
 #                 CPU it stays there for the whole run, with the activations beside it (`working`)
 #   staging       the async checkpoint's host memory beside the state, for a rank that saves both weights and
-#                 moments (data-parallel rank 0; without ZeRO-1 only it saves the moments): on an accelerator a
-#                 copy of what it saves, kept for the run; on CPU, which writes the state in place, a ring of
-#                 chunks (runtime/schema/facts.py checkpoint_staging_bytes, the rule the runtime sizes it by)
+#                 moments (data-parallel rank 0; without ZeRO-1 only it saves the moments): the ring the save
+#                 streams the state through, 1/4 of what the rank saves (at most 2 GiB) on an accelerator and 1/16
+#                 (at most 256 MiB) on CPU, which writes the state in place (runtime/schema/facts.py
+#                 checkpoint_staging_bytes, the rule the runtime sizes it by)
 #   data loader   the rank's share of a global batch as the loader stacks it (runtime/data/loader.py) plus a
 #                 fixed allowance for the index arrays it keeps (the token files are memory-mapped: page cache)
 #   process       the Python + torch + runtime baseline of a worker, measured (PROCESS_OVERHEAD_BYTES)

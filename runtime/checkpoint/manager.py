@@ -15,12 +15,12 @@
 # directory with COMMIT is ever loaded or counted; retention runs only after a commit, and deletes the oldest
 # committed directories beyond keep_last plus any uncommitted leftovers of crashed saves.
 #
-# A sync save of host tensors writes them where they are (the caller waits, so nothing changes under the write).
-# Async saves are written by a background thread. On an accelerator the state is first copied to host memory (one
-# copy of this rank's shards, kept for the run). On CPU there is no copy: the writer reads the live tensors in place
-# while the next step's forward and backward read (never write) them, and the optimizer's next update, before it
-# changes anything, copies what is not written yet into a small ring and waits for the rest (a pre-step hook;
-# runtime/checkpoint/staging.py). One save in flight at a time; the host memory it holds is reported.
+# A save streams the live state to its file through a bounded ring of host memory (runtime/checkpoint/staging.py):
+# a sync save on the calling thread, an async one on a background thread while the next step's forward and
+# backward read (never write) the state; the optimizer's next update, before it changes anything, brings what is
+# not written yet into the ring and waits for the rest (a pre-step hook). On CPU the writer reads the tensors in
+# place; an accelerator's are transferred to the ring chunk by chunk (GPU) or whole tensor by whole tensor (XLA).
+# One save in flight at a time; the host memory it holds is reported.
 from __future__ import annotations
 
 import errno
@@ -37,9 +37,10 @@ from typing import Callable
 import torch
 
 from runtime.checkpoint.rankfile import saved_tensors, write_rank_file
-from runtime.checkpoint.shards import HostStaging, host_copy, rank_pieces
-from runtime.checkpoint.staging import ChunkRing, StreamedSnapshot
+from runtime.checkpoint.shards import HostStaging, _replace, host_copy, rank_pieces
+from runtime.checkpoint.staging import StreamedSnapshot, make_ring
 from runtime.checkpoint.storage import LocalStorage, Storage, open_storage
+from runtime.device import HostTransfer, checkpoint_transfer
 from runtime.parallel.data_parallel import data_parallel_of
 from runtime.schema.facts import checkpoint_staging_bytes
 
@@ -160,9 +161,11 @@ class Checkpointer:
     def __init__(self, location: str, *, rank: int, world_size: int, token: str, keep_last: int | None = None,
                  async_save: bool = True, deferred_copy: bool = False, pin_memory: bool = False,
                  commit_timeout_s: float = 3600.0, ring_bytes: int | None = None,
-                 log: Callable[[str], None] | None = None):
-        """deferred_copy: the state is host memory (CPU), which an async save writes in place (staging.py) with a
-        ring of ring_bytes (default: runtime/schema/facts.py checkpoint_staging_bytes of what the rank saves)."""
+                 transfer: type[HostTransfer] | None = None, log: Callable[[str], None] | None = None):
+        """deferred_copy: saves stream the live state (staging.py) through a ring of ring_bytes (default:
+        runtime/schema/facts.py checkpoint_staging_bytes of what the rank saves); off, the old way: a whole host
+        copy at the save, kept for the run (HostStaging). transfer: how bytes reach the host (default: the state's
+        device's, runtime/device.py checkpoint_transfer; a test stands one in on CPU)."""
         self.storage = open_storage(location)
         self.location = str(location)
         self.rank, self.world_size, self.token = rank, world_size, token
@@ -177,18 +180,21 @@ class Checkpointer:
         self.last_timings: dict[str, float] = {}
         self._staging = HostStaging(pin=pin_memory)
         self._ring_bytes, self._ring = ring_bytes, None
+        self._transfer = transfer
 
     # ---- saving ------------------------------------------------------------------------------------------
 
     def save(self, step: int, model, optimizer, topo, *, extra: dict, config: dict | None,
              sync: bool = False) -> None:
-        """Save this rank's shards for `step`. Async unless sync (or async_save is off): returns once the state
-        is safe to change, or, with the deferred CPU copy, right away (the optimizer waits for the copy)."""
+        """Save this rank's shards for `step`. Async unless sync (or async_save is off): returns right away when
+        streamed (deferred_copy: the optimizer's next update waits for what the writer has not read), else once the
+        state is copied."""
         self.wait()  # one save in flight: bounds host memory, keeps commits in order
         started = time.perf_counter()
         name = f"step_{step:08d}.{self.token}"
         dp = data_parallel_of(model)
-        model_pieces, optim_pieces = rank_pieces(dp, optimizer, topo)
+        origins: dict = {}
+        model_pieces, optim_pieces = rank_pieces(dp, optimizer, topo, origins)
         header = {
             "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
             "layout": {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
@@ -203,11 +209,20 @@ class Checkpointer:
         self.last_host_bytes = sum(t.numel() * t.element_size() for t in tensors)
         run_async = self.async_save and not sync
         snapshot = None
-        if run_async and self.deferred_copy:  # host tensors, written in place until the next update
+        if self.deferred_copy:  # streamed from the live tensors until the next update
+            transfer = self._transfer or checkpoint_transfer(tensors[0] if tensors else None)
             if self._ring is None:
-                self._ring = ChunkRing(self._ring_bytes if self._ring_bytes is not None else
-                                       checkpoint_staging_bytes(self.last_host_bytes, state_on_host=True))
-            snapshot = StreamedSnapshot(name, tensors, self._ring)
+                self._ring = make_ring(transfer, self._ring_bytes if self._ring_bytes is not None else
+                                       checkpoint_staging_bytes(self.last_host_bytes,
+                                                                state_on_host=transfer.in_place))
+            snapshot = StreamedSnapshot(name, tensors, self._ring, origins=origins, transfer=transfer)
+            if transfer.whole_tensors:
+                # XLA: the pieces are views of the flat buffers, and a view alive while the next step is traced
+                # makes its graph a different one (compiled after every first save): the writer gets their shapes.
+                saved = {id(t) for t in tensors}
+                live = _replace(live, iter([torch.empty(t.shape, dtype=t.dtype, device="meta") if id(t) in saved
+                                            else t for t in HostStaging._tensors(live, [])]))
+                del tensors, origins, model_pieces, optim_pieces
         elif run_async or not _on_host(live):
             live = self._staging.copy(live)  # device -> host now; the background thread only writes
         self.last_timings = {"snapshot_s": time.perf_counter() - started}
@@ -222,10 +237,13 @@ class Checkpointer:
         else:
             self._write(*args)
             self._raise()
+            if snapshot is not None:
+                snapshot.frozen = True  # written: nothing for an update to wait for
 
     @property
     def staging_bytes(self) -> int:
-        """Host memory the saves hold besides the live state: the ring (CPU) or the host copy (accelerators)."""
+        """Host memory the saves hold besides the live state: the ring (at most, for XLA's byte budget), or the
+        host copy of deferred_copy=False."""
         return (self._ring.nbytes if self._ring is not None else 0) + self._staging.nbytes
 
     def wait_for_copy(self) -> None:

@@ -41,19 +41,33 @@ def _geometry(plan: ShardingPlan, name: str, param: nn.Parameter) -> dict:
     return geometry
 
 
-def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
+def rank_pieces(dp: DataParallel, optimizer, topo, origins: dict | None = None) -> tuple[dict, dict]:
     """This rank's pieces as views of live tensors (copy them before training goes on): (model, optim), each
-    {full name: [piece, ...]}. `optimizer` is the ShardedAdamW over `dp`."""
+    {full name: [piece, ...]}. `optimizer` is the ShardedAdamW over `dp`. origins, when given, gets each piece
+    tensor's place in the flat buffer it is a range of, {id(tensor): (buffer, first element)}: what a device that
+    transfers only whole tensors fetches (staging.StreamedSnapshot)."""
     plan = dp.plan
     names = {id(p): name for name, p in dp.named_params}
     model_pieces: dict[str, list] = {}
     optim_pieces: dict[str, list] = {}
     first_tp = topo.tp.rank == 0
+    in_buffer = {}  # id(param) -> (its bucket's flat buffer, first element)
+    for bucket in dp.buckets:
+        offset = 0
+        for param in bucket.params:
+            in_buffer[id(param)] = (bucket.param_buffer, offset)
+            offset += param.numel()
+
+    def ranged(tensor: torch.Tensor, base: torch.Tensor, first: int) -> torch.Tensor:
+        if origins is not None:
+            origins[id(tensor)] = (base, first)
+        return tensor
+
     for name, param in dp.named_params:
         first_replica = (topo.edp if plan[name].expert else topo.dp).rank == 0
         if first_replica and (first_tp or plan[name].sharded):
             model_pieces.setdefault(plan.full_name(name), []).append(
-                {**_geometry(plan, name, param), "start": 0, "value": param.detach()})
+                {**_geometry(plan, name, param), "start": 0, "value": ranged(param.detach(), *in_buffer[id(param)])})
     for bucket, exp_avg, exp_avg_sq in zip(dp.buckets, optimizer.exp_avg, optimizer.exp_avg_sq):
         if not (bucket.axis.rank == 0 or dp.zero1):
             continue
@@ -61,9 +75,12 @@ def rank_pieces(dp: DataParallel, optimizer, topo) -> tuple[dict, dict]:
             name = names[id(seg.param)]
             if not plan[name].sharded and not first_tp:
                 continue
+            first = seg.in_shard.start
             piece = {**_geometry(plan, name, seg.param), "start": seg.in_param.start,
-                     "exp_avg": exp_avg[seg.in_shard], "exp_avg_sq": exp_avg_sq[seg.in_shard],
-                     "master": bucket.master[seg.in_shard] if bucket.master is not None else None}
+                     "exp_avg": ranged(exp_avg[seg.in_shard], exp_avg, first),
+                     "exp_avg_sq": ranged(exp_avg_sq[seg.in_shard], exp_avg_sq, first),
+                     "master": (ranged(bucket.master[seg.in_shard], bucket.master, first)
+                                if bucket.master is not None else None)}
             optim_pieces.setdefault(plan.full_name(name), []).append(piece)
     return model_pieces, optim_pieces
 

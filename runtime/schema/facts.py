@@ -56,24 +56,30 @@ PRECISION_POLICIES: dict[str, PrecisionPolicy] = {
     "autocast": PrecisionPolicy("fp32", False, False, "bf16"),
 }
 
-# Host memory an asynchronous checkpoint holds besides the rank's state (runtime/checkpoint/staging.py). Where the
-# state is on an accelerator the save copies all of it to host buffers (the writer thread cannot read device memory
-# while the next step runs) and keeps them for the run. Where it is host memory already (CPU) the writer reads it in
-# place, chunk by chunk, and the next optimizer step, before it changes anything, copies what is not written yet
-# into a ring of chunks and waits for the writer to get through the rest: the ring is 1/16 of what the rank saves,
-# in whole chunks, at most 256 MiB (none at all: the step waits for the whole write).
+# Host memory an asynchronous checkpoint holds besides the rank's state (runtime/checkpoint/staging.py): a ring the
+# save streams the state through, kept for the run. The writer reads the saved step while the next step's forward and
+# backward run; the next optimizer step, before it changes anything, brings what is not written yet into the ring
+# and waits for the writer to get through the rest. Where the state is host memory already (CPU) the writer reads it
+# in place and the ring only shortens that wait: 1/16 of what the rank saves, in whole chunks, at most 256 MiB (none
+# at all: the step waits for the whole write). On an accelerator everything the writer reads passes through the
+# ring, and the window it has before the update is shorter (on XLA the trace of the forward and backward, not their
+# run): 1/4 of what the rank saves, at least one chunk, at most 2 GiB. On XLA, where only whole tensors transfer
+# (data parallelism's flat buffers, 160 MB at most in fp32 at its default bucket size), a buffer larger than the
+# ring passes alone.
 CHECKPOINT_CHUNK_BYTES = 16 << 20   # a multiple of the rank file's checksum block (1 MiB)
 CHECKPOINT_RING_FRACTION = 16
 CHECKPOINT_RING_MAX_BYTES = 256 << 20
+CHECKPOINT_DEVICE_RING_FRACTION = 4
+CHECKPOINT_DEVICE_RING_MAX_BYTES = 2 << 30
 
 
 def checkpoint_staging_bytes(saved_bytes: float, *, state_on_host: bool) -> int:
-    """Host bytes an async save of `saved_bytes` holds besides the live state: the ring on CPU, a full copy
-    elsewhere."""
-    if not state_on_host:
-        return int(saved_bytes)
-    ring = int(saved_bytes) // CHECKPOINT_RING_FRACTION // CHECKPOINT_CHUNK_BYTES * CHECKPOINT_CHUNK_BYTES
-    return min(ring, CHECKPOINT_RING_MAX_BYTES)
+    """Host bytes an async save of `saved_bytes` holds besides the live state: the ring, sized for where the state
+    lives (see above)."""
+    fraction, most, least = ((CHECKPOINT_RING_FRACTION, CHECKPOINT_RING_MAX_BYTES, 0) if state_on_host else
+                             (CHECKPOINT_DEVICE_RING_FRACTION, CHECKPOINT_DEVICE_RING_MAX_BYTES, CHECKPOINT_CHUNK_BYTES))
+    ring = int(saved_bytes) // fraction // CHECKPOINT_CHUNK_BYTES * CHECKPOINT_CHUNK_BYTES
+    return max(least, min(ring, most))
 
 
 # "Temporary failure, try again" (sysexits.h EX_TEMPFAIL): training saved a checkpoint and stopped (runtime/

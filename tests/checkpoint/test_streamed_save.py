@@ -1,7 +1,9 @@
-# The asynchronous save of host tensors (runtime/checkpoint/staging.py) holds no copy of the state: the writer reads
-# the live tensors in place, and the optimizer's next update first copies what is not yet written into a bounded
-# ring. Checked without timing: the writer is held at its first chunk by a gate, so the update finds the rest
-# unwritten every time.
+# The asynchronous save (runtime/checkpoint/staging.py) holds no copy of the state: the writer streams the live
+# tensors (on CPU in place; an accelerator's through a bounded ring), and the optimizer's next update first brings
+# what is not yet written into the ring. Checked without timing: the writer is held at its first chunk by a gate, so
+# the update finds the rest unwritten every time. The accelerators' paths differ only in their transfer
+# (runtime/device.py): CPU stand-ins of them run the same code here (a GPU's chunks, XLA's whole tensors); the XLA
+# path itself runs in tests/runtime_xla/test_streamed_save_xla.py.
 import threading
 import time
 
@@ -12,7 +14,9 @@ import torch.distributed as dist
 from runtime.checkpoint import Checkpointer, full_tensors, open_storage, read_rank_files, rankfile
 from runtime.checkpoint.integrity import DamagedCheckpoint
 from runtime.checkpoint.staging import ChunkRing, StreamedSnapshot
+from runtime.device import HostTransfer
 from runtime.schema.facts import CHECKPOINT_CHUNK_BYTES, checkpoint_staging_bytes
+from runtime.parallel.data_parallel import data_parallel_of
 from tests.checkpoint import harness as CH
 from tests.runtime_parallel.dist_utils import run_distributed
 
@@ -84,7 +88,30 @@ def test_without_a_ring_the_update_waits_for_the_whole_write():
     assert not freeze.is_alive() and snapshot.staged_bytes == 0
 
 
-def _gated_save(directory: str, ring_bytes: int, freeze: bool) -> dict:
+class Chunked(HostTransfer):
+    """A GPU's transfer on CPU: the writer never reads the live tensors, every chunk is copied into a ring slot."""
+
+    in_place = False
+
+
+class Whole(HostTransfer):
+    """XLA's on CPU: only whole flat buffers are fetched (into memory of their own), never after release()."""
+
+    in_place, whole_tensors = False, True
+
+    def __init__(self, bases):
+        super().__init__(bases)
+        self.sizes = [t.numel() * t.element_size() for t in bases]
+
+    def fetch(self, base, start, end, into):
+        assert into is None and (start, end) == (0, self.sizes[base]), "a whole tensor, into its own memory"
+        return self.live(base, start, end).clone()
+
+    def release(self):
+        self._flat = None  # a fetch after this fails: the update may change the tensors now
+
+
+def _gated_save(directory: str, ring_bytes: int, freeze: bool, transfer=None) -> dict:
     """A sync save at step 2, and an async save at step 2 whose writer is held at its first chunk until the next
     update has begun copying (or, with freeze off, a naive share: until the update has run)."""
     cfg, topo, model, optimizer = CH.build("llama", CH.L(tp=1, zero1=True), seed=3)
@@ -94,7 +121,7 @@ def _gated_save(directory: str, ring_bytes: int, freeze: bool) -> dict:
     sync = Checkpointer(f"{directory}/sync", rank=rank, world_size=world, token="0", async_save=False)
     sync.save(2, model, optimizer, topo, extra={"step": 2}, config={})
     streamed = Checkpointer(f"{directory}/async", rank=rank, world_size=world, token="0", async_save=True,
-                            deferred_copy=True, ring_bytes=ring_bytes)
+                            deferred_copy=True, ring_bytes=ring_bytes, transfer=transfer)
     stepped = threading.Event()
     write, gate = rankfile._pwrite_all, []
 
@@ -117,7 +144,9 @@ def _gated_save(directory: str, ring_bytes: int, freeze: bool) -> dict:
         rankfile._pwrite_all = write
     dist.barrier()
     return {"staged": staged, "saved_bytes": streamed.last_host_bytes, "sync_saved_bytes": sync.last_host_bytes,
-            "staging_bytes": streamed.staging_bytes}
+            "staging_bytes": streamed.staging_bytes,
+            "largest_buffer": max(t.numel() * t.element_size() for b in data_parallel_of(model).buckets
+                                  for t in (b.param_buffer, *optimizer.exp_avg))}
 
 
 def _equal_to_sync(directory) -> bool:
@@ -135,6 +164,24 @@ def test_a_save_the_next_update_overlaps_writes_what_a_sync_save_writes(tmp_path
     assert all(r["staging_bytes"] == 2 * CHECKPOINT_CHUNK_BYTES for r in ranks), ranks
     # What the file needs (named when the disk is full) is the same either way (issue 39: it once said "about 0").
     assert all(r["saved_bytes"] == r["sync_saved_bytes"] > 0 for r in ranks), ranks
+    assert _equal_to_sync(tmp_path)
+
+
+def test_an_accelerators_chunks_pass_through_the_ring_and_write_what_a_sync_save_writes(tmp_path):
+    ranks = run_distributed(_gated_save, world_size=2,
+                            args=(str(tmp_path), 2 * CHECKPOINT_CHUNK_BYTES, True, Chunked))
+    assert all(0 < r["staged"] <= r["saved_bytes"] for r in ranks), ranks
+    assert all(r["staging_bytes"] == 2 * CHECKPOINT_CHUNK_BYTES for r in ranks), ranks
+    assert _equal_to_sync(tmp_path)
+
+
+def test_whole_buffers_stay_within_the_budget_and_write_what_a_sync_save_writes(tmp_path):
+    """XLA's way: the flat buffers the pieces are ranges of, each fetched whole, at most the budget at once (a
+    buffer larger than it alone)."""
+    budget = 3 << 20
+    ranks = run_distributed(_gated_save, world_size=2, args=(str(tmp_path), budget, True, Whole))
+    assert all(0 < r["staged"] for r in ranks), ranks
+    assert all(0 < r["staging_bytes"] <= max(budget, r["largest_buffer"]) for r in ranks), ranks
     assert _equal_to_sync(tmp_path)
 
 
@@ -166,10 +213,13 @@ def test_the_host_memory_of_an_async_save_on_cpu_is_the_ring_the_launch_counts(t
     gib = 1 << 30
     assert checkpoint_staging_bytes(gib, state_on_host=True) == 4 * CHECKPOINT_CHUNK_BYTES  # 1/16 of it
     assert checkpoint_staging_bytes(64 * gib, state_on_host=True) == 256 * MIB  # capped
-    assert checkpoint_staging_bytes(gib, state_on_host=False) == gib  # an accelerator's copy
+    # An accelerator's ring: 1/4 of what the rank saves, at least a chunk, at most 2 GiB (no longer a whole copy).
+    assert checkpoint_staging_bytes(gib, state_on_host=False) == gib // 4
+    assert checkpoint_staging_bytes(MIB, state_on_host=False) == CHECKPOINT_CHUNK_BYTES
+    assert checkpoint_staging_bytes(64 * gib, state_on_host=False) == 2 * gib
 
 
-def test_the_launch_estimates_the_cpu_ring_and_an_accelerators_copy():
+def test_the_launch_estimates_the_cpu_ring_and_an_accelerators_ring():
     from launcher.estimator.hardware import HARDWARE, cpu_hardware
     from launcher.estimator.host import host_memory
     from launcher.estimator.memory import stage_memory
@@ -180,6 +230,7 @@ def test_the_launch_estimates_the_cpu_ring_and_an_accelerators_copy():
     plan = layout(num_nodes=1, devices_per_node=2, tp=2, pp=1, precision="fp32")
     saved = stage_memory(shape, plan, first=True, last=True)
     saved = saved.weights + saved.optimizer
-    assert host_memory(shape, plan, HARDWARE["trn1"]).staging == saved
+    assert host_memory(shape, plan, HARDWARE["trn1"]).staging == checkpoint_staging_bytes(saved, state_on_host=False)
+    assert 0 < host_memory(shape, plan, HARDWARE["trn1"]).staging <= saved / 4
     on_cpu = host_memory(shape, plan, cpu_hardware(2, 64 * 2**30)).staging
     assert on_cpu == checkpoint_staging_bytes(saved, state_on_host=True) and 0 < on_cpu <= saved / 16
