@@ -468,8 +468,7 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
             for file in sorted(set(weight_map.values())):
                 state.update(checked(directory / file, load))
             return state
-    raise ValueError(f"{str(directory)!r} has no weights: expected model.safetensors, "
-                     "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
+    raise AssertionError(f"{directory}: hf_weights_problems found weights that are not there")
 
 
 class SlicedReader:
