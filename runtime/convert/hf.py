@@ -303,9 +303,7 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch
     for key, token in specials.items():
         if key in ("bos_token", "eos_token", "pad_token"):
             config[key + "_id"] = token_id(tokenizer, token)
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-    if stops := chat_stop_ids(tokenizer_path, source_config) if tokenizer_path else []:
-        generation["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    generation = _generation_config(config, Path(tokenizer_path) if tokenizer_path else None, source_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -386,6 +384,29 @@ def _write_weights(directory: Path, cfg: ModelConfig, state: Mapping[str, torch.
                                                                  "weight_map": weight_map})
 
 
+def _generation_config(config: dict, tokenizer_path: Path | None, source_config: dict) -> dict:
+    """The export's generation_config.json. From a Hugging Face source (a generation_config.json beside its
+    tokenizer.json): the source's, whole (sampling defaults, max length, its list of stop ids in its order), with
+    the chat template's end-of-turn ids it lacks appended. Otherwise: the tokenizer's bos / eos / pad ids, eos
+    replaced by the chat template's end-of-turn ids when the tokenizer holds a chat template."""
+    ours = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    stops = chat_stop_ids(tokenizer_path, source_config) if tokenizer_path else []
+    beside = tokenizer_path.parent / "generation_config.json" if tokenizer_path else None
+    if beside is None or not beside.is_file():
+        if stops:
+            ours["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+        return ours
+    source = _read_json(beside, "generation_config.json")
+    source.pop("transformers_version", None)  # the writer's version, not a setting
+    eos = source.get("eos_token_id", ours.get("eos_token_id"))
+    eos = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    eos += [i for i in stops if i not in eos]
+    generation = {**ours, **source}
+    if eos:
+        generation["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    return generation
+
+
 def _source_tokenizer_config(tokenizer_path: Path) -> dict:
     """The tokenizer_config.json beside a tokenizer.json, or {} when there is none."""
     beside = tokenizer_path.parent / "tokenizer_config.json"
@@ -447,8 +468,7 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
             for file in sorted(set(weight_map.values())):
                 state.update(checked(directory / file, load))
             return state
-    raise ValueError(f"{str(directory)!r} has no weights: expected model.safetensors, "
-                     "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json")
+    raise AssertionError(f"{directory}: hf_weights_problems found weights that are not there")
 
 
 class SlicedReader:

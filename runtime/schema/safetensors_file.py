@@ -21,6 +21,8 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3F
               "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64}
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+# What a Hugging Face directory may hold its weights as, in the order a reader looks for them.
+WEIGHT_FILES = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def safetensors_problem(path: str | os.PathLike) -> str | None:
@@ -95,9 +97,11 @@ def _natural(value) -> bool:
 
 def hf_weights_problems(directory: str | os.PathLike) -> list[str]:
     """The first few problems of a Hugging Face directory's safetensors weights (model.safetensors, or the shards
-    model.safetensors.index.json names), one line each; [] when they are whole or when it has neither (older
-    pytorch_model.bin weights, or a directory whose weights are not checked here)."""
+    model.safetensors.index.json names), one line each, or that it has no weight file at all; [] when they are
+    whole or are the older pytorch_model.bin weights (not checked here)."""
     directory = Path(directory)
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        return [f"{directory} has no weights: expected {', '.join(WEIGHT_FILES[:-1])} or {WEIGHT_FILES[-1]}"]
     if (directory / SINGLE).is_file():
         problem = safetensors_problem(directory / SINGLE)
         return [problem] if problem else []

@@ -80,7 +80,7 @@ def whole(tmp_path_factory) -> dict[str, Path]:
 
 def _damaged(whole: dict[str, Path], tmp_path: Path, case: str) -> tuple[Path, str]:
     """A copy of a whole directory with `case` done to it, and what the checker says of it."""
-    kind = "single" if case in ("truncated", "header zeroed") else "sharded"
+    kind = "single" if case in ("truncated", "header zeroed", "no weights") else "sharded"
     folder = tmp_path / f"hf_{case.replace(' ', '_')}"
     folder.mkdir()
     for file in whole[kind].iterdir():
@@ -100,12 +100,15 @@ def _damaged(whole: dict[str, Path], tmp_path: Path, case: str) -> tuple[Path, s
     if case == "damaged shard":
         shards[0].write_bytes(shards[0].read_bytes()[:-4])
         return folder, f"{shards[0]}: truncated: its tensors need"
+    if case == "no weights":  # issue 58: config.json and the tokenizer, the weights never downloaded
+        (folder / "model.safetensors").unlink()
+        return folder, f"{folder} has no weights: expected model.safetensors, model.safetensors.index.json, "
     assert case == "index not JSON"
     (folder / "model.safetensors.index.json").write_text('{"weight_map": ')
     return folder, f"{folder / 'model.safetensors.index.json'}: not a safetensors index"
 
 
-CASES = ["truncated", "header zeroed", "missing shard", "damaged shard", "index not JSON"]
+CASES = ["truncated", "header zeroed", "missing shard", "damaged shard", "index not JSON", "no weights"]
 
 
 def test_whole_directories_pass(whole):
@@ -138,7 +141,7 @@ def _refused(result, expected: str, results: Path) -> None:
     assert not results.exists(), "a refused launch wrote files"
 
 
-@pytest.mark.parametrize("case", ["truncated", "missing shard"])
+@pytest.mark.parametrize("case", ["truncated", "missing shard", "no weights"])
 def test_a_fine_tuning_launch_refuses_damaged_starting_weights(case, whole, tmp_path):
     folder, expected = _damaged(whole, tmp_path, case)
     _sft_demo_files(tmp_path / "data")

@@ -236,3 +236,28 @@ def test_bad_directories_and_states_name_the_problem(tmp_path):
     del hf_state["transformer.h.0.attn.c_attn.bias"]
     with pytest.raises(ValueError, match="transformer.h.0.attn.c_attn.bias"):
         from_hf(hf_state, hf_config)
+
+
+def test_export_keeps_the_sources_generation_settings(tmp_path):
+    """Issue 58: an export of a Hugging Face source keeps its generation_config.json (Llama 3.1 Instruct's: three
+    stop ids in its order, sampling on at temperature 0.6, top_p 0.9), not the tokenizer's one eos id."""
+    source = tmp_path / "source"
+    source.mkdir()
+    vocab = _tokenizer(source / "tokenizer.json", ("<s>", "</s>", "<|eom|>", "<|eot|>"))
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+    hf.save_pretrained(source, safe_serialization=True)
+    (source / "generation_config.json").unlink()  # transformers' own; the source's below
+    (source / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    settings = {"bos_token_id": 0, "do_sample": True, "eos_token_id": [1, 3, 2], "temperature": 0.6,
+                "top_p": 0.9, "top_k": 20, "max_length": 32}
+    (source / "generation_config.json").write_text(json.dumps({**settings, "transformers_version": "4.42.3"}))
+    state, keys, tokenizer = load_hf_directory(source)
+    cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size=hf.config.vocab_size)
+    out = save_hf_directory(tmp_path / "export", state, cfg, tokenizer)
+    assert json.loads((out / "generation_config.json").read_text()) == settings
+    loaded = transformers.GenerationConfig.from_pretrained(out)
+    assert (loaded.eos_token_id, loaded.do_sample, loaded.temperature, loaded.top_p, loaded.top_k) == (
+        [1, 3, 2], True, 0.6, 0.9, 20)
