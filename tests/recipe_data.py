@@ -2,6 +2,7 @@
 (runtime.config) can check each recipe (a plugin of tests/conftest.py, for the recipe, schema and launcher tests): tokenizer.json files with the real vocabulary sizes (the padded vocabulary
 must divide by tp) and blend files whose token files exist (empty: nothing is read)."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -33,3 +34,34 @@ def recipe_data_dir(tmp_path_factory) -> Path:
             (folder / f"corpus{suffix}").write_bytes(b"")
         (folder / "blend.txt").write_text("1.0 corpus\n")
     return root
+
+
+def write_hf_weights(directory: Path, config: dict, vocab: int) -> None:
+    """The model.safetensors of `config` (a published config.json) as its publisher's names, shapes and dtype in a
+    real header, its data a sparse hole: a launch's header check (runtime/schema/safetensors_file.py) sees a
+    whole file, at no disk cost, and nothing in a dry run reads the data."""
+    header, data_bytes = _hf_header(json.dumps(config, sort_keys=True), vocab)
+    with open(directory / "model.safetensors", "wb") as file:
+        file.write(len(header).to_bytes(8, "little") + header)
+        file.truncate(8 + len(header) + data_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_header(config: str, vocab: int) -> tuple[bytes, int]:
+    """(safetensors header, data bytes) of a config.json's model, once per session: a 70B's takes seconds."""
+    import torch
+
+    from runtime.convert import model_keys, to_hf
+    from runtime.convert.hf import state_shapes
+    from runtime.models import ModelConfig
+
+    keys = model_keys(json.loads(config), tokenizer_vocab_size=vocab)
+    cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size=vocab)
+    ours = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in state_shapes(cfg).items()}
+    header, offset = {}, 0
+    for name, tensor in sorted(to_hf(ours, cfg)[0].items()):
+        size = tensor.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    return text + b" " * (-len(text) % 8), offset

@@ -20,7 +20,7 @@ from launcher.paths import group_choices
 from launcher.stages import STAGES
 from runtime.schema.training import parse_training
 from tests.estimate.host_fit import host_memory_problems
-from tests.recipe_data import write_tokenizer
+from tests.recipe_data import write_hf_weights, write_tokenizer
 
 from .helpers import nxdt, resolved
 from .test_fine_tuning_stages import FIXTURES, LLAMA3_8B, _one_error_line, _sft_demo_files
@@ -238,6 +238,7 @@ def hf_data_dir(tmp_path_factory) -> Path:
     (root / "hf" / "Meta-Llama-3-8B").mkdir(parents=True)
     (root / "hf" / "Meta-Llama-3-8B" / "config.json").write_text(json.dumps(LLAMA3_8B))
     write_tokenizer(root / "hf" / "Meta-Llama-3-8B" / "tokenizer.json", 128256)
+    write_hf_weights(root / "hf" / "Meta-Llama-3-8B", LLAMA3_8B, 128256)
     (root / "preference").mkdir()
     for split in ("train", "validation"):
         (root / "preference" / f"{split}.jsonl").write_text(json.dumps(PAIR) + "\n")

@@ -19,7 +19,7 @@ from launcher.paths import group_choices
 from launcher.stages import STAGES
 from runtime.schema.training import parse_training
 from tests.estimate.host_fit import host_memory_problems
-from tests.recipe_data import write_tokenizer
+from tests.recipe_data import write_hf_weights, write_tokenizer
 
 from .helpers import REPO, nxdt, resolved
 
@@ -225,6 +225,7 @@ def hf_data_dir(tmp_path_factory) -> Path:
         (root / "hf" / name).mkdir(parents=True)
         (root / "hf" / name / "config.json").write_text(json.dumps(config))
         write_tokenizer(root / "hf" / name / "tokenizer.json", vocab)
+        write_hf_weights(root / "hf" / name, config, vocab)
     (root / "sft").mkdir()
     for split in ("train", "validation"):
         (root / "sft" / f"{split}.jsonl").write_text('{"prompt": "1 + 2", "completion": "3"}\n')
@@ -263,8 +264,9 @@ def _hf_dir(root: Path, **changes) -> Path:
     folder.mkdir()
     config = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "vocab_size": 512,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, **changes}
-    (folder / "config.json").write_text(json.dumps(config))
+              "rope_theta": 10000.0, "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    write_hf_weights(folder, config, 512)  # llama/tiny's weights: what the tests change is config.json
     return folder
 
 
