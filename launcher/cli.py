@@ -6,8 +6,9 @@
     nxdt-launch status [RUN]    nxdt-launch logs RUN [STAGE] [-f]    nxdt-launch cancel RUN
     eval "$(_NXDT_LAUNCH_COMPLETE=bash_source nxdt-launch)"   # tab completion (docs/cli.md)
 
-Only click and rich are imported at start; Jinja loads when a launch renders, Hydra only when its config is not in
-the launch cache (launcher/cache.py), and torch never.
+Only click and rich are imported at start; Jinja loads when a launch renders, Hydra and OmegaConf only when a
+launch's config is neither in the launch cache (launcher/cache.py) nor within what launcher/plain_compose.py
+composes, and torch never.
 """
 
 from __future__ import annotations

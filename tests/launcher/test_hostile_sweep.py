@@ -1,6 +1,6 @@
 """Issue 57's sweep, kept in the suite: one table of hostile inputs of every kind the issue found (paths no file system
 holds, seeds, vocabularies, alias bombs, system files as configs, keys nothing reads, damaged checkpoint configs,
-recycled pids, S3 URIs, stage-only relaunches, dry runs of live runs), each run through the real CLI entry point
+recycled pids, S3 URIs, stage-only relaunches, dry runs of live runs, launches into another run's directories), each run through the real CLI entry point
 (launcher.cli.run, in a forked copy of this process: helpers.nxdt, so that a hang is killed and counted, not hung)
 and classified:
 
@@ -37,7 +37,10 @@ import pytest
 from launcher.config_file import MAX_EXPANDED_BYTES
 from runtime.schema import rules
 
+from tests.checkpoint.launch_helpers import counting_corpus
+
 from . import test_hostile_input_57 as cases57
+from . import test_ownership_57 as own57
 from .helpers import REPO, nxdt
 
 OK = ("clean refusal", "correct acceptance")
@@ -48,7 +51,8 @@ Setup = Callable[[Path, Path], contextlib.AbstractContextManager]  # (case direc
 class Case:
     kind: str                  # the issue's words for the class of input
     name: str
-    argv: tuple[str, ...]      # formatted with d (the case's directory), data (recipe data) and the setup's values
+    argv: tuple[str, ...] | Callable[[dict], list[str]]  # formatted with d (the case's directory), data (recipe
+    #                          data) and the setup's values; or made from them
     says: str                  # refusal: in its error line; acceptance: in stdout (formatted likewise)
     refuse: bool = True
     setup: Setup | None = None
@@ -108,6 +112,17 @@ def _live_run_with_an_old_dry_run(d: Path, data: Path):
         tempfile.tempdir = before
 
 
+def _finished_run(d: Path, data: Path):
+    """Another run L, finished, with its checkpoints (test_ownership_57.write_finished), and a corpus to train on."""
+    corpus = counting_corpus(d / "corpus")
+    run_dir, checkpoints = own57.write_finished(d / "results", corpus)
+    return contextlib.nullcontext({"corpus": corpus, "run": run_dir, "ckpt": checkpoints})
+
+
+def _training_of_run(run: str, *extra: str) -> Callable[[dict], list[str]]:
+    return lambda v: own57._overrides(v["corpus"], v["d"] / "results", run, *(e.format(**v) for e in extra))
+
+
 def _one_dry_run_directory(d: Path, result) -> bool:
     return len(list((d / "tmp").iterdir())) == 1  # the new one: the old one is gone
 
@@ -156,6 +171,22 @@ CASES = [
     Case("dry runs of a live run", "a dry run removes an earlier dry run's directory", DRY,
          "this dry run wrote its files under", refuse=False, setup=_live_run_with_an_old_dry_run,
          check=_one_dry_run_directory, untouched=("results/gpt3_tiny/launch.json",)),
+    # Launches pointed into another run's directories (test_ownership_57.py has each case at length).
+    Case("a launch into another run's directories", "training into a finished run's checkpoints",
+         _training_of_run("L3", "training.exp_manager.checkpoint_callback_params.dirpath={ckpt}"),
+         "belongs to run L", setup=_finished_run, untouched=("results/L/**/*",)),
+    Case("a launch into another run's directories", "save_top_k=1 into a finished run's checkpoints",
+         _training_of_run("L3", "training.exp_manager.checkpoint_callback_params.dirpath={ckpt}",
+                          "training.exp_manager.checkpoint_callback_params.save_top_k=1"),
+         "belongs to run L", setup=_finished_run, untouched=("results/L/**/*",)),
+    Case("a launch into another run's directories", "an import into a finished run's checkpoints",
+         ("stages=[conversion]", "cluster_type=local", "base_results_dir={d}/results", "run_name=L4",
+          "conversion.mode=import", "conversion.checkpoint_dir={ckpt}", "conversion.hf_checkpoint_dir={d}/hf"),
+         "belongs to run L", setup=_finished_run, untouched=("results/L/**/*",)),
+    Case("a launch into another run's directories", "an export overwriting the run directory it exports",
+         ("stages=[conversion]", "cluster_type=local", "base_results_dir={d}/results", "run_name=L",
+          "conversion.output_dir={run}", "conversion.overwrite=true"),
+         "which overwrite would delete", setup=_finished_run, untouched=("results/L/**/*",)),
     # What a hostile sweep must still accept.
     Case("a plain launch", "a dry run of the tiny recipe", DRY, "training", refuse=False),
     Case("a plain launch", "explain-config of a small file", ("explain-config", "configs/small.yaml"),
@@ -197,7 +228,7 @@ def classify(case: Case, d: Path, data: Path) -> tuple[str, str]:
     d.mkdir(parents=True, exist_ok=True)
     with (case.setup(d, data) if case.setup else contextlib.nullcontext({})) as values:
         fmt = {"d": d, "data": data, **values}
-        argv = [arg.format(**fmt) for arg in case.argv]
+        argv = case.argv(fmt) if callable(case.argv) else [arg.format(**fmt) for arg in case.argv]
         before = _snapshot(d, case.untouched)
         try:
             result = nxdt(*argv, cwd=d, timeout=case.timeout)

@@ -46,9 +46,13 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 
 @pytest.fixture
 def finished(tmp_path, corpus):
+    return write_finished(tmp_path / "results", corpus)
+
+
+def write_finished(results: Path, corpus: Path) -> tuple[Path, Path]:
     """A finished run L as its launch leaves it (its files, record and ownership), with two checkpoints of steps 10
-    and 20 in its checkpoint directory (markers of complete ones: nothing here loads them)."""
-    plan = launch.make_plan(_overrides(corpus, tmp_path / "results", "L"), dry_run=False, produced_by="test")
+    and 20 in its checkpoint directory (markers of complete ones: nothing here loads them): (run dir, checkpoints)."""
+    plan = launch.make_plan(_overrides(corpus, results, "L"), dry_run=False, produced_by="test")
     scripts = launch.write(plan)
     records.write(plan.run_dir, launch.new_record(plan, scripts))
     plan.launch_lock.close()
