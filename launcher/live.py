@@ -116,14 +116,14 @@ def targets(config: LaunchConfig, jobs: list[Job]) -> list[Target]:
         key = f"{job.stage}.run.results_dir"
         found.append(Target(key, job.results_dir, "write its stage files there",
                             f"give it a directory of its own, e.g. {key}={run_dir}/{job.stage}", True))
-        section = config.stage(job.stage).section
         if job.stage in TRAINER_STAGES:
             dirpath = config.stage(job.stage).inputs.checkpoint_dir
             if ownership.local(dirpath):
                 key = f"{job.stage}.exp_manager.checkpoint_callback_params.dirpath"
                 fix = ownership.checkpoints_fix(f"{job.stage}.", dirpath, job.results_dir / "checkpoints")
                 found.append(Target(key, Path(str(dirpath)), ownership.CHECKPOINTS_WOULD, fix, True))
-        elif job.stage == "conversion" and (conversion := parse_conversion(section)[0]) is not None:
+        elif job.stage == "conversion" and (
+                conversion := parse_conversion(config.stage(job.stage).section)[0]) is not None:
             if conversion.mode == "import" and ownership.local(conversion.checkpoint_dir):
                 found.append(Target("conversion.checkpoint_dir", Path(conversion.checkpoint_dir),
                                     "write an imported checkpoint among its checkpoints",

@@ -24,6 +24,18 @@ ROUNDS = [[f"{'+' if group == 'search_config' else ''}{group}={choices[i % len(c
            for group, choices in CHOICES.items()] for i in range(max(map(len, CHOICES.values())))]
 
 
+@pytest.fixture(autouse=True)
+def _no_registered_choices():
+    """A fresh launch's ConfigStore: an earlier test in this process (a training=@FILE launch) may have registered
+    choices, after which every launch of the process composes with Hydra (plain_compose.registered_choices)."""
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo
+    kept = {group: repo.pop(group) for group in CONFIG_GROUPS if group in repo}
+    yield
+    repo.update(kept)
+
+
 def _same(overrides: list[str]) -> None:
     """The plain composer gives Hydra's config, unresolved and resolved; repr compares types and key order too."""
     plain = plain_compose.compose(overrides)
