@@ -474,8 +474,6 @@ def _disagreements(model: Section, hf_keys: dict, source: str | None, source_key
     for key, value in hf_keys.items():
         if key in _YAML_DECIDES or not model.has(key):
             continue
-        if key == "max_position_embeddings" and hf_keys.get("architecture") == "llama":
-            continue  # the Llama decoder's RoPE table length, no weight's shape: NxD Training's YAMLs set their own
         found += _differing(key, model.data[key], value)
     if not found:
         return None

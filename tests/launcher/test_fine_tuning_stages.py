@@ -238,13 +238,16 @@ def test_recipe_matches_the_model_it_restores(group, recipe, hf_data_dir, tmp_pa
     real launch: the recipe's shape is the model's, and the vocabulary divides by its tp."""
     cluster, _ = _intended(recipe)
     stage = resolved(f"{group}={recipe}", f"cluster={cluster}", f"data_dir={hf_data_dir}")[group]
-    _, report = parse_training(stage, files="error", p=f"{group}.")
+    cfg, report = parse_training(stage, files="error", p=f"{group}.")
     family = recipe.split("/")[0]
     if family in REFUSED:
         assert len(report.errors) == 1 and report.errors[0].startswith(f"{group}.model.restore_from_path: ")
         assert REFUSED[family] in report.errors[0]
     else:
         assert report.errors == [] and report.warnings == [], (report.errors, report.warnings)
+        # The model built is the config.json's, to its context length (Llama 3.1: 131072, not Llama 3's 8192).
+        config = HF_MODELS[Path(stage["model"]["restore_from_path"]).name][0]
+        assert cfg.model.max_position_embeddings == config["max_position_embeddings"], recipe
 
 
 def test_mistral_is_llama3_8b_with_its_own_rope_and_vocabulary():
@@ -309,6 +312,9 @@ def test_weights_of_another_model_are_refused_before_submitting(tmp_path):
              "hidden_size 128 (config.json: 256); drop the key (fine_tuning.model.hidden_size=null)"),
             # transformers' default rms_norm_eps for llama (1e-6) is config.json's when the key is absent.
             ({}, "fine_tuning.model.layernorm_epsilon: ", "layernorm_epsilon 1e-05 (config.json: 1e-06)"),
+            # The context length is config.json's too: a shorter YAML one is refused, not trained silently.
+            ({"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}, "fine_tuning.model.max_position_embeddings: ",
+             "max_position_embeddings 2048 (config.json: 4096)"),
             ({"model_type": "mistral_moe"}, "fine_tuning.model.restore_from_path: ",
              "{folder}/config.json: config.json model_type='mistral_moe' is not supported"),
             ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "fine_tuning.model.restore_from_path: ",
@@ -317,8 +323,10 @@ def test_weights_of_another_model_are_refused_before_submitting(tmp_path):
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         root.mkdir()
         folder = _hf_dir(root, **changes)
+        extra = ["fine_tuning.model.max_position_embeddings=2048"] if "max_position_embeddings" in changes else []
         result = nxdt(f"base_results_dir={root}/results", f"data_dir={root}/data", "cluster_type=local",
-                      "stages=[fine_tuning]", f"fine_tuning.model.restore_from_path={folder}", "--dry-run", cwd=root)
+                      "stages=[fine_tuning]", f"fine_tuning.model.restore_from_path={folder}", *extra, "--dry-run",
+                      cwd=root)
         _one_error_line(result, first_key)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert expected.format(folder=folder) in result.stderr, result.stderr
