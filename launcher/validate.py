@@ -173,12 +173,12 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     has: an error. Which node memory applies: cluster.node_memory_gib when it states one; else, for an accelerator,
     the instance's documented memory; for CPU, this machine's where the local executor runs the workers here, and
     none on Slurm (this machine's memory says nothing of a Slurm node's: not judged). On CPU the device is the host:
-    the activations count too, as a warning. Device memory (the training stage on a GPU or NeuronCore): weights,
-    gradients and optimizer state alone need more than the device has: an error; activations on top of that are a
-    warning, as the estimator's activation model is an upper bound (NxD Training's published Llama 3 70B layout
-    runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know here (no tokenizer file, no
+    the activations count too, as a warning. Device memory (every trainer stage on a GPU or NeuronCore): weights,
+    gradients and optimizer state (under LoRA the frozen weights alone) need more than the device has: an error;
+    activations on top of that are a warning, as the estimator's activation model is an upper bound (NxD Training's
+    published Llama 3 70B layout runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know here (no tokenizer file, no
     `vocab_size`): not judged."""
-    result = _estimate(section, cluster, vocab_size)
+    result = _estimate(section, cluster, vocab_size, stage)
     if result is None:
         return [], []
     # The vocabulary as the estimator read it (a tokenizer this launch's data_preparation would otherwise make is
@@ -196,22 +196,25 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     if on_cpu or result.layout.devices_per_node <= result.hardware.devices_per_node:
         known = not on_cpu or local or cluster.node_memory_bytes is not None
         errors, warnings = host_memory_fit(result.host, stage, on_cpu=on_cpu, known=known)
-    if stage != "training" or on_cpu:
+    if on_cpu:
         return errors, warnings
     gib, memory, usable = 2**30, result.memory, result.hardware.usable_bytes
     where = f"the {usable / gib:.1f} GiB usable on {result.hardware.description}"
     if memory.static > usable:
-        errors.append(f"training.model: weights, gradients and optimizer state need {memory.static / gib:.1f} GiB per "
-                      f"device by the estimator, more than {where}; raise tensor_model_parallel_size or "
-                      f"pipeline_model_parallel_size, or set zero1=true {fixes}")
+        # LoRA's frozen weights keep no gradients or optimizer state (zero1 would shard nothing).
+        state, zero1 = (("weights (frozen under LoRA)", "") if memory.optimizer == 0 else
+                        ("weights, gradients and optimizer state", ", or set zero1=true"))
+        errors.append(f"{stage}.model: {state} need {memory.static / gib:.1f} GiB per device by the estimator, more "
+                      f"than {where}; raise tensor_model_parallel_size or pipeline_model_parallel_size{zero1} "
+                      f"{fixes}")
     elif memory.total > usable:
-        warnings.append(f"training.model: this layout needs {memory.total / gib:.1f} GiB per device by the estimator "
+        warnings.append(f"{stage}.model: this layout needs {memory.total / gib:.1f} GiB per device by the estimator "
                         f"(activations {memory.activations / gib:.1f}), more than {where}; if it runs out of memory, "
                         f"set activations_checkpoint_granularity=full or raise the parallel sizes {fixes}")
     return errors, warnings
 
 
-def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None = None):
+def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None = None, stage: str = "training"):
     """The estimator's reading of a trainer stage's config on the cluster's nodes; None where the estimator cannot
     size it here (no tokenizer file for the vocabulary)."""
     from launcher.errors import UserError
@@ -219,7 +222,7 @@ def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None 
 
     try:
         return estimate(section, neuron_hardware=cluster.neuron_hardware, node_memory_bytes=cluster.node_memory_bytes,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size, stage=stage)
     except UserError:
         return None
 
@@ -228,7 +231,7 @@ def host_memory_note(cfg: LaunchConfig, stage: str) -> str | None:
     """What the launch prints for a trainer stage: host memory per node, by the estimator (as memory_fit judges
     it)."""
     section = cfg.stage(stage)
-    result = None if section.trainer is None else _estimate(section.section, cfg.cluster)
+    result = None if section.trainer is None else _estimate(section.section, cfg.cluster, stage=stage)
     return None if result is None else f"host memory per node ({stage}): {result.host.arithmetic(static=True)}"
 
 

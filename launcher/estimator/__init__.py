@@ -58,12 +58,14 @@ class Estimate:
 
 def estimate(training: dict[str, Any], *, device: str | None = None, tokens: float | None = None,
              mfu: float | None = None, vocab_size: int | None = None, node_memory_bytes: float | None = None,
-             neuron_hardware: str | None = None) -> Estimate:
-    """Estimate a resolved training config. The device is `device`, else the cluster's neuron.hardware (trn1 |
-    trn2) for a neuron recipe, else detected from trainer.accelerator and trainer.devices. `tokens` defaults to
-    the run's own budget, max_steps x global_batch_size x seq_length. `node_memory_bytes`: the node's host memory
-    (cluster.node_memory_gib); None: the instance's documented memory (hardware.NODE_MEMORY_GIB), or for cpu this
-    machine's."""
+             neuron_hardware: str | None = None, stage: str = "training") -> Estimate:
+    """Estimate a resolved trainer stage's config (training, fine_tuning, peft or alignment: `stage`). The device is
+    `device`, else the cluster's neuron.hardware (trn1 | trn2) for a neuron recipe, else detected from
+    trainer.accelerator and trainer.devices. `tokens` defaults to the run's own budget, max_steps x global_batch_size
+    x seq_length. `node_memory_bytes`: the node's host memory (cluster.node_memory_gib); None: the instance's
+    documented memory (hardware.NODE_MEMORY_GIB), or for cpu this machine's. LoRA (model.peft) trains adapters over
+    frozen weights; alignment's micro-batch of m pairs is 2m rows through the model (chosen, rejected), its
+    reference log-probabilities computed once before training by the same weights (no second model)."""
     sizing, sizing_report = parse_sizing(training)  # the schema's reading of what the run is sized by
     shape = shape_from_training(sizing, vocab_for(sizing, vocab_size))
     trainer, report = parse_trainer(training)  # the schema's reading, as the launch sizes the job by
@@ -72,6 +74,9 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     if sizing_report.errors:
         raise UserError(*sizing_report.errors)
     layout = layout_from_training(sizing, trainer)
+    if stage == "alignment":
+        layout = dataclasses.replace(layout, micro_batch_size=2 * layout.micro_batch_size,
+                                     global_batch_size=2 * layout.global_batch_size)
     accelerator = trainer.accelerator
     if device is None and accelerator == "neuron" and neuron_hardware in ("trn1", "trn2"):
         device = neuron_hardware
@@ -84,7 +89,7 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     # The schema's reading of model.peft: LoRA trains adapters over frozen weights (host memory counts that).
     lora = parse_lora(Section(sizing.model, "model", Report()), shape.architecture, "") is not None
     return Estimate(shape=shape, layout=layout, hardware=hardware, parameters=count_parameters(shape),
-                    memory=peak_memory(shape, layout, kernels),
+                    memory=peak_memory(shape, layout, kernels, lora=lora),
                     host=host_memory(shape, layout, hardware, kernels, lora=lora), mfu=mfu, tokens=float(tokens),
                     flops_per_token=flops_per_token(shape), step=step_time(shape, layout, hardware, mfu))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from launcher.estimator.hardware import GIB, Hardware
-from launcher.estimator.memory import Kernels, StageMemory, stage_memory
+from launcher.estimator.memory import Kernels, StageMemory, pipeline_stages
 from launcher.estimator.shapes import Layout, ModelShape
 from runtime.schema.facts import checkpoint_staging_bytes
 
@@ -105,14 +105,8 @@ def host_memory(shape: ModelShape, layout: Layout, hardware: Hardware, kernels: 
     stage with the most state: the first holds the embedding, the last the output layer). `lora`: only adapters
     train (the frozen weights keep no gradients or optimizer state, and checkpoints hold the adapters)."""
     on_cpu = hardware.name == "cpu"
-    if layout.pp == 1:
-        stages = [stage_memory(shape, layout, first=True, last=True, kernels=kernels)]
-    else:
-        stages = [stage_memory(shape, layout, first=True, last=False, kernels=kernels),
-                  stage_memory(shape, layout, first=False, last=True, kernels=kernels)]
+    stages = pipeline_stages(shape, layout, kernels, lora=lora)
     # On CPU the device estimate is host memory: its peak stage; elsewhere the stage with the most state.
-    if lora:
-        stages = [dataclasses.replace(s, gradients=0.0, optimizer=0.0) for s in stages]
     held: StageMemory = max(stages, key=lambda s: s.total if on_cpu else s.static)
     return HostMemory(
         workers=layout.devices_per_node,

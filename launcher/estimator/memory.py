@@ -333,14 +333,27 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     )
 
 
-def peak_memory(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels()) -> StageMemory:
-    """The device with the most memory: the first stage (most micro-batches in flight) or the last (logits); with
-    model.pipeline_cuts a middle stage may hold more layers than either, so every rank is looked at."""
+def frozen_weights(stage: StageMemory) -> StageMemory:
+    """A stage under LoRA (model.peft): the frozen weights keep no gradients and no optimizer state; the adapters'
+    (rank x (in + out) per adapted projection, a few MiB) are left out."""
+    return dataclasses.replace(stage, gradients=0.0, optimizer=0.0)
+
+
+def pipeline_stages(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels(), *,
+                    lora: bool = False) -> list[StageMemory]:
+    """Every pipeline stage that can be the largest: the first (most micro-batches in flight) and the last (logits);
+    with model.pipeline_cuts a middle stage may hold more layers than either, so every rank."""
     if layout.pp == 1:
-        return stage_memory(shape, layout, first=True, last=True, kernels=kernels)
-    stages = [stage_memory(shape, layout, first=True, last=False, kernels=kernels),
-              stage_memory(shape, layout, first=False, last=True, kernels=kernels)]
-    if layout.pipeline_cuts is not None:
-        stages += [stage_memory(shape, layout, first=False, last=False, kernels=kernels, rank=r)
-                   for r in range(1, layout.pp - 1)]
-    return max(stages, key=lambda stage: stage.total)
+        stages = [stage_memory(shape, layout, first=True, last=True, kernels=kernels)]
+    else:
+        stages = [stage_memory(shape, layout, first=True, last=False, kernels=kernels),
+                  stage_memory(shape, layout, first=False, last=True, kernels=kernels)]
+        if layout.pipeline_cuts is not None:
+            stages += [stage_memory(shape, layout, first=False, last=False, kernels=kernels, rank=r)
+                       for r in range(1, layout.pp - 1)]
+    return [frozen_weights(s) for s in stages] if lora else stages
+
+
+def peak_memory(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels(), *, lora: bool = False) -> StageMemory:
+    """The device with the most memory, of every stage pipeline_stages names."""
+    return max(pipeline_stages(shape, layout, kernels, lora=lora), key=lambda stage: stage.total)

@@ -24,7 +24,7 @@ def host_memory_problems(cfg: dict, stage: str, vocab_size: int | None = None) -
 
     def sized(node_memory_bytes):
         return estimate(copy.deepcopy(cfg[stage]), neuron_hardware=nodes.neuron_hardware,
-                        node_memory_bytes=node_memory_bytes, vocab_size=vocab_size)
+                        node_memory_bytes=node_memory_bytes, vocab_size=vocab_size, stage=stage)
 
     result = sized(stated)
     if result.hardware.name == "cpu" and stated is None:

@@ -93,7 +93,7 @@ def test_qwen3_30b_a3b_from_its_config_json(tmp_path):
     training = resolved("training=mixtral/tiny")["training"]
     model = training["model"]
     for key in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "layernorm_epsilon", "rotary_base", "moe"):  # config.json decides them
+                "layernorm_epsilon", "rotary_base", "moe", "max_position_embeddings"):  # config.json decides them
         model.pop(key, None)
     model["tokenizer"] = {"model": str(tmp_path / "tokenizer.json")}
     model["model_config"] = str(tmp_path / "config.json")

@@ -213,19 +213,18 @@ def test_recipe_dry_runs_and_fits(recipe, tmp_path):
     assert lora == recipe.endswith("_lora")
     if stage["strategy"] == "dpo":  # the reference: precomputed, or the base with adapters off (LoRA only)
         assert stage["model_alignment_strategy"]["dpo"]["precompute_ref_log_probs"] is not lora
-    # The estimator counts one row per sample; a pair is two rows through the model.
-    sized = copy.deepcopy(stage)
-    for key in ("strategy", "model_alignment_strategy"):
-        sized.pop(key)
-    sized["model"]["micro_batch_size"] *= 2
-    sized["model"]["global_batch_size"] *= 2
+    # The estimator sizes the stage as the launch does: a pair is two rows through the model, LoRA's frozen
+    # weights keep no gradients or optimizer state.
     neuron = ((plan.cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
-    result = estimate(sized, neuron_hardware=neuron, node_memory_bytes=64 * GIB,
-                      vocab_size=512 if "tiny" in recipe else 128256)
+    result = estimate(copy.deepcopy(stage), neuron_hardware=neuron, node_memory_bytes=64 * GIB,
+                      vocab_size=512 if "tiny" in recipe else 128256, stage="alignment")
     assert result.hardware.name == device
+    assert result.layout.micro_batch_size == 2 * model["micro_batch_size"]
     memory = result.memory
-    total = memory.total - ((memory.gradients + memory.optimizer) if lora else 0)  # frozen weights: none kept
-    assert total <= result.hardware.usable_bytes, (recipe, total / GIB, result.hardware.usable_bytes / GIB)
+    if lora:
+        assert memory.gradients == memory.optimizer == 0, recipe
+    assert memory.total <= result.hardware.usable_bytes, (recipe, memory.total / GIB,
+                                                          result.hardware.usable_bytes / GIB)
     # Host memory per node, against the cluster's nodes (LoRA: the frozen weights alone).
     assert host_memory_problems(plan.cfg, "alignment", vocab_size=512 if "tiny" in recipe else 128256) == []
     sched = model["optim"]["sched"]

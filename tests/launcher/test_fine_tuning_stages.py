@@ -186,15 +186,13 @@ def test_recipe_dry_runs_and_fits(group, recipe, tmp_path):
         assert model["tensor_model_parallel_size"] <= model["num_query_groups"]
     neuron = ((plan.cfg.get("cluster") or {}).get("neuron") or {}).get("hardware")
     result = estimate(copy.deepcopy(stage), neuron_hardware=neuron, node_memory_bytes=64 * GIB,
-                      vocab_size=VOCAB[recipe.split("/")[0]])
+                      vocab_size=VOCAB[recipe.split("/")[0]], stage=group)
     assert result.hardware.name == device
     memory = result.memory
-    total = memory.total
-    if group == "peft":
-        # The estimator counts full training; LoRA keeps no gradients or optimizer state for the frozen weights
-        # (the adapters' are a few MiB).
-        total -= memory.gradients + memory.optimizer
-    assert total <= result.hardware.usable_bytes, (recipe, total / GIB, result.hardware.usable_bytes / GIB)
+    if group == "peft":  # LoRA keeps no gradients or optimizer state for the frozen weights
+        assert memory.gradients == memory.optimizer == 0, recipe
+    assert memory.total <= result.hardware.usable_bytes, (recipe, memory.total / GIB,
+                                                          result.hardware.usable_bytes / GIB)
     # Host memory per node, against the cluster's nodes (LoRA: the frozen weights alone).
     assert host_memory_problems(plan.cfg, group, vocab_size=VOCAB[recipe.split("/")[0]]) == []
     sched = model["optim"]["sched"]
@@ -248,6 +246,30 @@ def test_recipe_matches_the_model_it_restores(group, recipe, hf_data_dir, tmp_pa
         # The model built is the config.json's, to its context length (Llama 3.1: 131072, not Llama 3's 8192).
         config = HF_MODELS[Path(stage["model"]["restore_from_path"]).name][0]
         assert cfg.model.max_position_embeddings == config["max_position_embeddings"], recipe
+
+
+DEVICE_MEMORY = [
+    ("fine_tuning", "llama3/70b", "pipeline_model_parallel_size=1",
+     "fine_tuning.model: weights, gradients and optimizer state need 16.3 GiB per device by the estimator, more than "
+     "the 13.9 GiB usable on trn1.32xlarge NeuronCore-v2; raise tensor_model_parallel_size or "
+     "pipeline_model_parallel_size, or set zero1=true"),
+    ("peft", "llama3/70b", "pipeline_model_parallel_size=1",
+     "peft.model: weights (frozen under LoRA) need 16.4 GiB per device by the estimator"),
+    ("alignment", "llama3/8b", "tensor_model_parallel_size=2",
+     "alignment.model: weights, gradients and optimizer state need 25.2 GiB per device by the estimator"),
+]
+
+
+@pytest.mark.parametrize("group,recipe,change,expected", DEVICE_MEMORY, ids=[d[0] for d in DEVICE_MEMORY])
+def test_device_memory_is_checked_in_every_trainer_stage(group, recipe, change, expected, hf_data_dir, tmp_path):
+    """Fine-tuning, LoRA and alignment are sized by the estimator as training is (LoRA: frozen weights alone), so a
+    layout whose state cannot fit a NeuronCore is refused before the queue wait, not at its first step. The nodes'
+    host memory is stated large, so the device is what is judged."""
+    result = nxdt(f"base_results_dir={tmp_path}/results", f"data_dir={hf_data_dir}", "cluster=pcluster_trn1",
+                  "cluster.node_memory_gib=4096", f"stages=[{group}]", f"{group}={recipe}", f"{group}.model.{change}",
+                  "--dry-run", cwd=tmp_path)
+    _one_error_line(result, expected)
+    assert not list(tmp_path.iterdir()), "a rejected launch wrote files"
 
 
 def test_mistral_is_llama3_8b_with_its_own_rope_and_vocabulary():
