@@ -14,6 +14,8 @@ import hashlib
 from pathlib import PurePosixPath
 from typing import Any
 
+from runtime.schema.families import ARCHITECTURES, megatron_architecture, megatron_choices
+
 # NeMo keys that nxdt-launch has no use for, or whose effect it always has. value None: any value is fine;
 # otherwise the values that change nothing here (another value is refused: it would change the training).
 IGNORED: dict[str, tuple[tuple | None, str]] = {
@@ -293,18 +295,15 @@ def _defaults(flat, put, row, error, warn_key) -> set[str]:
 # NeMo's architecture switches (with NeMo's defaults) -> ours: each architecture built here is one combination.
 SWITCHES = {"model.normalization": "layernorm", "model.position_embedding_type": "learned_absolute",
             "model.activation": "gelu", "model.bias": True}
-ARCHITECTURES = {("layernorm", "learned_absolute", "gelu", True): "gpt",
-                 ("rmsnorm", "rope", "swiglu", False): "llama", ("rmsnorm", "rope", "fast-swiglu", False): "llama"}
 
 
 def _architecture(flat, put, row, error, warn_key) -> set[str]:
     values = tuple(flat.get(key, default) for key, default in SWITCHES.items())
-    architecture = ARCHITECTURES.get(values)
+    architecture = megatron_architecture(values)
     present = [key for key in SWITCHES if key in flat]
     if architecture is None:
-        error(present[0], f"with {', '.join(present[1:])}: {values} is neither architecture built here: GPT "
-                          "(layernorm, learned_absolute, gelu, bias True) or Llama (rmsnorm, rope, swiglu, bias "
-                          "False); set the four to one of them")
+        error(present[0], f"with {', '.join(present[1:])}: {values} is no architecture built here: "
+                          f"{megatron_choices()}; set the four to one of them")
         return set(present)
     put("model.architecture", architecture)
     for key in present:
@@ -490,7 +489,8 @@ def _trainium_targets(flat, mapped: dict[str, Any], put, row) -> None:
     if recipe is None:
         return
     name, layouts = recipe
-    family = "llama/tiny" if mapped.get("model.architecture") == "llama" else "gpt3/tiny"
+    family = ARCHITECTURES.get(mapped.get("model.architecture"),
+                               ARCHITECTURES[megatron_architecture(tuple(SWITCHES.values()))]).tiny_recipe
     every = "exp_manager.checkpoint_callback_params.every_n_train_steps"
     file = dict(mapped)
     if every not in flat and isinstance(flat.get("trainer.val_check_interval"), int):

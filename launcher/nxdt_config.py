@@ -26,6 +26,7 @@ from launcher import config_file, nemo_config
 from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
 from launcher.resolvers import register_resolvers
+from runtime.schema.families import ARCHITECTURES, HF_BASE, megatron_architecture, megatron_choices
 
 # NxD Training's preference-alignment keys, per strategy (model_alignment_strategy.<strategy>.<key>).
 ALIGNMENT_KEYS = {"dpo": ("kl_beta", "loss_type", "max_dpo_prompt_length", "precompute_ref_log_probs",
@@ -264,12 +265,11 @@ NULL_MEANS = {"model.moe.capacity_factor": "no capacity, every token reaches its
 NXD_MOE_DEFAULTS = {"top_k": 1, "frequency": 1, "capacity_factor": 1.0, "router_aux_loss_coef": 0.02,
                     "normalize_top_k_affinities": True}
 
-# A megatron file names its architecture with four switches; each of our two architectures is one combination of
-# them (runtime/models/gpt.py, llama.py). A switch the file leaves out takes NxD's default (megatron_gpt_model.py).
+# A megatron file names its architecture with four switches; each architecture lists its combinations of them in
+# runtime/schema/families (`megatron`). A switch the file leaves out takes NxD's default (megatron_gpt_model.py).
 MEGATRON_SWITCHES = ("model.normalization", "model.position_embedding_type", "model.activation", "model.has_bias")
-MEGATRON_ARCHITECTURES = {("layernorm", "learned_absolute", "gelu", True): "gpt",
-                          ("rmsnorm", "rope", "swiglu", False): "llama"}
 MEGATRON_SWITCH_DEFAULTS = ("layernorm", "learned_absolute", "gelu", True)
+MEGATRON_BASE = ARCHITECTURES[megatron_architecture(MEGATRON_SWITCH_DEFAULTS)]  # a file that names none of them
 # NxD's megatron model's values for model keys a file leaves out, where our base recipes' differ (our key: value).
 MEGATRON_DEFAULTS = {"share_embeddings_and_output_weights": True, "hidden_dropout": 0.1, "num_query_groups": None}
 # NeMo's Megatron tokenizer names GPT-2's BPE so, built from vocab_file + merge_file.
@@ -396,7 +396,14 @@ def map_file(path: str, group: str | None = None) -> Mapping:
         elif key == "model.encoder_seq_length" and flat.get("data.seq_length") not in (None, value):
             # NxD's SFT files train on data.seq_length and keep the model's own length for its positions.
             result.rows.append((key, value, f"ignored: sequences are data.seq_length ({flat['data.seq_length']}) "
-                                            f"long; positions come from max_position_embeddings"))
+                                            f"long; positions come from max_position_embeddings (config.json's, with "
+                                            f"model_config)"))
+        elif key == "model.max_position_embeddings" and flat.get("model.model_config") is not None:
+            # NxD Training's files set it for their RoPE table (Mixtral's to encoder_seq_length, under config.json's
+            # 32768); here config.json decides every key, and a table of either length computes the same rows.
+            result.rows.append((key, value, "ignored: model_config's config.json decides max_position_embeddings "
+                                            "(the RoPE table's length; every row of encoder_seq_length computes the "
+                                            "same)"))
         elif key in MEGATRON_SWITCHES:
             result.rows.append((key, value, "with the other switches: training.model.architecture"))
         elif key == "model.sliding_window_size":
@@ -578,13 +585,12 @@ def _tokenizer_json(kind: Any) -> str:
 def _architecture(flat: dict[str, Any]) -> tuple[str | None, tuple[str, str, str]]:
     """A megatron file's four switches -> (our model.architecture or None, the row that says why)."""
     values = tuple(flat.get(key, default) for key, default in zip(MEGATRON_SWITCHES, MEGATRON_SWITCH_DEFAULTS))
-    architecture = MEGATRON_ARCHITECTURES.get(values)
+    architecture = megatron_architecture(values)
     key = f"model.{{{', '.join(key.removeprefix('model.') for key in MEGATRON_SWITCHES)}}}"
     shown = ", ".join(map(str, values))
     if architecture is None:
-        return None, (key, shown, f"{key}: {shown} is neither architecture built here: GPT (layernorm, "
-                                  f"learned_absolute, gelu, True) or Llama (rmsnorm, rope, swiglu, False); set the "
-                                  f"four to one of them")
+        return None, (key, shown, f"{key}: {shown} is no architecture built here: {megatron_choices()}; set "
+                                  f"the four to one of them")
     return architecture, (f"(implied) {key}", shown, f"training.model.architecture = {architecture!r}")
 
 
@@ -643,8 +649,9 @@ def _with_base(training: dict[str, Any], data: dict[str, Any], stage: str = "tra
     leaks into the imported model. A fine-tuning file sits on <stage>/llama/tiny, without its demo data."""
     model = training.setdefault("model", {})
     architecture = model.get("architecture")  # a megatron file's; an hf file's comes from its model_config
-    named_gpt = "gpt" in str(data.get("name", "")) and "model_config" not in model
-    family = "gpt3/tiny" if architecture == "gpt" or (architecture is None and named_gpt) else "llama/tiny"
+    if architecture is None and "model_config" not in model:  # a megatron file named for its network
+        architecture = next((name for name in ARCHITECTURES if name in str(data.get("name", ""))), None)
+    family = ARCHITECTURES.get(architecture, HF_BASE).tiny_recipe
     if stage != "training":
         # An alignment file sits on the tiny recipe of its strategy: the other's section would be a second strategy.
         family = f"llama/tiny_{training['strategy']}" if stage == "alignment" else "llama/tiny"
@@ -760,7 +767,7 @@ def _map_nemo(path: str, data: dict[str, Any], group: str | None = None) -> Mapp
     if every not in flat and isinstance(flat.get("trainer.val_check_interval"), int):
         _put(training, every, flat["trainer.val_check_interval"])
         result.rows.append((every, None, f"training.{every} = trainer.val_check_interval (NeMo saves at validation)"))
-    family = "llama/tiny" if training.get("model", {}).get("architecture") == "llama" else "gpt3/tiny"
+    family = ARCHITECTURES.get(training.get("model", {}).get("architecture"), MEGATRON_BASE).tiny_recipe
     if stage != "training":  # the fine-tuning base, without its demo data and weights
         family, model = "llama/tiny", training.setdefault("model", {})
         model.setdefault("restore_from_path", None)

@@ -145,9 +145,9 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
     qkv = heads + 2 * kv
     # Whether autograd keeps the QKV output itself, through views of it (q, k, v; only v where q, k are rotated).
-    qkv_output_kept = (shape.architecture == "gpt" or attn_recomputed or layout.cp > 1
+    qkv_output_kept = (not shape.network.rotary or attn_recomputed or layout.cp > 1
                        or (kv == heads and layout.ulysses == 1))
-    if shape.architecture == "gpt":
+    if not shape.network.rotary:
         total += width(qkv)                    # q, k, v are views of the QKV output
     elif qkv_output_kept:
         total += width(heads + kv) + width(qkv)  # rotated q, k; the QKV output lives on through v's view
@@ -229,7 +229,7 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 def _norm_bytes(shape: ModelShape, residual: int) -> int:
     """Bytes a norm keeps per element: LayerNorm its input; the runtime's RMSNorm runs in fp32 on an upcast copy
     and keeps that copy and the normalized fp32 tensor (for the weight's gradient)."""
-    return 8 if shape.architecture == "llama" else residual
+    return 8 if shape.network.rms_norm else residual
 
 
 def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = False) -> float:
@@ -294,7 +294,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
     layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
-    if shape.architecture == "llama":
+    if shape.network.rotary:
         # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py), so a
         # device holds one pair whatever its number of layers.
         buffers += shape.max_position_embeddings * shape.head_dim * 2 * 4
@@ -307,7 +307,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     activations = (layers - moe_layers) * in_flight * layer_activation_bytes(shape, layout, kernels)
     if moe_layers:
         activations += moe_layers * in_flight * layer_activation_bytes(shape, layout, kernels, moe=True)
-    if first and shape.hidden_dropout > 0 and shape.architecture == "gpt":  # the embedding's dropout mask
+    if first and shape.hidden_dropout > 0 and shape.network.embedding_dropout:  # the embedding's dropout mask
         mask = bytes_.compute if kernels.mask_as_activation else 1
         activations += (in_flight * mask * layout.micro_batch_size * layout.tokens_per_sample(shape.seq_length)
                         * shape.hidden_size)

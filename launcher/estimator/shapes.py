@@ -24,6 +24,7 @@ from typing import Any
 
 from launcher.errors import UserError
 from runtime.schema import rules
+from runtime.schema.families import TOKENIZER_VOCABULARIES, Architecture, architecture
 from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
@@ -31,14 +32,15 @@ from runtime.schema.training import model_shape_keys, parse_sizing
 from runtime.schema.training_config import SizingConfig, TrainerConfig
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
-# Vocabulary sizes of the tokenizers the recipes name, for estimating on a machine that does not hold the
-# tokenizer file (a laptop planning a cluster run). Matched against the tokenizer path; the file wins if present.
-KNOWN_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257, "qwen2_5": 151665, "qwen3": 151669}
+# Vocabulary sizes of the tokenizers the recipes name (runtime/schema/families' registry), for estimating on a
+# machine that does not hold the tokenizer file (a laptop planning a cluster run). Matched against the tokenizer
+# path; the file wins if present.
+KNOWN_VOCABULARIES = TOKENIZER_VOCABULARIES
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    architecture: str            # gpt | llama
+    architecture: str            # a name in runtime/schema/families' ARCHITECTURES (`network`: what it is made of)
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -80,12 +82,20 @@ class ModelShape:
         return self.ffn_hidden_size if self.moe is None else self.moe.expert_size(self.ffn_hidden_size)
 
     @property
-    def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two
-        return self.architecture == "llama"
+    def network(self) -> Architecture:  # what the architecture is made of (runtime/schema/families' registry)
+        return architecture(self.architecture)
 
     @property
-    def has_bias(self) -> bool:       # GPT's linears and LayerNorms carry biases
-        return self.architecture == "gpt"
+    def gated_mlp(self) -> bool:      # SwiGLU: three matrices of h x ffn instead of two
+        return self.network.gated_mlp
+
+    @property
+    def has_bias(self) -> bool:       # linears and LayerNorms carry biases
+        return self.network.biases
+
+    @property
+    def learned_positions(self) -> bool:  # a position table of max_position_embeddings x h beside the tokens'
+        return not self.network.rotary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +194,8 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
         vocab_size=padded_vocab(vocab, int(model.get("make_vocab_size_divisible_by") or 128)),
         seq_length=seq,
         max_position_embeddings=int(model.get("max_position_embeddings") or seq),
-        tied_embeddings=bool(model.get("share_embeddings_and_output_weights", model["architecture"] == "gpt")),
+        tied_embeddings=bool(model.get("share_embeddings_and_output_weights",
+                                       architecture(model["architecture"]).tied_default)),
         hidden_dropout=float(model.get("hidden_dropout") or 0.0),
         attention_dropout=float(model.get("attention_dropout") or 0.0),
         moe=moe_from_model(model),
@@ -305,7 +316,7 @@ def count_parameters(shape: ModelShape) -> ParameterCount:
                              - moe_block_parameters(shape, experts=shape.moe.top_k))
     return ParameterCount(
         embedding=shape.vocab_size * h,
-        positions=shape.max_position_embeddings * h if shape.architecture == "gpt" else 0,
+        positions=shape.max_position_embeddings * h if shape.learned_positions else 0,
         layers=layers,
         final_norm=h * (2 if shape.has_bias else 1),
         output=0 if shape.tied_embeddings else shape.vocab_size * h,
@@ -359,7 +370,7 @@ def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bo
         params += moe_layers * (layer_parameters(shape, t, moe=True, ep=layout.ep) - layer_parameters(shape, t))
     if first:
         params += shape.vocab_size // t * h
-        params += shape.max_position_embeddings * h if shape.architecture == "gpt" else 0
+        params += shape.max_position_embeddings * h if shape.learned_positions else 0
     if last:
         params += h * (2 if shape.has_bias else 1)
         if not shape.tied_embeddings or not first:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from runtime.schema import rules
 from runtime.schema.choices import ARCHITECTURES, ROPE_SCALING_TYPES
-from runtime.schema.families import HF_MODEL_TYPES, import_keys
+from runtime.schema.families import HF_MODEL_TYPES, architecture, import_keys
 from runtime.schema.reader import ConfigErrors, Report
 from runtime.schema.rules import padded_vocab_size
 
@@ -126,7 +126,7 @@ class ModelConfig:
         d, f = self.head_dim, self.ffn_hidden_size
         segments = {"attn.qkv": (("q_proj", self.num_attention_heads * d), ("k_proj", self.kv_heads * d),
                                  ("v_proj", self.kv_heads * d))}
-        if self.architecture == "llama":
+        if architecture(self.architecture).gated_mlp:
             segments["mlp.gate_up"] = (("gate_proj", f), ("up_proj", f))
         return segments
 

@@ -10,6 +10,8 @@ import math
 import os
 import re
 
+from runtime.schema.families import ARCHITECTURES
+
 # Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
 # Paths and names that end up in #SBATCH lines and job names: sbatch reads those lines itself, unquoted.
@@ -187,13 +189,24 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
 LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
 
 
-def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
+def _network(architecture):
+    """The registry's Architecture for a model.architecture value; None when it is not one (its own key names it)."""
+    return ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
+
+
+def _decoders() -> str:
+    """The architectures whose network has the Llama decoder's switches (the registry's decoder_switches)."""
+    return " or ".join(a.name for a in ARCHITECTURES.values() if a.decoder_switches)
+
+
+def llama_switches(architecture: str | None, switches: dict, p: str) -> list[str]:
     """Keys only the Llama decoder computes (add_qkv_bias, qk_layernorm, rope_scaling): GPT has learned positions
-    and biases everywhere."""
-    if architecture == "llama":
+    and biases everywhere. An unknown or absent architecture is not judged here (its own key names it)."""
+    network = _network(architecture)
+    if network is None or network.decoder_switches:
         return []
     return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
-            f"{p}model.architecture=llama or drop {p}model.{key}" for key, value in switches.items() if value]
+            f"{p}model.architecture={_decoders()} or drop {p}model.{key}" for key, value in switches.items() if value]
 
 
 def rope_scaling(scaling, key: str) -> list[str]:
@@ -443,9 +456,10 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     MLP's, which the experts do not have."""
     key = f"{p}model.moe"
     problems = []
-    if architecture != "llama":
+    network = _network(architecture)
+    if network is not None and not network.decoder_switches:
         problems.append(f"{key}: MoE layers are Mixtral's (SwiGLU experts in the Llama block); set "
-                        f"{p}model.architecture=llama")
+                        f"{p}model.architecture={_decoders()}")
     if num_experts < 2:
         problems.append(f"{key}.num_experts: {num_experts} must be at least 2 (1 expert is the dense MLP)")
     elif not 1 <= top_k <= num_experts:
@@ -604,9 +618,15 @@ def lora_targets(names: tuple[str, ...], architecture: str | None, p: str) -> st
 
             valid = ", ".join(LORA_MODULES + tuple(LORA_GROUPS))
             return f"{key}: {name!r} is not a projection LoRA can adapt; {closest(name, valid.split(', '))}valid: {valid}"
-        if architecture == "gpt" and name == "gate_proj":
+        if name == "gate_proj" and not gated_mlp(architecture):
             return f"{key}: gate_proj: GPT's MLP has no gate projection; adapt up_proj / down_proj (fc1 / fc2)"
     return None
+
+
+def gated_mlp(architecture: str | None) -> bool:
+    """Whether the architecture's MLP has a gate projection (an unknown one: assumed, its own key names it)."""
+    network = _network(architecture)
+    return network is None or network.gated_mlp
 
 
 def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str) -> str | None:

@@ -758,7 +758,7 @@ def parse_lora(model: Section, architecture: str | None, p: str) -> LoraConfig |
     if any(problems):
         return None
     expanded = [m for name in targets for m in C.LORA_GROUPS.get(name, (name,))]
-    if architecture == "gpt":
+    if not rules.gated_mlp(architecture):
         expanded = [m for m in expanded if m != "gate_proj"]  # a group naming the MLP's input: GPT's is up_proj
     return LoraConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=tuple(dict.fromkeys(expanded)))
 
@@ -883,7 +883,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     heads = shape["num_attention_heads"]
     groups = shape.get("num_query_groups") or heads
     report.error(rules.head_size(shape["hidden_size"], heads, shape.get("kv_channels"), p))
-    for problem in rules.llama_switches(shape.get("architecture", "llama"),
+    for problem in rules.llama_switches(shape.get("architecture"),
                                         {k: shape.get(k) for k in rules.LLAMA_SWITCHES}, p):
         report.error(problem)
     report.error(rules.heads_groups(heads, groups, p))
@@ -894,7 +894,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     report.error(rules.layers_split(shape["num_layers"], parallel.pp, parallel.virtual_pp, p, parallel.pipeline_cuts))
     moe = shape.get("moe")
     if moe is not None:
-        for problem in rules.moe(shape.get("architecture", "llama"), moe.num_experts, moe.top_k, moe.frequency,
+        for problem in rules.moe(shape.get("architecture"), moe.num_experts, moe.top_k, moe.frequency,
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p,
                                  layers=moe.layers, ffn=moe.ffn_hidden_size, ffn_dropout=shape.get("ffn_dropout")):
             report.error(problem)

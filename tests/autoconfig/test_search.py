@@ -41,7 +41,7 @@ def test_explicit_model_size_picks_the_nearest_shape():
 
 
 def test_base_settings_consume_the_token_budget():
-    spec = sizing.LADDERS["gpt"][1]
+    spec = sizing.ladder_of("gpt")[1]
     settings = sizing.base_settings(spec, architecture="gpt", seq_length=128, global_batch_size=16, tokens=1e6,
                                     num_nodes=2, devices_per_node=2)
     assert settings["trainer.max_steps"] == 489  # ceil(1e6 / (16 * 128))

@@ -24,8 +24,8 @@ COMMON = ["stages=[training]", "cluster=pcluster_trn1", "cluster_type=slurm", "d
 PUBLISHED = {
     "hf_llama3_8B_config": ("llama3/8b", "llama3_8b_config.json"),
     "hf_llama3_70B_config": ("llama3/70b", "llama3_70b_config.json"),
-    "hf_llama3.1_8B_config": ("llama3_1/8b", "llama3_8b_config.json"),
-    "hf_llama3.1_70B_config": ("llama3_1/70b", "llama3_70b_config.json"),
+    "hf_llama3.1_8B_config": ("llama3_1/8b", "llama3_1_8b_config.json"),
+    "hf_llama3.1_70B_config": ("llama3_1/70b", "llama3_1_70b_config.json"),
 }
 LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
           "sequence_parallel", "zero1", "encoder_seq_length", "global_batch_size", "micro_batch_size")
@@ -77,6 +77,10 @@ def test_model_config_gives_the_published_shape(name, tmp_path, recipe_data_dir)
     assert report.errors == [] and ours_cfg is not None, report.errors
     for key in SHAPE:
         assert getattr(ours_cfg.model, key) == getattr(theirs_cfg.model, key), key
+    # Positions and RoPE scaling are config.json's (a contradicting YAML key is refused).
+    published = json.loads((FIXTURES / config_json).read_text())
+    assert ours_cfg.model.max_position_embeddings == published["max_position_embeddings"]
+    assert (ours_cfg.model.rope_scaling is None) == (published.get("rope_scaling") is None)
     assert ours_cfg.model.vocab_size == json.loads((FIXTURES / config_json).read_text())["vocab_size"] == 128256
     assert ours_cfg.optim.name == "adamw"  # adamw_fp32OptState (8B) is the same optimizer here
 
@@ -114,9 +118,10 @@ def test_nxd_fine_tuning_files_run_as_their_stage(stage, file, tmp_path):
     # weight_init_only: true with resume_from_checkpoint: the starting weights, not a run to resume.
     assert model["restore_from_path"] == "/home/ubuntu/pretrained_ckpt/"
     assert ours["exp_manager"]["resume_from_checkpoint"] is None
-    # NxD trains on data.seq_length; its model's encoder_seq_length (8192) only sized the positions.
+    # NxD trains on data.seq_length; its model's encoder_seq_length (8192) only sized the positions, which
+    # model_config's config.json decides here (the file's max_position_embeddings is not carried over).
     assert (model["encoder_seq_length"], model["data"]["seq_length"], model["max_position_embeddings"]) == \
-        (4096, 4096, 8192)
+        (4096, 4096, None)
     assert (ours["trainer"]["num_nodes"], ours["trainer"]["devices"]) == (1, 32)
     assert (model["tensor_model_parallel_size"], model["global_batch_size"]) == (32, 64)
     assert model["tokenizer"]["model"] == "/home/ubuntu/llama3_tokenizer/tokenizer.json"
@@ -338,8 +343,11 @@ def test_nxd_mixtral_with_its_config_json_is_our_recipes_model(dropless, recipe,
     ours_cfg, report = parse_training(ours, files="error", prepared=True)
     theirs_cfg, _ = parse_training(theirs, files="error")
     assert report.errors == [] and ours_cfg is not None, report.errors
-    for key in (*SHAPE, "moe", "max_position_embeddings"):
+    for key in (*SHAPE, "moe"):
         assert getattr(ours_cfg.model, key) == getattr(theirs_cfg.model, key), key
+    # The RoPE table is config.json's length (the file's ${.encoder_seq_length} is not carried over with a
+    # model_config); rows of 4096 compute the same with either.
+    assert ours_cfg.model.max_position_embeddings == MIXTRAL_8X7B_CONFIG["max_position_embeddings"] == 32768
     assert ours_cfg.model.moe.capacity_factor == (None if dropless else 2.0)
     assert ours_cfg.parallel.ep == theirs_cfg.parallel.ep == 1
 
@@ -731,8 +739,8 @@ def test_megatron_gpt_file_runs_as_published(tmp_path):
 
 @pytest.mark.parametrize("replace,expected", [
     ({"  activation: 'swiglu'": "  activation: 'gelu'"},
-     "model.{normalization, position_embedding_type, activation, has_bias}: rmsnorm, rope, gelu, False is neither "
-     "architecture built here: GPT (layernorm, learned_absolute, gelu, True) or Llama (rmsnorm, rope, swiglu, False)"),
+     "model.{normalization, position_embedding_type, activation, has_bias}: rmsnorm, rope, gelu, False is no "
+     "architecture built here: gpt (layernorm, learned_absolute, gelu, True) or llama (rmsnorm, rope, swiglu, False)"),
     ({"  has_bias: False": "  has_bias: False\n  sliding_window_size: 1024"},
      "model.sliding_window_size: 1024: sliding-window attention is not built; a window below the sequence length "
      "(4096) changes the attention: set it to null"),

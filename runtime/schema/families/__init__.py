@@ -6,11 +6,69 @@
 # head size of its own, RoPE scaling, MoE). Standard library only.
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any
 
 from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
 from runtime.schema.families.base import HFConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What a `model.architecture` network is made of, as the code outside this registry asks it (the estimator,
+    the rules, the config importers): a question is a field here, never a branch on the architecture's name."""
+
+    name: str
+    gated_mlp: bool         # gate and up projections (SwiGLU: three h x ffn matrices) rather than one GeLU fc1
+    rotary: bool            # RoPE on q and k; otherwise a learned position table beside the token embedding
+    biases: bool            # every linear and norm carries a bias
+    rms_norm: bool          # RMSNorm (run in fp32 on an upcast copy); otherwise LayerNorm
+    embedding_dropout: bool  # model.hidden_dropout also drops out of the embeddings
+    tied_default: bool      # share_embeddings_and_output_weights when the YAML leaves it out
+    decoder_switches: bool  # add_qkv_bias, qk_layernorm, rope_scaling and model.moe apply (the Llama decoder's)
+    # NeMo / NxD megatron files name a network by (normalization, position_embedding_type, activation, bias).
+    megatron: tuple[tuple[str, str, str, bool], ...]
+    tiny_recipe: str        # the smallest training recipe of this network, which imported configs sit on
+    sizes: str              # the published shape series autoconfig's model-size ladder follows
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("gpt", gated_mlp=False, rotary=False, biases=True, rms_norm=False, embedding_dropout=True, tied_default=True,
+                 decoder_switches=False, megatron=(("layernorm", "learned_absolute", "gelu", True),),
+                 tiny_recipe="gpt3/tiny", sizes="GPT-3"),
+    Architecture("llama", gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False, tied_default=False,
+                 decoder_switches=True, megatron=(("rmsnorm", "rope", "swiglu", False),
+                                                  ("rmsnorm", "rope", "fast-swiglu", False)),
+                 tiny_recipe="llama/tiny", sizes="Llama 3"),
+)}
+
+
+def architecture(name: Any) -> Architecture:
+    """The registry's entry for `name`; ValueError naming the choices (the schema has refused an unknown one before
+    anything asks)."""
+    try:
+        return ARCHITECTURES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"model.architecture={name!r} is not one of {', '.join(ARCHITECTURES)}") from None
+
+
+def megatron_architecture(switches: tuple) -> str | None:
+    """The architecture a NeMo / NxD megatron file's four switches name, or None."""
+    return next((a.name for a in ARCHITECTURES.values() if switches in a.megatron), None)
+
+
+def megatron_choices() -> str:
+    """Every combination of the four switches built here, for the line that refuses another."""
+    return " or ".join(f"{a.name} ({', '.join(map(str, combo))})" for a in ARCHITECTURES.values()
+                       for combo in a.megatron[:1])
+
+
+# The vocabularies of the families' tokenizers the recipes name, by the name their paths hold (the estimator's, on a
+# machine without the tokenizer file).
+TOKENIZER_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257, "qwen2_5": 151665, "qwen3": 151669}
+# A Hugging Face file (model.model_config decides the network) sits on the decoder's smallest recipe.
+HF_BASE = ARCHITECTURES["llama"]
 
 # In export order: the first whose exports(cfg) holds writes the config.json.
 FAMILIES: tuple[ModuleType, ...] = (gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
@@ -47,5 +105,7 @@ def export_family(cfg) -> ModuleType:
     return family
 
 
-__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_for", "family_of_model_type",
-           "import_keys"]
+__all__ = ["ARCHITECTURES", "Architecture", "FAMILIES", "HF_MODEL_TYPES", "HFConfig", "architecture", "export_family",
+           "family_for", "family_of_model_type", "import_keys", "megatron_architecture",
+           "megatron_choices", "HF_BASE",
+           "TOKENIZER_VOCABULARIES"]
