@@ -16,7 +16,7 @@ import torch
 
 from runtime.checkpoint import full_tensors, ranged_full_tensors, read_rank_files, resolve_checkpoint
 from runtime.checkpoint.reshard import Target
-from runtime.convert.hf import SlicedReader, check_weight, load_hf_directory, state_shapes
+from runtime.convert.hf import SlicedReader, check_weight, load_hf_directory, pad_vocab, state_shapes
 from runtime.schema.model import ModelConfig
 
 KEY = "model.restore_from_path"
@@ -34,6 +34,7 @@ def read_pretrained(path: str, cfg: ModelConfig, key: str = KEY) -> dict[str, to
             state, _, _ = load_hf_directory(path)
         except ValueError as error:
             raise ValueError(f"{key}: {path}: {error}") from None
+        state = pad_vocab(state, cfg)  # the directory's vocab_size rows, then cfg's padding
         where = f"the Hugging Face model in {path}"
     else:
         try:

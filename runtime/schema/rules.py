@@ -266,6 +266,14 @@ def vocab_tp(vocab_size: int | None, divisible_by: int, tp: int, p: str) -> str 
             f"multiple of {tp}")
 
 
+def unpadded_vocab(unpadded: int | None, padded: int) -> str | None:
+    """A source's vocabulary (config.json's vocab_size) is padded up, never cut: its rows are all loaded."""
+    if unpadded is None or 0 < unpadded <= padded:
+        return None
+    return (f"model.unpadded_vocab_size: {unpadded} must be a positive integer no larger than the padded vocab_size "
+            f"{padded}")
+
+
 def positions(max_positions: int, seq_length: int, p: str) -> str | None:
     if max_positions >= seq_length:
         return None

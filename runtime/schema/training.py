@@ -411,6 +411,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         vocab = config_vocab  # as NxD Training builds it: the embedding has config.json's vocab_size rows
         if not model.has("make_vocab_size_divisible_by"):
             keys["make_vocab_size_divisible_by"] = hf_keys["make_vocab_size_divisible_by"]
+        # The YAML's make_vocab_size_divisible_by may pad those rows further: ours, masked, trimmed on export.
+        keys["unpadded_vocab_size"] = config_vocab
     return keys, vocab, path
 
 
