@@ -180,6 +180,23 @@ def pad_vocab(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     return out
 
 
+def padded_rows(read: Callable[[torch.Tensor], torch.Tensor], select: dict[int, torch.Tensor], cfg: ModelConfig,
+                name: str) -> torch.Tensor:
+    """A vocabulary matrix `name` of a model padding its source's rows, at `select` (dim 0 -> indices over cfg's
+    rows; none: all): the source's rows as read(indices) reads them, zeros for the padding."""
+    if set(select) - {0}:
+        raise ValueError(f"{name}: only rows of a padded vocabulary are selected, not dims {sorted(select)}")
+    index = select.get(0, torch.arange(cfg.vocab_size))
+    real = index < cfg.padding_from
+    if bool(real.any()):
+        block = read(index[real])
+    else:  # a shard of padding alone: one row read for the dtype and width
+        block = read(torch.zeros(1, dtype=torch.long))[:0]
+    out = block.new_zeros((index.numel(), *block.shape[1:]))
+    out[real] = block
+    return out
+
+
 class _Unpadded(Mapping):
     """A (lazy) full state with its vocabulary rows cut to the source's: each tensor read when asked for."""
 
@@ -590,7 +607,7 @@ class SlicedReader:
             ours = "embed.word.weight"
         rule, select = self._rules[ours], dict(select or {})
         if ours in VOCAB_ROWS and self.cfg.padding_from is not None:
-            return self._padded_rows(rule, select)
+            return padded_rows(lambda rows: self._matrix(rule, rule.hf, {0: rows}), select, self.cfg, ours)
         per_matrix = len(rule.rows) or 1
         if rule.experts:
             experts = select.pop(0, torch.arange(rule.experts)).tolist()
@@ -598,20 +615,6 @@ class SlicedReader:
             return torch.stack([self._matrix(rule, rule.hf[e * per_matrix:(e + 1) * per_matrix], select)
                                 for e in experts])
         return self._matrix(rule, rule.hf, select)
-
-    def _padded_rows(self, rule: _Rule, select: dict[int, torch.Tensor]) -> torch.Tensor:
-        """A vocabulary matrix of a padded model at `select`: the source's rows read, the padding's zero."""
-        if set(select) - {0}:
-            raise ValueError(f"{rule.ours}: only rows of a padded vocabulary are selected, not {sorted(select)}")
-        index = select.get(0, torch.arange(self.cfg.vocab_size))
-        real = index < self.cfg.padding_from
-        if bool(real.any()):
-            block = self._matrix(rule, rule.hf, {0: index[real]})
-        else:  # a shard of padding alone: one row read for the dtype and width
-            block = self._matrix(rule, rule.hf, {0: torch.zeros(1, dtype=torch.long)})[:0]
-        out = block.new_zeros((index.numel(), *block.shape[1:]))
-        out[real] = block
-        return out
 
     def _matrix(self, rule: _Rule, parts: tuple[str, ...], select: dict) -> torch.Tensor:
         """One of our matrices (or vectors): the row-wise concatenation of `parts`, transposed if the rule says,

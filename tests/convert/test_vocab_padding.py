@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from runtime.convert import save_hf_directory
+from runtime.checkpoint import write_full_checkpoint
+from runtime.convert import load_hf_directory, save_hf_directory
 from runtime.convert.hf import SlicedReader
-from runtime.convert.pretrained import read_pretrained
+from runtime.convert.pretrained import read_pretrained, read_selected
 from runtime.finetune import load_pretrained
 from runtime.models import build_model
 from runtime.schema.training import parse_model
@@ -100,6 +101,25 @@ def test_a_ranks_rows_of_a_padded_vocabulary(source, tp):
     for name in ("embed.word.weight", "output.weight"):
         parts = [reader.read(name, {0: torch.arange(r * rows, (r + 1) * rows)}) for r in range(tp)]
         assert torch.equal(torch.cat(parts), whole[name]), name
+
+
+def test_a_checkpoint_of_the_sources_rows_is_padded_as_the_directory_is(source, tmp_path):
+    """The conversion stage's import writes the source's rows into a checkpoint of ours; starting from that
+    checkpoint pads them as starting from the directory does (whole, and by each TP rank's rows)."""
+    kind, directory, _ = source
+    cfg = padded_config(directory)
+    state, _, _ = load_hf_directory(directory)
+    assert state["embed.word.weight"].shape[0] == KINDS[kind][0]
+    location = write_full_checkpoint(str(tmp_path / "ckpt"), 0, state, config={"model": {}})
+    expected = read_pretrained(str(directory), cfg)
+    whole = read_pretrained(location, cfg)
+    for name, tensor in expected.items():
+        assert torch.equal(whole[name], tensor), name
+    rows = cfg.vocab_size // 4
+    for name in ("embed.word.weight", "output.weight"):
+        targets = {f"{name}@{r}": (name, {0: torch.arange(r * rows, (r + 1) * rows)}) for r in range(4)}
+        parts = dict(read_selected(location, cfg, targets))
+        assert torch.equal(torch.cat([parts[f"{name}@{r}"] for r in range(4)]), expected[name]), name
 
 
 def test_export_is_the_source_tensor_for_tensor(source, tmp_path):
