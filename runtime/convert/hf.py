@@ -262,7 +262,7 @@ def _tied_head(cfg: ModelConfig, name: str) -> bool:
 
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    common = {"vocab_size": cfg.vocab_size,  # our own padding is cut on export (unpadded_state): the rows we hold
+    common = {"vocab_size": cfg.vocab_size,  # the rows written: a source's own, our padding cut (unpadded_state)
               "tie_word_embeddings": cfg.share_embeddings_and_output_weights, "initializer_range": cfg.init_method_std,
               "bos_token_id": None, "eos_token_id": None,  # save_hf_directory fills these from the tokenizer
               "torch_dtype": str(dtype).removeprefix("torch.")}
