@@ -159,9 +159,79 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() and exclusive else tensor.clone(memory_format=torch.contiguous_format)
 
 
+# Our tensors with a row per vocabulary entry: a source's vocabulary padded by ModelConfig (unpadded_vocab_size)
+# gets zero rows here on load, and loses them again on export, so an export has exactly the source's shapes.
+VOCAB_ROWS = ("embed.word.weight", "output.weight")
+
+
+def pad_vocab(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A source's full state (its vocabulary's rows) -> cfg's padded rows, zero (a tied head stays the embedding)."""
+    if cfg.padding_from is None:
+        return state
+    padded: dict[int, torch.Tensor] = {}
+    out = dict(state)
+    for name in VOCAB_ROWS:
+        tensor = state.get(name)
+        if tensor is not None and tensor.shape[0] == cfg.padding_from:
+            if id(tensor) not in padded:
+                rows = tensor.new_zeros((cfg.vocab_size - cfg.padding_from, *tensor.shape[1:]))
+                padded[id(tensor)] = torch.cat([tensor, rows])
+            out[name] = padded[id(tensor)]
+    return out
+
+
+def padded_rows(read: Callable[[torch.Tensor], torch.Tensor], select: dict[int, torch.Tensor], cfg: ModelConfig,
+                name: str) -> torch.Tensor:
+    """A vocabulary matrix `name` of a model padding its source's rows, at `select` (dim 0 -> indices over cfg's
+    rows; none: all): the source's rows as read(indices) reads them, zeros for the padding."""
+    if set(select) - {0}:
+        raise ValueError(f"{name}: only rows of a padded vocabulary are selected, not dims {sorted(select)}")
+    index = select.get(0, torch.arange(cfg.vocab_size))
+    real = index < cfg.padding_from
+    if bool(real.any()):
+        block = read(index[real])
+    else:  # a shard of padding alone: one row read for the dtype and width
+        block = read(torch.zeros(1, dtype=torch.long))[:0]
+    out = block.new_zeros((index.numel(), *block.shape[1:]))
+    out[real] = block
+    return out
+
+
+class _Unpadded(Mapping):
+    """A (lazy) full state with its vocabulary rows cut to the source's: each tensor read when asked for."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], cfg: ModelConfig):
+        self._state, self._cfg = state, cfg
+        self.dtype = getattr(state, "dtype", None)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._state[name]
+        if name in VOCAB_ROWS and tensor.shape[0] == self._cfg.vocab_size:
+            return tensor[:self._cfg.padding_from]  # a view: the first rows of a row-major tensor are contiguous
+        return tensor
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+def unpadded_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig
+                   ) -> tuple[Mapping[str, torch.Tensor], ModelConfig]:
+    """Our full state and config -> the source's (cfg.unpadded()): the padded vocabulary rows dropped, as export
+    writes them. A plain dict stays a dict (of views); a lazy mapping stays lazy."""
+    if cfg.padding_from is None:
+        return state, cfg
+    unpadded = _Unpadded(state, cfg)
+    return ({name: unpadded[name] for name in state} if isinstance(state, dict) else unpadded), cfg.unpadded()
+
+
 def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
-    """Our full state -> (HF state dict, config.json dict). Tied models store the embedding once."""
+    """Our full state -> (HF state dict, config.json dict). Tied models store the embedding once; a padded
+    vocabulary is cut back to the source's rows and vocab_size."""
     _check_exportable(cfg)
+    full_state, cfg = unpadded_state(full_state, cfg)
     shapes, state = state_shapes(cfg), dict(full_state)
     tied = cfg.share_embeddings_and_output_weights
     output = state.pop("output.weight", None) if tied else None  # a tied model may list it or not
@@ -192,7 +262,7 @@ def _tied_head(cfg: ModelConfig, name: str) -> bool:
 
 
 def _hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    common = {"vocab_size": cfg.vocab_size,  # the padded size: the logits must keep their shape
+    common = {"vocab_size": cfg.vocab_size,  # the rows written: a source's own, our padding cut (unpadded_state)
               "tie_word_embeddings": cfg.share_embeddings_and_output_weights, "initializer_range": cfg.init_method_std,
               "bos_token_id": None, "eos_token_id": None,  # save_hf_directory fills these from the tokenizer
               "torch_dtype": str(dtype).removeprefix("torch.")}
@@ -286,6 +356,7 @@ def save_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"out_dir {str(out)!r} is not empty; pass overwrite=True to replace it")
     _check_exportable(cfg)
+    full_state, cfg = unpadded_state(full_state, cfg)
     _check_names({n: None for n in full_state.keys() if not _tied_head(cfg, n)},
                  {n: None for n in state_shapes(cfg) if not _tied_head(cfg, n)}, "full state")
     dtype = getattr(full_state, "dtype", None) or full_state["embed.word.weight"].dtype
@@ -483,7 +554,7 @@ class SlicedReader:
 
         self.directory, self.cfg = Path(directory), cfg
         self._open, self._handles = safe_open, {}
-        self._rules = {rule.ours: rule for rule in _rules(cfg)}
+        self._rules = {rule.ours: rule for rule in _rules(cfg.unpadded())}  # the directory's rows, not our padding
         self.files = self._files()
         names = {name for rule in self._rules.values() for name in rule.hf}
         self.available = self.files is not None and names <= set(self.files)
@@ -522,7 +593,7 @@ class SlicedReader:
         tied = self.cfg.share_embeddings_and_output_weights
         present = {n for n in self.files if not _BUFFER.match(n) and not (tied and n == "lm_head.weight")}
         _check_names(present, {name for rule in self._rules.values() for name in rule.hf}, "holds a state that")
-        shapes = state_shapes(self.cfg)
+        shapes = state_shapes(self.cfg.unpadded())
         for ours, rule in self._rules.items():
             for name, want in zip(rule.hf, _hf_shapes(rule, shapes[ours]), strict=True):
                 have = tuple(self._slice(name).get_shape())
@@ -535,6 +606,8 @@ class SlicedReader:
         if ours == "output.weight" and self.cfg.share_embeddings_and_output_weights:
             ours = "embed.word.weight"
         rule, select = self._rules[ours], dict(select or {})
+        if ours in VOCAB_ROWS and self.cfg.padding_from is not None:
+            return padded_rows(lambda rows: self._matrix(rule, rule.hf, {0: rows}), select, self.cfg, ours)
         per_matrix = len(rule.rows) or 1
         if rule.experts:
             experts = select.pop(0, torch.arange(rule.experts)).tolist()

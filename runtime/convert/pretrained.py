@@ -16,7 +16,8 @@ import torch
 
 from runtime.checkpoint import full_tensors, ranged_full_tensors, read_rank_files, resolve_checkpoint
 from runtime.checkpoint.reshard import Target
-from runtime.convert.hf import SlicedReader, check_weight, load_hf_directory, state_shapes
+from runtime.convert.hf import (VOCAB_ROWS, SlicedReader, check_weight, load_hf_directory, pad_vocab, padded_rows,
+                               state_shapes)
 from runtime.schema.model import ModelConfig
 
 KEY = "model.restore_from_path"
@@ -47,6 +48,7 @@ def read_pretrained(path: str, cfg: ModelConfig, key: str = KEY) -> dict[str, to
         for name, tensor in state.items():  # a Hugging Face directory's tensors were checked as they were read
             _checked(name, tensor, where, key)
     _check_names(expected, set(state), cfg, where, key, any(".lora." in n for n in state))
+    state = pad_vocab(state, cfg)  # the source's vocab_size rows, then cfg's padding
     for name, shape in expected.items():
         if name in state and tuple(state[name].shape) != tuple(shape):
             raise ValueError(f"{key}: {where} holds {name} with shape {tuple(state[name].shape)} but the model "
@@ -125,6 +127,12 @@ def _from_checkpoint(path: str, cfg: ModelConfig, targets: Selected, key: str
                      any(".lora." in n for n in full.names()))
         for local, (name, select) in targets.items():
             shape = tuple(full.full_shape(name, "value"))
+            if name in VOCAB_ROWS and cfg.padding_from is not None and shape == (cfg.padding_from,
+                                                                                 *expected[name][1:]):
+                # Its source's rows (a Hugging Face import's, say): cfg pads them
+                part = padded_rows(lambda rows: full.read(name, "value", {0: rows}), select, cfg, name)
+                yield local, _checked(name, part, where, key)
+                continue
             if shape != tuple(expected[name]):
                 raise ValueError(f"{key}: {where} holds {name} with shape {shape} but the model config makes "
                                  f"{tuple(expected[name])}; {_SHAPE_HINT}")

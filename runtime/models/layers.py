@@ -262,14 +262,18 @@ class _CrossEntropy(torch.autograd.Function):
 
     `reduce` lets tensor parallelism reuse this with the vocabulary split over ranks: it supplies this shard's
     first vocabulary index and the all-reduces (max, then sum) that combine the per-shard statistics.
+    `padding_from`: the vocabulary's first padded index (ModelConfig.padding_from), from which z is -inf, so that
+    exp(z - m) and the gradient are exactly 0 there (a shard of padding alone: its max is -inf, the others' wins).
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, reduce):
+    def forward(ctx, logits, labels, reduce, padding_from):
         # fp32 logits are overwritten (like Megatron's vocab-parallel CE): nothing else reads them, and autograd
         # saved only the matmul's inputs. Other dtypes get a fresh fp32 copy.
         z = logits.detach().float() if logits.dtype != torch.float32 else logits.detach()  # (N, V)
         local_vocab = z.shape[-1]
+        if padding_from is not None and padding_from < reduce.vocab_start + local_vocab:
+            z[:, max(padding_from - reduce.vocab_start, 0):] = float("-inf")
         local_labels = labels - reduce.vocab_start
         outside = (local_labels < 0) | (local_labels >= local_vocab)
         local_labels = local_labels.masked_fill(outside, 0)
@@ -288,7 +292,7 @@ class _CrossEntropy(torch.autograd.Function):
         grad = exp.mul_((grad_loss / sum_exp).unsqueeze(-1))  # softmax * dloss, reusing the saved buffer
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_labels] -= grad_loss.masked_fill(outside, 0.0)
-        return grad.to(ctx.logits_dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 class _WholeVocabulary:
@@ -305,20 +309,35 @@ class _WholeVocabulary:
         return x
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduce=_WholeVocabulary) -> torch.Tensor:
-    """(..., V) logits and (...) labels -> (...) per-token loss in fp32; equals F.cross_entropy(reduction='none').
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduce=_WholeVocabulary,
+                  padding_from: int | None = None) -> torch.Tensor:
+    """(..., V) logits and (...) labels -> (...) per-token loss in fp32; equals F.cross_entropy(reduction='none')
+    over the logits before `padding_from` (None: all of them).
 
     Overwrites fp32 logits (see _CrossEntropy): pass a clone if you still need them.
     """
-    loss = _CrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), reduce)
+    loss = _CrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), reduce, padding_from)
     return loss.view(labels.shape)
+
+
+def mask_padded_vocab(logits: torch.Tensor, padding_from: int | None) -> torch.Tensor:
+    """(..., V) full logits -> the same with those of the padded rows (from `padding_from` on) at -inf, so that
+    no softmax, sampling or argmax over them sees a token the source model does not have."""
+    if padding_from is None:
+        return logits
+    return logits.index_fill(-1, torch.arange(padding_from, logits.shape[-1], device=logits.device), float("-inf"))
 
 
 class TokenCrossEntropy(nn.Module):
     """Per-token cross entropy (B, T, V) x (B, T) -> (B, T), in fp32, without shifting or copying the logits.
 
     Tensor parallelism replaces this with a vocab-parallel version that works on (B, T, V/tp) shards.
+    padding_from: ModelConfig.padding_from, the padded rows kept out of the softmax.
     """
 
+    def __init__(self, padding_from: int | None = None):
+        super().__init__()
+        self.padding_from = padding_from
+
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, labels)
+        return cross_entropy(logits, labels, padding_from=self.padding_from)

@@ -10,7 +10,7 @@ from torch import nn
 
 from runtime.schema.model import ModelConfig
 from runtime.models.init import Init
-from runtime.models.layers import Block, SequenceLayout, TokenCrossEntropy
+from runtime.models.layers import Block, SequenceLayout, TokenCrossEntropy, mask_padded_vocab
 from runtime.models.moe import SparseMoE
 
 # Linears that write into the residual stream get Megatron's scaled init, std / sqrt(2 * num_layers),
@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
         self.tie_weights()
         # Seams for tensor parallelism: identity / plain CE here, vocab-parallel versions after parallelize_model.
         self.gather_vocab = nn.Identity()
-        self.loss_fn = TokenCrossEntropy()
+        self.loss_fn = TokenCrossEntropy(cfg.padding_from)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 layout: SequenceLayout | None = None) -> torch.Tensor:
@@ -69,7 +69,7 @@ class CausalLM(nn.Module):
             h = layer(h) if layout is None else layer(h, layout)
         logits = self.output(self.final_norm(h))  # (B, T, V), or (B, T, V/tp) under tensor parallelism
         if labels is None:
-            return self.gather_vocab(logits)
+            return mask_padded_vocab(self.gather_vocab(logits), self.cfg.padding_from)
         return self.loss_fn(logits, labels)
 
     def tie_weights(self) -> None:

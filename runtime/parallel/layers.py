@@ -261,21 +261,23 @@ class _ShardedVocabulary:
         return C.all_reduce(x, self.axis)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
-    """(..., V/t) local logits and (...) labels -> (...) per-token loss, equal to F.cross_entropy on the full V.
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, axis: AxisGroup,
+                                 padding_from: int | None = None) -> torch.Tensor:
+    """(..., V/t) local logits and (...) labels -> (...) per-token loss, equal to F.cross_entropy on the full V
+    (on its first padding_from entries when the vocabulary is padded: each rank masks its own padded columns).
 
     Like the unsharded version it overwrites fp32 logits in place.
     """
-    return cross_entropy(logits, labels, _ShardedVocabulary(axis, axis.rank * logits.shape[-1]))
+    return cross_entropy(logits, labels, _ShardedVocabulary(axis, axis.rank * logits.shape[-1]), padding_from)
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    def __init__(self, axis: AxisGroup):
+    def __init__(self, axis: AxisGroup, padding_from: int | None = None):
         super().__init__()
-        self.axis = axis
+        self.axis, self.padding_from = axis, padding_from
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.axis)
+        return vocab_parallel_cross_entropy(logits, labels, self.axis, self.padding_from)
 
 
 class GatherFromRegion(nn.Module):

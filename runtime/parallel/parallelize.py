@@ -138,7 +138,7 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
                                               {"weight": model.embed.word.placements["weight"]})
     else:
         model.output = L.ColumnParallelLinear.from_linear(model.output, axis, sequence_parallel=sp)
-    model.loss_fn = L.VocabParallelCrossEntropy(axis)
+    model.loss_fn = L.VocabParallelCrossEntropy(axis, cfg.padding_from)
     model.gather_vocab = L.GatherFromRegion(axis)
     plan = ShardingPlan.collect(model, axis.size)
     for i, block in enumerate(model.layers):

@@ -82,6 +82,10 @@ class ModelConfig:
     add_qkv_bias: bool = False             # llama only: biases on q, k and v, none on the output (Qwen2)
     qk_layernorm: bool = False             # llama only: RMSNorm over each query and key head before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None  # llama only
+    # A source model's own vocab_size (its config.json's) when vocab_size pads it: the rows from it on are ours
+    # alone, zero when loaded, their logits masked out of every softmax (-inf), and dropped on export. None: every
+    # row is the model's (pretraining: Megatron's padding, whose rows train like any other).
+    unpadded_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         # The same rules the stage parsers run, for models built in code (tests, benchmarks, conversion).
@@ -92,6 +96,7 @@ class ModelConfig:
             if getattr(self, key) <= 0:
                 report.error(f"model.{key}: {getattr(self, key)} must be a positive integer")
         report.raise_if_any()
+        report.error(rules.unpadded_vocab(self.unpadded_vocab_size, self.vocab_size))
         report.error(rules.head_size(self.hidden_size, self.num_attention_heads, self.kv_channels, ""))
         switches = {key: getattr(self, key) for key in rules.LLAMA_SWITCHES}
         problems = rules.llama_switches(self.architecture, switches, "")
@@ -114,6 +119,21 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The rows that are tokens of the model: the source's vocab_size, else every row."""
+        return self.unpadded_vocab_size or self.vocab_size
+
+    @property
+    def padding_from(self) -> int | None:
+        """The first row past the source's vocabulary when there are such rows (their logits are masked, export
+        drops them), else None."""
+        return self.unpadded_vocab_size if self.real_vocab_size < self.vocab_size else None
+
+    def unpadded(self) -> "ModelConfig":
+        """This model as its source holds it: vocab_size rows, no padding (what load and export convert from and to)."""
+        return dataclasses.replace(self, vocab_size=self.real_vocab_size, unpadded_vocab_size=None)
 
     @property
     def head_dim(self) -> int:

@@ -279,6 +279,14 @@ def vocab_tp(vocab_size: int | None, divisible_by: int, tp: int, p: str) -> str 
             f"multiple of {tp}")
 
 
+def unpadded_vocab(unpadded: int | None, padded: int) -> str | None:
+    """A source's vocabulary (config.json's vocab_size) is padded up, never cut: its rows are all loaded."""
+    if unpadded is None or 0 < unpadded <= padded:
+        return None
+    return (f"model.unpadded_vocab_size: {unpadded} must be a positive integer no larger than the padded vocab_size "
+            f"{padded}")
+
+
 def positions(max_positions: int, seq_length: int, p: str) -> str | None:
     if max_positions >= seq_length:
         return None
@@ -311,6 +319,20 @@ def vocab_rows(vocab: int, key: str, source: str) -> str | None:
         return None
     return (f"{key}: {source} has {vocab:,} tokens, more than an embedding holds (at most "
             f"{MAX_VOCAB:,}); give the model's own tokenizer")
+
+
+# A Hugging Face model's tensors with a row per token (transformers' names, every family's ends so).
+VOCAB_TENSORS = ("embed_tokens.weight", "wte.weight", "lm_head.weight")
+
+
+def weights_vocab(shapes: dict[str, tuple[int, ...]], vocab: int, key: str, config: str) -> str | None:
+    """A starting point's embedding and head hold `vocab` rows (its config.json's vocab_size, which the model pads
+    from): weights of another vocabulary cannot load, found here from the safetensors headers."""
+    for name, shape in sorted(shapes.items()):
+        if name.endswith(VOCAB_TENSORS) and len(shape) == 2 and shape[0] != vocab:
+            return (f"{key}: its {name} has {shape[0]} rows but {config} has vocab_size {vocab}; the weights are "
+                    f"another model's: use the config.json saved with them")
+    return None
 
 
 def tokenizer_fits(tokenizer_vocab: int, config_vocab: int, p: str) -> str | None:

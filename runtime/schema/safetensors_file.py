@@ -126,3 +126,22 @@ def hf_weights_problems(directory: str | os.PathLike) -> list[str]:
         return problems[:MAX_PROBLEMS - 1] + [f"{problems[MAX_PROBLEMS - 1]} (and {len(problems) - MAX_PROBLEMS} "
                                               f"more missing or damaged shards)"]
     return problems
+
+
+def tensor_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in a Hugging Face directory's safetensors weights, from the headers alone: call it once
+    hf_weights_problems found them whole. {} for the older pytorch_model.bin weights."""
+    directory = Path(directory)
+    if (directory / SINGLE).is_file():
+        files = [directory / SINGLE]
+    elif (directory / INDEX).is_file():
+        weight_map = json.loads((directory / INDEX).read_text(encoding="utf-8"))["weight_map"]
+        files = [directory / shard for shard in sorted(set(weight_map.values()))]
+    else:
+        return {}
+    shapes = {}
+    for path in files:
+        with open(path, "rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")).decode("utf-8"))
+        shapes.update({name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"})
+    return shapes

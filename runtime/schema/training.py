@@ -19,7 +19,7 @@ from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, pars
 from runtime.schema.model import (MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config,
                                   tokenizer_vocab_size)
 from runtime.schema.reader import REQUIRED, Report, Section, closest
-from runtime.schema.safetensors_file import hf_weights_problems
+from runtime.schema.safetensors_file import hf_weights_problems, tensor_shapes
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
                                             LoraConfig, OptimConfig, ParallelConfig,
                                             PrecisionConfig, SchedConfig, SFTDataConfig, SizingConfig,
@@ -411,6 +411,8 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         vocab = config_vocab  # as NxD Training builds it: the embedding has config.json's vocab_size rows
         if not model.has("make_vocab_size_divisible_by"):
             keys["make_vocab_size_divisible_by"] = hf_keys["make_vocab_size_divisible_by"]
+        # The YAML's make_vocab_size_divisible_by may pad those rows further: ours, masked, trimmed on export.
+        keys["unpadded_vocab_size"] = config_vocab
     return keys, vocab, path
 
 
@@ -782,8 +784,12 @@ def _restore_from(model: Section, shape: dict, files: _Files, p: str) -> str | N
     if not (directory / "config.json").is_file():
         return path  # a checkpoint of ours (runtime/finetune.py reads and checks it)
     # Headers only: a truncated download fails here, not in every worker after the queue wait.
-    for problem in hf_weights_problems(directory):
+    problems = hf_weights_problems(directory)
+    for problem in problems:
         model.report.error(f"{key}: {problem}; re-download it, or point {key} at a complete copy")
+    if not problems and shape.get("unpadded_vocab_size") is not None:  # the rows a launch loads and pads
+        model.report.error(rules.weights_vocab(tensor_shapes(directory), shape["unpadded_vocab_size"], key,
+                                               str(_model_config_source(model)[0])))
     if _model_config_source(model)[1] == "restore_from_path":
         return path  # its config.json decided the model keys (_model_shape), and named what it could not read
     try:

@@ -371,6 +371,50 @@ def test_weights_of_another_model_are_refused_before_submitting(tmp_path):
     assert not (root / "results").exists()
 
 
+# GPT-2's published config.json: 50257 tokens, which no power of two divides.
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257, "n_positions": 1024,
+        "n_ctx": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256}
+
+
+def _gpt2_dir(root: Path, weights_vocab: int = 50257) -> Path:
+    folder = root / "gpt2"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(GPT2))
+    write_tokenizer(folder / "tokenizer.json", 50257)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    write_hf_weights(folder, {**GPT2, "vocab_size": weights_vocab}, weights_vocab)
+    return folder
+
+
+def test_gpt2s_vocabulary_is_padded_for_tp2_and_weights_of_another_are_refused(tmp_path):
+    """fine_tuning=hf/sft_demo pads GPT-2's 50257 tokens to 50304 (make_vocab_size_divisible_by 128), which tp2
+    splits: the dry run accepts it, and the model the launch builds reads the directory's 50257 rows (its weights
+    were refused after launch for their shape). Weights whose rows are not config.json's vocab_size: one line at
+    the dry run, nothing written."""
+    from runtime.convert.hf import SlicedReader
+
+    folder = _gpt2_dir(tmp_path)
+    _sft_demo_files(tmp_path / "data")
+    common = [f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/data", "cluster_type=local",
+              "stages=[fine_tuning]", "fine_tuning=hf/sft_demo", "fine_tuning.model.tensor_model_parallel_size=2"]
+    result = nxdt(*common, f"fine_tuning.model.restore_from_path={folder}", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rendered = yaml.safe_load((tmp_path / "results" / "hf_sft_demo" / "fine_tuning" / "fine_tuning_config.yaml")
+                              .read_text())
+    cfg, report = parse_training(rendered, files="error", p="fine_tuning.")  # as the job's ranks read it
+    assert report.errors == [] and (cfg.model.vocab_size, cfg.model.unpadded_vocab_size) == (50304, 50257)
+    SlicedReader(folder, cfg.model).check()  # the ranks' check of the weights' shapes, from the headers
+
+    other = _gpt2_dir(tmp_path / "other", weights_vocab=50304)
+    before = sorted(tmp_path.rglob("*"))
+    result = nxdt(*common, f"fine_tuning.model.restore_from_path={other}", "--dry-run", cwd=tmp_path)
+    _one_error_line(result, f"fine_tuning.model.restore_from_path: its transformer.wte.weight has 50304 rows but "
+                            f"{other}/config.json has vocab_size 50257")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(tmp_path.rglob("*")) == before, "a rejected launch wrote files"
+
+
 def test_a_missing_chat_file_is_an_error_at_a_real_launch(tmp_path):
     data = tmp_path / "data"
     _sft_demo_files(data)

@@ -224,13 +224,13 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = STEPS, clip: float = 1.
     losses, norms, dropped = [], [], []
     metrics = []
     for step in range(steps):
-        batches, objective = step_inputs(fine_tuning, step, cfg.vocab_size, topo, layout.context_kind)
+        batches, objective = step_inputs(fine_tuning, step, cfg.real_vocab_size, topo, layout.context_kind)
         result = train_step(model, optimizer, batches, topo, lr=OPTIM["lr"], clip=clip, objective=objective)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         metrics.append(result.metrics)
         dropped.append(dropped_assignments(model, topo))
-    batches, objective = step_inputs(fine_tuning, steps, cfg.vocab_size, topo, layout.context_kind)
+    batches, objective = step_inputs(fine_tuning, steps, cfg.real_vocab_size, topo, layout.context_kind)
     eval_loss, eval_metrics = eval_objective(model, batches, topo, objective=objective)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
     return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, "state": state, "dropped": dropped,
@@ -301,7 +301,15 @@ def check_vocab_parallel_cross_entropy() -> dict:
     local = logits.chunk(world, dim=-1)[topo.tp.rank].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(local, labels, topo.tp)
     (loss * upstream).sum().backward()
-    return {"loss": loss.detach(), "grad": local.grad, "tp_rank": topo.tp.rank}
+    # A padded vocabulary: the entries from PADDING_FROM on are no tokens (on 2 ranks, half of rank 1's shard).
+    padded = logits.chunk(world, dim=-1)[topo.tp.rank].clone().requires_grad_(True)
+    padded_loss = vocab_parallel_cross_entropy(padded, labels % PADDING_FROM, topo.tp, PADDING_FROM)
+    (padded_loss * upstream).sum().backward()
+    return {"loss": loss.detach(), "grad": local.grad, "tp_rank": topo.tp.rank,
+            "padded_loss": padded_loss.detach(), "padded_grad": padded.grad}
+
+
+PADDING_FROM = 48  # of cross_entropy_inputs' 64 vocabulary entries
 
 
 def cross_entropy_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

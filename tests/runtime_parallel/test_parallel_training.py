@@ -78,6 +78,10 @@ TWO_RANK_JOBS.update({
     "families-dp2-zero1": ("llama", H.FAMILY_SWITCHES, L(dp=2, zero1=True)),
     "families-cp2": ("llama", H.FAMILY_SWITCHES, L(cp=2)),
     "families-lora-tp2-sp": ("llama", {**H.FAMILY_SWITCHES, "fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
+    # A source's vocabulary padded by us (ModelConfig.unpadded_vocab_size: 101 of 128 rows, GPT-2's 60 of 128,
+    # which leaves rank 1's half of the vocabulary all padding): each rank masks its own padded logits.
+    "llama-padded-vocab-tp2": ("llama", {"unpadded_vocab_size": 101}, L(tp=2)),
+    "gpt-padded-vocab-tp2-sp": ("gpt", {"unpadded_vocab_size": 60}, L(tp=2, sequence_parallel=True)),
     # Qwen3-MoE: experts of their own size, top_k weights not renormalized, layer 0 dense and layer 1 sparse.
     "qwen3moe-ep2": ("llama", H.QWEN3_MOE, L(dp=2, ep=2)),
     "qwen3moe-tp2-sp": ("llama", H.QWEN3_MOE, L(tp=2, sequence_parallel=True)),
@@ -176,6 +180,21 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy(two_ranks):
     for shard in shards:
         torch.testing.assert_close(shard["loss"], expected.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat([s["grad"] for s in shards], dim=-1), full.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_vocab_parallel_cross_entropy_leaves_out_the_padded_vocabulary(two_ranks):
+    """With padding_from, the loss is F.cross_entropy over the real entries alone, and the padded entries' gradient
+    is exactly zero."""
+    logits, labels, upstream = H.cross_entropy_inputs()
+    real = logits[..., :H.PADDING_FROM].clone().requires_grad_(True)
+    expected = F.cross_entropy(real.flatten(0, 1), (labels % H.PADDING_FROM).flatten(), reduction="none")
+    (expected.view(labels.shape) * upstream).sum().backward()
+    shards = sorted((r["vocab_ce"] for r in two_ranks), key=lambda r: r["tp_rank"])
+    for shard in shards:
+        torch.testing.assert_close(shard["padded_loss"], expected.detach().view(labels.shape), rtol=1e-6, atol=1e-6)
+    grad = torch.cat([s["padded_grad"] for s in shards], dim=-1)
+    torch.testing.assert_close(grad[..., :H.PADDING_FROM], real.grad, rtol=1e-6, atol=1e-7)
+    assert torch.equal(grad[..., H.PADDING_FROM:], torch.zeros_like(grad[..., H.PADDING_FROM:]))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -54,13 +54,13 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int | None 
     losses, norms = [], []
     metrics = []
     for step in range(steps):
-        batches, objective = H.step_inputs(fine_tuning, step, cfg.vocab_size, topo)
+        batches, objective = H.step_inputs(fine_tuning, step, cfg.real_vocab_size, topo)
         result = train_step(model, optimizer, batches, topo, lr=H.OPTIM["lr"], clip=clip, schedule=layout.schedule,
                             objective=objective)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         metrics.append(result.metrics)
-    batches, objective = H.step_inputs(fine_tuning, steps, cfg.vocab_size, topo)
+    batches, objective = H.step_inputs(fine_tuning, steps, cfg.real_vocab_size, topo)
     eval_loss, eval_metrics = eval_objective(model, batches, topo, objective=objective)
     state = {k: v.float() for k, v in gather_full_state_dict(model, topo).items()}
     plan = {name: {"sharded": p.sharded, "tp_copies": model.sharding_plan.tp_copies(name),

@@ -37,6 +37,9 @@ TWO_RANK_JOBS = {
     # its tied head on the last.
     "families-tied-pp2": ("llama", {**H.FAMILY_SWITCHES, "share_embeddings_and_output_weights": True}, L(pp=2)),
     "qwen3moe-pp2": ("llama", H.QWEN3_MOE, L(pp=2)),  # a dense stage, then a sparse one
+    # A source's vocabulary padded by us (101 of 128 rows): the last stage's loss, and LoRA's live reference scored
+    # from the logits the forward-only schedule collects, both leave the padded logits out.
+    "llama-padded-vocab-dpo-lora-pp2": ("llama", {"unpadded_vocab_size": 101, "fine_tuning": "dpo-lora"}, L(pp=2)),
 }
 FOUR_RANK_JOBS = {
     "gpt-pp4": ("gpt", {}, L(pp=4)),

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from runtime.models.layers import mask_padded_vocab
 from runtime.models.transformer import CausalLM
 from runtime.parallel.plan import ShardingPlan
 from runtime.parallel.topology import Topology
@@ -40,6 +41,7 @@ class PipelineChunk(nn.Module):
         if self.is_last:
             self.final_norm, self.output = model.final_norm, model.output
             self.loss_fn, self.gather_vocab = model.loss_fn, model.gather_vocab
+            self.padding_from = model.cfg.padding_from
 
     def forward(self, x, labels=None, layout=None):
         """First stage: input_ids (B, T); otherwise the previous stage's hidden states (B, T[/tp], H).
@@ -51,7 +53,9 @@ class PipelineChunk(nn.Module):
         if not self.is_last:
             return h
         logits = self.output(self.final_norm(h))
-        return self.gather_vocab(logits) if labels is None else self.loss_fn(logits, labels)
+        if labels is None:
+            return mask_padded_vocab(self.gather_vocab(logits), self.padding_from)
+        return self.loss_fn(logits, labels)
 
 
 class PipelineStageModel(nn.Module):
