@@ -149,7 +149,8 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
                 plan.mark(f"layers.{i}.attn.{norm}.weight", partial_grad=True)
     if sp:
         # Replicated norm weights applied to a sequence shard: each rank's gradient covers only its tokens.
-        norms = [f"layers.{i}.{norm}" for i in range(len(model.layers)) for norm in ("attn_norm", "mlp_norm")]
+        norms = [f"layers.{i}.{name}" for i, block in enumerate(model.layers) for name, _ in block.named_children()
+                 if name.endswith("norm")]  # attn_norm, mlp_norm, and a sandwich's attn_out_norm, mlp_out_norm
         for prefix in norms + ["final_norm"]:
             for name, _ in model.get_submodule(prefix).named_parameters(prefix=prefix):
                 plan.mark(name, partial_grad=True)

@@ -185,15 +185,53 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
 
 # The model keys only the Llama decoder computes.
 LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
+# The model keys only the folder families that declare them compute (runtime/families, SWITCHES).
+FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale")
+MODEL_SWITCHES = LLAMA_SWITCHES + FAMILY_SWITCHES
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
-    """Keys only the Llama decoder computes (add_qkv_bias, qk_layernorm, rope_scaling): GPT has learned positions
-    and biases everywhere."""
-    if architecture == "llama":
-        return []
-    return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
-            f"{p}model.architecture=llama or drop {p}model.{key}" for key, value in switches.items() if value]
+    """Keys only some architectures compute: the Llama decoder's (add_qkv_bias, qk_layernorm, rope_scaling; GPT
+    has learned positions and biases everywhere) and those a folder family declares (runtime/families)."""
+    from runtime.families import FOLDERS, family_trait
+
+    allowed = LLAMA_SWITCHES if architecture == "llama" else family_trait(architecture, "SWITCHES", ())
+    problems = []
+    for key, value in switches.items():
+        if value is None or value is False or key in allowed:
+            continue
+        if key in LLAMA_SWITCHES and architecture == "gpt":
+            problems.append(f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases "
+                            f"everywhere); set {p}model.architecture=llama or drop {p}model.{key}")
+            continue
+        which = [a for a in ("llama", *FOLDERS) if key in (LLAMA_SWITCHES if a == "llama" else
+                                                             family_trait(a, "SWITCHES", ()))]
+        problems.append(f"{p}model.{key}: architecture={architecture} does not compute it; drop {p}model.{key} "
+                        f"(architectures that do: {', '.join(which)})")
+    return problems
+
+
+def attention_layers(layer_types, window: int | None, num_layers: int, p: str) -> str | None:
+    """model.layer_types: one of LAYER_TYPES per layer; sliding layers need model.sliding_window."""
+    if layer_types is None:
+        return None if window is None or window > 0 else f"{p}model.sliding_window: {window} must be positive"
+    bad = [t for t in layer_types if t not in LAYER_TYPES]
+    if bad or len(layer_types) != num_layers:
+        return (f"{p}model.layer_types: {list(layer_types)} must list num_layers ({num_layers}) of "
+                f"{' / '.join(LAYER_TYPES)}")
+    if "sliding_attention" in layer_types and (window is None or window <= 0):
+        return f"{p}model.sliding_window: {window} must be a positive integer where layer_types has sliding layers"
+    return None
+
+
+def context_window(layer_types, cp: int, ulysses: int, p: str) -> str | None:
+    """Context parallelism's attentions (ring, Ulysses) see whole sequences: sliding-window layers are not built."""
+    if max(cp, ulysses) > 1 and layer_types is not None and "sliding_attention" in layer_types:
+        key = "context_parallel_size" if cp > 1 else "ulysses_parallel_size"
+        return (f"{p}model.{key}: {max(cp, ulysses)} with sliding-window layers (model.layer_types): context "
+                f"parallelism here has no sliding window; set {key}=1")
+    return None
 
 
 def rope_scaling(scaling, key: str) -> list[str]:
