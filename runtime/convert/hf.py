@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from runtime.families import family_part
+from runtime.schema.folder_families import family_part
 from runtime.io.files import replace_directory
 from runtime.schema.chat import chat_stop_ids, special_tokens, token_id
 from runtime.schema.families import export_family, family_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime.families import family_part
+from runtime.schema.folder_families import family_part
 from runtime.schema.model import ModelConfig, padded_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.init import materialize

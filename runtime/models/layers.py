@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
 
 
 class OffsetRMSNorm(RMSNorm):
-    """y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in fp32 (Gemma's norm): the weight starts at zero."""
+    """y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in fp32 (a norm whose weight starts at zero)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
@@ -262,7 +262,7 @@ GATE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
 
 class SwiGLU(nn.Module):
     """Gated MLP: down(drop(act(gate(x)) * up(x))), with gate and up fused into one matmul laid out [gate | up].
-    act: silu (Llama's SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU), GATE_ACTIVATIONS' names."""
+    act: silu (Llama's SwiGLU) or gelu_pytorch_tanh (GeGLU), GATE_ACTIVATIONS' names."""
 
     def __init__(self, hidden: int, ffn: int, *, dropout: float = 0.0, activation: str = "silu"):
         super().__init__()
@@ -278,7 +278,7 @@ class SwiGLU(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). With `attn_out_norm` and
-    `mlp_out_norm` (Gemma's sandwich norms) each branch's output is normed too before the residual add."""
+    `mlp_out_norm` (sandwich norms) each branch's output is normed too before the residual add."""
 
     def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
                  *, attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None):

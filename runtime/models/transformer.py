@@ -19,7 +19,7 @@ _RESIDUAL_OUTPUT_NAMES = ("proj", "fc2", "down")
 
 
 class Embeddings(nn.Module):
-    """Token embeddings, times `scale` in their own dtype when given (Gemma's sqrt(hidden)), plus learned absolute
+    """Token embeddings, times `scale` in their own dtype when given (sqrt(hidden) in some families), plus learned absolute
     positions for GPT, then dropout."""
 
     def __init__(self, vocab: int, hidden: int, *, max_positions: int | None, dropout: float,

@@ -3,10 +3,10 @@
 # NxD Training's): they are read as the canonical name. A name that means something else is refused at launch.
 from __future__ import annotations
 
-from runtime.families import FOLDERS
+from runtime.schema.folder_families import folders
 from runtime.schema.reader import Choices
 
-ARCHITECTURES = Choices(("gpt", "llama", *FOLDERS))
+ARCHITECTURES = Choices(("gpt", "llama", *folders()))
 # model.rope_scaling.rope_type (Hugging Face's rope_type): the RoPE scalings our rotary tables compute exactly as
 # transformers does. Others (yarn, longrope, dynamic NTK: extra attention factors, or tables that change with the
 # sequence length) are refused at launch.

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from runtime.families import family_trait
+from runtime.schema.folder_families import family_trait
 from runtime.schema import rules
 from runtime.schema.choices import ARCHITECTURES, ROPE_SCALING_TYPES
 from runtime.schema.families import HF_MODEL_TYPES, import_keys
@@ -88,7 +88,7 @@ class ModelConfig:
     # declare them (runtime/families, SWITCHES).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
-    local_rotary_base: float | None = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    local_rotary_base: float | None = None  # RoPE base of the sliding-window layers, unscaled
     softmax_scale: float | None = None      # attention's softmax scale; None: 1 / sqrt(head_dim)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,8 @@ import math
 import os
 import re
 
+from runtime.schema.folder_families import family_trait, folders
+
 # Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
 # Paths and names that end up in #SBATCH lines and job names: sbatch reads those lines itself, unquoted.
@@ -194,8 +196,6 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
     """Keys only some architectures compute: the Llama decoder's (add_qkv_bias, qk_layernorm, rope_scaling; GPT
     has learned positions and biases everywhere) and those a folder family declares (runtime/families)."""
-    from runtime.families import FOLDERS, family_trait
-
     allowed = LLAMA_SWITCHES if architecture == "llama" else family_trait(architecture, "SWITCHES", ())
     problems = []
     for key, value in switches.items():
@@ -205,7 +205,7 @@ def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
             problems.append(f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases "
                             f"everywhere); set {p}model.architecture=llama or drop {p}model.{key}")
             continue
-        which = [a for a in ("llama", *FOLDERS) if key in (LLAMA_SWITCHES if a == "llama" else
+        which = [a for a in ("llama", *folders()) if key in (LLAMA_SWITCHES if a == "llama" else
                                                              family_trait(a, "SWITCHES", ()))]
         problems.append(f"{p}model.{key}: architecture={architecture} does not compute it; drop {p}model.{key} "
                         f"(architectures that do: {', '.join(which)})")

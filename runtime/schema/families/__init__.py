@@ -9,12 +9,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from runtime.families import folder_families
+from runtime.schema.folder_families import folder_family_modules
 from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
 from runtime.schema.families.base import HFConfig
 
 # In export order: the first whose exports(cfg) holds writes the config.json (folder families: runtime/families).
-FAMILIES: tuple[ModuleType, ...] = (*folder_families(), gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
+FAMILIES: tuple[ModuleType, ...] = (*folder_family_modules(), gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
 HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
 
 
