@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from runtime.convert import load_hf_directory, save_hf_directory
 from runtime.models import ModelConfig, build_model
+from tests.convert.test_hf_families import sharpened
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,15 +28,8 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
 def gemma3_hf_model(**overrides):
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(**{**CONFIG, **overrides})
-    model = transformers.Gemma3ForCausalLM(config)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # non-trivial norms (HF starts them at zero: 1 + w = 1), sharper attention than 0.02
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-            else:
-                p.mul_(3.0)
-    return model.eval()
+    # Norm weights far from transformers' zero start (1 + w = 1), attention sharper than std 0.02 gives.
+    return sharpened(transformers.Gemma3ForCausalLM(config), norms=0.3, weights=3.0)
 
 
 def _log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
