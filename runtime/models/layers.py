@@ -147,10 +147,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.addcmul(x * cos, rotated, sin)
 
 
-def sliding_window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
-    """(queries, keys) bool: True where query i (the last `queries` of `keys` positions) may attend key j, causal
-    and fewer than `window` positions back (transformers' sliding_window: j > i - window)."""
-    i = torch.arange(keys - queries, keys, device=device)[:, None]
+def sliding_window_mask(queries: int, keys: int, window: int, device, first: int | None = None) -> torch.Tensor:
+    """(queries, keys) bool: True where query i, at key index first + i (None: the last `queries` of the keys), may
+    attend key j: causal and fewer than `window` positions back (transformers' sliding_window: j > i - window)."""
+    first = keys - queries if first is None else first
+    i = torch.arange(first, first + queries, device=device)[:, None]
     j = torch.arange(keys, device=device)[None, :]
     return (j <= i) & (j > i - window)
 
@@ -164,17 +165,18 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout, self.scale, self.window = dropout, scale, window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                first_query: int | None = None) -> torch.Tensor:
         # q: (B, nh, T, d); k, v: (B, ng, S, d) with nh a multiple of ng (GQA). mask: a SequenceLayout's, else
-        # plain causal (S = T).
+        # plain causal (S = T). first_query: the key index of query 0 (a KV cache's filled length before this
+        # call; None: the queries are the last T keys), which only the window reads.
         if k.shape[1] != q.shape[1]:
             # Expanding here keeps SDPA on its fastest kernel; enable_gqa is not fused on every backend.
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)  # (B, nh, S, d)
             v = v.repeat_interleave(repeat, dim=1)
         if self.window is not None:
-            band = sliding_window_mask(q.shape[2], k.shape[2], self.window, q.device)
+            band = sliding_window_mask(q.shape[2], k.shape[2], self.window, q.device, first_query)
             mask = band if mask is None else mask & band
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
@@ -215,7 +217,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, None if layout is None else layout.positions)
+        cached = None
         if self.kv_cache is not None:
+            cached = {"first_query": self.kv_cache.length}  # where these queries' keys go in the cache
             k, v = self.kv_cache.update(k, v)  # (B, S, ng, d): the cached tokens, then these
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that, and a
@@ -225,7 +229,7 @@ class Attention(nn.Module):
         elif layout.documents is not None:
             y = self.core_attention(q, k, v, documents=layout.documents)
         else:
-            y = self.core_attention(q, k, v, layout.mask)
+            y = self.core_attention(q, k, v, layout.mask, **(cached or {}))
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
         return self.proj(y)
 

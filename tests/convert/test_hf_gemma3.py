@@ -112,3 +112,20 @@ def test_both_rope_forms_read_alike(imported):
                sliding_window_pattern=3)
     assert hf_model_keys(hub) == hf_model_keys(written)
     assert hf_model_keys({**hub, "rope_local_base_freq": 20000.0})["local_rotary_base"] == 20000.0
+
+
+def test_greedy_generation_with_a_kv_cache_is_transformers(imported):
+    """Through runtime.generate's preallocated KV cache, past the window and in a left-padded batch: the tokens of
+    greedy decoding by transformers' whole-sequence forward (5.24's generate() does not reproduce that forward's
+    logits once a prompt is longer than the window: 0.25 apart here, a different first token)."""
+    from runtime.generate import generate
+
+    _, hf, _, _, model, ids, _ = imported
+    prompts = [ids[0, :70].tolist(), ids[0, 300:350].tolist()]
+    with torch.no_grad():
+        ours = generate(model, prompts, max_new_tokens=30)
+        for prompt, tokens in zip(prompts, ours):
+            row = list(prompt)
+            for _ in range(30):
+                row.append(int(hf(torch.tensor([row])).logits[0, -1].argmax()))
+            assert tokens == row[len(prompt):]
