@@ -1,7 +1,8 @@
 """Gemma 3 through the fine-tuning stage end to end (the real CLI): a tiny Gemma3ForCausalLM written by transformers
 (sliding-window layers with a window shorter than the rows, sandwich norms, GeGLU, a tied head) fine-tuned 2 steps
 by fine_tuning=hf/sft_demo and exported in the same command: transformers loads the export with no missing or
-unexpected key, and its logits are ours for the same weights."""
+unexpected key, and its logits are ours for the same weights. Then LoRA (peft=hf/sft_demo) from the same directory,
+exported merged and as a PEFT adapter: `peft` on the base gives the merged model's logits."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from tests.launcher.helpers import nxdt
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.long("2 steps of SFT from a Hugging Face Gemma 3, exported and checked in transformers")
+@pytest.mark.long("2 steps of SFT and of LoRA from a Hugging Face Gemma 3, exported and checked in transformers")
 def test_fine_tunes_a_hugging_face_gemma3_and_exports_it(tmp_path):
     vocab = _demo(tmp_path / "data")
     torch.manual_seed(0)
@@ -52,3 +53,19 @@ def test_fine_tunes_a_hugging_face_gemma3_and_exports_it(tmp_path):
         after, before = theirs.eval()(ids).logits, base(ids).logits
         torch.testing.assert_close(ours(ids), after, rtol=0, atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-4), "it trained"
+
+    # LoRA from the same Hugging Face directory, exported merged and as a PEFT adapter that `peft` loads on the base.
+    peft_lib = pytest.importorskip("peft")
+    lora = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
+                "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
+                *[f"peft.{o}" for o in [*short, "trainer.max_steps=2", "trainer.val_check_interval=2",
+                                         f"model.restore_from_path={tmp_path}/hf_base"]],
+                cwd=tmp_path, timeout=900)
+    assert lora.returncode == 0, lora.stdout[-3000:] + lora.stderr[-3000:]
+    merged_dir = tmp_path / "results" / "hf_sft_demo_lora" / "conversion" / "hf_model"
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()(ids).logits
+        adapted = peft_lib.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(merged_dir / "base"), merged_dir / "adapter").eval()(ids)
+    torch.testing.assert_close(adapted.logits, merged, rtol=0, atol=1e-5)
+    assert not torch.allclose(merged, before, atol=1e-5), "the adapters trained"
