@@ -24,6 +24,7 @@ from typing import Any
 
 from launcher.errors import UserError
 from runtime.schema import rules
+from runtime.schema.folder_families import family_trait
 from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
@@ -80,12 +81,26 @@ class ModelShape:
         return self.ffn_hidden_size if self.moe is None else self.moe.expert_size(self.ffn_hidden_size)
 
     @property
-    def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two
-        return self.architecture == "llama"
+    def gated_mlp(self) -> bool:      # llama's SwiGLU (a folder family's, if it says so): three h x ffn matrices
+        return self.architecture == "llama" or family_trait(self.architecture, "GATED_MLP", False)
 
     @property
     def has_bias(self) -> bool:       # GPT's linears and LayerNorms carry biases
         return self.architecture == "gpt"
+
+    @property
+    def rms_norm(self) -> bool:       # the Llama decoder's (or a folder family's) norms: fp32 copies kept
+        return self.architecture == "llama" or family_trait(self.architecture, "RMS_NORM", False)
+
+    @property
+    def norms_per_layer(self) -> int:  # before attention and MLP; a folder family may add more (sandwich norms)
+        return family_trait(self.architecture, "NORMS_PER_LAYER", 2)
+
+    @property
+    def rotary_tables(self) -> int:
+        """RoPE's (cos, sin) table pairs a device holds: the Llama decoder's one, shared by every layer; a folder
+        family's one per layer type; none for GPT's learned positions."""
+        return 1 if self.architecture == "llama" else family_trait(self.architecture, "ROTARY_TABLES", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +205,7 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
         moe=moe_from_model(model),
         kv_channels=int(model["kv_channels"]) if model.get("kv_channels") is not None else None,
         add_qkv_bias=bool(model.get("add_qkv_bias") or False),
-        qk_layernorm=bool(model.get("qk_layernorm") or False),
+        qk_layernorm=bool(model.get("qk_layernorm") or family_trait(model["architecture"], "QK_NORM", False)),
     )
 
 
@@ -255,7 +270,7 @@ def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: i
         mlp = h * 2 * (f // tp) + (f // tp) * h
     else:
         mlp = h * (f // tp) + (f // tp if shape.has_bias else 0) + (f // tp) * h + (h if shape.has_bias else 0)
-    norms = 2 * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
+    norms = shape.norms_per_layer * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
     return qkv + proj + qk_norms + mlp + norms
 
 

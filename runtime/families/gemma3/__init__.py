@@ -14,6 +14,9 @@ TIED_DEFAULT = True
 # The ModelConfig keys this family computes besides the common shape (rules.llama_switches reads them).
 SWITCHES = ("rope_scaling", "sliding_window", "layer_types", "local_rotary_base", "softmax_scale")
 GATED_MLP = True
+# What the launcher's estimator reads (launcher/estimator/shapes.py): RMSNorms (fp32 copies), per-head q/k norms,
+# four norms a layer (input, post-attention, pre- and post-feedforward), two RoPE tables (full and sliding layers').
+RMS_NORM, QK_NORM, NORMS_PER_LAYER, ROTARY_TABLES = True, True, 4, 2
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 # Gemma3TextConfig's defaults, which its loader applies to an absent key.
