@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -91,12 +92,21 @@ def test_each_gemma_feature_moves_the_log_probs(imported, change):
     assert (_log_probs(ours, ids) - _log_probs(theirs, ids)).abs().max().item() > 1e-2
 
 
-def test_softcapping_refused(tmp_path):
+@pytest.mark.parametrize("change, expected", [
+    ({"final_logit_softcapping": 30.0}, "config.json final_logit_softcapping=30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "config.json attn_logit_softcapping=50.0 is not supported"),
+    ({"hidden_activation": "gelu"}, "config.json hidden_activation='gelu' is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "config.json layer_types="),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters.sliding_attention scales RoPE"),
+    ({"model_type": "gemma3"}, "config.json model_type='gemma3': Gemma3ForConditionalGeneration (image and text)"),
+])
+def test_what_we_do_not_compute_is_refused_naming_the_key(change, expected):
     from runtime.schema.model import hf_model_keys
 
-    config = json.loads(json.dumps({**CONFIG, "model_type": "gemma3_text", "final_logit_softcapping": 30.0}))
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
-        hf_model_keys(config)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        hf_model_keys({**CONFIG, "model_type": "gemma3_text", **change})
 
 
 def test_both_rope_forms_read_alike(imported):

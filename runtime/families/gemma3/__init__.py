@@ -10,6 +10,9 @@ import math
 from typing import Any
 
 MODEL_TYPES = ("gemma3_text",)
+# Model types of the family this folder does not import, each with the fix.
+REFUSED_MODEL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration (image and text) is not supported; save its text "
+                                 "model as Gemma3ForCausalLM (model_type gemma3_text) and give that directory"}
 TIED_DEFAULT = True
 # The ModelConfig keys this family computes besides the common shape (rules.llama_switches reads them).
 SWITCHES = ("rope_scaling", "sliding_window", "layer_types", "local_rotary_base", "softmax_scale")
@@ -59,14 +62,16 @@ def model_keys(hf) -> dict[str, Any]:
 
 def _rope_by_layer_type(hf) -> tuple[dict[str, Any], dict[str, Any]]:
     """(full_attention's, sliding_attention's) RoPE keys, from 4.x's rope_theta + rope_scaling +
-    rope_local_base_freq or 5.x's rope_parameters by layer type (or flat: the full layers')."""
+    rope_local_base_freq or 5.x's rope_parameters by layer type (or flat: the full layers'). As transformers'
+    Gemma3TextConfig reads them: rope_scaling updates the full layers' parameters."""
     params = hf.data.get("rope_parameters") or {}
     by_type = isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and bool(params)
     full = dict(params.get("full_attention") or {}) if by_type else dict(params)
+    full.update(hf.data.get("rope_scaling") or {})
     local = dict(params.get("sliding_attention") or {}) if by_type else {}
     reader = type(hf)
     full_keys = reader({"model_type": hf.model_type, "rope_theta": hf.data.get("rope_theta"),
-                        "rope_scaling": hf.data.get("rope_scaling"), "rope_parameters": full}).rope(_GLOBAL_THETA)
+                        "rope_parameters": full}).rope(_GLOBAL_THETA)
     local_keys = reader({"model_type": hf.model_type, "rope_theta": hf.data.get("rope_local_base_freq"),
                          "rope_parameters": local}).rope(_LOCAL_THETA)
     return full_keys, local_keys

@@ -22,6 +22,8 @@ def family_of_model_type(model_type: Any) -> ModuleType:
     for family in FAMILIES:
         if model_type in family.MODEL_TYPES:
             return family
+        if problem := getattr(family, "REFUSED_MODEL_TYPES", {}).get(model_type):  # a folder family's neighbour
+            raise ValueError(f"config.json model_type={model_type!r}: {problem}")
     raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {list(HF_MODEL_TYPES)}")
 
 
