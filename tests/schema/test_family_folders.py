@@ -57,3 +57,17 @@ def test_a_deliberate_violation_is_found(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert naming_outside(tmp_path, "gemma3") == ["runtime/convert/hf.py"]
+
+
+def test_a_folder_familys_keys_are_refused_on_other_architectures():
+    from runtime.schema.folder_families import family_trait
+    from runtime.schema.rules import FAMILY_SWITCHES, llama_switches
+
+    for key in FAMILY_SWITCHES:
+        computing = [name for name in folders() if key in family_trait(name, "SWITCHES", ())]
+        for architecture in ("gpt", "llama"):
+            assert llama_switches(architecture, {key: 8}, "training.") == [
+                f"training.model.{key}: architecture={architecture} does not compute it; drop training.model.{key} "
+                f"(architectures that do: {', '.join(computing)})"]
+        for name in computing:
+            assert llama_switches(name, {key: 8}, "training.") == []
