@@ -139,3 +139,17 @@ def test_greedy_generation_with_a_kv_cache_is_transformers(imported):
             for _ in range(30):
                 row.append(int(hf(torch.tensor([row])).logits[0, -1].argmax()))
             assert tokens == row[len(prompt):]
+
+
+def test_a_ranks_slices_are_the_whole_models_rows(imported):
+    """What a tensor-parallel rank reads (hf.SlicedReader, by the family's rules): bitwise the rows of the import."""
+    from runtime.convert.hf import SlicedReader
+
+    directory, _, state, cfg, _, _, _ = imported
+    reader = SlicedReader(directory / "original", cfg)
+    assert reader.available
+    reader.check()
+    for name, tensor in state.items():
+        assert torch.equal(reader.read(name), tensor), name
+        rows = torch.arange(1, tensor.shape[0], 3)  # a strided selection that crosses the q | k | v parts
+        assert torch.equal(reader.read(name, {0: rows}), tensor[rows]), name
