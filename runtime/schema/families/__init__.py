@@ -1,9 +1,10 @@
 # Model families: how a Hugging Face config.json of each model_type maps to our `model:` keys, and which
 # config.json an export of ours writes. One module per family (torchtitan keeps each model's definition and HF
-# mapping together); adding one is a module with MODEL_TYPES, TIED_DEFAULT, model_keys, exports, refusal and
-# hf_config, plus a line in FAMILIES (docs/runtime.md, "Adding a model family"). The network itself is shared:
-# every family here is GPT-2's block or the Llama decoder with ModelConfig's switches (biases, per-head norms, a
-# head size of its own, RoPE scaling, MoE). Standard library only.
+# mapping together). The families here are GPT-2's block or the Llama decoder with ModelConfig's switches (biases,
+# per-head norms, a head size of its own, RoPE scaling, MoE); each is a module with MODEL_TYPES, TIED_DEFAULT,
+# model_keys, exports, refusal and hf_config, listed in FAMILIES. A family added since is a folder of its own
+# (runtime/families, found through runtime/schema/folder_families.py) with the same protocol, listed here first
+# (docs/runtime.md, "Adding a model family"). Standard library only.
 from __future__ import annotations
 
 from types import ModuleType
