@@ -25,7 +25,7 @@ def model_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     moe_args = {"moe_layers": sum(moe.is_moe_layer(i) for i in range(model.num_layers)), "moe_top_k": moe.top_k,
                 "moe_num_experts": moe.num_experts, "moe_ffn_hidden_size": moe.ffn_hidden_size} if moe else {}
     return flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
-                           model.kv_heads, model.vocab_size, seq_length, gated_mlp=model.architecture == "llama",
+                           model.kv_heads, model.vocab_size, seq_length, gated_mlp=model.gated_mlp,
                            head_dim=model.head_dim, **moe_args)
 
 

@@ -58,7 +58,7 @@ def _hf_header(config: str, vocab: int) -> tuple[bytes, int]:
     keys = model_keys(json.loads(config), tokenizer_vocab_size=vocab)
     cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size=vocab)
     ours = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in state_shapes(cfg).items()
-            if not (cfg.share_embeddings_and_output_weights and name == "output.weight")}  # a tied head: the embedding
+            if not (cfg.share_embeddings_and_output_weights and name == "output.weight")}  # a tied head: stored once
     header, offset = {}, 0
     for name, tensor in sorted(to_hf(ours, cfg)[0].items()):
         size = tensor.numel() * 2

@@ -141,7 +141,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     def width(columns: float) -> float:        # a (b, s, columns * head_dim) tensor
         return c * b * s * columns * shape.head_dim
 
-    total = 2 * norm_input * E * shard        # attention and MLP norm inputs
+    total = shape.norms_per_layer * norm_input * E * shard  # attention and MLP norm inputs (sandwich: and outputs)
     total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
     qkv = heads + 2 * kv
     # Whether autograd keeps the QKV output itself, through views of it (q, k, v; only v where q, k are rotated).
@@ -229,7 +229,7 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 def _norm_bytes(shape: ModelShape, residual: int) -> int:
     """Bytes a norm keeps per element: LayerNorm its input; the runtime's RMSNorm runs in fp32 on an upcast copy
     and keeps that copy and the normalized fp32 tensor (for the weight's gradient)."""
-    return 8 if shape.network.rms_norm else residual
+    return 8 if shape.rms_norm else residual
 
 
 def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = False) -> float:
@@ -294,10 +294,9 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
     layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
-    if shape.network.rotary:
-        # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py), so a
-        # device holds one pair whatever its number of layers.
-        buffers += shape.max_position_embeddings * shape.head_dim * 2 * 4
+    # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py; a folder
+    # family may have one per layer type), so a device holds rotary_tables pairs whatever its number of layers.
+    buffers += shape.rotary_tables * shape.max_position_embeddings * shape.head_dim * 2 * 4
     if first or last or rank is None:
         in_flight = in_flight_micro_batches(layout) if first else 1.0
     else:  # 1F1B: rank r holds pp - r micro-batches at its peak (the interleaved schedule's factor on top)

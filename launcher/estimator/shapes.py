@@ -97,6 +97,20 @@ class ModelShape:
     def learned_positions(self) -> bool:  # a position table of max_position_embeddings x h beside the tokens'
         return not self.network.rotary
 
+    @property
+    def rms_norm(self) -> bool:       # RMSNorms: fp32 copies kept
+        return self.network.rms_norm
+
+    @property
+    def norms_per_layer(self) -> int:  # before attention and MLP; a sandwich adds two after them
+        return self.network.norms_per_layer
+
+    @property
+    def rotary_tables(self) -> int:
+        """RoPE's (cos, sin) table pairs a device holds: one shared by every layer, one per layer type where the
+        types' RoPE differs, none for learned positions."""
+        return self.network.rope_tables
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -201,7 +215,7 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
         moe=moe_from_model(model),
         kv_channels=int(model["kv_channels"]) if model.get("kv_channels") is not None else None,
         add_qkv_bias=bool(model.get("add_qkv_bias") or False),
-        qk_layernorm=bool(model.get("qk_layernorm") or False),
+        qk_layernorm=bool(model.get("qk_layernorm") or architecture(model["architecture"]).qk_norm),
     )
 
 
@@ -266,7 +280,7 @@ def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: i
         mlp = h * 2 * (f // tp) + (f // tp) * h
     else:
         mlp = h * (f // tp) + (f // tp if shape.has_bias else 0) + (f // tp) * h + (h if shape.has_bias else 0)
-    norms = 2 * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
+    norms = shape.norms_per_layer * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
     return qkv + proj + qk_norms + mlp + norms
 
 

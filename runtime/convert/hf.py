@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from runtime.schema.folder_families import family_part
 from runtime.io.files import replace_directory
 from runtime.schema.chat import chat_stop_ids, special_tokens, token_id
 from runtime.schema.families import export_family, family_for
@@ -73,7 +74,10 @@ class _Rule:
 
 def _rules(cfg: ModelConfig) -> list[_Rule]:
     tied = cfg.share_embeddings_and_output_weights
-    if cfg.architecture == "gpt":
+    family = family_part(cfg.architecture, "weights")  # a folder family's names (runtime/families)
+    if family is not None:
+        rules = family.rules(cfg, _Rule)
+    elif cfg.architecture == "gpt":
         rules = [_Rule("embed.word.weight", ("transformer.wte.weight",)),
                  _Rule("embed.position.weight", ("transformer.wpe.weight",))]
         for i in range(cfg.num_layers):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from runtime.schema.folder_families import family_part
 from runtime.schema.model import ModelConfig, padded_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.init import materialize
@@ -36,7 +37,8 @@ _FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_
 def meta_model(cfg: ModelConfig) -> CausalLM:
     """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
     with torch.device("meta"), SkipFillsOnMeta():
-        return _MODELS[cfg.architecture](cfg)
+        family = family_part(cfg.architecture, "model")  # a folder family's network (runtime/families)
+        return (family.MODEL if family is not None else _MODELS[cfg.architecture])(cfg)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:

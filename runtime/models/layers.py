@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.init import Init
 from runtime.schema.model import RopeScaling
 
 
@@ -66,6 +67,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in fp32 (a norm whose weight starts at zero)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
+
+    def init_rules(self, prefix: str) -> dict[str, Init]:
+        return {f"{prefix}.weight": Init("zeros")}
 
 
 def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -136,43 +147,60 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.addcmul(x * cos, rotated, sin)
 
 
+def sliding_window_mask(queries: int, keys: int, window: int, device, first: int | None = None) -> torch.Tensor:
+    """(queries, keys) bool: True where query i, at key index first + i (None: the last `queries` of the keys), may
+    attend key j: causal and fewer than `window` positions back (transformers' sliding_window: j > i - window)."""
+    first = keys - queries if first is None else first
+    i = torch.arange(first, first + queries, device=device)[:, None]
+    j = torch.arange(keys, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal) v. Its own module so selective activation checkpointing can target it."""
+    """softmax(q k^T * scale + causal) v, scale 1/sqrt(d) unless given; with `window`, each query sees only the
+    keys fewer than `window` positions back (sliding-window attention). Its own module so selective activation
+    checkpointing can target it."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, *, scale: float | None = None, window: int | None = None):
         super().__init__()
-        self.dropout = dropout
+        self.dropout, self.scale, self.window = dropout, scale, window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                first_query: int | None = None) -> torch.Tensor:
         # q: (B, nh, T, d); k, v: (B, ng, S, d) with nh a multiple of ng (GQA). mask: a SequenceLayout's, else
-        # plain causal (S = T).
+        # plain causal (S = T). first_query: the key index of query 0 (a KV cache's filled length before this
+        # call; None: the queries are the last T keys), which only the window reads.
         if k.shape[1] != q.shape[1]:
             # Expanding here keeps SDPA on its fastest kernel; enable_gqa is not fused on every backend.
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)  # (B, nh, S, d)
             v = v.repeat_interleave(repeat, dim=1)
+        if self.window is not None:
+            band = sliding_window_mask(q.shape[2], k.shape[2], self.window, q.device, first_query)
+            mask = band if mask is None else mask & band
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              dropout_p=self.dropout if self.training else 0.0)
+                                              dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
 
 
 class Attention(nn.Module):
     """Causal self-attention with one fused QKV projection laid out [Q (nh*d) | K (ng*d) | V (ng*d)]
     (ModelConfig.fused_segments), optionally with an RMSNorm over each query and key head before RoPE (Qwen3's
-    q_norm / k_norm: weights of size d shared by all heads).
+    q_norm / k_norm: weights of size d shared by all heads; `norm` makes them another RMSNorm class). `scale` and
+    `window` are CoreAttention's (a softmax scale of its own, sliding-window attention).
 
     `num_heads` / `num_kv_heads` are the heads this module computes; tensor parallelism lowers them to the
     rank's share after slicing `qkv` and `proj`.
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias: bool,
-                 proj_bias: bool, dropout: float, rotary: RotaryEmbedding | None, qk_norm_eps: float | None = None):
+                 proj_bias: bool, dropout: float, rotary: RotaryEmbedding | None, qk_norm_eps: float | None = None,
+                 norm: type[RMSNorm] = RMSNorm, scale: float | None = None, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.core_attention = CoreAttention(dropout)
+        self.q_norm = norm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = norm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.core_attention = CoreAttention(dropout, scale=scale, window=window)
         self.proj = nn.Linear(num_heads * head_dim, hidden, bias=proj_bias)
         self.rotary = rotary
         # Seam for generation (runtime/generate.py): an object whose update(k, v) appends this step's keys and
@@ -189,7 +217,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, None if layout is None else layout.positions)
+        cached = None
         if self.kv_cache is not None:
+            cached = {"first_query": self.kv_cache.length}  # where these queries' keys go in the cache
             k, v = self.kv_cache.update(k, v)  # (B, S, ng, d): the cached tokens, then these
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that, and a
@@ -199,7 +229,7 @@ class Attention(nn.Module):
         elif layout.documents is not None:
             y = self.core_attention(q, k, v, documents=layout.documents)
         else:
-            y = self.core_attention(q, k, v, layout.mask)
+            y = self.core_attention(q, k, v, layout.mask, **(cached or {}))
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
         return self.proj(y)
 
@@ -226,31 +256,46 @@ class GeluMLP(nn.Module):
         return self.fc2(self.dropout(F.gelu(self.fc1(x), approximate="tanh")))  # (B, T, ffn) in the middle
 
 
-class SwiGLU(nn.Module):
-    """Llama MLP: down(drop(silu(gate(x)) * up(x))), with gate and up fused into one matmul laid out [gate | up]."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, ffn: int, *, dropout: float = 0.0):
+
+# The gated MLPs' activations by Hugging Face's hidden_act name: SwiGLU's silu, GeGLU's tanh-approximated gelu.
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: down(drop(act(gate(x)) * up(x))), with gate and up fused into one matmul laid out [gate | up].
+    act: silu (Llama's SwiGLU) or gelu_pytorch_tanh (GeGLU), GATE_ACTIVATIONS' names."""
+
+    def __init__(self, hidden: int, ffn: int, *, dropout: float = 0.0, activation: str = "silu"):
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
         self.dropout = ffn_dropout(dropout)
+        self.activation = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each; the local share under TP
-        return self.down(self.dropout(F.silu(gate) * up))
+        return self.down(self.dropout(self.activation(gate) * up))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). With `attn_out_norm` and
+    `mlp_out_norm` (sandwich norms) each branch's output is normed too before the residual add."""
 
-    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float):
+    def __init__(self, attn_norm: nn.Module, attn: Attention, mlp_norm: nn.Module, mlp: nn.Module, dropout: float,
+                 *, attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+        self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), layout))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        y = self.attn(self.attn_norm(x), layout)
+        x = x + self.dropout(y if self.attn_out_norm is None else self.attn_out_norm(y))
+        y = self.mlp(self.mlp_norm(x))
+        return x + self.dropout(y if self.mlp_out_norm is None else self.mlp_out_norm(y))
 
 
 class _CrossEntropy(torch.autograd.Function):

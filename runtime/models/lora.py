@@ -83,7 +83,7 @@ def projection_segments(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     segments = {"attn.qkv": list(fused["attn.qkv"]), "attn.proj": [("o_proj", cfg.hidden_size)]}
     if cfg.moe is not None:
         return segments  # experts carry no adapters (a schema rule refuses MLP targets on MoE models)
-    if cfg.architecture == "llama":
+    if cfg.gated_mlp:
         segments["mlp.gate_up"] = list(fused["mlp.gate_up"])
         segments["mlp.down"] = [("down_proj", cfg.hidden_size)]
     else:

@@ -19,11 +19,14 @@ _RESIDUAL_OUTPUT_NAMES = ("proj", "fc2", "down")
 
 
 class Embeddings(nn.Module):
-    """Token embeddings, plus learned absolute positions for GPT, then dropout."""
+    """Token embeddings, times `scale` in their own dtype when given (sqrt(hidden) in some families), plus learned absolute
+    positions for GPT, then dropout."""
 
-    def __init__(self, vocab: int, hidden: int, *, max_positions: int | None, dropout: float):
+    def __init__(self, vocab: int, hidden: int, *, max_positions: int | None, dropout: float,
+                 scale: float | None = None):
         super().__init__()
         self.word = nn.Embedding(vocab, hidden)
+        self.scale = scale
         self.position = nn.Embedding(max_positions, hidden) if max_positions else None
         self.dropout = nn.Dropout(dropout)
         # Seam for context parallelism: positions(T, device) of a rank's T tokens when they are not 0..T-1.
@@ -31,6 +34,8 @@ class Embeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.word(input_ids)  # (B, T, H)
+        if self.scale is not None:
+            h = h * torch.tensor(self.scale, dtype=h.dtype)
         if self.position is not None:
             T = input_ids.shape[1]
             if positions is not None and positions.shape[1] != T and self.positions is not None:

@@ -17,6 +17,7 @@ from runtime.models.layers import Block, GeluMLP, SwiGLU
 from runtime.models.moe import SparseMoE
 from runtime.schema import rules
 from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
+from runtime.schema.rules import context_window
 from runtime.models.transformer import CausalLM
 from runtime.parallel import collectives as C
 from runtime.parallel import layers as L
@@ -62,6 +63,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
                                                  activation_checkpointing)]
     problems += [RECOMPUTE_MODULES.problem("training.model.activations_checkpoint_recompute", name)
                  for name in recompute_modules]
+    sizes = (topo.cp.size, 1) if context == "ring" else (1, topo.cp.size)
+    problems.append(context_window(model.cfg.layer_types, *sizes, "training."))  # no window in cp's attentions
     if any(problems):
         raise ValueError(next(p for p in problems if p))
     recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
@@ -149,7 +152,8 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
                 plan.mark(f"layers.{i}.attn.{norm}.weight", partial_grad=True)
     if sp:
         # Replicated norm weights applied to a sequence shard: each rank's gradient covers only its tokens.
-        norms = [f"layers.{i}.{norm}" for i in range(len(model.layers)) for norm in ("attn_norm", "mlp_norm")]
+        norms = [f"layers.{i}.{name}" for i, block in enumerate(model.layers) for name, _ in block.named_children()
+                 if name.endswith("norm")]  # attn_norm, mlp_norm, and a sandwich's attn_out_norm, mlp_out_norm
         for prefix in norms + ["final_norm"]:
             for name, _ in model.get_submodule(prefix).named_parameters(prefix=prefix):
                 plan.mark(name, partial_grad=True)

@@ -86,6 +86,13 @@ class ModelConfig:
     # alone, zero when loaded, their logits masked out of every softmax (-inf), and dropped on export. None: every
     # row is the model's (pretraining: Megatron's padding, whose rows train like any other).
     unpadded_vocab_size: int | None = None
+    # Attention by layer (Hugging Face's layer_types): "sliding_attention" sees the sliding_window positions up to
+    # its own, "full_attention" the whole sequence; None: every layer full. Keys of the folder families that
+    # declare them (runtime/families, SWITCHES).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rotary_base: float | None = None  # RoPE base of the sliding-window layers, unscaled
+    softmax_scale: float | None = None      # attention's softmax scale; None: 1 / sqrt(head_dim)
 
     def __post_init__(self) -> None:
         # The same rules the stage parsers run, for models built in code (tests, benchmarks, conversion).
@@ -98,8 +105,9 @@ class ModelConfig:
         report.raise_if_any()
         report.error(rules.unpadded_vocab(self.unpadded_vocab_size, self.vocab_size))
         report.error(rules.head_size(self.hidden_size, self.num_attention_heads, self.kv_channels, ""))
-        switches = {key: getattr(self, key) for key in rules.LLAMA_SWITCHES}
+        switches = {key: getattr(self, key) for key in rules.MODEL_SWITCHES}
         problems = rules.llama_switches(self.architecture, switches, "")
+        problems.append(rules.attention_layers(self.layer_types, self.sliding_window, self.num_layers, ""))
         if self.rope_scaling is not None:
             problems += [ROPE_SCALING_TYPES.problem("model.rope_scaling.rope_type", self.rope_scaling.rope_type)]
             problems += rules.rope_scaling(self.rope_scaling, "model.rope_scaling")
@@ -139,6 +147,16 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP is gated ([gate | up] then down), as the architecture's registry entry says."""
+        return architecture(self.architecture).gated_mlp
+
+    def attention_window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window, or None when it attends to the whole sequence."""
+        sliding = self.layer_types is not None and self.layer_types[index] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
     def fused_segments(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Our fused projections (by module path within a block) -> their output rows in order, each part by its
         Hugging Face name: the one statement of the [q | k | v] and [gate | up] layouts, which tensor parallelism's
@@ -146,7 +164,7 @@ class ModelConfig:
         d, f = self.head_dim, self.ffn_hidden_size
         segments = {"attn.qkv": (("q_proj", self.num_attention_heads * d), ("k_proj", self.kv_heads * d),
                                  ("v_proj", self.kv_heads * d))}
-        if architecture(self.architecture).gated_mlp:
+        if self.gated_mlp:
             segments["mlp.gate_up"] = (("gate_proj", f), ("up_proj", f))
         return segments
 
@@ -161,6 +179,8 @@ class ModelConfig:
             if moe.get("layers") is not None:
                 moe["layers"] = tuple(moe["layers"])
             kwargs["moe"] = MoEConfig(**moe)
+        if kwargs.get("layer_types") is not None:
+            kwargs["layer_types"] = tuple(kwargs["layer_types"])
         if isinstance(kwargs.get("rope_scaling"), Mapping):
             kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
         return cls(architecture=model["architecture"],

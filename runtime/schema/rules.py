@@ -187,26 +187,47 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
 
 # The model keys only the Llama decoder computes.
 LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
-
-
-def _network(architecture):
-    """The registry's Architecture for a model.architecture value; None when it is not one (its own key names it)."""
-    return ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
-
-
-def _decoders() -> str:
-    """The architectures whose network has the Llama decoder's switches (the registry's decoder_switches)."""
-    return " or ".join(a.name for a in ARCHITECTURES.values() if a.decoder_switches)
+# The model keys only the folder families that declare them compute (runtime/families, SWITCHES).
+FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale")
+MODEL_SWITCHES = LLAMA_SWITCHES + FAMILY_SWITCHES
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def llama_switches(architecture: str | None, switches: dict, p: str) -> list[str]:
-    """Keys only the Llama decoder computes (add_qkv_bias, qk_layernorm, rope_scaling): GPT has learned positions
-    and biases everywhere. An unknown or absent architecture is not judged here (its own key names it)."""
-    network = _network(architecture)
-    if network is None or network.decoder_switches:
+    """Keys only some architectures compute (the registry's `switches`): the Llama decoder's add_qkv_bias,
+    qk_layernorm and rope_scaling (GPT has learned positions and biases everywhere), and those a folder family
+    declares. An unknown or absent architecture is not judged here (its own key names it)."""
+    network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
+    if network is None:
         return []
-    return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
-            f"{p}model.architecture={_decoders()} or drop {p}model.{key}" for key, value in switches.items() if value]
+    problems = []
+    for key, value in switches.items():
+        if value is None or value is False or key in network.switches:
+            continue
+        which = [a.name for a in ARCHITECTURES.values() if key in a.switches]
+        problems.append(f"{p}model.{key}: architecture={architecture} does not compute it; drop {p}model.{key} "
+                        f"(architectures that do: {', '.join(which)})")
+    return problems
+def attention_layers(layer_types, window: int | None, num_layers: int, p: str) -> str | None:
+    """model.layer_types: one of LAYER_TYPES per layer; sliding layers need model.sliding_window."""
+    if layer_types is None:
+        return None if window is None or window > 0 else f"{p}model.sliding_window: {window} must be positive"
+    bad = [t for t in layer_types if t not in LAYER_TYPES]
+    if bad or len(layer_types) != num_layers:
+        return (f"{p}model.layer_types: {list(layer_types)} must list num_layers ({num_layers}) of "
+                f"{' / '.join(LAYER_TYPES)}")
+    if "sliding_attention" in layer_types and (window is None or window <= 0):
+        return f"{p}model.sliding_window: {window} must be a positive integer where layer_types has sliding layers"
+    return None
+
+
+def context_window(layer_types, cp: int, ulysses: int, p: str) -> str | None:
+    """Context parallelism's attentions (ring, Ulysses) see whole sequences: sliding-window layers are not built."""
+    if max(cp, ulysses) > 1 and layer_types is not None and "sliding_attention" in layer_types:
+        key = "context_parallel_size" if cp > 1 else "ulysses_parallel_size"
+        return (f"{p}model.{key}: {max(cp, ulysses)} with sliding-window layers (model.layer_types): context "
+                f"parallelism here has no sliding window; set {key}=1")
+    return None
 
 
 def rope_scaling(scaling, key: str) -> list[str]:
@@ -478,10 +499,10 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     MLP's, which the experts do not have."""
     key = f"{p}model.moe"
     problems = []
-    network = _network(architecture)
-    if network is not None and not network.decoder_switches:
+    network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
+    if network is not None and not network.moe:
         problems.append(f"{key}: MoE layers are Mixtral's (SwiGLU experts in the Llama block); set "
-                        f"{p}model.architecture={_decoders()}")
+                        f"{p}model.architecture={' or '.join(a.name for a in ARCHITECTURES.values() if a.moe)}")
     if num_experts < 2:
         problems.append(f"{key}.num_experts: {num_experts} must be at least 2 (1 expert is the dense MLP)")
     elif not 1 <= top_k <= num_experts:
@@ -647,7 +668,7 @@ def lora_targets(names: tuple[str, ...], architecture: str | None, p: str) -> st
 
 def gated_mlp(architecture: str | None) -> bool:
     """Whether the architecture's MLP has a gate projection (an unknown one: assumed, its own key names it)."""
-    network = _network(architecture)
+    network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
     return network is None or network.gated_mlp
 
 

@@ -378,10 +378,13 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         keys["max_position_embeddings"] = shape.int("max_position_embeddings", seq, minimum=1)
     keys["make_vocab_size_divisible_by"] = shape.int("make_vocab_size_divisible_by", 128, minimum=1)
     keys["seed"] = _seed(shape)
-    for key in ("num_query_groups", "kv_channels"):
+    for key in ("num_query_groups", "kv_channels", "sliding_window"):
         if merged.get(key) is not None:
             keys[key] = shape.int(key, minimum=1)
-    for key in ("rotary_base", "layernorm_epsilon", "init_method_std", *rules.DROPOUTS):
+    if merged.get("layer_types") is not None:
+        keys["layer_types"] = shape.strings("layer_types")
+    for key in ("rotary_base", "local_rotary_base", "softmax_scale", "layernorm_epsilon", "init_method_std",
+                *rules.DROPOUTS):
         if merged.get(key) is not None:
             keys[key] = shape.float(key, minimum=0.0)
     for key in ("share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
@@ -890,8 +893,9 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     groups = shape.get("num_query_groups") or heads
     report.error(rules.head_size(shape["hidden_size"], heads, shape.get("kv_channels"), p))
     for problem in rules.llama_switches(shape.get("architecture"),
-                                        {k: shape.get(k) for k in rules.LLAMA_SWITCHES}, p):
+                                        {k: shape.get(k) for k in rules.MODEL_SWITCHES}, p):
         report.error(problem)
+    report.error(rules.attention_layers(shape.get("layer_types"), shape.get("sliding_window"), shape["num_layers"], p))
     report.error(rules.heads_groups(heads, groups, p))
     report.error(rules.heads_tp(heads, tp, p))
     report.error(rules.ffn_tp(shape["ffn_hidden_size"], tp, p))
@@ -932,6 +936,7 @@ def _context_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Par
     moe = shape.get("moe")
     report.error(rules.context_architecture(moe.num_experts if moe is not None else None,
                                             shape.get("attention_dropout", 0.0) or 0.0, cp, ulysses, p))
+    report.error(rules.context_window(shape.get("layer_types"), cp, ulysses, p))
 
 
 def _tokenizer_template(tokenizer_path: str, p: str) -> str | None:

@@ -50,14 +50,18 @@ def _hf_model(family: str):
     config_class, model_class, extra = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**COMMON, **extra})
-    model = getattr(transformers, model_class)(config)
+    return sharpened(getattr(transformers, model_class)(config))
+
+
+def sharpened(model, *, norms: float = 0.1, weights: float = 5.0):
+    """Non-trivial norms and biases (random, of std `norms`, added), and sharper attention than std 0.02 gives."""
     gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # non-trivial norms and biases, and sharper attention than std 0.02 gives
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.add_(torch.randn(p.shape, generator=gen) * norms)
             else:
-                p.mul_(5.0)
+                p.mul_(weights)
     return model.eval()
 
 

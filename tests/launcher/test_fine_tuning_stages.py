@@ -152,7 +152,7 @@ def _intended(recipe: str) -> tuple[str, str]:
 RECIPES = [(group, recipe) for group in ("fine_tuning", "peft") for recipe in group_choices(group)
            if not recipe.startswith("hf/")]
 REAL_SIZE = [(group, recipe) for group, recipe in RECIPES if recipe != "llama/tiny"]
-VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768}
+VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768, "gemma3": 262144}
 
 
 def test_every_recipe_has_a_fine_tuning_and_a_lora_variant():
@@ -209,9 +209,31 @@ MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", 
               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1e6,
               "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 32768}
+# Gemma 3 as Hugging Face publishes it: 1B text-only (4.x's keys: sliding_window_pattern, rope_local_base_freq), the
+# larger ones' text_config (their full RoPE scaled linearly by 8), saved as Gemma3ForCausalLM.
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+             "attention_dropout": 0.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+             "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+             "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26,
+             "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+             "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": 512,
+             "sliding_window_pattern": 6, "vocab_size": 262144, "bos_token_id": 2, "eos_token_id": [1, 106]}
+GEMMA3_TEXT = {**GEMMA3_1B, "max_position_embeddings": 131072, "sliding_window": 1024, "vocab_size": 262208,
+               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+GEMMA3 = {"1b": GEMMA3_1B,
+          "4b": {**GEMMA3_TEXT, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                 "num_attention_heads": 8, "num_key_value_heads": 4},
+          "12b": {**GEMMA3_TEXT, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+                  "num_attention_heads": 16, "num_key_value_heads": 8},
+          "27b": {**GEMMA3_TEXT, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+                  "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168}}
 HF_MODELS = {"Meta-Llama-3-8B": (LLAMA3_8B, 128256), "Meta-Llama-3-70B": (LLAMA3_70B, 128256),
              "Llama-3.1-8B": ({**LLAMA3_8B, **ROPE_3_1}, 128256), "Llama-3.1-70B": ({**LLAMA3_70B, **ROPE_3_1}, 128256),
-             "Mistral-7B-v0.3": (MISTRAL_7B, 32768)}
+             "Mistral-7B-v0.3": (MISTRAL_7B, 32768),
+             **{("gemma-3-1b-pt" if size == "1b" else f"gemma-3-{size}-text"): (config, 262144)
+                for size, config in GEMMA3.items()}}
+# Directories whose tokenizer_config.json holds the chat template their recipes read (model.data.chat_template null).
+OWN_CHAT_TEMPLATE = {name for name in HF_MODELS if name.startswith("gemma-3")}
 # What the schema does not compute yet (docs/fine_tuning.md, Limits): refused at launch, never trained wrong.
 REFUSED: dict[str, str] = {}  # families whose published config.json the runtime cannot compute: none now
 
@@ -224,6 +246,9 @@ def hf_data_dir(tmp_path_factory) -> Path:
         (root / "hf" / name / "config.json").write_text(json.dumps(config))
         write_tokenizer(root / "hf" / name / "tokenizer.json", vocab)
         write_hf_weights(root / "hf" / name, config, vocab)
+        if name in OWN_CHAT_TEMPLATE:
+            (root / "hf" / name / "tokenizer_config.json").write_text(json.dumps(
+                {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
     (root / "sft").mkdir()
     for split in ("train", "validation"):
         (root / "sft" / f"{split}.jsonl").write_text('{"prompt": "1 + 2", "completion": "3"}\n')

@@ -39,6 +39,13 @@ TINY = {
                 ffn_hidden_size=64, max_position_embeddings=SEQ, share_embeddings_and_output_weights=True),
     "llama": dict(architecture="llama", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
                   num_query_groups=2, ffn_hidden_size=48, max_position_embeddings=SEQ, rotary_base=10000.0),
+    # Gemma 3 (runtime/families/gemma3): a head size of its own (12), its softmax scale, a window of 5 of the 16
+    # positions on layers 0, 1 and 3, the full layer's RoPE scaled (linear) and the local ones' base apart.
+    "gemma3": dict(architecture="gemma3", vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4,
+                   num_query_groups=2, ffn_hidden_size=48, max_position_embeddings=SEQ, kv_channels=12,
+                   rotary_base=1e6, rope_scaling=RopeScaling("linear", 8.0), local_rotary_base=10000.0,
+                   softmax_scale=20 ** -0.5, sliding_window=5, share_embeddings_and_output_weights=True,
+                   layer_types=("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")),
 }
 
 
@@ -196,7 +203,7 @@ def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
     (GPT has no gate), each adapter's B drawn non-zero so the adapters act from the first step."""
     model = build_model(cfg)
     if fine_tuning in ("lora", "dpo-lora"):
-        targets = tuple(t for t in LORA.target_modules if cfg.architecture == "llama" or t != "gate_proj")
+        targets = tuple(t for t in LORA.target_modules if cfg.gated_mlp or t != "gate_proj")
         apply_lora(model, dataclasses.replace(LORA, target_modules=targets), seed=cfg.seed)
         gen = torch.Generator().manual_seed(5)
         with torch.no_grad():

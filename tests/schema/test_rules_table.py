@@ -9,6 +9,7 @@ import yaml
 from launcher import launch
 from launcher import cache
 from launcher.errors import UserError
+from runtime.schema.choices import ARCHITECTURES
 
 BASE = ["stages=[training]", "training=gpt3/tiny", "cluster_type=local"]
 M, T = "training.model.", "training.trainer."
@@ -70,7 +71,8 @@ CASES = [
     (["training.precision.type=fp8"],
      "training.precision.type: 'fp8' is not one of fp32, bf16SR, mixed_precision, mixed_precisionSR, autocast"),
     ([f"{T}accelerator=tpu"], "training.trainer.accelerator: 'tpu' is not one of cpu, gpu, neuron; did you mean 'gpu'?"),
-    ([f"{M}architecture=mamba"], "training.model.architecture: 'mamba' is not one of gpt, llama; did you mean 'llama'?"),
+    ([f"{M}architecture=mamba"], "training.model.architecture: 'mamba' is not one of "
+     f"{', '.join(ARCHITECTURES)}; did you mean 'llama'?"),
     ([f"{M}activations_checkpoint_granularity=some"],
      "training.model.activations_checkpoint_granularity: 'some' is not one of null, full, selective"),
     ([f"{M}activations_checkpoint_recompute=[attn]"],
@@ -104,6 +106,14 @@ CASES = [
     ([f"{T}val_check_interval=inf"],
      "training.trainer.val_check_interval: inf must be a whole number of steps (fractions of an epoch are not "
      "supported: training is step based)"),
+    # Sliding-window layers (a folder family's keys, runtime/families): their pattern, and no context parallelism.
+    ([f"{M}architecture=gemma3", f"+{M}layer_types=[sliding_attention,full_attention]"],
+     "training.model.layer_types: ['sliding_attention', 'full_attention'] must list num_layers (4) of "
+     "sliding_attention / full_attention"),
+    ([f"{M}architecture=gemma3", f"+{M}layer_types=[sliding_attention,sliding_attention,full_attention,"
+      "sliding_attention]", f"+{M}sliding_window=16", f"{M}context_parallel_size=2"],
+     "training.model.context_parallel_size: 2 with sliding-window layers (model.layer_types): context parallelism "
+     "here has no sliding window; set context_parallel_size=1"),
     ([f"{M}data.splits_string='90,-5,5'"],
      "training.model.data.splits_string: '90,-5,5' is invalid; expected up to three non-negative weights for "
      "train,valid,test such as '98,1,1'"),

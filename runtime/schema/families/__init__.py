@@ -1,47 +1,32 @@
 # Model families: how a Hugging Face config.json of each model_type maps to our `model:` keys, and which
 # config.json an export of ours writes. One module per family (torchtitan keeps each model's definition and HF
-# mapping together); adding one is a module with MODEL_TYPES, TIED_DEFAULT, model_keys, exports, refusal and
-# hf_config, plus a line in FAMILIES (docs/runtime.md, "Adding a model family"). The network itself is shared:
-# every family here is GPT-2's block or the Llama decoder with ModelConfig's switches (biases, per-head norms, a
-# head size of its own, RoPE scaling, MoE). Standard library only.
+# mapping together). The families here are GPT-2's block or the Llama decoder with ModelConfig's switches (biases,
+# per-head norms, a head size of its own, RoPE scaling, MoE); each is a module with MODEL_TYPES, TIED_DEFAULT,
+# model_keys, exports, refusal and hf_config, listed in FAMILIES. A family added since is a folder of its own
+# (runtime/families, found through runtime/schema/folder_families.py) with the same protocol, listed here first
+# (docs/runtime.md, "Adding a model family"). Standard library only.
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 from typing import Any
 
+from runtime.schema.folder_families import folder_family_modules
 from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
-from runtime.schema.families.base import HFConfig
+from runtime.schema.families.base import Architecture, HFConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """What a `model.architecture` network is made of, as the code outside this registry asks it (the estimator,
-    the rules, the config importers): a question is a field here, never a branch on the architecture's name."""
-
-    name: str
-    gated_mlp: bool         # gate and up projections (SwiGLU: three h x ffn matrices) rather than one GeLU fc1
-    rotary: bool            # RoPE on q and k; otherwise a learned position table beside the token embedding
-    biases: bool            # every linear and norm carries a bias
-    rms_norm: bool          # RMSNorm (run in fp32 on an upcast copy); otherwise LayerNorm
-    embedding_dropout: bool  # model.hidden_dropout also drops out of the embeddings
-    tied_default: bool      # share_embeddings_and_output_weights when the YAML leaves it out
-    decoder_switches: bool  # add_qkv_bias, qk_layernorm, rope_scaling and model.moe apply (the Llama decoder's)
-    # NeMo / NxD megatron files name a network by (normalization, position_embedding_type, activation, bias).
-    megatron: tuple[tuple[str, str, str, bool], ...]
-    tiny_recipe: str        # the smallest training recipe of this network, which imported configs sit on
-    sizes: str              # the published shape series autoconfig's model-size ladder follows
-
-
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("gpt", gated_mlp=False, rotary=False, biases=True, rms_norm=False, embedding_dropout=True, tied_default=True,
-                 decoder_switches=False, megatron=(("layernorm", "learned_absolute", "gelu", True),),
+BUILT_IN: tuple[Architecture, ...] = (
+    Architecture("gpt", gated_mlp=False, rotary=False, biases=True, rms_norm=False, embedding_dropout=True,
+                 tied_default=True, megatron=(("layernorm", "learned_absolute", "gelu", True),),
                  tiny_recipe="gpt3/tiny", sizes="GPT-3"),
-    Architecture("llama", gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False, tied_default=False,
-                 decoder_switches=True, megatron=(("rmsnorm", "rope", "swiglu", False),
-                                                  ("rmsnorm", "rope", "fast-swiglu", False)),
+    Architecture("llama", gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False,
+                 tied_default=False, switches=("add_qkv_bias", "qk_layernorm", "rope_scaling"), moe=True,
+                 megatron=(("rmsnorm", "rope", "swiglu", False), ("rmsnorm", "rope", "fast-swiglu", False)),
                  tiny_recipe="llama/tiny", sizes="Llama 3"),
-)}
+)
+# Every model.architecture: the two networks built from runtime/models' shared modules, then each folder family's
+# (runtime/families/<name>: its ARCHITECTURE).
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    *BUILT_IN, *(family.ARCHITECTURE for family in folder_family_modules()))}
 
 
 def architecture(name: Any) -> Architecture:
@@ -70,8 +55,8 @@ TOKENIZER_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257, "qwe
 # A Hugging Face file (model.model_config decides the network) sits on the decoder's smallest recipe.
 HF_BASE = ARCHITECTURES["llama"]
 
-# In export order: the first whose exports(cfg) holds writes the config.json.
-FAMILIES: tuple[ModuleType, ...] = (gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
+# In export order: the first whose exports(cfg) holds writes the config.json (folder families: runtime/families).
+FAMILIES: tuple[ModuleType, ...] = (*folder_family_modules(), gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
 HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
 
 
@@ -79,6 +64,8 @@ def family_of_model_type(model_type: Any) -> ModuleType:
     for family in FAMILIES:
         if model_type in family.MODEL_TYPES:
             return family
+        if problem := getattr(family, "REFUSED_MODEL_TYPES", {}).get(model_type):  # a folder family's neighbour
+            raise ValueError(f"config.json model_type={model_type!r}: {problem}")
     raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {list(HF_MODEL_TYPES)}")
 
 
