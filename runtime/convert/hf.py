@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -22,10 +23,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from runtime.schema.folder_families import family_part
 from runtime.io.files import replace_directory
 from runtime.schema.chat import chat_stop_ids, special_tokens, token_id
-from runtime.schema.families import export_family, family_for
+from runtime.schema.families import architecture, export_family, family_for, family_of_model_type
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
 from runtime.models import meta_model
@@ -73,59 +73,14 @@ class _Rule:
 
 
 def _rules(cfg: ModelConfig) -> list[_Rule]:
-    tied = cfg.share_embeddings_and_output_weights
-    family = family_part(cfg.architecture, "weights")  # a folder family's names (runtime/families)
-    if family is not None:
-        rules = family.rules(cfg, _Rule)
-    elif cfg.architecture == "gpt":
-        rules = [_Rule("embed.word.weight", ("transformer.wte.weight",)),
-                 _Rule("embed.position.weight", ("transformer.wpe.weight",))]
-        for i in range(cfg.num_layers):
-            o, h = f"layers.{i}.", f"transformer.h.{i}."
-            for ours, hf, linear in [("attn_norm", "ln_1", False), ("mlp_norm", "ln_2", False),
-                                     ("attn.qkv", "attn.c_attn", True), ("attn.proj", "attn.c_proj", True),
-                                     ("mlp.fc1", "mlp.c_fc", True), ("mlp.fc2", "mlp.c_proj", True)]:
-                rules += [_Rule(o + ours + ".weight", (h + hf + ".weight",), transpose=linear),
-                          _Rule(o + ours + ".bias", (h + hf + ".bias",))]
-        rules += [_Rule("final_norm.weight", ("transformer.ln_f.weight",)),
-                  _Rule("final_norm.bias", ("transformer.ln_f.bias",))]
-    else:
-        # Our qkv rows are [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and both sides
-        # apply RoPE in the rotate-half layout, so q/k need no permutation.
-        fused = cfg.fused_segments()
-        qkv_names = [name for name, _ in fused["attn.qkv"]]
-        qkv_rows, gate_up_rows = tuple(r for _, r in fused["attn.qkv"]), tuple(r for _, r in fused["mlp.gate_up"])
-        rules = [_Rule("embed.word.weight", ("model.embed_tokens.weight",))]
-        for i in range(cfg.num_layers):
-            o, h = f"layers.{i}.", f"model.layers.{i}."
-            rules += [
-                _Rule(o + "attn_norm.weight", (h + "input_layernorm.weight",)),
-                _Rule(o + "attn.qkv.weight", tuple(f"{h}self_attn.{p}.weight" for p in qkv_names), qkv_rows),
-                _Rule(o + "attn.proj.weight", (h + "self_attn.o_proj.weight",)),
-                _Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",))]
-            if cfg.add_qkv_bias:
-                rules.append(_Rule(o + "attn.qkv.bias", tuple(f"{h}self_attn.{p}.bias" for p in qkv_names), qkv_rows))
-            if cfg.qk_layernorm:
-                rules += [_Rule(o + "attn.q_norm.weight", (h + "self_attn.q_norm.weight",)),
-                          _Rule(o + "attn.k_norm.weight", (h + "self_attn.k_norm.weight",))]
-            rules += _moe_rules(cfg, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
-                _Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), gate_up_rows),
-                _Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
-        rules.append(_Rule("final_norm.weight", ("model.norm.weight",)))
-    if not tied:
+    """Every tensor of ours and the HF tensors holding it: the architecture's weight names (its registry entry's
+    `weights` module: weight_rules(cfg, _Rule, the Hugging Face family cfg is, for its own MoE names)), and the
+    output head unless it is tied."""
+    weights = importlib.import_module(architecture(cfg.architecture).weights)
+    rules = weights.weight_rules(cfg, _Rule, family_for(cfg))
+    if not cfg.share_embeddings_and_output_weights:
         rules.append(_Rule("output.weight", ("lm_head.weight",)))
     return rules
-
-
-def _moe_rules(cfg: ModelConfig, o: str, h: str) -> list[_Rule]:
-    """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as the family's
-    nn.Linear weights per expert (its MOE_WEIGHTS): gate (F, H), up (F, H), down (H, F)."""
-    router, gate, up, down = (h + name for name in family_for(cfg).MOE_WEIGHTS)
-    experts, ffn = cfg.moe.num_experts, cfg.moe.expert_size(cfg.ffn_hidden_size)
-    return [_Rule(o + "mlp.router.weight", (router,)),
-            _Rule(o + "mlp.gate_up", tuple(name.format(e=e) for e in range(experts) for name in (gate, up)),
-                  (ffn, ffn), transpose=True, experts=experts),
-            _Rule(o + "mlp.down", tuple(down.format(e=e) for e in range(experts)), transpose=True, experts=experts)]
 
 
 def _split(rule: _Rule, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -300,43 +255,19 @@ def from_hf(hf_state: dict[str, torch.Tensor], hf_config: dict, *,
 
 
 def _normalized_hf_state(hf_state: dict[str, torch.Tensor], model_type: str, tied: bool) -> dict[str, torch.Tensor]:
-    """Names as transformers 4.x/5.x save them: drops non-parameter buffers and a tied lm_head copy."""
+    """Names as transformers 4.x/5.x save them (a family's older forms renamed by its normalized_state): drops
+    non-parameter buffers and a tied lm_head copy."""
+    family = family_of_model_type(model_type)
     state = dict(hf_state)
-    if model_type == "gpt2":
-        if "transformer.wte.weight" not in state:  # OpenAI's original GPT-2 files lack the prefix
-            state = {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in state.items()}
+    if hasattr(family, "normalized_state"):  # a family's older or fused names -> those its weight rules use
+        state = family.normalized_state(state)
     state = {k: v for k, v in state.items() if not _BUFFER.match(k)}
-    if model_type == "mixtral":
-        state = _legacy_mixtral_names(state)
-    embedding = state.get("transformer.wte.weight" if model_type == "gpt2" else "model.embed_tokens.weight")
+    embedding = state.get(getattr(family, "EMBEDDING", "model.embed_tokens.weight"))
     if tied and "lm_head.weight" in state and embedding is not None:
         if not torch.equal(state.pop("lm_head.weight"), embedding):
             raise ValueError("lm_head.weight differs from the token embedding although config.json "
                              "tie_word_embeddings is true")
     return state
-
-
-def _legacy_mixtral_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers 5.x's fused names (save_original_format=False) -> the per-expert names our rules use:
-    mlp.gate.weight is the router; mlp.experts.gate_up_proj (E, 2F, H) holds [w1 | w3] rows per expert and
-    mlp.experts.down_proj (E, H, F) holds w2 per expert."""
-    fused = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
-    out = {}
-    for name, tensor in state.items():
-        match = fused.match(name)
-        if match is None:
-            out[name] = tensor
-            continue
-        m = match.group(1) + "block_sparse_moe."
-        if match.group(2) == "gate.weight":
-            out[m + "gate.weight"] = tensor
-        elif match.group(2) == "experts.down_proj":
-            out.update({f"{m}experts.{e}.w2.weight": matrix for e, matrix in enumerate(tensor.unbind(0))})
-        else:
-            for e, matrix in enumerate(tensor.unbind(0)):
-                gate, up = matrix.chunk(2)
-                out.update({f"{m}experts.{e}.w1.weight": gate, f"{m}experts.{e}.w3.weight": up})
-    return out
 
 
 def _check_names(state: dict, expected: dict, what: str) -> None:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from runtime.convert.pretrained import read_pretrained  # one reader of starting weights, as training uses
 from runtime.models import build_model
 from runtime.models.lora import adapter_names, is_adapter, projection_inputs, projection_segments
+from runtime.schema.families import family_for
 from runtime.schema.model import ModelConfig
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_lora
@@ -78,9 +79,9 @@ def adapters(state: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoraConfig)
 
 
 def check_peft_exportable(cfg: ModelConfig) -> None:
-    if cfg.architecture == "gpt":
-        raise ValueError("conversion.lora: GPT-2 fuses q, k and v into one Conv1D (c_attn), so PEFT cannot hold "
-                         "our separate q/k/v adapters; export a GPT LoRA run with conversion.lora=merged")
+    refusal = getattr(family_for(cfg), "PEFT_REFUSAL", None)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def peft_name(name: str) -> str:

@@ -2,17 +2,15 @@
 # to these modules afterwards (habit 1 of the style guide), so a model reads top to bottom like a single-GPU one.
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime.schema.folder_families import family_part
+from runtime.schema.families import architecture
 from runtime.schema.model import ModelConfig, padded_vocab_size
-from runtime.models.gpt import GPTModel
 from runtime.models.init import materialize
-from runtime.models.llama import LlamaModel
 from runtime.models.transformer import CausalLM
-
-_MODELS = {"gpt": GPTModel, "llama": LlamaModel}
 
 
 class SkipFillsOnMeta(TorchFunctionMode):
@@ -37,8 +35,13 @@ _FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_
 def meta_model(cfg: ModelConfig) -> CausalLM:
     """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
     with torch.device("meta"), SkipFillsOnMeta():
-        family = family_part(cfg.architecture, "model")  # a folder family's network (runtime/families)
-        return (family.MODEL if family is not None else _MODELS[cfg.architecture])(cfg)
+        return network_class(cfg.architecture)(cfg)
+
+
+def network_class(name: str) -> type[CausalLM]:
+    """The CausalLM class of a model.architecture, as its registry entry names it (runtime/schema/families)."""
+    module, attribute = architecture(name).network.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:

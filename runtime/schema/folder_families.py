@@ -23,8 +23,3 @@ def folder_family(architecture: Any) -> ModuleType | None:
 
 def folder_family_modules() -> tuple[ModuleType, ...]:
     return tuple(folder_family(name) for name in folders())
-
-
-def family_part(architecture: Any, part: str) -> ModuleType | None:
-    """A folder family's torch part (`model`, `weights`), or None for an architecture without a folder."""
-    return importlib.import_module(f"{_REGISTRY}.{architecture}.{part}") if architecture in folders() else None

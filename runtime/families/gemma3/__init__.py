@@ -20,7 +20,8 @@ TIED_DEFAULT = True
 # q/k norms, four norms a layer (input, post-attention, pre- and post-feedforward), two RoPE tables (full and sliding
 # layers'), and the ModelConfig keys it computes besides the common shape (rules.llama_switches reads them).
 ARCHITECTURE = Architecture(
-    "gemma3", gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False, tied_default=True,
+    "gemma3", network="runtime.families.gemma3.model:MODEL", weights="runtime.families.gemma3.weights",
+    gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False, tied_default=True,
     switches=("rope_scaling", "sliding_window", "layer_types", "local_rotary_base", "softmax_scale"), qk_norm=True,
     norms_per_layer=4, rotary_tables=2)
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -13,8 +13,9 @@ _RENAMES = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_
             ("attn.proj", "self_attn.o_proj"), ("mlp.down", "mlp.down_proj"))
 
 
-def rules(cfg: ModelConfig, Rule) -> list:
-    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head."""
+def weight_rules(cfg: ModelConfig, Rule, family=None) -> list:
+    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head (`family`:
+    this one)."""
     fused = cfg.fused_segments()
     qkv_names, qkv_rows = zip(*fused["attn.qkv"])
     gate_up_names, gate_up_rows = zip(*fused["mlp.gate_up"])

@@ -15,10 +15,12 @@ from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_mo
 from runtime.schema.families.base import Architecture, HFConfig
 
 BUILT_IN: tuple[Architecture, ...] = (
-    Architecture("gpt", gated_mlp=False, rotary=False, biases=True, rms_norm=False, embedding_dropout=True,
-                 tied_default=True, megatron=(("layernorm", "learned_absolute", "gelu", True),),
+    Architecture("gpt", network="runtime.models.gpt:GPTModel", weights="runtime.schema.families.gpt2",
+                 gated_mlp=False, rotary=False, biases=True, rms_norm=False, embedding_dropout=True, tied_default=True,
+                 megatron=(("layernorm", "learned_absolute", "gelu", True),),
                  tiny_recipe="gpt3/tiny", sizes="GPT-3"),
-    Architecture("llama", gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False,
+    Architecture("llama", network="runtime.models.llama:LlamaModel", weights="runtime.schema.families.decoder",
+                 gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False,
                  tied_default=False, switches=("add_qkv_bias", "qk_layernorm", "rope_scaling"), moe=True,
                  megatron=(("rmsnorm", "rope", "swiglu", False), ("rmsnorm", "rope", "fast-swiglu", False)),
                  tiny_recipe="llama/tiny", sizes="Llama 3"),

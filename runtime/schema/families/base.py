@@ -16,6 +16,8 @@ class Architecture:
     name. runtime/schema/families lists every one (ARCHITECTURES); a folder family declares its own."""
 
     name: str
+    network: str             # "module:attribute" of its CausalLM class (torch; runtime/models builds it)
+    weights: str             # the module whose weight_rules(cfg, Rule) name its tensors as Hugging Face does
     gated_mlp: bool          # gate and up projections (SwiGLU, GeGLU: three h x ffn matrices) rather than one fc1
     rotary: bool             # RoPE on q and k; otherwise a learned position table beside the token embedding
     biases: bool             # every linear and norm carries a bias

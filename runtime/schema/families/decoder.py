@@ -30,3 +30,40 @@ def decoder_config(cfg) -> dict[str, Any]:
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
             "attention_dropout": cfg.attention_dropout, **rope_export(cfg)}
+
+
+def weight_rules(cfg, Rule, family) -> list:
+    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head, under the
+    Llama decoder's names; a sparse MoE layer's experts under `family`'s (its MOE_WEIGHTS). Our qkv rows are [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and
+    both sides apply RoPE in the rotate-half layout, so q/k need no permutation."""
+    fused = cfg.fused_segments()
+    qkv_names, qkv_rows = zip(*fused["attn.qkv"])
+    gate_up_rows = tuple(r for _, r in fused["mlp.gate_up"])
+    rules = [Rule("embed.word.weight", ("model.embed_tokens.weight",))]
+    for i in range(cfg.num_layers):
+        o, h = f"layers.{i}.", f"model.layers.{i}."
+        rules += [
+            Rule(o + "attn_norm.weight", (h + "input_layernorm.weight",)),
+            Rule(o + "attn.qkv.weight", tuple(f"{h}self_attn.{p}.weight" for p in qkv_names), qkv_rows),
+            Rule(o + "attn.proj.weight", (h + "self_attn.o_proj.weight",)),
+            Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",))]
+        if cfg.add_qkv_bias:
+            rules.append(Rule(o + "attn.qkv.bias", tuple(f"{h}self_attn.{p}.bias" for p in qkv_names), qkv_rows))
+        if cfg.qk_layernorm:
+            rules += [Rule(o + "attn.q_norm.weight", (h + "self_attn.q_norm.weight",)),
+                      Rule(o + "attn.k_norm.weight", (h + "self_attn.k_norm.weight",))]
+        rules += _moe_rules(cfg, Rule, family, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
+            Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), gate_up_rows),
+            Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
+    return rules + [Rule("final_norm.weight", ("model.norm.weight",))]
+
+
+def _moe_rules(cfg, Rule, family, o: str, h: str) -> list:
+    """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as the family's
+    nn.Linear weights per expert (its MOE_WEIGHTS): gate (F, H), up (F, H), down (H, F)."""
+    router, gate, up, down = (h + name for name in family.MOE_WEIGHTS)
+    experts, ffn = cfg.moe.num_experts, cfg.moe.expert_size(cfg.ffn_hidden_size)
+    return [Rule(o + "mlp.router.weight", (router,)),
+            Rule(o + "mlp.gate_up", tuple(name.format(e=e) for e in range(experts) for name in (gate, up)),
+                 (ffn, ffn), transpose=True, experts=experts),
+            Rule(o + "mlp.down", tuple(down.format(e=e) for e in range(experts)), transpose=True, experts=experts)]

@@ -7,6 +7,10 @@ from runtime.schema.families.base import HFConfig
 
 MODEL_TYPES = ("gpt2",)
 TIED_DEFAULT = True
+EMBEDDING = "transformer.wte.weight"
+# Why a LoRA run cannot be exported as a PEFT adapter (runtime/convert/peft.py); None where it can.
+PEFT_REFUSAL = ("conversion.lora: GPT-2 fuses q, k and v into one Conv1D (c_attn), so PEFT cannot hold our separate "
+                "q/k/v adapters; export a GPT LoRA run with conversion.lora=merged")
 
 
 def model_keys(hf: HFConfig) -> dict[str, Any]:
@@ -42,3 +46,25 @@ def hf_config(cfg) -> dict[str, Any]:
             "activation_function": "gelu_new", "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
             "attn_pdrop": cfg.attention_dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False}
+
+
+def normalized_state(state: dict) -> dict:
+    """OpenAI's original GPT-2 files lack the "transformer." prefix."""
+    if EMBEDDING in state:
+        return state
+    return {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in state.items()}
+
+
+def weight_rules(cfg, Rule, family=None) -> list:
+    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head: GPT-2's
+    Conv1D weights store (in, out), the transpose of our nn.Linear. (`family`: this one.)"""
+    rules = [Rule("embed.word.weight", (EMBEDDING,)), Rule("embed.position.weight", ("transformer.wpe.weight",))]
+    for i in range(cfg.num_layers):
+        o, h = f"layers.{i}.", f"transformer.h.{i}."
+        for ours, hf, linear in [("attn_norm", "ln_1", False), ("mlp_norm", "ln_2", False),
+                                 ("attn.qkv", "attn.c_attn", True), ("attn.proj", "attn.c_proj", True),
+                                 ("mlp.fc1", "mlp.c_fc", True), ("mlp.fc2", "mlp.c_proj", True)]:
+            rules += [Rule(o + ours + ".weight", (h + hf + ".weight",), transpose=linear),
+                      Rule(o + ours + ".bias", (h + hf + ".bias",))]
+    return rules + [Rule("final_norm.weight", ("transformer.ln_f.weight",)),
+                    Rule("final_norm.bias", ("transformer.ln_f.bias",))]

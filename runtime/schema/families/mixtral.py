@@ -2,6 +2,7 @@
 # all experts, the top_k renormalized, dropless.
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from runtime.schema.families.base import HFConfig
@@ -64,3 +65,26 @@ def hf_config(cfg) -> dict[str, Any]:
             "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
             "router_aux_loss_coef": cfg.moe.router_aux_loss_coef, "output_router_logits": False,
             "router_jitter_noise": 0.0, "sliding_window": None, **decoder_config(cfg)}
+
+
+def normalized_state(state: dict) -> dict:
+    """transformers 5.x's fused names (save_original_format=False) -> the per-expert names our rules use:
+    mlp.gate.weight is the router; mlp.experts.gate_up_proj (E, 2F, H) holds [w1 | w3] rows per expert and
+    mlp.experts.down_proj (E, H, F) holds w2 per expert."""
+    fused = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+    out = {}
+    for name, tensor in state.items():
+        match = fused.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        m = match.group(1) + "block_sparse_moe."
+        if match.group(2) == "gate.weight":
+            out[m + "gate.weight"] = tensor
+        elif match.group(2) == "experts.down_proj":
+            out.update({f"{m}experts.{e}.w2.weight": matrix for e, matrix in enumerate(tensor.unbind(0))})
+        else:
+            for e, matrix in enumerate(tensor.unbind(0)):
+                gate, up = matrix.chunk(2)
+                out.update({f"{m}experts.{e}.w1.weight": gate, f"{m}experts.{e}.w3.weight": up})
+    return out
