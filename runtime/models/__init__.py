@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from runtime.schema.families import folder_family
 from runtime.schema.model import ModelConfig, padded_vocab_size
 from runtime.models.gpt import GPTModel
 from runtime.models.init import materialize
@@ -35,8 +36,9 @@ _FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_
 
 def meta_model(cfg: ModelConfig) -> CausalLM:
     """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
+    model_class = _MODELS.get(cfg.architecture) or folder_family(cfg.architecture).model_class()
     with torch.device("meta"), SkipFillsOnMeta():
-        return _MODELS[cfg.architecture](cfg)
+        return model_class(cfg)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:

@@ -76,6 +76,8 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | 
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, base, scaling)
     # llama3: long wavelengths (past what the original context saw whole) slowed by `factor`, short ones kept,
     # and a linear blend between the two wavelength bounds.
     original = scaling.original_max_position_embeddings
@@ -85,6 +87,42 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | 
     smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     return torch.where(long, inv_freq / scaling.factor, torch.where(short, inv_freq, blended))
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: RopeScaling
+                              ) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): dims turning fewer than beta_slow times over the original
+    context are interpolated (divided by `factor`), those turning more than beta_fast times kept, and a linear ramp
+    between the two bounds (floored and ceiled when `truncate`)."""
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency makes `turns` turns in the original context
+        return head_dim * math.log(scaling.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low, high = dim_turning(scaling.beta_fast), dim_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature, so 1/sqrt(d) softmax logits scale by its
+    square); 1.0 for every other RoPE."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(factor: float, scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -111,8 +149,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(self.head_dim, self.base, self.scaling)
         angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)  # (P, d/2)
         angles = torch.cat([angles, angles], dim=-1)                                             # (P, d)
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
+        factor = rope_attention_factor(self.scaling)
+        self.cos.copy_(angles.cos() * factor)
+        self.sin.copy_(angles.sin() * factor)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,17 +182,44 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        # q: (B, nh, T, d); k, v: (B, ng, S, d) with nh a multiple of ng (GQA). mask: a SequenceLayout's, else
-        # plain causal (S = T).
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q: (B, nh, T, d); k, v: (B, ng, S, d) with nh a multiple of ng (GQA). mask: a SequenceLayout's (or a
+        # sliding window's), else plain causal (S = T). sinks: (nh,) per-head logits (attention sinks).
         if k.shape[1] != q.shape[1]:
             # Expanding here keeps SDPA on its fastest kernel; enable_gqa is not fused on every backend.
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)  # (B, nh, S, d)
             v = v.repeat_interleave(repeat, dim=1)
+        if sinks is not None:
+            return self._with_sinks(q, k, v, mask, sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0)
+
+    def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    sinks: torch.Tensor) -> torch.Tensor:
+        """Attention sinks (GPT-OSS): each head's learned logit joins every row's softmax denominator and attends
+        to nothing, so a query may give less than all of its attention to the keys. Spelled out: SDPA has no
+        place for the extra column."""
+        B, nh, T, S = *q.shape[:3], k.shape[2]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5                   # (B, nh, T, S)
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        column = sinks.to(scores.dtype).view(1, nh, 1, 1).expand(B, nh, T, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]       # the sink dropped
+        probs = F.dropout(probs, self.dropout, self.training)
+        return torch.matmul(probs.to(v.dtype), v)                                          # (B, nh, T, d)
+
+
+def sliding_window_mask(mask: torch.Tensor | None, queries: int, keys: int, window: int,
+                        device: torch.device) -> torch.Tensor:
+    """`mask` (or plain causal) narrowed to each query's last `window` keys, itself included (transformers'
+    sliding_window_overlay: key index > query index - window); queries are the last `queries` of `keys`."""
+    query = torch.arange(keys - queries, keys, device=device)[:, None]
+    key = torch.arange(keys, device=device)[None, :]
+    band = (key <= query) & (key > query - window)                                       # (T, S)
+    return band if mask is None else mask & band
 
 
 class Attention(nn.Module):
@@ -166,7 +232,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias: bool,
-                 proj_bias: bool, dropout: float, rotary: RotaryEmbedding | None, qk_norm_eps: float | None = None):
+                 proj_bias: bool, dropout: float, rotary: RotaryEmbedding | None, qk_norm_eps: float | None = None,
+                 sinks: bool = False, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
@@ -175,6 +242,10 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention(dropout)
         self.proj = nn.Linear(num_heads * head_dim, hidden, bias=proj_bias)
         self.rotary = rotary
+        # Attention sinks: one learned logit per head in every softmax denominator (CoreAttention._with_sinks);
+        # tensor parallelism keeps the rank's heads' entries. window: this layer's sliding window (None: full).
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.window = window
         # Seam for generation (runtime/generate.py): an object whose update(k, v) appends this step's keys and
         # values (B, T, ng, d) and returns all of them so far; the SequenceLayout's mask then covers them.
         self.kv_cache = None
@@ -194,12 +265,17 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that, and a
         # context-split row's documents.
-        if layout is None:
-            y = self.core_attention(q, k, v)
-        elif layout.documents is not None:
-            y = self.core_attention(q, k, v, documents=layout.documents)
+        mask = None if layout is None else layout.mask
+        if self.window is not None:
+            assert layout is None or layout.documents is None, "a context-split row has no sliding window"
+            mask = sliding_window_mask(mask, T, k.shape[2], self.window, q.device)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        if layout is None and mask is None:
+            y = self.core_attention(q, k, v, **extra)
+        elif layout is not None and layout.documents is not None:
+            y = self.core_attention(q, k, v, documents=layout.documents, **extra)
         else:
-            y = self.core_attention(q, k, v, layout.mask)
+            y = self.core_attention(q, k, v, mask, **extra)
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
         return self.proj(y)
 

@@ -168,6 +168,9 @@ def _parallelize_block(block: Block, axis: AxisGroup, sp: bool, fused: dict[str,
                                                       num_kv_heads=ng, head_dim=d)
     attn.proj = L.RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
     attn.num_heads, attn.num_kv_heads = nh // t, max(ng // t, 1)
+    if attn.sinks is not None:  # one logit per query head: the rank keeps its heads' (contiguous, as q's rows)
+        attn.sinks, sinks = L._param_from(attn.sinks, L.shard_rows([nh], axis.rank, t), 0)
+        attn.placements = {"sinks": sinks}
 
     mlp = block.mlp
     if isinstance(mlp, GeluMLP):

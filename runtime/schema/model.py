@@ -49,18 +49,27 @@ class RopeScaling:
 
     llama3 (Llama 3.1-3.3): wavelengths longer than original_max / low_freq_factor are divided by `factor`,
     shorter than original_max / high_freq_factor kept, and those in between blended smoothly.
-    linear (position interpolation): every frequency divided by `factor`."""
+    linear (position interpolation): every frequency divided by `factor`.
+    yarn (GPT-OSS, DeepSeek-V3): frequencies blended between divided by `factor` and kept, by a linear ramp over
+    the dims that turn between beta_slow and beta_fast times in the original context; cos and sin scaled by the
+    attention factor (attention_factor, or 0.1 ln(factor) + 1, or DeepSeek's mscale / mscale_all_dim ratio)."""
 
-    rope_type: str                                  # llama3 | linear (choices.ROPE_SCALING_TYPES)
+    rope_type: str                                  # llama3 | linear | yarn (choices.ROPE_SCALING_TYPES)
     factor: float
     low_freq_factor: float = 1.0                    # llama3 only
     high_freq_factor: float = 4.0                   # llama3 only
-    original_max_position_embeddings: int = 8192    # llama3 only
+    original_max_position_embeddings: int = 8192    # llama3 and yarn
+    beta_fast: float = 32.0                         # yarn only, from here on
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str                  # gpt | llama
+    architecture: str                  # gpt | llama | gpt_oss (runtime/families/gpt_oss)
     vocab_size: int                    # already padded (see padded_vocab_size)
     hidden_size: int
     num_layers: int
@@ -82,6 +91,10 @@ class ModelConfig:
     add_qkv_bias: bool = False             # llama only: biases on q, k and v, none on the output (Qwen2)
     qk_layernorm: bool = False             # llama only: RMSNorm over each query and key head before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None  # llama only
+    # Hugging Face's names: the window of the layers whose layer_types entry is "sliding_attention" (each query
+    # sees itself and the window - 1 keys before it); None: every layer full (gpt_oss only today).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # The same rules the stage parsers run, for models built in code (tests, benchmarks, conversion).
@@ -99,6 +112,9 @@ class ModelConfig:
             problems += [ROPE_SCALING_TYPES.problem("model.rope_scaling.rope_type", self.rope_scaling.rope_type)]
             problems += rules.rope_scaling(self.rope_scaling, "model.rope_scaling")
         for problem in problems:
+            report.error(problem)
+        for problem in rules.attention_layers(self.architecture, self.sliding_window, self.layer_types,
+                                              self.num_layers, ""):
             report.error(problem)
         report.error(rules.heads_groups(self.num_attention_heads, self.kv_heads, ""))
         for key in rules.DROPOUTS:
@@ -141,6 +157,8 @@ class ModelConfig:
             if moe.get("layers") is not None:
                 moe["layers"] = tuple(moe["layers"])
             kwargs["moe"] = MoEConfig(**moe)
+        if kwargs.get("layer_types") is not None:
+            kwargs["layer_types"] = tuple(kwargs["layer_types"])
         if isinstance(kwargs.get("rope_scaling"), Mapping):
             kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
         return cls(architecture=model["architecture"],

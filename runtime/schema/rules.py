@@ -189,8 +189,9 @@ LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
 
 def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
     """Keys only the Llama decoder computes (add_qkv_bias, qk_layernorm, rope_scaling): GPT has learned positions
-    and biases everywhere."""
-    if architecture == "llama":
+    and biases everywhere. GPT-OSS's decoder (runtime/families/gpt_oss) scales RoPE too and has its own biases."""
+    if architecture == "llama" or (architecture == "gpt_oss" and not switches.get("add_qkv_bias")
+                                   and not switches.get("qk_layernorm")):
         return []
     return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
             f"{p}model.architecture=llama or drop {p}model.{key}" for key, value in switches.items() if value]
@@ -202,6 +203,13 @@ def rope_scaling(scaling, key: str) -> list[str]:
     problems = []
     if not scaling.factor > 0:
         problems.append(f"{key}.factor: {scaling.factor} must be positive")
+    if scaling.rope_type == "yarn":
+        if scaling.original_max_position_embeddings <= 0:
+            problems.append(f"{key}.original_max_position_embeddings: "
+                            f"{scaling.original_max_position_embeddings} must be a positive integer")
+        if not scaling.beta_fast >= scaling.beta_slow > 0:
+            problems.append(f"{key}: beta_slow ({scaling.beta_slow}) must be positive and at most beta_fast "
+                            f"({scaling.beta_fast})")
     if scaling.rope_type == "llama3":
         if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
             problems.append(f"{key}: low_freq_factor ({scaling.low_freq_factor}) must be positive and below "
@@ -209,6 +217,29 @@ def rope_scaling(scaling, key: str) -> list[str]:
         if scaling.original_max_position_embeddings <= 0:
             problems.append(f"{key}.original_max_position_embeddings: "
                             f"{scaling.original_max_position_embeddings} must be a positive integer")
+    return problems
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layers(architecture: str, sliding_window: int | None, layer_types, num_layers: int,
+                     p: str) -> list[str]:
+    """model.sliding_window and model.layer_types (Hugging Face's names): a positive window, one known type per
+    layer; only GPT-OSS's attention builds a window today."""
+    key = f"{p}model"
+    problems = []
+    if (sliding_window is not None or layer_types is not None) and architecture != "gpt_oss":
+        return [f"{key}.sliding_window / layer_types: sliding-window attention is built for architecture=gpt_oss "
+                f"only; drop them"]
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window <= 0):
+        problems.append(f"{key}.sliding_window: {sliding_window} must be a positive integer or null")
+    if layer_types is not None:
+        if len(layer_types) != num_layers or any(t not in ATTENTION_LAYER_TYPES for t in layer_types):
+            problems.append(f"{key}.layer_types: {list(layer_types)} must name one of "
+                            f"{', '.join(ATTENTION_LAYER_TYPES)} for each of the {num_layers} layers")
+        elif "sliding_attention" in layer_types and sliding_window is None:
+            problems.append(f"{key}.layer_types: sliding_attention layers need {key}.sliding_window")
     return problems
 
 
@@ -443,7 +474,7 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     MLP's, which the experts do not have."""
     key = f"{p}model.moe"
     problems = []
-    if architecture != "llama":
+    if architecture not in ("llama", "gpt_oss"):
         problems.append(f"{key}: MoE layers are Mixtral's (SwiGLU experts in the Llama block); set "
                         f"{p}model.architecture=llama")
     if num_experts < 2:

@@ -378,9 +378,11 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
         keys["max_position_embeddings"] = shape.int("max_position_embeddings", seq, minimum=1)
     keys["make_vocab_size_divisible_by"] = shape.int("make_vocab_size_divisible_by", 128, minimum=1)
     keys["seed"] = _seed(shape)
-    for key in ("num_query_groups", "kv_channels"):
+    for key in ("num_query_groups", "kv_channels", "sliding_window"):
         if merged.get(key) is not None:
             keys[key] = shape.int(key, minimum=1)
+    if merged.get("layer_types") is not None:
+        keys["layer_types"] = shape.raw("layer_types")
     for key in ("rotary_base", "layernorm_epsilon", "init_method_std", *rules.DROPOUTS):
         if merged.get(key) is not None:
             keys[key] = shape.float(key, minimum=0.0)
@@ -535,6 +537,13 @@ def parse_rope_scaling(model: Section) -> RopeScaling | None:
         values.update(low_freq_factor=s.float("low_freq_factor", 1.0, minimum=0.0),
                       high_freq_factor=s.float("high_freq_factor", 4.0, minimum=0.0),
                       original_max_position_embeddings=s.int("original_max_position_embeddings", minimum=1))
+    if rope_type == "yarn":
+        values.update(original_max_position_embeddings=s.int("original_max_position_embeddings", minimum=1),
+                      beta_fast=s.float("beta_fast", 32.0, minimum=0.0), beta_slow=s.float("beta_slow", 1.0,
+                                                                                            minimum=0.0),
+                      truncate=s.bool("truncate", True))
+        optional = {key: s.float(key, None, minimum=0.0) for key in ("mscale", "mscale_all_dim", "attention_factor")}
+        values.update({key: value for key, value in optional.items() if value is not None})
     if rope_type is None or any(v is None for v in values.values()):
         return None  # reported
     scaling = RopeScaling(rope_type=rope_type, **values)
@@ -889,6 +898,13 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
                                         {k: shape.get(k) for k in rules.LLAMA_SWITCHES}, p):
         report.error(problem)
     report.error(rules.heads_groups(heads, groups, p))
+    layer_types = shape.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, (list, tuple)):
+        report.error(f"{p}model.layer_types: {layer_types!r} must be a list, one entry per layer")
+    else:
+        for problem in rules.attention_layers(shape.get("architecture", "llama"), shape.get("sliding_window"),
+                                              layer_types, shape["num_layers"], p):
+            report.error(problem)
     report.error(rules.heads_tp(heads, tp, p))
     report.error(rules.ffn_tp(shape["ffn_hidden_size"], tp, p))
     if heads % groups == 0:

@@ -9,11 +9,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from runtime.families import gpt_oss
 from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
 from runtime.schema.families.base import HFConfig
 
 # In export order: the first whose exports(cfg) holds writes the config.json.
-FAMILIES: tuple[ModuleType, ...] = (gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
+FAMILIES: tuple[ModuleType, ...] = (gpt_oss, gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
 HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
 
 
@@ -36,6 +37,12 @@ def family_for(cfg) -> ModuleType | None:
     return next((f for f in FAMILIES if f.exports(cfg)), None)
 
 
+def folder_family(architecture: str) -> ModuleType | None:
+    """The family folder (runtime/families/<name>) whose network is model.architecture=`architecture`: it builds
+    the model and names its weights (its model_class and weight_rules); None for gpt and llama, built here."""
+    return next((f for f in FAMILIES if getattr(f, "ARCHITECTURE", None) == architecture), None)
+
+
 def export_family(cfg) -> ModuleType:
     """The family an export of `cfg` is written as; ValueError names the key when none computes it exactly (a model
     trained with choices its family's transformers class does not make: token dropping, a sigmoid router, ...)."""
@@ -47,5 +54,5 @@ def export_family(cfg) -> ModuleType:
     return family
 
 
-__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_for", "family_of_model_type",
+__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_for", "family_of_model_type", "folder_family",
            "import_keys"]
