@@ -1,0 +1,123 @@
+# GPT-OSS (runtime/families/gpt_oss) against transformers' own GptOssForCausalLM, built tiny and at random with
+# everything that sets it apart non-trivial: attention sinks and biases, a sliding window (64) shorter than the
+# sequence on layer 0, the router's and the experts' biases, expert weights large enough that the clamped SwiGLU
+# clamps, YaRN with an original context (256) far shorter than the 1,100 tokens scored. Imported, our per-token
+# log-probs are transformers'; exported, transformers loads it with no missing or unexpected key, gives our logits,
+# and every tensor is bitwise the original.
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runtime.convert import load_hf_directory, save_hf_directory
+from runtime.models import ModelConfig, build_model
+from runtime.models.layers import rope_attention_factor, rope_inverse_frequencies
+from runtime.schema.model import RopeScaling, hf_model_keys
+
+transformers = pytest.importorskip("transformers")
+
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 256}
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=2048, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=YARN, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TOKENS = 1100
+
+
+def hf_model(**overrides):
+    config = transformers.GptOssConfig(**{**TINY, **overrides})
+    config._attn_implementation = "eager"  # GPT-OSS has no SDPA path in transformers
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("_bias"):  # norms, sinks, every bias
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif ".experts." in name:  # gate/up values well past swiglu_limit (7)
+                p.normal_(0.0, 1.5, generator=gen)
+            else:
+                p.mul_(5.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    hf = hf_model()
+    directory = tmp_path_factory.mktemp("gpt_oss") / "original"
+    hf.save_pretrained(directory)
+    return hf, directory
+
+
+def ours_from(directory):
+    state, keys, _ = load_hf_directory(directory)
+    cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size=128)
+    model = build_model(cfg).eval()
+    model.load_state_dict(state, strict=True)
+    return model, state, cfg
+
+
+def token_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def test_imports_exactly(original):
+    hf, directory = original
+    model, _, cfg = ours_from(directory)
+    assert cfg.architecture == "gpt_oss" and cfg.sliding_window == 64 and cfg.rope_scaling.rope_type == "yarn"
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.kv_channels == 16
+    ids = torch.randint(0, 128, (1, TOKENS), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert (token_log_probs(ours, ids) - token_log_probs(theirs, ids)).abs().max().item() <= 2e-4
+    # The window matters here: the same weights seen whole give other log-probs.
+    full = hf_model(layer_types=["full_attention"] * 2)
+    with torch.no_grad():
+        assert (token_log_probs(full(ids).logits, ids) - token_log_probs(theirs, ids)).abs().max().item() > 1e-2
+
+
+def test_exports_what_transformers_loads(original, tmp_path):
+    hf, directory = original
+    model, state, cfg = ours_from(directory)
+    out = save_hf_directory(tmp_path / "export", state, cfg, None)
+    again, info = transformers.GptOssForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    again.config._attn_implementation = "eager"
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
+        assert (model(ids) - again(ids).logits).abs().max().item() <= 1e-5
+    before, after = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == YARN and config["layer_types"] == TINY["layer_types"]
+
+
+@pytest.mark.parametrize("scaling", [
+    dict(factor=8.0, original_max_position_embeddings=256, truncate=False),
+    dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=16.0, beta_slow=2.0),  # truncated ramp
+    dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.707),  # DeepSeek-V3's
+    dict(factor=4.0, original_max_position_embeddings=512, attention_factor=1.25),
+])
+def test_yarn_matches_transformers(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.GptOssConfig(**{**TINY, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                      **scaling}})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    keys = hf_model_keys(config.to_dict())
+    ours = RopeScaling(**keys["rope_scaling"])
+    assert rope_attention_factor(ours) == pytest.approx(factor, rel=1e-12)
+    assert torch.allclose(rope_inverse_frequencies(16, keys["rotary_base"], ours).float(), inv_freq, rtol=1e-6)
+
+
+def test_quantized_weights_refused_in_one_line():
+    config = transformers.GptOssConfig(**TINY).to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    with pytest.raises(ValueError, match=r"^config.json quantization_config \(quant_method 'mxfp4'\): [^\n]*$"):
+        hf_model_keys(config)
