@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.models.init import materialize
-from runtime.models.layers import Block, GeluMLP, SwiGLU
+from runtime.models.layers import Attention, Block, GeluMLP, SwiGLU
 from runtime.models.moe import SparseMoE
 from runtime.schema import rules
 from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
@@ -65,6 +65,11 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if any(problems):
         raise ValueError(next(p for p in problems if p))
     recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
+    if topo.cp.size > 1 and any(isinstance(m, Attention) and (m.sinks is not None or m.window is not None)
+                                for m in model.modules()):
+        raise ValueError(f"training.model.context_parallel_size: {topo.cp.size} with attention sinks or a sliding "
+                         "window (model.architecture=gpt_oss): ring and Ulysses attention build neither; set "
+                         "context_parallel_size=1")
     seed = model.cfg.seed
     rules = model.init_rules() if any(p.is_meta for p in model.parameters()) else None  # read unsharded
     plan = ShardingPlan(topo.tp.size)

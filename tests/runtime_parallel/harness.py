@@ -54,6 +54,14 @@ QWEN3_MOE = dict(kv_channels=12, qk_layernorm=True,
                  moe=MoEConfig(num_experts=4, top_k=2, normalize_top_k_affinities=False, ffn_hidden_size=24,
                                layers=(1,), router_aux_loss_coef=0.02))
 
+# GPT-OSS (runtime/families/gpt_oss) on the Llama tiny shape: sinks and q/k/v/o biases, a head size of its own
+# (12), layer 0 sliding (a window of 4 of the 16 positions), YaRN with an original context of 4, and every layer a
+# MoE block with router and expert biases and the clamped SwiGLU.
+GPT_OSS = dict(architecture="gpt_oss", kv_channels=12, sliding_window=4,
+               layer_types=("sliding_attention", "full_attention"),
+               rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=4),
+               moe=MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02))
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
