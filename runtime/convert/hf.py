@@ -27,7 +27,7 @@ from runtime.schema.chat import chat_stop_ids, special_tokens, token_id
 from runtime.schema.families import export_family, family_for, folder_family
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
-from runtime.models import meta_model
+from runtime.models import family_module, meta_model
 
 # What a Hugging Face directory may hold besides weights: GPT-2's old causal-mask buffers (with or without OpenAI's
 # missing "transformer." prefix) and Llama's rotary inv_freq. Both readers drop them.
@@ -73,8 +73,8 @@ class _Rule:
 
 def _rules(cfg: ModelConfig) -> list[_Rule]:
     tied = cfg.share_embeddings_and_output_weights
-    if (family := folder_family(cfg.architecture)) is not None:
-        rules = family.weight_rules(cfg, _Rule)
+    if folder_family(cfg.architecture) is not None:
+        rules = family_module(cfg.architecture, "weights").weight_rules(cfg, _Rule)
     elif cfg.architecture == "gpt":
         rules = [_Rule("embed.word.weight", ("transformer.wte.weight",)),
                  _Rule("embed.position.weight", ("transformer.wpe.weight",))]

@@ -2,6 +2,8 @@
 # to these modules afterwards (habit 1 of the style guide), so a model reads top to bottom like a single-GPU one.
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -34,9 +36,15 @@ _FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_
           "xavier_normal_", "trunc_normal_", "ones_", "zeros_", "constant_"}
 
 
+def family_module(architecture: str, name: str):
+    """A folder family's torch-side module `name` (model: its network as `Model`; weights: its HF names), found by
+    name so that the family's torch-free package, which the launcher imports, names no torch module."""
+    return importlib.import_module(f"{folder_family(architecture).__name__}.{name}")
+
+
 def meta_model(cfg: ModelConfig) -> CausalLM:
     """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
-    model_class = _MODELS.get(cfg.architecture) or folder_family(cfg.architecture).model_class()
+    model_class = _MODELS.get(cfg.architecture) or family_module(cfg.architecture, "model").Model
     with torch.device("meta"), SkipFillsOnMeta():
         return model_class(cfg)
 
@@ -49,5 +57,5 @@ def build_model(cfg: ModelConfig) -> CausalLM:
     return model
 
 
-__all__ = ["CausalLM", "ModelConfig", "SkipFillsOnMeta", "build_model", "materialize", "meta_model",
-           "padded_vocab_size"]
+__all__ = ["CausalLM", "ModelConfig", "SkipFillsOnMeta", "build_model", "family_module", "materialize",
+           "meta_model", "padded_vocab_size"]

@@ -70,7 +70,7 @@ CASES = [
     (["training.precision.type=fp8"],
      "training.precision.type: 'fp8' is not one of fp32, bf16SR, mixed_precision, mixed_precisionSR, autocast"),
     ([f"{T}accelerator=tpu"], "training.trainer.accelerator: 'tpu' is not one of cpu, gpu, neuron; did you mean 'gpu'?"),
-    ([f"{M}architecture=mamba"], "training.model.architecture: 'mamba' is not one of gpt, llama; did you mean 'llama'?"),
+    ([f"{M}architecture=mamba"], "training.model.architecture: 'mamba' is not one of gpt, llama, gpt_oss; did you mean 'llama'?"),
     ([f"{M}activations_checkpoint_granularity=some"],
      "training.model.activations_checkpoint_granularity: 'some' is not one of null, full, selective"),
     ([f"{M}activations_checkpoint_recompute=[attn]"],

@@ -5,28 +5,14 @@
 # experts by expert (EP) and by hidden unit (TP: a run of interleaved gate/up pairs), the router and down_bias
 # whole (runtime/parallel/parallelize.py, runtime/parallel/experts.py).
 #
-# The family protocol of runtime/schema/families (MODEL_TYPES, TIED_DEFAULT, model_keys, exports, refusal,
-# hf_config), plus what a folder family adds: ARCHITECTURE (its model.architecture) and the torch-side hooks
-# model_class and weight_rules, imported when called.
+# This package is the family protocol of runtime/schema/families (MODEL_TYPES, TIED_DEFAULT, model_keys, exports,
+# refusal, hf_config) plus ARCHITECTURE (its model.architecture), all torch-free: the launcher imports it. The
+# torch side finds the rest by a folder family's convention: model.py's Model (the network) and weights.py's
+# weight_rules(cfg, rule) (runtime/models/__init__.py, runtime/convert/hf.py).
 from __future__ import annotations
 
 from runtime.families.gpt_oss.config import (ARCHITECTURE, MODEL_TYPES, TIED_DEFAULT, exports, hf_config,
                                              model_keys, refusal)
 
 
-def model_class():
-    """The network's class: CausalLM(cfg)."""
-    from runtime.families.gpt_oss.model import GptOssModel
-
-    return GptOssModel
-
-
-def weight_rules(cfg, rule):
-    """Our tensors <-> Hugging Face's, as `rule(ours, hf_names)` records (runtime/convert/hf.py's _Rule)."""
-    from runtime.families.gpt_oss.weights import weight_rules as rules
-
-    return rules(cfg, rule)
-
-
-__all__ = ["ARCHITECTURE", "MODEL_TYPES", "TIED_DEFAULT", "exports", "hf_config", "model_class", "model_keys",
-           "refusal", "weight_rules"]
+__all__ = ["ARCHITECTURE", "MODEL_TYPES", "TIED_DEFAULT", "exports", "hf_config", "model_keys", "refusal"]

@@ -45,3 +45,6 @@ class GptOssModel(CausalLM):
             elif name.endswith((".mlp.gate_up_bias", ".mlp.down_bias")):
                 rules[name] = Init("zeros")
         return rules
+
+
+Model = GptOssModel  # what runtime/models builds for model.architecture=gpt_oss
