@@ -259,6 +259,16 @@ def assert_learns(run: dict) -> None:
             assert torch.equal(run["state"][name], before.float()), f"frozen base weight {name} changed"
 
 
+def assert_trains_as_reference(rank: dict, ref: dict) -> None:
+    """One rank's run against the single-process one: the loss and grad norm of every step within 1e-5 relative,
+    the eval loss, and the objective's other figures."""
+    torch.testing.assert_close(torch.tensor(rank["losses"], dtype=torch.float64),
+                               torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
+    assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    assert_metrics_match(rank, ref)
+
+
 def assert_metrics_match(rank: dict, ref: dict) -> None:
     """The objective's other figures (preference rewards, accuracy, log-probs) per step and at eval."""
     for got, want in zip(rank["metrics"] + [rank["eval_metrics"]], ref["metrics"] + [ref["eval_metrics"]]):

@@ -48,11 +48,7 @@ def _assert_same(ranks: list[dict], ref: dict) -> None:
     merged: dict[str, torch.Tensor] = {}
     for rank in ranks:
         assert rank["losses"] == ranks[0]["losses"], "every rank reports the same loss"
-        torch.testing.assert_close(torch.tensor(rank["losses"], dtype=torch.float64),
-                                   torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]),
-                                   rtol=1e-5, atol=0)
-        assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+        H.assert_trains_as_reference(rank, ref)
         for name, value in rank["state"].items():
             if name in merged:  # replicas (and a pipeline's stages, each its own names) never drift apart
                 assert torch.equal(value, merged[name]), f"{name} differs between ranks"

@@ -22,7 +22,7 @@ _SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 def model_keys(hf) -> dict[str, Any]:
     """config.json (a runtime.schema.families.base.HFConfig) -> our `model:` keys."""
     from runtime.schema.families.base import HFConfig
-    from runtime.schema.families.decoder import decoder_keys
+    from runtime.schema.families.decoder import decoder_keys, softmax_moe_keys
 
     quantization = hf.data.get("quantization_config")
     if quantization:
@@ -43,10 +43,7 @@ def model_keys(hf) -> dict[str, Any]:
     keys.update(architecture=ARCHITECTURE, layer_types=list(layer_types))
     if "sliding_attention" in layer_types:
         keys["sliding_window"] = hf.count("sliding_window", _WINDOW)
-    keys["moe"] = {"num_experts": hf.count("num_local_experts"), "top_k": hf.count("num_experts_per_tok", 4),
-                   "frequency": 1, "capacity_factor": None,
-                   "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
-                   "normalize_top_k_affinities": True, "router_activation": "softmax"}
+    keys["moe"] = softmax_moe_keys(hf, top_k=4)
     return keys
 
 

@@ -30,3 +30,15 @@ def decoder_config(cfg) -> dict[str, Any]:
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
             "attention_dropout": cfg.attention_dropout, **rope_export(cfg)}
+
+
+def softmax_moe_keys(hf: HFConfig, *, top_k: int) -> dict[str, Any]:
+    """`model.moe` for a dropless MoE block in every layer whose router's top-k softmax weights are renormalized
+    (Mixtral's; GPT-OSS's softmax over the top-k logits is the same), from num_local_experts and
+    num_experts_per_tok (`top_k`: the family's default). transformers adds router_aux_loss_coef * the
+    load-balancing loss only with output_router_logits; the coefficient is still the model's recipe, so training
+    here uses it (computed per layer, see models/moe.py)."""
+    return {"num_experts": hf.count("num_local_experts"), "top_k": hf.count("num_experts_per_tok", top_k),
+            "frequency": 1, "capacity_factor": None,
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
+            "normalize_top_k_affinities": True, "router_activation": "softmax"}
