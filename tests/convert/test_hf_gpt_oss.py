@@ -121,3 +121,22 @@ def test_quantized_weights_refused_in_one_line():
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
     with pytest.raises(ValueError, match=r"^config.json quantization_config \(quant_method 'mxfp4'\): [^\n]*$"):
         hf_model_keys(config)
+
+
+def test_a_rank_reads_its_experts_and_columns_by_slices(original):
+    """What a rank holding experts 1 and 3 (ep2) and half of each expert's interleaved gate/up pairs (tp2) reads
+    straight from the safetensors file: exactly those values of the full tensors."""
+    from runtime.convert.hf import SlicedReader
+
+    _, directory = original
+    _, state, cfg = ours_from(directory)
+    reader = SlicedReader(directory, cfg)
+    assert reader.available
+    reader.check()
+    experts, columns = torch.tensor([1, 3]), torch.arange(16, 32)
+    gate_up = reader.read("layers.1.mlp.gate_up", {0: experts, 2: columns})
+    assert torch.equal(gate_up, state["layers.1.mlp.gate_up"][experts][:, :, columns])
+    bias = reader.read("layers.1.mlp.gate_up_bias", {0: experts, 1: columns})
+    assert torch.equal(bias, state["layers.1.mlp.gate_up_bias"][experts][:, columns])
+    heads = torch.tensor([2, 3])
+    assert torch.equal(reader.read("layers.0.attn.sinks", {0: heads}), state["layers.0.attn.sinks"][heads])

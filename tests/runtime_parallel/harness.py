@@ -201,10 +201,13 @@ def step_inputs(kind: str | None, step: int, vocab: int, topo: Topology, context
 
 def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
     """build_model's model, for full fine-tuning ('sft') as is, for 'lora' frozen with adapters on every projection
-    (GPT has no gate), each adapter's B drawn non-zero so the adapters act from the first step."""
+    (GPT has no gate; a model with MoE layers: the attention's only), each adapter's B drawn non-zero so the
+    adapters act from the first step."""
     model = build_model(cfg)
     if fine_tuning in ("lora", "dpo-lora"):
-        targets = tuple(t for t in LORA.target_modules if cfg.architecture == "llama" or t != "gate_proj")
+        mlp = () if cfg.moe else ("gate_proj", "up_proj", "down_proj") if cfg.architecture == "llama" else (
+            "up_proj", "down_proj")
+        targets = tuple(t for t in LORA.target_modules if t in mlp or t in ("q_proj", "k_proj", "v_proj", "o_proj"))
         apply_lora(model, dataclasses.replace(LORA, target_modules=targets), seed=cfg.seed)
         gen = torch.Generator().manual_seed(5)
         with torch.no_grad():

@@ -20,6 +20,8 @@ JOBS = {
     "gptoss-tp2": ("llama", H.GPT_OSS, L(tp=2)),
     "gptoss-tp2-sp": ("llama", H.GPT_OSS, L(tp=2, sequence_parallel=True)),
     "gptoss-ep2": ("llama", H.GPT_OSS, L(dp=2, ep=2)),
+    # LoRA on the attention's q, k, v and o (biased projections), sharded with them; the base frozen.
+    "gptoss-lora-tp2-sp": ("llama", {**H.GPT_OSS, "fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
 }
 # The pipeline harness's 4 layers: sliding and full alternating, one of each on each stage.
 PIPELINE = {**H.GPT_OSS, "layer_types": ("sliding_attention", "full_attention") * (P.NUM_LAYERS // 2)}
@@ -37,11 +39,11 @@ def pipeline_ranks():
 
 
 @functools.cache
-def reference(pipeline: bool) -> dict:
+def reference(name: str) -> dict:
     torch.set_num_threads(1)
-    if pipeline:
+    if name in PIPELINE_JOBS:
         return P.reference("llama", PIPELINE)
-    return H.train_job("llama", H.GPT_OSS, L())
+    return H.train_job("llama", JOBS[name][1], L())
 
 
 def _assert_same(ranks: list[dict], ref: dict) -> None:
@@ -62,12 +64,12 @@ def _assert_same(ranks: list[dict], ref: dict) -> None:
 @pytest.mark.parametrize("name", list(JOBS))
 @pytest.mark.long("its module fixture trains every layout under gloo once")
 def test_layout_trains_as_one_process(name, two_ranks):
-    _assert_same([r[name] for r in two_ranks], reference(False))
+    _assert_same([r[name] for r in two_ranks], reference(name))
 
 
 @pytest.mark.long("its module fixture trains the pipeline layout under gloo once")
 def test_pipeline_trains_as_one_process(pipeline_ranks):
-    _assert_same([r["gptoss-pp2"] for r in pipeline_ranks], reference(True))
+    _assert_same([r["gptoss-pp2"] for r in pipeline_ranks], reference("gptoss-pp2"))
 
 
 def test_context_parallel_refused_in_one_line():
