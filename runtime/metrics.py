@@ -16,6 +16,7 @@ import torch
 
 from runtime.peak_probe import Probe, cache_path, cached_probe, machine_key, read_cpuinfo
 from runtime.schema.facts import PEAK_TFLOPS, flops_per_token
+from runtime.schema.families import gated_mlp
 from runtime.schema.model import ModelConfig
 
 
@@ -25,7 +26,7 @@ def model_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     moe_args = {"moe_layers": sum(moe.is_moe_layer(i) for i in range(model.num_layers)), "moe_top_k": moe.top_k,
                 "moe_num_experts": moe.num_experts, "moe_ffn_hidden_size": moe.ffn_hidden_size} if moe else {}
     return flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
-                           model.kv_heads, model.vocab_size, seq_length, gated_mlp=model.architecture == "llama",
+                           model.kv_heads, model.vocab_size, seq_length, gated_mlp=gated_mlp(model.architecture),
                            head_dim=model.head_dim, **moe_args)
 
 

@@ -229,7 +229,7 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 def _norm_bytes(shape: ModelShape, residual: int) -> int:
     """Bytes a norm keeps per element: LayerNorm its input; the runtime's RMSNorm runs in fp32 on an upcast copy
     and keeps that copy and the normalized fp32 tensor (for the weight's gradient)."""
-    return 8 if shape.architecture == "llama" else residual
+    return residual if shape.architecture == "gpt" else 8
 
 
 def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = False) -> float:
@@ -294,7 +294,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
     layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
-    if shape.architecture == "llama":
+    if shape.architecture != "gpt":
         # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py), so a
         # device holds one pair whatever its number of layers.
         buffers += shape.max_position_embeddings * shape.head_dim * 2 * 4

@@ -24,6 +24,7 @@ from typing import Any
 
 from launcher.errors import UserError
 from runtime.schema import rules
+from runtime.schema.families import gated_mlp
 from runtime.schema.model import MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
@@ -81,7 +82,7 @@ class ModelShape:
 
     @property
     def gated_mlp(self) -> bool:      # llama's SwiGLU: three matrices of h x ffn instead of two
-        return self.architecture == "llama"
+        return gated_mlp(self.architecture)
 
     @property
     def has_bias(self) -> bool:       # GPT's linears and LayerNorms carry biases

@@ -11,6 +11,7 @@ from typing import Any
 ARCHITECTURE = "gpt_oss"
 MODEL_TYPES = ("gpt_oss",)
 TIED_DEFAULT = False
+GATED_MLP = True  # each expert's gate_up is 2 x ffn wide (runtime/schema/families.gated_mlp)
 # GptOssConfig's defaults where config.json leaves a key out.
 _THETA, _EPS, _WINDOW = 150000.0, 1e-5, 128
 _ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,

@@ -43,6 +43,13 @@ def folder_family(architecture: str) -> ModuleType | None:
     return next((f for f in FAMILIES if getattr(f, "ARCHITECTURE", None) == architecture), None)
 
 
+def gated_mlp(architecture: str) -> bool:
+    """Whether each MLP (or expert) is gated, three matrices of hidden x ffn rather than two (FLOPs, parameters and
+    activations count them): the Llama decoder's SwiGLU, and a folder family's when its GATED_MLP says so."""
+    family = folder_family(architecture)
+    return architecture == "llama" if family is None else family.GATED_MLP
+
+
 def export_family(cfg) -> ModuleType:
     """The family an export of `cfg` is written as; ValueError names the key when none computes it exactly (a model
     trained with choices its family's transformers class does not make: token dropping, a sigmoid router, ...)."""
@@ -55,4 +62,5 @@ def export_family(cfg) -> ModuleType:
 
 
 __all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_for", "family_of_model_type", "folder_family",
+           "gated_mlp",
            "import_keys"]
