@@ -152,7 +152,7 @@ def _intended(recipe: str) -> tuple[str, str]:
 RECIPES = [(group, recipe) for group in ("fine_tuning", "peft") for recipe in group_choices(group)
            if not recipe.startswith("hf/")]
 REAL_SIZE = [(group, recipe) for group, recipe in RECIPES if recipe != "llama/tiny"]
-VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768}
+VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768, "gpt_oss": 201088}
 
 
 def test_every_recipe_has_a_fine_tuning_and_a_lora_variant():
@@ -211,9 +211,27 @@ MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", 
               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1e6,
               "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 32768}
+# openai/gpt-oss-20b's config.json less its quantization_config (MXFP4, refused): a bf16 copy's; 120b is the same at
+# 36 layers and 128 experts.
+GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+               "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+               "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+               "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+               "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+               "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+               "output_router_logits": False, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+               "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+               "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+               "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18}
 HF_MODELS = {"Meta-Llama-3-8B": (LLAMA3_8B, 128256), "Meta-Llama-3-70B": (LLAMA3_70B, 128256),
              "Llama-3.1-8B": ({**LLAMA3_8B, **ROPE_3_1}, 128256), "Llama-3.1-70B": ({**LLAMA3_70B, **ROPE_3_1}, 128256),
-             "Mistral-7B-v0.3": (MISTRAL_7B, 32768)}
+             "Mistral-7B-v0.3": (MISTRAL_7B, 32768), "gpt-oss-20b-bf16": (GPT_OSS_20B, 201088),
+             "gpt-oss-120b-bf16": (GPT_OSS_120B, 201088)}
+# Models whose own tokenizer_config.json holds the chat template the recipe reads (chat_template: null).
+OWN_TEMPLATE = ("gpt-oss-20b-bf16", "gpt-oss-120b-bf16")
 # What the schema does not compute yet (docs/fine_tuning.md, Limits): refused at launch, never trained wrong.
 REFUSED: dict[str, str] = {}  # families whose published config.json the runtime cannot compute: none now
 
@@ -226,6 +244,8 @@ def hf_data_dir(tmp_path_factory) -> Path:
         (root / "hf" / name / "config.json").write_text(json.dumps(config))
         write_tokenizer(root / "hf" / name / "tokenizer.json", vocab)
         write_hf_weights(root / "hf" / name, config, vocab)
+        if name in OWN_TEMPLATE:
+            (root / "hf" / name / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     (root / "sft").mkdir()
     for split in ("train", "validation"):
         (root / "sft" / f"{split}.jsonl").write_text('{"prompt": "1 + 2", "completion": "3"}\n')
