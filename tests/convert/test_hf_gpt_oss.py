@@ -140,3 +140,38 @@ def test_a_rank_reads_its_experts_and_columns_by_slices(original):
     assert torch.equal(bias, state["layers.1.mlp.gate_up_bias"][experts][:, columns])
     heads = torch.tensor([2, 3])
     assert torch.equal(reader.read("layers.0.attn.sinks", {0: heads}), state["layers.0.attn.sinks"][heads])
+
+
+def test_lora_exports_merged_and_as_a_peft_adapter(original, tmp_path):
+    """Adapters on GPT-OSS's biased q, k, v and o: merged, transformers computes our adapted logits; as a PEFT
+    adapter over the imported directory, peft does."""
+    peft = pytest.importorskip("peft")
+    from runtime.convert.peft import save_adapter, to_peft
+    from runtime.models.lora import apply_lora, is_adapter, merge_lora
+    from runtime.schema.training_config import LoraConfig
+
+    _, directory = original
+    model, _, cfg = ours_from(directory)
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    apply_lora(model, lora, seed=0)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name):  # B starts at zero: random adapters make every segment's delta matter
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ours = model.eval()(ids)
+    save_hf_directory(tmp_path / "merged", merge_lora(model.state_dict(), cfg, lora.scale), cfg, None)
+    merged = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    merged.config._attn_implementation = "eager"
+    state, config = to_peft(model.state_dict(), cfg, lora, base_model_name_or_path=str(directory))
+    save_adapter(tmp_path / "adapter", state, config)
+    base = transformers.GptOssForCausalLM.from_pretrained(directory)
+    base.config._attn_implementation = "eager"
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    scale = ours.abs().max().item()  # relative to the largest logit, as test_hf_families.py compares
+    with torch.no_grad():
+        assert (merged(ids).logits - ours).abs().max().item() <= 1e-5 * scale
+        assert (adapted(ids).logits - ours).abs().max().item() <= 1e-5 * scale
+        assert (transformers.GptOssForCausalLM.from_pretrained(directory).eval()(ids).logits - ours).abs().max() > 1e-2
