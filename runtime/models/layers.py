@@ -212,11 +212,12 @@ class CoreAttention(nn.Module):
         return torch.matmul(probs.to(v.dtype), v)                                          # (B, nh, T, d)
 
 
-def sliding_window_mask(mask: torch.Tensor | None, queries: int, keys: int, window: int,
+def sliding_window_mask(mask: torch.Tensor | None, first: int, queries: int, keys: int, window: int,
                         device: torch.device) -> torch.Tensor:
     """`mask` (or plain causal) narrowed to each query's last `window` keys, itself included (transformers'
-    sliding_window_overlay: key index > query index - window); queries are the last `queries` of `keys`."""
-    query = torch.arange(keys - queries, keys, device=device)[:, None]
+    sliding_window_overlay: key index > query index - window); the queries are keys first .. first + queries - 1
+    (a KV cache's slots: the tokens before them are cached)."""
+    query = torch.arange(first, first + queries, device=device)[:, None]
     key = torch.arange(keys, device=device)[None, :]
     band = (key <= query) & (key > query - window)                                       # (T, S)
     return band if mask is None else mask & band
@@ -260,7 +261,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, None if layout is None else layout.positions)
+        first = 0  # the cache slot of this call's first token
         if self.kv_cache is not None:
+            first = self.kv_cache.length
             k, v = self.kv_cache.update(k, v)  # (B, S, ng, d): the cached tokens, then these
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that, and a
@@ -268,7 +271,7 @@ class Attention(nn.Module):
         mask = None if layout is None else layout.mask
         if self.window is not None:
             assert layout is None or layout.documents is None, "a context-split row has no sliding window"
-            mask = sliding_window_mask(mask, T, k.shape[2], self.window, q.device)
+            mask = sliding_window_mask(mask, first, T, k.shape[2], self.window, q.device)
         extra = {} if self.sinks is None else {"sinks": self.sinks}
         if layout is None and mask is None:
             y = self.core_attention(q, k, v, **extra)

@@ -175,3 +175,20 @@ def test_lora_exports_merged_and_as_a_peft_adapter(original, tmp_path):
         assert (merged(ids).logits - ours).abs().max().item() <= 1e-5 * scale
         assert (adapted(ids).logits - ours).abs().max().item() <= 1e-5 * scale
         assert (transformers.GptOssForCausalLM.from_pretrained(directory).eval()(ids).logits - ours).abs().max() > 1e-2
+
+
+def test_generates_what_transformers_generates(tmp_path):
+    """Greedy decoding through our KV cache (a batch of two prompts, left-padded) with a window of 8, which the
+    prompts and the new tokens both cross: each row's tokens are transformers' for that prompt alone."""
+    from runtime.generate import generate
+
+    hf = hf_model(sliding_window=8)
+    hf.save_pretrained(tmp_path / "hf")
+    model, _, _ = ours_from(tmp_path / "hf")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (30, 21)]
+    with torch.no_grad():
+        ours = generate(model, prompts, max_new_tokens=20, vocab_size=128)
+        for prompt, tokens in zip(prompts, ours):
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
+            assert tokens == theirs.tolist()
