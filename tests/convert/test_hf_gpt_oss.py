@@ -147,18 +147,14 @@ def test_lora_exports_merged_and_as_a_peft_adapter(original, tmp_path):
     adapter over the imported directory, peft does."""
     peft = pytest.importorskip("peft")
     from runtime.convert.peft import save_adapter, to_peft
-    from runtime.models.lora import apply_lora, is_adapter, merge_lora
+    from runtime.models.lora import merge_lora
     from runtime.schema.training_config import LoraConfig
+    from tests.convert.test_peft_export import with_random_adapters
 
     _, directory = original
     model, _, cfg = ours_from(directory)
     lora = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
-    apply_lora(model, lora, seed=0)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if is_adapter(name):  # B starts at zero: random adapters make every segment's delta matter
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    with_random_adapters(model, lora)
     ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         ours = model.eval()(ids)
