@@ -188,3 +188,18 @@ def test_generates_what_transformers_generates(tmp_path):
         for prompt, tokens in zip(prompts, ours):
             theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
             assert tokens == theirs.tolist()
+
+
+def test_absent_keys_take_gpt_oss_config_defaults():
+    """A config.json without head_dim, num_key_value_heads, rope settings, layer_types or sliding_window reads them
+    as GptOssConfig does (64, 8, YaRN x32 over 4096, sliding first then alternating, 128), not as a Llama's."""
+    config = {key: value for key, value in transformers.GptOssConfig(**TINY).to_dict().items()
+              if key not in ("head_dim", "num_key_value_heads", "rope_parameters", "rope_scaling", "rope_theta",
+                             "layer_types", "sliding_window")}
+    theirs = transformers.GptOssConfig(**config)
+    keys = hf_model_keys(config)
+    assert keys["kv_channels"] == theirs.head_dim == 64 and keys["num_query_groups"] == theirs.num_key_value_heads
+    assert keys["layer_types"] == theirs.layer_types and keys["sliding_window"] == theirs.sliding_window
+    assert keys["rotary_base"] == theirs.rope_parameters["rope_theta"]
+    scaling = {k: v for k, v in keys["rope_scaling"].items() if v is not None}
+    assert scaling == {k: v for k, v in theirs.rope_parameters.items() if k != "rope_theta"}

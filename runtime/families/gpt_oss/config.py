@@ -14,6 +14,8 @@ TIED_DEFAULT = False
 GATED_MLP = True  # each expert's gate_up is 2 x ffn wide (runtime/schema/families.gated_mlp)
 # GptOssConfig's defaults where config.json leaves a key out.
 _THETA, _EPS, _WINDOW = 150000.0, 1e-5, 128
+# What the shared decoder reader would otherwise take as hidden / heads and as plain multi-head attention.
+_DEFAULTS = {"head_dim": 64, "num_key_value_heads": 8}
 _ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
          "original_max_position_embeddings": 4096}
 # The clamped SwiGLU's constants, fixed in our experts (runtime/models/moe.py clamped_swiglu's defaults).
@@ -34,8 +36,10 @@ def model_keys(hf) -> dict[str, Any]:
     hf.require("attention_bias", (True,), True)
     for key, value in _SWIGLU.items():
         hf.require(key, (value,), value)
+    absent = {key: value for key, value in _DEFAULTS.items() if hf.data.get(key) is None}
     if hf.data.get("rope_scaling") is None and hf.data.get("rope_parameters") is None:
-        hf = HFConfig({**hf.data, "rope_parameters": _ROPE})
+        absent["rope_parameters"] = _ROPE
+    hf = HFConfig({**hf.data, **absent})
     keys = decoder_keys(hf, theta=_THETA, eps=_EPS)
     layers = keys["num_layers"]
     layer_types = hf.get("layer_types", None)
