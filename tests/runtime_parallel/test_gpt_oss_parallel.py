@@ -4,6 +4,7 @@ after the steps (sinks split by head, experts by expert and by interleaved gate/
 down_bias whole) within 1e-5. Context parallelism is refused in one line. One spawn for tp/ep, one for pp."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -20,6 +21,12 @@ JOBS = {
     "gptoss-tp2": ("llama", H.GPT_OSS, L(tp=2)),
     "gptoss-tp2-sp": ("llama", H.GPT_OSS, L(tp=2, sequence_parallel=True)),
     "gptoss-ep2": ("llama", H.GPT_OSS, L(dp=2, ep=2)),
+    # With a capacity (the trn1 recipes' fixed expert batches): the same assignments dropped, down_bias added once.
+    "gptoss-capacity-ep2": ("llama", {**H.GPT_OSS, "moe": dataclasses.replace(H.GPT_OSS["moe"], capacity_factor=0.65)},
+                            L(dp=2, ep=2)),
+    "gptoss-capacity-tp2-sp": ("llama", {**H.GPT_OSS, "moe": dataclasses.replace(H.GPT_OSS["moe"],
+                                                                                capacity_factor=0.65)},
+                               L(tp=2, sequence_parallel=True)),
     # LoRA on the attention's q, k, v and o (biased projections), sharded with them; the base frozen.
     "gptoss-lora-tp2-sp": ("llama", {**H.GPT_OSS, "fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
 }
@@ -51,6 +58,8 @@ def _assert_same(ranks: list[dict], ref: dict) -> None:
     for rank in ranks:
         assert rank["losses"] == ranks[0]["losses"], "every rank reports the same loss"
         H.assert_trains_as_reference(rank, ref)
+        if "dropped" in rank:  # with a capacity: the same assignments dropped (the pipeline harness omits it)
+            assert rank["dropped"] == ref["dropped"]
         for name, value in rank["state"].items():
             if name in merged:  # replicas (and a pipeline's stages, each its own names) never drift apart
                 assert torch.equal(value, merged[name]), f"{name} differs between ranks"
