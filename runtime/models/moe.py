@@ -51,7 +51,11 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
     """num_experts * sum_e (assignments to e / tokens) * (mean probability of e): 1.0 when perfectly balanced
     with top_k = 1 (top_k when every slot is balanced), larger as the router concentrates."""
     tokens = routing.probs.shape[0]
-    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.probs.dtype)
+    # A sum of ones rather than torch.bincount, whose output size depends on the values: on XLA it read them back
+    # to the host, once per MoE layer and micro-batch, cutting the step's graph there.
+    assignments = routing.experts.flatten()
+    counts = routing.probs.new_zeros(num_experts).index_add(0, assignments, torch.ones_like(assignments,
+                                                                                             dtype=routing.probs.dtype))
     return num_experts * torch.sum(counts / tokens * routing.probs.mean(dim=0))
 
 
