@@ -39,7 +39,7 @@ KNOWN_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257, "qwen2_5
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    architecture: str            # gpt | llama | gpt_oss
+    architecture: str            # gpt | llama | a folder family's (runtime/families/<name>)
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int

@@ -74,7 +74,7 @@ class _Rule:
 def _rules(cfg: ModelConfig) -> list[_Rule]:
     tied = cfg.share_embeddings_and_output_weights
     if folder_family(cfg.architecture) is not None:
-        rules = family_module(cfg.architecture, "weights").weight_rules(cfg, _Rule)
+        rules = family_module(cfg.architecture, "weights").rules(cfg, _Rule)
     elif cfg.architecture == "gpt":
         rules = [_Rule("embed.word.weight", ("transformer.wte.weight",)),
                  _Rule("embed.position.weight", ("transformer.wpe.weight",))]

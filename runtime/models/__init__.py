@@ -37,14 +37,14 @@ _FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_
 
 
 def family_module(architecture: str, name: str):
-    """A folder family's torch-side module `name` (model: its network as `Model`; weights: its HF names), found by
+    """A folder family's torch-side module `name` (model: its network as `MODEL`; weights: its HF names), found by
     name so that the family's torch-free package, which the launcher imports, names no torch module."""
     return importlib.import_module(f"{folder_family(architecture).__name__}.{name}")
 
 
 def meta_model(cfg: ModelConfig) -> CausalLM:
     """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
-    model_class = _MODELS.get(cfg.architecture) or family_module(cfg.architecture, "model").Model
+    model_class = _MODELS.get(cfg.architecture) or family_module(cfg.architecture, "model").MODEL
     with torch.device("meta"), SkipFillsOnMeta():
         return model_class(cfg)
 

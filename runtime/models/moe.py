@@ -121,7 +121,7 @@ class SparseMoE(nn.Module):
     """(B, T, H) -> (B, T, H). Parameters: router.weight (E, H); experts' gate_up (E, H, 2F) and down (E, F, H),
     each expert's SwiGLU as in layers.SwiGLU (gate first, then up).
 
-    GPT-OSS's block (runtime/families/gpt_oss) sets three switches: router_bias (router.bias (E,)), expert_bias
+    Three switches make GPT-OSS's block: router_bias (router.bias (E,)), expert_bias
     (gate_up_bias (E, 2F) added before the activation, down_bias (E, H) after each expert's output is whole) and
     expert_activation="clamped_swiglu" (clamped_swiglu above, gate_up's columns interleaved gate/up per unit)."""
 

@@ -68,8 +68,8 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if topo.cp.size > 1 and any(isinstance(m, Attention) and (m.sinks is not None or m.window is not None)
                                 for m in model.modules()):
         raise ValueError(f"training.model.context_parallel_size: {topo.cp.size} with attention sinks or a sliding "
-                         "window (model.architecture=gpt_oss): ring and Ulysses attention build neither; set "
-                         "context_parallel_size=1")
+                         f"window (model.architecture={model.cfg.architecture}): ring and Ulysses attention build "
+                         "neither; set context_parallel_size=1")
     seed = model.cfg.seed
     rules = model.init_rules() if any(p.is_meta for p in model.parameters()) else None  # read unsharded
     plan = ShardingPlan(topo.tp.size)

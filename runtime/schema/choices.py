@@ -3,9 +3,10 @@
 # NxD Training's): they are read as the canonical name. A name that means something else is refused at launch.
 from __future__ import annotations
 
+from runtime.schema.families import FOLDER_ARCHITECTURES
 from runtime.schema.reader import Choices
 
-ARCHITECTURES = Choices(("gpt", "llama", "gpt_oss"))
+ARCHITECTURES = Choices(("gpt", "llama", *FOLDER_ARCHITECTURES))
 # model.rope_scaling.rope_type (Hugging Face's rope_type): the RoPE scalings our rotary tables compute exactly as
 # transformers does. Others (longrope, dynamic NTK: tables that change with the sequence length) are refused at
 # launch.

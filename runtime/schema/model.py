@@ -69,7 +69,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str                  # gpt | llama | gpt_oss (runtime/families/gpt_oss)
+    architecture: str                  # gpt | llama | a folder family's (runtime/families/<name>)
     vocab_size: int                    # already padded (see padded_vocab_size)
     hidden_size: int
     num_layers: int
@@ -92,7 +92,7 @@ class ModelConfig:
     qk_layernorm: bool = False             # llama only: RMSNorm over each query and key head before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None  # llama only
     # Hugging Face's names: the window of the layers whose layer_types entry is "sliding_attention" (each query
-    # sees itself and the window - 1 keys before it); None: every layer full (gpt_oss only today).
+    # sees itself and the window - 1 keys before it); None: every layer full (a folder family that declares them).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
 

@@ -188,13 +188,16 @@ LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
 
 
 def llama_switches(architecture: str, switches: dict, p: str) -> list[str]:
-    """Keys only the Llama decoder computes (add_qkv_bias, qk_layernorm, rope_scaling): GPT has learned positions
-    and biases everywhere. GPT-OSS's decoder (runtime/families/gpt_oss) scales RoPE too and has its own biases."""
-    if architecture == "llama" or (architecture == "gpt_oss" and not switches.get("add_qkv_bias")
-                                   and not switches.get("qk_layernorm")):
-        return []
-    return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
-            f"{p}model.architecture=llama or drop {p}model.{key}" for key, value in switches.items() if value]
+    """Keys only some architectures compute: the Llama decoder's (add_qkv_bias, qk_layernorm, rope_scaling; GPT
+    has learned positions and biases everywhere), or what a folder family declares (its SWITCHES)."""
+    from runtime.schema.families import computed_switches  # deferred: the registry imports the families
+
+    allowed = computed_switches(architecture, LLAMA_SWITCHES)
+    if architecture == "gpt":
+        return [f"{p}model.{key}: the Llama decoder's key (GPT has learned positions and biases everywhere); set "
+                f"{p}model.architecture=llama or drop {p}model.{key}" for key, value in switches.items() if value]
+    return [f"{p}model.{key}: architecture={architecture} does not compute it; drop {p}model.{key}"
+            for key, value in switches.items() if value and key not in allowed]
 
 
 def rope_scaling(scaling, key: str) -> list[str]:
@@ -226,12 +229,15 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 def attention_layers(architecture: str, sliding_window: int | None, layer_types, num_layers: int,
                      p: str) -> list[str]:
     """model.sliding_window and model.layer_types (Hugging Face's names): a positive window, one known type per
-    layer; only GPT-OSS's attention builds a window today."""
+    layer, on an architecture that builds windows (a folder family whose SWITCHES name them)."""
     key = f"{p}model"
     problems = []
-    if (sliding_window is not None or layer_types is not None) and architecture != "gpt_oss":
-        return [f"{key}.sliding_window / layer_types: sliding-window attention is built for architecture=gpt_oss "
-                f"only; drop them"]
+    from runtime.schema.families import computed_switches  # deferred: the registry imports the families
+
+    if (sliding_window is not None or layer_types is not None) and "sliding_window" not in computed_switches(
+            architecture, LLAMA_SWITCHES):
+        return [f"{key}.sliding_window / layer_types: architecture={architecture} has no sliding-window attention; "
+                f"drop them"]
     if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window <= 0):
         problems.append(f"{key}.sliding_window: {sliding_window} must be a positive integer or null")
     if layer_types is not None:
@@ -474,7 +480,9 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     MLP's, which the experts do not have."""
     key = f"{p}model.moe"
     problems = []
-    if architecture not in ("llama", "gpt_oss"):
+    from runtime.schema.families import computed_switches  # deferred: the registry imports the families
+
+    if architecture != "llama" and "moe" not in computed_switches(architecture, LLAMA_SWITCHES):
         problems.append(f"{key}: MoE layers are Mixtral's (SwiGLU experts in the Llama block); set "
                         f"{p}model.architecture=llama")
     if num_experts < 2:

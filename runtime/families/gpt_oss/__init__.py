@@ -6,12 +6,14 @@
 # whole (runtime/parallel/parallelize.py, runtime/parallel/experts.py).
 #
 # This package is the family protocol of runtime/schema/families (MODEL_TYPES, TIED_DEFAULT, model_keys, exports,
-# refusal, hf_config) plus ARCHITECTURE (its model.architecture) and GATED_MLP, all torch-free: the launcher imports it. The
-# torch side finds the rest by a folder family's convention: model.py's Model (the network) and weights.py's
-# weight_rules(cfg, rule) (runtime/models/__init__.py, runtime/convert/hf.py).
+# refusal, hf_config) plus ARCHITECTURE (its model.architecture), GATED_MLP and SWITCHES (the ModelConfig keys it
+# computes beyond the common shape, which runtime/schema/rules.py reads), all torch-free: the launcher imports it.
+# The torch side finds the rest by a folder family's convention: model.py's MODEL (the network) and weights.py's
+# rules(cfg, rule) (runtime/models/__init__.py, runtime/convert/hf.py).
 from __future__ import annotations
 
-from runtime.families.gpt_oss.config import (ARCHITECTURE, GATED_MLP, MODEL_TYPES, TIED_DEFAULT, exports,
-                                             hf_config, model_keys, refusal)
+from runtime.families.gpt_oss.config import (ARCHITECTURE, GATED_MLP, MODEL_TYPES, SWITCHES, TIED_DEFAULT,
+                                             exports, hf_config, model_keys, refusal)
 
-__all__ = ["ARCHITECTURE", "GATED_MLP", "MODEL_TYPES", "TIED_DEFAULT", "exports", "hf_config", "model_keys", "refusal"]
+__all__ = ["ARCHITECTURE", "GATED_MLP", "MODEL_TYPES", "SWITCHES", "TIED_DEFAULT", "exports", "hf_config",
+           "model_keys", "refusal"]

@@ -12,6 +12,8 @@ ARCHITECTURE = "gpt_oss"
 MODEL_TYPES = ("gpt_oss",)
 TIED_DEFAULT = False
 GATED_MLP = True  # each expert's gate_up is 2 x ffn wide (runtime/schema/families.gated_mlp)
+# The ModelConfig keys it computes beyond the common shape (as the Gemma 3 folder declares its own).
+SWITCHES = ("rope_scaling", "sliding_window", "layer_types", "moe")
 # GptOssConfig's defaults where config.json leaves a key out.
 _THETA, _EPS, _WINDOW = 150000.0, 1e-5, 128
 # What the shared decoder reader would otherwise take as hidden / heads and as plain multi-head attention.

@@ -47,4 +47,4 @@ class GptOssModel(CausalLM):
         return rules
 
 
-Model = GptOssModel  # what runtime/models builds for model.architecture=gpt_oss
+MODEL = GptOssModel  # what runtime/models builds for model.architecture=gpt_oss

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 
-def weight_rules(cfg, rule) -> list:
+def rules(cfg, rule) -> list:
     d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
     qkv_rows = (heads * d, kv * d, kv * d)
-    rules = [rule("embed.word.weight", ("model.embed_tokens.weight",))]
+    names = [rule("embed.word.weight", ("model.embed_tokens.weight",))]
     for i in range(cfg.num_layers):
         o, h = f"layers.{i}.", f"model.layers.{i}."
-        rules += [rule(o + "attn.qkv." + kind, tuple(f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"), qkv_rows)
+        names += [rule(o + "attn.qkv." + kind, tuple(f"{h}self_attn.{p}_proj.{kind}" for p in "qkv"), qkv_rows)
                   for kind in ("weight", "bias")]
         renames = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
                    "attn.proj.weight": "self_attn.o_proj.weight", "attn.proj.bias": "self_attn.o_proj.bias",
@@ -18,6 +18,6 @@ def weight_rules(cfg, rule) -> list:
                    "mlp.router.bias": "mlp.router.bias", "mlp.gate_up": "mlp.experts.gate_up_proj",
                    "mlp.gate_up_bias": "mlp.experts.gate_up_proj_bias", "mlp.down": "mlp.experts.down_proj",
                    "mlp.down_bias": "mlp.experts.down_proj_bias"}
-        rules += [rule(o + ours, (h + theirs,)) for ours, theirs in renames.items()]
-    rules.append(rule("final_norm.weight", ("model.norm.weight",)))
-    return rules
+        names += [rule(o + ours, (h + theirs,)) for ours, theirs in renames.items()]
+    names.append(rule("final_norm.weight", ("model.norm.weight",)))
+    return names

@@ -16,6 +16,8 @@ from runtime.schema.families.base import HFConfig
 # In export order: the first whose exports(cfg) holds writes the config.json.
 FAMILIES: tuple[ModuleType, ...] = (gpt_oss, gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
 HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
+# The model.architecture of each folder family (runtime/families/<name>), after gpt and llama.
+FOLDER_ARCHITECTURES: tuple[str, ...] = tuple(f.ARCHITECTURE for f in FAMILIES if hasattr(f, "ARCHITECTURE"))
 
 
 def family_of_model_type(model_type: Any) -> ModuleType:
@@ -39,8 +41,15 @@ def family_for(cfg) -> ModuleType | None:
 
 def folder_family(architecture: str) -> ModuleType | None:
     """The family folder (runtime/families/<name>) whose network is model.architecture=`architecture`: it builds
-    the model and names its weights (its model_class and weight_rules); None for gpt and llama, built here."""
+    the model and names its weights (its model.py MODEL and weights.py rules); None for gpt and llama, built here."""
     return next((f for f in FAMILIES if getattr(f, "ARCHITECTURE", None) == architecture), None)
+
+
+def computed_switches(architecture: str, llama: tuple[str, ...]) -> tuple[str, ...]:
+    """The ModelConfig switches an architecture computes: the Llama decoder's (`llama`, rules.LLAMA_SWITCHES), a
+    folder family's SWITCHES, none for GPT."""
+    family = folder_family(architecture)
+    return llama if architecture == "llama" else family.SWITCHES if family is not None else ()
 
 
 def gated_mlp(architecture: str) -> bool:
@@ -61,6 +70,5 @@ def export_family(cfg) -> ModuleType:
     return family
 
 
-__all__ = ["FAMILIES", "HF_MODEL_TYPES", "HFConfig", "export_family", "family_for", "family_of_model_type", "folder_family",
-           "gated_mlp",
-           "import_keys"]
+__all__ = ["FAMILIES", "FOLDER_ARCHITECTURES", "HF_MODEL_TYPES", "HFConfig", "computed_switches", "export_family", "family_for",
+           "family_of_model_type", "folder_family", "gated_mlp", "import_keys"]
