@@ -331,9 +331,9 @@ def test_weights_of_another_model_are_refused_before_submitting(tmp_path):
             ({}, "fine_tuning.model.layernorm_epsilon: ", "layernorm_epsilon 1e-05 (config.json: 1e-06)"),
             ({"model_type": "mistral_moe"}, "fine_tuning.model.restore_from_path: ",
              "{folder}/config.json: config.json model_type='mistral_moe' is not supported"),
-            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "fine_tuning.model.restore_from_path: ",
-             "config.json rope_type='yarn' (rope_scaling / rope_parameters) is not supported; supported: default, "
-             "linear, llama3")):
+            ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "fine_tuning.model.restore_from_path: ",
+             "config.json rope_type='dynamic' (rope_scaling / rope_parameters) is not supported; supported: default, "
+             "linear, llama3, yarn")):
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         root.mkdir()
         folder = _hf_dir(root, **changes)
