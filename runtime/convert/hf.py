@@ -553,18 +553,26 @@ class SlicedReader:
 
     def _matrix(self, rule: _Rule, parts: tuple[str, ...], select: dict) -> torch.Tensor:
         """One of our matrices (or vectors): the row-wise concatenation of `parts`, transposed if the rule says,
-        read at `select` (at most one dim)."""
+        read at `select` (at most one dim, unless a plain rename)."""
+
+        def checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            check_weight(name, tensor, self.files[name])  # this rank's part: the ranks together check it all
+            return tensor
+
+        if len(parts) == 1 and not rule.transpose:  # a rename: the bounding box of every selected dim, then picked
+            part = self._slice(parts[0])
+            box = [slice(int(select[d].min()), int(select[d].max()) + 1) if d in select else slice(None)
+                   for d in range(len(part.get_shape()))]
+            block = checked(parts[0], part[tuple(box)])
+            for d, index in select.items():
+                block = block.index_select(d, index - box[d].start)
+            return block
         if len(select) > 1:
             raise ValueError(f"{rule.ours}: a selection along more than one dim of a matrix is not supported")
         dim, index = next(iter(select.items())) if select else (None, None)
         if dim is not None and rule.transpose:
             dim = 1 - dim  # the dim of the stored (pre-transpose) matrix
         pieces = []
-
-        def checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            check_weight(name, tensor, self.files[name])  # this rank's part: the ranks together check it all
-            return tensor
-
         if dim == 0:  # rows: each part gives the selected rows that fall in it
             out, start = None, 0
             for name, rows in zip(parts, rule.rows or (None,)):

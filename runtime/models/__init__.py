@@ -34,8 +34,9 @@ _FILLS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "kaiming_
 
 def meta_model(cfg: ModelConfig) -> CausalLM:
     """The model with every parameter on the meta device: shapes and names, no memory, no initialization."""
+    model_class = network_class(cfg.architecture)  # imported outside the meta device: module-level tensors are real
     with torch.device("meta"), SkipFillsOnMeta():
-        return network_class(cfg.architecture)(cfg)
+        return model_class(cfg)
 
 
 def network_class(name: str) -> type[CausalLM]:
@@ -53,4 +54,4 @@ def build_model(cfg: ModelConfig) -> CausalLM:
 
 
 __all__ = ["CausalLM", "ModelConfig", "SkipFillsOnMeta", "build_model", "materialize", "meta_model",
-           "padded_vocab_size"]
+           "network_class", "padded_vocab_size"]

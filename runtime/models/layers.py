@@ -87,6 +87,8 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | 
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, base, scaling)
     # llama3: long wavelengths (past what the original context saw whole) slowed by `factor`, short ones kept,
     # and a linear blend between the two wavelength bounds.
     original = scaling.original_max_position_embeddings
@@ -96,6 +98,42 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | 
     smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
     return torch.where(long, inv_freq / scaling.factor, torch.where(short, inv_freq, blended))
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: RopeScaling
+                              ) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): dims turning fewer than beta_slow times over the original
+    context are interpolated (divided by `factor`), those turning more than beta_fast times kept, and a linear ramp
+    between the two bounds (floored and ceiled when `truncate`)."""
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency makes `turns` turns in the original context
+        return head_dim * math.log(scaling.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low, high = dim_turning(scaling.beta_fast), dim_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature, so 1/sqrt(d) softmax logits scale by its
+    square); 1.0 for every other RoPE."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(factor: float, scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -122,8 +160,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(self.head_dim, self.base, self.scaling)
         angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64), inv_freq)  # (P, d/2)
         angles = torch.cat([angles, angles], dim=-1)                                             # (P, d)
-        self.cos.copy_(angles.cos())
-        self.sin.copy_(angles.sin())
+        factor = rope_attention_factor(self.scaling)
+        self.cos.copy_(angles.cos() * factor)
+        self.sin.copy_(angles.sin() * factor)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,18 +197,19 @@ def sliding_window_mask(queries: int, keys: int, window: int, device, first: int
 
 class CoreAttention(nn.Module):
     """softmax(q k^T * scale + causal) v, scale 1/sqrt(d) unless given; with `window`, each query sees only the
-    keys fewer than `window` positions back (sliding-window attention). Its own module so selective activation
-    checkpointing can target it."""
+    keys fewer than `window` positions back (sliding-window attention); with `sinks`, each head's learned logit
+    joins every softmax denominator (attention sinks). Its own module so selective activation checkpointing can
+    target it."""
 
     def __init__(self, dropout: float, *, scale: float | None = None, window: int | None = None):
         super().__init__()
         self.dropout, self.scale, self.window = dropout, scale, window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                first_query: int | None = None) -> torch.Tensor:
+                first_query: int | None = None, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: (B, nh, T, d); k, v: (B, ng, S, d) with nh a multiple of ng (GQA). mask: a SequenceLayout's, else
         # plain causal (S = T). first_query: the key index of query 0 (a KV cache's filled length before this
-        # call; None: the queries are the last T keys), which only the window reads.
+        # call; None: the queries are the last T keys), which only the window reads. sinks: (nh,) per-head logits.
         if k.shape[1] != q.shape[1]:
             # Expanding here keeps SDPA on its fastest kernel; enable_gqa is not fused on every backend.
             repeat = q.shape[1] // k.shape[1]
@@ -178,15 +218,34 @@ class CoreAttention(nn.Module):
         if self.window is not None:
             band = sliding_window_mask(q.shape[2], k.shape[2], self.window, q.device, first_query)
             mask = band if mask is None else mask & band
+        if sinks is not None:
+            return self._with_sinks(q, k, v, mask, sinks)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0, scale=self.scale)
+
+    def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    sinks: torch.Tensor) -> torch.Tensor:
+        """Attention sinks (GPT-OSS): each head's learned logit joins every row's softmax denominator and attends
+        to nothing, so a query may give less than all of its attention to the keys. Spelled out: SDPA has no
+        place for the extra column."""
+        B, nh, T, S = *q.shape[:3], k.shape[2]
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale                                 # (B, nh, T, S)
+        if mask is None:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        column = sinks.to(scores.dtype).view(1, nh, 1, 1).expand(B, nh, T, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]       # the sink dropped
+        probs = F.dropout(probs, self.dropout, self.training)
+        return torch.matmul(probs.to(v.dtype), v)                                          # (B, nh, T, d)
 
 
 class Attention(nn.Module):
     """Causal self-attention with one fused QKV projection laid out [Q (nh*d) | K (ng*d) | V (ng*d)]
     (ModelConfig.fused_segments), optionally with an RMSNorm over each query and key head before RoPE (Qwen3's
     q_norm / k_norm: weights of size d shared by all heads; `norm` makes them another RMSNorm class). `scale` and
-    `window` are CoreAttention's (a softmax scale of its own, sliding-window attention).
+    `window` are CoreAttention's (a softmax scale of its own, sliding-window attention); `sinks` gives each head a
+    learned logit in every softmax denominator (attention sinks).
 
     `num_heads` / `num_kv_heads` are the heads this module computes; tensor parallelism lowers them to the
     rank's share after slicing `qkv` and `proj`.
@@ -194,7 +253,8 @@ class Attention(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias: bool,
                  proj_bias: bool, dropout: float, rotary: RotaryEmbedding | None, qk_norm_eps: float | None = None,
-                 norm: type[RMSNorm] = RMSNorm, scale: float | None = None, window: int | None = None):
+                 norm: type[RMSNorm] = RMSNorm, scale: float | None = None, window: int | None = None,
+                 sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv = nn.Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
@@ -203,6 +263,8 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention(dropout, scale=scale, window=window)
         self.proj = nn.Linear(num_heads * head_dim, hidden, bias=proj_bias)
         self.rotary = rotary
+        # Tensor parallelism keeps the rank's heads' entries of the sinks.
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         # Seam for generation (runtime/generate.py): an object whose update(k, v) appends this step's keys and
         # values (B, T, ng, d) and returns all of them so far; the SequenceLayout's mask then covers them.
         self.kv_cache = None
@@ -217,19 +279,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, None if layout is None else layout.positions)
-        cached = None
+        cached = {}
         if self.kv_cache is not None:
             cached = {"first_query": self.kv_cache.length}  # where these queries' keys go in the cache
             k, v = self.kv_cache.update(k, v)  # (B, S, ng, d): the cached tokens, then these
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
         # Without a layout the call stays (q, k, v): context parallelism's attentions take exactly that, and a
         # context-split row's documents.
         if layout is None:
-            y = self.core_attention(q, k, v)
+            y = self.core_attention(q, k, v, **cached, **extra)
         elif layout.documents is not None:
-            y = self.core_attention(q, k, v, documents=layout.documents)
+            y = self.core_attention(q, k, v, documents=layout.documents, **extra)
         else:
-            y = self.core_attention(q, k, v, layout.mask, **(cached or {}))
+            y = self.core_attention(q, k, v, layout.mask, **cached, **extra)
         y = y.transpose(1, 2).reshape(B, T, nh * d)  # (B, T, nh d)
         return self.proj(y)
 

@@ -51,7 +51,11 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
     """num_experts * sum_e (assignments to e / tokens) * (mean probability of e): 1.0 when perfectly balanced
     with top_k = 1 (top_k when every slot is balanced), larger as the router concentrates."""
     tokens = routing.probs.shape[0]
-    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.probs.dtype)
+    # A sum of ones rather than torch.bincount, whose output size depends on the values: on XLA it read them back
+    # to the host, once per MoE layer and micro-batch, cutting the step's graph there.
+    assignments = routing.experts.flatten()
+    counts = routing.probs.new_zeros(num_experts).index_add(0, assignments, torch.ones_like(assignments,
+                                                                                             dtype=routing.probs.dtype))
     return num_experts * torch.sum(counts / tokens * routing.probs.mean(dim=0))
 
 
@@ -102,14 +106,33 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, scale: float) 
     return AuxLossScaler.apply(output, aux_loss, scale)
 
 
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert activation on (..., 2F) columns interleaved [g0, u0, g1, u1, ...] -> (..., F): gate
+    clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate_up[..., ::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class SparseMoE(nn.Module):
     """(B, T, H) -> (B, T, H). Parameters: router.weight (E, H); experts' gate_up (E, H, 2F) and down (E, F, H),
-    each expert's SwiGLU as in layers.SwiGLU (gate first, then up)."""
+    each expert's SwiGLU as in layers.SwiGLU (gate first, then up).
+
+    Three switches make GPT-OSS's block: router_bias (router.bias (E,)), expert_bias
+    (gate_up_bias (E, 2F) added before the activation, down_bias (E, H) after each expert's output is whole) and
+    expert_activation="clamped_swiglu" (clamped_swiglu above, gate_up's columns interleaved gate/up per unit)."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, capacity_factor: float | None = None,
                  activation: str = "softmax", normalize_top_k: bool = True, aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0):
+                 z_loss_coef: float = 0.0, router_bias: bool = False, expert_bias: bool = False,
+                 expert_activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
         super().__init__()
+        if expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert_activation: {expert_activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
+        self.expert_activation, self.swiglu_alpha, self.swiglu_limit = expert_activation, swiglu_alpha, swiglu_limit
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"moe.top_k: {top_k} must be from 1 to num_experts ({num_experts})")
         if activation not in ROUTER_ACTIVATIONS:
@@ -117,9 +140,11 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.ffn = num_experts, top_k, ffn
         self.capacity_factor, self.activation, self.normalize_top_k = capacity_factor, activation, normalize_top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.router = nn.Linear(hidden, num_experts, bias=router_bias)
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.down = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * ffn)) if expert_bias else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if expert_bias else None
         # How the experts are reached when they are spread over ranks (runtime/parallel/experts.py installs it):
         # None is one process holding them all. The model itself stays plain.
         self.parallel = None
@@ -180,6 +205,8 @@ class SparseMoE(nn.Module):
             results = self.experts(rows, flat_expert, presorted=True)
         else:
             results = self.parallel.dispatch(self, rows, flat_expert)
+        if self.down_bias is not None:  # whole on every rank: added at home, once, after the TP sum
+            results = results + self.down_bias[flat_expert].to(results.dtype)
         out = tokens.new_zeros(tokens.shape)
         return out.index_add(0, flat_token, results * weights.flatten()[order].unsqueeze(-1))
 
@@ -195,6 +222,8 @@ class SparseMoE(nn.Module):
         padded = tokens.new_zeros(self.num_experts, limit + 1, H).index_put((flat_expert, row), tokens[flat_token])
         padded = padded[:, :limit]
         out = self.expert_batches(padded) if self.parallel is None else self.parallel.exchange(self, padded)
+        if self.down_bias is not None:
+            out = out + self.down_bias.unsqueeze(1).to(out.dtype)
         out = F.pad(out, (0, 0, 0, 1))                                                  # the spare row: zeros
         results = out[flat_expert, row] * weights.flatten().unsqueeze(-1)
         return tokens.new_zeros(tokens.shape).index_add(0, flat_token, results)
@@ -223,8 +252,15 @@ class SparseMoE(nn.Module):
         par = self.parallel if summed else None
         if par is not None:
             padded = par.enter_experts(padded)
-        gate, up = torch.bmm(padded, self.gate_up).chunk(2, dim=-1)                     # (E, C, F) each
-        out = torch.bmm(F.silu(gate) * up, self.down)                                   # (E, C, H)
+        gate_up = torch.bmm(padded, self.gate_up)                                       # (E, C, 2F)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias.unsqueeze(1)
+        if self.expert_activation == "clamped_swiglu":
+            hidden = clamped_swiglu(gate_up, self.swiglu_alpha, self.swiglu_limit)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)                                         # (E, C, F) each
+            hidden = F.silu(gate) * up
+        out = torch.bmm(hidden, self.down)                                              # (E, C, H)
         return out if par is None else par.leave_experts(out)
 
 

@@ -103,8 +103,12 @@ def apply_expert_parallel(model: nn.Module, topo: Topology, plan: ShardingPlan, 
         local = module.num_experts // ep.size
         experts = torch.arange(ep.rank * local, (ep.rank + 1) * local)
         ffn = module.ffn
-        shards = {"gate_up": (2, L.shard_rows([ffn, ffn], tp.rank, tp.size), 2 * ffn),  # [gate_r | up_r]
-                  "down": (1, L.shard_rows([ffn], tp.rank, tp.size), ffn)}
+        # gate_up's columns: [gate_r | up_r] blocks, or one run of the interleaved gate/up pairs (clamped_swiglu)
+        segments = [2 * ffn] if module.expert_activation == "clamped_swiglu" else [ffn, ffn]
+        columns = L.shard_rows(segments, tp.rank, tp.size)
+        shards = {"gate_up": (2, columns, 2 * ffn), "down": (1, L.shard_rows([ffn], tp.rank, tp.size), ffn)}
+        if module.gate_up_bias is not None:  # down_bias stays whole: added once, after the TP sum (models/moe.py)
+            shards["gate_up_bias"] = (1, columns, 2 * ffn)
         for name, (dim, rows, full_size) in shards.items():
             kept = getattr(module, name).detach().index_select(0, experts)
             tp_shard = {}

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.models.init import materialize
-from runtime.models.layers import Block, GeluMLP, SwiGLU
+from runtime.models.layers import Attention, Block, GeluMLP, SwiGLU
 from runtime.models.moe import SparseMoE
 from runtime.schema import rules
 from runtime.schema.choices import CHECKPOINT_GRANULARITIES, RECOMPUTE_MODULES
@@ -68,6 +68,10 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if any(problems):
         raise ValueError(next(p for p in problems if p))
     recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
+    if topo.cp.size > 1 and any(isinstance(m, Attention) and m.sinks is not None for m in model.modules()):
+        raise ValueError(f"training.model.context_parallel_size: {topo.cp.size} with attention sinks "
+                         f"(model.architecture={model.cfg.architecture}): ring and Ulysses attention have no sink "
+                         "column; set context_parallel_size=1")
     seed = model.cfg.seed
     rules = model.init_rules() if any(p.is_meta for p in model.parameters()) else None  # read unsharded
     plan = ShardingPlan(topo.tp.size)
@@ -172,6 +176,9 @@ def _parallelize_block(block: Block, axis: AxisGroup, sp: bool, fused: dict[str,
                                                       num_kv_heads=ng, head_dim=d)
     attn.proj = L.RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
     attn.num_heads, attn.num_kv_heads = nh // t, max(ng // t, 1)
+    if attn.sinks is not None:  # one logit per query head: the rank keeps its heads' (contiguous, as q's rows)
+        attn.sinks, sinks = L._param_from(attn.sinks, L.shard_rows([nh], axis.rank, t), 0)
+        attn.placements = {"sinks": sinks}
 
     mlp = block.mlp
     if isinstance(mlp, GeluMLP):

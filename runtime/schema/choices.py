@@ -8,9 +8,9 @@ from runtime.schema.reader import Choices
 
 ARCHITECTURES = Choices(tuple(_ARCHITECTURES))  # runtime/schema/families, the registry
 # model.rope_scaling.rope_type (Hugging Face's rope_type): the RoPE scalings our rotary tables compute exactly as
-# transformers does. Others (yarn, longrope, dynamic NTK: extra attention factors, or tables that change with the
-# sequence length) are refused at launch.
-ROPE_SCALING_TYPES = Choices(("llama3", "linear"))
+# transformers does. Others (longrope, dynamic NTK: tables that change with the sequence length) are refused at
+# launch.
+ROPE_SCALING_TYPES = Choices(("llama3", "linear", "yarn"))
 ACCELERATORS = Choices(("cpu", "gpu", "neuron"))
 # NxD Training's precision.type names; 'manual' (each flag set by hand) has no counterpart here.
 PRECISION_TYPES = Choices(("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast"))

@@ -49,18 +49,27 @@ class RopeScaling:
 
     llama3 (Llama 3.1-3.3): wavelengths longer than original_max / low_freq_factor are divided by `factor`,
     shorter than original_max / high_freq_factor kept, and those in between blended smoothly.
-    linear (position interpolation): every frequency divided by `factor`."""
+    linear (position interpolation): every frequency divided by `factor`.
+    yarn (GPT-OSS, DeepSeek-V3): frequencies blended between divided by `factor` and kept, by a linear ramp over
+    the dims that turn between beta_slow and beta_fast times in the original context; cos and sin scaled by the
+    attention factor (attention_factor, or 0.1 ln(factor) + 1, or DeepSeek's mscale / mscale_all_dim ratio)."""
 
-    rope_type: str                                  # llama3 | linear (choices.ROPE_SCALING_TYPES)
+    rope_type: str                                  # llama3 | linear | yarn (choices.ROPE_SCALING_TYPES)
     factor: float
     low_freq_factor: float = 1.0                    # llama3 only
     high_freq_factor: float = 4.0                   # llama3 only
-    original_max_position_embeddings: int = 8192    # llama3 only
+    original_max_position_embeddings: int = 8192    # llama3 and yarn
+    beta_fast: float = 32.0                         # yarn only, from here on
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str                  # gpt | llama
+    architecture: str                  # gpt | llama | a folder family's (runtime/families/<name>)
     vocab_size: int                    # already padded (see padded_vocab_size)
     hidden_size: int
     num_layers: int

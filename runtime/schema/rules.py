@@ -236,6 +236,13 @@ def rope_scaling(scaling, key: str) -> list[str]:
     problems = []
     if not scaling.factor > 0:
         problems.append(f"{key}.factor: {scaling.factor} must be positive")
+    if scaling.rope_type == "yarn":
+        if scaling.original_max_position_embeddings <= 0:
+            problems.append(f"{key}.original_max_position_embeddings: "
+                            f"{scaling.original_max_position_embeddings} must be a positive integer")
+        if not scaling.beta_fast >= scaling.beta_slow > 0:
+            problems.append(f"{key}: beta_slow ({scaling.beta_slow}) must be positive and at most beta_fast "
+                            f"({scaling.beta_fast})")
     if scaling.rope_type == "llama3":
         if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
             problems.append(f"{key}: low_freq_factor ({scaling.low_freq_factor}) must be positive and below "

@@ -538,6 +538,13 @@ def parse_rope_scaling(model: Section) -> RopeScaling | None:
         values.update(low_freq_factor=s.float("low_freq_factor", 1.0, minimum=0.0),
                       high_freq_factor=s.float("high_freq_factor", 4.0, minimum=0.0),
                       original_max_position_embeddings=s.int("original_max_position_embeddings", minimum=1))
+    if rope_type == "yarn":
+        values.update(original_max_position_embeddings=s.int("original_max_position_embeddings", minimum=1),
+                      beta_fast=s.float("beta_fast", 32.0, minimum=0.0), beta_slow=s.float("beta_slow", 1.0,
+                                                                                            minimum=0.0),
+                      truncate=s.bool("truncate", True))
+        optional = {key: s.float(key, None, minimum=0.0) for key in ("mscale", "mscale_all_dim", "attention_factor")}
+        values.update({key: value for key, value in optional.items() if value is not None})
     if rope_type is None or any(v is None for v in values.values()):
         return None  # reported
     scaling = RopeScaling(rope_type=rope_type, **values)

@@ -33,6 +33,10 @@ FAMILIES = {
                            tie_word_embeddings=True)),
     "qwen2_5": ("Qwen2Config", "Qwen2ForCausalLM",
                 dict(max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True)),
+    # Qwen2.5's long-context setting: YaRN (x4 over an original 16), its attention factor on cos and sin.
+    "qwen2_5_yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(max_position_embeddings=64, rope_theta=1e6, tie_word_embeddings=True,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
     # Qwen3's head size (20) is not hidden / heads (12): q has 80 rows, not 48.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(max_position_embeddings=64, rope_theta=1e6, head_dim=20)),
     # Qwen3-MoE: 8 experts of their own size (24), top 2 not renormalized, and layer 1 of 3 dense (mlp_only_layers)

@@ -28,6 +28,17 @@ PEFT_SECTION = {"peft_scheme": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_
 TOLERANCE = 1e-5
 
 
+def with_random_adapters(model, lora: LoraConfig) -> None:
+    """`lora`'s adapters on `model`, every one random: B starts at zero, and random adapters make every segment's
+    delta matter."""
+    apply_lora(model, lora, seed=0)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+
+
 @pytest.fixture
 def run(tmp_path):
     """A tiny GQA Llama (vocab padded from the tokenizer as the runtime pads it) with non-zero adapters on all
@@ -40,12 +51,7 @@ def run(tmp_path):
     model = build_model(cfg).eval()
     _make_every_weight_matter(model)
     base = {n: t.clone() for n, t in model.state_dict().items()}
-    apply_lora(model, LORA, seed=0)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if is_adapter(name):  # B starts at zero: random adapters make every segment's delta matter
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    with_random_adapters(model, LORA)
     save_hf_directory(tmp_path / "base_hf", base, cfg, str(tokenizer))
     _, hf_keys, _ = load_hf_directory(tmp_path / "base_hf")
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}

@@ -152,7 +152,7 @@ def _intended(recipe: str) -> tuple[str, str]:
 RECIPES = [(group, recipe) for group in ("fine_tuning", "peft") for recipe in group_choices(group)
            if not recipe.startswith("hf/")]
 REAL_SIZE = [(group, recipe) for group, recipe in RECIPES if recipe != "llama/tiny"]
-VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768, "gemma3": 262144}
+VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768, "gemma3": 262144, "gpt_oss": 201088}
 
 
 def test_every_recipe_has_a_fine_tuning_and_a_lora_variant():
@@ -227,13 +227,29 @@ GEMMA3 = {"1b": GEMMA3_1B,
                   "num_attention_heads": 16, "num_key_value_heads": 8},
           "27b": {**GEMMA3_TEXT, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
                   "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168}}
+# openai/gpt-oss-20b's config.json less its quantization_config (MXFP4, refused): a bf16 copy's; 120b is the same at
+# 36 layers and 128 experts.
+GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+               "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+               "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+               "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+               "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+               "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+               "output_router_logits": False, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+               "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+               "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+               "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 18}
 HF_MODELS = {"Meta-Llama-3-8B": (LLAMA3_8B, 128256), "Meta-Llama-3-70B": (LLAMA3_70B, 128256),
              "Llama-3.1-8B": ({**LLAMA3_8B, **ROPE_3_1}, 128256), "Llama-3.1-70B": ({**LLAMA3_70B, **ROPE_3_1}, 128256),
-             "Mistral-7B-v0.3": (MISTRAL_7B, 32768),
+             "Mistral-7B-v0.3": (MISTRAL_7B, 32768), "gpt-oss-20b-bf16": (GPT_OSS_20B, 201088),
+             "gpt-oss-120b-bf16": (GPT_OSS_120B, 201088),
              **{("gemma-3-1b-pt" if size == "1b" else f"gemma-3-{size}-text"): (config, 262144)
                 for size, config in GEMMA3.items()}}
 # Directories whose tokenizer_config.json holds the chat template their recipes read (model.data.chat_template null).
-OWN_CHAT_TEMPLATE = {name for name in HF_MODELS if name.startswith("gemma-3")}
+OWN_CHAT_TEMPLATE = {name for name in HF_MODELS if name.startswith(("gemma-3", "gpt-oss"))}
 # What the schema does not compute yet (docs/fine_tuning.md, Limits): refused at launch, never trained wrong.
 REFUSED: dict[str, str] = {}  # families whose published config.json the runtime cannot compute: none now
 
@@ -364,9 +380,9 @@ def test_weights_of_another_model_are_refused_before_submitting(tmp_path):
              "max_position_embeddings 2048 (config.json: 4096)"),
             ({"model_type": "mistral_moe"}, "fine_tuning.model.restore_from_path: ",
              "{folder}/config.json: config.json model_type='mistral_moe' is not supported"),
-            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "fine_tuning.model.restore_from_path: ",
-             "config.json rope_type='yarn' (rope_scaling / rope_parameters) is not supported; supported: default, "
-             "linear, llama3")):
+            ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "fine_tuning.model.restore_from_path: ",
+             "config.json rope_type='dynamic' (rope_scaling / rope_parameters) is not supported; supported: default, "
+             "linear, llama3, yarn")):
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         root.mkdir()
         folder = _hf_dir(root, **changes)

@@ -61,6 +61,14 @@ QWEN3_MOE = dict(kv_channels=12, qk_layernorm=True,
                  moe=MoEConfig(num_experts=4, top_k=2, normalize_top_k_affinities=False, ffn_hidden_size=24,
                                layers=(1,), router_aux_loss_coef=0.02))
 
+# GPT-OSS (runtime/families/gpt_oss) on the Llama tiny shape: sinks and q/k/v/o biases, a head size of its own
+# (12), layer 0 sliding (a window of 4 of the 16 positions), YaRN with an original context of 4, and every layer a
+# MoE block with router and expert biases and the clamped SwiGLU.
+GPT_OSS = dict(architecture="gpt_oss", kv_channels=12, sliding_window=4,
+               layer_types=("sliding_attention", "full_attention"),
+               rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=4),
+               moe=MoEConfig(num_experts=4, top_k=2, router_aux_loss_coef=0.02))
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -200,10 +208,12 @@ def step_inputs(kind: str | None, step: int, vocab: int, topo: Topology, context
 
 def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
     """build_model's model, for full fine-tuning ('sft') as is, for 'lora' frozen with adapters on every projection
-    (GPT has no gate), each adapter's B drawn non-zero so the adapters act from the first step."""
+    (GPT has no gate; a model with MoE layers: the attention's only), each adapter's B drawn non-zero so the
+    adapters act from the first step."""
     model = build_model(cfg)
     if fine_tuning in ("lora", "dpo-lora"):
-        targets = tuple(t for t in LORA.target_modules if cfg.gated_mlp or t != "gate_proj")
+        mlp = () if cfg.moe else ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj")
+        targets = tuple(t for t in LORA.target_modules if t in mlp or t in ("q_proj", "k_proj", "v_proj", "o_proj"))
         apply_lora(model, dataclasses.replace(LORA, target_modules=targets), seed=cfg.seed)
         gen = torch.Generator().manual_seed(5)
         with torch.no_grad():
@@ -256,6 +266,16 @@ def assert_learns(run: dict) -> None:
             assert not torch.equal(run["state"][name], before.float()), f"adapter {name} did not train"
         else:
             assert torch.equal(run["state"][name], before.float()), f"frozen base weight {name} changed"
+
+
+def assert_trains_as_reference(rank: dict, ref: dict) -> None:
+    """One rank's run against the single-process one: the loss and grad norm of every step within 1e-5 relative,
+    the eval loss, and the objective's other figures."""
+    torch.testing.assert_close(torch.tensor(rank["losses"], dtype=torch.float64),
+                               torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(rank["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
+    assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    assert_metrics_match(rank, ref)
 
 
 def assert_metrics_match(rank: dict, ref: dict) -> None:

@@ -67,7 +67,7 @@ def test_activation_checkpointing_gives_identical_loss_and_grads(arch, granulari
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="model.architecture: 'bert' is not one of gpt, llama"):
+    with pytest.raises(ValueError, match="model.architecture: 'bert' is not one of gpt, llama, gemma3, gpt_oss"):
         H.tiny_config("gpt", architecture="bert")
     with pytest.raises(ValueError, match="model.num_query_groups: 3 does not divide num_attention_heads 4"):
         H.tiny_config("llama", num_query_groups=3)

@@ -66,7 +66,7 @@ _DELETE = object()
         ("model.micro_batch_size", 0, "training.model.micro_batch_size: 0 must be a positive integer"),
         ("model.global_batch_size", 10, "training.model.global_batch_size: 10 is not divisible by micro_batch_size × data-parallel size = 4 × 2 = 8"),
         ("model.tensor_model_parallel_size", 3, "the padded vocabulary 256 \\(201 tokens rounded up to a multiple of 128\\) is not divisible by tensor_model_parallel_size 3"),
-        ("model.architecture", "mamba", "training.model.architecture: 'mamba' is not one of gpt, llama"),
+        ("model.architecture", "mamba", "training.model.architecture: 'mamba' is not one of gpt, llama, gemma3, gpt_oss"),
         ("model.hidden_size", 130, "training.model.hidden_size: 130 is not divisible by num_attention_heads 4"),
         ("model.optim.betas", [0.9], r"training.model.optim.betas: \[0.9\] is invalid"),
         ("model.optim.name", "sgd", "training.model.optim.name: 'sgd' is not one of adamw"),

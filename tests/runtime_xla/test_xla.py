@@ -48,6 +48,14 @@ FAMILY = dict(kv_channels=12, add_qkv_bias=True, qk_layernorm=True,
               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 4})
 
+# GPT-OSS (runtime/families/gpt_oss; tests/runtime_parallel/harness.py GPT_OSS): attention sinks spelled out, layer
+# 0 sliding (a window of 4), YaRN, and MoE experts with biases and the clamped SwiGLU at a capacity factor, whose
+# fixed expert batches keep a step one graph (dropless batches would follow the routing).
+GPT_OSS = dict(architecture="gpt_oss", kv_channels=12, sliding_window=4,
+               layer_types=["sliding_attention", "full_attention"],
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+               moe={"num_experts": 4, "top_k": 2, "capacity_factor": 2.0, "router_aux_loss_coef": 0.02})
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -115,9 +123,10 @@ def _losses(config) -> list[float]:
     return [r["loss"] for r in _rows(config)]
 
 
-def _assert_fixed_graphs(config, graphs_per_step: int | None = 1) -> None:
+def _assert_fixed_graphs(config, graphs_per_step: int | None = 1, logged: int = 0) -> None:
     """After warm-up nothing compiles, and every steady step runs the same graphs and device-to-host transfers:
-    one and one in one process (graphs_per_step=1), a fixed number where host-staged collectives cut the step.
+    one and one in one process (graphs_per_step=1), a fixed number where host-staged collectives cut the step;
+    a logged read, `logged` of each (MoE layers: 1, their statistics, runtime/models/moe.py step_stats).
 
     Row n of metrics.jsonl counts what ran since row n-1: step n and its logged read, and the validation and save
     of step n-1. Warm-up: row 1 (the first step and its logged read), row EVERY + 1 (the first validation and
@@ -143,7 +152,7 @@ def _assert_fixed_graphs(config, graphs_per_step: int | None = 1) -> None:
             assert window["validation"][1:] == first["validation"][1:] and window["save"][1:] == first["save"][1:]
     if graphs_per_step is not None:
         assert steady["step"][1:] == [graphs_per_step, 1], steady
-        assert steady["logging"] == [0, 0, 0], steady
+        assert steady["logging"] == [0, logged, logged], steady
         first = rows[EVERY]["xla_window"]  # one graph and one transfer for a validation; a save's are its writer's
         assert first["validation"][1:] == [1, 1] and first["save"] == [0, 0, 0], first
 
@@ -172,21 +181,22 @@ def compiled_first(data, tmp_path_factory):
 
 @pytest.mark.long("two processes: the CPU reference, and an XLA:CPU run that imports torch-xla and compiles its "
                   "step, validation and save graphs before they run (for GPT, after the compile step's run)")
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt_oss"])
 def test_single_process_on_xla_matches_cpu_and_compiles_nothing_after_warm_up(data, arch, request):
-    switches = FAMILY if arch == "llama" else {}
-    cpu = _train(_config(data, f"cpu_{arch}", accelerator="cpu", arch=arch, **switches))
+    switches = {"llama": FAMILY, "gpt_oss": GPT_OSS}.get(arch, {})
+    base = "llama" if arch == "gpt_oss" else arch  # GPT-OSS on the Llama reference's data, schedule and sizes
+    cpu = _train(_config(data, f"cpu_{arch}", accelerator="cpu", arch=base, **switches))
     if arch == "gpt":
         config = request.getfixturevalue("compiled_first")[0]
     else:
-        config = _config(data, f"xla_{arch}", accelerator="neuron", arch=arch, **switches)
+        config = _config(data, f"xla_{arch}", accelerator="neuron", arch=base, **switches)
         _train(config)
     xla = _losses(config)
     assert len(cpu) == len(xla) == STEPS
     # Same weights, data and math in fp32; XLA fuses and orders some reductions differently.
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: cpu {a} xla {b}"
-    _assert_fixed_graphs(config)
+    _assert_fixed_graphs(config, logged=1 if arch == "gpt_oss" else 0)
 
 
 @pytest.mark.long("shares the GPT run of the test above, and its compile step's run")

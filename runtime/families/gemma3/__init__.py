@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runtime.schema.families.base import Architecture
+from runtime.schema.architecture import Architecture
 
 MODEL_TYPES = ("gemma3_text",)
 # Model types of the family this folder does not import, each with the fix.
 REFUSED_MODEL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration (image and text) is not supported; save its text "
                                  "model as Gemma3ForCausalLM (model_type gemma3_text) and give that directory"}
 TIED_DEFAULT = True
-# What the shared code asks of the network (runtime/schema/families/base.py): GeGLU, RMSNorms (fp32 copies), per-head
+# What the shared code asks of the network (runtime/schema/architecture.py): GeGLU, RMSNorms (fp32 copies), per-head
 # q/k norms, four norms a layer (input, post-attention, pre- and post-feedforward), two RoPE tables (full and sliding
 # layers'), and the ModelConfig keys it computes besides the common shape (rules.llama_switches reads them).
 ARCHITECTURE = Architecture(

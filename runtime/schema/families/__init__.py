@@ -12,7 +12,8 @@ from typing import Any
 
 from runtime.schema.folder_families import folder_family_modules
 from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
-from runtime.schema.families.base import Architecture, HFConfig
+from runtime.schema.architecture import Architecture
+from runtime.schema.families.base import HFConfig
 
 BUILT_IN: tuple[Architecture, ...] = (
     Architecture("gpt", network="runtime.models.gpt:GPTModel", weights="runtime.schema.families.gpt2",

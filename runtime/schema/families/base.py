@@ -3,40 +3,9 @@
 # transformers writes (4.x: rope_theta + rope_scaling; 5.x: rope_parameters). Standard library only.
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 _REQUIRED = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """What a `model.architecture` network is made of, as the code outside the families asks it (the estimator, the
-    rules, the metrics, the config importers): a question is a field here, never a branch on the architecture's
-    name. runtime/schema/families lists every one (ARCHITECTURES); a folder family declares its own."""
-
-    name: str
-    network: str             # "module:attribute" of its CausalLM class (torch; runtime/models builds it)
-    weights: str             # the module whose weight_rules(cfg, Rule) name its tensors as Hugging Face does
-    gated_mlp: bool          # gate and up projections (SwiGLU, GeGLU: three h x ffn matrices) rather than one fc1
-    rotary: bool             # RoPE on q and k; otherwise a learned position table beside the token embedding
-    biases: bool             # every linear and norm carries a bias
-    rms_norm: bool           # RMSNorm (run in fp32 on an upcast copy); otherwise LayerNorm
-    embedding_dropout: bool  # model.hidden_dropout also drops out of the embeddings
-    tied_default: bool       # share_embeddings_and_output_weights when the YAML leaves it out
-    switches: tuple[str, ...] = ()  # ModelConfig keys it computes beyond the common shape (rules.MODEL_SWITCHES)
-    moe: bool = False        # model.moe's sparse layers (SwiGLU experts) can replace its MLPs
-    qk_norm: bool = False    # per-head q/k norms always (otherwise as model.qk_layernorm says)
-    norms_per_layer: int = 2  # a sandwich: 4 (input, post-attention, pre- and post-feedforward)
-    rotary_tables: int | None = None  # RoPE cos/sin table pairs a device holds (None: one when rotary)
-    # NeMo / NxD megatron files name a network by (normalization, position_embedding_type, activation, bias).
-    megatron: tuple[tuple[str, str, str, bool], ...] = ()
-    tiny_recipe: str | None = None  # the smallest training recipe of this network, which imported configs sit on
-    sizes: str | None = None        # the published shape series autoconfig's model-size ladder follows
-
-    @property
-    def rope_tables(self) -> int:
-        return self.rotary_tables if self.rotary_tables is not None else int(self.rotary)
 
 
 class HFConfig:
@@ -88,26 +57,42 @@ class HFConfig:
         params.pop("type", None)
         theta = float(params.pop("rope_theta", None) or self.get("rope_theta", default_theta))
         keys: dict[str, Any] = {"rotary_base": theta}
-        allowed = {"default": set(), "linear": {"factor"},
-                   "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
-        if rope_type not in allowed:
+        required = {"default": set(), "linear": {"factor"},
+                    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+                    "yarn": {"factor"}}
+        # transformers' defaults for what a config.json may leave out (yarn: its standardize_rope_params and
+        # _compute_yarn_parameters; `or` as theirs: a null beta is the default too).
+        optional = {"yarn": {"original_max_position_embeddings": self.data.get("max_position_embeddings"),
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None,
+                             "attention_factor": None, "truncate": True}}
+        if rope_type not in required:
             raise ValueError(f"config.json rope_type={rope_type!r} (rope_scaling / rope_parameters) is not "
-                             f"supported; supported: {', '.join(allowed)}")
-        extra = sorted(set(params) - allowed[rope_type])
+                             f"supported; supported: {', '.join(required)}")
+        defaults = optional.get(rope_type, {})
+        allowed = required[rope_type] | set(defaults)
+        extra = sorted(set(params) - allowed)
         if extra:
             raise ValueError(f"config.json rope_scaling / rope_parameters key {extra[0]!r} is not supported with "
-                             f"rope_type={rope_type!r}; supported keys: {sorted(allowed[rope_type] | {'rope_type'})}")
-        missing = sorted(allowed[rope_type] - set(params))
+                             f"rope_type={rope_type!r}; supported keys: {sorted(allowed | {'rope_type'})}")
+        missing = sorted(required[rope_type] - {k for k, v in params.items() if v is not None})
         if missing:
             raise ValueError(f"config.json rope_scaling / rope_parameters has no {missing[0]!r}, which "
                              f"rope_type={rope_type!r} needs")
+        for key, default in defaults.items():
+            if params.get(key) is None or (key.startswith("beta") and not params[key]):
+                params[key] = default
+        if rope_type == "yarn" and params["original_max_position_embeddings"] is None:
+            raise ValueError("config.json has no 'max_position_embeddings' nor rope_scaling / rope_parameters "
+                             "'original_max_position_embeddings', which rope_type='yarn' needs")
         if rope_type != "default":
             keys["rope_scaling"] = {"rope_type": rope_type, **{k: _number(v) for k, v in params.items()}}
         return keys
 
 
-def _number(value: Any) -> float | int:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else float(value)
+def _number(value: Any) -> float | int | bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    return int(value) if isinstance(value, int) else float(value)
 
 
 def rope_export(cfg) -> dict[str, Any]:
@@ -120,4 +105,11 @@ def rope_export(cfg) -> dict[str, Any]:
             keys["rope_scaling"].update(low_freq_factor=scaling.low_freq_factor,
                                         high_freq_factor=scaling.high_freq_factor,
                                         original_max_position_embeddings=scaling.original_max_position_embeddings)
+        if scaling.rope_type == "yarn":
+            keys["rope_scaling"].update(original_max_position_embeddings=scaling.original_max_position_embeddings,
+                                        beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
+                                        truncate=scaling.truncate)
+            keys["rope_scaling"].update({key: getattr(scaling, key) for key in ("mscale", "mscale_all_dim",
+                                                                                  "attention_factor")
+                                         if getattr(scaling, key) is not None})
     return keys

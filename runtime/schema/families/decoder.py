@@ -34,8 +34,9 @@ def decoder_config(cfg) -> dict[str, Any]:
 
 def weight_rules(cfg, Rule, family) -> list:
     """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head, under the
-    Llama decoder's names; a sparse MoE layer's experts under `family`'s (its MOE_WEIGHTS). Our qkv rows are [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and
-    both sides apply RoPE in the rotate-half layout, so q/k need no permutation."""
+    Llama decoder's names; a sparse MoE layer's experts under `family`'s (its MOE_WEIGHTS). Our qkv rows are
+    [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and both sides apply RoPE in the
+    rotate-half layout, so q/k need no permutation."""
     fused = cfg.fused_segments()
     qkv_names, qkv_rows = zip(*fused["attn.qkv"])
     gate_up_rows = tuple(r for _, r in fused["mlp.gate_up"])
@@ -67,3 +68,15 @@ def _moe_rules(cfg, Rule, family, o: str, h: str) -> list:
             Rule(o + "mlp.gate_up", tuple(name.format(e=e) for e in range(experts) for name in (gate, up)),
                  (ffn, ffn), transpose=True, experts=experts),
             Rule(o + "mlp.down", tuple(down.format(e=e) for e in range(experts)), transpose=True, experts=experts)]
+
+
+def softmax_moe_keys(hf: HFConfig, *, top_k: int) -> dict[str, Any]:
+    """`model.moe` for a dropless MoE block in every layer whose router's top-k softmax weights are renormalized
+    (Mixtral's; GPT-OSS's softmax over the top-k logits is the same), from num_local_experts and
+    num_experts_per_tok (`top_k`: the family's default). transformers adds router_aux_loss_coef * the
+    load-balancing loss only with output_router_logits; the coefficient is still the model's recipe, so training
+    here uses it (computed per layer, see models/moe.py)."""
+    return {"num_experts": hf.count("num_local_experts"), "top_k": hf.count("num_experts_per_tok", top_k),
+            "frequency": 1, "capacity_factor": None,
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
+            "normalize_top_k_affinities": True, "router_activation": "softmax"}

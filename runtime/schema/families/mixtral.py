@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from runtime.schema.families.base import HFConfig
-from runtime.schema.families.decoder import decoder_config, decoder_keys
+from runtime.schema.families.decoder import decoder_config, decoder_keys, softmax_moe_keys
 
 MODEL_TYPES = ("mixtral",)
 TIED_DEFAULT = False
@@ -20,12 +20,7 @@ def model_keys(hf: HFConfig) -> dict[str, Any]:
     keys = decoder_keys(hf, theta=1e6, eps=1e-5)
     hf.full_attention(keys["max_position_embeddings"])
     hf.require("router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
-    # transformers adds router_aux_loss_coef * the load-balancing loss only with output_router_logits; the
-    # coefficient is still the model's recipe, so training here uses it (computed per layer, see models/moe.py).
-    keys["moe"] = {"num_experts": hf.count("num_local_experts"), "top_k": hf.count("num_experts_per_tok", 2),
-                   "frequency": 1, "capacity_factor": None,
-                   "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)), "router_z_loss_coef": 0.0,
-                   "normalize_top_k_affinities": True, "router_activation": "softmax"}
+    keys["moe"] = softmax_moe_keys(hf, top_k=2)
     return keys
 
 
