@@ -617,8 +617,9 @@ def _sliding_window(window: Any, flat: dict[str, Any]) -> str | None:
     seq = flat.get("data.seq_length") or flat.get("model.encoder_seq_length")
     if window is None or (isinstance(seq, int) and isinstance(window, int) and window >= seq):
         return None
-    return (f"{window!r}: sliding-window attention is not built; a window below the sequence length ({seq}) changes "
-            f"the attention: set it to null")
+    return (f"{window!r}: a megatron model here attends to the whole sequence (sliding windows are built only in the "
+            f"families whose config.json has them); a window below the sequence length ({seq}) changes the "
+            f"attention: set it to null")
 
 
 def _is_relative(path: Any) -> bool:

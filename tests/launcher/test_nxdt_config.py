@@ -742,8 +742,9 @@ def test_megatron_gpt_file_runs_as_published(tmp_path):
      "model.{normalization, position_embedding_type, activation, has_bias}: rmsnorm, rope, gelu, False is no "
      "architecture built here: gpt (layernorm, learned_absolute, gelu, True) or llama (rmsnorm, rope, swiglu, False)"),
     ({"  has_bias: False": "  has_bias: False\n  sliding_window_size: 1024"},
-     "model.sliding_window_size: 1024: sliding-window attention is not built; a window below the sequence length "
-     "(4096) changes the attention: set it to null"),
+     "model.sliding_window_size: 1024: a megatron model here attends to the whole sequence (sliding windows are "
+     "built only in the families whose config.json has them); a window below the sequence length (4096) changes the "
+     "attention: set it to null"),
     ({"    library: 'huggingface'": "    library: 'sentencepiece'"},
      "data.tokenizer.library: 'sentencepiece' is not read here"),
     ({"  data_impl: mmap": "  data_impl: lazy"},
