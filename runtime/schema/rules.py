@@ -188,7 +188,7 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
 # The model keys only the Llama decoder computes.
 LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
 # The model keys only the folder families that declare them compute (runtime/families, SWITCHES).
-FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale")
+FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale", "latent_attention")
 MODEL_SWITCHES = LLAMA_SWITCHES + FAMILY_SWITCHES
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
