@@ -11,6 +11,8 @@ from torch import nn
 from runtime.models.layers import Block, CoreAttention, RMSNorm, RotaryEmbedding, SequenceLayout, SwiGLU
 from runtime.models.moe import SparseMoE
 from runtime.models.transformer import CausalLM, Embeddings
+from runtime.parallel import collectives as C
+from runtime.parallel import layers as L
 from runtime.schema.model import ModelConfig
 
 _LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm take DeepseekV3RMSNorm's default, not rms_norm_eps
@@ -34,6 +36,8 @@ class LatentAttention(nn.Module):
     `num_heads` is the heads this module computes: tensor parallelism lowers it after slicing q / q_b and kv_b by
     head (column-parallel) and proj (row-parallel); the a-projections and their norms stay whole on every rank."""
 
+    no_context_parallel = "multi-head latent attention"  # ring / Ulysses attention here are not built for it
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         latent, H, heads = cfg.latent_attention, cfg.hidden_size, cfg.num_attention_heads
@@ -52,11 +56,29 @@ class LatentAttention(nn.Module):
         self.core_attention = CoreAttention(cfg.attention_dropout, scale=softmax_scale(cfg))
         self.proj = nn.Linear(heads * self.v_dim, H, bias=False)
         self.rotary = rotary
+        # Tensor parallelism's (parallelize): how x enters the rank's heads (whole, its input gradient summed over
+        # the ranks), and the replicated weights each rank's heads give only part of the gradient of.
+        self.enter = nn.Identity()
+        self.partial_grads: tuple[str, ...] = ()
+
+    def parallelize(self, axis, sequence_parallel: bool) -> None:
+        """The rank's heads: x enters whole once (gathered along the sequence under sequence parallelism), the
+        low-rank a-projections and their norms run replicated on it, q / q_b and kv_b keep the rank's heads' rows
+        (each head's rows are contiguous), proj their columns (row-parallel, reduced or reduce-scattered)."""
+        self.enter = _EnterHeads(axis, sequence_parallel)
+        for name in ("q", "q_b", "kv_b"):
+            if hasattr(self, name):
+                setattr(self, name, _HeadRows.from_linear(getattr(self, name), axis, sequence_parallel=False))
+        self.proj = L.RowParallelLinear(self.proj, axis, sequence_parallel=sequence_parallel)
+        self.num_heads //= axis.size
+        self.partial_grads = tuple(f"{module}.weight" for module in ("q_a", "q_a_norm", "kv_a", "kv_a_norm")
+                                   if hasattr(self, module))
 
     def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if self.interleave else x
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout | None = None) -> torch.Tensor:
+        x = self.enter(x)
         B, T = x.shape[:2]
         nh = self.num_heads
         q = self.q(x) if hasattr(self, "q") else self.q_b(self.q_a_norm(self.q_a(x)))
@@ -76,6 +98,27 @@ class LatentAttention(nn.Module):
         else:
             y = self.core_attention(q, k, v, layout.mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, nh * self.v_dim))
+
+
+class _EnterHeads(nn.Module):
+    """x -> x whole on every tensor-parallel rank: copied (its gradient summed over the ranks in backward), or
+    gathered along the sequence under sequence parallelism (reduce-scattered in backward)."""
+
+    def __init__(self, axis, sequence_parallel: bool):
+        super().__init__()
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return C.gather_from_sequence(x, self.axis)
+        return C.copy_to_region(x, self.axis)
+
+
+class _HeadRows(L.ColumnParallelLinear):
+    """A column-parallel linear whose input is already whole on the rank (LatentAttention's enter)."""
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 class DeepseekV3Model(CausalLM):

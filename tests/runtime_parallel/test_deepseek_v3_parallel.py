@@ -1,0 +1,93 @@
+"""DeepSeek-V3 (runtime/families/deepseek_v3) trains under tp2 (with and without sequence parallelism), ep2 and pp2
+exactly as one process does: gloo processes on CPU, fp32; per step the loss and grad norm within 1e-5 relative, and
+the parameters after the steps (q / q_b and kv_b split by head, proj by head column, the low-rank a-projections
+and their norms whole, experts by expert and hidden unit, router and shared expert whole) within 1e-5. One spawn
+for tp/ep, one for pp."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from runtime.schema.model import LatentAttention, MoEConfig, RopeScaling
+from tests.runtime_parallel import harness as H
+from tests.runtime_parallel.dist_utils import run_distributed
+from tests.runtime_pipeline import harness as P
+
+L = H.Layout
+# MLA with a low-rank q (12), a kv latent of 16, heads of 8 unrotated + 4 rotated q/k channels and 12 value
+# channels, YaRN with DeepSeek's mscale_all_dim; layer 0 dense, then sigmoid-scored experts with a selection bias,
+# 2 groups of which 1 is eligible, top-2, scaled by 2.5, and a shared expert.
+DEEPSEEK = dict(architecture="deepseek_v3", kv_channels=12,
+                latent_attention=LatentAttention(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                 v_head_dim=12, q_lora_rank=12),
+                rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=4, mscale=1.0,
+                                         mscale_all_dim=0.7),
+                moe=MoEConfig(num_experts=4, top_k=2, layers=(1,), ffn_hidden_size=16, router_activation="sigmoid",
+                              score_bias=True, groups=2, top_groups=1, routed_scaling_factor=2.5,
+                              shared_ffn_hidden_size=16, router_aux_loss_coef=0.02))
+PLAIN_Q = {**DEEPSEEK, "latent_attention": dataclasses.replace(DEEPSEEK["latent_attention"], q_lora_rank=None)}
+JOBS = {
+    "deepseek-tp2": ("llama", DEEPSEEK, L(tp=2)),
+    "deepseek-tp2-sp": ("llama", DEEPSEEK, L(tp=2, sequence_parallel=True)),
+    "deepseek-q-tp2-sp": ("llama", PLAIN_Q, L(tp=2, sequence_parallel=True)),
+    "deepseek-ep2": ("llama", DEEPSEEK, L(dp=2, ep=2)),
+}
+PIPELINE = {**DEEPSEEK, "moe": dataclasses.replace(DEEPSEEK["moe"], layers=tuple(range(1, P.NUM_LAYERS)))}
+PIPELINE_JOBS = {"deepseek-pp2": ("llama", PIPELINE, P.PipelineLayout(pp=2))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(H.run_suite, 2, args=(JOBS,))
+
+
+@pytest.fixture(scope="module")
+def pipeline_ranks():
+    return run_distributed(P.run_suite, 2, args=(PIPELINE_JOBS,))
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    torch.set_num_threads(1)
+    if name in PIPELINE_JOBS:
+        return P.reference("llama", PIPELINE)
+    return H.train_job("llama", JOBS[name][1], L())
+
+
+def _assert_same(ranks: list[dict], ref: dict) -> None:
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        assert rank["losses"] == ranks[0]["losses"], "every rank reports the same loss"
+        H.assert_trains_as_reference(rank, ref)
+        for name, value in rank["state"].items():
+            if name in merged:  # replicas (and a pipeline's stages, each its own names) never drift apart
+                assert torch.equal(value, merged[name]), f"{name} differs between ranks"
+            merged[name] = value
+    assert merged.keys() == ref["state"].keys()
+    for name, expected in ref["state"].items():
+        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-5, msg=name)
+    H.assert_learns(ref)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+@pytest.mark.long("its module fixture trains every layout under gloo once")
+def test_layout_trains_as_one_process(name, two_ranks):
+    _assert_same([r[name] for r in two_ranks], reference(name))
+
+
+@pytest.mark.long("its module fixture trains the pipeline layout under gloo once")
+def test_pipeline_trains_as_one_process(pipeline_ranks):
+    _assert_same([r["deepseek-pp2"] for r in pipeline_ranks], reference("deepseek-pp2"))
+
+
+@pytest.mark.parametrize("context, key", [("ring", "context_parallel_size"), ("ulysses", "ulysses_parallel_size")])
+def test_context_parallel_refused_in_one_line(context, key):
+    from runtime.models import build_model
+    from runtime.parallel import ParallelDims, Topology, parallelize_model
+
+    topo = Topology.offline(ParallelDims(tp=1, pp=1, dp=2, world_size=2, cp=2), rank=0)  # refused before any group
+    with pytest.raises(ValueError, match=rf"^training\.model\.{key}: 2 with multi-head latent attention[^\n]*$"):
+        parallelize_model(build_model(H.tiny_config("llama", **DEEPSEEK)), topo, context=context)
