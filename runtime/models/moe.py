@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.init import Init
 from runtime.models.layers import SwiGLU
 
 ROUTER_ACTIVATIONS = ("softmax", "sigmoid")
@@ -137,15 +138,16 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 class SelectionBias(nn.Module):
     """DeepSeek-V3's e_score_correction_bias (E,): added to the router's scores to choose experts, not to weigh
-    them. A buffer (its aux-loss-free balancing sets it, not gradients; not updated here), saved with the weights."""
+    them. A parameter, so checkpoints and exports carry it as every weight, that no gradient reaches (it only
+    picks indices; its aux-loss-free balancing is not run here): 1-D, so without weight decay, Adam leaves it as
+    it is."""
 
     def __init__(self, num_experts: int):
         super().__init__()
-        self.register_buffer("bias", torch.zeros(num_experts))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.bias.zero_()
+    def init_rules(self, prefix: str) -> dict[str, Init]:
+        return {f"{prefix}.bias": Init("zeros")}
 
 
 class SparseMoE(nn.Module):
@@ -178,8 +180,7 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * ffn)) if expert_bias else None
         self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if expert_bias else None
-        # DeepSeek-V3's (route's score_bias, groups, top_groups, scale): the bias is a buffer, set by its
-        # aux-loss-free balancing rather than by gradients, and saved with the weights. shared: a SwiGLU every
+        # DeepSeek-V3's (route's score_bias, groups, top_groups, scale) and its shared experts: a SwiGLU every
         # token goes through beside the routed experts.
         self.groups, self.top_groups, self.scale = groups, top_groups, scale
         self.selection = SelectionBias(num_experts) if score_bias else None
