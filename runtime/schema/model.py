@@ -154,7 +154,7 @@ class ModelConfig:
             for problem in rules.moe(self.architecture, self.moe.num_experts, self.moe.top_k, self.moe.frequency,
                                      self.num_layers, self.moe.capacity_factor, self.moe.router_activation, "",
                                      layers=self.moe.layers, ffn=self.moe.ffn_hidden_size,
-                                     ffn_dropout=self.ffn_dropout):
+                                     ffn_dropout=self.ffn_dropout, groups=(self.moe.groups, self.moe.top_groups)):
                 report.error(problem)
         report.raise_if_any()
 

@@ -932,7 +932,8 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     if moe is not None:
         for problem in rules.moe(shape.get("architecture"), moe.num_experts, moe.top_k, moe.frequency,
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p,
-                                 layers=moe.layers, ffn=moe.ffn_hidden_size, ffn_dropout=shape.get("ffn_dropout")):
+                                 layers=moe.layers, ffn=moe.ffn_hidden_size, ffn_dropout=shape.get("ffn_dropout"),
+                                 groups=(moe.groups, moe.top_groups)):
             report.error(problem)
         if moe.ffn_hidden_size:
             report.error(rules.ffn_tp(moe.ffn_hidden_size, tp, p, "moe.ffn_hidden_size"))

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime.convert import load_hf_directory, save_hf_directory
-from runtime.models import ModelConfig, build_model
+from runtime.convert import save_hf_directory
 from runtime.schema.model import hf_model_keys
+from tests.convert.test_hf_gpt_oss import ours_from, token_log_probs
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,18 +54,6 @@ def original(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp("deepseek_v3") / "original"
     hf.save_pretrained(directory)
     return hf, directory
-
-
-def ours_from(directory):
-    state, keys, _ = load_hf_directory(directory)
-    cfg = ModelConfig.from_model_section(keys, tokenizer_vocab_size=128)
-    model = build_model(cfg).eval()
-    model.load_state_dict(state, strict=True)
-    return model, state, cfg
-
-
-def token_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
 def test_imports_exactly(original):
@@ -108,3 +96,34 @@ def test_quantized_weights_refused_in_one_line():
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(ValueError, match=r"^config.json quantization_config \(quant_method 'fp8'\): [^\n]*$"):
         hf_model_keys(config)
+
+
+def test_reads_fused_experts_and_ignores_multi_token_prediction(original, tmp_path):
+    """transformers 5's fused expert tensors (save_original_format=False) read as the per-expert ones, and a
+    multi-token prediction layer (past the decoder's, with its eh_proj) ignored with a note, as transformers does."""
+    from safetensors.torch import save_file
+
+    from runtime.convert.hf import from_hf
+
+    hf, directory = original
+    _, state, _ = ours_from(directory)
+    before = load_file(directory / "model.safetensors")
+    fused = {name: t for name, t in before.items() if ".mlp.experts." not in name}
+    for i in (1, 2):
+        h = f"model.layers.{i}.mlp.experts."
+        fused[h + "gate_up_proj"] = torch.stack([torch.cat([before[f"{h}{e}.gate_proj.weight"],
+                                                            before[f"{h}{e}.up_proj.weight"]]) for e in range(8)])
+        fused[h + "down_proj"] = torch.stack([before[f"{h}{e}.down_proj.weight"] for e in range(8)])
+    fused.update({"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32)})
+    ours, _ = from_hf(fused, hf.config.to_dict(), tokenizer_vocab_size=128)
+    assert ours.keys() == state.keys() and all(torch.equal(ours[name], state[name]) for name in state)
+
+
+def test_group_limited_routing_refused_when_it_cannot_hold_top_k():
+    from runtime.schema.model import MoEConfig, ModelConfig
+
+    moe = MoEConfig(num_experts=8, top_k=5, layers=(0,), router_activation="sigmoid", groups=2, top_groups=1)
+    with pytest.raises(ValueError, match=r"model\.moe\.top_k: 5 is more than the 4 experts of top_groups \(1\) "
+                                         r"groups; raise top_groups"):
+        ModelConfig(architecture="deepseek_v3", vocab_size=128, hidden_size=32, num_layers=1, num_attention_heads=4,
+                    ffn_hidden_size=48, max_position_embeddings=64, moe=moe)

@@ -14,6 +14,7 @@ import torch
 from runtime.schema.model import LatentAttention, MoEConfig, RopeScaling
 from tests.runtime_parallel import harness as H
 from tests.runtime_parallel.dist_utils import run_distributed
+from tests.runtime_parallel.test_gpt_oss_parallel import _assert_same
 from tests.runtime_pipeline import harness as P
 
 L = H.Layout
@@ -55,21 +56,6 @@ def reference(name: str) -> dict:
     if name in PIPELINE_JOBS:
         return P.reference("llama", PIPELINE)
     return H.train_job("llama", JOBS[name][1], L())
-
-
-def _assert_same(ranks: list[dict], ref: dict) -> None:
-    merged: dict[str, torch.Tensor] = {}
-    for rank in ranks:
-        assert rank["losses"] == ranks[0]["losses"], "every rank reports the same loss"
-        H.assert_trains_as_reference(rank, ref)
-        for name, value in rank["state"].items():
-            if name in merged:  # replicas (and a pipeline's stages, each its own names) never drift apart
-                assert torch.equal(value, merged[name]), f"{name} differs between ranks"
-            merged[name] = value
-    assert merged.keys() == ref["state"].keys()
-    for name, expected in ref["state"].items():
-        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-5, msg=name)
-    H.assert_learns(ref)
 
 
 @pytest.mark.parametrize("name", list(JOBS))

@@ -6,6 +6,8 @@
 # dense SwiGLUs (model.moe.layers lists the others). Multi-token prediction layers and FP8 weights are refused.
 from __future__ import annotations
 
+import re
+import sys
 from typing import Any
 
 from runtime.schema.architecture import Architecture
@@ -32,12 +34,9 @@ def model_keys(hf) -> dict[str, Any]:
     """config.json (a runtime.schema.families.base.HFConfig) -> our `model:` keys."""
     from runtime.schema.families.base import HFConfig
 
-    quantization = hf.data.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"config.json quantization_config (quant_method {method!r}): FP8 DeepSeek-V3 weights are "
-                         "not read here; give a bf16 or fp32 copy (DeepSeek's fp8_cast_bf16.py, or transformers' "
-                         "from_pretrained with dequantize, then save_pretrained)")
+    hf.refuse_quantized("DeepSeek-V3", "DeepSeek's inference/fp8_cast_bf16.py, or transformers: from_pretrained "
+                                       "with quantization_config=FineGrainedFP8Config(dequantize=True), then "
+                                       "save_pretrained")
     hf.require("hidden_act", ("silu",), "silu")
     hf.require("attention_bias", (False,), False)
     q_rank = hf.data.get("q_lora_rank", _DEFAULTS["q_lora_rank"])  # null: one q projection, no low rank
@@ -123,3 +122,33 @@ def hf_config(cfg) -> dict[str, Any]:
             "rms_norm_eps": cfg.layernorm_epsilon, "rope_interleave": latent.rope_interleave,
             "attention_bias": False, "attention_dropout": cfg.attention_dropout,
             "rope_parameters": rope_parameters}
+
+
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def normalized_state(state: dict) -> dict:
+    """The names our rules use: transformers 5.x's fused experts (save_original_format=False: gate_up_proj
+    (E, 2F, H) with [gate | up] rows, down_proj (E, H, F)) split per expert; the multi-token prediction layers
+    (config.json num_nextn_predict_layers: the layers holding an eh_proj, past the decoder's) dropped, as
+    transformers drops them, with a note naming the key."""
+    mtp = {m.group(1) for name in state if name.endswith(".eh_proj.weight") and (m := _LAYER.match(name))}
+    if mtp:
+        print(f"note: config.json num_nextn_predict_layers: the multi-token prediction layer(s) "
+              f"{', '.join(sorted(mtp, key=int))} are not used here; their weights are ignored", file=sys.stderr)
+    out = {}
+    for name, tensor in state.items():
+        layer = _LAYER.match(name)
+        if layer is not None and layer.group(1) in mtp:
+            continue
+        fused = _FUSED.match(name)
+        if fused is None:
+            out[name] = tensor
+        elif fused.group(2) == "down_proj":
+            out.update({f"{fused.group(1)}{e}.down_proj.weight": m for e, m in enumerate(tensor.unbind(0))})
+        else:
+            for e, matrix in enumerate(tensor.unbind(0)):
+                gate, up = matrix.chunk(2)
+                out[f"{fused.group(1)}{e}.gate_proj.weight"], out[f"{fused.group(1)}{e}.up_proj.weight"] = gate, up
+    return out
