@@ -6,15 +6,12 @@ for tp/ep, one for pp."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
-import torch
 
 from runtime.schema.model import LatentAttention, MoEConfig, RopeScaling
 from tests.runtime_parallel import harness as H
-from tests.runtime_parallel.dist_utils import run_distributed
-from tests.runtime_parallel.test_gpt_oss_parallel import _assert_same
+from tests.runtime_parallel.test_gpt_oss_parallel import layout_suite
 from tests.runtime_pipeline import harness as P
 
 L = H.Layout
@@ -40,33 +37,7 @@ PIPELINE = {**DEEPSEEK, "moe": dataclasses.replace(DEEPSEEK["moe"], layers=tuple
 PIPELINE_JOBS = {"deepseek-pp2": ("llama", PIPELINE, P.PipelineLayout(pp=2))}
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return run_distributed(H.run_suite, 2, args=(JOBS,))
-
-
-@pytest.fixture(scope="module")
-def pipeline_ranks():
-    return run_distributed(P.run_suite, 2, args=(PIPELINE_JOBS,))
-
-
-@functools.cache
-def reference(name: str) -> dict:
-    torch.set_num_threads(1)
-    if name in PIPELINE_JOBS:
-        return P.reference("llama", PIPELINE)
-    return H.train_job("llama", JOBS[name][1], L())
-
-
-@pytest.mark.parametrize("name", list(JOBS))
-@pytest.mark.long("its module fixture trains every layout under gloo once")
-def test_layout_trains_as_one_process(name, two_ranks):
-    _assert_same([r[name] for r in two_ranks], reference(name))
-
-
-@pytest.mark.long("its module fixture trains the pipeline layout under gloo once")
-def test_pipeline_trains_as_one_process(pipeline_ranks):
-    _assert_same([r["deepseek-pp2"] for r in pipeline_ranks], reference("deepseek-pp2"))
+globals().update(layout_suite(JOBS, PIPELINE_JOBS, PIPELINE))
 
 
 @pytest.mark.parametrize("context, key", [("ring", "context_parallel_size"), ("ulysses", "ulysses_parallel_size")])
