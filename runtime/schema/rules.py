@@ -697,6 +697,14 @@ def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str) -> str |
     return None
 
 
+def lora_latent_attention(latent, p: str) -> str | None:
+    """LoRA's adapters sit on the fused q/k/v and o projections, which multi-head latent attention does not have."""
+    if latent is None:
+        return None
+    return (f"{p}model.peft: LoRA on multi-head latent attention (model.latent_attention) is not built; fine-tune "
+            "every weight instead (drop model.peft)")
+
+
 def document_reset(positions: bool | None, attention: bool | None, p: str) -> str | None:
     """Megatron's reset_position_ids and reset_attention_mask: documents separated inside a pretraining sequence
     (positions restart after each end-of-document token and attention stops there), built as one switch."""

@@ -994,6 +994,7 @@ def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: 
     if lora is not None:
         moe = shape.get("moe")
         report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p))
+        report.error(rules.lora_latent_attention(shape.get("latent_attention"), p))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

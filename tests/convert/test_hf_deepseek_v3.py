@@ -127,3 +127,17 @@ def test_group_limited_routing_refused_when_it_cannot_hold_top_k():
                                          r"groups; raise top_groups"):
         ModelConfig(architecture="deepseek_v3", vocab_size=128, hidden_size=32, num_layers=1, num_attention_heads=4,
                     ffn_hidden_size=48, max_position_embeddings=64, moe=moe)
+
+
+def test_generation_and_lora_refused_in_one_line(original):
+    """Neither generation's KV cache nor LoRA's adapters are built for latent attention: each refused in one line."""
+    from runtime.generate import generate
+    from runtime.schema import rules
+
+    _, directory = original
+    model, _, cfg = ours_from(directory)
+    with pytest.raises(ValueError, match=r"^generation: multi-head latent attention \(model\.architecture="
+                                         r"deepseek_v3\) has no KV cache here[^\n]*$"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2, vocab_size=128)
+    assert rules.lora_latent_attention(cfg.latent_attention, "fine_tuning.").startswith(
+        "fine_tuning.model.peft: LoRA on multi-head latent attention (model.latent_attention) is not built")

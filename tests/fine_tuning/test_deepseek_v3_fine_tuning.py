@@ -39,3 +39,18 @@ def test_fine_tunes_deepseek_v3_and_exports_what_transformers_loads(tmp_path):
     # The selection bias came back as it was: no gradient reaches it.
     assert torch.equal(theirs.model.layers[1].mlp.gate.e_score_correction_bias,
                        base.model.layers[1].mlp.gate.e_score_correction_bias)
+
+
+def test_lora_refused_at_launch_in_one_line(tmp_path):
+    from tests.fine_tuning.test_fine_tuning_pipeline import _demo
+    from tests.launcher.helpers import nxdt
+
+    vocab = _demo(tmp_path / "data")
+    _hf_deepseek_v3(tmp_path / "hf_base", vocab, tmp_path / "data")
+    run = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
+               "stages=[peft]", "peft=hf/sft_demo", f"peft.model.restore_from_path={tmp_path}/hf_base",
+               cwd=tmp_path, timeout=300)
+    assert run.returncode != 0
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "LoRA on multi-head latent attention" in line]
+    assert len(lines) == 1 and "peft.model.peft: LoRA on multi-head latent attention" in lines[0], run.stdout[-2000:]
+    assert "Traceback" not in run.stdout + run.stderr

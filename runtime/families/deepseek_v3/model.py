@@ -36,7 +36,8 @@ class LatentAttention(nn.Module):
     `num_heads` is the heads this module computes: tensor parallelism lowers it after slicing q / q_b and kv_b by
     head (column-parallel) and proj (row-parallel); the a-projections and their norms stay whole on every rank."""
 
-    no_context_parallel = "multi-head latent attention"  # ring / Ulysses attention here are not built for it
+    # Not built for it: ring / Ulysses attention, and generation's KV cache (runtime/generate.py refuses).
+    no_context_parallel = no_kv_cache = "multi-head latent attention"
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
