@@ -69,6 +69,10 @@ def check_generatable(model: nn.Module) -> None:
     if any(getattr(m, "sequence_parallel", False) for m in model.modules()):
         raise ValueError("generation does not support sequence parallelism: load the model with "
                          "sequence_parallel false (tensor parallelism alone is fine)")
+    unbuilt = next((m.no_kv_cache for m in model.modules() if getattr(m, "no_kv_cache", None)), None)
+    if unbuilt:
+        raise ValueError(f"generation: {unbuilt} (model.architecture={model.cfg.architecture}) has no KV cache here; "
+                         "generate with transformers from the exported model")
     if model.embed.positions is not None or any(isinstance(m, RotaryEmbedding) and m.positions is not None
                                                 for m in model.modules()):
         raise ValueError("generation does not support context parallelism: load the model with "

@@ -7,4 +7,4 @@
 #   weights.py   rules(cfg, Rule): our tensors <-> Hugging Face tensors, both ways (runtime/convert/hf.py)
 # The shared layers find a family by name (runtime/schema/folder_families.py), never by `architecture == "<name>"`,
 # and import none: a family depends on them, not the reverse. Adding a family is its folder and its name here.
-FOLDERS: tuple[str, ...] = ("gemma3", "gpt_oss")
+FOLDERS: tuple[str, ...] = ("gemma3", "gpt_oss", "deepseek_v3")

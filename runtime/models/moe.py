@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.init import Init
+from runtime.models.layers import SwiGLU
+
 ROUTER_ACTIVATIONS = ("softmax", "sigmoid")
 
 
@@ -37,14 +40,30 @@ class Routing:
     probs: torch.Tensor
 
 
-def route(logits: torch.Tensor, top_k: int, *, activation: str = "softmax", normalize: bool = True) -> Routing:
-    """(N, E) router logits -> the top_k experts of each token and their weights, in fp32."""
+def route(logits: torch.Tensor, top_k: int, *, activation: str = "softmax", normalize: bool = True,
+          score_bias: torch.Tensor | None = None, groups: int = 1, top_groups: int = 1, scale: float = 1.0
+          ) -> Routing:
+    """(N, E) router logits -> the top_k experts of each token and their weights, in fp32. DeepSeek-V3's routing
+    (MoEConfig's score_bias, groups, top_groups, routed_scaling_factor): `score_bias` (E,) is added to the
+    probabilities for choosing only; with `groups`, only the experts of each token's best `top_groups` groups
+    (ranked by the sum of their two best biased scores) are eligible; the chosen weights are multiplied by `scale`
+    (after normalizing)."""
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1) if activation == "softmax" else torch.sigmoid(logits)
-    weights, experts = torch.topk(probs, top_k, dim=-1)  # ties: the lower expert index, as torch.topk picks
+    if score_bias is None and groups == 1:
+        weights, experts = torch.topk(probs, top_k, dim=-1)  # ties: the lower expert index, as torch.topk picks
+    else:
+        choice = probs if score_bias is None else probs + score_bias.float()
+        if groups > 1:
+            grouped = choice.view(choice.shape[0], groups, -1)                          # (N, G, E/G)
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(top_groups, dim=-1).indices
+            eligible = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(1, best, True)
+            choice = choice.masked_fill(~eligible.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        experts = torch.topk(choice, top_k, dim=-1).indices
+        weights = probs.gather(1, experts)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(experts, weights, logits, probs)
+    return Routing(experts, weights * scale if scale != 1.0 else weights, logits, probs)
 
 
 def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
@@ -117,6 +136,20 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+class SelectionBias(nn.Module):
+    """DeepSeek-V3's e_score_correction_bias (E,): added to the router's scores to choose experts, not to weigh
+    them. A parameter, so checkpoints and exports carry it as every weight, that no gradient reaches (it only
+    picks indices; its aux-loss-free balancing is not run here): 1-D, so without weight decay, Adam leaves it as
+    it is."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+
+    def init_rules(self, prefix: str) -> dict[str, Init]:
+        return {f"{prefix}.bias": Init("zeros")}
+
+
 class SparseMoE(nn.Module):
     """(B, T, H) -> (B, T, H). Parameters: router.weight (E, H); experts' gate_up (E, H, 2F) and down (E, F, H),
     each expert's SwiGLU as in layers.SwiGLU (gate first, then up).
@@ -128,7 +161,9 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, capacity_factor: float | None = None,
                  activation: str = "softmax", normalize_top_k: bool = True, aux_loss_coef: float = 0.0,
                  z_loss_coef: float = 0.0, router_bias: bool = False, expert_bias: bool = False,
-                 expert_activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+                 expert_activation: str = "swiglu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 score_bias: bool = False, groups: int = 1, top_groups: int = 1, scale: float = 1.0,
+                 shared_ffn: int | None = None):
         super().__init__()
         if expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert_activation: {expert_activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
@@ -145,6 +180,11 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * ffn)) if expert_bias else None
         self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if expert_bias else None
+        # DeepSeek-V3's (route's score_bias, groups, top_groups, scale) and its shared experts: a SwiGLU every
+        # token goes through beside the routed experts.
+        self.groups, self.top_groups, self.scale = groups, top_groups, scale
+        self.selection = SelectionBias(num_experts) if score_bias else None
+        self.shared = SwiGLU(hidden, shared_ffn) if shared_ffn else None
         # How the experts are reached when they are spread over ranks (runtime/parallel/experts.py installs it):
         # None is one process holding them all. The model itself stays plain.
         self.parallel = None
@@ -162,7 +202,9 @@ class SparseMoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])                                              # (N, H)
         routing = route(self.router(tokens), self.top_k, activation=self.activation,
-                        normalize=self.normalize_top_k)
+                        normalize=self.normalize_top_k,
+                        score_bias=None if self.selection is None else self.selection.bias, groups=self.groups,
+                        top_groups=self.top_groups, scale=self.scale)
         limit = capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         weights = routing.weights.to(x.dtype)
         if limit is None:
@@ -173,6 +215,8 @@ class SparseMoE(nn.Module):
             kept = position < limit
             out = self._dispatch_capacity(tokens, routing.experts, weights, position, limit)
         out = out.view(shape)
+        if self.shared is not None:
+            out = out + self.shared(x)
         aux = self._aux_loss(routing)
         load = torch.zeros(self.num_experts, device=x.device).index_add(0, routing.experts.flatten(),
                                                                           kept.flatten().float())

@@ -72,6 +72,12 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
         raise ValueError(f"training.model.context_parallel_size: {topo.cp.size} with attention sinks "
                          f"(model.architecture={model.cfg.architecture}): ring and Ulysses attention have no sink "
                          "column; set context_parallel_size=1")
+    # A family's module that context parallelism's attentions do not cover names itself (its `no_context_parallel`).
+    unbuilt = next((m.no_context_parallel for m in model.modules() if getattr(m, "no_context_parallel", None)), None)
+    if topo.cp.size > 1 and unbuilt:
+        key = "context_parallel_size" if context == "ring" else "ulysses_parallel_size"
+        raise ValueError(f"training.model.{key}: {topo.cp.size} with {unbuilt} (model.architecture="
+                         f"{model.cfg.architecture}): not built under context parallelism; set {key}=1")
     seed = model.cfg.seed
     rules = model.init_rules() if any(p.is_meta for p in model.parameters()) else None  # read unsharded
     plan = ShardingPlan(topo.tp.size)
@@ -151,9 +157,12 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
     for i, block in enumerate(model.layers):
         # Per-head query/key norms: one weight for all heads, each rank applying it to its own heads only (the
         # replicas of a shared KV head to the queries of their rank), so each rank's gradient is a part.
-        if block.attn.q_norm is not None:
+        if getattr(block.attn, "q_norm", None) is not None:
             for norm in ("q_norm", "k_norm"):
                 plan.mark(f"layers.{i}.attn.{norm}.weight", partial_grad=True)
+        # An attention of its own names the replicated weights whose gradient each rank computes only a part of.
+        for name in getattr(block.attn, "partial_grads", ()):
+            plan.mark(f"layers.{i}.attn.{name}", partial_grad=True)
     if sp:
         # Replicated norm weights applied to a sequence shard: each rank's gradient covers only its tokens.
         norms = [f"layers.{i}.{name}" for i, block in enumerate(model.layers) for name, _ in block.named_children()
@@ -165,8 +174,17 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
 
 
 def _parallelize_block(block: Block, axis: AxisGroup, sp: bool, fused: dict[str, list[int]]) -> None:
-    """`fused`: the fused projections' parts' row counts (ModelConfig.fused_segments), each split over the ranks."""
-    attn, t = block.attn, axis.size
+    """`fused`: the fused projections' parts' row counts (ModelConfig.fused_segments), each split over the ranks.
+    An attention of a family's own (its `parallelize(axis, sequence_parallel)`) splits itself."""
+    if hasattr(block.attn, "parallelize"):
+        block.attn.parallelize(axis, sp)
+    else:
+        _parallelize_attention(block.attn, axis, sp, fused)
+    _parallelize_mlp(block.mlp, axis, sp, fused)
+
+
+def _parallelize_attention(attn: Attention, axis: AxisGroup, sp: bool, fused: dict[str, list[int]]) -> None:
+    t = axis.size
     nh, ng, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if ng % t == 0:
         rows = L.shard_rows(fused["attn.qkv"], axis.rank, t)  # rank keeps [q_r | k_r | v_r]
@@ -180,7 +198,9 @@ def _parallelize_block(block: Block, axis: AxisGroup, sp: bool, fused: dict[str,
         attn.sinks, sinks = L._param_from(attn.sinks, L.shard_rows([nh], axis.rank, t), 0)
         attn.placements = {"sinks": sinks}
 
-    mlp = block.mlp
+
+def _parallelize_mlp(mlp: nn.Module, axis: AxisGroup, sp: bool, fused: dict[str, list[int]]) -> None:
+    t = axis.size
     if isinstance(mlp, GeluMLP):
         mlp.fc1 = L.ColumnParallelLinear.from_linear(mlp.fc1, axis, sequence_parallel=sp)
         mlp.fc2 = L.RowParallelLinear(mlp.fc2, axis, sequence_parallel=sp)

@@ -33,6 +33,15 @@ class MoEConfig:
     router_activation: str = "softmax"      # softmax | sigmoid
     ffn_hidden_size: int | None = None      # each expert's; None: model.ffn_hidden_size (Qwen3-MoE's is its own)
     layers: tuple[int, ...] | None = None   # the MoE layers by index; None: every frequency-th
+    # DeepSeek-V3's router and shared experts: a learned per-expert bias added to
+    # the scores for choosing only (aux-loss-free balancing), the experts in `groups` of which each token's best
+    # `top_groups` (by their two best scores) are eligible, the chosen weights times `routed_scaling_factor`, and
+    # a dense SwiGLU of shared_ffn_hidden_size beside the experts that every token goes through.
+    score_bias: bool = False
+    groups: int = 1
+    top_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_ffn_hidden_size: int | None = None
 
     def expert_size(self, dense_ffn: int) -> int:
         """Each expert's FFN size: its own, or the dense MLP's (model.ffn_hidden_size: Mixtral)."""
@@ -65,6 +74,21 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentAttention:
+    """`model.latent_attention`: multi-head latent attention (DeepSeek-V2/V3), with
+    Hugging Face's keys. Queries through a rank-q_lora_rank bottleneck (None: one q projection), keys and values
+    from one rank-kv_lora_rank latent plus a qk_rope_head_dim key shared by the heads; each head's q/k are
+    qk_nope_head_dim unrotated + qk_rope_head_dim rotated channels, its values v_head_dim."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +126,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     local_rotary_base: float | None = None  # RoPE base of the sliding-window layers, unscaled
     softmax_scale: float | None = None      # attention's softmax scale; None: 1 / sqrt(head_dim)
+    latent_attention: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         # The same rules the stage parsers run, for models built in code (tests, benchmarks, conversion).
@@ -129,7 +154,7 @@ class ModelConfig:
             for problem in rules.moe(self.architecture, self.moe.num_experts, self.moe.top_k, self.moe.frequency,
                                      self.num_layers, self.moe.capacity_factor, self.moe.router_activation, "",
                                      layers=self.moe.layers, ffn=self.moe.ffn_hidden_size,
-                                     ffn_dropout=self.ffn_dropout):
+                                     ffn_dropout=self.ffn_dropout, groups=(self.moe.groups, self.moe.top_groups)):
                 report.error(problem)
         report.raise_if_any()
 
@@ -190,6 +215,8 @@ class ModelConfig:
             kwargs["moe"] = MoEConfig(**moe)
         if kwargs.get("layer_types") is not None:
             kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        if isinstance(kwargs.get("latent_attention"), Mapping):
+            kwargs["latent_attention"] = LatentAttention(**kwargs["latent_attention"])
         if isinstance(kwargs.get("rope_scaling"), Mapping):
             kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
         return cls(architecture=model["architecture"],

@@ -188,7 +188,7 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
 # The model keys only the Llama decoder computes.
 LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
 # The model keys only the folder families that declare them compute (runtime/families, SWITCHES).
-FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale")
+FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale", "latent_attention")
 MODEL_SWITCHES = LLAMA_SWITCHES + FAMILY_SWITCHES
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -500,10 +500,11 @@ def max_record_mb(value: float, p: str) -> str | None:
 
 def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_layers: int,
         capacity_factor: float | None, activation: str, p: str, *, layers: tuple[int, ...] | None = None,
-        ffn: int | None = None, ffn_dropout: float | None = None) -> list[str]:
+        ffn: int | None = None, ffn_dropout: float | None = None, groups: tuple[int, int] = (1, 1)) -> list[str]:
     """model.moe: a sparse MoE block needs the Llama block (SwiGLU experts), top_k of the experts, a layer pattern
     that leaves at least one MoE layer, and a positive capacity factor (or dropless); model.ffn_dropout is the dense
-    MLP's, which the experts do not have."""
+    MLP's, which the experts do not have. `groups`: (moe.groups, moe.top_groups), group-limited routing's groups of
+    at least 2 experts (each ranked by its two best), top_groups of them holding at least top_k experts."""
     key = f"{p}model.moe"
     problems = []
     network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
@@ -527,6 +528,15 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
                         f"{key}.dropless=true")
     if activation not in ("softmax", "sigmoid"):
         problems.append(f"{key}.router_activation: {activation!r} is not one of softmax, sigmoid")
+    count, top = groups
+    if count > 1 and (num_experts % count or num_experts // count < 2):
+        problems.append(f"{key}.groups: {count} must divide num_experts ({num_experts}) into groups of at least 2 "
+                        "experts (a group is ranked by its two best scores)")
+    elif not 1 <= top <= count:
+        problems.append(f"{key}.top_groups: {top} must be from 1 to groups ({count})")
+    elif top_k > top * (num_experts // count):
+        problems.append(f"{key}.top_k: {top_k} is more than the {top * (num_experts // count)} experts of "
+                        f"top_groups ({top}) groups; raise top_groups")
     if ffn_dropout:
         problems.append(f"{p}model.ffn_dropout: {ffn_dropout} with {key}: dropout inside the experts is not built; "
                         f"set it to 0.0")
@@ -685,6 +695,14 @@ def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str) -> str |
         return (f"{p}model.peft.target_modules: {', '.join(mlp)} on a mixture-of-experts model: adapters on experts "
                 f"are not built; adapt the attention projections only (q_proj, k_proj, v_proj, o_proj)")
     return None
+
+
+def lora_latent_attention(latent, p: str) -> str | None:
+    """LoRA's adapters sit on the fused q/k/v and o projections, which multi-head latent attention does not have."""
+    if latent is None:
+        return None
+    return (f"{p}model.peft: LoRA on multi-head latent attention (model.latent_attention) is not built; fine-tune "
+            "every weight instead (drop model.peft)")
 
 
 def document_reset(positions: bool | None, attention: bool | None, p: str) -> str | None:

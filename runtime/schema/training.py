@@ -16,8 +16,8 @@ from runtime.schema import choices as C
 from runtime.schema.chat import end_of_document_id
 from runtime.schema import preference_pairs, records, rules
 from runtime.schema.data_prefix import MissingDataPrefix, missing_datasets, parse_data_prefix, parse_list
-from runtime.schema.model import (MoEConfig, ModelConfig, RopeScaling, hf_model_keys, read_hf_config,
-                                  tokenizer_vocab_size)
+from runtime.schema.model import (LatentAttention, MoEConfig, ModelConfig, RopeScaling, hf_model_keys,
+                                  read_hf_config, tokenizer_vocab_size)
 from runtime.schema.reader import REQUIRED, Report, Section, closest
 from runtime.schema.safetensors_file import hf_weights_problems, tensor_shapes
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
@@ -392,6 +392,7 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
             keys[key] = shape.bool(key)
     keys["moe"] = parse_moe(shape)
     keys["rope_scaling"] = parse_rope_scaling(shape)
+    keys["latent_attention"] = parse_latent_attention(shape)
     keys = {k: v for k, v in keys.items() if v is not None}
 
     tokenizer = model.section("tokenizer")
@@ -553,6 +554,19 @@ def parse_rope_scaling(model: Section) -> RopeScaling | None:
     return scaling
 
 
+def parse_latent_attention(model: Section) -> LatentAttention | None:
+    """model.latent_attention (multi-head latent attention) with Hugging Face's keys; absent or null: none."""
+    if model.raw("latent_attention", None) is None:
+        return None
+    s = model.section("latent_attention")
+    values = {key: s.int(key, minimum=1) for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                    "v_head_dim")}
+    values.update(q_lora_rank=s.int("q_lora_rank", None, minimum=1), rope_interleave=s.bool("rope_interleave", True))
+    if any(v is None for k, v in values.items() if k != "q_lora_rank"):
+        return None  # reported
+    return LatentAttention(**values)
+
+
 def parse_moe(model: Section) -> MoEConfig | None:
     """model.moe with NxD Training's keys; absent, null or num_experts 0: a dense model."""
     if model.raw("moe", None) is None:
@@ -567,8 +581,13 @@ def parse_moe(model: Section) -> MoEConfig | None:
                   router_z_loss_coef=s.float("router_z_loss_coef", 0.0, minimum=0.0),
                   normalize_top_k_affinities=s.bool("normalize_top_k_affinities", True),
                   router_activation=s.str("router_activation", "softmax"),
-                  ffn_hidden_size=s.int("ffn_hidden_size", None, minimum=1), layers=s.raw("layers", None))
-    if any(v is None for k, v in values.items() if k not in ("capacity_factor", "ffn_hidden_size", "layers")):
+                  ffn_hidden_size=s.int("ffn_hidden_size", None, minimum=1), layers=s.raw("layers", None),
+                  score_bias=s.bool("score_bias", False), groups=s.int("groups", 1, minimum=1),
+                  top_groups=s.int("top_groups", 1, minimum=1),
+                  routed_scaling_factor=s.float("routed_scaling_factor", 1.0, minimum=0.0),
+                  shared_ffn_hidden_size=s.int("shared_ffn_hidden_size", None, minimum=1))
+    optional = ("capacity_factor", "ffn_hidden_size", "layers", "shared_ffn_hidden_size")
+    if any(v is None for k, v in values.items() if k not in optional):
         return None  # reported
     if values["layers"] is not None:
         if not isinstance(values["layers"], (list, tuple)) or not all(isinstance(i, int) for i in values["layers"]):
@@ -913,7 +932,8 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
     if moe is not None:
         for problem in rules.moe(shape.get("architecture"), moe.num_experts, moe.top_k, moe.frequency,
                                  shape["num_layers"], moe.capacity_factor, moe.router_activation, p,
-                                 layers=moe.layers, ffn=moe.ffn_hidden_size, ffn_dropout=shape.get("ffn_dropout")):
+                                 layers=moe.layers, ffn=moe.ffn_hidden_size, ffn_dropout=shape.get("ffn_dropout"),
+                                 groups=(moe.groups, moe.top_groups)):
             report.error(problem)
         if moe.ffn_hidden_size:
             report.error(rules.ffn_tp(moe.ffn_hidden_size, tp, p, "moe.ffn_hidden_size"))
@@ -974,6 +994,7 @@ def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: 
     if lora is not None:
         moe = shape.get("moe")
         report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p))
+        report.error(rules.lora_latent_attention(shape.get("latent_attention"), p))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.

@@ -26,17 +26,23 @@ def _hf_gpt_oss(directory, vocab: int, data):
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).eval()
+    return save_with_tokenizer(transformers.GptOssForCausalLM(config).eval(), directory, data)
+
+
+def save_with_tokenizer(model, directory, data):
+    """`model` saved to `directory` with the SFT demo's tokenizer beside it: a Hugging Face directory to start from."""
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (directory / name).write_bytes((data / "sft_demo" / name).read_bytes())
     return model
 
 
-@pytest.mark.long("SFT of a Hugging Face GPT-OSS through the CLI, exported and checked in transformers")
-def test_fine_tunes_gpt_oss_and_exports_what_transformers_loads(tmp_path):
+def fine_tune_and_export(tmp_path, make_base, model_class):
+    """`make_base(directory, vocab, data)` written, fine-tuned 2 steps and exported through the CLI: transformers
+    loads the export with no missing or unexpected key, its logits are ours on the weights read back, and not the
+    base's. Returns the base model, the export's config.json and transformers' model of it."""
     vocab = _demo(tmp_path / "data")
-    base = _hf_gpt_oss(tmp_path / "hf_base", vocab, tmp_path / "data")
+    base = make_base(tmp_path / "hf_base", vocab, tmp_path / "data")
     common = ["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results"]
     run = nxdt(*common, "stages=[fine_tuning,conversion]", "fine_tuning=hf/sft_demo",
                *_stage("fine_tuning", f"model.restore_from_path={tmp_path}/hf_base", *STEPS), cwd=tmp_path,
@@ -44,8 +50,7 @@ def test_fine_tunes_gpt_oss_and_exports_what_transformers_loads(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     exported = tmp_path / "results" / "hf_sft_demo" / "conversion" / "hf_model"
     config = json.loads((exported / "config.json").read_text())
-    assert config["architectures"] == ["GptOssForCausalLM"] and config["layer_types"] == base.config.layer_types
-    theirs, info = transformers.GptOssForCausalLM.from_pretrained(exported, output_loading_info=True)
+    theirs, info = model_class.from_pretrained(exported, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     theirs.config._attn_implementation = "eager"
     state, keys, _ = load_hf_directory(exported)
@@ -56,3 +61,10 @@ def test_fine_tunes_gpt_oss_and_exports_what_transformers_loads(tmp_path):
         after, before = theirs.eval()(ids).logits, base(ids).logits
         torch.testing.assert_close(ours(ids), after, rtol=0, atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-4), "it trained"
+    return base, config, theirs
+
+
+@pytest.mark.long("SFT of a Hugging Face GPT-OSS through the CLI, exported and checked in transformers")
+def test_fine_tunes_gpt_oss_and_exports_what_transformers_loads(tmp_path):
+    base, config, _ = fine_tune_and_export(tmp_path, _hf_gpt_oss, transformers.GptOssForCausalLM)
+    assert config["architectures"] == ["GptOssForCausalLM"] and config["layer_types"] == base.config.layer_types

@@ -35,22 +35,39 @@ PIPELINE = {**H.GPT_OSS, "layer_types": ("sliding_attention", "full_attention") 
 PIPELINE_JOBS = {"gptoss-pp2": ("llama", PIPELINE, P.PipelineLayout(pp=2))}
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return run_distributed(H.run_suite, 2, args=(JOBS,))
+def layout_suite(jobs: dict, pipeline_jobs: dict, pipeline: dict):
+    """A family's two-rank layouts (`jobs`) and pipeline layouts (`pipeline_jobs`, on the `pipeline` overrides): the
+    module fixtures that train each under gloo once, and the tests that each trains as one process does (a test
+    module takes them by name: globals().update(layout_suite(...)))."""
 
+    @pytest.fixture(scope="module")
+    def two_ranks():
+        return run_distributed(H.run_suite, 2, args=(jobs,))
 
-@pytest.fixture(scope="module")
-def pipeline_ranks():
-    return run_distributed(P.run_suite, 2, args=(PIPELINE_JOBS,))
+    @pytest.fixture(scope="module")
+    def pipeline_ranks():
+        return run_distributed(P.run_suite, 2, args=(pipeline_jobs,))
 
+    @functools.cache
+    def reference(name: str) -> dict:
+        torch.set_num_threads(1)
+        if name in pipeline_jobs:
+            return P.reference("llama", pipeline)
+        return H.train_job("llama", jobs[name][1], L())
 
-@functools.cache
-def reference(name: str) -> dict:
-    torch.set_num_threads(1)
-    if name in PIPELINE_JOBS:
-        return P.reference("llama", PIPELINE)
-    return H.train_job("llama", JOBS[name][1], L())
+    @pytest.mark.parametrize("name", list(jobs))
+    @pytest.mark.long("its module fixture trains every layout under gloo once")
+    def test_layout_trains_as_one_process(name, two_ranks):
+        _assert_same([r[name] for r in two_ranks], reference(name))
+
+    @pytest.mark.parametrize("name", list(pipeline_jobs))
+    @pytest.mark.long("its module fixture trains the pipeline layout under gloo once")
+    def test_pipeline_trains_as_one_process(name, pipeline_ranks):
+        _assert_same([r[name] for r in pipeline_ranks], reference(name))
+
+    return {"two_ranks": two_ranks, "pipeline_ranks": pipeline_ranks,
+            "test_layout_trains_as_one_process": test_layout_trains_as_one_process,
+            "test_pipeline_trains_as_one_process": test_pipeline_trains_as_one_process}
 
 
 def _assert_same(ranks: list[dict], ref: dict) -> None:
@@ -70,15 +87,7 @@ def _assert_same(ranks: list[dict], ref: dict) -> None:
     H.assert_learns(ref)
 
 
-@pytest.mark.parametrize("name", list(JOBS))
-@pytest.mark.long("its module fixture trains every layout under gloo once")
-def test_layout_trains_as_one_process(name, two_ranks):
-    _assert_same([r[name] for r in two_ranks], reference(name))
-
-
-@pytest.mark.long("its module fixture trains the pipeline layout under gloo once")
-def test_pipeline_trains_as_one_process(pipeline_ranks):
-    _assert_same([r["gptoss-pp2"] for r in pipeline_ranks], reference("gptoss-pp2"))
+globals().update(layout_suite(JOBS, PIPELINE_JOBS, PIPELINE))
 
 
 def test_context_parallel_refused_in_one_line():

@@ -34,12 +34,8 @@ def model_keys(hf) -> dict[str, Any]:
     from runtime.schema.families.base import HFConfig
     from runtime.schema.families.decoder import decoder_keys, softmax_moe_keys
 
-    quantization = hf.data.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"config.json quantization_config (quant_method {method!r}): quantized GPT-OSS weights are "
-                         "not read here; give a bf16 or fp32 copy (transformers: from_pretrained with "
-                         "quantization_config=Mxfp4Config(dequantize=True), then save_pretrained)")
+    hf.refuse_quantized("GPT-OSS", "transformers: from_pretrained with quantization_config=Mxfp4Config("
+                                   "dequantize=True), then save_pretrained")
     hf.require("attention_bias", (True,), True)
     for key, value in _SWIGLU.items():
         hf.require(key, (value,), value)

@@ -49,6 +49,14 @@ class HFConfig:
             raise ValueError(f"config.json sliding_window={window} is not supported: our attention sees the whole "
                              f"sequence; supported: null or at least max_position_embeddings ({positions})")
 
+    def refuse_quantized(self, family: str, fix: str) -> None:
+        """Refuse quantized weights (config.json quantization_config); `fix`: how to get a bf16 or fp32 copy."""
+        quantization = self.data.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(f"config.json quantization_config (quant_method {method!r}): quantized {family} weights "
+                             f"are not read here; give a bf16 or fp32 copy ({fix})")
+
     def rope(self, default_theta: float) -> dict[str, Any]:
         """`rotary_base` and, when the config scales RoPE, `rope_scaling` (RopeScaling's fields)."""
         params = dict(self.data.get("rope_scaling") or {})

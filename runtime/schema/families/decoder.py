@@ -53,13 +53,13 @@ def weight_rules(cfg, Rule, family) -> list:
         if cfg.qk_layernorm:
             rules += [Rule(o + "attn.q_norm.weight", (h + "self_attn.q_norm.weight",)),
                       Rule(o + "attn.k_norm.weight", (h + "self_attn.k_norm.weight",))]
-        rules += _moe_rules(cfg, Rule, family, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
+        rules += moe_rules(cfg, Rule, family, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
             Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), gate_up_rows),
             Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
     return rules + [Rule("final_norm.weight", ("model.norm.weight",))]
 
 
-def _moe_rules(cfg, Rule, family, o: str, h: str) -> list:
+def moe_rules(cfg, Rule, family, o: str, h: str) -> list:
     """Our SparseMoE (router (E, H), gate_up (E, H, 2F) used as x @ gate_up[e], down (E, F, H)) as the family's
     nn.Linear weights per expert (its MOE_WEIGHTS): gate (F, H), up (F, H), down (H, F)."""
     router, gate, up, down = (h + name for name in family.MOE_WEIGHTS)
