@@ -24,7 +24,8 @@ def _mention(family: str) -> re.Pattern:
 def _sources(root: Path):
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
-        if path.is_file() and not _SKIPPED_DIRS & set(rel.parts) and path.suffix not in (".pyc", ".so"):
+        built = any(part.endswith(".egg-info") for part in rel.parts)  # pip's, in a clone installed with -e
+        if path.is_file() and not built and not _SKIPPED_DIRS & set(rel.parts) and path.suffix not in (".pyc", ".so"):
             yield rel.as_posix(), path
 
 
