@@ -32,11 +32,6 @@ from runtime.schema.training import model_shape_keys, parse_sizing
 from runtime.schema.training_config import SizingConfig, TrainerConfig
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
-# Vocabulary sizes of the tokenizers the recipes name (runtime/schema/families' registry), for estimating on a
-# machine that does not hold the tokenizer file (a laptop planning a cluster run). Matched against the tokenizer
-# path; the file wins if present.
-KNOWN_VOCABULARIES = TOKENIZER_VOCABULARIES
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -184,11 +179,11 @@ def vocab_for(sizing: SizingConfig, override: int | None = None) -> int:
             return tokenizer_vocab_size(path)
         except ValueError:
             pass  # unreadable here: a known tokenizer named in the path, or --vocab-size
-    for key, known in KNOWN_VOCABULARIES.items():
+    for key, known in TOKENIZER_VOCABULARIES.items():
         if key in path:
             return known
     raise UserError(f"training.model.tokenizer.model: {path or None!r} is not on this machine and names no known "
-                    f"tokenizer ({', '.join(KNOWN_VOCABULARIES)}); pass --vocab-size N")
+                    f"tokenizer ({', '.join(TOKENIZER_VOCABULARIES)}); pass --vocab-size N")
 
 
 def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:

@@ -121,7 +121,7 @@ class ModelConfig:
     unpadded_vocab_size: int | None = None
     # Attention by layer (Hugging Face's layer_types): "sliding_attention" sees the sliding_window positions up to
     # its own, "full_attention" the whole sequence; None: every layer full. Keys of the folder families that
-    # declare them (runtime/families, SWITCHES).
+    # declare them (runtime/families, ARCHITECTURE.switches).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     local_rotary_base: float | None = None  # RoPE base of the sliding-window layers, unscaled

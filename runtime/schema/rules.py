@@ -10,7 +10,7 @@ import math
 import os
 import re
 
-from runtime.schema.families import ARCHITECTURES
+from runtime.schema.families import ARCHITECTURES, known_architecture
 
 # Slurm's own time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
@@ -187,7 +187,7 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
 
 # The model keys only the Llama decoder computes.
 LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
-# The model keys only the folder families that declare them compute (runtime/families, SWITCHES).
+# The model keys only the folder families that declare them compute (runtime/families, ARCHITECTURE.switches).
 FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale", "latent_attention")
 MODEL_SWITCHES = LLAMA_SWITCHES + FAMILY_SWITCHES
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -197,7 +197,7 @@ def llama_switches(architecture: str | None, switches: dict, p: str) -> list[str
     """Keys only some architectures compute (the registry's `switches`): the Llama decoder's add_qkv_bias,
     qk_layernorm and rope_scaling (GPT has learned positions and biases everywhere), and those a folder family
     declares. An unknown or absent architecture is not judged here (its own key names it)."""
-    network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
+    network = known_architecture(architecture)
     if network is None:
         return []
     problems = []
@@ -507,7 +507,7 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     at least 2 experts (each ranked by its two best), top_groups of them holding at least top_k experts."""
     key = f"{p}model.moe"
     problems = []
-    network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
+    network = known_architecture(architecture)
     if network is not None and not network.moe:
         problems.append(f"{key}: MoE layers are Mixtral's (SwiGLU experts in the Llama block); set "
                         f"{p}model.architecture={' or '.join(a.name for a in ARCHITECTURES.values() if a.moe)}")
@@ -685,7 +685,7 @@ def lora_targets(names: tuple[str, ...], architecture: str | None, p: str) -> st
 
 def gated_mlp(architecture: str | None) -> bool:
     """Whether the architecture's MLP has a gate projection (an unknown one: assumed, its own key names it)."""
-    network = ARCHITECTURES.get(architecture) if isinstance(architecture, str) else None
+    network = known_architecture(architecture)
     return network is None or network.gated_mlp
 
 

@@ -41,6 +41,12 @@ def architecture(name: Any) -> Architecture:
         raise ValueError(f"model.architecture={name!r} is not one of {', '.join(ARCHITECTURES)}") from None
 
 
+def known_architecture(name: Any) -> Architecture | None:
+    """The registry's entry for `name`, or None when it is not one (the rules judging another key skip it: the
+    architecture's own key names the mistake)."""
+    return ARCHITECTURES.get(name) if isinstance(name, str) else None
+
+
 def megatron_architecture(switches: tuple) -> str | None:
     """The architecture a NeMo / NxD megatron file's four switches name, or None."""
     return next((a.name for a in ARCHITECTURES.values() if switches in a.megatron), None)
@@ -96,6 +102,6 @@ def export_family(cfg) -> ModuleType:
 
 
 __all__ = ["ARCHITECTURES", "Architecture", "FAMILIES", "HF_MODEL_TYPES", "HFConfig", "architecture", "export_family",
-           "family_for", "family_of_model_type", "import_keys", "megatron_architecture",
+           "family_for", "family_of_model_type", "import_keys", "known_architecture", "megatron_architecture",
            "megatron_choices", "HF_BASE",
            "TOKENIZER_VOCABULARIES"]
