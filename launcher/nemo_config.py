@@ -372,14 +372,25 @@ def _moe(flat, put, row, error, warn_key) -> set[str]:
            "normalize_top_k_affinities": True, "router_activation": "softmax"}
     known = {"model.num_moe_experts", "model.moe_router_topk", "model.moe_expert_capacity_factor",
              "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff", "model.moe_pad_expert_input_to_capacity"}
-    for key in sorted(keys - known):
+    # The expert bias (DeepSeek-V3's aux-loss-free balancing: our model.moe.score_bias and router_bias_update_rate)
+    # is built for the deepseek_v3 architecture, from its config.json; Megatron ignores the rate without the bias.
+    expert_bias = {"model.moe_router_enable_expert_bias", "model.moe_router_bias_update_rate"}
+    if flat.get("model.moe_router_enable_expert_bias"):
+        error("model.moe_router_enable_expert_bias", "True: the expert selection bias is DeepSeek-V3's, not built "
+              "for a NeMo file's Mixtral-style MoE; import the model's config.json (training.model.model_config) and "
+              "set training.model.moe.router_bias_update_rate, or set it to False")
+    for key in sorted(keys & expert_bias if not flat.get("model.moe_router_enable_expert_bias") else ()):
+        row(key, flat[key], "ignored: Megatron-core updates the expert bias only with "
+                            "moe_router_enable_expert_bias: True")
+    keys_mapped = keys - expert_bias
+    for key in sorted(keys_mapped - known):
         error(key, "is a Megatron-core MoE key nxdt-launch does not know; remove it")
     if capacity is not None and flat.get("model.moe_pad_expert_input_to_capacity") is not True:
         error("model.moe_expert_capacity_factor", f"{capacity!r} without moe_pad_expert_input_to_capacity: True "
                                                   "(capacity that varies by batch) is not built; set it to True")
     for name, value in moe.items():
         put(f"model.moe.{name}", value)
-    for key in sorted(keys & known):
+    for key in sorted(keys_mapped & known):
         row(key, flat[key], "with the other moe_* keys: training.model.moe = " + repr(moe))
     return keys
 

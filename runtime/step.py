@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from runtime.micro_batch import MicroBatch, PreparedBatch
-from runtime.models.moe import set_aux_scale
+from runtime.models.moe import SparseMoE, bias_update, set_aux_scale, start_counting
 from runtime.objective import TOKEN_MEAN, TokenMean
 from runtime.parallel import collectives as C
 from runtime.parallel import pipeline
@@ -99,6 +99,8 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
     grads = optimizer.data_parallel
     grads.zero_grad(len(batches))  # buckets start reducing during the last micro-batch's backward
     set_aux_scale(model, 1.0 / (len(batches) * topo.dp.size))  # MoE layers' auxiliary loss, averaged like the loss
+    rate = bias_update_rate(model, optimizer)
+    balanced = start_counting(model) if rate else []
     if topo.pp.size > 1:
         stats = pipeline.run_pipeline(model, batches, topo, totals, forward_only=False, schedule=schedule,
                                       autocast=lambda: autocast_for(optimizer, batches[0].input_ids.device),
@@ -113,12 +115,41 @@ def train_step(model: nn.Module, optimizer: ShardedAdamW, micro_batches: Sequenc
             stats = local if stats is None else stats + local
     grads.reduce_gradients()
     grad_norm = optimizer.clip_grad_norm(clip)  # a device tensor; clipping is arithmetic on it, not a branch
-    optimizer.step(lr)
+    optimizer.step(lr, add=_selection_bias_changes(balanced, rate, topo))
     values = _values(stats, topo, totals, grad_norm)
     if read_with is None:
         return StepResult(values, objective, objective.num_stats)
     extra = read_with.reshape(-1).to(values.dtype)
     return StepResult(torch.cat([values, extra]), objective, objective.num_stats, extra.numel())
+
+
+def bias_update_rate(model: nn.Module, optimizer: ShardedAdamW) -> float:
+    """model.moe.router_bias_update_rate of the model's config (0.0 without one). The schema's rules refuse a
+    nonzero rate without model.moe.score_bias or under LoRA at launch; this is the same refusal for a model built in
+    code, and for an architecture whose MoE layers have no selection bias."""
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
+    rate = moe.router_bias_update_rate if moe is not None else 0.0
+    if rate:
+        owned = {id(p) for _, p in optimizer.data_parallel.named_params}
+        layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        frozen = [m for m in layers if m.selection is not None and id(m.selection.bias) not in owned]
+        if any(m.selection is None for m in layers) or frozen:
+            raise ValueError(f"training.model.moe.router_bias_update_rate: {rate} updates the expert selection bias, "
+                             f"which {'LoRA keeps frozen' if frozen else 'these MoE layers do not have'} (model.moe."
+                             f"score_bias=true, architecture={model.cfg.architecture}); set it to 0.0")
+    return rate
+
+
+def _selection_bias_changes(biases: list, rate: float, topo: Topology) -> dict[int, torch.Tensor] | None:
+    """The step's change of every counting selection bias: their loads over the global batch (this rank's
+    micro-batches, summed over the data-parallel group, which holds the expert- and context-parallel ranks too; TP
+    ranks route the same tokens), in one all-reduce for all layers."""
+    if not biases:
+        return None
+    loads = C.all_reduce(torch.stack([bias.routed for bias in biases]), topo.dp)
+    for bias in biases:
+        bias.routed = None
+    return {id(bias.bias): change for bias, change in zip(biases, bias_update(loads, rate))}
 
 
 @torch.no_grad()

@@ -138,16 +138,48 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 class SelectionBias(nn.Module):
     """DeepSeek-V3's e_score_correction_bias (E,): added to the router's scores to choose experts, not to weigh
-    them. A parameter, so checkpoints and exports carry it as every weight, that no gradient reaches (it only
-    picks indices; its aux-loss-free balancing is not run here): 1-D, so without weight decay, Adam leaves it as
-    it is."""
+    them. A parameter, so checkpoints, resharding and exports carry it as every weight; no gradient reaches it (it
+    only picks indices), so AdamW's step leaves it bitwise as it is (zero moments, and no weight decay on 1-D), its
+    zero gradient adds nothing to the norm, and clipping scales nothing. What changes it is DeepSeek-V3's
+    auxiliary-loss-free balancing (model.moe.router_bias_update_rate, Megatron's moe_router_bias_update_rate),
+    after each optimizer step: bias_update below, which the train step hands the optimizer.
+
+    `routed`: while the train step counts (start_counting), the (token, slot) assignments its training forwards
+    routed to each expert, before any capacity drop; None otherwise (evaluation and reference scoring never count,
+    nor does an activation checkpoint's recompute of a forward that already counted)."""
 
     def __init__(self, num_experts: int):
         super().__init__()
         self.bias = nn.Parameter(torch.zeros(num_experts))
+        self.routed: torch.Tensor | None = None
 
     def init_rules(self, prefix: str) -> dict[str, Init]:
         return {f"{prefix}.bias": Init("zeros")}
+
+    def count(self, experts: torch.Tensor) -> None:
+        # Inside backward (_current_graph_task_id is -1 outside it) a forward runs only as a recompute.
+        if self.routed is None or not (self.training and torch.is_grad_enabled()) or \
+                torch._C._current_graph_task_id() != -1:
+            return
+        flat = experts.flatten()
+        self.routed = self.routed.index_add(0, flat, torch.ones_like(flat, dtype=self.routed.dtype))
+
+
+def start_counting(model: nn.Module) -> list[SelectionBias]:
+    """The selection biases of `model` (this rank's part of it), each counting its routing from now on."""
+    biases = [m.selection for m in model.modules() if isinstance(m, SparseMoE) and m.selection is not None]
+    for bias in biases:
+        bias.routed = torch.zeros(bias.bias.shape[0], dtype=torch.float32, device=bias.bias.device)
+    return biases
+
+
+def bias_update(loads: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing: (L, E) assignments per expert over a step's whole global batch
+    -> the (L, E) change of each layer's selection bias, rate * sign(mean load - load): an underloaded expert's bias
+    rises by `rate`, an overloaded one's falls, one at the mean stays. Computed as sign(total - E * load), exact in
+    fp32 for counts below 2^24 / E (the mean itself may not be a float)."""
+    loads = loads.float()
+    return rate * torch.sign(loads.sum(dim=-1, keepdim=True) - loads.shape[-1] * loads)
 
 
 class SparseMoE(nn.Module):
@@ -205,6 +237,8 @@ class SparseMoE(nn.Module):
                         normalize=self.normalize_top_k,
                         score_bias=None if self.selection is None else self.selection.bias, groups=self.groups,
                         top_groups=self.top_groups, scale=self.scale)
+        if self.selection is not None:
+            self.selection.count(routing.experts)
         limit = capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         weights = routing.weights.to(x.dtype)
         if limit is None:

@@ -67,8 +67,12 @@ class ShardedAdamW:
         return norm
 
     @torch.no_grad()
-    def step(self, lr: float | None = None) -> None:
-        """One AdamW step on this rank's shards; data parallelism then writes the weights back."""
+    def step(self, lr: float | None = None, add: dict[int, torch.Tensor] | None = None) -> None:
+        """One AdamW step on this rank's shards; data parallelism then writes the weights back.
+
+        add: {id(parameter): a change of its values, flat}, added to its fp32 weights after AdamW, before they
+        are written back (DeepSeek-V3's selection bias: runtime/step.py): so the master copy, the rounding and
+        ZeRO-1's all-gather all carry one value on every rank."""
         lr = self.cfg.lr if lr is None else lr
         hooks, self._pre_step_hooks = self._pre_step_hooks, []
         for hook in hooks:  # e.g. an async checkpoint still copying the weights this update is about to change
@@ -82,6 +86,9 @@ class ShardedAdamW:
                             [exp_avg[seg.in_shard] for seg in bucket.segments],
                             [exp_avg_sq[seg.in_shard] for seg in bucket.segments],
                             lr, self.cfg.weight_decay if bucket.decay else 0.0)
+            for weight, seg in zip(weights, bucket.segments):
+                if add and id(seg.param) in add:
+                    weight.add_(add[id(seg.param)][seg.in_param])
             dp.write_back(bucket, weights)
         dp.finish_write_back()  # ZeRO-1: the all-gathers started bucket by bucket above
         self._grad_scale = None

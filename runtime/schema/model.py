@@ -42,6 +42,11 @@ class MoEConfig:
     top_groups: int = 1
     routed_scaling_factor: float = 1.0
     shared_ffn_hidden_size: int | None = None
+    # DeepSeek-V3's auxiliary-loss-free balancing (Megatron-core's moe_router_bias_update_rate, with
+    # moe_router_enable_expert_bias as score_bias): after each optimizer step every selection bias moves by this
+    # much towards its layer's mean load over the global batch (runtime/models/moe.py bias_update). 0.0: the bias
+    # stays as loaded (a fine-tuning's default; DeepSeek-V3's pretraining used 0.001, then 0.0 for its last tokens).
+    router_bias_update_rate: float = 0.0
 
     def expert_size(self, dense_ffn: int) -> int:
         """Each expert's FFN size: its own, or the dense MLP's (model.ffn_hidden_size: Mixtral)."""
@@ -156,6 +161,7 @@ class ModelConfig:
                                      layers=self.moe.layers, ffn=self.moe.ffn_hidden_size,
                                      ffn_dropout=self.ffn_dropout, groups=(self.moe.groups, self.moe.top_groups)):
                 report.error(problem)
+            report.error(rules.bias_update(self.moe.router_bias_update_rate, self.moe.score_bias, ""))
         report.raise_if_any()
 
     @property

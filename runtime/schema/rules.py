@@ -543,6 +543,21 @@ def moe(architecture: str, num_experts: int, top_k: int, frequency: int, num_lay
     return problems
 
 
+def bias_update(rate: float, score_bias: bool, p: str, *, lora: bool = False) -> str | None:
+    """model.moe.router_bias_update_rate moves the expert selection bias (DeepSeek-V3's aux-loss-free balancing):
+    it needs one (model.moe.score_bias), and one that trains (LoRA keeps the base model, the bias with it, frozen)."""
+    key = f"{p}model.moe.router_bias_update_rate"
+    if not math.isfinite(rate) or rate < 0:
+        return f"{key}: {rate} must be a number >= 0 (0.0 keeps the selection bias as loaded)"
+    if rate and not score_bias:
+        return (f"{key}: {rate} updates the expert selection bias, which needs {p}model.moe.score_bias=true "
+                f"(DeepSeek-V3's router); set score_bias=true or router_bias_update_rate=0.0")
+    if rate and lora:
+        return (f"{key}: {rate} with LoRA: the base model, its selection bias with it, stays frozen; set "
+                f"router_bias_update_rate=0.0 (or fine-tune fully)")
+    return None
+
+
 def expert_layout(num_experts: int | None, ep: int, dp: int, p: str) -> str | None:
     """model.expert_model_parallel_size shards the experts over part of data parallelism (Megatron's and NxD
     Training's layout): it must divide both the data-parallel size and the number of experts."""

@@ -423,8 +423,9 @@ def _model_shape(model: Section, p: str, report: Report, files: _Files,
 # Keys a config.json yields that the YAML may set otherwise: the training's sequence length (config.json's
 # max_position_embeddings is only its default) and the vocabulary padding (checked against config.json's size).
 _YAML_DECIDES = ("encoder_seq_length", "make_vocab_size_divisible_by")
-# model.moe keys that shape training, not the network: token dropping and the auxiliary losses' weights.
-_TRAINING_CHOICES = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+# model.moe keys that shape training, not the network: token dropping, the auxiliary losses' weights and the
+# selection bias's balancing rate.
+_TRAINING_CHOICES = ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate")
 
 
 # What model.model_config_overrides may set over config.json: the keys NxD Training's Hugging Face models apply from
@@ -573,7 +574,11 @@ def parse_moe(model: Section) -> MoEConfig | None:
         return None
     s = model.section("moe")
     num_experts = s.int("num_experts", 0, minimum=0)
+    rate = s.float("router_bias_update_rate", 0.0, minimum=0.0)
     if not num_experts:
+        if rate:
+            model.report.error(f"{s.key('router_bias_update_rate')}: {rate} updates the expert selection bias of MoE "
+                               f"layers, which a dense model (num_experts {num_experts}) has none of; set it to 0.0")
         return None
     values = dict(top_k=s.int("top_k", 2), frequency=s.int("frequency", 1),
                   capacity_factor=s.float("capacity_factor", None), dropless=s.bool("dropless", False),
@@ -585,7 +590,8 @@ def parse_moe(model: Section) -> MoEConfig | None:
                   score_bias=s.bool("score_bias", False), groups=s.int("groups", 1, minimum=1),
                   top_groups=s.int("top_groups", 1, minimum=1),
                   routed_scaling_factor=s.float("routed_scaling_factor", 1.0, minimum=0.0),
-                  shared_ffn_hidden_size=s.int("shared_ffn_hidden_size", None, minimum=1))
+                  shared_ffn_hidden_size=s.int("shared_ffn_hidden_size", None, minimum=1),
+                  router_bias_update_rate=rate)
     optional = ("capacity_factor", "ffn_hidden_size", "layers", "shared_ffn_hidden_size")
     if any(v is None for k, v in values.items() if k not in optional):
         return None  # reported
@@ -937,6 +943,7 @@ def _shape_rules(report: Report, p: str, shape: dict, parallel: ParallelConfig, 
             report.error(problem)
         if moe.ffn_hidden_size:
             report.error(rules.ffn_tp(moe.ffn_hidden_size, tp, p, "moe.ffn_hidden_size"))
+        report.error(rules.bias_update(moe.router_bias_update_rate, moe.score_bias, p))
 
 
 
@@ -995,6 +1002,8 @@ def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: 
         moe = shape.get("moe")
         report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p))
         report.error(rules.lora_latent_attention(shape.get("latent_attention"), p))
+        if moe is not None:
+            report.error(rules.bias_update(moe.router_bias_update_rate, moe.score_bias, p, lora=True))
 
 
 # NeMo's exp_manager.wandb_logger_kwargs (Lightning's WandbLogger arguments) that mean something without Lightning.
