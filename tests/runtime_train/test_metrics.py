@@ -9,6 +9,7 @@ from torch import nn
 
 from runtime import metrics, peak_probe
 from runtime.metrics import MetricsLogger, Peak, cpu_peak, cpu_peak_tflops, flops_per_token, peak_tflops
+from runtime.schema.sizes import ModelShape
 from runtime.models import ModelConfig, build_model
 from runtime.peak_probe import Probe
 
@@ -22,8 +23,7 @@ def test_flops_formula_counts_every_matmul_weight(architecture, groups):
     # Every Linear's weight, the output head included even when it shares the embedding's storage.
     matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     seq = 32
-    flops = flops_per_token(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
-                            cfg.kv_heads, cfg.vocab_size, seq, gated_mlp=architecture == "llama")
+    flops = flops_per_token(ModelShape.of_model(cfg, seq))
     assert flops == 6 * matmul_weights + 12 * cfg.num_layers * cfg.hidden_size * seq
 
 
@@ -63,8 +63,7 @@ def _realistic_step_tflops() -> float:
         optimizer.step()
         optimizer.zero_grad()
         elapsed = time.perf_counter() - started
-    per_token = flops_per_token(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
-                                cfg.kv_heads, cfg.vocab_size, 128, gated_mlp=False)
+    per_token = flops_per_token(ModelShape.of_model(cfg, 128))
     return per_token * 4 * 128 / elapsed / 1e12
 
 
