@@ -148,23 +148,20 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
 def moe_from_model(model: Mapping[str, Any]) -> MoEConfig | None:
     """model.moe as the runtime builds it: already typed when a model_config was merged in, else read from the YAML
     by the schema's own reader, so dropless and num_experts 0 mean here what they mean in training."""
-    moe = model.get("moe")
-    if moe is None or isinstance(moe, MoEConfig):
-        return moe
-    report = Report()
-    parsed = parse_moe(Section(model, "training.model", report))
-    if report.errors:
-        raise UserError(*report.errors)
-    return parsed
+    return _typed(model, "moe", MoEConfig, parse_moe)
 
 
 def latent_from_model(model: Mapping[str, Any]) -> LatentAttention | None:
     """model.latent_attention as the runtime builds it, typed already or read by the schema's own reader."""
-    latent = model.get("latent_attention")
-    if latent is None or isinstance(latent, LatentAttention):
-        return latent
+    return _typed(model, "latent_attention", LatentAttention, parse_latent_attention)
+
+
+def _typed(model: Mapping[str, Any], key: str, kind: type, parse) -> Any:
+    value = model.get(key)
+    if value is None or isinstance(value, kind):
+        return value
     report = Report()
-    parsed = parse_latent_attention(Section(model, "training.model", report))
+    parsed = parse(Section(model, "training.model", report))
     if report.errors:
         raise UserError(*report.errors)
     return parsed
