@@ -1,8 +1,8 @@
 # Training metrics: what a step cost (FLOPs, throughput, MFU) and where it is written (stdout, metrics.jsonl,
 # TensorBoard, optionally W&B). Only the main rank writes; every rank may call these methods.
 #
-# The FLOPs-per-token formula and the accelerators' peak table are runtime/schema/facts.py's, which the launcher's
-# estimator reads too, so the MFU a run reports and the one an estimate assumes mean the same thing.
+# The FLOPs-per-token formula (runtime/schema/sizes.py) and the accelerators' peak table (runtime/schema/facts.py)
+# are the ones the launcher's estimator reads too, so the MFU a run reports and the one an estimate assumes mean the same thing.
 from __future__ import annotations
 
 import json
@@ -15,18 +15,14 @@ from pathlib import Path
 import torch
 
 from runtime.peak_probe import Probe, cache_path, cached_probe, machine_key, read_cpuinfo
-from runtime.schema.facts import PEAK_TFLOPS, flops_per_token
+from runtime.schema.facts import PEAK_TFLOPS
 from runtime.schema.model import ModelConfig
+from runtime.schema.sizes import ModelShape, flops_per_token
 
 
 def model_flops_per_token(model: ModelConfig, seq_length: int) -> float:
-    """flops_per_token of a model as the runtime builds it; of an MoE model, the layers model.moe makes MoE."""
-    moe = model.moe
-    moe_args = {"moe_layers": sum(moe.is_moe_layer(i) for i in range(model.num_layers)), "moe_top_k": moe.top_k,
-                "moe_num_experts": moe.num_experts, "moe_ffn_hidden_size": moe.ffn_hidden_size} if moe else {}
-    return flops_per_token(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
-                           model.kv_heads, model.vocab_size, seq_length, gated_mlp=model.gated_mlp,
-                           head_dim=model.head_dim, **moe_args)
+    """flops_per_token of a model as the runtime builds it (its shape at `seq_length` tokens a sample)."""
+    return flops_per_token(ModelShape.of_model(model, seq_length))
 
 
 # fp32 FLOPs per cycle per core of the widest fused multiply-add the CPU has: two FMA pipes of 16 (AVX-512),

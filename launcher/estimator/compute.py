@@ -15,46 +15,33 @@ from launcher.estimator.hardware import Hardware
 from launcher.estimator.memory import PRECISION_BYTES, kv_block_bytes
 from launcher.estimator.shapes import (Layout, ModelShape, count_parameters, expert_parameters, kv_heads_per_rank,
                                        most_layers, stage_moe_layers)
-from runtime.schema import facts
+from runtime.schema import sizes
 
 SECONDS_PER_DAY = 86400.0
 
 
-def _shape_args(shape: ModelShape) -> dict:
-    """The shape as runtime/schema/facts.py's FLOPs formula takes it (the runtime's MFU passes the same keys)."""
-    moe = {"moe_layers": shape.num_moe_layers, "moe_top_k": shape.moe.top_k, "moe_num_experts": shape.moe.num_experts,
-           "moe_ffn_hidden_size": shape.expert_ffn_hidden_size} if shape.moe else {}
-    return dict(num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-                num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-                vocab_size=shape.vocab_size, gated_mlp=shape.gated_mlp, head_dim=shape.head_dim, **moe)
-
-
 def matmul_weights(shape: ModelShape) -> int:
-    """Weights that take part in a matrix multiply per token (facts.matmul_weights): every layer's projections and
-    MLP (of an MoE layer the token's top_k experts and the h x num_experts router), and the output layer."""
-    return facts.matmul_weights(**_shape_args(shape))
+    """Weights that take part in a matrix multiply per token (runtime/schema/sizes.py matmul_weights): every
+    layer's projections and MLP (of an MoE layer the token's top_k experts, the router and shared experts), and the
+    output layer."""
+    return sizes.matmul_weights(shape)
 
 
 def flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token, forward + backward: facts.flops_per_token, the formula the runtime's MFU uses."""
-    return facts.flops_per_token(seq_length=shape.seq_length, **_shape_args(shape))
+    """Training FLOPs per token, forward + backward: sizes.flops_per_token, the formula the runtime's MFU uses."""
+    return sizes.flops_per_token(shape)
 
 
 def recompute_flops_per_token(shape: ModelShape, layout: Layout) -> float:
     """Extra forward FLOPs that activation recomputation spends per token (not counted in MFU)."""
-    h, s, L = shape.hidden_size, shape.seq_length, shape.num_layers
-    attention_forward = 4.0 * L * shape.query_size * s  # QK^T and the weighted sum of V (facts.py)
+    h = shape.hidden_size
+    attention_forward = sizes.attention_flops_per_token(shape)  # QK^T and the weighted sum of V (sizes.py)
     if layout.recompute == "full":
         return (flops_per_token(shape) - 6.0 * h * shape.vocab_size) / 3.0  # one more forward of every layer
     if layout.recompute == "selective":
         extra = attention_forward if "core_attention" in layout.recompute_modules else 0.0
-        if "mlp" in layout.recompute_modules:
-            matrices = 3 if shape.gated_mlp else 2
-            moe_layers = shape.num_moe_layers
-            extra += 2.0 * (L - moe_layers) * matrices * h * shape.ffn_hidden_size
-            if moe_layers:  # the MoE block again: router and the token's top_k experts, each of the expert size
-                expert = matrices * h * shape.expert_ffn_hidden_size
-                extra += 2.0 * moe_layers * (shape.moe.top_k * expert + h * shape.moe.num_experts)
+        if "mlp" in layout.recompute_modules:  # the MLP again (of an MoE block what a token runs)
+            extra += 2.0 * sum(sizes.mlp_matmul_weights(shape, index) for index in range(shape.num_layers))
         return extra
     return 0.0
 

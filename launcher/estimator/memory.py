@@ -42,6 +42,7 @@ import dataclasses
 
 from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, rank_layers,
                                        stage_expert_parameters, stage_moe_layers, stage_parameters, stage_rank)
+from runtime.schema.sizes import arithmetic_of
 from runtime.schema.facts import DTYPE_BYTES, PRECISION_POLICIES, PrecisionPolicy
 
 
@@ -136,13 +137,66 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     mlp_recomputed = selective and "mlp" in layout.recompute_modules
     norm_input = _norm_bytes(shape, r)
     mask = c if kernels.mask_as_activation else 1
+    heads = shape.num_attention_heads // t
+    total = shape.norms_per_layer * norm_input * E * shard  # attention and MLP norm inputs (sandwich: and outputs)
+    total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
+    family = arithmetic_of(shape)
+    if family is not None:                     # an attention of the family's own (runtime/schema/sizes.py)
+        total += family.activation_bytes(shape, b * s, t, c, core_kept=not attn_recomputed,
+                                         scores=core_score_bytes(shape, layout, kernels, heads))
+    else:
+        total += _attention_bytes(shape, layout, kernels, attn_recomputed=attn_recomputed)
+    ffn = shape.ffn_hidden_size // t
+    if mlp_recomputed:
+        total += r * E * shard                 # the recomputed MLP's input
+    elif moe:
+        total += c * E + moe_activation_bytes(shape, layout)  # the block's input (router and experts read it)
+    else:
+        total += c * E + c * b * s * ffn * (4 if shape.gated_mlp else 2)
+    if shape.hidden_dropout > 0:
+        total += 2 * mask * E * shard          # two dropout masks
+    if bytes_.weight_copies:
+        total += c * layer_parameters(shape, t, moe=moe, ep=layout.ep)
+    if shape.num_query_groups % t:             # KV heads replicated: the concatenated QKV weight is saved per call
+        total += (c if bytes_.weight_copies else bytes_.param) * (heads + 2) * shape.head_dim * h
+    return total
+
+
+def core_score_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, heads: int) -> float:
+    """What core attention itself keeps per micro-batch for `heads` heads on the rank, besides q, k, v and its
+    output: a fused kernel its log-sum-exp; the unfused path its softmax (+ dropout mask and output), each query
+    row against every key of the sequence (a sliding window masks keys of that full matrix, it does not shrink it);
+    with attention sinks (CoreAttention._with_sinks, spelled out whatever the device) the softmax over the keys and
+    the sink column, at softmax's dtype (fp32 under autocast, which then keeps the bf16 copy P.V reads), and the
+    boolean mask."""
+    bytes_ = PRECISION_BYTES[layout.precision]
+    c, b = bytes_.compute, layout.micro_batch_size
+    s, seq = layout.tokens_per_sample(shape.seq_length), shape.seq_length
+    if shape.network.attention_sinks:
+        softmax = 4 if bytes_.weight_copies else c
+        return b * heads * s * ((seq + 1) * softmax + (c * seq if softmax != c else 0)) + s * seq
+    if kernels.flash or layout.cp > 1:        # ring attention is flash-style whatever the device
+        return 4 * b * heads * s               # log-sum-exp
+    # Softmax (+ mask, dropout): each of the rank's query rows against every key. Under Ulysses that is
+    # (b, heads / (tp·u), seq, seq), the same count as (b, heads / tp, seq / u, seq).
+    mask = c if kernels.mask_as_activation else 1
+    dropout = mask + c if shape.attention_dropout > 0 else 0
+    return (c + dropout) * b * heads * s * seq
+
+
+def _attention_bytes(shape: ModelShape, layout: Layout, kernels: Kernels, *, attn_recomputed: bool) -> float:
+    """Grouped-query attention's saved tensors past its input, for one micro-batch on one rank: q, k, v as core
+    attention gets them (or the QKV output they are views of), per-head q/k norms, the attention output, and what
+    core attention keeps (core_score_bytes) unless it is recomputed."""
+    c = PRECISION_BYTES[layout.precision].compute
+    b, t = layout.micro_batch_size, layout.tp
+    s = layout.tokens_per_sample(shape.seq_length)
     heads, kv = shape.num_attention_heads // t, kv_heads_per_rank(shape, t)
 
     def width(columns: float) -> float:        # a (b, s, columns * head_dim) tensor
         return c * b * s * columns * shape.head_dim
 
-    total = shape.norms_per_layer * norm_input * E * shard  # attention and MLP norm inputs (sandwich: and outputs)
-    total += c * E                             # QKV input (gathered under SP: the runtime saves the full copy)
+    total = 0.0
     qkv = heads + 2 * kv
     # Whether autograd keeps the QKV output itself, through views of it (q, k, v; only v where q, k are rotated).
     qkv_output_kept = (not shape.network.rotary or attn_recomputed or layout.cp > 1
@@ -160,26 +214,9 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, kernels: Kernels =
     # Ulysses' kernel keeps its head-split output, and the projection gets a sequence-ordered copy.
     total += width(heads) * (2 if layout.ulysses > 1 and not attn_recomputed else 1)
     if not attn_recomputed:
-        if kernels.flash or layout.cp > 1:    # ring attention is flash-style whatever the device
-            total += 4 * b * heads * s         # log-sum-exp
-        else:
-            # Scaled q, k; softmax (+ mask, dropout): each of the rank's query rows against every key. Under
-            # Ulysses that is (b, heads / (tp·u), seq, seq), the same count as (b, heads / tp, seq / u, seq).
-            dropout = mask + c if shape.attention_dropout > 0 else 0
-            total += width(2 * heads) + (c + dropout) * b * heads * s * shape.seq_length
-    ffn = shape.ffn_hidden_size // t
-    if mlp_recomputed:
-        total += r * E * shard                 # the recomputed MLP's input
-    elif moe:
-        total += c * E + moe_activation_bytes(shape, layout)  # the block's input (router and experts read it)
-    else:
-        total += c * E + c * b * s * ffn * (4 if shape.gated_mlp else 2)
-    if shape.hidden_dropout > 0:
-        total += 2 * mask * E * shard          # two dropout masks
-    if bytes_.weight_copies:
-        total += c * layer_parameters(shape, t, moe=moe, ep=layout.ep)
-    if shape.num_query_groups % t:             # KV heads replicated: the concatenated QKV weight is saved per call
-        total += (c if bytes_.weight_copies else bytes_.param) * (heads + 2) * shape.head_dim * h
+        if not (kernels.flash or layout.cp > 1 or shape.network.attention_sinks):
+            total += width(2 * heads)          # the math path's scaled q and k
+        total += core_score_bytes(shape, layout, kernels, heads)
     return total
 
 
@@ -209,7 +246,8 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     the expert's output row gathered for the routing weight's multiply and the weighted row index_add keeps (h
     each), and the bookkeeping (five int64 indices, two fp32 weights, a keep flag). Per token: the router's fp32
     probabilities (softmax keeps them; with the z-loss also its fp32 logits) and their top_k sum. Tokens are the
-    whole micro-batch: under sequence parallelism the block gathers the sequence first.
+    whole micro-batch: under sequence parallelism the block gathers the sequence first. Shared experts
+    (moe.shared_ffn_hidden_size) keep a dense SwiGLU's intermediates for every token.
 
     With a capacity factor the batches are fixed: num_experts x capacity rows (capacity_factor x the assignments),
     whatever the routing. Dropless they are padded to the busiest expert's count: this takes routing as balanced
@@ -223,7 +261,9 @@ def moe_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     if moe.capacity_factor is not None:
         rows = moe.num_experts * math.ceil(moe.capacity_factor * assignments / moe.num_experts)
     router = 4 * moe.num_experts * (2 if moe.router_z_loss_coef else 1) + 4
-    return rows * c * (h + 4 * f) + assignments * (c * 2 * h + 5 * 8 + 2 * 4 + 1) + tokens * router
+    shared = c * 4 * shape.shared_ffn_hidden_size  # the shared experts' SwiGLU, whole on every tensor-parallel rank
+    return (rows * c * (h + 4 * f) + assignments * (c * 2 * h + 5 * 8 + 2 * 4 + 1)
+            + tokens * (router + shared))
 
 
 def _norm_bytes(shape: ModelShape, residual: int) -> int:
@@ -235,12 +275,18 @@ def _norm_bytes(shape: ModelShape, residual: int) -> int:
 def backward_working_bytes(shape: ModelShape, layout: Layout, *, moe: bool = False) -> float:
     """Gradients alive while backward runs through one layer: the residual stream's and two MLP-wide ones (of an
     MoE layer, two as wide as the top_k experts' intermediates together); with ring attention also the K/V blocks
-    in flight (ring_buffer_bytes)."""
+    in flight (ring_buffer_bytes); with attention sinks the gradient of the spelled-out scores (as wide as what
+    core_score_bytes counts for them)."""
     c = PRECISION_BYTES[layout.precision].compute
     b, s = layout.micro_batch_size, layout.tokens_per_sample(shape.seq_length)
+    scores = 0.0
+    if shape.network.attention_sinks:
+        scores = core_score_bytes(shape, layout, Kernels(), shape.num_attention_heads // layout.tp)
     if moe:
-        return c * b * s * (shape.hidden_size + 2 * shape.moe.top_k * (shape.expert_ffn_hidden_size // layout.tp))
-    return c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp) + ring_buffer_bytes(shape, layout)
+        return scores + c * b * s * (shape.hidden_size
+                                     + 2 * shape.moe.top_k * (shape.expert_ffn_hidden_size // layout.tp))
+    return (scores + c * b * s * (shape.hidden_size + 2 * shape.ffn_hidden_size // layout.tp)
+            + ring_buffer_bytes(shape, layout))
 
 
 def kv_block_bytes(shape: ModelShape, layout: Layout, *, dtype_bytes: int | None = None) -> float:
@@ -296,7 +342,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     buffers = 0.0
     # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py; a folder
     # family may have one per layer type), so a device holds rotary_tables pairs whatever its number of layers.
-    buffers += shape.rotary_tables * shape.max_position_embeddings * shape.head_dim * 2 * 4
+    buffers += shape.rotary_tables * shape.max_position_embeddings * shape.rotary_dim * 2 * 4
     if first or last or rank is None:
         in_flight = in_flight_micro_batches(layout) if first else 1.0
     else:  # 1F1B: rank r holds pp - r micro-batches at its peak (the interleaved schedule's factor on top)

@@ -24,87 +24,15 @@ from typing import Any
 
 from launcher.errors import UserError
 from runtime.schema import rules
-from runtime.schema.families import TOKENIZER_VOCABULARIES, Architecture, architecture
-from runtime.schema.model import MoEConfig, tokenizer_vocab_size
+from runtime.schema.families import TOKENIZER_VOCABULARIES, architecture
+from runtime.schema.model import LatentAttention, MoEConfig, tokenizer_vocab_size
 from runtime.schema.reader import Report, Section
-from runtime.schema.training import parse_moe  # the one reader of model.moe (dropless, num_experts 0)
+from runtime.schema.sizes import (ModelShape, attention, expert_parameters, kv_heads_per_rank,  # noqa: F401
+                                  moe_block_parameters)
+from runtime.schema.training import parse_latent_attention, parse_moe  # the one reader of model.moe (dropless)
 from runtime.schema.training import model_shape_keys, parse_sizing
 from runtime.schema.training_config import SizingConfig, TrainerConfig
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    architecture: str            # a name in runtime/schema/families' ARCHITECTURES (`network`: what it is made of)
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int        # key/value heads (= num_attention_heads without GQA)
-    vocab_size: int              # padded
-    seq_length: int
-    max_position_embeddings: int
-    tied_embeddings: bool
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    moe: MoEConfig | None = None  # None: dense
-    # The schema's model keys of the same names (runtime/schema/model.py ModelConfig).
-    kv_channels: int | None = None    # the head size when it is not hidden / heads (Qwen3)
-    add_qkv_bias: bool = False        # biases on q, k and v, none on the output projection (Qwen2)
-    qk_layernorm: bool = False        # an RMSNorm (head_dim weights) over each query and key head (Qwen3)
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_size(self) -> int:
-        """heads x head_dim: the width of the queries and of the attention output (the hidden size unless
-        kv_channels sets the head size apart)."""
-        return self.num_attention_heads * self.head_dim
-
-    def is_moe_layer(self, index: int) -> bool:
-        return self.moe is not None and self.moe.is_moe_layer(index)
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(1 for index in range(self.num_layers) if self.is_moe_layer(index))
-
-    @property
-    def expert_ffn_hidden_size(self) -> int:
-        """Each expert's hidden units, as runtime/models/llama.py builds SparseMoE: moe.ffn_hidden_size, or the
-        dense MLP's size when it is null (a dense model: the dense size)."""
-        return self.ffn_hidden_size if self.moe is None else self.moe.expert_size(self.ffn_hidden_size)
-
-    @property
-    def network(self) -> Architecture:  # what the architecture is made of (runtime/schema/families' registry)
-        return architecture(self.architecture)
-
-    @property
-    def gated_mlp(self) -> bool:      # SwiGLU: three matrices of h x ffn instead of two
-        return self.network.gated_mlp
-
-    @property
-    def has_bias(self) -> bool:       # linears and LayerNorms carry biases
-        return self.network.biases
-
-    @property
-    def learned_positions(self) -> bool:  # a position table of max_position_embeddings x h beside the tokens'
-        return not self.network.rotary
-
-    @property
-    def rms_norm(self) -> bool:       # RMSNorms: fp32 copies kept
-        return self.network.rms_norm
-
-    @property
-    def norms_per_layer(self) -> int:  # before attention and MLP; a sandwich adds two after them
-        return self.network.norms_per_layer
-
-    @property
-    def rotary_tables(self) -> int:
-        """RoPE's (cos, sin) table pairs a device holds: one shared by every layer, one per layer type where the
-        types' RoPE differs, none for learned positions."""
-        return self.network.rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,17 +139,29 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
         kv_channels=int(model["kv_channels"]) if model.get("kv_channels") is not None else None,
         add_qkv_bias=bool(model.get("add_qkv_bias") or False),
         qk_layernorm=bool(model.get("qk_layernorm") or architecture(model["architecture"]).qk_norm),
+        layer_types=tuple(model["layer_types"]) if model.get("layer_types") is not None else None,
+        sliding_window=int(model["sliding_window"]) if model.get("sliding_window") is not None else None,
+        latent_attention=latent_from_model(model),
     )
 
 
 def moe_from_model(model: Mapping[str, Any]) -> MoEConfig | None:
     """model.moe as the runtime builds it: already typed when a model_config was merged in, else read from the YAML
     by the schema's own reader, so dropless and num_experts 0 mean here what they mean in training."""
-    moe = model.get("moe")
-    if moe is None or isinstance(moe, MoEConfig):
-        return moe
+    return _typed(model, "moe", MoEConfig, parse_moe)
+
+
+def latent_from_model(model: Mapping[str, Any]) -> LatentAttention | None:
+    """model.latent_attention as the runtime builds it, typed already or read by the schema's own reader."""
+    return _typed(model, "latent_attention", LatentAttention, parse_latent_attention)
+
+
+def _typed(model: Mapping[str, Any], key: str, kind: type, parse) -> Any:
+    value = model.get(key)
+    if value is None or isinstance(value, kind):
+        return value
     report = Report()
-    parsed = parse_moe(Section(model, "training.model", report))
+    parsed = parse(Section(model, "training.model", report))
     if report.errors:
         raise UserError(*report.errors)
     return parsed
@@ -253,22 +193,11 @@ def layout_from_training(sizing: SizingConfig, trainer: TrainerConfig) -> Layout
 
 # ---- parameter counts ---------------------------------------------------------------------------------------
 
-def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
-    """KV heads one tensor-parallel rank holds: split when tp divides them, one replicated head otherwise."""
-    groups = shape.num_query_groups
-    return groups // tp if groups % tp == 0 else 1
-
-
 def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
     """Parameters of one transformer layer held by one tensor-parallel rank (tp=1: the whole layer); `moe`: the
-    layer with shape.moe's block in place of the MLP (the rank's num_experts / ep experts, and the router)."""
-    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
-    q_rows = shape.num_attention_heads // tp * d
-    kv_rows = 2 * kv_heads_per_rank(shape, tp) * d
-    qkv = h * (q_rows + kv_rows) + (q_rows + kv_rows if shape.has_bias or shape.add_qkv_bias else 0)
-    proj = q_rows * h + (h if shape.has_bias else 0)  # row-parallel: bias replicated
-    # q/k norms: one weight of head_dim each, shared by all heads, so every tensor-parallel rank holds both whole.
-    qk_norms = 2 * d if shape.qk_layernorm else 0
+    layer with shape.moe's block in place of the MLP (the rank's num_experts / ep experts, and what it holds whole).
+    Attention is runtime/schema/sizes.py's (a family's own where its registry entry names one)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
     if moe:
         mlp = moe_block_parameters(shape, experts=shape.moe.num_experts // ep, tp=tp)
     elif shape.gated_mlp:
@@ -276,20 +205,7 @@ def layer_parameters(shape: ModelShape, tp: int = 1, *, moe: bool = False, ep: i
     else:
         mlp = h * (f // tp) + (f // tp if shape.has_bias else 0) + (f // tp) * h + (h if shape.has_bias else 0)
     norms = shape.norms_per_layer * h * (2 if shape.has_bias else 1)  # LayerNorm: weight + bias; RMSNorm: weight
-    return qkv + proj + qk_norms + mlp + norms
-
-
-def moe_block_parameters(shape: ModelShape, *, experts: int, tp: int = 1) -> int:
-    """An MoE block with `experts` of its SwiGLU experts counted (all of them, a token's top_k, or one
-    expert-parallel rank's E / ep), each expert's tp-th share of its hidden units, and the replicated router."""
-    return experts * expert_parameters(shape, tp) + shape.moe.num_experts * shape.hidden_size
-
-
-def expert_parameters(shape: ModelShape, tp: int = 1) -> int:
-    """One SwiGLU expert's weights on one tensor-parallel rank: gate_up's 2f/tp columns and down's f/tp rows, with
-    f the expert's own size."""
-    h, f = shape.hidden_size, shape.expert_ffn_hidden_size
-    return h * 2 * (f // tp) + (f // tp) * h
+    return attention(shape, tp).parameters + mlp + norms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +237,8 @@ def count_parameters(shape: ModelShape) -> ParameterCount:
     idle = 0
     if moe_layers:
         layers += moe_layers * layer_parameters(shape, 1, moe=True)
-        idle = moe_layers * (moe_block_parameters(shape, experts=shape.moe.num_experts)
-                             - moe_block_parameters(shape, experts=shape.moe.top_k))
+        down_bias = h if shape.network.expert_biases else 0  # held whole, but a token uses only its experts' rows
+        idle = moe_layers * (shape.moe.num_experts - shape.moe.top_k) * (expert_parameters(shape) + down_bias)
     return ParameterCount(
         embedding=shape.vocab_size * h,
         positions=shape.max_position_embeddings * h if shape.learned_positions else 0,

@@ -31,6 +31,11 @@ class Architecture:
     megatron: tuple[tuple[str, str, str, bool], ...] = ()
     tiny_recipe: str | None = None  # the smallest training recipe of this network, which imported configs sit on
     sizes: str | None = None        # the published shape series autoconfig's model-size ladder follows
+    # What runtime/schema/sizes.py counts (parameters, FLOPs, the estimator's activations) beyond the common shape:
+    attention_biases: bool = False  # biases on q, k, v and the output projection
+    attention_sinks: bool = False   # a learned sink logit per head (CoreAttention then spells its scores out)
+    expert_biases: bool = False     # the router's bias (E) and each expert's gate_up (2F) and down (H) biases
+    arithmetic: str | None = None   # a torch-free module whose attention(shape, tp) counts an attention of its own
 
     @property
     def rope_tables(self) -> int:

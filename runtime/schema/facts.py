@@ -1,7 +1,7 @@
 # Numbers the launcher and the runtime must agree on, each written once (issue 38, "one owner per fact"): the
-# runtime's MFU and the estimator's time to train divide the same model FLOPs by the same peak; the estimator's
-# bytes per element are the dtypes the runtime holds; a checkpointed stop ends with the exit code the job script
-# and `nxdt-launch status` look for. Torch-free, like all of runtime/schema: the launcher imports it.
+# runtime's MFU and the estimator's time to train divide the same model FLOPs (runtime/schema/sizes.py) by the same
+# peak; the estimator's bytes per element are the dtypes the runtime holds; a checkpointed stop ends with the exit
+# code the job script and `nxdt-launch status` look for. Torch-free, like all of runtime/schema: the launcher imports it.
 # tests/schema/test_one_owner.py checks that both sides read these objects and agree on the MFU.
 from __future__ import annotations
 
@@ -89,72 +89,3 @@ PREEMPTED_EXIT_CODE = 75
 USER_ERROR_EXIT_CODE = 2
 # A node failed its health or collective check (runtime/preflight.py): the job script checks every node.
 PREFLIGHT_EXIT_CODE = 3
-
-
-# FLOPs per token (model FLOPs, the convention behind MFU in the PaLM and Megatron papers):
-#     6 * N  +  12 * L * q * T
-# with q = heads * head_dim, the width of the queries and of the attention output (h itself unless the head size
-# is set apart from hidden / heads, as Qwen3's model.kv_channels is; Megatron's query_projection_size).
-# N counts the weights that take part in a matrix multiply per token: per layer the attention projections
-# (h*(q + 2*kv) for q,k,v with kv = query_groups * head_dim, plus q*h for the output) and the MLP (2*h*ffn, or
-# 3*h*ffn for a gated SwiGLU MLP), plus the output layer h*vocab; the input embedding is a lookup and is left
-# out, as are biases and norms (q/k norms included). Each such weight costs 2 FLOPs per token forward and 4
-# backward, hence 6N. The attention term: per layer and token, QK^T and the weighted sum of V are 2*T*q
-# multiply-adds together = 4*T*q FLOPs forward, times 3 for forward + backward = 12*L*q*T (full, non-causal count,
-# as PaLM does). Recomputation under activation checkpointing is not counted: MFU measures useful work. Of an MoE
-# layer only what a token uses counts: its top_k experts' MLPs, each of model.moe.ffn_hidden_size hidden units
-# (Qwen3-MoE's experts are much narrower than a dense MLP would be), and the router (hidden x num_experts).
-def matmul_weights(
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    vocab_size: int,
-    gated_mlp: bool,
-    moe_layers: int = 0,
-    moe_top_k: int = 0,
-    moe_num_experts: int = 0,
-    head_dim: int | None = None,
-    moe_ffn_hidden_size: int | None = None,
-) -> int:
-    """N above: the weights one token multiplies by, of `moe_layers` MoE layers only its top_k experts' and the
-    router's. `head_dim`: the model's head size (ModelConfig.head_dim); None: hidden_size / num_attention_heads.
-    `moe_ffn_hidden_size`: each expert's hidden units (MoEConfig.ffn_hidden_size); None: ffn_hidden_size."""
-    d = _head_dim(hidden_size, num_attention_heads, head_dim)
-    q_dim, kv_dim = num_attention_heads * d, num_query_groups * d
-    attention = hidden_size * (q_dim + 2 * kv_dim) + q_dim * hidden_size
-    matrices = 3 if gated_mlp else 2
-    mlp = matrices * hidden_size * ffn_hidden_size
-    expert = matrices * hidden_size * (moe_ffn_hidden_size or ffn_hidden_size)
-    moe_mlp = moe_top_k * expert + hidden_size * moe_num_experts
-    return (num_layers * attention + (num_layers - moe_layers) * mlp + moe_layers * moe_mlp
-            + hidden_size * vocab_size)
-
-
-def flops_per_token(
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    vocab_size: int,
-    seq_length: int,
-    gated_mlp: bool,
-    moe_layers: int = 0,
-    moe_top_k: int = 0,
-    moe_num_experts: int = 0,
-    head_dim: int | None = None,
-    moe_ffn_hidden_size: int | None = None,
-) -> float:
-    """Training FLOPs (forward + backward) per token: 6 * N + 12 * L * q * T, see above."""
-    weights = matmul_weights(num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups,
-                             vocab_size, gated_mlp, moe_layers, moe_top_k, moe_num_experts, head_dim,
-                             moe_ffn_hidden_size)
-    q_dim = num_attention_heads * _head_dim(hidden_size, num_attention_heads, head_dim)
-    return 6.0 * weights + 12.0 * num_layers * q_dim * seq_length
-
-
-def _head_dim(hidden_size: int, num_attention_heads: int, head_dim: int | None) -> int:
-    # The default is ModelConfig.head_dim's for a model without kv_channels.
-    return head_dim or hidden_size // num_attention_heads

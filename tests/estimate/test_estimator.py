@@ -42,7 +42,7 @@ def test_llama3_70b_parameters_by_hand():
 
 @pytest.mark.parametrize("recipe", ["gpt3/tiny", "llama/tiny"])
 def test_parameter_count_and_flops_match_the_runtime(recipe):
-    from runtime.metrics import flops_per_token as runtime_flops
+    from runtime.metrics import model_flops_per_token
     from runtime.models import ModelConfig, build_model
 
     training = resolved(f"training={recipe}")["training"]
@@ -56,9 +56,7 @@ def test_parameter_count_and_flops_match_the_runtime(recipe):
                                     num_query_groups=shape.num_query_groups,
                                     share_embeddings_and_output_weights=shape.tied_embeddings))
     assert result.parameters.total == model.num_params()
-    assert flops_per_token(shape) == runtime_flops(shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
-                                                   shape.num_attention_heads, shape.num_query_groups,
-                                                   shape.vocab_size, shape.seq_length, gated_mlp=shape.gated_mlp)
+    assert flops_per_token(shape) == model_flops_per_token(model.cfg, shape.seq_length)
 
 
 def test_zero1_shards_only_the_optimizer_state():

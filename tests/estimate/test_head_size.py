@@ -14,7 +14,6 @@ from launcher.estimator.memory import layer_activation_bytes, stage_memory
 from launcher.estimator.shapes import Layout, ModelShape, count_parameters, layer_parameters
 from runtime.metrics import model_flops_per_token
 from runtime.models import ModelConfig, build_model, meta_model
-from runtime.schema import facts
 from tests.launcher.helpers import resolved
 
 # Qwen3-32B (Hugging Face Qwen/Qwen3-32B config.json): 64 heads of 128 over a hidden size of 5120 (not 5120 / 64),
@@ -48,11 +47,9 @@ def test_flops_per_token_with_the_head_size_by_hand():
     assert matmul_weights(QWEN3_32B) == weights
     assert flops_per_token(QWEN3_32B) == 6.0 * weights + 12.0 * L * q * s  # QK^T and AV are q wide, not h
     # Without a head size the formula is the one it always was.
-    args = dict(num_layers=L, hidden_size=h, ffn_hidden_size=f, num_attention_heads=64, num_query_groups=8,
-                vocab_size=V, seq_length=s, gated_mlp=True)
-    assert facts.flops_per_token(**args) == facts.flops_per_token(**args, head_dim=h // 64)
-    assert facts.flops_per_token(**args) == 6.0 * facts.matmul_weights(
-        **{k: v for k, v in args.items() if k != "seq_length"}) + 12.0 * L * h * s
+    default = dataclasses.replace(QWEN3_32B, kv_channels=None)
+    assert flops_per_token(default) == flops_per_token(dataclasses.replace(default, kv_channels=h // 64))
+    assert flops_per_token(default) == 6.0 * matmul_weights(default) + 12.0 * L * h * s
 
 
 TINY = dict(architecture="llama", vocab_size=512, hidden_size=96, num_layers=4, num_attention_heads=6,

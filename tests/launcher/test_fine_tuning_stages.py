@@ -152,11 +152,19 @@ def _intended(recipe: str) -> tuple[str, str]:
 RECIPES = [(group, recipe) for group in ("fine_tuning", "peft") for recipe in group_choices(group)
            if not recipe.startswith("hf/")]
 REAL_SIZE = [(group, recipe) for group, recipe in RECIPES if recipe != "llama/tiny"]
-VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768, "gemma3": 262144, "gpt_oss": 201088}
+VOCAB = {"llama": 512, "llama3": 128256, "llama3_1": 128256, "mistral": 32768, "gemma3": 262144, "gpt_oss": 201088,
+         "deepseek_v3": 129280}
+# Full fine-tuning recipes without a LoRA variant: LoRA on latent attention is refused at launch
+# (rules.lora_latent_attention).
+NO_LORA = {"deepseek_v3/671b", "deepseek_v3/671b_trn2"}
 
 
 def test_every_recipe_has_a_fine_tuning_and_a_lora_variant():
-    assert group_choices("fine_tuning") == group_choices("peft")
+    assert [r for r in group_choices("fine_tuning") if r not in NO_LORA] == group_choices("peft")
+    for family in ("gemma3", "gpt_oss"):
+        for size in {"gemma3": ("1b", "4b", "12b", "27b"), "gpt_oss": ("20b", "120b")}[family]:
+            for target in ("", "_trn2"):
+                assert f"{family}/{size}{target}" in group_choices("peft")
     for family in ("llama3", "llama3_1"):
         for size in ("8b", "70b"):
             for target in ("", "_trn2", "_gpu"):
@@ -242,14 +250,28 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", 
                "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128,
                 "layer_types": ["sliding_attention", "full_attention"] * 18}
-HF_MODELS = {"Meta-Llama-3-8B": (LLAMA3_8B, 128256), "Meta-Llama-3-70B": (LLAMA3_70B, 128256),
+# deepseek-ai/DeepSeek-V3's config.json less its quantization_config (FP8, refused): a bf16 copy's.
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+               "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+               "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+               "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+               "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+               "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+               "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "type": "yarn"},
+               "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+               "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128,
+               "vocab_size": 129280}
+HF_MODELS = {"Meta-Llama-3-8B": (LLAMA3_8B, 128256), "DeepSeek-V3-bf16": (DEEPSEEK_V3, 129280), "Meta-Llama-3-70B": (LLAMA3_70B, 128256),
              "Llama-3.1-8B": ({**LLAMA3_8B, **ROPE_3_1}, 128256), "Llama-3.1-70B": ({**LLAMA3_70B, **ROPE_3_1}, 128256),
              "Mistral-7B-v0.3": (MISTRAL_7B, 32768), "gpt-oss-20b-bf16": (GPT_OSS_20B, 201088),
              "gpt-oss-120b-bf16": (GPT_OSS_120B, 201088),
              **{("gemma-3-1b-pt" if size == "1b" else f"gemma-3-{size}-text"): (config, 262144)
                 for size, config in GEMMA3.items()}}
 # Directories whose tokenizer_config.json holds the chat template their recipes read (model.data.chat_template null).
-OWN_CHAT_TEMPLATE = {name for name in HF_MODELS if name.startswith(("gemma-3", "gpt-oss"))}
+OWN_CHAT_TEMPLATE = {name for name in HF_MODELS if name.startswith(("gemma-3", "gpt-oss", "DeepSeek"))}
 # What the schema does not compute yet (docs/fine_tuning.md, Limits): refused at launch, never trained wrong.
 REFUSED: dict[str, str] = {}  # families whose published config.json the runtime cannot compute: none now
 

@@ -1,4 +1,5 @@
 # FLOPs accounting and the metric sinks (metrics.jsonl, TensorBoard, stdout).
+import dataclasses
 import functools
 import json
 import time
@@ -9,6 +10,8 @@ from torch import nn
 
 from runtime import metrics, peak_probe
 from runtime.metrics import MetricsLogger, Peak, cpu_peak, cpu_peak_tflops, flops_per_token, peak_tflops
+from runtime.schema.model import MoEConfig
+from runtime.schema.sizes import ModelShape
 from runtime.models import ModelConfig, build_model
 from runtime.peak_probe import Probe
 
@@ -22,8 +25,7 @@ def test_flops_formula_counts_every_matmul_weight(architecture, groups):
     # Every Linear's weight, the output head included even when it shares the embedding's storage.
     matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     seq = 32
-    flops = flops_per_token(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
-                            cfg.kv_heads, cfg.vocab_size, seq, gated_mlp=architecture == "llama")
+    flops = flops_per_token(ModelShape.of_model(cfg, seq))
     assert flops == 6 * matmul_weights + 12 * cfg.num_layers * cfg.hidden_size * seq
 
 
@@ -63,8 +65,7 @@ def _realistic_step_tflops() -> float:
         optimizer.step()
         optimizer.zero_grad()
         elapsed = time.perf_counter() - started
-    per_token = flops_per_token(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
-                                cfg.kv_heads, cfg.vocab_size, 128, gated_mlp=False)
+    per_token = flops_per_token(ModelShape.of_model(cfg, 128))
     return per_token * 4 * 128 / elapsed / 1e12
 
 
@@ -238,10 +239,10 @@ def test_wandb_logs_offline_with_nemo_kwargs(tmp_path, monkeypatch):
 
 def test_moe_flops_count_what_a_token_uses():
     """An MoE layer costs a token its top_k experts' MLPs and the router, not every expert."""
-    dense = flops_per_token(2, 64, 128, 4, 4, 256, 32, gated_mlp=True)
-    moe = flops_per_token(2, 64, 128, 4, 4, 256, 32, gated_mlp=True, moe_layers=2, moe_top_k=2, moe_num_experts=8)
+    dense = ModelShape("llama", 2, 64, 128, 4, 4, 256, 32, 32, False)
+    moe = dataclasses.replace(dense, moe=MoEConfig(num_experts=8, top_k=2))
     mlp = 3 * 64 * 128
-    assert moe - dense == pytest.approx(6.0 * 2 * (mlp + 64 * 8))  # one more MLP and a router per layer
-    one_of_two = flops_per_token(2, 64, 128, 4, 4, 256, 32, gated_mlp=True, moe_layers=1, moe_top_k=2,
-                                 moe_num_experts=8)
-    assert one_of_two - dense == pytest.approx(6.0 * (mlp + 64 * 8))
+    # one more MLP and a router per layer
+    assert flops_per_token(moe) - flops_per_token(dense) == pytest.approx(6.0 * 2 * (mlp + 64 * 8))
+    one_of_two = dataclasses.replace(dense, moe=MoEConfig(num_experts=8, top_k=2, layers=(0,)))
+    assert flops_per_token(one_of_two) - flops_per_token(dense) == pytest.approx(6.0 * (mlp + 64 * 8))

@@ -17,7 +17,8 @@ from runtime.schema.architecture import Architecture
 ARCHITECTURE = Architecture(
     "deepseek_v3", network="runtime.families.deepseek_v3.model:MODEL",
     weights="runtime.families.deepseek_v3.weights", gated_mlp=True, rotary=True, biases=False, rms_norm=True,
-    embedding_dropout=False, tied_default=False, switches=("rope_scaling", "latent_attention", "moe"), moe=True)
+    embedding_dropout=False, tied_default=False, switches=("rope_scaling", "latent_attention", "moe"), moe=True,
+    arithmetic="runtime.families.deepseek_v3.sizes")
 MODEL_TYPES = ("deepseek_v3",)
 TIED_DEFAULT = False
 # DeepseekV3Config's defaults where config.json leaves a key out.

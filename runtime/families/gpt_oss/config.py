@@ -16,7 +16,8 @@ from runtime.schema.architecture import Architecture
 ARCHITECTURE = Architecture(
     "gpt_oss", network="runtime.families.gpt_oss.model:MODEL", weights="runtime.families.gpt_oss.weights",
     gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False, tied_default=False,
-    switches=("rope_scaling", "sliding_window", "layer_types", "moe"), moe=True)
+    switches=("rope_scaling", "sliding_window", "layer_types", "moe"), moe=True, attention_biases=True,
+    attention_sinks=True, expert_biases=True)
 MODEL_TYPES = ("gpt_oss",)
 TIED_DEFAULT = False
 # GptOssConfig's defaults where config.json leaves a key out.
