@@ -11,10 +11,8 @@ import json
 import pytest
 import torch
 
-from runtime.convert import load_hf_directory
-from runtime.models import ModelConfig, build_model
 from tests.fine_tuning.test_fine_tuning_pipeline import _demo, _stage
-from tests.fine_tuning.test_gpt_oss_fine_tuning import STEPS, fine_tune_and_export, save_with_tokenizer
+from tests.fine_tuning.test_gpt_oss_fine_tuning import STEPS, fine_tune_and_export, loads_as_ours, save_with_tokenizer
 from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
@@ -64,19 +62,13 @@ def test_lora_of_deepseek_v3_exports_what_transformers_and_peft_load(tmp_path):
     exported = tmp_path / "results" / "hf_sft_demo_lora" / "conversion" / "hf_model"
     adapter = json.loads((exported / "adapter" / "adapter_config.json").read_text())
     assert adapter["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
-    merged, info = transformers.DeepseekV3ForCausalLM.from_pretrained(exported, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    merged, ids = loads_as_ours(exported, transformers.DeepseekV3ForCausalLM, vocab)
     adapted = peft_lib.PeftModel.from_pretrained(
         transformers.DeepseekV3ForCausalLM.from_pretrained(exported / "base"), exported / "adapter")
-    for model in (merged, adapted, base):
+    for model in (adapted, base):
         model.config._attn_implementation = "eager"
-    state, keys, _ = load_hf_directory(exported)
-    ours = build_model(ModelConfig.from_model_section(keys, vocab)).eval()
-    ours.load_state_dict(state)
-    ids = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        after, before = merged.eval()(ids).logits, base.eval()(ids).logits
-        torch.testing.assert_close(ours(ids), after, rtol=0, atol=1e-5)
+        after, before = merged(ids).logits, base.eval()(ids).logits
         torch.testing.assert_close(adapted.eval()(ids).logits, after, rtol=0, atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-5), "the adapters trained"
 
