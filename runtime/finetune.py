@@ -14,6 +14,7 @@ from torch import nn
 
 from runtime.models.lora import apply_lora, is_adapter
 from runtime.parallel.plan import ShardingPlan
+from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import LoraConfig
 
 
@@ -47,13 +48,13 @@ def prepare_for_fine_tuning(model: nn.Module, *, restore_from_path: str | None, 
     return model
 
 
-def fine_tuning_of(training: dict) -> tuple[str | None, LoraConfig | None, int]:
-    """(model.restore_from_path, LoRA, seed) from a checkpoint's saved training config."""
-    from runtime.schema.reader import Report, Section
-    from runtime.schema.training import parse_lora
+def fine_tuning_of(training: dict, cfg: ModelConfig | None = None) -> tuple[str | None, LoraConfig | None, int]:
+    """(model.restore_from_path, LoRA, seed) from a checkpoint's saved training config; LoRA's targets as the model
+    `cfg` (when given) names them."""
+    from runtime.schema.training import saved_lora
 
     model_section = training.get("model") or {}
-    lora = parse_lora(Section(model_section, "model", Report()), model_section.get("architecture"), "")
+    lora, _ = saved_lora(model_section, cfg)
     return model_section.get("restore_from_path"), lora, int(model_section.get("seed", 1234))
 
 
@@ -61,7 +62,7 @@ def prepare_from_config(model: nn.Module, training: dict) -> nn.Module:
     """The same from a checkpoint's saved config (evaluation, conversion): a LoRA run's base and adapters.
     Only a LoRA checkpoint needs the starting weights: a full fine-tuning checkpoint holds every weight.
     A meta model gets its adapters only; its base comes from checkpoint_start's starting weights."""
-    restore, lora, seed = fine_tuning_of(training)
+    restore, lora, seed = fine_tuning_of(training, model.cfg)
     if lora is None:
         return model
     if next(model.parameters()).is_meta:

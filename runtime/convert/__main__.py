@@ -74,6 +74,7 @@ def export(cfg: ConversionConfig) -> Path:
             raise ValueError(problem)
     model_cfg = parse_model_config(training["model"], str(tokenizer))
     if lora is not None:
+        lora = lora_of(training, where, model_cfg)  # its targets as this model names them
         _export_lora(cfg, lora, training, model_cfg, storage, checkpoint, source, str(tokenizer), where)
         print(f"exported the LoRA run's {where} (step {checkpoint.step}, conversion.lora={cfg.lora}) to {out}"
               + (f" (replacing the export of {previous['checkpoint']})" if previous else ""))

@@ -7,6 +7,8 @@
 # are PEFT's `base_model.model.model.layers.<i>.self_attn.<t>.lora_A.weight` (rank x in) and `...lora_B.weight`
 # (out_t x rank), with the same scale alpha / rank. runtime/convert/hf.py only splits our [q | k | v] rows (no
 # per-head permutation: both sides apply RoPE in the rotate-half layout), so B's rows are taken as they are.
+# Multi-head latent attention's projections (q_a_proj, ..., kv_b_proj) are one target each, under self_attn too,
+# their weights stored as Hugging Face holds them (interleaved RoPE pairs included), so B's rows are theirs as well.
 from __future__ import annotations
 
 import json
@@ -21,21 +23,18 @@ from runtime.models import build_model
 from runtime.models.lora import adapter_names, is_adapter, projection_inputs, projection_segments
 from runtime.schema.families import family_for
 from runtime.schema.model import ModelConfig
-from runtime.schema.reader import Report, Section
-from runtime.schema.training import parse_lora
+from runtime.schema.training import saved_lora
 from runtime.schema.training_config import LoraConfig
 
 ADAPTER_DIR = "adapter"              # the PEFT adapter's subdirectory of an export
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def lora_of(training: dict, where: str) -> LoraConfig | None:
-    """A checkpoint's LoRA settings from its config.yaml (model.peft), or None when it is not a LoRA run's."""
-    model = training.get("model") or {}
-    report = Report()
-    lora = parse_lora(Section(model, "model", report), model.get("architecture"), "")
+def lora_of(training: dict, where: str, cfg: ModelConfig | None = None) -> LoraConfig | None:
+    """A checkpoint's LoRA settings from its config.yaml (model.peft), or None when it is not a LoRA run's; its
+    target names as the model `cfg` (when given) has them (a group on multi-head latent attention)."""
+    lora, report = saved_lora(training.get("model") or {}, cfg)
     if report.errors:
         raise ValueError(f"{where} config.yaml: {report.errors[0]}")
     return lora
@@ -89,8 +88,8 @@ def peft_name(name: str) -> str:
     parts = adapter_names(name)
     assert parts is not None, name
     module, factor, target = parts
-    layer = module.split(".")[1]
-    block = "self_attn" if target in _ATTENTION else "mlp"
+    _, layer, path = module.split(".", 2)  # layers.<i>.attn.qkv
+    block = "self_attn" if path.startswith("attn.") else "mlp"
     return f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{factor}.weight"
 
 

@@ -7,7 +7,8 @@
 # Each adapted projection gets a `lora` child holding, per adapted target t, A_t (rank x in) and B_t (out_t x rank):
 # `layers.0.attn.qkv.lora.A.q_proj`, `...lora.B.q_proj`. Our QKV and gate/up projections are fused, so one
 # Linear carries up to three targets, each over its own segment of output rows; targets use the Hugging Face
-# names, which is also how the PEFT export (runtime/convert/peft.py) names them.
+# names, which is also how the PEFT export (runtime/convert/peft.py) names them. A network with an attention of its
+# own says which projections it has (`lora_projections`: multi-head latent attention's, one target each).
 #
 #   y = x W^T + b + scale * concat_s [ B_s A_s dropout(x)  if s is adapted, else 0 ],  scale = alpha / rank
 #
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models import SkipFillsOnMeta, materialize
+from runtime.models import SkipFillsOnMeta, materialize, network_class
 from runtime.models.init import Init
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import LoraConfig
@@ -77,26 +78,35 @@ class LoRALinear(nn.Linear):
         return self.lora(x, F.linear(x, self.weight, self.bias))
 
 
+def _projections(cfg: ModelConfig) -> dict[str, tuple[list[tuple[str, int]], int]]:
+    """Module path within a block -> (its output segments by Hugging Face name, its input size), unsharded. A
+    network whose attention is its own (multi-head latent attention) names that attention's (`lora_projections`)."""
+    own = getattr(network_class(cfg.architecture), "lora_projections", None)
+    if own is not None:
+        projections = {path: ([(name, rows)], columns) for path, (name, columns, rows) in own(cfg).items()}
+    else:  # o_proj's input is not hidden_size when the head size is set apart (Qwen3)
+        projections = {"attn.qkv": (list(cfg.fused_segments()["attn.qkv"]), cfg.hidden_size),
+                       "attn.proj": ([("o_proj", cfg.hidden_size)], cfg.num_attention_heads * cfg.head_dim)}
+    if cfg.moe is not None:
+        return projections  # experts carry no adapters (a schema rule refuses MLP targets on MoE models)
+    H, F = cfg.hidden_size, cfg.ffn_hidden_size
+    if cfg.gated_mlp:
+        projections["mlp.gate_up"] = (list(cfg.fused_segments()["mlp.gate_up"]), H)
+        projections["mlp.down"] = ([("down_proj", H)], F)
+    else:
+        projections["mlp.fc1"] = ([("up_proj", F)], H)
+        projections["mlp.fc2"] = ([("down_proj", H)], F)
+    return projections
+
+
 def projection_segments(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     """Module path within a block -> its output segments by Hugging Face name (the unsharded sizes)."""
-    fused = cfg.fused_segments()
-    segments = {"attn.qkv": list(fused["attn.qkv"]), "attn.proj": [("o_proj", cfg.hidden_size)]}
-    if cfg.moe is not None:
-        return segments  # experts carry no adapters (a schema rule refuses MLP targets on MoE models)
-    if cfg.gated_mlp:
-        segments["mlp.gate_up"] = list(fused["mlp.gate_up"])
-        segments["mlp.down"] = [("down_proj", cfg.hidden_size)]
-    else:
-        segments["mlp.fc1"] = [("up_proj", cfg.ffn_hidden_size)]
-        segments["mlp.fc2"] = [("down_proj", cfg.hidden_size)]
-    return segments
+    return {path: segments for path, (segments, _) in _projections(cfg).items()}
 
 
 def projection_inputs(cfg: ModelConfig, path: str) -> int:
     """The input size of the projection at `path` (projection_segments' keys): the columns of its adapters' A."""
-    if path == "attn.proj":
-        return cfg.num_attention_heads * cfg.head_dim  # not hidden_size when the head size is set apart (Qwen3)
-    return cfg.ffn_hidden_size if path in ("mlp.down", "mlp.fc2") else cfg.hidden_size
+    return _projections(cfg)[path][1]
 
 
 @torch.no_grad()

@@ -47,6 +47,12 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "attention_qkv": ("q_proj", "k_proj", "v_proj"),
                "attention_dense": ("o_proj",), "mlp_fc1": ("gate_proj", "up_proj"), "mlp_fc2": ("down_proj",),
                "all_linear": LORA_MODULES}
+# Multi-head latent attention (model.latent_attention) has no k_proj / v_proj: its projections by Hugging Face's
+# names are these (q_proj without q_lora_rank, q_a_proj and q_b_proj with it). A group's q_proj stands for its
+# query projections and k_proj / v_proj for the key-value ones (LATENT_LORA_PARTS).
+LATENT_LORA_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+LATENT_LORA_PARTS = {"q_proj": ("q_proj", "q_a_proj", "q_b_proj"), "k_proj": ("kv_a_proj_with_mqa", "kv_b_proj"),
+                     "v_proj": ("kv_a_proj_with_mqa", "kv_b_proj")}
 
 # Preference alignment (the alignment stage): model_alignment_strategy.<strategy> (NxD Training's keys).
 ALIGNMENT_STRATEGIES = Choices(("dpo", "orpo"))

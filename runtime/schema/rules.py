@@ -680,21 +680,49 @@ def lora_dropout(value: float, p: str) -> str | None:
     return None
 
 
-def lora_targets(names: tuple[str, ...], architecture: str | None, p: str) -> str | None:
-    """The projections LoRA adapts, by Hugging Face name; GPT's MLP has no gate (its fc1 is up_proj)."""
-    from runtime.schema.choices import LORA_GROUPS, LORA_MODULES
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_modules(architecture: str | None, latent=None) -> tuple[str, ...]:
+    """The projections LoRA can adapt on a model, by Hugging Face name (groups aside). Multi-head latent attention
+    (`latent`: model.latent_attention) has its own, its queries' by q_lora_rank; where it is not known whether the
+    model has it (no architecture, or one that may have it, without its latent_attention): both kinds' names."""
+    from runtime.schema.choices import LATENT_LORA_MODULES, LATENT_LORA_PARTS, LORA_MODULES
+
+    mlp = _MLP_MODULES if gated_mlp(architecture) else _MLP_MODULES[1:]
+    if latent is not None:
+        queries = ("q_proj",) if latent.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+        return tuple(m for m in LATENT_LORA_MODULES if m in queries or m not in LATENT_LORA_PARTS["q_proj"]) + mlp
+    network = known_architecture(architecture)
+    attention = tuple(m for m in LORA_MODULES if m not in _MLP_MODULES)
+    if network is None or "latent_attention" in network.switches:
+        attention = tuple(dict.fromkeys(attention + LATENT_LORA_MODULES))
+    return attention + mlp
+
+
+def lora_targets(names: tuple[str, ...], architecture: str | None, p: str, latent=None) -> str | None:
+    """The projections LoRA adapts, by Hugging Face name, or a group of them; GPT's MLP has no gate (its fc1 is
+    up_proj); multi-head latent attention has no k_proj / v_proj, and q_proj only without q_lora_rank."""
+    from runtime.schema.choices import LORA_GROUPS
+    from runtime.schema.reader import closest
 
     key = f"{p}model.peft.target_modules"
+    modules = lora_modules(architecture, latent)
     if not names:
-        return f"{key}: empty; name the projections to adapt, e.g. [q_proj, v_proj] (valid: {', '.join(LORA_MODULES)})"
+        return f"{key}: empty; name the projections to adapt, e.g. [qkv_proj] (valid: {', '.join(modules)})"
+    valid = modules + tuple(LORA_GROUPS)
     for name in names:
-        if name not in LORA_MODULES and name not in LORA_GROUPS:
-            from runtime.schema.reader import closest
-
-            valid = ", ".join(LORA_MODULES + tuple(LORA_GROUPS))
-            return f"{key}: {name!r} is not a projection LoRA can adapt; {closest(name, valid.split(', '))}valid: {valid}"
         if name == "gate_proj" and not gated_mlp(architecture):
             return f"{key}: gate_proj: GPT's MLP has no gate projection; adapt up_proj / down_proj (fc1 / fc2)"
+        if name in valid:
+            continue
+        if latent is None:
+            return (f"{key}: {name!r} is not a projection LoRA can adapt; {closest(name, valid)}valid: "
+                    f"{', '.join(valid)}")
+        queries = "one q_proj (q_lora_rank null)" if latent.q_lora_rank is None else \
+            f"q_a_proj and q_b_proj (q_lora_rank {latent.q_lora_rank})"
+        return (f"{key}: {name!r} is not a projection of this multi-head latent attention (model.latent_attention: "
+                f"no k_proj / v_proj; queries through {queries}); {closest(name, valid)}valid: {', '.join(valid)}")
     return None
 
 
@@ -704,20 +732,15 @@ def gated_mlp(architecture: str | None) -> bool:
     return network is None or network.gated_mlp
 
 
-def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str) -> str | None:
-    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str, latent=None) -> str | None:
+    mlp = [t for t in targets if t in _MLP_MODULES]
     if num_experts and mlp:
+        attention = [m for m in lora_modules(None, latent) if m not in _MLP_MODULES] if latent is not None else \
+            ["q_proj", "k_proj", "v_proj", "o_proj"]
         return (f"{p}model.peft.target_modules: {', '.join(mlp)} on a mixture-of-experts model: adapters on experts "
-                f"are not built; adapt the attention projections only (q_proj, k_proj, v_proj, o_proj)")
+                f"are not built; adapt the attention projections only ({', '.join(attention)}: qkv_proj and "
+                f"attention_dense name them)")
     return None
-
-
-def lora_latent_attention(latent, p: str) -> str | None:
-    """LoRA's adapters sit on the fused q/k/v and o projections, which multi-head latent attention does not have."""
-    if latent is None:
-        return None
-    return (f"{p}model.peft: LoRA on multi-head latent attention (model.latent_attention) is not built; fine-tune "
-            "every weight instead (drop model.peft)")
 
 
 def document_reset(positions: bool | None, attention: bool | None, p: str) -> str | None:

@@ -114,7 +114,7 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         report.error(rules.alignment_stage(stage, tuple(k for k in ("dpo", "orpo") if strategies.has(k))))
     elif sft is not None:
         sft = dataclasses.replace(sft, packing=False)  # pairs are never packed (alignment_layout names the key)
-    lora = parse_lora(model_s, shape.get("architecture"), p)
+    lora = parse_lora(model_s, shape.get("architecture"), p, shape.get("latent_attention"))
     peft = model_s.data.get("peft")
     scheme = peft.get("peft_scheme") if isinstance(peft, dict) else None
     if scheme in C.PEFT_SCHEMES and (problem := rules.stage_scheme(p.rstrip("."), C.PEFT_SCHEMES.canonical(scheme)
@@ -773,8 +773,11 @@ def _alignment(root: Section, p: str, seq_length: int | None, report: Report) ->
                            truncation_mode=mode, precompute_ref_log_probs=precompute)
 
 
-def parse_lora(model: Section, architecture: str | None, p: str) -> LoraConfig | None:
-    """model.peft (NxD Training's keys): peft_scheme lora, lora_rank, lora_alpha, lora_dropout, target_modules."""
+def parse_lora(model: Section, architecture: str | None, p: str, latent: LatentAttention | None = None
+               ) -> LoraConfig | None:
+    """model.peft (NxD Training's keys): peft_scheme lora, lora_rank, lora_alpha, lora_dropout, target_modules.
+    `latent` (model.latent_attention) decides the names on multi-head latent attention, where a group's q, k and v
+    are its query and key-value projections (choices.LATENT_LORA_PARTS)."""
     if model.raw("peft", None) is None:
         return None
     peft = model.section("peft")
@@ -789,15 +792,31 @@ def parse_lora(model: Section, architecture: str | None, p: str) -> LoraConfig |
     if None in (rank, alpha, dropout, targets):
         return None
     problems = [rules.lora_rank(rank, p), rules.lora_alpha(alpha, p), rules.lora_dropout(dropout, p),
-                rules.lora_targets(targets, architecture, p)]
+                rules.lora_targets(targets, architecture, p, latent)]
     for problem in problems:
         model.report.error(problem)
     if any(problems):
         return None
-    expanded = [m for name in targets for m in C.LORA_GROUPS.get(name, (name,))]
-    if not rules.gated_mlp(architecture):
-        expanded = [m for m in expanded if m != "gate_proj"]  # a group naming the MLP's input: GPT's is up_proj
+    parts = C.LATENT_LORA_PARTS if latent is not None else {}
+    modules = rules.lora_modules(architecture, latent)
+    expanded = []
+    for name in targets:
+        if name not in C.LORA_GROUPS:
+            expanded.append(name)
+            continue
+        # A group keeps the names this model has (GPT's MLP input is up_proj; latent attention's by q_lora_rank).
+        members = [m for member in C.LORA_GROUPS[name] for m in parts.get(member, (member,))]
+        expanded += [m for m in members if m in modules]
     return LoraConfig(rank=rank, alpha=alpha, dropout=dropout, target_modules=tuple(dict.fromkeys(expanded)))
+
+
+def saved_lora(model: dict, cfg: ModelConfig | None = None) -> tuple[LoraConfig | None, Report]:
+    """A saved training config's LoRA (its `model:` section), with its targets as the model `cfg` names them when
+    given (the saved YAML may leave the architecture to the config.json of its restore_from_path)."""
+    report = Report()
+    architecture, latent = (model.get("architecture"), None) if cfg is None else (cfg.architecture,
+                                                                                  cfg.latent_attention)
+    return parse_lora(Section(model, "model", report), architecture, "", latent), report
 
 
 _RESTORE_SHAPE = ("architecture", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -1000,8 +1019,8 @@ def _fine_tuning_rules(report: Report, p: str, parallel: ParallelConfig, shape: 
         report.error(rules.packing_context(sft.packing, parallel.context, p))
     if lora is not None:
         moe = shape.get("moe")
-        report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p))
-        report.error(rules.lora_latent_attention(shape.get("latent_attention"), p))
+        report.error(rules.lora_moe(moe.num_experts if moe is not None else None, lora.target_modules, p,
+                                    shape.get("latent_attention")))
         if moe is not None:
             report.error(rules.bias_update(moe.router_bias_update_rate, moe.score_bias, p, lora=True))
 

@@ -129,15 +129,91 @@ def test_group_limited_routing_refused_when_it_cannot_hold_top_k():
                     ffn_hidden_size=48, max_position_embeddings=64, moe=moe)
 
 
-def test_generation_and_lora_refused_in_one_line(original):
-    """Neither generation's KV cache nor LoRA's adapters are built for latent attention: each refused in one line."""
+def test_generation_refused_in_one_line(original):
+    """Generation's KV cache is not built for latent attention: refused in one line."""
     from runtime.generate import generate
-    from runtime.schema import rules
 
     _, directory = original
-    model, _, cfg = ours_from(directory)
+    model, _, _ = ours_from(directory)
     with pytest.raises(ValueError, match=r"^generation: multi-head latent attention \(model\.architecture="
                                          r"deepseek_v3\) has no KV cache here[^\n]*$"):
         generate(model, [[1, 2, 3]], max_new_tokens=2, vocab_size=128)
-    assert rules.lora_latent_attention(cfg.latent_attention, "fine_tuning.").startswith(
-        "fine_tuning.model.peft: LoRA on multi-head latent attention (model.latent_attention) is not built")
+
+
+def _lora(targets, cfg, stage="peft."):
+    """model.peft with these target_modules on the model `cfg`, as the schema parses it: (LoRA, errors)."""
+    from runtime.schema.reader import Report, Section
+    from runtime.schema.training import parse_lora
+
+    report = Report()
+    peft = {"peft": {"peft_scheme": "lora", "lora_rank": 4, "target_modules": list(targets)}}
+    lora = parse_lora(Section(peft, "model", report), cfg.architecture, stage, cfg.latent_attention)
+    return lora, report.errors
+
+
+def test_lora_targets_latent_attention_by_hugging_face_names(original):
+    """The usual groups name the latent attention's projections (its queries' by q_lora_rank); a name it does not
+    have is refused in one line naming the key and the valid names; adapters on experts stay refused."""
+    from runtime.schema import rules
+
+    _, directory = original
+    _, _, cfg = ours_from(directory)
+    queries = ["q_proj"] if cfg.latent_attention.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    assert _lora(["qkv_proj"], cfg)[0].target_modules == (*queries, "kv_a_proj_with_mqa", "kv_b_proj")
+    assert _lora(["attention_qkv", "attention_dense"], cfg)[0].target_modules == (
+        *queries, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    assert _lora(["kv_b_proj", *queries], cfg)[0].target_modules == ("kv_b_proj", *queries)
+    valid = (f"valid: {', '.join(queries)}, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, up_proj, down_proj, "
+             f"qkv_proj, attention_qkv, attention_dense, mlp_fc1, mlp_fc2, all_linear")
+    missing = ["k_proj", "q_a_proj" if queries == ["q_proj"] else "q_proj"]
+    for name in missing:
+        lora, errors = _lora(["o_proj", name], cfg)
+        assert lora is None and len(errors) == 1 and "\n" not in errors[0], errors
+        assert errors[0].startswith(f"peft.model.peft.target_modules: {name!r} is not a projection of this multi-head "
+                                    f"latent attention (model.latent_attention")
+        assert errors[0].endswith(valid), errors[0]
+    mlp = _lora(["all_linear"], cfg)[0].target_modules
+    assert rules.lora_moe(cfg.moe.num_experts, mlp, "peft.", cfg.latent_attention) == (
+        f"peft.model.peft.target_modules: gate_proj, up_proj, down_proj on a mixture-of-experts model: adapters on "
+        f"experts are not built; adapt the attention projections only ({', '.join(queries)}, kv_a_proj_with_mqa, "
+        f"kv_b_proj, o_proj: qkv_proj and attention_dense name them)")
+
+
+def test_lora_exports_merged_and_as_a_peft_adapter(original, tmp_path):
+    """Adapters on every latent-attention projection (q_a / q_b or q, kv_a, kv_b, o): merged, transformers loads it
+    with no missing or unexpected key and computes our adapted logits; as a PEFT adapter over the original
+    directory, peft does."""
+    peft = pytest.importorskip("peft")
+    from runtime.convert.peft import save_adapter, to_peft
+    from runtime.models import build_model
+    from runtime.models.lora import merge_lora
+    from tests.convert.test_peft_export import with_random_adapters
+
+    _, directory = original
+    model, _, cfg = ours_from(directory)
+    lora = _lora(["qkv_proj", "attention_dense"], cfg)[0]
+    assert len(lora.target_modules) in (4, 5)
+    with_random_adapters(model, lora)
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(9))
+    folded = merge_lora(model.state_dict(), cfg, lora.scale)
+    ours_merged = build_model(cfg).eval()
+    ours_merged.load_state_dict(folded)
+    with torch.no_grad():
+        ours, ours_folded = model.eval()(ids), ours_merged(ids)
+    save_hf_directory(tmp_path / "merged", folded, cfg, None)
+    merged, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    state, config = to_peft(model.state_dict(), cfg, lora, base_model_name_or_path=str(directory))
+    assert config["target_modules"] == sorted(lora.target_modules)
+    save_adapter(tmp_path / "adapter", state, config)
+    adapted = peft.PeftModel.from_pretrained(transformers.DeepseekV3ForCausalLM.from_pretrained(directory),
+                                             tmp_path / "adapter").eval()
+    base = transformers.DeepseekV3ForCausalLM.from_pretrained(directory).eval()
+    for hf in (merged, adapted, base):
+        hf.config._attn_implementation = "eager"
+    with torch.no_grad():  # within 1e-4, as test_exports_what_transformers_loads compares this family
+        assert (merged.eval()(ids).logits - ours_folded).abs().max().item() <= 1e-4
+        assert (adapted(ids).logits - ours).abs().max().item() <= 1e-4
+        # Folding B A into the weights rounds differently in fp32 (a few 1e-5 here: large random weights).
+        assert (ours_folded - ours).abs().max().item() <= 1e-4
+        assert (base(ids).logits - ours).abs().max().item() > 1e-2  # the adapters matter

@@ -2,13 +2,18 @@
 (fine_tuning=hf/sft_demo: its config.json decides architecture deepseek_v3, the latent attention, YaRN with
 mscale, the dense first layer and the grouped, biased, scaled experts with a shared one), 2 steps, exported in the
 same command; transformers loads the export with no missing or unexpected key, and its logits are ours on the
-same weights read back."""
+same weights read back. LoRA (peft=hf/sft_demo) on the latent attention the same way, exported merged and as a PEFT
+adapter that `peft` loads on the base."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from tests.fine_tuning.test_gpt_oss_fine_tuning import fine_tune_and_export, save_with_tokenizer
+from tests.fine_tuning.test_fine_tuning_pipeline import _demo, _stage
+from tests.fine_tuning.test_gpt_oss_fine_tuning import STEPS, fine_tune_and_export, loads_as_ours, save_with_tokenizer
+from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,16 +46,45 @@ def test_fine_tunes_deepseek_v3_and_exports_what_transformers_loads(tmp_path):
                        base.model.layers[1].mlp.gate.e_score_correction_bias)
 
 
-def test_lora_refused_at_launch_in_one_line(tmp_path):
-    from tests.fine_tuning.test_fine_tuning_pipeline import _demo
-    from tests.launcher.helpers import nxdt
+@pytest.mark.long("LoRA of a Hugging Face DeepSeek-V3 through the CLI, exported merged and as a PEFT adapter")
+def test_lora_of_deepseek_v3_exports_what_transformers_and_peft_load(tmp_path):
+    """peft=hf/sft_demo with the usual groups (qkv_proj, attention_dense: q_a, q_b, kv_a, kv_b and o), 2 steps,
+    exported merged with base/ and adapter/ beside it in the same command: transformers loads the merged model with
+    no missing or unexpected key and its logits are ours on the weights read back; `peft` on the base gives them."""
+    peft_lib = pytest.importorskip("peft")
+    vocab = _demo(tmp_path / "data")
+    base = _hf_deepseek_v3(tmp_path / "hf_base", vocab, tmp_path / "data")
+    run = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
+               "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
+               *_stage("peft", f"model.restore_from_path={tmp_path}/hf_base",
+                       "model.peft.target_modules=[qkv_proj,attention_dense]", *STEPS), cwd=tmp_path, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    exported = tmp_path / "results" / "hf_sft_demo_lora" / "conversion" / "hf_model"
+    adapter = json.loads((exported / "adapter" / "adapter_config.json").read_text())
+    assert adapter["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+    merged, ids = loads_as_ours(exported, transformers.DeepseekV3ForCausalLM, vocab)
+    adapted = peft_lib.PeftModel.from_pretrained(
+        transformers.DeepseekV3ForCausalLM.from_pretrained(exported / "base"), exported / "adapter")
+    for model in (adapted, base):
+        model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        after, before = merged(ids).logits, base.eval()(ids).logits
+        torch.testing.assert_close(adapted.eval()(ids).logits, after, rtol=0, atol=1e-5)
+    assert not torch.allclose(after, before, atol=1e-5), "the adapters trained"
 
+
+def test_lora_on_experts_refused_at_launch_in_one_line(tmp_path):
+    """peft=hf/sft_demo's all_linear names the MLPs too: on DeepSeek-V3's experts, one line naming the latent
+    attention's projections to adapt instead."""
     vocab = _demo(tmp_path / "data")
     _hf_deepseek_v3(tmp_path / "hf_base", vocab, tmp_path / "data")
     run = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
                "stages=[peft]", "peft=hf/sft_demo", f"peft.model.restore_from_path={tmp_path}/hf_base",
                cwd=tmp_path, timeout=300)
     assert run.returncode != 0
-    lines = [line for line in (run.stdout + run.stderr).splitlines() if "LoRA on multi-head latent attention" in line]
-    assert len(lines) == 1 and "peft.model.peft: LoRA on multi-head latent attention" in lines[0], run.stdout[-2000:]
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "adapters on experts" in line]
+    assert lines == ["error: peft.model.peft.target_modules: gate_proj, up_proj, down_proj on a mixture-of-experts "
+                     "model: adapters on experts are not built; adapt the attention projections only (q_a_proj, "
+                     "q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj: qkv_proj and attention_dense name them)"], \
+        run.stdout[-2000:]
     assert "Traceback" not in run.stdout + run.stderr

@@ -50,6 +50,15 @@ def fine_tune_and_export(tmp_path, make_base, model_class):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     exported = tmp_path / "results" / "hf_sft_demo" / "conversion" / "hf_model"
     config = json.loads((exported / "config.json").read_text())
+    theirs, ids = loads_as_ours(exported, model_class, vocab)
+    with torch.no_grad():
+        assert not torch.allclose(theirs(ids).logits, base(ids).logits, atol=1e-4), "it trained"
+    return base, config, theirs
+
+
+def loads_as_ours(exported, model_class, vocab: int):
+    """transformers loads `exported` with no missing or unexpected key, and its logits are ours on the weights read
+    back. Returns its model (eager attention, eval) and the token ids compared on."""
     theirs, info = model_class.from_pretrained(exported, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     theirs.config._attn_implementation = "eager"
@@ -58,10 +67,8 @@ def fine_tune_and_export(tmp_path, make_base, model_class):
     ours.load_state_dict(state)
     ids = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        after, before = theirs.eval()(ids).logits, base(ids).logits
-        torch.testing.assert_close(ours(ids), after, rtol=0, atol=1e-5)
-    assert not torch.allclose(after, before, atol=1e-4), "it trained"
-    return base, config, theirs
+        torch.testing.assert_close(ours(ids), theirs.eval()(ids).logits, rtol=0, atol=1e-5)
+    return theirs, ids
 
 
 @pytest.mark.long("SFT of a Hugging Face GPT-OSS through the CLI, exported and checked in transformers")

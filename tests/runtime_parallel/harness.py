@@ -15,6 +15,7 @@ from runtime.parallel import collectives as C
 from runtime.parallel import (DataParallelConfig, ParallelDims, ShardedAdamW, Topology, gather_full_state_dict,
                               parallelize_model)
 from runtime.parallel.context import sequence_index
+from runtime.schema import rules
 from runtime.schema.model import MoEConfig, RopeScaling
 from runtime.schema.training_config import LoraConfig
 from runtime.step import eval_objective, train_step
@@ -208,12 +209,13 @@ def step_inputs(kind: str | None, step: int, vocab: int, topo: Topology, context
 
 def fine_tuning_model(cfg: ModelConfig, fine_tuning: str | None):
     """build_model's model, for full fine-tuning ('sft') as is, for 'lora' frozen with adapters on every projection
-    (GPT has no gate; a model with MoE layers: the attention's only), each adapter's B drawn non-zero so the
-    adapters act from the first step."""
+    the model has (GPT has no gate; latent attention its own; a model with MoE layers: the attention's only), each
+    adapter's B drawn non-zero so the adapters act from the first step."""
     model = build_model(cfg)
     if fine_tuning in ("lora", "dpo-lora"):
-        mlp = () if cfg.moe else ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj")
-        targets = tuple(t for t in LORA.target_modules if t in mlp or t in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        targets = tuple(t for t in rules.lora_modules(cfg.architecture, cfg.latent_attention)
+                        if not (cfg.moe and t in mlp))
         apply_lora(model, dataclasses.replace(LORA, target_modules=targets), seed=cfg.seed)
         gen = torch.Generator().manual_seed(5)
         with torch.no_grad():

@@ -1,8 +1,8 @@
-"""DeepSeek-V3 (runtime/families/deepseek_v3) trains under tp2 (with and without sequence parallelism), ep2 and pp2
-exactly as one process does: gloo processes on CPU, fp32; per step the loss and grad norm within 1e-5 relative, and
-the parameters after the steps (q / q_b and kv_b split by head, proj by head column, the low-rank a-projections
-and their norms whole, experts by expert and hidden unit, router and shared expert whole) within 1e-5. One spawn
-for tp/ep, one for pp."""
+"""DeepSeek-V3 (runtime/families/deepseek_v3) trains under tp2 (with and without sequence parallelism), ep2 and pp2,
+and its LoRA adapters under tp2, exactly as one process does: gloo processes on CPU, fp32; per step the loss and
+grad norm within 1e-5 relative, and the parameters after the steps (q / q_b and kv_b split by head, proj by head
+column, the low-rank a-projections and their norms whole, experts by expert and hidden unit, router and shared
+expert whole) within 1e-5. One spawn for tp/ep, one for pp."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +32,10 @@ JOBS = {
     "deepseek-tp2-sp": ("llama", DEEPSEEK, L(tp=2, sequence_parallel=True)),
     "deepseek-q-tp2-sp": ("llama", PLAIN_Q, L(tp=2, sequence_parallel=True)),
     "deepseek-ep2": ("llama", DEEPSEEK, L(dp=2, ep=2)),
+    # LoRA on every latent-attention projection: q_a and kv_a whole on each rank (their adapters' gradients summed
+    # over TP), q_b and kv_b by head rows (B split, A whole), o_proj by head columns (A split, B whole).
+    "deepseek-lora-tp2-sp": ("llama", {**DEEPSEEK, "fine_tuning": "lora"}, L(tp=2, sequence_parallel=True)),
+    "deepseek-q-lora-tp2": ("llama", {**PLAIN_Q, "fine_tuning": "lora"}, L(tp=2)),
 }
 PIPELINE = {**DEEPSEEK, "moe": dataclasses.replace(DEEPSEEK["moe"], layers=tuple(range(1, P.NUM_LAYERS)))}
 PIPELINE_JOBS = {"deepseek-pp2": ("llama", PIPELINE, P.PipelineLayout(pp=2))}

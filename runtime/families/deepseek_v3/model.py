@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from runtime.families.deepseek_v3.weights import attention_names
 from runtime.models.layers import Block, CoreAttention, RMSNorm, RotaryEmbedding, SequenceLayout, SwiGLU
 from runtime.models.moe import SparseMoE
 from runtime.models.transformer import CausalLM, Embeddings
@@ -72,8 +73,9 @@ class LatentAttention(nn.Module):
                 setattr(self, name, _HeadRows.from_linear(getattr(self, name), axis, sequence_parallel=False))
         self.proj = L.RowParallelLinear(self.proj, axis, sequence_parallel=sequence_parallel)
         self.num_heads //= axis.size
-        self.partial_grads = tuple(f"{module}.weight" for module in ("q_a", "q_a_norm", "kv_a", "kv_a_norm")
-                                   if hasattr(self, module))
+        # LoRA's adapters on q_a / kv_a (A and B) are whole on every rank too, their gradients as partial.
+        self.partial_grads = tuple(f"{module}.{name}" for module in ("q_a", "q_a_norm", "kv_a", "kv_a_norm")
+                                   if hasattr(self, module) for name, _ in getattr(self, module).named_parameters())
 
     def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if self.interleave else x
@@ -145,6 +147,16 @@ class DeepseekV3Model(CausalLM):
 
         super().__init__(cfg, embed=Embeddings(cfg.vocab_size, H, max_positions=None, dropout=0.0),
                          layers=[block(i) for i in range(cfg.num_layers)], final_norm=RMSNorm(H, eps))
+
+    @staticmethod
+    def lora_projections(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+        """What LoRA adapts (runtime/models/lora.py), by path in a block: (Hugging Face name, in, out features) of
+        each latent-attention projection; the MoE layers' experts carry none (a schema rule refuses MLP targets)."""
+        with torch.device("meta"):
+            attention = LatentAttention(cfg, rotary=None)
+        names = attention_names(cfg.latent_attention)
+        return {f"attn.{name}": (names[name], module.in_features, module.out_features)
+                for name, module in attention.named_children() if isinstance(module, nn.Linear)}
 
 
 MODEL = DeepseekV3Model  # what runtime/models builds for model.architecture=deepseek_v3

@@ -17,9 +17,7 @@ def weight_rules(cfg, rule, family=None) -> list:
     """runtime/convert/hf.py's rules (`rule` is its _Rule) for every tensor but the untied output head."""
     latent, moe = cfg.latent_attention, cfg.moe
     names = [rule("embed.word.weight", ("model.embed_tokens.weight",))]
-    attn = {"kv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b": "kv_b_proj", "proj": "o_proj"}
-    attn.update({"q": "q_proj"} if latent.q_lora_rank is None else
-                {"q_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b": "q_b_proj"})
+    attn = attention_names(latent)
     for i in range(cfg.num_layers):
         o, h = f"layers.{i}.", f"model.layers.{i}."
         names += [rule(f"{o}attn.{ours}.weight", (f"{h}self_attn.{theirs}.weight",)) for ours, theirs in attn.items()]
@@ -34,6 +32,15 @@ def weight_rules(cfg, rule, family=None) -> list:
             names += _swiglu(rule, o + "mlp.", h + "mlp.", cfg.ffn_hidden_size)
     names.append(rule("final_norm.weight", ("model.norm.weight",)))
     return names
+
+
+def attention_names(latent) -> dict[str, str]:
+    """LatentAttention's projections and norms (model.py) -> DeepseekV3Attention's (self_attn.<name>): the weights'
+    names here, LoRA's target names (model.peft.target_modules) for the projections."""
+    attn = {"kv_a": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b": "kv_b_proj", "proj": "o_proj"}
+    attn.update({"q": "q_proj"} if latent.q_lora_rank is None else
+                {"q_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b": "q_b_proj"})
+    return attn
 
 
 def _swiglu(rule, ours: str, theirs: str, ffn: int) -> list:
