@@ -136,7 +136,7 @@ def render(result, recipe: str, time_limit: str | None = None):
     time.add_column("value", justify="right")
     step = result.step
     n = "N active" if shape.moe is not None else "N"
-    time.add_row(f"model FLOPs per token (6·{n} + 12·L·h·s)", _count(result.flops_per_token))
+    time.add_row(f"model FLOPs per token (6·{n} + 3 × attention)", _count(result.flops_per_token))
     time.add_row("model FLOPs per step", _count(result.flops_per_step))
     time.add_row("step time at the assumed MFU", _duration(result.step_seconds_at_mfu))
     terms = [step.compute_s, step.bubble_s, step.tensor_parallel_s, step.data_parallel_s, step.pipeline_s]
