@@ -194,6 +194,10 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     if plan.dry_run:
         for entry in record["stages"]:
             entry["job_id"] = "dry-run"
+        if plan.executor == "k8s":  # what would be created, in stage order; nothing contacts the cluster
+            for here, _, _ in plan.files:
+                if here.name.endswith(".k8s.yaml"):
+                    console.out(f"---\n{here.read_text()}", highlight=False)
     elif plan.executor == "slurm":
         try:
             steps.submit_slurm(plan, scripts, record)
