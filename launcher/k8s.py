@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from launcher import neuron
 from launcher.config import LaunchConfig, typed
 from launcher.job import Job
+from launcher.render import _environment, render
 
 SCHEMAS = Path(__file__).parent / "schemas" / "k8s"
 
@@ -138,13 +139,14 @@ def job_problems(cfg: LaunchConfig, jobs: list[Job], produced_by: str) -> list[s
     """After problems(): what every pod must see on the shared volume, then each stage's manifest against the
     vendored schemas (schema_problems)."""
     from launcher import staging
-    from launcher.render import render
 
     mount = settings(cfg)["volume"]["mount_path"]
     shared = [("base_results_dir", cfg.base_results_dir)]
     if str(cfg.data_dir or "").startswith("/"):
         shared.append(("data_dir", cfg.data_dir))
-    shared += [(f"{job.stage}.run.results_dir", job.results_dir) for job in jobs]
+    # A stage's results directory under base_results_dir is named by base_results_dir's line, if at all.
+    shared += [(f"{job.stage}.run.results_dir", job.results_dir) for job in jobs
+               if not _under(job.results_dir, str(cfg.base_results_dir))]
     if any(neuron.script(job, cfg) for job in jobs) and not neuron.cache_location(cfg).startswith("s3://"):
         shared.append(("cluster.neuron.compile.cache", neuron.cache_location(cfg)))
     errors = [f"{key}: {path} is not on the shared volume (cluster.k8s.volume.mount_path={mount}), so the pods "
@@ -156,7 +158,7 @@ def job_problems(cfg: LaunchConfig, jobs: list[Job], produced_by: str) -> list[s
     if errors:
         return errors
     for job in jobs:
-        errors += schema_problems(render(job, cfg, executor="k8s", produced_by=produced_by), job.stage)
+        errors += schema_problems(manifest(job, cfg, produced_by=produced_by), job.stage)
     return errors
 
 
@@ -195,10 +197,9 @@ def _yaml_scalar(value: Any) -> str:
     return json.dumps(value)  # a JSON scalar is a YAML flow scalar: quoted wherever YAML would read it otherwise
 
 
-def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str, node_script: str) -> str:
-    """The stage's object as YAML text, with `node_script` (render.render's for executor k8s) as its command."""
+def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) -> str:
+    """The stage's object as YAML text; its pods run the node script (render.render for executor k8s)."""
     cfg = typed(cfg)
-    from launcher.render import _environment
 
     k8s = settings(cfg)
     kind = KINDS[k8s["job_kind"]]
@@ -214,7 +215,8 @@ def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str, 
     template = _environment().get_template(f"k8s/{kind.template}")
     return template.render(
         kind=kind, name=resource_name(job), namespace=k8s["namespace"], labels=labels, annotations=annotations,
-        job=job, image=str(cfg.container), script=node_script, runtime=k8s["runtime"],
+        job=job, image=str(cfg.container),
+        script=render(job, cfg, executor="k8s", produced_by=produced_by), runtime=k8s["runtime"],
         resources=resources(job, cfg), claim=k8s["volume"]["claim"], mount_path=k8s["volume"]["mount_path"],
         service_account=k8s["service_account"], auto_resume=k8s["auto_resume"], container_name=kind.container,
         hyperpod_health=k8s["job_kind"] != "TrainJob" and k8s["auto_resume"]["enabled"],
@@ -254,12 +256,12 @@ def schema_problems(text: str, stage: str) -> list[str]:
         return [f"{where}: not a kind this launcher renders"]
     if kind.schema:
         return _validate(obj, _schema(kind.schema), where)
-    errors = []
-    replicas = (obj.get("spec") or {}).get("replicaSpecs")
-    if not isinstance(replicas, list) or not replicas:
-        return [f"{where}.spec.replicaSpecs: must be a non-empty list"]
-    for i, replica in enumerate(replicas):
-        if not isinstance(replica.get("replicas"), int) or not isinstance(replica.get("name"), str):
-            errors.append(f"{where}.spec.replicaSpecs.{i}: needs a name and a whole number of replicas")
-        errors += _validate(replica.get("template"), _pod_template_schema(), f"{where}.spec.replicaSpecs.{i}.template")
-    return errors
+    # HyperPodPyTorchJob's own fields, as AWS documents them; each pod template as the core PodTemplateSpec.
+    spec_schema = {"type": "object", "required": ["nprocPerNode", "replicaSpecs"], "properties": {
+        "nprocPerNode": {"type": "string"},
+        "runPolicy": {"type": "object", "properties": {"jobMaxRetryCount": {"type": "integer", "minimum": 0}}},
+        "replicaSpecs": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["name", "replicas", "template"],
+            "properties": {"name": {"type": "string"}, "replicas": {"type": "integer", "minimum": 1},
+                           "template": _pod_template_schema()}}}}}
+    return _validate(obj.get("spec"), spec_schema, f"{where}.spec")

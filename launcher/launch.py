@@ -296,7 +296,10 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
 
     scripts = []
     for job in plan.jobs:
-        text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
+        if plan.executor == "k8s":  # the stage's Kubernetes object, its pods running the node script
+            text = k8s.manifest(job, plan.config, produced_by=plan.produced_by)
+        else:
+            text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))

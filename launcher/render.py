@@ -177,12 +177,12 @@ def python(cfg: LaunchConfig | dict[str, Any]) -> str:
 
 def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str) -> str:
     """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build. For executor k8s,
-    the stage's manifest (launcher/k8s.py), whose pods run the node script rendered here."""
+    the script every pod of the stage's manifest runs (launcher/k8s.py manifest)."""
     cfg = typed(cfg)
     template = _environment().get_template(TEMPLATES[executor])
     # On Kubernetes the pod is the container (the manifest names the image): no Pyxis steps in the script.
     inside = container(job, cfg) if executor != "k8s" else None
-    text = template.render(
+    return template.render(
         neuron=neuron.script(job, cfg),
         fabric=neuron.fabric(job, cfg),
         container=inside,
@@ -203,8 +203,3 @@ def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produ
         preempted_exit_code=PREEMPTED_EXIT_CODE,
         hyperpod=cfg.cluster.hyperpod is True,
     )
-    if executor == "k8s":
-        from launcher import k8s
-
-        return k8s.manifest(job, cfg, produced_by=produced_by, node_script=text)
-    return text
