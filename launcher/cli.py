@@ -204,6 +204,12 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
         except SlurmError as e:
             raise UserError(str(e)) from None
     _print_plan(console, plan, record)
+    if not plan.dry_run and plan.executor == "k8s":
+        import os
+
+        from launcher import k8s, runs
+
+        code = k8s.run(plan, record, console, pid_started=runs.process_started(os.getpid()))
     if not plan.dry_run and plan.executor == "local":
         code = steps.run_local(plan, scripts, record, console)
         from launcher import records

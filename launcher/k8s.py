@@ -12,15 +12,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from launcher import neuron
 from launcher.config import LaunchConfig, typed
 from launcher.job import Job
 from launcher.render import _environment, render
+
+if TYPE_CHECKING:
+    from launcher.slurm import JobState
 
 SCHEMAS = Path(__file__).parent / "schemas" / "k8s"
 
@@ -215,7 +219,7 @@ def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) 
     template = _environment().get_template(f"k8s/{kind.template}")
     return template.render(
         kind=kind, name=resource_name(job), namespace=k8s["namespace"], labels=labels, annotations=annotations,
-        job=job, image=str(cfg.container),
+        job=job, image=str(cfg.container), env={"NXDT_K8S_OBJECT": resource_name(job)},
         script=render(job, cfg, executor="k8s", produced_by=produced_by), runtime=k8s["runtime"],
         resources=resources(job, cfg), claim=k8s["volume"]["claim"], mount_path=k8s["volume"]["mount_path"],
         service_account=k8s["service_account"], auto_resume=k8s["auto_resume"], container_name=kind.container,
@@ -265,3 +269,140 @@ def schema_problems(text: str, stage: str) -> list[str]:
             "properties": {"name": {"type": "string"}, "replicas": {"type": "integer", "minimum": 1},
                            "template": _pod_template_schema()}}}}}
     return _validate(obj.get("spec"), spec_schema, f"{where}.spec")
+
+
+# --- talking to the cluster (the official `kubernetes` client, the k8s extra) --------------------------------------
+# The stages run in order: each object is created once the one before it has completed, and a failed or cancelled
+# stage leaves the later ones uncreated (Kubernetes has no afterok). The launch waits for them, as a local launch does.
+
+_COMPLETED = {"Complete", "Completed", "Succeeded"}   # TrainJob | HyperPodPyTorchJob | PyTorchJob condition types
+_FAILED = {"Failed"}
+
+
+def _apis(context: str | None):
+    """(CustomObjectsApi, CoreV1Api) for the kubeconfig kubectl would use ($KUBECONFIG, ~/.kube/config)."""
+    from launcher.errors import UserError
+
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise UserError("cluster_type=k8s: the kubernetes package is missing; pip install 'nxdt-launch[k8s]'") from None
+    try:
+        api = config.new_client_from_config(context=context)
+    except config.ConfigException as error:
+        raise UserError(f"cluster.k8s.context: no usable kubeconfig ({error}); set KUBECONFIG or "
+                        f"cluster.k8s.context") from None
+    return client.CustomObjectsApi(api), client.CoreV1Api(api)
+
+
+def _where(record: dict[str, Any]) -> tuple[Kind, str, str | None]:
+    k8s = record["k8s"]
+    return KINDS[k8s["kind"]], k8s["namespace"], k8s.get("context")
+
+
+def object_state(obj: dict[str, Any] | None) -> "JobState":
+    """The stage's state from its object's status.conditions (None: the object is gone, i.e. cancelled)."""
+    from launcher.slurm import JobState
+
+    if obj is None:
+        return JobState("CANCELLED", "the object was deleted")
+    conditions = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []
+                  if str(c.get("status")) == "True"}
+    for kind, state in ((_FAILED, "FAILED"), (_COMPLETED, "COMPLETED")):
+        if found := kind & set(conditions):
+            condition = conditions[sorted(found)[0]]
+            return JobState(state, str(condition.get("reason") or condition.get("message") or ""))
+    if "Suspended" in conditions or not conditions:
+        return JobState("PENDING")
+    return JobState("RUNNING")
+
+
+def _read(custom, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return custom.get_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, name)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def stage_states(record: dict[str, Any], running: bool) -> list[tuple[dict[str, Any], "JobState"]]:
+    """`nxdt-launch status` of a k8s run: each created object's state; the others wait for the stage before them
+    while the launch that creates them runs, and are not run otherwise."""
+    from launcher.slurm import JobState
+
+    custom, _ = _apis(_where(record)[2])
+    kind, namespace, _ = _where(record)
+    rows, blocked = [], False
+    for entry in record["stages"]:
+        if entry.get("job_id"):
+            state = object_state(_read(custom, kind, namespace, str(entry["job_id"])))
+            blocked = blocked or state.state != "COMPLETED"
+        elif running and not blocked:
+            state = JobState("PENDING", "waits for the stage before it")
+        else:
+            state = JobState("NOT RUN", "an earlier stage failed or the run was cancelled")
+        rows.append((entry, state))
+    return rows
+
+
+def cancel(record: dict[str, Any], run_dir: Path) -> str:
+    """Delete every object of the run that is still there (its pods go with it), and note the cancel so that the
+    waiting launch creates no later stage."""
+    from launcher import records
+
+    custom, _ = _apis(_where(record)[2])
+    kind, namespace, _ = _where(record)
+    records.write_cancel(run_dir, record, [e["stage"] for e in record["stages"]], "deleted")
+    deleted = []
+    for entry in record["stages"]:
+        name = entry.get("job_id")
+        if name and object_state(_read(custom, kind, namespace, str(name))).state not in ("COMPLETED", "CANCELLED"):
+            custom.delete_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, str(name),
+                                                   propagation_policy="Foreground")
+            deleted.append(f"{namespace}/{name}")
+    return f"deleted {kind.plural} {' '.join(deleted)}" if deleted else "nothing left to delete"
+
+
+def run(plan, record: dict[str, Any], console, *, pid_started: float | None, poll_s: float = 5.0) -> int:
+    """Create the stages' objects in order, each after the one before has completed; stop at a failure or a
+    cancel. Returns 0 when every stage completed, else 1. `pid_started`: this process's start (runs.process_started),
+    by which `status` tells that the launch still runs."""
+    import os
+
+    import yaml
+
+    from launcher import records
+
+    k8s = settings(plan.config)
+    custom, _ = _apis(k8s["context"])
+    kind = KINDS[k8s["job_kind"]]
+    records.archive_previous(plan.run_dir)
+    record["k8s"] = {"kind": k8s["job_kind"], "namespace": k8s["namespace"], "context": k8s["context"]}
+    record["pid"], record["pid_started"] = os.getpid(), pid_started
+    records.write(plan.run_dir, record)
+    code = 0
+    for job, entry in zip(plan.jobs, record["stages"]):
+        if entry["stage"] in records.cancelled_stages(plan.run_dir, record):
+            code = 1
+            break
+        body = yaml.safe_load(Path(plan.local_path(Path(entry["script"]))).read_text())
+        custom.create_namespaced_custom_object(kind.group, kind.version, k8s["namespace"], kind.plural, body)
+        entry["job_id"] = resource_name(job)
+        records.write(plan.run_dir, record)
+        console.print(f"{entry['stage']}: created {kind.plural}/{entry['job_id']} in {k8s['namespace']}",
+                      highlight=False)
+        while (state := object_state(_read(custom, kind, k8s["namespace"], entry["job_id"]))).state in (
+                "PENDING", "RUNNING"):
+            time.sleep(poll_s)
+        entry["exit_code"] = 0 if state.state == "COMPLETED" else 1
+        records.write(plan.run_dir, record)
+        console.print(f"{entry['stage']}: {state}", highlight=False)
+        if state.state != "COMPLETED":
+            code = 1
+            break
+    record.pop("pid", None)
+    records.write(plan.run_dir, record)
+    return code
