@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ DEFAULTS: dict[str, Any] = {
     "service_account": None,
     "auto_resume": {"enabled": False, "max_retry": 3},
     "context": None,                  # kubeconfig context; null: the current one
+    "poll_s": 5,                      # how often a launch asks the API server whether its stage has ended
 }
 KEYS = tuple(DEFAULTS)
 
@@ -132,6 +134,9 @@ def problems(cfg: LaunchConfig) -> list[str]:
         elif value > table[hardware]:
             errors.append(f"cluster.k8s.{key}: {value} is more than a {hardware} node has ({table[hardware]}); "
                           f"set cluster.k8s.{key}=null for the instance's")
+    poll = k8s["poll_s"]
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 600:
+        errors.append(f"cluster.k8s.poll_s: {poll!r} must be a number of seconds in (0, 600], e.g. cluster.k8s.poll_s=5")
     ar = k8s["auto_resume"]
     if not isinstance(ar["enabled"], bool) or isinstance(ar["max_retry"], bool) \
             or not isinstance(ar["max_retry"], int) or ar["max_retry"] < 0:
@@ -287,12 +292,31 @@ def _apis(context: str | None):
         from kubernetes import client, config
     except ImportError:
         raise UserError("cluster_type=k8s: the kubernetes package is missing; pip install 'nxdt-launch[k8s]'") from None
-    try:
-        api = config.new_client_from_config(context=context)
+    try:  # KUBECONFIG read now, not when the client was imported (it may be a ':'-separated list, as for kubectl)
+        api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"), context=context)
     except config.ConfigException as error:
         raise UserError(f"cluster.k8s.context: no usable kubeconfig ({error}); set KUBECONFIG or "
                         f"cluster.k8s.context") from None
     return client.CustomObjectsApi(api), client.CoreV1Api(api)
+
+
+def _call(what: str, method, *args, **kwargs):
+    """One API request; a refusal or an unreachable server is one line naming what was asked, not a traceback."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    from launcher.errors import UserError
+
+    try:
+        return method(*args, **kwargs)
+    except ApiException as error:
+        if error.status == 404 and what.startswith("read"):
+            return None
+        raise UserError(f"cluster.k8s: {what}: the API server answered {error.status} {error.reason}; "
+                        f"check the cluster's CRDs and your permissions (kubectl auth can-i)") from None
+    except HTTPError as error:
+        raise UserError(f"cluster.k8s: {what}: the API server cannot be reached ({type(error).__name__}); check "
+                        f"KUBECONFIG or cluster.k8s.context") from None
 
 
 def _where(record: dict[str, Any]) -> tuple[Kind, str, str | None]:
@@ -318,14 +342,8 @@ def object_state(obj: dict[str, Any] | None) -> "JobState":
 
 
 def _read(custom, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        return custom.get_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, name)
-    except ApiException as error:
-        if error.status == 404:
-            return None
-        raise
+    return _call(f"read {kind.plural}/{name}", custom.get_namespaced_custom_object, kind.group, kind.version,
+                 namespace, kind.plural, name)
 
 
 def stage_states(record: dict[str, Any], running: bool) -> list[tuple[dict[str, Any], "JobState"]]:
@@ -339,7 +357,7 @@ def stage_states(record: dict[str, Any], running: bool) -> list[tuple[dict[str, 
     for entry in record["stages"]:
         if entry.get("job_id"):
             state = object_state(_read(custom, kind, namespace, str(entry["job_id"])))
-            blocked = blocked or state.state != "COMPLETED"
+            blocked = blocked or state.state in ("FAILED", "CANCELLED")
         elif running and not blocked:
             state = JobState("PENDING", "waits for the stage before it")
         else:
@@ -360,18 +378,16 @@ def cancel(record: dict[str, Any], run_dir: Path) -> str:
     for entry in record["stages"]:
         name = entry.get("job_id")
         if name and object_state(_read(custom, kind, namespace, str(name))).state not in ("COMPLETED", "CANCELLED"):
-            custom.delete_namespaced_custom_object(kind.group, kind.version, namespace, kind.plural, str(name),
-                                                   propagation_policy="Foreground")
+            _call(f"delete {kind.plural}/{name}", custom.delete_namespaced_custom_object, kind.group, kind.version,
+                  namespace, kind.plural, str(name), propagation_policy="Foreground")
             deleted.append(f"{namespace}/{name}")
     return f"deleted {kind.plural} {' '.join(deleted)}" if deleted else "nothing left to delete"
 
 
-def run(plan, record: dict[str, Any], console, *, pid_started: float | None, poll_s: float = 5.0) -> int:
+def run(plan, record: dict[str, Any], console, *, pid_started: float | None) -> int:
     """Create the stages' objects in order, each after the one before has completed; stop at a failure or a
     cancel. Returns 0 when every stage completed, else 1. `pid_started`: this process's start (runs.process_started),
     by which `status` tells that the launch still runs."""
-    import os
-
     import yaml
 
     from launcher import records
@@ -389,14 +405,15 @@ def run(plan, record: dict[str, Any], console, *, pid_started: float | None, pol
             code = 1
             break
         body = yaml.safe_load(Path(plan.local_path(Path(entry["script"]))).read_text())
-        custom.create_namespaced_custom_object(kind.group, kind.version, k8s["namespace"], kind.plural, body)
+        _call(f"create {kind.plural}/{resource_name(job)}", custom.create_namespaced_custom_object, kind.group,
+              kind.version, k8s["namespace"], kind.plural, body)
         entry["job_id"] = resource_name(job)
         records.write(plan.run_dir, record)
         console.print(f"{entry['stage']}: created {kind.plural}/{entry['job_id']} in {k8s['namespace']}",
                       highlight=False)
         while (state := object_state(_read(custom, kind, k8s["namespace"], entry["job_id"]))).state in (
                 "PENDING", "RUNNING"):
-            time.sleep(poll_s)
+            time.sleep(float(k8s["poll_s"]))
         entry["exit_code"] = 0 if state.state == "COMPLETED" else 1
         records.write(plan.run_dir, record)
         console.print(f"{entry['stage']}: {state}", highlight=False)
