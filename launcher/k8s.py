@@ -48,7 +48,8 @@ class Kind:
 
 
 KINDS = {
-    "TrainJob": Kind("trainer.kubeflow.org/v1alpha1", "trainjob.yaml.j2", "trainjob.v1alpha1.json", "node", "trainjobs"),
+    "TrainJob": Kind("trainer.kubeflow.org/v1alpha1", "trainjob.yaml.j2", "trainjob.v1alpha1.json", "node",
+                     "trainjobs"),
     "PyTorchJob": Kind("kubeflow.org/v1", "pytorchjob.yaml.j2", "pytorchjob.v1.json", "pytorch", "pytorchjobs"),
     # No public CRD to vendor: its pod templates are validated against the core PodTemplateSpec that the PyTorchJob
     # CRD embeds, and its own fields by shape (schema_problems).
@@ -136,7 +137,8 @@ def problems(cfg: LaunchConfig) -> list[str]:
                           f"set cluster.k8s.{key}=null for the instance's")
     poll = k8s["poll_s"]
     if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 600:
-        errors.append(f"cluster.k8s.poll_s: {poll!r} must be a number of seconds in (0, 600], e.g. cluster.k8s.poll_s=5")
+        errors.append(f"cluster.k8s.poll_s: {poll!r} must be a number of seconds in (0, 600], "
+                      f"e.g. cluster.k8s.poll_s=5")
     ar = k8s["auto_resume"]
     if not isinstance(ar["enabled"], bool) or isinstance(ar["max_retry"], bool) \
             or not isinstance(ar["max_retry"], int) or ar["max_retry"] < 0:
@@ -200,10 +202,6 @@ def resources(job: Job, cfg: LaunchConfig) -> dict[str, int]:
     if efa:
         found["vpc.amazonaws.com/efa"] = efa
     return found
-
-
-def _yaml_scalar(value: Any) -> str:
-    return json.dumps(value)  # a JSON scalar is a YAML flow scalar: quoted wherever YAML would read it otherwise
 
 
 def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) -> str:

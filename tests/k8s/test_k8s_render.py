@@ -78,7 +78,8 @@ def test_a_neuron_stage_requests_the_instances_devices_and_efa():
     trn2 = yaml.safe_load(_manifest(*CASES[0][::2]))
     assert trn2["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"aws.amazon.com/neuron": 16,
                                                                      "vpc.amazonaws.com/efa": 16}
-    trn1 = yaml.safe_load(_manifest("training", ["training=llama3/8b", "cluster=eks_trn1", "training.trainer.devices=32",
+    trn1 = yaml.safe_load(_manifest("training", ["training=llama3/8b", "cluster=eks_trn1",
+                                                 "training.trainer.devices=32",
                                                  "cluster.neuron.efa=false"]))
     assert trn1["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"aws.amazon.com/neuron": 16}
     cpu = yaml.safe_load(_manifest(*CASES[5][::2]))
@@ -106,7 +107,8 @@ LAUNCH = ["stages=[data_preparation,training]", "training=llama3/8b", "cluster_t
       "cluster.k8s.job_kind=MPIJob", "cluster.k8s.volume.claim=null", "cluster.k8s.queue='a b'"],
      ["cluster.k8s.neuron_devices_per_node: 32 is more than a trn2 node has (16)",
       "cluster.k8s.efa_per_node: 17 is more than a trn2 node has (16)",
-      "container: cluster_type=k8s runs every stage in an image", "cluster.k8s.job_kind: 'MPIJob' is not one of TrainJob",
+      "container: cluster_type=k8s runs every stage in an image",
+      "cluster.k8s.job_kind: 'MPIJob' is not one of TrainJob",
       "cluster.k8s.volume: every pod reads and writes", "cluster.k8s.queue: 'a b' is not a label value"]),
     # What the pods must see on the shared volume.
     (["cluster=eks_trn1", "training.trainer.devices=32", "base_results_dir=/elsewhere/results",
