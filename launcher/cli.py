@@ -194,12 +194,22 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     if plan.dry_run:
         for entry in record["stages"]:
             entry["job_id"] = "dry-run"
+        if plan.executor == "k8s":  # what would be created, in stage order; nothing contacts the cluster
+            for here, _, _ in plan.files:
+                if here.name.endswith(".k8s.yaml"):
+                    console.out(f"---\n{here.read_text()}", highlight=False)
     elif plan.executor == "slurm":
         try:
             steps.submit_slurm(plan, scripts, record)
         except SlurmError as e:
             raise UserError(str(e)) from None
     _print_plan(console, plan, record)
+    if not plan.dry_run and plan.executor == "k8s":
+        import os
+
+        from launcher import k8s, runs
+
+        code = k8s.run(plan, record, console, pid_started=runs.process_started(os.getpid()))
     if not plan.dry_run and plan.executor == "local":
         code = steps.run_local(plan, scripts, record, console)
         from launcher import records

@@ -34,7 +34,7 @@ FINE_TUNING_STAGES = ("fine_tuning", "peft", "alignment")
 # remote.py, staging.py, validate.py).
 SBATCH_KEYS = ("partition", "account", "exclusive", "mem", "gres", "exclude", "nodelist", "qos", "reservation")
 OTHER_CLUSTER_KEYS = ("job_name_prefix", "srun_args", "setup", "env_vars", "workers_per_node", "venv",
-                      "neuron", "remote", "staging", "s3", "node_memory_gib", "hyperpod")
+                      "neuron", "remote", "staging", "s3", "node_memory_gib", "hyperpod", "k8s")
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,7 @@ class Cluster:
     s3: Any = None
     node_memory_gib: Any = None      # host memory of one node (validate.cluster checks it); null: the instance's
     hyperpod: Any = None             # SageMaker HyperPod's Slurm: the training step as `srun --auto-resume=1`
+    k8s: Any = None                  # cluster_type=k8s: the manifests' settings (launcher/k8s.py checks them)
 
     @property
     def partition(self) -> Any:

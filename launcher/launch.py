@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import cache, live, neuron, packages, records, remote, runs, slurm, stages, staging, validate
+from launcher import cache, k8s, live, neuron, packages, records, remote, runs, slurm, stages, staging, validate
 from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
@@ -35,7 +35,7 @@ from runtime.schema import rules
 @dataclass
 class Plan:
     cfg: dict[str, Any]          # as composed (what config_hash hashes); read through `config`
-    executor: str                # slurm | local
+    executor: str                # slurm | local | k8s
     executor_reason: str         # why: shown in the table's title
     jobs: list[Job]
     warnings: list[str]
@@ -71,6 +71,8 @@ def choose_executor(cluster_type: str, remote_host: str | None = None) -> tuple[
         return "slurm", f"cluster_type={cluster_type}"
     if cluster_type == "local":
         return "local", "cluster_type=local"
+    if cluster_type == "k8s":
+        return "k8s", "cluster_type=k8s: one Kubernetes object per stage"
     conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
     if shutil.which("sbatch") and Path(conf).exists():
         return "slurm", f"cluster_type=auto: sbatch and {conf} found"
@@ -92,7 +94,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
     errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None,
                                          local=executor == "local")
-    errors += neuron.problems(config) + remote.problems(config) + staging.problems(config)
+    errors += neuron.problems(config) + remote.problems(config) + staging.problems(config) + k8s.problems(config)
     if executor == "local" and config.container:
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")
@@ -105,6 +107,8 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         raise UserError(*errors)
     launch_id = new_launch_id()
     jobs = [job.in_launch(launch_id) for job in build(config, dry_run=dry_run)]
+    if executor == "k8s" and (errors := k8s.job_problems(config, jobs, produced_by)):
+        raise UserError(*errors)  # the shared volume's rules, and each manifest against the vendored schemas
     if executor == "slurm" and jobs and (errors := validate.excluded_every_node(
             config.cluster, max(job.nodes for job in jobs), ask_slurm=not dry_run and not remote_settings)):
         raise UserError(*errors)
@@ -183,8 +187,11 @@ def new_launch_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(2)
 
 
+SCRIPT_NAMES = {"slurm": "{}.sbatch", "local": "{}.local.sh", "k8s": "{}.k8s.yaml"}
+
+
 def script_path(job: Job, executor: str) -> Path:
-    return job.results_dir / (f"{job.stage}.sbatch" if executor == "slurm" else f"{job.stage}.local.sh")
+    return job.results_dir / SCRIPT_NAMES[executor].format(job.stage)
 
 
 def write(plan: Plan) -> list[Path]:
@@ -289,7 +296,10 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
 
     scripts = []
     for job in plan.jobs:
-        text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
+        if plan.executor == "k8s":  # the stage's Kubernetes object, its pods running the node script
+            text = k8s.manifest(job, plan.config, produced_by=plan.produced_by)
+        else:
+            text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))

@@ -4,6 +4,7 @@ comment, through `comment`, which keeps it on one line."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
@@ -20,7 +21,8 @@ from runtime.io import s3
 from runtime.schema.facts import PREEMPTED_EXIT_CODE
 from runtime.schema.s3 import parse_s3
 
-TEMPLATES = {"slurm": "sbatch.sh.j2", "local": "local.sh.j2"}
+# k8s: the script every pod runs; launcher/k8s.py puts it into the stage's manifest.
+TEMPLATES = {"slurm": "sbatch.sh.j2", "local": "local.sh.j2", "k8s": "k8s/node.sh.j2"}
 
 
 def _quote(value: Any) -> str:
@@ -49,6 +51,7 @@ def _environment():
     )
     env.filters["q"] = _quote
     env.filters["comment"] = _comment
+    env.filters["y"] = json.dumps  # YAML (templates/k8s/): a JSON scalar is a YAML flow scalar, quoted as needed
     return env
 
 
@@ -173,10 +176,12 @@ def python(cfg: LaunchConfig | dict[str, Any]) -> str:
 
 
 def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str) -> str:
-    """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build."""
+    """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build. For executor k8s,
+    the script every pod of the stage's manifest runs (launcher/k8s.py manifest)."""
     cfg = typed(cfg)
     template = _environment().get_template(TEMPLATES[executor])
-    inside = container(job, cfg)
+    # On Kubernetes the pod is the container (the manifest names the image): no Pyxis steps in the script.
+    inside = container(job, cfg) if executor != "k8s" else None
     return template.render(
         neuron=neuron.script(job, cfg),
         fabric=neuron.fabric(job, cfg),

@@ -96,6 +96,10 @@ def _local_exit_file_code(entry: dict[str, Any], record: dict[str, Any]) -> int 
 
 def stage_states(record: dict[str, Any]) -> list[tuple[dict[str, Any], slurm.JobState]]:
     rows = []
+    if record["executor"] == "k8s":
+        from launcher import k8s
+
+        return k8s.stage_states(record, launch_running(record))
     if record["executor"] == "slurm":
         for entry in record["stages"]:
             rows.append((entry, slurm.state(str(entry["job_id"]), _exit_files(entry))))
@@ -251,6 +255,10 @@ def cancel(record: dict[str, Any], run_dir: Path, *, timeout_s: float) -> str:
         ids = [str(e["job_id"]) for e in record["stages"] if e.get("job_id")]
         slurm.cancel(ids)
         return f"scancel {' '.join(ids)}"
+    if record["executor"] == "k8s":
+        from launcher import k8s
+
+        return k8s.cancel(record, run_dir)
     return _cancel_local(run_dir, record, timeout_s=timeout_s)
 
 

@@ -25,7 +25,7 @@ from runtime.schema.training import parse_sizing, parse_training, too_long_paths
 if TYPE_CHECKING:
     from launcher.estimator.host import HostMemory
 
-CLUSTER_TYPES = ("auto", "local", "slurm", "bcm")
+CLUSTER_TYPES = ("auto", "local", "slurm", "bcm", "k8s")
 
 # What may stand in an #SBATCH line: sbatch reads those lines itself, so nothing there may need quoting.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")

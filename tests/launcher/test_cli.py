@@ -19,7 +19,8 @@ def test_help_lists_commands_and_every_group_with_its_choices():
     training = next(line for line in result.stdout.splitlines() if line.strip().startswith("training:"))
     assert all(recipe in training for recipe in ("gpt3/tiny", "llama/tiny", "gpt3/175b", "llama3/8b", "llama3_1/70b"))
     assert "autoconfig" in result.stdout and "cluster-validate" in result.stdout
-    assert "cluster: local, pcluster_trn1, pcluster_trn1n, pcluster_trn2, slurm" in result.stdout
+    assert ("cluster: eks_trn1, eks_trn2, hyperpod_eks, local, pcluster_trn1, pcluster_trn1n, pcluster_trn2, slurm"
+            in result.stdout)
 
 
 def test_175b_dry_run_writes_a_valid_sbatch_that_matches_the_recipe(tmp_path):

@@ -1,0 +1,142 @@
+"""cluster_type=k8s, rendered for real: each stage's manifest against a golden file and against the vendored CRD
+schemas (launcher/schemas/k8s), the config's rules through the real CLI, and a dry run that prints the manifests
+without importing the Kubernetes client. Golden files change only on purpose: NXDT_UPDATE_GOLDEN=1 rewrites them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import lru_cache
+
+import pytest
+import yaml
+
+from launcher import k8s
+from launcher.launch import build
+
+from ..launcher.helpers import REPO, nxdt, refused, resolved
+
+GOLDEN = REPO / "tests" / "golden"
+ON_FSX = ["base_results_dir=/fsx/results", "data_dir=/fsx/data", "python=null", "container=123.dkr.ecr/nxdt:1"]
+CASES = [
+    # (stage, variant, overrides)
+    ("training", "trainjob.eks_trn2", ["training=llama3/8b", "cluster=eks_trn2", "cluster.k8s.queue=team-a"]),
+    ("data_preparation", "trainjob.eks_trn2", ["training=llama3/8b", "cluster=eks_trn2"]),
+    ("training", "pytorchjob.eks_trn1", ["training=llama3/8b", "cluster=eks_trn1", "training.trainer.num_nodes=4",
+                                         "training.trainer.devices=32", "cluster.k8s.job_kind=PyTorchJob",
+                                         "cluster.k8s.service_account=trainer"]),
+    ("training", "hyperpodpytorchjob.hyperpod_eks", ["training=llama3/8b", "cluster=hyperpod_eks",
+                                                     "training.trainer.num_nodes=2", "cluster.k8s.queue=team-a"]),
+    # HyperPod's auto-resume of a Kubeflow PyTorchJob: annotations and the node-health affinity.
+    ("training", "pytorchjob.hyperpod_eks", ["training=llama3/8b", "cluster=hyperpod_eks",
+                                             "training.trainer.num_nodes=2", "cluster.k8s.job_kind=PyTorchJob"]),
+    ("conversion", "trainjob.eks_trn2", ["training=llama3/8b", "cluster=eks_trn2"]),
+]
+
+
+def _manifest(stage: str, overrides: list[str]) -> str:
+    return _rendered(stage, tuple(overrides))
+
+
+@lru_cache(maxsize=None)  # each composition once per session (about a second each)
+def _rendered(stage: str, overrides: tuple[str, ...]) -> str:
+    cfg = resolved(*ON_FSX, *overrides, "cluster_type=k8s")
+    job = next(j for j in build({**cfg, "stages": [stage]}, dry_run=True) if j.stage == stage)
+    return k8s.manifest(job, cfg, produced_by=f"nxdt-launch {' '.join(overrides)}")
+
+
+@pytest.mark.parametrize("stage,variant,overrides", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_manifest_matches_golden_and_the_schema(stage, variant, overrides):
+    text = _manifest(stage, overrides)
+    golden = GOLDEN / f"k8s.{stage}.{variant}.yaml"
+    if os.environ.get("NXDT_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), f"no golden file {golden.name}: run with NXDT_UPDATE_GOLDEN=1 and review it"
+    assert text.splitlines() == golden.read_text().splitlines()
+    assert k8s.schema_problems(text, stage) == []
+
+
+@pytest.mark.parametrize("golden", sorted(GOLDEN.glob("k8s.*.yaml")), ids=lambda p: p.name)
+def test_golden_manifests_run_valid_bash_with_the_recipes_layout(golden):
+    obj = yaml.safe_load(golden.read_text())
+    if obj["kind"] == "TrainJob":
+        trainer = obj["spec"]["trainer"]
+        command, nodes, per_node = trainer["command"], trainer["numNodes"], trainer["numProcPerNode"]
+    else:
+        replicas = obj["spec"].get("pytorchReplicaSpecs") or {s["name"]: s for s in obj["spec"]["replicaSpecs"]}
+        command = next(iter(replicas.values()))["template"]["spec"]["containers"][0]["command"]
+        nodes, per_node = sum(r["replicas"] for r in replicas.values()), int(obj["spec"]["nprocPerNode"])
+    assert command[:2] == ["bash", "-c"]
+    result = subprocess.run(["bash", "-n", "-c", command[2]], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    if "runtime.torchrun" in command[2]:  # the pods' torchrun starts the layout the object asks Kubernetes for
+        assert f"--nnodes {nodes} " in command[2] and f"--nproc_per_node {per_node} " in command[2]
+
+
+def test_a_neuron_stage_requests_the_instances_devices_and_efa():
+    trn2 = yaml.safe_load(_manifest(*CASES[0][::2]))
+    assert trn2["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"aws.amazon.com/neuron": 16,
+                                                                     "vpc.amazonaws.com/efa": 16}
+    trn1 = yaml.safe_load(_manifest("training", ["training=llama3/8b", "cluster=eks_trn1",
+                                                 "training.trainer.devices=32",
+                                                 "cluster.neuron.efa=false"]))
+    assert trn1["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"aws.amazon.com/neuron": 16}
+    cpu = yaml.safe_load(_manifest(*CASES[5][::2]))
+    assert "resourcesPerNode" not in cpu["spec"]["trainer"]
+
+
+def test_a_broken_manifest_is_named_by_the_schema():
+    obj = yaml.safe_load(_manifest(*CASES[0][::2]))
+    obj["spec"]["trainer"]["numNodes"] = "two"
+    assert k8s.schema_problems(yaml.safe_dump(obj), "training") == [
+        "training (TrainJob).spec.trainer.numNodes: 'two' is not of type 'integer'"]
+    hp = yaml.safe_load(_manifest(*CASES[3][::2]))
+    del hp["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["name"]
+    assert k8s.schema_problems(yaml.safe_dump(hp), "training") == [
+        "training (HyperPodPyTorchJob).spec.replicaSpecs.0.template.spec.containers.0: 'name' is a required property"]
+
+
+LAUNCH = ["stages=[data_preparation,training]", "training=llama3/8b", "cluster_type=k8s", "container=nxdt:1",
+          "data_preparation.input.files=[/fsx/data/raw.jsonl]"]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # The cluster.k8s rules, all at once: one line each.
+    (["cluster=eks_trn2", "cluster.k8s.neuron_devices_per_node=32", "cluster.k8s.efa_per_node=17", "container=null",
+      "cluster.k8s.job_kind=MPIJob", "cluster.k8s.volume.claim=null", "cluster.k8s.queue='a b'"],
+     ["cluster.k8s.neuron_devices_per_node: 32 is more than a trn2 node has (16)",
+      "cluster.k8s.efa_per_node: 17 is more than a trn2 node has (16)",
+      "container: cluster_type=k8s runs every stage in an image",
+      "cluster.k8s.job_kind: 'MPIJob' is not one of TrainJob",
+      "cluster.k8s.volume: every pod reads and writes", "cluster.k8s.queue: 'a b' is not a label value"]),
+    # What the pods must see on the shared volume.
+    (["cluster=eks_trn1", "training.trainer.devices=32", "base_results_dir=/elsewhere/results",
+      "cluster.neuron.compile.cache=/scratch/cache"],
+     ["base_results_dir: /elsewhere/results is not on the shared volume (cluster.k8s.volume.mount_path=/fsx)",
+      "cluster.neuron.compile.cache: /scratch/cache is not on the shared volume"]),
+], ids=["cluster.k8s", "shared volume"])
+def test_config_rules_refuse_in_one_line_and_write_nothing(tmp_path, overrides, expected):
+    fsx = tmp_path / "fsx"
+    moved = [o.replace("/fsx", str(fsx)) for o in ["base_results_dir=/fsx/results", "data_dir=/fsx/data", *LAUNCH,
+                                                   "cluster.k8s.volume.mount_path=/fsx",
+                                                   "cluster.neuron.compile.cache=/fsx/cache", *overrides]]
+    result = nxdt(*moved, "--dry-run", cwd=tmp_path)
+    lines = [line.replace(str(fsx), "/fsx") for line in refused(result, "")]
+    assert len(lines) == len(expected) and all(any(e in line for line in lines) for e in expected), lines
+    assert not list(tmp_path.iterdir()), "a refused launch wrote files"
+
+
+def test_dry_run_prints_valid_manifests_in_stage_order_without_the_client(tmp_path, monkeypatch):
+    fsx = tmp_path / "fsx"
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # any import of the client in the forked CLI fails
+    result = nxdt(*LAUNCH, "cluster=eks_trn2", f"base_results_dir={fsx}/results", f"data_dir={fsx}/data",
+                  f"cluster.k8s.volume.mount_path={fsx}", f"cluster.neuron.compile.cache={fsx}/cache",
+                  f"data_preparation.input.files=[{fsx}/data/raw.jsonl]", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    printed = result.stdout[result.stdout.index("---\n"):result.stdout.index("\nrun llama3")]
+    documents = [d for d in yaml.safe_load_all(printed) if d]
+    assert [(d["kind"], d["metadata"]["labels"]["nxdt.stage"]) for d in documents] == [
+        ("TrainJob", "data_preparation"), ("TrainJob", "training")]
+    for document in documents:
+        assert k8s.schema_problems(yaml.safe_dump(document), document["metadata"]["labels"]["nxdt.stage"]) == []

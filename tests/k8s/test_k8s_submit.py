@@ -1,0 +1,116 @@
+"""Submit, status, logs and cancel of a two-stage k8s run, against kmock's KubernetesEmulator:
+a FAKE Kubernetes API server (no kube-apiserver, kind or k3s can be installed here). It stores the objects the
+official client creates and serves them back, but runs nothing: this test plays the training operator, setting each
+object's status.conditions and writing the per-pod log the node script would write on the shared volume.
+What is real: the kubernetes client's requests, the order the launcher creates the stages in, the record, and the
+functions the status, logs and cancel commands call. The launch runs in a thread of this process (the emulator serves
+from this test's event loop; a forked CLI would inherit that loop's threads mid-flight)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import time
+
+import pytest
+
+from rich.console import Console
+
+from launcher import k8s, launch, records, runs
+
+pytestmark = pytest.mark.asyncio
+TRAINJOBS = "trainer.kubeflow.org/v1alpha1/trainjobs"
+
+
+def _kubeconfig(tmp_path, url) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: kmock, cluster: {{server: "{url}"}}}}]
+users: [{{name: me, user: {{token: t}}}}]
+contexts: [{{name: kmock, context: {{cluster: kmock, user: me}}}}]
+current-context: kmock
+""")
+    return str(path)
+
+
+def _launch(tmp_path):
+    """The headline recipe on eks_trn2, its inputs on the shared volume (here a directory of the test's)."""
+    fsx = tmp_path / "fsx"
+    (fsx / "data" / "llama3" / "raw").mkdir(parents=True)
+    (fsx / "data" / "llama3" / "raw" / "a.jsonl").write_text('{"text": "x"}\n')
+    (fsx / "data" / "llama3" / "tokenizer.json").write_text("{}\n")
+    return ["stages=[data_preparation,training]", "training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s",
+            "container=nxdt:1", f"base_results_dir={fsx}/results", f"data_dir={fsx}/data",
+            f"cluster.k8s.volume.mount_path={fsx}", f"cluster.neuron.compile.cache={fsx}/cache",
+            "cluster.k8s.poll_s=0.05", "run_name=k8srun"]
+
+
+async def _created(kmock, stage: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for key in list(kmock.objects):
+            if str(key[0].plural) == "trainjobs" and key[2].startswith(f"k8srun-{stage.replace('_', '-')}-"):
+                return key
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no TrainJob for {stage} was created")
+
+
+def _finish(kmock, key, condition: str) -> None:
+    obj = dict(kmock.objects[key].raw)
+    kmock.objects[key] = {**obj, "status": {"conditions": [{"type": condition, "status": "True",
+                                                            "reason": f"Job{condition}"}]}}
+
+
+def _launch_now(overrides: list[str]) -> tuple[int, str]:
+    """What `nxdt-launch OVERRIDES` does for cluster_type=k8s (launcher/cli.py launch): plan, write, run."""
+    plan = launch.make_plan(overrides, dry_run=False, produced_by="nxdt-launch (test)")
+    record = launch.new_record(plan, launch.write(plan))
+    console = Console(file=io.StringIO(), width=200)
+    code = k8s.run(plan, record, console, pid_started=runs.process_started(os.getpid()))
+    plan.launch_lock.close()
+    return code, console.file.getvalue()
+
+
+def _status(run_dir) -> list[tuple[str, str]]:
+    return [(e["stage"], str(state)) for e, state in runs.stage_states(records.load(run_dir))]
+
+
+async def test_two_stages_run_in_order_and_status_logs_cancel_read_them(kmock, tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, kmock.url))
+    started = asyncio.create_task(asyncio.to_thread(_launch_now, _launch(tmp_path)))
+    first = await _created(kmock, "data_preparation")
+    await asyncio.sleep(0.3)  # several polls: the training is not created while data preparation runs
+    assert [k[2] for k in kmock.objects if str(k[0].plural) == "trainjobs"] == [first[2]]
+    run_dir = tmp_path / "fsx" / "results" / "k8srun"
+    assert await asyncio.to_thread(_status, run_dir) == [("data_preparation", "PENDING"),
+                                                         ("training", "PENDING (waits for the stage before it)")]
+    # The pod's log, where the node script tees it.
+    log = run_dir / "data_preparation" / "logs" / f"data_preparation_{first[2]}_node0.log"
+    log.write_text("prepared 1 file\n")
+    _finish(kmock, first, "Complete")
+    second = await _created(kmock, "training")
+    assert (await asyncio.to_thread(_status, run_dir))[0] == ("data_preparation", "COMPLETED (JobComplete)")
+    record = records.load(run_dir)
+    assert [p.read_text() for p in runs.log_files(record, "data_preparation")] == ["prepared 1 file\n"]
+    said = await asyncio.to_thread(runs.cancel, record, run_dir, timeout_s=5)
+    assert said == f"deleted trainjobs default/{second[2]}"
+    code, printed = await asyncio.wait_for(started, 60)
+    assert code == 1 and "training: CANCELLED" in printed, printed
+    record = records.load(run_dir)
+    assert [(e["stage"], e["job_id"], e["exit_code"]) for e in record["stages"]] == [
+        ("data_preparation", first[2], 0), ("training", second[2], 1)]
+
+
+async def test_a_failed_stage_leaves_the_next_uncreated(kmock, tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, kmock.url))
+    started = asyncio.create_task(asyncio.to_thread(_launch_now, _launch(tmp_path)))
+    first = await _created(kmock, "data_preparation")
+    _finish(kmock, first, "Failed")
+    code, printed = await asyncio.wait_for(started, 60)
+    assert code == 1 and "data_preparation: FAILED (JobFailed)" in printed, printed
+    assert [k[2] for k in kmock.objects if str(k[0].plural) == "trainjobs"] == [first[2]]
+    assert await asyncio.to_thread(_status, tmp_path / "fsx" / "results" / "k8srun") == [
+        ("data_preparation", "FAILED (JobFailed)"),
+        ("training", "NOT RUN (an earlier stage failed or the run was cancelled)")]
