@@ -72,7 +72,8 @@ MAPPED: dict[str, str] = {
         "num_experts", "top_k", "frequency", "capacity_factor", "dropless", "router_aux_loss_coef",
         "normalize_top_k_affinities", "router_activation")},
     "model.num_local_experts": "training.model.moe.num_experts",  # config.json's name for it
-    **{f"model.optim.{k}": f"training.model.optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")},
+    **{f"model.optim.{k}": f"training.model.optim.{k}" for k in (
+        "name", "lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")},
     **{f"model.optim.sched.{k}": f"training.model.optim.sched.{k}" for k in (
         "name", "warmup_steps", "constant_steps", "min_lr", "max_steps")},
     "precision.type": "training.precision.type",

@@ -1,0 +1,83 @@
+"""Each model.optim.name on one process equals its library's own optimizer (3 steps, weight decay, a decaying
+learning rate), and under ZeRO-1 dp2 too; checkpoints resume bitwise, and reshard across dp for the elementwise
+ones; bad choices are refused in one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint
+from runtime.parallel import ParallelDims, Topology
+from runtime.parallel.optimizers import KINDS
+from runtime.schema import choices, facts
+from tests.optim import harness as O
+from tests.runtime_parallel.dist_utils import run_distributed
+
+SOLO = ParallelDims(1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("case", list(O.CASES))
+def test_one_process_equals_the_library(case):
+    topo = Topology.build(SOLO)
+    model, optimizer, reference = O.build(case, topo)
+    for step in range(3):
+        O.step_ours(model, optimizer, step)
+    theirs = O.library_run(case, reference)
+    assert O.max_difference(O.weights(model), theirs) == 0.0, case
+
+
+@pytest.mark.parametrize("case", ["adamw_schedulefree", "sgd_schedulefree"])
+def test_schedule_free_evaluates_the_library_s_eval_point(case):
+    topo = Topology.build(SOLO)
+    model, optimizer, reference = O.build(case, topo)
+    for step in range(2):
+        O.step_ours(model, optimizer, step)
+    before = O.weights(model)
+    optimizer.eval()
+    library = O.library_run(case, reference, steps=2, switch_after=None)
+    evaluated = O.weights(model)
+    assert O.max_difference(evaluated, before) > 0, "eval() moves the weights to the averaged point"
+    optimizer.train()
+    O.step_ours(model, optimizer, 2)  # and steps on as the library does after eval() and train()
+    model2, optimizer2, reference2 = O.build(case, topo)
+    assert O.max_difference(O.weights(model), O.library_run(case, reference2, switch_after=1)) == 0.0
+    assert library.keys() == evaluated.keys()
+
+
+@pytest.mark.parametrize("case", list(O.CASES))
+def test_checkpoint_resumes_bitwise(case, tmp_path):
+    topo = Topology.build(SOLO)
+    model, optimizer, _ = O.build(case, topo)
+    for step in range(2):
+        O.step_ours(model, optimizer, step)
+    Checkpointer(str(tmp_path), rank=0, world_size=1, token="0", async_save=False).save(
+        2, model, optimizer, topo, extra={"step": 2}, config={})
+    O.step_ours(model, optimizer, 2)
+    resumed, resumed_opt, _ = O.build(case, topo, seed=99)
+    storage, checkpoint = resolve_checkpoint(str(tmp_path))
+    load_checkpoint(storage, checkpoint, resumed, resumed_opt, topo, rank=0)
+    assert resumed_opt.step_count == 2
+    O.step_ours(resumed, resumed_opt, 2)
+    assert O.max_difference(O.weights(resumed), O.weights(model)) == 0.0, case
+
+
+def test_dp2_zero1_equals_one_process_and_checkpoints_reshard(tmp_path):
+    """One 2-rank run for all: every optimizer under ZeRO-1 dp2 against its library on one process; then each
+    elementwise one's dp2 ZeRO-1 checkpoint resumed here on one process continues as the uninterrupted run."""
+    ranks = run_distributed(O.dp2_all_optimizers, 2, (str(tmp_path),))
+    for case in O.CASES:
+        assert max(rank[case] for rank in ranks) <= 1e-7, (case, ranks)
+    topo = Topology.build(SOLO)
+    for case in O.ELEMENTWISE:
+        model, optimizer, _ = O.build(case, topo, seed=99)
+        storage, checkpoint = resolve_checkpoint(str(tmp_path / case))
+        load_checkpoint(storage, checkpoint, model, optimizer, topo, rank=0)
+        O.step_ours(model, optimizer, 2)
+        _, _, reference = O.build(case, topo)
+        assert O.max_difference(O.weights(model), O.library_run(case, reference, switch_after=1)) <= 1e-7, case
+
+
+def test_every_name_has_a_library_and_its_state_bytes():
+    assert set(choices.OPTIMIZERS) == set(KINDS) == set(facts.OPTIMIZER_STATE_BYTES)
+    for kind in KINDS.values():
+        assert kind.state_bytes == (4 * len(kind.state_keys) if kind.elementwise else 0), kind.name
