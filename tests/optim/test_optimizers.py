@@ -81,3 +81,26 @@ def test_every_name_has_a_library_and_its_state_bytes():
     assert set(choices.OPTIMIZERS) == set(KINDS) == set(facts.OPTIMIZER_STATE_BYTES)
     for kind in KINDS.values():
         assert kind.state_bytes == (4 * len(kind.state_keys) if kind.elementwise else 0), kind.name
+
+
+def _mapped_optim(fixture, tmp_path, optim: dict) -> dict:
+    import yaml
+
+    from launcher import nxdt_config
+    data = yaml.safe_load(fixture.read_text())
+    data["model"]["optim"] = {**{k: v for k, v in data["model"]["optim"].items() if k == "sched"}, **optim}
+    path = tmp_path / fixture.name
+    path.write_text(yaml.safe_dump(data))
+    mapping = nxdt_config.map_file(str(path))
+    assert not mapping.errors, mapping.errors
+    return mapping.training["model"]["optim"]
+
+
+def test_nemo_and_nxd_files_name_their_optimizer(tmp_path):
+    from tests.launcher.helpers import REPO
+    nemo = REPO / "tests/fixtures/nemo/training_mixtral_mixtral_8x7b.yaml"
+    nxd = REPO / "tests/fixtures/nxdt/hf_llama3_8B_config.yaml"
+    sgd = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0}
+    assert {k: v for k, v in _mapped_optim(nemo, tmp_path, sgd).items() if k != "sched"} == sgd
+    assert {k: v for k, v in _mapped_optim(nxd, tmp_path, sgd).items() if k != "sched"} == sgd
+    assert _mapped_optim(nxd, tmp_path, {"name": "adamw_fp32OptState", "lr": 1e-4})["name"] == "adamw_fp32OptState"
