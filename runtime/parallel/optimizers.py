@@ -5,15 +5,20 @@
 # lays this rank's state out (flat per bucket, so that ZeRO-1 shards it and checkpoints reshard it elementwise)
 # and calls its library.
 #
-# What an optimizer owns, once, here: its canonical name, the state tensors it keeps per element (the checkpoint's
-# keys), and the fp32 bytes of state per parameter (the estimator's figure, launcher/estimator/memory.py).
+# What an optimizer owns, once, here: its library and the state tensors it keeps per element (the checkpoint's
+# keys). Its names are runtime/schema/choices.py's OPTIMIZERS; its fp32 bytes of state per parameter are
+# runtime/schema/facts.py's OPTIMIZER_STATE_BYTES (torch-free: the estimator reads them too).
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.optim._adafactor import adafactor
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
+from runtime.schema.choices import OPTIMIZERS
 from runtime.schema.facts import OPTIMIZER_STATE_BYTES
 
 
@@ -49,11 +54,11 @@ def _get(cfg: Any, key: str, default: Any) -> Any:
 
 
 class Rule:
-    """One optimizer's step on one bucket's shard: weights, grads (flat fp32 views, one per segment) and this
-    rule's state for them. grads may be changed in place (they are this step's, already reduced)."""
+    """One optimizer's step on one bucket's shard: weights and grads (flat fp32 views, one per segment: the
+    grads are data parallelism's reduced main gradients, which a rule leaves as they are) and its state for them.
+    grad_scale, when not None, divides the gradients first (clipping: runtime/parallel/optimizer.py)."""
 
     def __init__(self, cfg: Any, fused: bool):
-        from runtime.schema.choices import OPTIMIZERS
         self.kind = KINDS[OPTIMIZERS.canonical(_get(cfg, "name", "adamw"))]
         self.lr = float(_get(cfg, "lr", 1e-3))
         self.weight_decay = float(_get(cfg, "weight_decay", 0.0))
@@ -81,13 +86,9 @@ class Rule:
         """The gradients divided by the clipping factor, for implementations without a grad_scale argument."""
         return grads if grad_scale is None else torch._foreach_div(grads, grad_scale)
 
-    def steps(self, step: int, device) -> list[torch.Tensor]:
-        return []
-
 
 class AdamRule(Rule):
     def step(self, step, weights, grads, states, group, lr, weight_decay, grad_scale):
-        from torch.optim.adam import adam
         n = len(weights)
         device = weights[0].device
         # One step tensor per parameter, as torch.optim keeps them: the library increments each before use.
@@ -101,7 +102,6 @@ class AdamRule(Rule):
 
 class SGDRule(Rule):
     def step(self, step, weights, grads, states, group, lr, weight_decay, grad_scale):
-        from torch.optim.sgd import sgd
         keep = bool(self.momentum)
         # torch's SGD starts its momentum buffer from the first gradient (not from zeros): it is handed no
         # buffer until one exists, then this rank's flat state receives what it made.
@@ -121,7 +121,6 @@ class AdafactorRule(Rule):
     (or variance for vectors) shaped after the parameter."""
 
     def step(self, step, weights, grads, states, group, lr, weight_decay, grad_scale):
-        from torch.optim._adafactor import adafactor
         grads = self.scaled(grads, grad_scale)
         shapes = [s["shape"] for s in states]
         steps = [torch.tensor(float(step - 1)) for _ in weights]
@@ -151,7 +150,7 @@ class ScheduleFreeRule(Rule):
         return {"k": 0, "lr_max": -1.0, "weight_sum": 0.0, "train_mode": True}
 
     def _library(self, params, lr, weight_decay, group):
-        import schedulefree
+        import schedulefree  # the runtime extra's; imported only by the runs that choose it
         if self.kind.name == "adamw_schedulefree":
             opt = schedulefree.AdamWScheduleFree(params, lr=lr, betas=self.betas, eps=self.eps,
                                                  weight_decay=weight_decay, foreach=False)
@@ -191,7 +190,6 @@ RULES: dict[str, Callable[..., Rule]] = {"adamw": AdamRule, "adam": AdamRule, "s
 
 def rule_for(cfg: Any, fused: bool) -> Rule:
     """The rule for model.optim `cfg` (its name, or an alias of it, as runtime/schema/choices.py lists them)."""
-    from runtime.schema.choices import OPTIMIZERS
     name = _get(cfg, "name", "adamw")
     if problem := OPTIMIZERS.problem("model.optim.name", name):
         raise ValueError(problem)
