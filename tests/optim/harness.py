@@ -75,9 +75,11 @@ def step_ours(model, optimizer, step: int) -> None:
     optimizer.step(LRS[step])
 
 
-def library_run(case: str, reference, steps: int = 3, switch_after: int | None = None) -> dict[str, torch.Tensor]:
+def library_run(case: str, reference, steps: int = 3, switch_after: int | None = None,
+                evaluate: bool = False) -> dict[str, torch.Tensor]:
     """The library's own optimizer on the plain model: Megatron's groups (no decay for 1-D parameters).
-    switch_after: schedule-free's eval() then train() after that step (as a checkpoint or a validation does)."""
+    switch_after: schedule-free's eval() then train() after that step (as a checkpoint or a validation does);
+    evaluate: its eval() at the end."""
     params = dict(reference.named_parameters())
     decay = [p for p in params.values() if p.dim() > 1]
     no_decay = [p for p in params.values() if p.dim() <= 1]
@@ -95,6 +97,8 @@ def library_run(case: str, reference, steps: int = 3, switch_after: int | None =
         if step == switch_after and hasattr(library, "eval"):
             library.eval()
             library.train()
+    if evaluate:
+        library.eval()
     return {name: p.detach().clone() for name, p in params.items()}
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.checkpoint import Checkpointer, load_checkpoint, resolve_checkpoint
+from runtime.checkpoint import (Checkpointer, full_tensors, load_checkpoint, read_rank_files,
+                                resolve_checkpoint)
 from runtime.parallel import ParallelDims, Topology
 from runtime.parallel.optimizers import KINDS
 from runtime.schema import choices, facts
@@ -53,8 +54,13 @@ def test_checkpoint_resumes_bitwise(case, tmp_path):
     Checkpointer(str(tmp_path), rank=0, world_size=1, token="0", async_save=False).save(
         2, model, optimizer, topo, extra={"step": 2}, config={})
     O.step_ours(model, optimizer, 2)
-    resumed, resumed_opt, _ = O.build(case, topo, seed=99)
     storage, checkpoint = resolve_checkpoint(str(tmp_path))
+    if case.endswith("schedulefree"):  # what a checkpoint holds is the library's eval() point
+        saved = full_tensors(read_rank_files(storage, checkpoint.name))
+        _, _, reference = O.build(case, topo)
+        evaluated = O.library_run(case, reference, steps=2, evaluate=True)
+        assert all(torch.equal(saved.get(name, "value"), evaluated[name]) for name in evaluated)
+    resumed, resumed_opt, _ = O.build(case, topo, seed=99)
     load_checkpoint(storage, checkpoint, resumed, resumed_opt, topo, rank=0)
     assert resumed_opt.step_count == 2
     O.step_ours(resumed, resumed_opt, 2)
@@ -104,3 +110,37 @@ def test_nemo_and_nxd_files_name_their_optimizer(tmp_path):
     assert {k: v for k, v in _mapped_optim(nemo, tmp_path, sgd).items() if k != "sched"} == sgd
     assert {k: v for k, v in _mapped_optim(nxd, tmp_path, sgd).items() if k != "sched"} == sgd
     assert _mapped_optim(nxd, tmp_path, {"name": "adamw_fp32OptState", "lr": 1e-4})["name"] == "adamw_fp32OptState"
+
+
+@pytest.mark.slow
+def test_schedule_free_training_validates_saves_and_resumes_bitwise(tmp_path):
+    """The real trainer (2 ranks, ZeRO-1) with adamw_schedulefree: validation and checkpoints move it to its
+    evaluation point and back; a run resumed from the step-3 checkpoint ends bitwise equal to the straight run."""
+    import shutil
+
+    from tests.checkpoint.launch_helpers import (counting_corpus, final_weights, losses, train_rendered,
+                                                training_overrides)
+    from tests.launcher.helpers import nxdt
+
+    data = counting_corpus(tmp_path / "data")
+    optim = ("training.model.optim.name=adamw_schedulefree", "training.model.optim.sched.name=Constant",
+             "training.model.zero1=true", "training.trainer.val_check_interval=2",
+             "training.trainer.limit_val_batches=1")
+
+    def render(results):
+        overrides = training_overrides(data, tmp_path / results, steps=6, every=3, hidden=64, extra=optim)
+        result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=tmp_path, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return tmp_path / results / "gpt3_tiny" / "training"
+
+    straight, resumed = render("straight"), render("resumed")
+    assert train_rendered(straight / "training_config.yaml") == [0, 0]
+    (saved,) = (straight / "checkpoints").glob("step_00000003.*")  # the step-3 checkpoint, as if the run ended there
+    shutil.copytree(saved, resumed / "checkpoints" / saved.name)
+    assert train_rendered(resumed / "training_config.yaml") == [0, 0]
+    assert min(losses(resumed)) == 4, "the second run resumed from step 3"
+    assert {k: v for k, v in losses(resumed).items() if k > 3} == {k: v for k, v in losses(straight).items() if k > 3}
+    (step, weights), (_, expected) = final_weights(str(resumed / "checkpoints")), final_weights(
+        str(straight / "checkpoints"))
+    assert step == 6 and weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in weights)
