@@ -144,3 +144,21 @@ def test_schedule_free_training_validates_saves_and_resumes_bitwise(tmp_path):
         str(straight / "checkpoints"))
     assert step == 6 and weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in weights)
+
+
+def test_refusals_are_one_line(tmp_path):
+    topo = Topology.build(SOLO)
+    with pytest.raises(ValueError, match="^model.optim.name: adafactor factors whole 2-D parameters, so it cannot "
+                                         "run with model.zero1; .*$") as caught:
+        O.build("adafactor", topo, zero1=True)
+    assert "\n" not in str(caught.value)
+    model, optimizer, _ = O.build("adamw", topo)
+    O.step_ours(model, optimizer, 0)
+    Checkpointer(str(tmp_path), rank=0, world_size=1, token="0", async_save=False).save(
+        1, model, optimizer, topo, extra={"step": 1}, config={})
+    other, other_opt, _ = O.build("sgd", topo)
+    storage, checkpoint = resolve_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="^model.optim.name: the checkpoint was saved with 'adamw', this run uses "
+                                         "'sgd'; .*$") as caught:
+        load_checkpoint(storage, checkpoint, other, other_opt, topo, rank=0)
+    assert "\n" not in str(caught.value)
