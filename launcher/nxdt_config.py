@@ -72,7 +72,8 @@ MAPPED: dict[str, str] = {
         "num_experts", "top_k", "frequency", "capacity_factor", "dropless", "router_aux_loss_coef",
         "normalize_top_k_affinities", "router_activation")},
     "model.num_local_experts": "training.model.moe.num_experts",  # config.json's name for it
-    **{f"model.optim.{k}": f"training.model.optim.{k}" for k in ("name", "lr", "weight_decay", "betas", "eps")},
+    **{f"model.optim.{k}": f"training.model.optim.{k}" for k in (
+        "name", "lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")},
     **{f"model.optim.sched.{k}": f"training.model.optim.sched.{k}" for k in (
         "name", "warmup_steps", "constant_steps", "min_lr", "max_steps")},
     "precision.type": "training.precision.type",
@@ -731,14 +732,16 @@ def _flatten(data: Any, stops: dict | set = frozenset(), prefix: str = "") -> di
 
 def _our_keys() -> set[str]:
     """Every training key our reference recipes set, plus the schema's optional ones (Megatron's names, as NeMo's:
-    kv_channels is the head size, null for hidden_size / num_attention_heads; ffn_dropout the MLP's dropout)."""
+    kv_channels is the head size, null for hidden_size / num_attention_heads; ffn_dropout the MLP's dropout; SGD's
+    momentum, dampening and nesterov, torch.optim.SGD's names as NeMo's optim section passes them on)."""
     from omegaconf import OmegaConf
 
     from launcher.paths import conf_dir
 
     keys = {"model.num_query_groups", "model.rotary_base", "model.model_config", "model.kv_channels",
             "model.add_qkv_bias", "model.qk_layernorm", "model.pipeline_cuts", "model.data.reset_position_ids",
-            "model.data.reset_attention_mask", "model.ffn_dropout"}
+            "model.data.reset_attention_mask", "model.ffn_dropout", "model.optim.momentum", "model.optim.dampening",
+            "model.optim.nesterov"}
     for recipe in ("training/gpt3/tiny", "training/llama/tiny", "fine_tuning/llama/tiny", "peft/llama/tiny"):
         data = OmegaConf.to_container(OmegaConf.load(conf_dir() / f"{recipe}.yaml"), resolve=False)
         keys |= set(_flatten({k: v for k, v in data.items() if k != "defaults"}))

@@ -215,6 +215,7 @@ def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, top
              objective=None) -> tuple[float, dict]:
     """The objective (mean per-token loss) over the first `num_batches` validation global batches (the same ones
     every time, so successive values are comparable), over every data-parallel rank; and its other metrics."""
+    optimizer.eval()  # schedule-free: its averaged weights are the ones to evaluate; the next step switches back
     micro_batches = []
     for index in range(num_batches):
         micro_batches += _to_device(valid.batch_at(index * valid.global_batch_size), device)

@@ -43,7 +43,7 @@ import dataclasses
 from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, rank_layers,
                                        stage_expert_parameters, stage_moe_layers, stage_parameters, stage_rank)
 from runtime.schema.sizes import arithmetic_of
-from runtime.schema.facts import DTYPE_BYTES, PRECISION_POLICIES, PrecisionPolicy
+from runtime.schema.facts import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, PRECISION_POLICIES, PrecisionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,9 @@ def _precision_bytes(policy: PrecisionPolicy) -> PrecisionBytes:
 
 PRECISION_BYTES = {name: _precision_bytes(policy) for name, policy in PRECISION_POLICIES.items()}
 GRAD_BYTES = DTYPE_BYTES["fp32"]         # fp32 gradient buffer (the main gradients)
-MOMENT_BYTES = 2 * DTYPE_BYTES["fp32"]   # Adam exp_avg + exp_avg_sq, fp32
+# Optimizer state per parameter: the default optimizer's (AdamW: exp_avg + exp_avg_sq, fp32); each optimizer's own
+# figure is runtime/schema/facts.py OPTIMIZER_STATE_BYTES, which the runtime's optimizers keep.
+MOMENT_BYTES = OPTIMIZER_STATE_BYTES["adamw"]
 
 
 @dataclasses.dataclass(frozen=True)

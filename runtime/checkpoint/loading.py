@@ -179,6 +179,7 @@ def load_checkpoint(storage: Storage, checkpoint: Committed, model, optimizer, t
     scalars = header["optim_scalars"]
     if with_optimizer:
         optimizer.step_count = int(scalars["step"])
+        optimizer.load_scalars(scalars.get("optimizer"))
         dp.load_sr_generator_state(scalars["sr_generator"])
     return {"extra": header["extra"], "same_world": same_world}
 

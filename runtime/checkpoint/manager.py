@@ -194,12 +194,16 @@ class Checkpointer:
         name = f"step_{step:08d}.{self.token}"
         dp = data_parallel_of(model)
         origins: dict = {}
+        # Schedule-free optimizers save their evaluation point (the averaged weights, what an export wants) with z:
+        # the next step switches back exactly as a resumed run's first step does, so both continue bitwise.
+        optimizer.eval()
         model_pieces, optim_pieces = rank_pieces(dp, optimizer, topo, origins)
         header = {
             "format": FORMAT, "rank": self.rank, "world_size": self.world_size, "step": step,
             "layout": {"tp": topo.tp.size, "pp": topo.pp.size, "dp": topo.dp.size, "ep": topo.ep.size,
                        "tp_rank": topo.tp.rank, "pp_rank": topo.pp.rank, "dp_rank": topo.dp.rank, "zero1": dp.zero1},
-            "optim_scalars": {"step": optimizer.step_count, "sr_generator": dp.sr_generator_state()},
+            "optim_scalars": {"step": optimizer.step_count, "sr_generator": dp.sr_generator_state(),
+                              "optimizer": host_copy(optimizer.scalars())},
             "extra": host_copy(extra),
         }
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size, "layout": {

@@ -29,6 +29,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from runtime.parallel.optimizers import STATE_KEYS
+
 try:
     # The same CRC-32 as zlib's, computed with ISA-L's carry-less-multiply kernels: 16 GB/s against zlib's 2 on
     # this machine, which is what checking every block of a load costs (python-isal, the runtime extra's).
@@ -41,7 +43,7 @@ FOOTER = struct.Struct("<8sQQI4x")
 BLOCK = 1 << 20          # bytes per checksum: the most a ranged read reads beyond what it needs, at each end
 TASK = 32 << 20          # bytes per read task on the pool (a multiple of BLOCK)
 ALIGN = 64
-TENSOR_KEYS = ("value", "exp_avg", "exp_avg_sq", "master")
+TENSOR_KEYS = ("value", "master", *STATE_KEYS)  # weights, master copies, each optimizer's per-element state
 EARLY_FLUSH = 64 << 20   # with flush_early: start writeback of what is written every this many bytes
 
 

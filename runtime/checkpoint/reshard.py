@@ -26,6 +26,7 @@ import torch
 from runtime.checkpoint.rankfile import BLOCK, TASK, Read, RankFile, dtype_of, run_reads
 from runtime.checkpoint.selection import (as_index, contiguous_blocks, restrict, row_major_strides, run_slice,
                                            scatter, select)
+from runtime.parallel.optimizers import STATE_KEYS
 
 TIED = ("embed.word.weight", "output.weight")  # one tensor in a tied model, whichever name a rank holds
 # A shard's intersection with a target is read block by block, straight into the target, when it is at most
@@ -130,7 +131,7 @@ class RangedSource:
     def __init__(self, files: list[RankFile], *, verify: bool, workers: int):
         self._shards: dict[tuple[str, str], dict[tuple, _Shard]] = {}
         for file in files:
-            for section, keys in (("model", ("value",)), ("optim", ("exp_avg", "exp_avg_sq", "master"))):
+            for section, keys in (("model", ("value",)), ("optim", (*STATE_KEYS, "master"))):
                 for name, entries in file.header.get(section, {}).items():
                     for piece in entries:
                         geometry = (piece["dim"], _key(piece["index"]), tuple(piece["shard_shape"]),

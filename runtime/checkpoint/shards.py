@@ -6,7 +6,8 @@
 #   shard_shape    that TP shard's shape
 #   start          where the piece begins in the shard, flattened (ZeRO-1 cuts a shard at any element)
 #   experts        for an expert-parallel shard, the experts (rows along dim 0 of the full tensor) it holds
-# and its values: `value` for weights (always whole shards), `exp_avg`/`exp_avg_sq`/`master` for optimizer state.
+# and its values: `value` for weights (always whole shards), `master` and the optimizer's state keys
+# (exp_avg/exp_avg_sq, momentum_buffer, z: runtime/parallel/optimizers.py) for optimizer state.
 # Pieces are written once per distinct value: weights by the first DP replica (the first expert-data-parallel
 # replica for experts), TP-replicated tensors by TP rank 0, optimizer state by every DP rank under ZeRO-1 (each
 # holds different elements) and by the first otherwise.
@@ -26,6 +27,7 @@ from torch import nn
 from runtime.checkpoint.reshard import TIED, Target
 from runtime.device import fetch_to_host
 from runtime.parallel.data_parallel import DataParallel
+from runtime.parallel.optimizers import STATE_KEYS
 from runtime.parallel.plan import ShardingPlan
 
 __all__ = ["TIED", "FullTensors", "HostStaging", "host_copy", "load_into", "rank_pieces"]
@@ -68,7 +70,7 @@ def rank_pieces(dp: DataParallel, optimizer, topo, origins: dict | None = None) 
         if first_replica and (first_tp or plan[name].sharded):
             model_pieces.setdefault(plan.full_name(name), []).append(
                 {**_geometry(plan, name, param), "start": 0, "value": ranged(param.detach(), *in_buffer[id(param)])})
-    for bucket, exp_avg, exp_avg_sq in zip(dp.buckets, optimizer.exp_avg, optimizer.exp_avg_sq):
+    for bucket, state in zip(dp.buckets, optimizer.state):
         if not (bucket.axis.rank == 0 or dp.zero1):
             continue
         for seg in bucket.segments:
@@ -77,8 +79,7 @@ def rank_pieces(dp: DataParallel, optimizer, topo, origins: dict | None = None) 
                 continue
             first = seg.in_shard.start
             piece = {**_geometry(plan, name, seg.param), "start": seg.in_param.start,
-                     "exp_avg": ranged(exp_avg[seg.in_shard], exp_avg, first),
-                     "exp_avg_sq": ranged(exp_avg_sq[seg.in_shard], exp_avg_sq, first),
+                     **{key: ranged(flat[seg.in_shard], flat, first) for key, flat in state.items()},
                      "master": (ranged(bucket.master[seg.in_shard], bucket.master, first)
                                 if bucket.master is not None else None)}
             optim_pieces.setdefault(plan.full_name(name), []).append(piece)
@@ -172,15 +173,15 @@ class HostStaging:
 
 
 class FullTensors:
-    """Reassembles full tensors from every saved rank's pieces: `get(name, key)` with key value | exp_avg |
-    exp_avg_sq | master, or None when the checkpoint has no such state (e.g. no optimizer state)."""
+    """Reassembles full tensors from every saved rank's pieces: `get(name, key)` with key value | master | an
+    optimizer's state key (exp_avg, momentum_buffer, z...), or None when the checkpoint has no such state."""
 
     def __init__(self, model_pieces: Iterable[tuple[str, dict]], optim_pieces: Iterable[tuple[str, dict]]):
         self._pieces: dict[tuple[str, str], list[dict]] = {}
         for name, piece in model_pieces:
             self._pieces.setdefault((name, "value"), []).append(piece)
         for name, piece in optim_pieces:
-            for key in ("exp_avg", "exp_avg_sq", "master"):
+            for key in (*STATE_KEYS, "master"):
                 if piece.get(key) is not None:
                     self._pieces.setdefault((name, key), []).append(piece)
 
@@ -265,7 +266,7 @@ def _place(full: torch.Tensor, piece: dict, shard: torch.Tensor, accumulate: boo
 @torch.no_grad()
 def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None = None,
               with_optimizer: bool = True) -> None:
-    """Fill this rank's parameters, master weights and (with_optimizer) Adam moments from `source` (a
+    """Fill this rank's parameters, master weights and (with_optimizer) optimizer state from `source` (a
     RangedSource or FullTensors; None on ranks that only receive). `optimizer` may be None when with_optimizer
     is False.
 
@@ -276,18 +277,17 @@ def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None
     """
     plan = dp.plan
     names = {id(p): name for name, p in dp.named_params}
-    moments = zip(optimizer.exp_avg, optimizer.exp_avg_sq) if optimizer is not None else ((None, None)
-                                                                                          for _ in dp.buckets)
-    for bucket, (exp_avg, exp_avg_sq) in zip(dp.buckets, moments):
+    states = optimizer.state if optimizer is not None else [{} for _ in dp.buckets]
+    for bucket, optim_state in zip(dp.buckets, states):
         device = bucket.param_buffer.device
         padded = bucket.param_buffer.numel()
         # Only the states this optimizer holds are read (and broadcast): no moments when they are not wanted,
         # no master copy for fp32 weights. With a broadcast, the whole bucket's state, as a DP rank without
         # ZeRO-1 would hold it (each receiver keeps its own shard); without, this rank's shard.
-        keys = (["exp_avg", "exp_avg_sq"] if with_optimizer else []) + (["master"] if bucket.master is not None
-                                                                          else [])
+        optim_keys = list(optim_state) if with_optimizer else []
+        keys = optim_keys + (["master"] if bucket.master is not None else [])
         span = slice(0, padded) if broadcast is not None else bucket.shard
-        live = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "master": bucket.master}
+        live = {**optim_state, "master": bucket.master}
         in_place = broadcast is None and bucket.param_buffer.is_cpu  # host memory: read into it directly
         if in_place:  # zeroed below only where the checkpoint has nothing for them
             values, state = bucket.param_buffer, {key: live[key] for key in keys}
@@ -338,11 +338,11 @@ def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None
             bucket.param_buffer.copy_(values.to(device))
             if bucket.master is not None:
                 bucket.master.copy_(state["master"][mine].to(device))
-        if exp_avg is not None:
-            if with_optimizer and have[0] and have[1]:
+        if optim_state:
+            if with_optimizer and optim_keys and bool(have[:len(optim_keys)].all()):
                 if not in_place:
-                    exp_avg.copy_(state["exp_avg"][mine].to(device))
-                    exp_avg_sq.copy_(state["exp_avg_sq"][mine].to(device))
+                    for key in optim_keys:
+                        optim_state[key].copy_(state[key][mine].to(device))
             else:
-                exp_avg.zero_()
-                exp_avg_sq.zero_()
+                for tensor in optim_state.values():
+                    tensor.zero_()

@@ -1,21 +1,23 @@
-# AdamW over the shards data parallelism hands it (runtime/parallel/data_parallel.py): per bucket, this rank's
-# shard of weights (fp32: master copies, or the parameters themselves) and of reduced gradients. The optimizer
-# keeps the Adam moments for exactly that shard, so with ZeRO-1 they are sharded too. It knows nothing of
-# tensor, sequence or pipeline parallelism: clipping asks data parallelism for the global norm.
+# The optimizer over the shards data parallelism hands it (runtime/parallel/data_parallel.py): per bucket, this
+# rank's shard of weights (fp32: master copies, or the parameters themselves) and of reduced gradients. It keeps
+# its library's per-element state (Adam's moments, SGD's momentum, schedule-free's z) for exactly that shard, so
+# with ZeRO-1 it is sharded too; which library steps it is runtime/parallel/optimizers.py's business. It knows
+# nothing of tensor, sequence or pipeline parallelism: clipping asks data parallelism for the global norm.
 #
-# It is memory-bound, so it makes few passes: one fused AdamW kernel where torch has it for the device (a single
-# read-modify-write of weights, moments and grads), the clip factor passed to that kernel rather than applied in
-# a separate scaling pass.
+# It is memory-bound, so it makes few passes: torch's fused Adam/AdamW/SGD kernel where torch has it for the
+# device (a single read-modify-write of weights, state and grads), the clip factor passed to that kernel rather
+# than applied in a separate scaling pass.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from runtime.parallel.data_parallel import data_parallel_of
+from runtime.parallel.optimizers import AdafactorRule, ScheduleFreeRule, rule_for
+from runtime.schema import rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +37,15 @@ class AdamWConfig:
                    betas=tuple(float(b) for b in get("betas", cls.betas)), eps=float(get("eps", cls.eps)))
 
 
-class ShardedAdamW:
-    """AdamW (decoupled weight decay, as torch.optim.AdamW, none for biases and norm weights) for a model that
-    has data parallelism applied.
+class ShardedOptimizer:
+    """The optimizer model.optim.name chooses (runtime/parallel/optimizers.py: adamw, adam, sgd, adafactor,
+    adamw_schedulefree, sgd_schedulefree), for a model that has data parallelism applied; no weight decay for
+    biases and norm weights.
 
-    optim_cfg: lr, weight_decay, betas, eps (an AdamWConfig, the `model.optim` mapping, or any object with those
-    attributes).
+    optim_cfg: the `model.optim` section (an OptimConfig, a mapping, an AdamWConfig or any object with its
+    attributes). Per bucket it keeps its library's per-element state for this rank's shard only (`state`, one
+    {key: flat fp32 tensor} per bucket), so ZeRO-1 shards it; Adafactor's factored state is per whole
+    parameter (`factored`), which is why it refuses ZeRO-1 (runtime/schema/rules.py).
     """
 
     def __init__(self, model: nn.Module, optim_cfg: Any):
@@ -51,11 +56,24 @@ class ShardedAdamW:
         self._pre_step_hooks: list = []
         buckets = self.data_parallel.buckets
         device = buckets[0].param_buffer.device
-        self._fused = _fused_adamw_works(device)
-        zeros = lambda bucket: torch.zeros(bucket.shard.stop - bucket.shard.start, dtype=torch.float32,
-                                           device=device)
-        self.exp_avg = [zeros(b) for b in buckets]     # per bucket, (shard,) fp32
-        self.exp_avg_sq = [zeros(b) for b in buckets]
+        self.rule = rule_for(optim_cfg, _fused_adamw_works(device))
+        self.kind = self.rule.kind
+        if problem := rules.optimizer_layout(self.kind.name, self.data_parallel.zero1, 1, 1, ""):
+            raise ValueError(problem)  # the launch refuses it first (with tensor and expert parallelism too)
+        size = lambda bucket: bucket.shard.stop - bucket.shard.start
+        self.state = [{key: torch.zeros(size(b), dtype=torch.float32, device=device) for key in self.rule.state_keys}
+                      for b in buckets]   # per bucket, {key: (shard,) fp32}
+        self.groups = [self.rule.group_state() for _ in buckets]  # per bucket, the library's group scalars
+        self.factored = ([[AdafactorRule.factored_state(seg.param.shape, device) for seg in b.segments]
+                          for b in buckets] if not self.kind.elementwise else None)
+
+    @property
+    def exp_avg(self) -> list[torch.Tensor]:
+        return [s["exp_avg"] for s in self.state]
+
+    @property
+    def exp_avg_sq(self) -> list[torch.Tensor]:
+        return [s["exp_avg_sq"] for s in self.state]
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Global L2 norm of the reduced gradients, a 0-d device tensor (nothing is read back). When it exceeds
@@ -66,26 +84,31 @@ class ShardedAdamW:
                             if max_norm is not None and max_norm > 0 else None)
         return norm
 
+    def _segment_states(self, i: int, bucket) -> list[dict]:
+        if self.factored is not None:
+            return self.factored[i]
+        return [{key: flat[seg.in_shard] for key, flat in self.state[i].items()} for seg in bucket.segments]
+
     @torch.no_grad()
     def step(self, lr: float | None = None, add: dict[int, torch.Tensor] | None = None) -> None:
-        """One AdamW step on this rank's shards; data parallelism then writes the weights back.
+        """One step of the chosen optimizer on this rank's shards; data parallelism then writes the weights back.
 
-        add: {id(parameter): a change of its values, flat}, added to its fp32 weights after AdamW, before they
-        are written back (DeepSeek-V3's selection bias: runtime/step.py): so the master copy, the rounding and
-        ZeRO-1's all-gather all carry one value on every rank."""
+        add: {id(parameter): a change of its values, flat}, added to its fp32 weights after the update, before
+        they are written back (DeepSeek-V3's selection bias: runtime/step.py): so the master copy, the rounding
+        and ZeRO-1's all-gather all carry one value on every rank."""
         lr = self.cfg.lr if lr is None else lr
         hooks, self._pre_step_hooks = self._pre_step_hooks, []
         for hook in hooks:  # e.g. an async checkpoint still copying the weights this update is about to change
             hook()
+        self.train()  # schedule-free: back from the evaluation point a validation or a checkpoint moved to
         self.step_count += 1
         dp = self.data_parallel
-        for bucket, exp_avg, exp_avg_sq in zip(dp.buckets, self.exp_avg, self.exp_avg_sq):
+        for i, bucket in enumerate(dp.buckets):
             weights = dp.shard_weights(bucket)
             if bucket.segments:  # not a ZeRO-1 shard made only of padding
-                self._adamw(weights, [seg.grad() for seg in bucket.segments],
-                            [exp_avg[seg.in_shard] for seg in bucket.segments],
-                            [exp_avg_sq[seg.in_shard] for seg in bucket.segments],
-                            lr, self.cfg.weight_decay if bucket.decay else 0.0)
+                self.rule.step(self.step_count, weights, [seg.grad() for seg in bucket.segments],
+                               self._segment_states(i, bucket), self.groups[i], lr,
+                               self.cfg.weight_decay if bucket.decay else 0.0, self._grad_scale)
             for weight, seg in zip(weights, bucket.segments):
                 if add and id(seg.param) in add:
                     weight.add_(add[id(seg.param)][seg.in_param])
@@ -93,27 +116,28 @@ class ShardedAdamW:
         dp.finish_write_back()  # ZeRO-1: the all-gathers started bucket by bucket above
         self._grad_scale = None
 
-    def _adamw(self, weights, grads, exp_avgs, exp_avg_sqs, lr: float, weight_decay: float) -> None:
-        beta1, beta2 = self.cfg.betas
-        if self._fused:
-            device = weights[0].device
-            step = torch.tensor(float(self.step_count), device=device)
-            # The kernel divides gradients by grad_scale: clipping costs no extra pass.
-            torch._fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [], [step] * len(weights), lr=lr,
-                                beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=self.cfg.eps,
-                                amsgrad=False, maximize=False, grad_scale=self._grad_scale, found_inf=None)
+    @torch.no_grad()
+    def train(self) -> None:
+        """Weights to the point training steps from (schedule-free's train(); a no-op for the others)."""
+        self._switch(True)
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Weights to the point to evaluate and export (schedule-free's eval(): the averaged x; a no-op for the
+        others). Validation and checkpoints call it; the next step() switches back (train())."""
+        self._switch(False)
+
+    def _switch(self, train: bool) -> None:
+        if not isinstance(self.rule, ScheduleFreeRule) or all(g["train_mode"] == train for g in self.groups):
             return
-        # Reference formulation (torch.optim.AdamW's), for devices without the fused kernel.
-        bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
-        for w, g, m, v in zip(weights, grads, exp_avgs, exp_avg_sqs):
-            if self._grad_scale is not None:
-                g = g / self._grad_scale
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(bias2)).add_(self.cfg.eps)
-            if weight_decay:
-                w.mul_(1 - lr * weight_decay)
-            w.addcdiv_(m, denom, value=-lr / bias1)
+        dp = self.data_parallel
+        for i, bucket in enumerate(dp.buckets):
+            weights = dp.shard_weights(bucket)
+            if bucket.segments:
+                self.rule.switch(weights, self._segment_states(i, bucket), self.groups[i], train)
+            self.groups[i]["train_mode"] = train
+            dp.write_back(bucket, weights)
+        dp.finish_write_back()
 
     # ---- checkpointing hooks ----------------------------------------------------------------------------
 
@@ -121,8 +145,35 @@ class ShardedAdamW:
         """Call `hook()` once, at the start of the next step(), before any weight or moment changes."""
         self._pre_step_hooks.append(hook)
 
+    def scalars(self) -> dict:
+        """What a checkpoint keeps besides the per-element state: the name, the library's group scalars, and
+        Adafactor's factored state (per whole parameter, by this rank's bucket order: same layout only)."""
+        out = {"name": self.kind.name, "groups": [dict(g) for g in self.groups]}
+        if self.factored is not None:
+            out["factored"] = [[{k: v for k, v in s.items() if k != "shape"} for s in b] for b in self.factored]
+        return out
+
+    def load_scalars(self, saved: dict | None) -> None:
+        if not saved:  # a checkpoint written before optimizers were chosen: AdamW, no group scalars
+            return
+        if saved.get("name", self.kind.name) != self.kind.name:
+            raise ValueError(f"model.optim.name: the checkpoint was saved with {saved['name']!r}, this run uses "
+                             f"{self.kind.name!r}; resume with the same optimizer or set "
+                             f"model.optim.name={saved['name']}")
+        for group, g in zip(self.groups, saved.get("groups", [])):
+            group.update(g)
+        if self.factored is not None:
+            factored = saved.get("factored")
+            if factored is None or [len(b) for b in factored] != [len(b) for b in self.factored]:
+                raise ValueError("model.optim.name: adafactor state was saved with another layout; resume it with "
+                                 "the same tensor, pipeline and data parallel sizes")
+            for mine, theirs in zip(self.factored, factored):
+                for m, t in zip(mine, theirs):
+                    for key, value in t.items():
+                        m[key].copy_(value)
+
     def state_dict(self) -> dict:
-        """This rank's optimizer state: per bucket its shard of moments (and master weights), plus the step.
+        """This rank's optimizer state: per bucket its shard of state (and master weights), plus the step.
 
         Shards are laid out by data parallelism's buckets, which depend on the model and the layout: this reloads
         only into the same tp/dp/zero1 layout. Checkpoints use runtime/checkpoint instead, which reshards.
@@ -133,8 +184,9 @@ class ShardedAdamW:
             "zero1": dp.zero1,
             "precision": dp.precision.name,
             "sr_generator": dp.sr_generator_state(),
-            "buckets": [{"exp_avg": m, "exp_avg_sq": v, "master": b.master, "numel": b.param_buffer.numel()}
-                        for b, m, v in zip(dp.buckets, self.exp_avg, self.exp_avg_sq)],
+            "scalars": self.scalars(),
+            "buckets": [{**state, "master": b.master, "numel": b.param_buffer.numel()}
+                        for b, state in zip(dp.buckets, self.state)],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -143,13 +195,18 @@ class ShardedAdamW:
             raise ValueError("optimizer state was saved with a different bucket layout or zero1 setting")
         self.step_count = int(state["step"])
         dp.load_sr_generator_state(state["sr_generator"])
-        for bucket, m, v, saved in zip(dp.buckets, self.exp_avg, self.exp_avg_sq, state["buckets"]):
+        self.load_scalars(state.get("scalars"))
+        for bucket, mine, saved in zip(dp.buckets, self.state, state["buckets"]):
             if saved["numel"] != bucket.param_buffer.numel():
                 raise ValueError("optimizer state was saved for a different model or parallel layout")
-            m.copy_(saved["exp_avg"])
-            v.copy_(saved["exp_avg_sq"])
+            for key, tensor in mine.items():
+                tensor.copy_(saved[key])
             if bucket.master is not None and saved["master"] is not None:
                 bucket.master.copy_(saved["master"])
+
+
+# The name the runtime has always used; every optimizer is this class.
+ShardedAdamW = ShardedOptimizer
 
 
 def _fused_adamw_works(device: torch.device) -> bool:

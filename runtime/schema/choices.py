@@ -14,9 +14,13 @@ ROPE_SCALING_TYPES = Choices(("llama3", "linear", "yarn"))
 ACCELERATORS = Choices(("cpu", "gpu", "neuron"))
 # NxD Training's precision.type names; 'manual' (each flag set by hand) has no counterpart here.
 PRECISION_TYPES = Choices(("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast"))
-# Adam moments are fp32 in every precision here (runtime/precision.py), which is what NxD Training's
-# adamw_fp32OptState asks for; NeMo's fused_adam is AdamW (adam_w_mode defaults to true).
-OPTIMIZERS = Choices(("adamw",), {"adamw_fp32OptState": "adamw", "fused_adam": "adamw"})
+# model.optim.name: runtime/parallel/optimizers.py steps each with its library (torch's Adam/AdamW/SGD/Adafactor,
+# schedulefree's). Optimizer state is fp32 in every precision here (runtime/precision.py), which is what NxD
+# Training's adamw_fp32OptState asks for; NeMo's fused_adam and distributed_fused_adam are AdamW (adam_w_mode
+# defaults to true; distributed_fused_adam, AdamW with ZeRO-1, is read by launcher/nemo_config.py), and NeMo's
+# plain "adam" is torch.optim.Adam (L2 weight decay), so it stays adam.
+OPTIMIZERS = Choices(("adamw", "adam", "sgd", "adafactor", "adamw_schedulefree", "sgd_schedulefree"),
+                     {"adamw_fp32OptState": "adamw", "fused_adam": "adamw", "schedule_free_adamw": "adamw_schedulefree", "schedule_free_sgd": "sgd_schedulefree"})
 # NeMo's WarmupAnnealing and NxD Training's LinearAnnealingWithWarmUp are the linear decay with warmup.
 SCHEDULES = Choices(("CosineAnnealing", "LinearAnnealing", "Constant"),
                     {"WarmupAnnealing": "LinearAnnealing", "LinearAnnealingWithWarmUp": "LinearAnnealing"})

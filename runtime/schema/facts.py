@@ -29,6 +29,13 @@ PEAK_TFLOPS: dict[str, float] = {
 # supported: launcher/nemo_config.py refuses it).
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
 
+# fp32 bytes of optimizer state per parameter, by model.optim.name (runtime/parallel/optimizers.py keeps exactly
+# these tensors; master weights are the precision's, counted apart): Adam's two moments; SGD's momentum buffer
+# (none without momentum); schedule-free's z (and AdamW's second moment); Adafactor's row and column statistics,
+# rows + columns per matrix, which round to 0 bytes per parameter for any weight of size.
+OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 4, "adafactor": 0, "adamw_schedulefree": 8,
+                                         "sgd_schedulefree": 4}
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:

@@ -384,6 +384,31 @@ def learning_rate(lr: float, p: str) -> str | None:
     return f"{p}model.optim.lr: {lr!r} must be > 0"
 
 
+def optimizer_options(name: str, momentum: float, dampening: float, nesterov: bool, p: str) -> str | None:
+    """What torch.optim.SGD and schedulefree refuse, said at launch."""
+    if name in ("sgd", "sgd_schedulefree") and momentum >= 1:
+        return f"{p}model.optim.momentum: {momentum!r} must be below 1"
+    if name == "sgd" and nesterov and (momentum <= 0 or dampening != 0):
+        return (f"{p}model.optim.nesterov: Nesterov momentum needs model.optim.momentum > 0 and "
+                f"model.optim.dampening 0 (momentum {momentum}, dampening {dampening})")
+    return None
+
+
+def optimizer_layout(name: str, zero1: bool, tp: int, ep: int, p: str) -> str | None:
+    """Adafactor factors each weight's second moment into row and column statistics of the whole 2-D parameter
+    (and scales its step by the parameter's RMS): a flat ZeRO-1 shard, or a tensor- or expert-parallel slice,
+    would compute other statistics than one process does, so it runs on whole parameters only."""
+    if name != "adafactor":
+        return None
+    split = [key for key, on in (("model.zero1", zero1), ("model.tensor_model_parallel_size", tp > 1),
+                                 ("model.expert_model_parallel_size", ep > 1)) if on]
+    if not split:
+        return None
+    return (f"{p}model.optim.name: adafactor factors whole 2-D parameters, so it cannot run with "
+            f"{' or '.join(split)}; turn {'them' if len(split) > 1 else 'it'} off or choose adamw, adam, sgd or "
+            f"a schedule-free optimizer")
+
+
 def min_lr(minimum: float, lr: float, schedule: str, p: str) -> str | None:
     if schedule == "Constant" or 0 <= minimum <= lr:
         return None

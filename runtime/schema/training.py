@@ -160,6 +160,8 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
         report.error(rules.document_reset_eod(end_of_document_id(tokenizer_path), tokenizer_path, p))
     sched = optim.sched
     report.error(rules.learning_rate(optim.lr, p))
+    report.error(rules.optimizer_options(optim.name, optim.momentum, optim.dampening, optim.nesterov, p))
+    report.error(rules.optimizer_layout(optim.name, parallel.zero1, parallel.tp, parallel.ep, p))
     report.error(rules.min_lr(sched.min_lr, optim.lr, sched.name, p))
     report.error(rules.schedule_fits(sched.warmup_steps, sched.constant_steps, sched.max_steps, p))
     if holds := rules.schedule_holds(sched.warmup_steps, sched.constant_steps, sched.max_steps, p):
@@ -869,7 +871,9 @@ def _optim(model: Section, max_steps: int | None, p: str) -> OptimConfig | None:
     model.report.error(rules.betas(betas, p))
     sched = optim.section("sched")
     values = dict(name=optim.choice("name", C.OPTIMIZERS, "adamw"), lr=optim.float("lr"),
-                  weight_decay=optim.float("weight_decay", 0.0, minimum=0.0), eps=optim.float("eps", 1e-8, minimum=0.0))
+                  weight_decay=optim.float("weight_decay", 0.0, minimum=0.0), eps=optim.float("eps", 1e-8, minimum=0.0),
+                  momentum=optim.float("momentum", 0.0, minimum=0.0), dampening=optim.float("dampening", 0.0, minimum=0.0),
+                  nesterov=optim.bool("nesterov", False))
     sched_values = dict(
         name=sched.choice("name", C.SCHEDULES, "Constant"),
         warmup_steps=sched.int("warmup_steps", 0, minimum=0),

@@ -142,6 +142,9 @@ class OptimConfig:
     betas: tuple[float, float]
     eps: float
     sched: SchedConfig
+    momentum: float = 0.0                 # sgd (and sgd_schedulefree, whose library needs it in (0, 1): 0 reads 0.9)
+    dampening: float = 0.0                # sgd
+    nesterov: bool = False                # sgd
 
 
 @dataclass(frozen=True)

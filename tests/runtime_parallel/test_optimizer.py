@@ -21,7 +21,7 @@ def test_matches_torch_adamw_with_megatron_decay_groups(clip, fused):
     ours = build_model(H.tiny_config("gpt"))
     theirs = copy.deepcopy(ours)
     optimizer = ShardedAdamW(apply_data_parallel(ours, topo, DataParallelConfig("fp32")), H.OPTIM)
-    optimizer._fused = fused  # the fallback for devices without torch._fused_adamw_
+    optimizer.rule.fused = fused  # the fallback for devices without torch._fused_adamw_
     decay = [p for p in theirs.parameters() if p.dim() > 1]
     no_decay = [p for p in theirs.parameters() if p.dim() <= 1]
     reference = torch.optim.AdamW([{"params": decay, "weight_decay": H.OPTIM["weight_decay"]},

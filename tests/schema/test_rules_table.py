@@ -16,8 +16,15 @@ M, T = "training.model.", "training.trainer."
 
 # (overrides on top of BASE, the one line each side must print)
 CASES = [
-    ([f"{M}optim.name=sgd"],
-     "training.model.optim.name: 'sgd' is not one of adamw (also accepted: adamw_fp32OptState, fused_adam)"),
+    ([f"{M}optim.name=lamb"],
+     "training.model.optim.name: 'lamb' is not one of adamw, adam, sgd, adafactor, adamw_schedulefree, "
+     "sgd_schedulefree (also accepted: adamw_fp32OptState, fused_adam, schedule_free_adamw, schedule_free_sgd)"),
+    ([f"{M}optim.name=adafactor", f"{M}zero1=true"],
+     "training.model.optim.name: adafactor factors whole 2-D parameters, so it cannot run with model.zero1; turn it "
+     "off or choose adamw, adam, sgd or a schedule-free optimizer"),
+    ([f"{M}optim.name=sgd", f"+{M}optim.nesterov=true"],
+     "training.model.optim.nesterov: Nesterov momentum needs model.optim.momentum > 0 and model.optim.dampening 0 "
+     "(momentum 0.0, dampening 0.0)"),
     ([f"{M}optim.sched.name=Cosine"],
      "training.model.optim.sched.name: 'Cosine' is not one of CosineAnnealing, LinearAnnealing, Constant (also "
      "accepted: WarmupAnnealing, LinearAnnealingWithWarmUp); did you mean 'CosineAnnealing'?"),
