@@ -714,11 +714,11 @@ def lora_modules(architecture: str | None, latent=None) -> tuple[str, ...]:
     model has it (no architecture, or one that may have it, without its latent_attention): both kinds' names."""
     from runtime.schema.choices import LATENT_LORA_MODULES, LATENT_LORA_PARTS, LORA_MODULES
 
-    mlp = _MLP_MODULES if _gated_mlp(architecture) else _MLP_MODULES[1:]
+    network = known_architecture(architecture)  # an unknown one: a gate assumed, its own key names it
+    mlp = _MLP_MODULES if network is None or network.gated_mlp else _MLP_MODULES[1:]
     if latent is not None:
         queries = ("q_proj",) if latent.q_lora_rank is None else ("q_a_proj", "q_b_proj")
         return tuple(m for m in LATENT_LORA_MODULES if m in queries or m not in LATENT_LORA_PARTS["q_proj"]) + mlp
-    network = known_architecture(architecture)
     attention = tuple(m for m in LORA_MODULES if m not in _MLP_MODULES)
     if network is None or "latent_attention" in network.switches:
         attention = tuple(dict.fromkeys(attention + LATENT_LORA_MODULES))
@@ -737,7 +737,7 @@ def lora_targets(names: tuple[str, ...], architecture: str | None, p: str, laten
         return f"{key}: empty; name the projections to adapt, e.g. [qkv_proj] (valid: {', '.join(modules)})"
     valid = modules + tuple(LORA_GROUPS)
     for name in names:
-        if name == "gate_proj" and not _gated_mlp(architecture):
+        if name == "gate_proj" and name not in modules:
             return f"{key}: gate_proj: GPT's MLP has no gate projection; adapt up_proj / down_proj (fc1 / fc2)"
         if name in valid:
             continue
@@ -749,12 +749,6 @@ def lora_targets(names: tuple[str, ...], architecture: str | None, p: str, laten
         return (f"{key}: {name!r} is not a projection of this multi-head latent attention (model.latent_attention: "
                 f"no k_proj / v_proj; queries through {queries}); {closest(name, valid)}valid: {', '.join(valid)}")
     return None
-
-
-def _gated_mlp(architecture: str | None) -> bool:
-    """Whether the architecture's MLP has a gate projection (an unknown one: assumed, its own key names it)."""
-    network = known_architecture(architecture)
-    return network is None or network.gated_mlp
 
 
 def lora_moe(num_experts: int | None, targets: tuple[str, ...], p: str, latent=None) -> str | None:
