@@ -372,11 +372,11 @@ def _moe(flat, put, row, error, warn_key) -> set[str]:
            "normalize_top_k_affinities": True, "router_activation": "softmax"}
     known = {"model.num_moe_experts", "model.moe_router_topk", "model.moe_expert_capacity_factor",
              "model.moe_aux_loss_coeff", "model.moe_z_loss_coeff", "model.moe_pad_expert_input_to_capacity"}
-    # The expert bias (DeepSeek-V3's aux-loss-free balancing: our model.moe.score_bias and router_bias_update_rate)
-    # is built for the deepseek_v3 architecture, from its config.json; Megatron ignores the rate without the bias.
+    # The expert bias (aux-loss-free balancing: our model.moe.score_bias and router_bias_update_rate) is built for
+    # the architectures whose MoE has a selection bias, from their config.json; Megatron ignores the rate without it.
     expert_bias = {"model.moe_router_enable_expert_bias", "model.moe_router_bias_update_rate"}
     if flat.get("model.moe_router_enable_expert_bias"):
-        error("model.moe_router_enable_expert_bias", "True: the expert selection bias is DeepSeek-V3's, not built "
+        error("model.moe_router_enable_expert_bias", "True: the expert selection bias is not built "
               "for a NeMo file's Mixtral-style MoE; import the model's config.json (training.model.model_config) and "
               "set training.model.moe.router_bias_update_rate, or set it to False")
     for key in sorted(keys & expert_bias if not flat.get("model.moe_router_enable_expert_bias") else ()):

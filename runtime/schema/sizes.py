@@ -6,7 +6,7 @@
 #     6 * N  +  6 * sum over layers of keys(layer) * heads * (qk_dim + v_dim)
 # N counts the weights that take part in a matrix multiply per token: per layer the attention projections and the
 # MLP (2*h*ffn, or 3*h*ffn gated), plus the output layer h*vocab; the input embedding is a lookup and is left out,
-# as are biases, norms, attention sinks and DeepSeek's selection bias. Each such weight costs 2 FLOPs per token
+# as are biases, norms, attention sinks and the experts' selection bias. Each such weight costs 2 FLOPs per token
 # forward and 4 backward, hence 6N. Of an MoE layer only what a token uses counts: its top_k experts (each of
 # model.moe.ffn_hidden_size hidden units), the router (hidden x num_experts) and the shared experts every token goes
 # through (model.moe.shared_ffn_hidden_size). The attention term: per layer and token, QK^T over qk_dim channels and
@@ -16,8 +16,8 @@
 # Recomputation under activation checkpointing is not counted: MFU measures useful work.
 #
 # Attention is the part a family may build its own way: its registry entry (runtime/schema/architecture.py) names a
-# module (`arithmetic`) whose attention(shape, tp) -> AttentionSizes counts it (DeepSeek-V3's latent attention:
-# runtime/families/deepseek_v3/sizes.py); the plain grouped-query attention below takes the entry's switches
+# module (`arithmetic`) whose attention(shape, tp) -> AttentionSizes counts it (multi-head latent attention: the
+# sizes.py of its family's folder); the plain grouped-query attention below takes the entry's switches
 # (attention_biases, attention_sinks, qk_norm) and the model's keys (add_qkv_bias, qk_layernorm).
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class ModelShape:
 
     @property
     def shared_ffn_hidden_size(self) -> int:
-        """The shared experts' hidden units in every MoE layer (DeepSeek-V3's), 0 without them."""
+        """The shared experts' hidden units in every MoE layer (moe.shared_ffn_hidden_size), 0 without them."""
         return (self.moe.shared_ffn_hidden_size or 0) if self.moe is not None else 0
 
     @property
@@ -187,7 +187,7 @@ def expert_parameters(shape: ModelShape, tp: int = 1) -> int:
 def moe_block_parameters(shape: ModelShape, *, experts: int, tp: int = 1) -> int:
     """An MoE block with `experts` of its experts counted (all of them, a token's top_k, or one expert-parallel
     rank's E / ep), each expert's tp-th share, and what every rank holds whole (runtime/parallel/experts.py): the
-    router (E x h, with expert_biases its bias and the experts' down biases, E x h), DeepSeek's selection bias
+    router (E x h, with expert_biases its bias and the experts' down biases, E x h), the selection bias
     (moe.score_bias, E) and the shared experts (a SwiGLU of moe.shared_ffn_hidden_size, replicated over tp)."""
     h, moe = shape.hidden_size, shape.moe
     whole = moe.num_experts * h + (moe.num_experts * (1 + h) if shape.network.expert_biases else 0)
