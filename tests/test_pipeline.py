@@ -129,8 +129,13 @@ RUNS = {"tp2_dp2_ep2": "mixtral_tiny", "pp2": "gpt3_tiny", "cp2": "llama_tiny"}
 STAGES_OF = {"tp2_dp2_ep2": STAGES, "pp2": STAGES[:2], "cp2": STAGES[:2]}
 
 
+WHOLE = pytest.mark.long("the whole pipeline, four Slurm jobs one after another (data preparation, 2-node training, "
+                         "export, evaluation), each starting its processes on the shared cores")
+
+
 @pytest.mark.slurm
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=WHOLE) if STAGES_OF[name] == STAGES else name
+                                    for name in sorted(LAYOUTS)])
 def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     # Short stages, so that the pipeline is mostly its programs starting (about 30 s on two idle cores): 4 steps
     # logged at 1, 2 and 4, validated (one batch) at 2 and 4; the evaluation scores every kind of task it has by

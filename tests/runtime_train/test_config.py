@@ -69,7 +69,7 @@ _DELETE = object()
         ("model.architecture", "mamba", "training.model.architecture: 'mamba' is not one of gpt, llama, gemma3, gpt_oss"),
         ("model.hidden_size", 130, "training.model.hidden_size: 130 is not divisible by num_attention_heads 4"),
         ("model.optim.betas", [0.9], r"training.model.optim.betas: \[0.9\] is invalid"),
-        ("model.optim.name", "sgd", "training.model.optim.name: 'sgd' is not one of adamw"),
+        ("model.optim.name", "lamb", "training.model.optim.name: 'lamb' is not one of adamw"),
         ("model.optim.lr", "fast", "training.model.optim.lr: 'fast' is not a number"),
         ("model.sequence_parallel", "yes", "training.model.sequence_parallel: 'yes' is not true or false"),
         ("model.activations_checkpoint_granularity", "some", "activations_checkpoint_granularity: 'some' is not one of null, full, selective"),
