@@ -112,8 +112,15 @@ def test_the_recipe_read_from_the_files_composes_what_switching_after_composing_
 
     calls = []
     real = hydra.compose
+    from launcher.compose import compose, resolve
+
+    from .helpers import STABLE
+
+    def hydra_resolved():  # compose.py's own path (resolved() composes without Hydra where it can)
+        return resolve(compose([*STABLE, *overrides]))
+
     monkeypatch.setattr(hydra, "compose", lambda *a, **k: calls.append(k["overrides"]) or real(*a, **k))
-    guessed = resolved(*overrides)
+    guessed = hydra_resolved()
     assert len(calls) == composes, calls
     monkeypatch.setattr(targets, "guess", lambda _: None)
-    assert resolved(*overrides) == guessed
+    assert hydra_resolved() == guessed == resolved(*overrides)
