@@ -107,15 +107,21 @@ def _compose(overrides: list[str], path: Path | None, typed: list[str] | None) -
 
     warnings: list[str] = []
     with recording_env() as env_reads:
-        try:
-            cfg = _without_hydra(overrides)
-        except Unsupported:
-            from launcher.compose import compose, resolve
-
-            cfg = resolve(compose(overrides, warnings))
+        cfg = composed(overrides, warnings)
     if path is not None and storable(cfg, typed):
         store(path, {"env": env_reads, "warnings": warnings, "config": cfg})
     return cfg, warnings
+
+
+def composed(overrides: list[str], warnings: list[str] | None = None) -> dict[str, Any]:
+    """compose.resolve(compose.compose(overrides)), without Hydra where launcher/plain_compose.py reproduces it (what
+    a launch composes on a cache miss); Hydra names every mistake."""
+    try:
+        return _without_hydra(overrides)
+    except Unsupported:
+        from launcher.compose import compose, resolve
+
+        return resolve(compose(overrides, warnings))
 
 
 def _without_hydra(overrides: list[str]) -> dict[str, Any]:
