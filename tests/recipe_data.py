@@ -15,12 +15,18 @@ TOKENIZERS = {"demo": 4096, "the_pile_gpt2": 50257, "llama2": 32000, "llama3": 1
 
 def write_tokenizer(path: Path, vocab: int) -> None:
     """A valid Hugging Face tokenizer.json (BPE, no merges) with `vocab` tokens."""
+    path.write_text(_tokenizer_json(vocab))
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab: int) -> str:
+    """Once per vocabulary size and session: a 262k-token file takes a second to build."""
     model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
              "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
              "vocab": {f"t{i}": i for i in range(vocab)}, "merges": []}
-    path.write_text(json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-                                "normalizer": None, "pre_tokenizer": None, "post_processor": None,
-                                "decoder": None, "model": model}))
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                       "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+                       "model": model})
 
 
 @pytest.fixture(scope="session")
