@@ -318,6 +318,26 @@ def _prune(folder: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def lm_eval_catalog():
+    """lm-eval's own task index as the name and data checks read it (runtime/evaluate/lm_tasks.py Catalog), built
+    once per lm-eval installation and kept here: building it reads ~15,000 task files (~20 s of CPU on a small
+    host), and a launch that names lm-eval tasks checks them before it submits."""
+    from runtime.evaluate import lm_tasks
+
+    where = cache_dir()
+    path = None
+    if where is not None:
+        stamp = json.dumps(lm_tasks.own_tasks_stamp(), sort_keys=True).encode()
+        path = where / "lm_eval" / f"{hashlib.sha256(stamp).hexdigest()}.json"
+        entry = load(path)
+        if entry is not None and isinstance(entry.get("catalog"), dict):
+            return lm_tasks.Catalog(entry["catalog"])
+    catalog = lm_tasks.Catalog.of(lm_tasks.task_manager(None, defaults=True))
+    if path is not None:
+        store(path, {"env": {}, "warnings": [], "catalog": catalog.entries})
+    return catalog
+
+
 def template_cache(environment_source: str):
     """A Jinja bytecode cache under the cache directory, or None when the cache is off. `environment_source`: the
     file that sets up the Jinja environment the code is generated for (its options shape that code)."""

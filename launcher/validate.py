@@ -151,9 +151,11 @@ def lm_eval_tasks(evaluation) -> tuple[list[str], list[str]]:
     names = [spec.name for spec in evaluation.tasks if spec.type == "lm_eval"]
     if not names or importlib.util.find_spec("lm_eval") is None:
         return [], []
+    from launcher import cache
     from runtime.evaluate import lm_tasks  # lm-eval's task index: no torch
 
-    return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache)[1:]
+    return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache,
+                            own=cache.lm_eval_catalog())[1:]
 
 
 def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool) -> tuple[list[str], list[str]]:

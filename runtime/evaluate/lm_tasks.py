@@ -20,7 +20,9 @@ from __future__ import annotations
 import difflib
 import functools
 import glob
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +70,63 @@ def task_manager(include_path: str | None, *, defaults: bool):
     return TaskManager(include_path=include_path, include_defaults=defaults)
 
 
+@dataclass(frozen=True)
+class Entry:
+    """What the checks read of one lm-eval index entry (a task, group or tag)."""
+    cfg: dict[str, Any] | None   # group/task members, dataset_path, dataset_kwargs.data_files: what _missing_data reads
+    tags: tuple[str, ...]
+    yaml_path: str | None
+
+
+class Catalog:
+    """The part of lm-eval's task index the name and data checks read, small enough to store as JSON: the launcher
+    keeps lm-eval's own in its cache (launcher/cache.py lm_eval_catalog), since indexing its ~15,000 task files
+    costs ~20 s of CPU on a small host and reading the stored catalog milliseconds."""
+
+    def __init__(self, entries: dict[str, dict[str, Any]]):
+        self.entries = entries
+        self.task_index = {name: Entry(e["cfg"], tuple(e["tags"]), e["yaml_path"]) for name, e in entries.items()}
+        self.all_tasks = sorted(self.task_index)
+
+    @classmethod
+    def of(cls, manager) -> Catalog:
+        return cls({name: {"cfg": _checked_part(entry.cfg), "tags": sorted(entry.tags or ()),
+                           "yaml_path": None if entry.yaml_path is None else str(entry.yaml_path)}
+                    for name, entry in manager.task_index.items()})
+
+    def updated(self, other: Catalog) -> Catalog:
+        """This catalog with `other`'s entries over its own (an include_path over lm-eval's own tasks)."""
+        return Catalog({**self.entries, **other.entries})
+
+
+def _checked_part(cfg: dict[str, Any] | None) -> dict[str, Any] | None:
+    if cfg is None:
+        return None
+    part = {k: cfg[k] for k in ("group", "dataset_path") if isinstance(cfg.get(k), (str, type(None))) and k in cfg}
+    if isinstance(cfg.get("task"), list):
+        part["task"] = [t for t in cfg["task"] if isinstance(t, str)]
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files") if isinstance(cfg.get("dataset_kwargs"), dict) else None
+    if files is not None:
+        part["dataset_kwargs"] = {"data_files": json.loads(json.dumps(files, default=str))}
+    return part
+
+
+def own_tasks_stamp() -> dict[str, Any]:
+    """What identifies lm-eval's own task files here (its version, where they are, when they were installed)."""
+    import importlib.metadata
+    import importlib.util
+
+    origin = Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks"
+    return {"lm_eval": importlib.metadata.version("lm_eval"), "tasks": str(origin), "mtime": origin.stat().st_mtime_ns}
+
+
 def resolve(names: list[str], include_path: str | None, datasets_cache: str | None = None,
-            key: str = "evaluation.") -> tuple[Any, list[str], list[str]]:
+            key: str = "evaluation.", own: Catalog | None = None) -> tuple[Any, list[str], list[str]]:
     """(an lm-eval TaskManager that knows every name, one line per problem with the names, one per missing input):
     a name that is no task, group or tag (with its close matches) or an include_path that is no folder; a task
-    whose local data file is not there or whose Hub dataset is not in the datasets cache."""
+    whose local data file is not there or whose Hub dataset is not in the datasets cache. With `own` (lm-eval's own
+    tasks as a stored Catalog), the names are checked against catalogs and a Catalog is returned in the manager's
+    place: what a launch checks, not what a node runs."""
     if include_path is not None and not Path(include_path).is_dir():  # nothing to look the names up in here
         return None, [], [f"{key}include_path: {include_path!r} is not a directory; point it at a folder of lm-eval "
                           f"task YAML files"]
@@ -80,7 +134,10 @@ def resolve(names: list[str], include_path: str | None, datasets_cache: str | No
         return None, [], []
     manager = task_manager(include_path, defaults=False) if include_path else None
     if manager is None or not all(_known_closure(manager, name) for name in names):
-        manager = task_manager(include_path, defaults=True)
+        if own is not None:
+            manager = own if manager is None else own.updated(Catalog.of(manager))
+        else:
+            manager = task_manager(include_path, defaults=True)
     errors, missing = [], []
     for name in names:
         if name in manager.task_index:

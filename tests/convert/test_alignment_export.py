@@ -8,7 +8,6 @@ import pytest
 from runtime.checkpoint import write_full_checkpoint
 from tests.convert.test_peft_export import PEFT_SECTION, TOLERANCE, _convert, _diff, _hf, _peft, run
 
-pytest.importorskip("peft")
 __all__ = ["run"]  # a fixture, used by name
 
 

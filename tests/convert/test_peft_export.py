@@ -21,7 +21,6 @@ from runtime.schema.training_config import LoraConfig
 from tests.convert.test_hf import SMALL, _ids, _make_every_weight_matter, _tokenizer
 
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=LORA_MODULES)
 PEFT_SECTION = {"peft_scheme": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0,
                 "target_modules": ["all_linear"]}
@@ -73,6 +72,8 @@ def _hf(directory):
 
 
 def _peft(base_dir, adapter_dir):
+    import peft  # here, not at collection: its import loads a dozen transformers models (~5 s on every worker)
+
     return peft.PeftModel.from_pretrained(_hf(base_dir), adapter_dir).eval()
 
 
@@ -135,8 +136,7 @@ def test_the_stage_exports_a_lora_checkpoint(tmp_path, run, capsys, restore):
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(out) and adapter["peft_type"] == "LORA"
     assert _diff(model, _hf(out), cfg.vocab_size) > 1e-2  # output_dir is the base itself
-    assert _diff(model, peft.PeftModel.from_pretrained(_hf(adapter["base_model_name_or_path"]), out / "adapter"),
-                 cfg.vocab_size) <= TOLERANCE
+    assert _diff(model, _peft(adapter["base_model_name_or_path"], out / "adapter"), cfg.vocab_size) <= TOLERANCE
 
     code, said = _convert(tmp_path, capsys, **settings, lora="both")
     assert code == 0, said

@@ -70,3 +70,37 @@ def test_bad_lm_eval_options_are_one_line_each(raw, message):
 def test_an_include_path_that_is_no_folder_is_refused(tmp_path):
     [], [line] = lm_eval_tasks(_config(["mine"], include_path=str(tmp_path / "nowhere")))
     assert line.startswith("evaluation.include_path: ") and "is not a directory" in line
+
+
+def test_a_launch_checks_names_against_the_stored_catalog_and_rebuilds_a_damaged_one(tmp_path, monkeypatch):
+    """launcher/cache.py lm_eval_catalog: lm-eval's own index is built once per installation and stored; a launch
+    reads it back (the same answers as the TaskManager it came from), and a damaged or stale one is built again.
+    lm-eval's own ~15,000 files are stood in for by a folder of two task files (indexing the real ones is ~20 s)."""
+    from launcher import cache
+    from runtime.evaluate import lm_tasks
+
+    folder = _task_file(tmp_path / "tasks", "alpha", str(tmp_path / "a.jsonl"))
+    _task_file(tmp_path / "tasks", "alphabet", str(tmp_path / "b.jsonl"))
+    cases = (["alpha"], ["alphabt"], ["alpha", "nope"])
+    real, builds = lm_tasks.task_manager, []
+
+    def index(include_path, *, defaults):
+        builds.append(defaults)
+        return real(folder, defaults=False)
+
+    monkeypatch.setattr(lm_tasks, "task_manager", index)
+    expected = [lm_tasks.resolve(names, None)[1:] for names in cases]  # by lm-eval's TaskManager
+    builds.clear()
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "cache"))
+    built = cache.lm_eval_catalog()
+    stored = cache.lm_eval_catalog()
+    assert builds == [True] and stored.entries == built.entries and sorted(stored.entries) == ["alpha", "alphabet"]
+    assert [lm_tasks.resolve(names, None, own=stored)[1:] for names in cases] == expected
+    assert expected[1][0] and "close matches: alpha" in expected[1][0][0]  # the cases do tell names apart
+    [path] = (tmp_path / "cache" / "lm_eval").glob("*.json")
+    path.write_bytes(path.read_bytes()[:-10])  # truncated: not read, built again
+    assert cache.lm_eval_catalog().entries == built.entries and builds == [True, True]
+    stamp = lm_tasks.own_tasks_stamp()
+    monkeypatch.setattr(lm_tasks, "own_tasks_stamp", lambda: {**stamp, "lm_eval": "another"})  # a new installation
+    cache.lm_eval_catalog()
+    assert builds == [True, True, True]
