@@ -95,11 +95,11 @@ def convert_here(stage_dir: Path) -> None:
     assert main(command[3:]) == 0
 
 
-def stages_here(overrides: list[str], cwd: Path, run_dir: Path, stage: str) -> None:
+def stages_here(overrides: list[str], cwd: Path, run_dir: Path, stage: str) -> list[int]:
     """`nxdt-launch OVERRIDES` of stages=[STAGE,conversion] as the launcher renders it (--dry-run), then run here:
     STAGE's ranks forked from this process (train_rendered), then the conversion's command in it (convert_here).
     For the tests whose subject is what the stages compute and export; a real launch of fine_tuning and conversion
-    is tests/fine_tuning/test_fine_tuning_pipeline.py's."""
+    is tests/fine_tuning/test_fine_tuning_pipeline.py's. Returns STAGE's ranks' exit codes (all 0)."""
     from tests.launcher.helpers import nxdt
 
     result = nxdt(*overrides, "--dry-run", cwd=cwd, timeout=600)
@@ -107,6 +107,7 @@ def stages_here(overrides: list[str], cwd: Path, run_dir: Path, stage: str) -> N
     codes = train_rendered(run_dir / stage / f"{stage}_config.yaml", stage)
     assert set(codes) == {0}, codes
     convert_here(run_dir / "conversion")
+    return codes
 
 
 def losses(training_dir: Path) -> dict[int, float]:
