@@ -73,19 +73,41 @@ def train_rendered(config: Path, stage: str = "training") -> list[int]:
 
 def convert_rendered(overrides: list[str], cwd: Path, stage_dir: Path) -> None:
     """The conversion stage as the launcher renders it (--dry-run: its script and conversion_config.yaml), the
-    script's command run in this process, where torch is already imported: a fresh interpreter per conversion would
-    cost more than the conversion. For the tests whose subject is what the stage's code does with that config; the
-    stage's script itself runs in tests/test_pipeline.py (this machine and the 3-node Slurm cluster)."""
-    import shlex
-
-    from runtime.convert.__main__ import main
+    script's command run in this process (convert_here). For the tests whose subject is what the stage's code does
+    with that config; the stage's script itself runs in tests/test_pipeline.py (this machine and the 3-node Slurm
+    cluster)."""
     from tests.launcher.helpers import nxdt
 
     result = nxdt("cluster_type=local", *overrides, "--dry-run", cwd=cwd, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    convert_here(stage_dir)
+
+
+def convert_here(stage_dir: Path) -> None:
+    """The command of the conversion script the launcher rendered into `stage_dir`, run in this process, where torch
+    is already imported: a fresh interpreter per conversion would cost more than the conversion."""
+    import shlex
+
+    from runtime.convert.__main__ import main
+
     command = shlex.split((stage_dir / "conversion.local.sh").read_text().strip().splitlines()[-1])
     assert command[:3] == ["$PYTHON", "-m", "runtime.convert"], command
     assert main(command[3:]) == 0
+
+
+def stages_here(overrides: list[str], cwd: Path, run_dir: Path, stage: str) -> list[int]:
+    """`nxdt-launch OVERRIDES` of stages=[STAGE,conversion] as the launcher renders it (--dry-run), then run here:
+    STAGE's ranks forked from this process (train_rendered), then the conversion's command in it (convert_here).
+    For the tests whose subject is what the stages compute and export; a real launch of fine_tuning and conversion
+    is tests/fine_tuning/test_fine_tuning_pipeline.py's. Returns STAGE's ranks' exit codes (all 0)."""
+    from tests.launcher.helpers import nxdt
+
+    result = nxdt(*overrides, "--dry-run", cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    codes = train_rendered(run_dir / stage / f"{stage}_config.yaml", stage)
+    assert set(codes) == {0}, codes
+    convert_here(run_dir / "conversion")
+    return codes
 
 
 def losses(training_dir: Path) -> dict[int, float]:

@@ -1,9 +1,10 @@
-"""DeepSeek-V3 through the real CLI: full SFT of a tiny DeepseekV3ForCausalLM written by transformers
+"""DeepSeek-V3 through the fine-tuning stages (rendered by the real CLI, run here): full SFT of a tiny DeepseekV3ForCausalLM written by transformers
 (fine_tuning=hf/sft_demo: its config.json decides architecture deepseek_v3, the latent attention, YaRN with
 mscale, the dense first layer and the grouped, biased, scaled experts with a shared one), 2 steps, exported in the
 same command; transformers loads the export with no missing or unexpected key, and its logits are ours on the
 same weights read back. LoRA (peft=hf/sft_demo) on the latent attention the same way, exported merged and as a PEFT
-adapter that `peft` loads on the base."""
+adapter that `peft` loads on the base. Each command is rendered by the launcher (--dry-run), its ranks forked from
+this process and its conversion run in it (launch_helpers.stages_here); the refused LoRA is a real launch."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import json
 import pytest
 import torch
 
+from tests.checkpoint.launch_helpers import stages_here
 from tests.fine_tuning.test_fine_tuning_pipeline import _demo, _stage
 from tests.fine_tuning.test_gpt_oss_fine_tuning import STEPS, fine_tune_and_export, loads_as_ours, save_with_tokenizer
 from tests.launcher.helpers import nxdt
@@ -37,7 +39,7 @@ def _hf_deepseek_v3(directory, vocab: int, data):
     return save_with_tokenizer(model, directory, data)
 
 
-@pytest.mark.long("SFT of a Hugging Face DeepSeek-V3 through the CLI, exported and checked in transformers")
+@pytest.mark.long("SFT of a Hugging Face DeepSeek-V3 (rendered by the CLI), exported and checked in transformers")
 def test_fine_tunes_deepseek_v3_and_exports_what_transformers_loads(tmp_path):
     base, config, theirs = fine_tune_and_export(tmp_path, _hf_deepseek_v3, transformers.DeepseekV3ForCausalLM)
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["q_lora_rank"] == 24
@@ -46,7 +48,7 @@ def test_fine_tunes_deepseek_v3_and_exports_what_transformers_loads(tmp_path):
                        base.model.layers[1].mlp.gate.e_score_correction_bias)
 
 
-@pytest.mark.long("LoRA of a Hugging Face DeepSeek-V3 through the CLI, exported merged and as a PEFT adapter")
+@pytest.mark.long("LoRA of a Hugging Face DeepSeek-V3 (rendered by the CLI), exported merged and as a PEFT adapter")
 def test_lora_of_deepseek_v3_exports_what_transformers_and_peft_load(tmp_path):
     """peft=hf/sft_demo with the usual groups (qkv_proj, attention_dense: q_a, q_b, kv_a, kv_b and o), 2 steps,
     exported merged with base/ and adapter/ beside it in the same command: transformers loads the merged model with
@@ -54,11 +56,11 @@ def test_lora_of_deepseek_v3_exports_what_transformers_and_peft_load(tmp_path):
     peft_lib = pytest.importorskip("peft")
     vocab = _demo(tmp_path / "data")
     base = _hf_deepseek_v3(tmp_path / "hf_base", vocab, tmp_path / "data")
-    run = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
-               "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
-               *_stage("peft", f"model.restore_from_path={tmp_path}/hf_base",
-                       "model.peft.target_modules=[qkv_proj,attention_dense]", *STEPS), cwd=tmp_path, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stages_here(["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
+                 "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
+                 *_stage("peft", f"model.restore_from_path={tmp_path}/hf_base",
+                         "model.peft.target_modules=[qkv_proj,attention_dense]", *STEPS)],
+                tmp_path, tmp_path / "results" / "hf_sft_demo_lora", "peft")
     exported = tmp_path / "results" / "hf_sft_demo_lora" / "conversion" / "hf_model"
     adapter = json.loads((exported / "adapter" / "adapter_config.json").read_text())
     assert adapter["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]

@@ -1,7 +1,7 @@
 """The fine-tuning stages end to end through the real CLI: full SFT from a Hugging Face Qwen3 directory written by
 transformers (fine_tuning=hf/sft_demo: its config.json and tokenizer decide), exported; LoRA from that run's own
-checkpoint, exported merged and as a PEFT adapter that `peft` loads; and stages=[data_preparation,fine_tuning] on
-two nodes of the real 3-node Slurm cluster."""
+checkpoint (rendered by the CLI, run in this process), exported merged and as a PEFT adapter that `peft` loads; and
+stages=[data_preparation,fine_tuning] on two nodes of the real 3-node Slurm cluster."""
 from __future__ import annotations
 
 import json
@@ -17,6 +17,7 @@ from runtime.models import ModelConfig, build_model
 from runtime.schema.chat import ChatTokenizer
 from runtime.schema.rules import padded_vocab_size
 from runtime.sft.synthetic import write_demo
+from tests.checkpoint.launch_helpers import stages_here
 from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
@@ -86,14 +87,14 @@ def test_fine_tunes_a_hugging_face_qwen3_then_lora_from_our_checkpoint(tmp_path)
     _answers_as_the_runtime_does(exported, tmp_path / "data" / "sft_demo" / "test.jsonl")
 
     # 2. LoRA from that run's own checkpoint (weights only; the export's config.json and tokenizer say what model
-    # it holds), exported merged and as a PEFT adapter.
+    # it holds), exported merged and as a PEFT adapter. Rendered by the launcher (--dry-run), its rank forked from this
+    # process and its conversion run in it (stages_here): the launch of the two stages is step 1's.
     peft_lib = pytest.importorskip("peft")
-    lora = nxdt(*common, "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
-                *_stage("peft", f"model.restore_from_path={run}/fine_tuning/checkpoints",
-                        f"model.model_config={exported}/config.json", f"model.tokenizer.model={exported}/tokenizer.json"),
-                cwd=tmp_path, timeout=900)
-    assert lora.returncode == 0, lora.stdout[-3000:] + lora.stderr[-3000:]
     lora_run = tmp_path / "results" / "hf_sft_demo_lora"
+    stages_here([*common, "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
+                 *_stage("peft", f"model.restore_from_path={run}/fine_tuning/checkpoints",
+                         f"model.model_config={exported}/config.json",
+                         f"model.tokenizer.model={exported}/tokenizer.json")], tmp_path, lora_run, "peft")
     checkpoint = sorted((lora_run / "peft" / "checkpoints").glob("step_*"))[-1]
     saved = sum(p.stat().st_size for p in checkpoint.rglob("*.pt"))
     assert saved < 2_000_000, f"a LoRA checkpoint holds the adapters alone ({saved} bytes)"

@@ -1,8 +1,10 @@
-"""Gemma 3 through the fine-tuning stage end to end (the real CLI): a tiny Gemma3ForCausalLM written by transformers
+"""Gemma 3 through the fine-tuning stage end to end (rendered by the real CLI, run here): a tiny Gemma3ForCausalLM written by transformers
 (sliding-window layers with a window shorter than the rows, sandwich norms, GeGLU, a tied head) fine-tuned 2 steps
 by fine_tuning=hf/sft_demo and exported in the same command: transformers loads the export with no missing or
 unexpected key, and its logits are ours for the same weights. Then LoRA (peft=hf/sft_demo) from the same directory,
-exported merged and as a PEFT adapter: `peft` on the base gives the merged model's logits."""
+exported merged and as a PEFT adapter: `peft` on the base gives the merged model's logits. Each command is rendered by the launcher (--dry-run),
+its ranks forked from this process and its conversion run in it (launch_helpers.stages_here): what is under test is
+what the stages compute from a Gemma 3 and export, the launch itself test_fine_tuning_pipeline's."""
 from __future__ import annotations
 
 import json
@@ -13,8 +15,8 @@ import torch
 
 from runtime.convert import load_hf_directory
 from runtime.models import ModelConfig, build_model
+from tests.checkpoint.launch_helpers import stages_here
 from tests.fine_tuning.test_fine_tuning_pipeline import SHORT, _demo
-from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,12 +36,11 @@ def test_fine_tunes_a_hugging_face_gemma3_and_exports_it(tmp_path):
         shutil.copyfile(tmp_path / "data" / "sft_demo" / name, tmp_path / "hf_base" / name)
 
     short = [o for o in SHORT if not o.startswith(("trainer.max_steps", "trainer.val_check_interval"))]
-    run = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
-               "stages=[fine_tuning,conversion]", "fine_tuning=hf/sft_demo",
-               *[f"fine_tuning.{o}" for o in [*short, "trainer.max_steps=2", "trainer.val_check_interval=2",
-                                                f"model.restore_from_path={tmp_path}/hf_base"]],
-               cwd=tmp_path, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stages_here(["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
+                 "stages=[fine_tuning,conversion]", "fine_tuning=hf/sft_demo",
+                 *[f"fine_tuning.{o}" for o in [*short, "trainer.max_steps=2", "trainer.val_check_interval=2",
+                                                  f"model.restore_from_path={tmp_path}/hf_base"]]],
+                tmp_path, tmp_path / "results" / "hf_sft_demo", "fine_tuning")
     exported = tmp_path / "results" / "hf_sft_demo" / "conversion" / "hf_model"
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
 
@@ -56,12 +57,11 @@ def test_fine_tunes_a_hugging_face_gemma3_and_exports_it(tmp_path):
 
     # LoRA from the same Hugging Face directory, exported merged and as a PEFT adapter that `peft` loads on the base.
     peft_lib = pytest.importorskip("peft")
-    lora = nxdt("cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
-                "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
-                *[f"peft.{o}" for o in [*short, "trainer.max_steps=2", "trainer.val_check_interval=2",
-                                         f"model.restore_from_path={tmp_path}/hf_base"]],
-                cwd=tmp_path, timeout=900)
-    assert lora.returncode == 0, lora.stdout[-3000:] + lora.stderr[-3000:]
+    stages_here(["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results",
+                 "stages=[peft,conversion]", "peft=hf/sft_demo", "conversion.lora=both",
+                 *[f"peft.{o}" for o in [*short, "trainer.max_steps=2", "trainer.val_check_interval=2",
+                                          f"model.restore_from_path={tmp_path}/hf_base"]]],
+                tmp_path, tmp_path / "results" / "hf_sft_demo_lora", "peft")
     merged_dir = tmp_path / "results" / "hf_sft_demo_lora" / "conversion" / "hf_model"
     with torch.no_grad():
         merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()(ids).logits

@@ -1,7 +1,9 @@
-"""GPT-OSS through the real CLI: full SFT of a tiny GptOssForCausalLM written by transformers
+"""GPT-OSS through the fine-tuning stage (rendered by the real CLI, run here): full SFT of a tiny GptOssForCausalLM written by transformers
 (fine_tuning=hf/sft_demo: its config.json decides architecture gpt_oss, the sliding window and layer types, YaRN,
 the experts), 2 steps, exported in the same command; transformers loads the export with no missing or unexpected
-key, and its logits are ours on the same weights read back."""
+key, and its logits are ours on the same weights read back. The command is rendered by the launcher (--dry-run), its
+ranks forked from this process and its conversion run in it (launch_helpers.stages_here): what is under test is what
+the stages compute from the family and export, the launch itself test_fine_tuning_pipeline's."""
 from __future__ import annotations
 
 import json
@@ -11,8 +13,8 @@ import torch
 
 from runtime.convert import load_hf_directory
 from runtime.models import ModelConfig, build_model
+from tests.checkpoint.launch_helpers import stages_here
 from tests.fine_tuning.test_fine_tuning_pipeline import SHORT, _demo, _stage
-from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
 STEPS = ["trainer.max_steps=2", "trainer.val_check_interval=2"]
@@ -38,16 +40,15 @@ def save_with_tokenizer(model, directory, data):
 
 
 def fine_tune_and_export(tmp_path, make_base, model_class):
-    """`make_base(directory, vocab, data)` written, fine-tuned 2 steps and exported through the CLI: transformers
+    """`make_base(directory, vocab, data)` written, fine-tuned 2 steps and exported (stages_here): transformers
     loads the export with no missing or unexpected key, its logits are ours on the weights read back, and not the
     base's. Returns the base model, the export's config.json and transformers' model of it."""
     vocab = _demo(tmp_path / "data")
     base = make_base(tmp_path / "hf_base", vocab, tmp_path / "data")
     common = ["cluster_type=local", f"data_dir={tmp_path}/data", f"base_results_dir={tmp_path}/results"]
-    run = nxdt(*common, "stages=[fine_tuning,conversion]", "fine_tuning=hf/sft_demo",
-               *_stage("fine_tuning", f"model.restore_from_path={tmp_path}/hf_base", *STEPS), cwd=tmp_path,
-               timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stages_here([*common, "stages=[fine_tuning,conversion]", "fine_tuning=hf/sft_demo",
+                 *_stage("fine_tuning", f"model.restore_from_path={tmp_path}/hf_base", *STEPS)],
+                tmp_path, tmp_path / "results" / "hf_sft_demo", "fine_tuning")
     exported = tmp_path / "results" / "hf_sft_demo" / "conversion" / "hf_model"
     config = json.loads((exported / "config.json").read_text())
     theirs, ids = loads_as_ours(exported, model_class, vocab)
@@ -71,7 +72,7 @@ def loads_as_ours(exported, model_class, vocab: int):
     return theirs, ids
 
 
-@pytest.mark.long("SFT of a Hugging Face GPT-OSS through the CLI, exported and checked in transformers")
+@pytest.mark.long("SFT of a Hugging Face GPT-OSS (rendered by the CLI), exported and checked in transformers")
 def test_fine_tunes_gpt_oss_and_exports_what_transformers_loads(tmp_path):
     base, config, _ = fine_tune_and_export(tmp_path, _hf_gpt_oss, transformers.GptOssForCausalLM)
     assert config["architectures"] == ["GptOssForCausalLM"] and config["layer_types"] == base.config.layer_types

@@ -17,7 +17,7 @@ from runtime.finetune import load_pretrained
 from runtime.models import build_model
 from runtime.schema.training import parse_model
 from runtime.sft.synthetic import write_demo
-from tests.checkpoint.launch_helpers import convert_rendered, train_rendered
+from tests.checkpoint.launch_helpers import stages_here
 from tests.launcher.helpers import nxdt
 
 transformers = pytest.importorskip("transformers")
@@ -49,14 +49,10 @@ def test_fine_tunes_and_exports_a_600_token_model_under_tp2(tmp_path):
     overrides = ["cluster_type=local", f"data_dir={data}", f"base_results_dir={tmp_path}/results",
                  "fine_tuning=hf/sft_demo", f"fine_tuning.model.restore_from_path={tmp_path}/hf",
                  *(f"fine_tuning.{o}" for o in SHORT)]
-    # The dry run renders the stage; its two ranks are forked from this process (the launch through torchrun is
-    # tests/fine_tuning/test_fine_tuning_pipeline.py's).
-    stages = "stages=[fine_tuning,conversion]"
-    dry = nxdt(stages, *overrides, "--dry-run", cwd=tmp_path, timeout=600)
-    assert dry.returncode == 0, dry.stdout[-3000:] + dry.stderr[-3000:]
+    # The dry run renders the stages; the fine-tuning's two ranks are forked from this process and the conversion's
+    # command runs in it (the launch through torchrun is tests/fine_tuning/test_fine_tuning_pipeline.py's).
     run = tmp_path / "results" / "hf_sft_demo"
-    assert train_rendered(run / "fine_tuning" / "fine_tuning_config.yaml", "fine_tuning") == [0, 0]
-    convert_rendered([stages, *overrides], tmp_path, run / "conversion")  # the stage's command, in this process
+    assert stages_here(["stages=[fine_tuning,conversion]", *overrides], tmp_path, run, "fine_tuning") == [0, 0]
 
     exported = run / "conversion" / "hf_model"
     assert json.loads((exported / "config.json").read_text())["vocab_size"] == VOCAB

@@ -1,15 +1,14 @@
-# The training entry point with pipeline parallelism: torchrun with 2 CPU processes, pp=2 x vpp=2 (interleaved
-# 1F1B, forward-only interleaved validation), against the single-process run on the same data and config.
+# The training entry point with pipeline parallelism: 2 CPU processes, pp=2 x vpp=2 (interleaved 1F1B, forward-only
+# interleaved validation), against the single-process run on the same data and config. Both are runtime.train's own
+# main() in ranks forked from this process (tests/checkpoint/launch_helpers.train_here): what is under test is the
+# pipelined run's numbers; starting under torchrun is tests/runtime_train/test_train_end_to_end.py's.
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from tests.runtime_train.helpers import REPO, build_tokenizer, reference_training_config, write_mmidx
+from tests.runtime_train.helpers import build_tokenizer, reference_training_config, write_mmidx
 
 NUM_WORDS = 64
 
@@ -32,12 +31,11 @@ def _config(root, *, devices, pp, vpp, name):
     return path
 
 
-def _run(config, nproc):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "runtime.train", "--config", str(config)]
-    if nproc > 1:
-        command[1:2] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def _run(config, nproc) -> None:
+    from tests.checkpoint.launch_helpers import train_here
+    from tests.runtime_parallel.dist_utils import run_distributed
+
+    assert run_distributed(train_here, nproc, args=(str(config), "training")) == [0] * nproc
 
 
 def _records(results):
@@ -46,16 +44,14 @@ def _records(results):
 
 
 @pytest.mark.slow
-def test_torchrun_pp2_vpp2_matches_single_process(tmp_path):
+def test_pp2_vpp2_run_matches_single_process(tmp_path):
     build_tokenizer(tmp_path / "tokenizer.json", [f"w{i}" for i in range(NUM_WORDS)])
     rng = np.random.default_rng(0)
     docs = [(rng.integers(NUM_WORDS) + rng.choice((1, 3)) * np.arange(rng.integers(40, 90))) % NUM_WORDS + 1
             for _ in range(120)]
     write_mmidx(tmp_path / "corpus", docs)
-    single = _run(_config(tmp_path, devices=1, pp=1, vpp=None, name="single"), nproc=1)
-    assert single.returncode == 0, single.stderr[-3000:]
-    piped = _run(_config(tmp_path, devices=2, pp=2, vpp=2, name="pp2_vpp2"), nproc=2)
-    assert piped.returncode == 0, piped.stdout[-3000:] + piped.stderr[-3000:]
+    _run(_config(tmp_path, devices=1, pp=1, vpp=None, name="single"), nproc=1)
+    _run(_config(tmp_path, devices=2, pp=2, vpp=2, name="pp2_vpp2"), nproc=2)
     (train_a, val_a), (train_b, val_b) = _records(tmp_path / "single"), _records(tmp_path / "pp2_vpp2")
     assert [r["step"] for r in train_a] == [r["step"] for r in train_b] == list(range(1, 7))
     for a, b in zip(train_a, train_b):

@@ -76,12 +76,27 @@ def workdir(tmp_path_factory):
     return root, vocab
 
 
+def _run_forked(config, nproc, capfd):
+    """runtime.train's main() in `nproc` ranks forked from this process (tests/checkpoint/launch_helpers.train_here),
+    its output as _run's: a torch import per rank and torchrun's own saved where the launch is not under test."""
+    from tests.checkpoint.launch_helpers import train_here
+    from tests.runtime_parallel.dist_utils import run_distributed
+
+    capfd.readouterr()
+    codes = run_distributed(train_here, nproc, args=(str(config), "training"))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([], 0 if codes == [0] * nproc else 1, out, err)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture, tp", [("gpt", 1), ("llama", 2)])
-def test_torchrun_two_processes_learns(workdir, reference_config, architecture, tp):
+# GPT under torchrun (the launch: one line printed once, warnings once per run); the Llama at tp 2 in forked ranks,
+# the same entry point and checks, without torchrun's and two fresh interpreters' torch imports.
+@pytest.mark.parametrize("architecture, tp, torchrun", [("gpt", 1, True), ("llama", 2, False)])
+def test_torchrun_two_processes_learns(workdir, reference_config, capfd, architecture, tp, torchrun):
     root, vocab = workdir
     name = f"{architecture}_tp{tp}"
-    result = _run(_config(root, reference_config, architecture, tp=tp, devices=2, name=name), nproc=2)
+    config = _config(root, reference_config, architecture, tp=tp, devices=2, name=name)
+    result = _run(config, nproc=2) if torchrun else _run_forked(config, 2, capfd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     train, val = _records(root / name)
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
