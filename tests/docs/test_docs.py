@@ -11,6 +11,8 @@ The marker on the line before a block says how it runs:
   `cluster-validate --show` act on what a real launch recorded, so the CLI parses them (every option and argument
   checked) without running them. The block's other commands (ssh, `source` of the cluster's venv, git clone) are
   the cluster's and are not run.
+- `<!-- dry-run: REASON -->`: a local command whose run the suite makes elsewhere (the reason names where): its
+  `nxdt-launch` commands run here with `--dry-run` appended, the block's other commands as written.
 - `<!-- not-run: REASON -->`: not run; the reason is required.
 A fence marked sh, shell, console or zsh is refused: commands go in ```bash blocks. A plain ``` block is a
 synopsis or output, and is not run.
@@ -42,7 +44,8 @@ from tests.launcher.helpers import REPO
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
 DRY_RUN = "<!-- cluster: dry-run -->"
 NOT_RUN = re.compile(r"^<!--\s*not-run:(.*)-->$")
-MARKER = re.compile(r"^<!--\s*(cluster|not-run)\b.*-->$")
+DRY_RUN_HERE = re.compile(r"^<!--\s*dry-run:(.*)-->$")
+MARKER = re.compile(r"^<!--\s*(cluster|not-run|dry-run)\b.*-->$")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 # Parts of a checkout the docs name by relative path; a block's directory links them, and owns everything else.
 CHECKOUT = ("benchmarks", "conf", "csp_tools", "docs", "launcher", "runtime", "templates", "tests", "pyproject.toml")
@@ -112,12 +115,14 @@ def parse(doc: Path) -> tuple[list[Block], list[str]]:
         mode, reason = "run", ""
         if before == DRY_RUN:
             mode = "dry-run"
-        elif match := NOT_RUN.match(before):
-            mode, reason = "not-run", match.group(1).strip()
+        elif match := NOT_RUN.match(before) or DRY_RUN_HERE.match(before):
+            mode, reason = "not-run" if before.removeprefix("<!--").strip().startswith("not-run") else "dry-run-here", \
+                match.group(1).strip()
             if not reason:
-                problems.append(f"{_where(doc, i + 1)}: `not-run:` needs its reason")
+                problems.append(f"{_where(doc, i + 1)}: `{mode.removesuffix('-here')}:` needs its reason")
         elif MARKER.match(before):
-            problems.append(f"{_where(doc, i + 1)}: unknown marker {before!r}; use {DRY_RUN} or <!-- not-run: REASON -->")
+            problems.append(f"{_where(doc, i + 1)}: unknown marker {before!r}; use {DRY_RUN}, "
+                            f"<!-- dry-run: REASON --> or <!-- not-run: REASON -->")
         commands, pending, start = [], "", 0
         for offset, raw in enumerate(body):
             if not pending:
@@ -269,7 +274,8 @@ def run_command(box: Sandbox, command: Command, mode: str) -> list[str]:
             if mode == "dry-run" and (sub in RECORD_READERS or (sub == "cluster-validate" and "--show" in argv)):
                 code, output = _parse_only(argv)
             else:
-                if mode == "dry-run" and "--dry-run" not in argv and "--help" not in argv and _takes_dry_run(argv):
+                if mode.startswith("dry-run") and "--dry-run" not in argv and "--help" not in argv \
+                        and _takes_dry_run(argv):
                     argv.append("--dry-run")
                 code, output = box.nxdt(argv, box.cluster_env if mode == "dry-run" else box.env)
             part = shlex.join(["nxdt-launch", *argv])
@@ -299,14 +305,18 @@ def test_the_convention_is_checked(tmp_path):
         "<!-- cluster: dry-run -->", "```bash", "nxdt-launch stages=[training] \\", "    training=llama/tiny  # a comment",
         "```", "<!-- not-run: -->", "```bash", "pip install x", "```", "```sh", "nxdt-launch status", "```",
         "<!-- not-run: needs AWS -->", "prose", "```bash", "echo '#not a comment' && true", "```",
+        "<!-- dry-run: trained by test_x -->", "```bash", "nxdt-launch training.trainer.max_steps=20", "```",
+        "<!-- dry-run: -->", "```bash", "nxdt-launch", "```",
     ])
     probe = tmp_path / "probe.md"
     probe.write_text(text)
     blocks, problems = parse(probe.resolve())
-    assert [b.mode for b in blocks] == ["dry-run", "not-run", "run"]
+    assert [b.mode for b in blocks] == ["dry-run", "not-run", "run", "dry-run-here", "dry-run-here"]
+    assert blocks[3].reason == "trained by test_x"
     assert blocks[0].commands[0].text.split() == ["nxdt-launch", "stages=[training]", "training=llama/tiny"]
     assert blocks[0].commands[0].line == 3
     assert blocks[2].commands[0].text == "echo '#not a comment' && true"
     assert _split(blocks[2].commands[0].text) == ["echo '#not a comment'", "true"]
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
     assert "needs its reason" in problems[0] and "```bash blocks" in problems[1] and "marker must come" in problems[2]
+    assert problems[3].endswith("`dry-run:` needs its reason")
