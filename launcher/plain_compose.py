@@ -150,25 +150,39 @@ class Files:
 
     def load(self, path: str) -> tuple[dict, list]:
         if path not in self.read:
-            import yaml
-
-            if not _LOADER:
-                _LOADER.append(_loader())
-            file = self.root / f"{path}.yaml"
             try:
-                text = file.read_text(encoding="utf-8")
-                data = yaml.load(text, Loader=_LOADER[0])
-            except (OSError, UnicodeError, yaml.YAMLError):
+                text = (self.root / f"{path}.yaml").read_text(encoding="utf-8")
+            except (OSError, UnicodeError):
                 raise Unsupported(path) from None
-            if HEADER.search(text[:512]) or not isinstance(data if data is not None else {}, dict):
-                raise Unsupported(path)  # a `# @package` header, or not a mapping
-            data = data or {}
-            defaults = data.pop("defaults", [])
-            if not isinstance(defaults, list) or not _plain(data):
-                raise Unsupported(path)
-            self.read[path] = data, defaults
+            if text not in _PARSED:
+                _PARSED[text] = _parse(text, path)
+            self.read[path] = _PARSED[text]
         config, defaults = self.read[path]
         return _copy(config), defaults
+
+
+# A file's text -> what load() makes of it, for every compose of this process: the reading depends on the text
+# alone (read again each time, so a changed file is parsed again), and load() hands out copies. A process that
+# composes many times (a test session, tab completion) parses each file once.
+_PARSED: dict[str, tuple[dict, list]] = {}
+
+
+def _parse(text: str, path: str) -> tuple[dict, list]:
+    import yaml
+
+    if not _LOADER:
+        _LOADER.append(_loader())
+    try:
+        data = yaml.load(text, Loader=_LOADER[0])
+    except yaml.YAMLError:
+        raise Unsupported(path) from None
+    if HEADER.search(text[:512]) or not isinstance(data if data is not None else {}, dict):
+        raise Unsupported(path)  # a `# @package` header, or not a mapping
+    data = data or {}
+    defaults = data.pop("defaults", [])
+    if not isinstance(defaults, list) or not _plain(data):
+        raise Unsupported(path)
+    return data, defaults
 
 
 # --- the defaults list, in Hydra's order -----------------------------------------------------------------------
