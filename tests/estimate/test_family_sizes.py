@@ -33,11 +33,12 @@ GPT_OSS = dict(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_
 GEMMA3 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=64,
               layer_types=["sliding_attention", "sliding_attention", "full_attention"], max_position_embeddings=256)
-TINY = {"deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DEEPSEEK_V3),
-        "deepseek_v3_q_proj": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
-                               {**DEEPSEEK_V3, "q_lora_rank": None}),
-        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, GPT_OSS),
-        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3)}
+# transformers' classes by name: reaching one loads its modeling module (and transformers' model stack, ~5 s), which
+# collection on every worker would otherwise pay.
+TINY = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3),
+        "deepseek_v3_q_proj": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DEEPSEEK_V3, "q_lora_rank": None}),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3)}
 
 
 def _numel(model: torch.nn.Module) -> int:
@@ -49,7 +50,8 @@ def test_the_count_is_the_built_models(name):
     """The estimate's total is sum(numel) of the model the runtime builds from the config.json, and of
     transformers' own model of it (plus DeepSeek's e_score_correction_bias, a buffer there and a parameter here:
     both are in the checkpoint). Every tensor-parallel rank's share adds up too, with what it holds whole."""
-    config_class, model_class, values = TINY[name]
+    config_name, model_name, values = TINY[name]
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_class(**values)
     cfg = ModelConfig.from_model_section(hf_model_keys(config.to_dict()), tokenizer_vocab_size=128)
     with torch.device("meta"):
