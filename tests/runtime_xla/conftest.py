@@ -5,9 +5,10 @@ pays torch's import, ~4 s of CPU, and an XLA one torch-xla's too, ~11 s, and its
   config with its own model, data and results; one process, world 1, as `python -m runtime.train` runs each);
 - one XLA process runs the launcher's compile step of the GPT run, then the Llama and GPT-OSS runs, filling XLA's
   persistent cache; a second runs the GPT run itself with a save held in flight each time (gated_save.py; the
-  runtime's own streamed save), against that cache;
+  runtime's own streamed save), against that cache, then its reference with the whole host copy at each save;
 - one torchrun launch trains the four two-process layouts (test_xla.py two_processes)."""
 
+import json
 import os
 
 import pytest
@@ -52,14 +53,16 @@ def single_process(data, tmp_path_factory):
 
     The first runs the launcher's compile step of the GPT run (launcher/config.py cut_to_steps: what the job script
     runs under neuron_parallel_compile before training), then the Llama and GPT-OSS runs. The second runs the GPT run
-    (gated_save.py streamed: the runtime's own save, each held in flight over the next update; test_streamed_save_xla
-    checks what it wrote). Returns the configs, the cache's entries after the first process and after the second,
-    and the gated run's record."""
+    (gated_save.py streamed: the runtime's own save, each held in flight over the next update), then, once the cache's
+    entries are listed, the same run again with the whole host copy at each save (gated_save.py whole: the streamed
+    save's reference, test_streamed_save_xla.py). Returns the configs, the cache's entries after the first process
+    and after the GPT run, and the two GPT runs' records."""
     from launcher.config import cut_to_steps
 
     configs = {"gpt": _config(data, "xla_gpt", accelerator="neuron"),
                "llama": _config(data, "xla_llama", accelerator="neuron", arch="llama", **FAMILY),
-               "gpt_oss": _config(data, "xla_gpt_oss", accelerator="neuron", arch="llama", **GPT_OSS)}
+               "gpt_oss": _config(data, "xla_gpt_oss", accelerator="neuron", arch="llama", **GPT_OSS),
+               "whole": _config(data, "xla_gpt_whole", accelerator="neuron")}
     trial = data / "xla_gpt_compile.yaml"
     trial.write_text(yaml.safe_dump(cut_to_steps(yaml.safe_load(configs["gpt"].read_text()), 3,
                                                  str(data / "compile"))))
@@ -67,6 +70,8 @@ def single_process(data, tmp_path_factory):
     env = {"NXDT_XLA_CACHE_DIR": str(cache)}
     _launch(["-m", "tests.runtime_xla.suite", str(trial), str(configs["llama"]), str(configs["gpt_oss"])], 1, env)
     after_compile = set(os.listdir(cache))
-    record = data / "xla_gpt_saves.json"
-    _launch(["-m", "tests.runtime_xla.gated_save", "streamed", str(record), str(configs["gpt"])], 1, env)
-    return configs, after_compile, set(os.listdir(cache)), record
+    records = {"streamed": data / "xla_gpt.json", "whole": data / "xla_gpt_whole.json"}
+    _launch(["-m", "tests.runtime_xla.gated_save", "streamed", str(records["streamed"]), str(configs["gpt"]),
+             "whole", str(records["whole"]), str(configs["whole"])], 1, env)
+    records = {mode: json.loads(path.read_text()) for mode, path in records.items()}
+    return configs, after_compile, set(records["streamed"]["cache"]), records

@@ -6,15 +6,12 @@ staged part of the state (tests/runtime_xla/gated_save.py), so every save is in 
 Checked against the whole host copy at the save (the way before issue 56, an independent path): the same losses,
 bit for bit, and the same checkpoints, bit for bit; the save runs no graph and no transfer on the training thread,
 the step's graphs are the same with a save in flight, and every buffer is transferred once."""
-import json
-
 import pytest
 import torch
 
 from runtime.checkpoint import full_tensors, open_storage, read_rank_files
 from runtime.checkpoint.manager import committed_checkpoints
-from tests.runtime_xla.harness import (EVERY, STEPS, _assert_fixed_graphs, _config, _launch, _losses,
-                                       skip_without_torch_xla)
+from tests.runtime_xla.harness import EVERY, STEPS, _assert_fixed_graphs, _losses, skip_without_torch_xla
 
 pytestmark = pytest.mark.xla
 skip_without_torch_xla()
@@ -29,16 +26,14 @@ def _checkpoints(config) -> dict:
     return {c.step: full_tensors(read_rank_files(storage, c)) for c in committed_checkpoints(storage)}
 
 
-@pytest.mark.long("two XLA:CPU runs of the GPT model (the streamed one shared with test_xla.py's GPT run; each imports "
-                  "torch-xla and compiles its step and validation)")
-def test_a_streamed_save_on_xla_writes_what_a_whole_copy_writes_and_changes_no_graph(data, single_process, tmp_path):
-    streamed, record = single_process[0]["gpt"], single_process[3]
-    whole = _config(data, "save_whole", accelerator="neuron")
-    _launch(["-m", "tests.runtime_xla.gated_save", "whole", str(tmp_path / "save_whole.json"), str(whole)])
+@pytest.mark.long("the GPT XLA runs of test_xla.py (conftest.py single_process): the streamed one, and its reference "
+                  "after it in the same process, each compiling its graphs after the compile step's process")
+def test_a_streamed_save_on_xla_writes_what_a_whole_copy_writes_and_changes_no_graph(single_process):
+    configs, _, _, records = single_process
+    streamed, whole, record = configs["gpt"], configs["whole"], records["streamed"]
     assert _losses(streamed) == _losses(whole) and len(_losses(streamed)) == STEPS
     _assert_fixed_graphs(streamed)  # the save: no graph, no transfer; the step after it: the same graphs
-    record = json.loads(record.read_text())
-    # Saves at steps 3 and 6 (async, each overlapped by the next update, which staged part of it) and 9 (sync).
+    # Saves at steps 2 and 4 (async, each overlapped by the next update, which staged part of it) and 6 (sync).
     assert len(record["staged"]) == STEPS // EVERY and all(s > 0 for s in record["staged"][:-1]), record
     assert record["writer_transfers"] == sum(record["buffers"]), record  # each buffer once, whole
     mine, reference = _checkpoints(streamed), _checkpoints(whole)

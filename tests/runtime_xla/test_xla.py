@@ -2,7 +2,7 @@
 Neuron compiler. These tests run in the separate XLA environment (csp_tools/xla_venv.sh; .ci/run does it);
 in the main environment, where torch-xla is absent, they are skipped, unless NXDT_REQUIRE_XLA=1.
 
-Each run trains 9 steps with a validation and a checkpoint save every 3, every step logged, gradient clipping
+Each run trains 6 steps with a validation and a checkpoint save every 2, every step logged, gradient clipping
 active on some steps and not on others, and checks two things against one CPU process: the losses (exactness), and
 what the device ran (runtime/graphs.py's counts in metrics.jsonl): after the warm-up (the first step, validation,
 save and logged read) no graph is compiled again, and each steady step runs the same graphs and transfers.
@@ -15,9 +15,9 @@ on host copies, each of which ends a graph: a step of theirs runs a fixed number
 
 import pytest
 
+from tests.runtime_train.helpers import REPO
 from tests.runtime_xla.harness import (EVERY, LAYOUTS, STEPS, _assert_fixed_graphs, _assert_matches, _config, _launch,
                                        _losses, _rows, skip_without_torch_xla)
-from tests.runtime_train.helpers import REPO
 
 pytestmark = pytest.mark.xla
 skip_without_torch_xla()
