@@ -83,7 +83,7 @@ def _launch(program: list[str], nproc: int = 1, extra_env: dict | None = None, *
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()
     # Every process imports torch (and torch-xla with torch's compiler stack: ~2,700 modules). Where bytecode is
     # not written (PYTHONDONTWRITEBYTECODE; the XLA venv then has none either) each would compile them all again,
-    # 5-10 s of CPU apiece: the module's processes share one bytecode cache in its temporary directory instead.
+    # 5-10 s of CPU apiece: the package's processes share one bytecode cache in its temporary directory instead.
     if env.pop("PYTHONDONTWRITEBYTECODE", None):
         env.setdefault("PYTHONPYCACHEPREFIX", str(Path(program[-1]).parent / "pycache"))
     prefix = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
