@@ -1,11 +1,14 @@
-"""Several training configs in one torchrun launch on XLA:CPU, as test_xla.py's two-process layouts use it:
+"""Several training configs in one launch: the XLA tests' two-process layouts in one torchrun launch on XLA:CPU,
+their single-process XLA runs in one process, and their CPU references in another (conftest.py):
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.runtime_xla.suite A.yaml B.yaml ...
+    python -m tests.runtime_xla.suite A.yaml B.yaml ...
 
-Each rank imports torch-xla and joins the world once (torch-xla's import alone is ~8 s of CPU per process), then
+Each process imports torch (and torch-xla: ~11 s of CPU together, torch alone ~4 s) and joins the world once, then
 trains each config in turn with the runtime's own train(), the function `python -m runtime.train` runs between
-the same init_device and shutdown. Every config gets its own topology, model, data and results directory; the
-layouts differ, the world (devices, collectives) does not.
+the same init_device and shutdown (each config's losses are bit for bit those of a process of its own). Every
+config gets its own topology, model, data and results directory; the layouts differ, the world (devices,
+collectives) does not.
 """
 from __future__ import annotations
 

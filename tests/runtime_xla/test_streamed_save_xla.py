@@ -6,16 +6,15 @@ staged part of the state (tests/runtime_xla/gated_save.py), so every save is in 
 Checked against the whole host copy at the save (the way before issue 56, an independent path): the same losses,
 bit for bit, and the same checkpoints, bit for bit; the save runs no graph and no transfer on the training thread,
 the step's graphs are the same with a save in flight, and every buffer is transferred once."""
-import json
-
 import pytest
 import torch
 
 from runtime.checkpoint import full_tensors, open_storage, read_rank_files
 from runtime.checkpoint.manager import committed_checkpoints
-from tests.runtime_xla.test_xla import EVERY, STEPS, _assert_fixed_graphs, _config, _launch, _losses, data  # noqa: F401
+from tests.runtime_xla.harness import EVERY, STEPS, _assert_fixed_graphs, _losses, skip_without_torch_xla
 
 pytestmark = pytest.mark.xla
+skip_without_torch_xla()
 
 
 def _checkpoints(config) -> dict:
@@ -27,15 +26,14 @@ def _checkpoints(config) -> dict:
     return {c.step: full_tensors(read_rank_files(storage, c)) for c in committed_checkpoints(storage)}
 
 
-@pytest.mark.long("two XLA:CPU runs of the GPT model (each imports torch-xla and compiles its step and validation)")
-def test_a_streamed_save_on_xla_writes_what_a_whole_copy_writes_and_changes_no_graph(data, tmp_path):
-    streamed, whole = (_config(data, f"save_{kind}", accelerator="neuron") for kind in ("streamed", "whole"))
-    for mode, config in (("streamed", streamed), ("whole", whole)):
-        _launch(["-m", "tests.runtime_xla.gated_save", mode, str(tmp_path / f"{config.stem}.json"), str(config)])
+@pytest.mark.long("the GPT XLA runs of test_xla.py (conftest.py single_process): the streamed one, and its reference "
+                  "after it in the same process, each compiling its graphs after the compile step's process")
+def test_a_streamed_save_on_xla_writes_what_a_whole_copy_writes_and_changes_no_graph(single_process):
+    configs, _, _, records = single_process
+    streamed, whole, record = configs["gpt"], configs["whole"], records["streamed"]
     assert _losses(streamed) == _losses(whole) and len(_losses(streamed)) == STEPS
     _assert_fixed_graphs(streamed)  # the save: no graph, no transfer; the step after it: the same graphs
-    record = json.loads((tmp_path / "save_streamed.json").read_text())
-    # Saves at steps 10 and 20 (async, each overlapped by the next update, which staged part of it) and 30 (sync).
+    # Saves at steps 2 and 4 (async, each overlapped by the next update, which staged part of it) and 6 (sync).
     assert len(record["staged"]) == STEPS // EVERY and all(s > 0 for s in record["staged"][:-1]), record
     assert record["writer_transfers"] == sum(record["buffers"]), record  # each buffer once, whole
     mine, reference = _checkpoints(streamed), _checkpoints(whole)
