@@ -13,6 +13,7 @@ from launcher.config import Cluster, parse, parse_cluster
 from launcher.errors import UserError
 from launcher.estimator.compute import flops_per_token
 from launcher.estimator.hardware import HARDWARE
+from tests.estimate.demo_data import demo_shaped_data
 from tests.launcher.helpers import nxdt, resolved
 
 
@@ -181,13 +182,16 @@ def test_overrides_are_hydra_syntax():
     assert driver.override("training.model.optim.lr", 3e-05).endswith("=3e-05")
 
 
-def test_failed_candidate_is_measured_with_its_reason(autoconfig_data_dir, tmp_path):
-    """A real local run that the runtime refuses at start (no GPU here) comes back with the runtime's reason."""
+def test_failed_candidate_is_measured_with_its_reason(tmp_path):
+    """A real local run that the runtime refuses at start (no GPU here) comes back with the runtime's reason. The
+    runtime refuses before it reads a token, so the data is the demo's shape written directly (no data preparation
+    run), and one worker under torchrun is enough to fail the launch."""
+    data_dir = demo_shaped_data(tmp_path / "data")
     candidate = search.Candidate(1, 1, None, 4, None, False, False)
     trial = runner.Trial(search.Ranked(candidate, None), "failing", [
-        "training=gpt3/tiny", "stages=[training]", "cluster_type=local", f"data_dir={autoconfig_data_dir}",
+        "training=gpt3/tiny", "stages=[training]", "cluster_type=local", f"data_dir={data_dir}",
         f"base_results_dir={tmp_path}", "run_name=failing", "training.trainer.accelerator=gpu",
-        "training.trainer.max_steps=2", "training.model.optim.sched.warmup_steps=0"])
+        "training.trainer.devices=1", "training.trainer.max_steps=2", "training.model.optim.sched.warmup_steps=0"])
     runner.submit([trial], produced_by="test")
     runner.run_local(trial, timeout_s=120)
     result = runner.measure(trial)

@@ -17,18 +17,15 @@ repeats (measured: the same peaks to 0.1 MiB with 4 micro-batches per step, at 2
 import contextlib
 import json
 import multiprocessing
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch.distributed as dist
 
 from launcher import launch
 from launcher.estimator import estimate
 from tests.estimate import measure_memory
-from tests.runtime_train.helpers import build_tokenizer, write_mmidx
+from tests.estimate.demo_data import demo_shaped_data
 
-DEMO_VOCAB = 4096  # data_preparation=demo's tokenizer
 SHORT_RUN = ["stages=[training]", "cluster_type=local", "training.trainer.num_nodes=1", "training.trainer.devices=1",
              "training.trainer.max_steps=2", "training.trainer.log_every_n_steps=1",
              "training.model.global_batch_size=${training.model.micro_batch_size}",
@@ -56,23 +53,9 @@ def _measure(configs: list[str], out: str) -> None:
         measure_memory.main(configs)
 
 
-def _demo_shaped_data(root: Path) -> Path:
-    """A data_dir holding demo/ as the tiny recipes read it (tokenizer.json, blend.txt and its token files) with the
-    demo tokenizer's 4096 tokens: the memory of a step depends on the vocabulary's size and the batch's shape, not
-    on which tokens the documents hold, so no data preparation has to run."""
-    demo = root / "demo"
-    demo.mkdir(parents=True)
-    vocab = build_tokenizer(demo / "tokenizer.json", [f"w{i}" for i in range(DEMO_VOCAB - 1)])  # and <unk>
-    assert vocab == DEMO_VOCAB, vocab
-    rng = np.random.default_rng(0)
-    write_mmidx(demo / "corpus", [rng.integers(1, vocab, rng.integers(100, 300)) for _ in range(400)])
-    (demo / "blend.txt").write_text(f"1.0 {demo / 'corpus'}\n")
-    return root
-
-
 @pytest.mark.long("profiles real training steps of every case the estimator is checked against")
 def test_estimated_peak_memory_is_within_15_percent_of_measured(tmp_path):
-    data_dir = _demo_shaped_data(tmp_path / "data")
+    data_dir = demo_shaped_data(tmp_path / "data")
     configs, expected = [], {}
     for index, (name, overrides) in enumerate(CASES):
         plan = launch.make_plan([*overrides, *SHORT_RUN, f"data_dir={data_dir}",
