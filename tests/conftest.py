@@ -30,13 +30,19 @@ def _no_ambient_slurm(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def _launch_cache_dir(tmp_path_factory):
+    """One per run: xdist's workers share it (their base temporaries are folders of the run's), as launches on one
+    machine share the user's; what one composed, or lm-eval's task catalog (~20 s to build), the other reads."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "nxdt-launch-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("nxdt-launch-cache")
 
 
 @pytest.fixture(autouse=True)
 def _own_launch_cache(_launch_cache_dir, monkeypatch):
     """Launches reuse the configs earlier ones composed (launcher/cache.py): the tests' go to a cache of this
-    session's own, never the user's (tests/launcher/test_launch_cache.py gives each of its tests a fresh one)."""
+    run's own, never the user's (tests/launcher/test_launch_cache.py gives each of its tests a fresh one)."""
     monkeypatch.setenv("NXDT_LAUNCH_CACHE", str(_launch_cache_dir))
 
 
