@@ -132,11 +132,12 @@ def _without_hydra(overrides: list[str]) -> dict[str, Any]:
 
 
 def _placed(kept: list[str], given: dict[str, str], salt: str, warnings: list[str],
-            env_reads: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+            env_reads: dict[str, Any], typed: list[str]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(`place`'s record, the config of `kept` resolved with a placeholder at each location): composed without
     Hydra where launcher/plain_compose.py can, else with it. The record is None when a location holds something
     else than text, the config None when it cannot hold placeholders or lacks a key that is `given`. A mistake
-    raises compose.py's UserError."""
+    raises compose.py's UserError, with `as_typed` set where it is the very error that composing `typed`, every
+    override as typed, raises (_as_typed)."""
     from launcher import plain_compose, plain_resolve
 
     try:
@@ -144,8 +145,91 @@ def _placed(kept: list[str], given: dict[str, str], salt: str, warnings: list[st
         return _placed_in(nodes, given, salt, env_reads)
     except Unsupported:
         from launcher.compose import compose, resolve
+        from launcher.errors import UserError
 
-        return _placed_in(placeholders.OmegaConfNodes(compose(kept, warnings), resolve), given, salt, env_reads)
+        trace: dict[str, Any] = {}
+        try:
+            cfg = compose(kept, warnings, trace)
+        except UserError as mistake:
+            mistake.as_typed = _as_typed(trace, kept, typed)
+            raise
+        nodes = placeholders.OmegaConfNodes(cfg, resolve)
+        own = {key: nodes.raw(key) for key in placeholders.KEYS}
+        try:
+            return _placed_in(nodes, given, salt, env_reads)
+        except UserError:
+            # Resolving failed with placeholders at the locations. With one Hydra compose, composing `typed` gives
+            # this config with the locations set as typed (each is a string already: `place`), nothing else: the
+            # resolve of that names the mistake as typed; a mistake only the placeholders made is left to it.
+            if trace["composes"] != 1 or not _locations_sound(typed):
+                raise
+            from omegaconf import OmegaConf
+
+            for key, value in own.items():
+                if value is not placeholders.ABSENT:
+                    nodes.set(key, given.get(key, value))
+            OmegaConf.clear_cache(cfg)
+            try:
+                resolve(cfg)
+            except UserError as mistake:
+                mistake.as_typed = True
+                raise mistake from None
+            raise
+
+
+def _location_overrides(typed: list[str]) -> list[int]:
+    """The positions of the overrides that split_locations takes out."""
+    return [i for i, o in enumerate(typed) if "=" in o and o.partition("=")[0] in placeholders.KEYS]
+
+
+def _locations_sound(typed: list[str]) -> bool:
+    """Whether every location override is one Hydra takes as the plain string typed, sets as a value (not a config
+    group's choice), and compose.check_overrides passes: then it is nowhere a mistake before Hydra sets it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    from launcher.compose import check_overrides
+    from launcher.errors import UserError
+
+    locations = [typed[i] for i in _location_overrides(typed)]
+    parser = OverridesParser.create()
+    for text in locations:
+        key, _, value = text.partition("=")
+        try:
+            parsed = parser.parse_override(text)
+        except Exception:  # Hydra's parse errors have no common base
+            return False
+        if parsed.type != OverrideType.CHANGE or parsed.package is not None or parsed.value() != value \
+                or os.path.exists(conf_dir() / key):
+            return False
+    try:
+        check_overrides(locations)
+    except UserError:
+        return False
+    return True
+
+
+def _as_typed(trace: dict[str, Any], kept: list[str], typed: list[str]) -> bool:
+    """Whether compose.compose(typed) raises exactly the error that compose.compose(kept) raised, `trace` being
+    what the latter told: `typed` is `kept` with sound location overrides (_locations_sound) among them.
+    - check: check_overrides looks at one override at a time, in order, and passes every location;
+    - parse: Hydra parses every override first and names the first it cannot; every location parses;
+    - missing: a config Hydra could not find, in its first compose: the configs it loads are chosen by the
+      config groups' overrides, the same in both, and the same recipe (targets.guess reads no location);
+    - composition, in its first compose, with every location typed after every other override: Hydra sets the
+      overrides in typed order and stops at the first that fails, so before it sets any location.
+    A mistake in a later compose is not: composing `typed`, the first compose could stop at a location first."""
+    if not _locations_sound(typed):
+        return False
+    error = trace.get("error")
+    if error in ("check", "parse"):
+        return True
+    if trace.get("composes") != 1:
+        return False
+    if error == "missing":
+        return True
+    locations = _location_overrides(typed)
+    return error == "composition" and (not kept or not locations or len(kept) <= min(locations))
 
 
 def _placed_in(nodes, given: dict[str, str], salt: str, env_reads: dict[str, Any]):
@@ -159,15 +243,17 @@ def _compose_general(kept: list[str], given: dict[str, str], key: Key, path: Pat
                      overrides: list[str]) -> tuple[dict[str, Any], list[str]] | None:
     """The config of `kept` with a placeholder at each location, stored at `path`, filled with `given`; or None
     (and an entry that says so) when it would not be what a fresh compose gives. A mistake is left to the caller's
-    compose of every override as typed, which names it as always."""
+    compose of every override as typed, which names it as always, unless it is that very error (_as_typed)."""
     from launcher.errors import UserError
     from launcher.resolvers import recording_env
 
     warnings: list[str] = []
     with recording_env() as env_reads:
         try:
-            placed, general = _placed(kept, given, key.digest[:16], warnings, env_reads)
-        except UserError:
+            placed, general = _placed(kept, given, key.digest[:16], warnings, env_reads, overrides)
+        except UserError as mistake:
+            if getattr(mistake, "as_typed", False):
+                raise
             return None
     if placed is not None and not set(given) <= set(placed["placeholders"]):
         return None  # a key this config lacks: the compose of every override names it

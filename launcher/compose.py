@@ -138,10 +138,16 @@ def _type_error(full_key: str, cause: Exception, typed: list[str]) -> UserError:
     return UserError(f"{full_key}: {value} does not fit there ({message})")
 
 
-def compose(overrides: list[str], warnings: list[str] | None = None):
+def compose(overrides: list[str], warnings: list[str] | None = None, trace: dict[str, Any] | None = None):
     """The composed (unresolved) DictConfig for these Hydra overrides, or a UserError. An NxD Training file given
-    as `training=@FILE` is mapped first (launcher/nxdt_config.py); what it ignores is added to `warnings`."""
-    from hydra import compose as hydra_compose
+    as `training=@FILE` is mapped first (launcher/nxdt_config.py); what it ignores is added to `warnings`. `trace`,
+    when given, is told how far it got (launcher/cache.py reads it to know whether a mistake is named as the
+    overrides it composed without the launch's locations would name it): "composes", the Hydra composes begun, and
+    on a mistake "error", where it was found: check (check_overrides), parse, missing (a config that is not there),
+    composition (Hydra's defaults or an override), targets."""
+    trace = {} if trace is None else trace
+    trace.update(composes=0, error="check")
+    from hydra import compose as compose_once
     from hydra import initialize_config_dir
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
@@ -156,7 +162,13 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
             warnings += file_warnings
     typed = list(overrides)
     check_overrides(typed)
+    trace["error"] = "targets"
     overrides = [_with_open_map_prefix(o) for o in overrides]
+
+    def hydra_compose(name, overrides):
+        trace["composes"] += 1
+        return compose_once(name, overrides=overrides)
+
     try:
         with initialize_config_dir(str(conf_dir()), version_base=None, job_name="nxdt_launch"):
             # The recipe that holds the training recipe's layout for the cluster's hardware, with the same
@@ -176,6 +188,7 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
                                     f"set `targets: null` in it")
         return cfg
     except OverrideParseException as e:
+        trace["error"] = "parse"
         bad = typed[overrides.index(_first_unparsable(overrides))] if overrides else ""
         first_line = str(e).splitlines()[0].replace(f"'{_with_open_map_prefix(bad)}'", f"'{bad}'")
         raise UserError(
@@ -183,12 +196,14 @@ def compose(overrides: list[str], warnings: list[str] | None = None):
             "quote values with spaces or shell characters: key='value'"
         ) from None
     except MissingConfigException as e:
+        trace["error"] = "missing"
         found = re.search(r"Could not find '([^']+)'", str(e))
         raise _unknown_choice_error(found.group(1) if found else str(e)) from None
     except ConfigCompositionException as e:
         from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, GrammarParseError
         from omegaconf.errors import ValidationError
 
+        trace["error"] = "composition"
         cause = e.__cause__
         full_key = getattr(cause, "full_key", None)
         parent = getattr(cause, "parent_node", None)
