@@ -139,6 +139,27 @@ def _type_error(full_key: str, cause: Exception, typed: list[str]) -> UserError:
 
 
 def compose(overrides: list[str], warnings: list[str] | None = None, trace: dict[str, Any] | None = None):
+    """_compose, with the choices an NxD Training or NeMo file (`training=@FILE`) stores in Hydra's ConfigStore kept
+    for this compose alone: a later compose in the same process (autoconfig's trials, a test session) neither sees
+    them nor loses the plain composer to them (plain_compose.registered_choices)."""
+    if not any(_value_text(o).startswith("@") for o in overrides):
+        return _compose(overrides, warnings, trace)
+    from hydra.core.config_store import ConfigStore
+
+    def tree(node: dict) -> dict:
+        return {name: tree(child) if isinstance(child, dict) else child for name, child in node.items()}
+
+    repo = ConfigStore.instance().repo
+    kept = {group: tree(repo[group]) for group in CONFIG_GROUPS if group in repo}
+    try:
+        return _compose(overrides, warnings, trace)
+    finally:
+        for group in CONFIG_GROUPS:
+            repo.pop(group, None)
+        repo.update(kept)
+
+
+def _compose(overrides: list[str], warnings: list[str] | None = None, trace: dict[str, Any] | None = None):
     """The composed (unresolved) DictConfig for these Hydra overrides, or a UserError. An NxD Training file given
     as `training=@FILE` is mapped first (launcher/nxdt_config.py); what it ignores is added to `warnings`. `trace`,
     when given, is told how far it got (launcher/cache.py reads it to know whether a mistake is named as the

@@ -2,6 +2,7 @@
 import copy
 import hashlib
 import os
+import sys
 
 import pytest
 
@@ -37,6 +38,20 @@ def _launch_cache_dir(tmp_path_factory):
         shared.mkdir(exist_ok=True)
         return shared
     return tmp_path_factory.mktemp("nxdt-launch-cache")
+
+
+@pytest.fixture(autouse=True)
+def _no_file_choices_left():
+    """A test that maps a NeMo file itself (nxdt_config.map_file) leaves the choices it registered in Hydra's
+    ConfigStore; a launch keeps them for its own compose (launcher/compose.py). Cleared after each test, so later
+    tests in the process compose as a fresh launch does (plain_compose.registered_choices)."""
+    yield
+    hydra_store = sys.modules.get("hydra.core.config_store")
+    if hydra_store is not None:
+        from launcher.paths import CONFIG_GROUPS
+
+        for group in CONFIG_GROUPS:
+            hydra_store.ConfigStore.instance().repo.pop(group, None)
 
 
 @pytest.fixture(autouse=True)

@@ -24,18 +24,6 @@ ROUNDS = [[f"{'+' if group == 'search_config' else ''}{group}={choices[i % len(c
            for group, choices in CHOICES.items()] for i in range(max(map(len, CHOICES.values())))]
 
 
-@pytest.fixture(autouse=True)
-def _no_registered_choices():
-    """A fresh launch's ConfigStore: an earlier test in this process (a training=@FILE launch) may have registered
-    choices, after which every launch of the process composes with Hydra (plain_compose.registered_choices)."""
-    from hydra.core.config_store import ConfigStore
-
-    repo = ConfigStore.instance().repo
-    kept = {group: repo.pop(group) for group in CONFIG_GROUPS if group in repo}
-    yield
-    repo.update(kept)
-
-
 def _same(overrides: list[str]) -> None:
     """The plain composer gives Hydra's config, unresolved and resolved; repr compares types and key order too."""
     plain = plain_compose.compose(overrides)
@@ -186,3 +174,16 @@ def test_no_hydra_or_omegaconf_is_imported(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_file_launch_leaves_no_choice_behind_for_the_next_compose():
+    """The choices a training=@FILE compose stores in Hydra's ConfigStore are its own: afterwards the process's
+    ConfigStore holds none, so the next compose is the plain one again (and cannot see the file's choices)."""
+    from hydra.core.config_store import ConfigStore
+
+    from launcher.plain_compose import registered_choices
+    from tests.launcher.test_nxdt_config import FIXTURES
+
+    cfg = compose([f"training=@{FIXTURES / 'hf_llama3_8B_config.yaml'}", "cluster=pcluster_trn1"])
+    assert cfg.training.run.name == "hf_llama"  # the file's
+    assert not registered_choices() and not set(CONFIG_GROUPS) & set(ConfigStore.instance().repo)
