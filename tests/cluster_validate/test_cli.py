@@ -2,7 +2,6 @@
 run renders one job over the requested nodes, and a local run validates this machine."""
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -10,6 +9,7 @@ import yaml
 from launcher import validate
 from launcher.config import parse_cluster
 from launcher.commands.cluster_validate import expand_hostlist
+from tests.cluster_validate.conftest import agent_here
 from tests.launcher.helpers import nxdt
 
 
@@ -82,41 +82,20 @@ def test_local_run_validates_this_machine_and_show_prints_it_again(tmp_path):
     assert shown.returncode == 0 and "all 1 node(s) passed" in shown.stdout and "busbw(GB/s)" in shown.stdout
 
 
-def _agent_here(config: Path) -> int:
-    """The command of the local script the launcher rendered (`python -m csp_tools.cluster_validate --config F`),
-    its main run in a process forked from this one, where torch is already imported (a fresh interpreter would
-    import it again): the agent's own process (its store, threads, worker processes, exit code), a copy of this one
-    in all else. For the tests whose subject is the report; the local launch itself is the test above's."""
-    import multiprocessing
-    import sys
-
-    import torch.distributed as dist
-
-    from csp_tools.cluster_validate.node import main
-
-    assert not dist.is_initialized(), "a forked agent would inherit this process's group"
-    script = (config.parent / "cluster_validation.local.sh").read_text().strip().splitlines()[-1]
-    assert script == f'"$PYTHON" -m csp_tools.cluster_validate --config {config}', script
-    child = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(main(["--config", str(config)])))
-    child.start()
-    child.join(timeout=180)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    return child.exitcode
-
-
 def test_a_check_every_node_fails_is_named_as_the_config_not_excluded(tmp_path):
     """data_dir missing on every node: the fix is the config, so the report excludes nobody and says so. One
     device: a node that fails its checks runs no collective test (the same report with two), and its worker pool
-    starts a process importing torch per device. The launcher renders the run (--dry-run); its agent runs forked
-    from this process (_agent_here)."""
+    starts a process importing torch per device. The launcher renders the run (--dry-run); the command of its
+    script runs forked from this process (agent_here: the local launch itself is the test above's)."""
     args = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/no_such_data",
             "devices=1", "collectives.max_bytes=16K", "collectives.iters=3", "collectives.warmup_iters=1"]
     rendered = nxdt("cluster-validate", *args, "--dry-run", cwd=tmp_path)
     assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr
     job_dir = tmp_path / "results/cluster_validation/cluster_validation"
-    assert _agent_here(job_dir / "cluster_validation_config.yaml") not in (0, None)
+    config = job_dir / "cluster_validation_config.yaml"
+    script = (job_dir / "cluster_validation.local.sh").read_text().strip().splitlines()[-1]
+    assert script == f'"$PYTHON" -m csp_tools.cluster_validate --config {config}', script
+    assert agent_here(config).returncode != 0
     report = json.loads((job_dir / "cluster_validation.json").read_text())
     assert report["bad_nodes"] and report["exclude_override"] == "cluster.exclude=[]"
     [note] = [n for n in report["notes"] if n.startswith("every node fails the same check")]
