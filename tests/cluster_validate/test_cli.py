@@ -9,6 +9,7 @@ import yaml
 from launcher import validate
 from launcher.config import parse_cluster
 from launcher.commands.cluster_validate import expand_hostlist
+from tests.cluster_validate.conftest import agent_here
 from tests.launcher.helpers import nxdt
 
 
@@ -53,6 +54,11 @@ def test_a_trainium_cluster_validates_its_neuron_cores_with_no_further_flags(tmp
     assert config["nccom_test"]["enabled"] == "auto"
     sbatch = (job_dir / "cluster_validation.sbatch").read_text()
     assert "export FI_PROVIDER=efa\n" in sbatch and "export FI_EFA_USE_DEVICE_RDMA=1\n" in sbatch
+
+
+def test_a_plain_slurm_cluster_validates_one_cpu_worker(tmp_path):
+    """The counterpart of the Trainium clusters above (once, not once per Trainium cluster): cluster=slurm decides
+    CPU workers, one per node."""
     plain = nxdt("cluster-validate", "cluster=slurm", "cluster_type=slurm", "cluster.nodelist=['n[1-2]']",
                  f"base_results_dir={tmp_path}/plain", f"data_dir={tmp_path}", "--dry-run", cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr
@@ -79,13 +85,18 @@ def test_local_run_validates_this_machine_and_show_prints_it_again(tmp_path):
 def test_a_check_every_node_fails_is_named_as_the_config_not_excluded(tmp_path):
     """data_dir missing on every node: the fix is the config, so the report excludes nobody and says so. One
     device: a node that fails its checks runs no collective test (the same report with two), and its worker pool
-    starts a process importing torch per device."""
+    starts a process importing torch per device. The launcher renders the run (--dry-run); the command of its
+    script runs forked from this process (agent_here: the local launch itself is the test above's)."""
     args = ["cluster_type=local", f"base_results_dir={tmp_path}/results", f"data_dir={tmp_path}/no_such_data",
             "devices=1", "collectives.max_bytes=16K", "collectives.iters=3", "collectives.warmup_iters=1"]
-    result = nxdt("cluster-validate", *args, cwd=tmp_path, timeout=180)
-    assert result.returncode != 0
-    report = json.loads((tmp_path / "results/cluster_validation/cluster_validation/cluster_validation.json")
-                        .read_text())
+    rendered = nxdt("cluster-validate", *args, "--dry-run", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stdout[-3000:] + rendered.stderr
+    job_dir = tmp_path / "results/cluster_validation/cluster_validation"
+    config = job_dir / "cluster_validation_config.yaml"
+    script = (job_dir / "cluster_validation.local.sh").read_text().strip().splitlines()[-1]
+    assert script == f'"$PYTHON" -m csp_tools.cluster_validate --config {config}', script
+    assert agent_here(config).returncode != 0
+    report = json.loads((job_dir / "cluster_validation.json").read_text())
     assert report["bad_nodes"] and report["exclude_override"] == "cluster.exclude=[]"
     [note] = [n for n in report["notes"] if n.startswith("every node fails the same check")]
     assert f"path {tmp_path}/no_such_data: does not exist" in note and "fix it rather than excluding" in note

@@ -1,12 +1,13 @@
 """A Neuron node as the agent sees it, with neuron-ls and nccom-test stood in for by scripts that print the
 recorded samples (the real tools need Trainium hardware): nccom-test runs with the sweep's flags, once per
-operation, and its table lands in the report as rows of the same layout."""
+operation, and its table lands in the report as rows of the same layout. The agent runs forked from the test process
+(conftest.agent_here)."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.cluster_validate.conftest import agent_here
 
 SAMPLES = Path(__file__).parent / "samples"
 
@@ -23,9 +24,7 @@ def test_nccom_test_results_join_the_report(stage_config, tmp_path):
                           "collectives.operations=[all_reduce,all_gather]", "collectives.max_bytes=4M",
                           "sweep.intra_node=false",
                           "expected.trn1_32xlarge.efa_devices=0", "expected.trn1_32xlarge.host_memory_gib=null")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-m", "csp_tools.cluster_validate", "--config", str(config)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = agent_here(config, env={"PATH": f"{bin_dir}:{os.environ['PATH']}"}, timeout=120)
     report = json.loads((tmp_path / "results/cluster_validation/cluster_validation/cluster_validation.json")
                         .read_text())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

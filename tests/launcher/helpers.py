@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import launcher
 from launcher import cache
@@ -69,14 +70,27 @@ def _warm_imports() -> None:
 
 
 def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the real CLI as `nxdt-launch ARGS` would, in a forked copy of this test process: a process of its
-    own (its cwd, environment, file descriptors, exit code and module state, as a subprocess has; the scripts it
-    starts write to the same captured stdout/stderr) without a fresh interpreter's start-up. What the CLI does on
-    exit (sys.exit's code, the buffered streams) is what `python -m launcher.cli` does; Python-level atexit
-    handlers of the test process are not run in the child. Use nxdt_subprocess where the interpreter's start is
-    under test."""
+    """Run the real CLI as `nxdt-launch ARGS` would, in a forked copy of this test process (run_forked) without a
+    fresh interpreter's start-up. What the CLI does on exit (sys.exit's code, the buffered streams) is what
+    `python -m launcher.cli` does; Python-level atexit handlers of the test process are not run in the child. Use
+    nxdt_subprocess where the interpreter's start is under test."""
     _warm_imports()
-    environment = _environment(env)
+
+    def cli() -> int:
+        sys.argv = ["nxdt-launch", *args]
+        from launcher.cli import run
+
+        return run(list(args))
+
+    return run_forked(cli, ["nxdt-launch", *args], cwd=cwd or REPO, environ=_environment(env), timeout=timeout)
+
+
+def run_forked(main: Callable[[], int | None], argv: list[str], *, cwd: Path | None = None,
+               environ: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`main()` in a forked copy of this test process, as a subprocess running it would: a process of its own (its
+    cwd, `environ` in place of this environment, stdin from /dev/null, its stdout and stderr captured, its module
+    state, main's return or sys.exit code as its exit code; the scripts it starts write to the same captured
+    streams), without a fresh interpreter importing everything again. `argv` names it in a TimeoutExpired."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -84,21 +98,20 @@ def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
-                os.chdir(cwd or REPO)
-                os.environ.clear()
-                os.environ.update(environment)
+                if cwd is not None:
+                    os.chdir(cwd)
+                if environ is not None:
+                    os.environ.clear()
+                    os.environ.update(environ)
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, 0)
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
-                # pytest's capture replaced the sys streams: give the CLI ones on the real descriptors.
+                # pytest's capture replaced the sys streams: give the child ones on the real descriptors.
                 sys.stdin = open(0, closefd=False)
                 sys.stdout = open(1, "w", closefd=False)
                 sys.stderr = open(2, "w", closefd=False)
-                sys.argv = ["nxdt-launch", *args]
-                from launcher.cli import run
-
-                code = run(list(args))
+                code = main() or 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:
@@ -119,14 +132,14 @@ def nxdt(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: 
             if time.monotonic() > deadline:
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(["nxdt-launch", *args], timeout)
+                raise subprocess.TimeoutExpired(argv, timeout)
             time.sleep(0.005)
         out.seek(0)
         err.seek(0)
         # Text as subprocess.run(text=True) gives it: universal newlines.
         stdout, stderr = (f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
                           for f in (out, err))
-    return subprocess.CompletedProcess(["nxdt-launch", *args], os.waitstatus_to_exitcode(status), stdout, stderr)
+    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), stdout, stderr)
 
 
 def edited_copy(source: Path, directory: Path, replace: dict[str, str], name: str | None = None) -> Path:
