@@ -1,7 +1,7 @@
 """What the training job script does around its step when signalled: it passes USR1 on to the step, requeues the
 job after it (or after exit 75) while restarts are left, never after TERM, and writes no exit file for an
-allocation it requeued. The script runs under bash here with stand-ins for `srun` and `scontrol` (FAKES, named
-as such); tests/checkpoint/test_preemption_slurm.py runs the same script on the real 2-node Slurm."""
+allocation it requeued. The script runs under bash here with stand-ins for `srun`, `scontrol` and `sinfo` (FAKES,
+named as such); tests/checkpoint/test_preemption_slurm.py runs the same script on the real 2-node Slurm."""
 
 import os
 import signal
@@ -37,6 +37,10 @@ case "$1 $2" in
   requeue*) echo "$2" >> "$RECORD_DIR/requeued"; exit "${FAKE_REQUEUE_EXIT:-0}" ;;
 esac
 """
+# FAKE sinfo: the partition's one node, idle (the real one, finding no controller, retries for a minute).
+FAKE_SINFO = """#!/bin/bash
+echo "node1 idle"
+"""
 JOB_ID = "4242"
 
 
@@ -53,6 +57,7 @@ def job_script(tmp_path):
     records.mkdir()
     _executable(bin_dir / "srun", FAKE_SRUN)
     _executable(bin_dir / "scontrol", FAKE_SCONTROL)
+    _executable(bin_dir / "sinfo", FAKE_SINFO)
     results = tmp_path / "results"
 
     def run(step: str, *, restart: int = 0, send: signal.Signals | None = None, requeue_exit: int = 0,
