@@ -155,7 +155,7 @@ def lm_eval_tasks(evaluation) -> tuple[list[str], list[str]]:
     from runtime.evaluate import lm_tasks  # lm-eval's task index: no torch
 
     return lm_tasks.resolve(names, evaluation.lm_eval.include_path, evaluation.lm_eval.datasets_cache,
-                            own=cache.lm_eval_catalog())[1:]
+                            own=cache.lm_eval_catalog)[1:]
 
 
 def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool) -> tuple[list[str], list[str]]:

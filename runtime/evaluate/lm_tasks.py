@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -121,11 +121,11 @@ def own_tasks_stamp() -> dict[str, Any]:
 
 
 def resolve(names: list[str], include_path: str | None, datasets_cache: str | None = None,
-            key: str = "evaluation.", own: Catalog | None = None) -> tuple[Any, list[str], list[str]]:
+            key: str = "evaluation.", own: Callable[[], Catalog] | None = None) -> tuple[Any, list[str], list[str]]:
     """(an lm-eval TaskManager that knows every name, one line per problem with the names, one per missing input):
     a name that is no task, group or tag (with its close matches) or an include_path that is no folder; a task
-    whose local data file is not there or whose Hub dataset is not in the datasets cache. With `own` (lm-eval's own
-    tasks as a stored Catalog), the names are checked against catalogs and a Catalog is returned in the manager's
+    whose local data file is not there or whose Hub dataset is not in the datasets cache. With `own` (what gives
+    lm-eval's own tasks as a stored Catalog, asked only when an include_path does not hold every name), the names are checked against catalogs and a Catalog is returned in the manager's
     place: what a launch checks, not what a node runs."""
     if include_path is not None and not Path(include_path).is_dir():  # nothing to look the names up in here
         return None, [], [f"{key}include_path: {include_path!r} is not a directory; point it at a folder of lm-eval "
@@ -135,7 +135,7 @@ def resolve(names: list[str], include_path: str | None, datasets_cache: str | No
     manager = task_manager(include_path, defaults=False) if include_path else None
     if manager is None or not all(_known_closure(manager, name) for name in names):
         if own is not None:
-            manager = own if manager is None else own.updated(Catalog.of(manager))
+            manager = own() if manager is None else own().updated(Catalog.of(manager))
         else:
             manager = task_manager(include_path, defaults=True)
     errors, missing = [], []

@@ -95,7 +95,7 @@ def test_a_launch_checks_names_against_the_stored_catalog_and_rebuilds_a_damaged
     built = cache.lm_eval_catalog()
     stored = cache.lm_eval_catalog()
     assert builds == [True] and stored.entries == built.entries and sorted(stored.entries) == ["alpha", "alphabet"]
-    assert [lm_tasks.resolve(names, None, own=stored)[1:] for names in cases] == expected
+    assert [lm_tasks.resolve(names, None, own=lambda: stored)[1:] for names in cases] == expected
     assert expected[1][0] and "close matches: alpha" in expected[1][0][0]  # the cases do tell names apart
     [path] = (tmp_path / "cache" / "lm_eval").glob("*.json")
     path.write_bytes(path.read_bytes()[:-10])  # truncated: not read, built again
