@@ -4,6 +4,7 @@ the repository for each registered family, and on a deliberate violation."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,17 @@ def _mention(family: str) -> re.Pattern:
 
 
 def _sources(root: Path):
-    for path in sorted(root.rglob("*")):
+    """Every file of the tree that is not built or generated: in a git checkout what git tracks or would track (so
+    results/, .hypothesis/ and an egg-info a test run or pip leaves there are not sources), elsewhere every file."""
+    if (root / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                                check=True, capture_output=True).stdout.decode().split("\0")
+        paths = [root / rel for rel in sorted(set(listed)) if rel]
+    else:
+        paths = sorted(root.rglob("*"))
+    for path in paths:
         rel = path.relative_to(root)
-        built = any(part.endswith(".egg-info") for part in rel.parts)  # pip's, in a clone installed with -e
-        if path.is_file() and not built and not _SKIPPED_DIRS & set(rel.parts) and path.suffix not in (".pyc", ".so"):
+        if path.is_file() and not _SKIPPED_DIRS & set(rel.parts) and path.suffix not in (".pyc", ".so"):
             yield rel.as_posix(), path
 
 
