@@ -94,25 +94,75 @@ def identity(args, cfg: config_module.ValidationConfig) -> Identity:
     return Identity(0, 1, socket.gethostname(), ("127.0.0.1", cfg.port or _free_port()))
 
 
+class _Forked:
+    """A worker forked from the pool's server process, with the part of subprocess.Popen's interface the pool uses:
+    `stdin` and `stdout` are the two ends of its line protocol, poll/kill/wait its life."""
+
+    def __init__(self, context, local_rank: int, accelerator: str, env: dict):
+        from csp_tools.cluster_validate import worker
+        from csp_tools.cluster_validate.worker import _take
+
+        tasks_r, tasks_w = context.Pipe(duplex=False)
+        replies_r, replies_w = context.Pipe(duplex=False)
+        self.process = context.Process(target=worker.forked, args=(local_rank, accelerator, env, tasks_r, replies_w),
+                                       daemon=True)
+        self.process.start()
+        tasks_r.close()  # only the worker may hold its ends: once it dies, its reply pipe reads end of file
+        replies_w.close()
+        self.pid = self.process.pid
+        self.stdin = os.fdopen(_take(tasks_w), "wb")
+        self.stdout = os.fdopen(_take(replies_r), "rb", buffering=0)
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"cluster-validate worker {self.pid}", timeout)
+        return self.process.exitcode
+
+
 class WorkerPool:
     """One worker process per device, fed one JSON task per line. A worker that misses a deadline is killed and
-    replaced, so one hung collective costs one test, not the validation."""
+    replaced, so one hung collective costs one test, not the validation.
+
+    On CPUs and GPUs the workers are forked from one server process (multiprocessing's forkserver) that imported
+    torch once: a node's workers would otherwise each import it (~4 s of CPU apiece, 32 at once on a trn1 node's
+    cores). The server touches no device. Neuron workers start afresh for every task (--one-shot: torch-xla joins
+    one process group per life) with torchrun's environment, as before."""
 
     def __init__(self, accelerator: str, devices: int):
         self.accelerator, self.devices = accelerator, devices
         self.one_shot = accelerator == "neuron"  # torch-xla: one process group per process
-        self.procs: list[subprocess.Popen | None] = [None] * devices
+        self.procs: list = [None] * devices
         self.ready = [False] * devices
         self.buffers = [b""] * devices
+        self._context = None
+
+    def _server(self):
+        if self._context is None:
+            import multiprocessing
+
+            self._context = multiprocessing.get_context("forkserver")
+            self._context.set_forkserver_preload(["torch", "torch.distributed", "csp_tools.cluster_validate.worker",
+                                                  "csp_tools.cluster_validate.measure"])
+        return self._context
 
     def _spawn(self, local_rank: int, extra_env: dict | None = None) -> None:
         env = {**os.environ, **(extra_env or {})}
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: workers share the node's cores
         if self.accelerator == "neuron":
             env["NEURON_RT_VISIBLE_CORES"] = str(local_rank)
-        argv = [sys.executable, "-m", "csp_tools.cluster_validate.worker", "--local-rank", str(local_rank),
-                "--accelerator", self.accelerator] + (["--one-shot"] if self.one_shot else [])
-        self.procs[local_rank] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        if self.one_shot:
+            argv = [sys.executable, "-m", "csp_tools.cluster_validate.worker", "--local-rank", str(local_rank),
+                    "--accelerator", self.accelerator, "--one-shot"]
+            self.procs[local_rank] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        else:
+            self.procs[local_rank] = _Forked(self._server(), local_rank, self.accelerator, env)
         self.ready[local_rank], self.buffers[local_rank] = False, b""
 
     def start(self) -> None:

@@ -38,7 +38,7 @@ def test_workers_measure_every_operation_correctly_and_survive_a_missing_peer():
 
         # rank 2 of 3 never comes: the two that did give up after the collective timeout (and are replaced: a
         # failed group may leave a worker stuck), then all three work again, the two new workers beside the third
-        # (one fewer worker restarted than with all three in the failed group: each start imports torch)
+        # (one fewer worker restarted than with all three in the failed group)
         missing = [{**task(store, 3, n=1, timeout_s=1), "rank": r, "report": r == 0} for r in range(2)]
         pids = [proc.pid for proc in pool.procs]
         replies = pool.run(missing, timeout_s=60)
