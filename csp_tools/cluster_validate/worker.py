@@ -10,7 +10,7 @@ every task there (`--one-shot`), with torchrun's environment for that group.
 
 On CPUs and GPUs the agent forks its workers from one server process that has imported torch (`forked`, see
 node.WorkerPool): a node's 8 or 32 workers import torch once, not each. The server touches no device, so each
-worker still starts its own (CUDA_VISIBLE_DEVICES, torch.cuda.set_device) after the fork.
+worker starts its own device (torch.cuda.set_device) after the fork.
 """
 
 from __future__ import annotations
