@@ -31,9 +31,10 @@ OPTIM = {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-6}
 # Small gradient buckets: the tiny models' gradients reduce in many buckets, which start during backward as their
 # parameters' last gradients land (runtime/parallel/data_parallel.py), so every layout runs the overlapped path.
 BUCKET_NUMEL = 2048
-# Optimizer steps per run: enough for Adam's moments and ZeRO-1's sharded state to carry over several steps, and
-# for every reference run here to end below its first loss (assert_learns). Each step is most of a layout's cost.
-STEPS = 5
+# Optimizer steps per run: Adam's moments and ZeRO-1's sharded state, written by the first update, are read and
+# rewritten by the two after it, and every reference run here ends below its first loss (assert_learns; the LoRA
+# ones by their adapters). Each step is most of a layout's cost (about 4/5 of a forked rank's CPU), so no more.
+STEPS = 3
 
 TINY = {
     "gpt": dict(architecture="gpt", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,

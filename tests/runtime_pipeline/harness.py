@@ -14,14 +14,6 @@ from runtime.step import eval_objective, train_step
 from tests.runtime_parallel import harness as H
 
 NUM_LAYERS = 4
-# runtime_parallel's harness.STEPS, but for SFT: its 4-layer reference ends below its first loss only from about
-# 10 steps (assert_learns). Each step is most of a layout's cost.
-STEPS = H.STEPS
-SFT_STEPS = 10
-
-
-def steps_for(overrides: dict) -> int:
-    return SFT_STEPS if overrides.get("fine_tuning") == "sft" else STEPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +30,7 @@ class PipelineLayout:
     cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
 
 
-def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int | None = None, clip: float = 1.0) -> dict:
-    steps = steps_for(overrides) if steps is None else steps
+def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = H.STEPS, clip: float = 1.0) -> dict:
     overrides = dict(overrides)
     # 'sft' | 'lora': packed rows; 'dpo', 'dpo-lora', ...: preference pairs (tests/runtime_parallel/harness)
     fine_tuning = overrides.pop("fine_tuning", None)
@@ -80,4 +71,4 @@ def run_suite(jobs: dict) -> dict:
 
 
 def reference(arch: str, overrides: dict) -> dict:
-    return H.train_job(arch, {"num_layers": NUM_LAYERS, **overrides}, H.Layout(), steps=steps_for(overrides))
+    return H.train_job(arch, {"num_layers": NUM_LAYERS, **overrides}, H.Layout())

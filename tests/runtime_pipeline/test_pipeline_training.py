@@ -1,7 +1,7 @@
 """Pipeline-parallel training equals single-process training: gloo processes on CPU, fp32, tiny 4-layer GPT (tied
-embeddings) and Llama models. Per layout: the loss and grad norm of each of 10 steps within 1e-5 relative, the
-validation loss (forward-only schedule) within 1e-5, every rank reporting the same loss, and the parameters
-after 10 steps, gathered stage by stage, equal to the single-process model's by name. One spawn per world size.
+embeddings) and Llama models. Per layout: the loss and grad norm of each of the harness's STEPS steps within 1e-5
+relative, the validation loss (forward-only schedule) within 1e-5, every rank reporting the same loss, and the
+parameters after them, gathered stage by stage, equal to the single-process model's by name. One spawn per world size.
 """
 from __future__ import annotations
 

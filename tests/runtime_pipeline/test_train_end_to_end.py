@@ -18,6 +18,9 @@ def _config(root, *, devices, pp, vpp, name):
                                     tokenizer=root / "tokenizer.json")
     raw["trainer"].update(devices=devices, max_steps=6, log_every_n_steps=1, val_check_interval=3,
                           limit_val_batches=1)
+    # No TensorBoard events and no metrics.png: importing tensorboard and matplotlib in each forked rank and drawing
+    # cost more CPU than the training itself; the numbers compared are metrics.jsonl's.
+    raw["exp_manager"].update(create_tensorboard_logger=False, create_metrics_plot=False)
     model = raw["model"]
     model.update(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
                  encoder_seq_length=16, max_position_embeddings=16, num_layers=4, hidden_size=32,
