@@ -117,18 +117,30 @@ def composed(overrides: list[str], warnings: list[str] | None = None) -> dict[st
     """compose.resolve(compose.compose(overrides)), without Hydra where launcher/plain_compose.py reproduces it (what
     a launch composes on a cache miss); Hydra names every mistake."""
     try:
-        return _without_hydra(overrides)
+        return _without_hydra(overrides, warnings)
     except Unsupported:
         from launcher.compose import compose, resolve
 
         return resolve(compose(overrides, warnings))
 
 
-def _without_hydra(overrides: list[str]) -> dict[str, Any]:
-    """compose.resolve(compose.compose(overrides)) without Hydra or OmegaConf, or Unsupported."""
+def _without_hydra(overrides: list[str], warnings: list[str] | None = None) -> dict[str, Any]:
+    """compose.resolve(compose.compose(overrides)) without Hydra or OmegaConf, or Unsupported. A file given as a
+    choice (`training=@FILE`) is mapped as compose.py maps it, its choices kept here rather than in Hydra's
+    ConfigStore; its warnings are added to `warnings` once the compose succeeds."""
     from launcher import plain_compose, plain_resolve
 
-    return plain_resolve.resolve(plain_compose.compose(overrides))
+    stored: dict[str, dict] = {}
+    file_warnings: list[str] = []
+    if any(o.partition("=")[2].startswith("@") for o in overrides):
+        from launcher import nxdt_config
+
+        with nxdt_config.collecting() as stored:
+            overrides, file_warnings = nxdt_config.expand(list(overrides))
+    cfg = plain_resolve.resolve(plain_compose.compose(overrides, stored))
+    if warnings is not None:
+        warnings += file_warnings
+    return cfg
 
 
 def _placed(kept: list[str], given: dict[str, str], salt: str, warnings: list[str],

@@ -565,7 +565,7 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _register(name: str, family: str, dotted: dict[str, Any]) -> None:
-    from hydra.core.config_store import ConfigStore
+    from launcher.nxdt_config import store_choice
 
     node: dict[str, Any] = {"defaults": [f"/training/{family}@_here_", "_self_"]}
     for key, value in dotted.items():
@@ -574,7 +574,7 @@ def _register(name: str, family: str, dotted: dict[str, Any]) -> None:
         for part in parents:
             tree = tree.setdefault(part, {})
         tree[leaf] = value
-    ConfigStore.instance().store(group="training", name=name, node=node)
+    store_choice("training", name, node)
 
 
 def longest_prefix(key: str, table) -> str | None:

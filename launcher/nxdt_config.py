@@ -15,6 +15,7 @@ Pure apart from reading the file (and the config.json it points at): nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import re
@@ -819,6 +820,33 @@ def _hydra_value(value: Any) -> str:
 FILE_GROUPS = ("training", "fine_tuning", "peft", "alignment")
 
 
+# Where store_choice puts a file's choices while a compose without Hydra reads them (collecting); none: Hydra's
+# ConfigStore, where compose.py keeps them to the compose that asked.
+_COLLECTING: list[dict[str, dict]] = []
+
+
+def store_choice(group: str, name: str, node: dict) -> None:
+    """A file's config as the choice `group=name` of the compose under way: into the innermost collecting() (the
+    plain composer reads it from there, launcher/cache.py), else into Hydra's ConfigStore."""
+    if _COLLECTING:
+        _COLLECTING[-1][f"{group}/{name}"] = node
+        return
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group=group, name=name, node=node)
+
+
+@contextlib.contextmanager
+def collecting():
+    """The choices store_choice is given inside this block, as {"group/name": node}, instead of Hydra's."""
+    stored: dict[str, dict] = {}
+    _COLLECTING.append(stored)
+    try:
+        yield stored
+    finally:
+        _COLLECTING.pop()
+
+
 def expand(overrides: list[str]) -> tuple[list[str], list[str]]:
     """`training=@FILE` (`fine_tuning=@FILE`, `peft=@FILE`, `alignment=@FILE`) -> `<group>=<registered name>` plus
     the file's cluster overrides, placed where it stood so that later overrides win. A fine-tuning or alignment file
@@ -841,9 +869,7 @@ def expand(overrides: list[str]) -> tuple[list[str], list[str]]:
                             f"stages=[{mapping.stage}] {mapping.stage}=@{value[1:]}")
         if mapping.errors:
             raise UserError(*mapping.errors)
-        from hydra.core.config_store import ConfigStore
-
-        ConfigStore.instance().store(group=group, name=mapping.name, node=mapping.training)
+        store_choice(group, mapping.name, mapping.training)
         out += [f"{group}={mapping.name}", *cluster_overrides(mapping)]
         if group != "training" and not named:
             out.append(f"run_name=${{{group}.run.name}}")

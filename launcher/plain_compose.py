@@ -42,6 +42,11 @@ INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
 FLOAT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)")
 WORD = re.compile(r"[A-Za-z_/][A-Za-z0-9_./-]*")
 NOT_WORDS = ("true", "false", "null", "inf", "nan")
+# An interpolation of a key, which Hydra keeps as text for OmegaConf to resolve (plain_resolve.py here).
+INTERPOLATION = rf"\$\{{{NAME}(?:\.{NAME})*\}}"
+# A quoted string with no backslash or quote of its own kind inside, and no '$' but in such interpolations: Hydra
+# reads it as its inner text.
+QUOTED = re.compile(rf"'((?:[^'\\$]|{INTERPOLATION})*)'|\"((?:[^\"\\$]|{INTERPOLATION})*)\"")
 CHOICE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 OPEN_MAPS = ("env_vars.", "cluster.env_vars.")   # as compose.py: keys the user adds without '+'
 
@@ -56,6 +61,10 @@ def scalar(text: str) -> Any:
         return {"true": True, "false": False, "null": None}[text]
     if WORD.fullmatch(text) and text.lower() not in NOT_WORDS:
         return text
+    if re.fullmatch(INTERPOLATION, text):
+        return text
+    if quoted := QUOTED.fullmatch(text):
+        return quoted.group(1) if quoted.group(1) is not None else quoted.group(2)
     raise Unsupported(text)
 
 
@@ -142,13 +151,25 @@ def _copy(value: Any) -> Any:
 
 
 class Files:
-    """conf/'s files, each read once: (its config without `defaults`, its defaults list)."""
+    """conf/'s files, each read once: (its config without `defaults`, its defaults list). `stored` adds choices
+    that are no file ({"group/name": config}: what an NxD Training or NeMo file maps to, launcher/nxdt_config.py),
+    read as Hydra reads the same config from its ConfigStore."""
 
-    def __init__(self) -> None:
+    def __init__(self, stored: dict[str, dict] | None = None) -> None:
         self.root = conf_dir()
         self.read: dict[str, tuple[dict, list]] = {}
+        self.stored = stored or {}
+
+    def exists(self, path: str) -> bool:
+        return path in self.stored or (self.root / f"{path}.yaml").is_file()
 
     def load(self, path: str) -> tuple[dict, list]:
+        if path not in self.read and path in self.stored:
+            data = _copy(self.stored[path])
+            defaults = data.pop("defaults", []) if isinstance(data, dict) else None
+            if not isinstance(defaults, list) or not _plain(data):
+                raise Unsupported(path)
+            self.read[path] = data, defaults
         if path not in self.read:
             try:
                 text = (self.root / f"{path}.yaml").read_text(encoding="utf-8")
@@ -309,7 +330,7 @@ def _compose_once(files: Files, overrides: list[tuple[str, str, Any]]) -> dict:
     for prefix, key, value in overrides:
         if (files.root / key).is_dir():  # a config group (Hydra: group_exists)
             if prefix == "++" or not isinstance(value, str) or not CHOICE.fullmatch(value) \
-                    or ".." in value.split("/") or not (files.root / key / f"{value}.yaml").is_file():
+                    or ".." in value.split("/") or not files.exists(f"{key}/{value}"):
                 raise Unsupported(key)
             if key in choices or any(key == group for group, _ in appended):
                 raise Unsupported(key)
@@ -348,16 +369,17 @@ def registered_choices() -> bool:
     return any(group in repo for group in CONFIG_GROUPS)
 
 
-def compose(overrides: list[str]) -> dict:
+def compose(overrides: list[str], stored: dict[str, dict] | None = None) -> dict:
     """The launch config of these overrides, unresolved: OmegaConf.to_container(compose.compose(overrides),
-    resolve=False), the training recipe chosen for the cluster; or Unsupported."""
+    resolve=False), the training recipe chosen for the cluster; or Unsupported. `stored`: the choices a file
+    launch maps to (Files)."""
     from launcher import targets
     from launcher.errors import UserError
 
     if os.environ.get(SWITCH, "").strip().lower() == "hydra" or registered_choices():
         raise Unsupported("ConfigStore")
     parsed = [parse(o) for o in overrides]
-    files = Files()
+    files = Files(stored)
     try:
         if (guessed := targets.guess(overrides)) is not None:
             target, recipe = guessed

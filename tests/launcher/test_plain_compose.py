@@ -57,7 +57,32 @@ CORPUS = [
     "stages=[]", "+training.model.extra=1", "++training.trainer.max_steps=7", "++training.new.deep.key=null",
     "env_vars.NCCL_DEBUG=INFO", "cluster.env_vars.FI_PROVIDER=efa", "container=null", "training.trainer.devices=-1",
     "training.model.tokenizer.model=/data/tok.model", "+training.model.flags=[a,b,1,2.5,true]", "dry_run=true",
+    "training.run.name=${cluster_type}", "training.run.name='a b'", "training.run.name=\"x y\"", "container=''",
+    "training.model.tokenizer.model='${data_dir}/t k.json'", "++cluster.neuron.compile.cache='--a b=1'",
 ]
+
+
+# Files given as a choice (launcher/nxdt_config.py maps them) that the plain composer composes: their configs are
+# kept for the compose instead of in Hydra's ConfigStore (launcher/cache.py). The others it leaves to Hydra (a
+# list merged over an interpolation, a recipe switched by `targets`): test_nxdt_config launches every file.
+FILES = [("training", "hf_llama3.1_8B_config"), ("training", "hf_mixtral_8x7b_config"),
+         ("fine_tuning", "hf_llama3_8B_SFT_config"), ("peft", "hf_llama3_8B_SFT_lora_config"),
+         ("alignment", "hf_llama3_8B_DPO_config"), ("fine_tuning", "megatron_llama2_7B_SFT_config")]
+
+
+@pytest.mark.parametrize("stage,name", FILES, ids=[name for _, name in FILES])
+def test_a_file_launch_composes_as_hydra_composes_it_and_leaves_no_choice_behind(stage, name):
+    from launcher import cache
+    from launcher.plain_compose import registered_choices
+
+    file = Path(__file__).parents[1] / "fixtures" / "nxdt" / f"{name}.yaml"
+    overrides = ["cluster=pcluster_trn1", "cluster_type=slurm", "data_dir=/data", "base_results_dir=/fsx/results",
+                 f"stages=[{stage}]", f"{stage}=@{file}"]
+    plain_warnings, hydra_warnings = [], []
+    plain = cache._without_hydra(overrides, plain_warnings)
+    assert not registered_choices()
+    assert repr(plain) == repr(resolve(compose(overrides, hydra_warnings)))
+    assert plain_warnings == hydra_warnings
 
 
 @pytest.mark.parametrize("override", CORPUS)
@@ -66,7 +91,7 @@ def test_overrides_of_the_simple_forms_apply_as_hydra_applies_them(override):
 
 
 REFUSED = [
-    "~training.run", "training.trainer.max_steps=1,2", "training.run.name=${run_name}", "training.run.name='a b'",
+    "~training.run", "training.trainer.max_steps=1,2", "training.run.name='a\\'b'", "training.run.name='${run_name'",
     "training.run.name=", "training=gpt3/tny", "training=../conf/training/gpt3/tiny", "hydra.job.chdir=true",
     "training.model.tensor_model_paralel_size=2", "+training.trainer.max_steps=5", "training.trainer=5",
     "training.model.optim.lr=1_0", "training.model.optim.lr=.5", "training.run.name=True", "run_name=nan",
