@@ -69,6 +69,14 @@ def test_tp2_pp2_checkpoint_evaluates_the_same_under_any_layout(tmp_path, capfd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert train_rendered(tmp_path / "results" / "gpt3_tiny" / "training" / "training_config.yaml") == [0] * 4
 
+    # What every evaluation rank imports (the stage, lm-eval and its task index), imported once here: the 7 ranks
+    # forked below inherit it instead of importing it each (~3 s of CPU a rank).
+    import lm_eval.evaluator  # noqa: F401
+    import lm_eval.tasks  # noqa: F401
+
+    import runtime.evaluate.__main__  # noqa: F401
+    import runtime.evaluate.harness  # noqa: F401
+
     scores = {}
     for name, layout in EVAL_LAYOUTS.items():
         evaluate = [o.replace("stages=[training]", "stages=[evaluation]") for o in train] + layout + [

@@ -108,17 +108,24 @@ def trained(tmp_path_factory):
     return str(stage / "training" / "checkpoints"), str(stage / "conversion" / "hf_model"), _tasks(root / "tasks")
 
 
-def _ours(checkpoints: str, task_dir, tp: int = 1, pp: int = 1) -> dict:
-    from runtime.device import init_device
+def _ours(checkpoints: str, task_dir, tp: int = 1, pp: int = 1, *, leave: bool = False) -> dict:
+    """Our backend at tp x pp. leave: in the test process, leave the one-process world init_device joined, so that
+    a later run_distributed in this process can still fork its ranks (it spawns fresh interpreters where the test
+    process holds a world)."""
+    from runtime.device import init_device, shutdown
     from runtime.evaluate.model import load_model
 
     device = init_device("cpu")
-    loaded = load_model(checkpoints, None, tp=tp, pp=pp, vpp=None, device=device)
-    lm = harness.RuntimeLM(loaded, device, tokenizer_path=loaded.training["model"]["tokenizer"]["model"],
-                           batch_size=5, max_length=64)
-    output = harness.run(lm, TASKS, task_manager=lm_tasks.task_manager(str(task_dir), defaults=False),
-                         num_fewshot=None, limit=None, apply_chat_template=False, fewshot_as_multiturn=False,
-                         bootstrap_iters=0, log_samples=True)
+    try:
+        loaded = load_model(checkpoints, None, tp=tp, pp=pp, vpp=None, device=device)
+        lm = harness.RuntimeLM(loaded, device, tokenizer_path=loaded.training["model"]["tokenizer"]["model"],
+                               batch_size=5, max_length=64)
+        output = harness.run(lm, TASKS, task_manager=lm_tasks.task_manager(str(task_dir), defaults=False),
+                             num_fewshot=None, limit=None, apply_chat_template=False, fewshot_as_multiturn=False,
+                             bootstrap_iters=0, log_samples=True)
+    finally:
+        if leave:
+            shutdown(device)
     return {"results": output["results"], "samples": output["samples"]}
 
 
@@ -151,8 +158,11 @@ def test_our_backend_scores_what_the_hf_backend_scores_on_the_export_under_any_l
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        # In this order: the hf backend imports lm-eval's evaluator and datasets here, which the two ranks forked next
+        # inherit (instead of importing them each); the one-process run joins a world, so it comes after the fork.
         reference = _hf(export, task_dir)
-        runs = {"tp1": _ours(checkpoints, task_dir), **run_distributed(_every_layout, 2, args=(checkpoints, task_dir))[0]}
+        runs = run_distributed(_every_layout, 2, args=(checkpoints, task_dir))[0]
+        runs["tp1"] = _ours(checkpoints, task_dir, leave=True)
     finally:
         torch.set_num_threads(threads)
     # The model counts, and misses where one number leaves the stride open: agreement on right and wrong answers.
@@ -175,13 +185,13 @@ def test_our_backend_scores_what_the_hf_backend_scores_on_the_export_under_any_l
 
 @pytest.mark.long("scores local text through lm-eval's rolling windows with our backend, and the same windows "
                   "through the trainer's loss path")
-def test_word_perplexity_equals_the_trainer_loss_path_on_the_same_text(trained, tmp_path):
+def test_word_perplexity_equals_the_trainer_loss_path_on_the_same_text(trained, tmp_path, request):
     """loglikelihood_rolling (lm-eval's disjoint windows of 64, the first after the prefix token) summed into
     word_perplexity by lm-eval, against the same windows' token losses from runtime.step.eval_step, the path the
     stage's validation_loss takes, turned into the same per-word figure."""
     from lm_eval import utils as lm_utils
 
-    from runtime.device import init_device
+    from runtime.device import init_device, shutdown
     from runtime.evaluate.model import load_model
     from runtime.evaluate.tasks import load_task, write_normalized
     from runtime.micro_batch import MicroBatch
@@ -193,6 +203,7 @@ def test_word_perplexity_equals_the_trainer_loss_path_on_the_same_text(trained, 
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     task = load_task({"name": "count_text", "type": "perplexity", "path": str(tmp_path / "docs.jsonl")})
     device = init_device("cpu")
+    request.addfinalizer(lambda: shutdown(device))  # leave the world: later tests here fork their ranks (see _ours)
     loaded = load_model(checkpoints, None, tp=1, pp=1, vpp=None, device=device)
     lm = harness.RuntimeLM(loaded, device, tokenizer_path=loaded.training["model"]["tokenizer"]["model"],
                            batch_size=3, max_length=64)
