@@ -65,6 +65,7 @@ def train_rendered(config: Path, stage: str = "training") -> list[int]:
     trainer.devices ranks forked from this process (train_here)."""
     import yaml
 
+    import runtime.train  # noqa: F401  (imported once here, not in every forked rank: most of a CPU second each)
     from tests.runtime_parallel.dist_utils import run_distributed
 
     trainer = yaml.safe_load(Path(config).read_text())["trainer"]

@@ -36,6 +36,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
 
     if dist.is_initialized() or any(ref() is not None for ref in topology._groups):
         start_method = "spawn"
+    if start_method == "fork":
+        # What torch imports lazily in every rank otherwise: the first backward given its gradients (a pipeline
+        # stage's) imports sympy, a second of CPU per forked rank; imported here, once per test process.
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
         context = mp.start_processes(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s),
                                      nprocs=world_size, join=False, start_method=start_method)
