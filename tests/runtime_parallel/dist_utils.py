@@ -19,6 +19,7 @@ its exit is under test; a forked rank leaves with os._exit).
 """
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -41,8 +42,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
         # stage's) imports sympy, a second of CPU per forked rank; imported here, once per test process.
         import torch.fx.experimental.symbolic_shapes  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
-        context = mp.start_processes(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s),
-                                     nprocs=world_size, join=False, start_method=start_method)
+        # The test process's objects, frozen while the ranks fork: a rank's garbage collections (leave_world's
+        # among them) then skip them rather than walk, and copy, the whole inherited heap (most of a CPU second).
+        gc.freeze()
+        try:
+            context = mp.start_processes(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s),
+                                         nprocs=world_size, join=False, start_method=start_method)
+        finally:
+            gc.unfreeze()
         deadline = time.monotonic() + deadline_s
         while not context.join(timeout=0.5):  # raises with the traceback of a rank that failed
             if time.monotonic() > deadline:
