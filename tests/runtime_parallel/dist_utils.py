@@ -20,6 +20,7 @@ its exit is under test; a forked rank leaves with os._exit).
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import tempfile
 import time
@@ -40,7 +41,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     if start_method == "fork":
         # What torch imports lazily in every rank otherwise: the first backward given its gradients (a pipeline
         # stage's) imports sympy, a second of CPU per forked rank; imported here, once per test process.
-        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+        importlib.import_module("torch.fx.experimental.symbolic_shapes")  # `import torch.fx...` would bind a local
     with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
         # The test process's objects, frozen while the ranks fork: a rank's garbage collections (leave_world's
         # among them) then skip them rather than walk, and copy, the whole inherited heap (most of a CPU second).
