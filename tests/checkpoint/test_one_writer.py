@@ -22,7 +22,9 @@ STEPS = 20
 @pytest.mark.slow
 def test_a_second_launch_of_a_running_run_is_refused(tmp_path):
     data = counting_corpus(tmp_path / "data")
-    overrides = ["cluster_type=local", *training_overrides(data, tmp_path / "results", steps=STEPS, every=10)]
+    # One worker (torchrun's and its): what is under test is the launch, not the ranks' training.
+    overrides = ["cluster_type=local", *training_overrides(data, tmp_path / "results", steps=STEPS, every=10,
+                                                           extra=("training.trainer.devices=1",))]
     run_dir = tmp_path / "results" / "gpt3_tiny" / "training"
     # The first launch trains while the other launches act, however loaded the machine: its workers are stopped
     # (SIGSTOP) as soon as it holds the run's lock, and continued once they are done. A pause after each step (no

@@ -60,5 +60,5 @@ def test_loaded_weights_are_identical_across_layouts(results):
 def test_step_and_extra_state_come_back(results):
     _, _, targets, ranks = results
     for target in targets:
-        assert all(rank[str(target)]["optimizer_step"] == 3 for rank in ranks)
-        assert all(rank[str(target)]["extra"] == {"step": 3} for rank in ranks)
+        assert all(rank[str(target)]["optimizer_step"] == CH.STEPS for rank in ranks)
+        assert all(rank[str(target)]["extra"] == {"step": CH.STEPS} for rank in ranks)

@@ -19,6 +19,8 @@ its exit is under test; a forked rank leaves with os._exit).
 """
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import tempfile
 import time
@@ -36,9 +38,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
 
     if dist.is_initialized() or any(ref() is not None for ref in topology._groups):
         start_method = "spawn"
+    if start_method == "fork":
+        # What torch imports lazily in every rank otherwise: the first backward given its gradients (a pipeline
+        # stage's) imports sympy, a second of CPU per forked rank; imported here, once per test process.
+        importlib.import_module("torch.fx.experimental.symbolic_shapes")  # `import torch.fx...` would bind a local
     with tempfile.TemporaryDirectory(prefix="nxdt_dist_") as tmp:
-        context = mp.start_processes(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s),
-                                     nprocs=world_size, join=False, start_method=start_method)
+        # The test process's objects, frozen while the ranks fork: a rank's garbage collections (leave_world's
+        # among them) then skip them rather than walk, and copy, the whole inherited heap (most of a CPU second).
+        gc.freeze()
+        try:
+            context = mp.start_processes(_worker, args=(world_size, backend, tmp, fn, tuple(args), timeout_s),
+                                         nprocs=world_size, join=False, start_method=start_method)
+        finally:
+            gc.unfreeze()
         deadline = time.monotonic() + deadline_s
         while not context.join(timeout=0.5):  # raises with the traceback of a rank that failed
             if time.monotonic() > deadline:
