@@ -54,6 +54,19 @@ def _no_file_choices_left():
             hydra_store.ConfigStore.instance().repo.pop(group, None)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_world_left(request):
+    """A module that joins a torch.distributed world in the test process leaves it before the next module runs:
+    while one is joined, run_distributed (tests/runtime_parallel/dist_utils.py) spawns fresh interpreters rather
+    than fork ranks that would inherit it, ~4 s of CPU per rank in every later test of the process."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.module.__name__} left a torch.distributed world joined; leave it where it was joined "
+                    f"(runtime.device.shutdown, dist.destroy_process_group)", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _own_launch_cache(_launch_cache_dir, monkeypatch):
     """Launches reuse the configs earlier ones composed (launcher/cache.py): the tests' go to a cache of this

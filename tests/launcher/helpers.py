@@ -3,6 +3,7 @@ scripts are the same on every machine (golden files depend on it), and run the C
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import pkgutil
@@ -94,7 +95,12 @@ def run_forked(main: Callable[[], int | None], argv: list[str], *, cwd: Path | N
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
         sys.stderr.flush()
+        # The test process's objects frozen across the fork: the child's garbage collections skip them rather than
+        # walk, and copy, the whole inherited heap (run_distributed does the same).
+        gc.freeze()
         pid = os.fork()
+        if pid != 0:
+            gc.unfreeze()
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
