@@ -134,8 +134,9 @@ def _without_hydra(overrides: list[str], warnings: list[str] | None = None) -> d
     file_warnings: list[str] = []
     if any(o.partition("=")[2].startswith("@") for o in overrides):
         from launcher import nxdt_config
+        from launcher.file_choices import collecting
 
-        with nxdt_config.collecting() as stored:
+        with collecting() as stored:
             overrides, file_warnings = nxdt_config.expand(list(overrides))
     cfg = plain_resolve.resolve(plain_compose.compose(overrides, stored))
     if warnings is not None:

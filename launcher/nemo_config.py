@@ -565,7 +565,7 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _register(name: str, family: str, dotted: dict[str, Any]) -> None:
-    from launcher.nxdt_config import store_choice
+    from launcher.file_choices import store_choice
 
     node: dict[str, Any] = {"defaults": [f"/training/{family}@_here_", "_self_"]}
     for key, value in dotted.items():

@@ -15,7 +15,6 @@ Pure apart from reading the file (and the config.json it points at): nothing is 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import re
@@ -26,6 +25,7 @@ from typing import Any
 from launcher import config_file, nemo_config
 from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
+from launcher.file_choices import store_choice
 from launcher.resolvers import register_resolvers
 from runtime.schema.families import ARCHITECTURES, HF_BASE, megatron_architecture, megatron_choices
 
@@ -818,33 +818,6 @@ def _hydra_value(value: Any) -> str:
 
 # The groups a file may be given to: the stages whose config is a training config.
 FILE_GROUPS = ("training", "fine_tuning", "peft", "alignment")
-
-
-# Where store_choice puts a file's choices while a compose without Hydra reads them (collecting); none: Hydra's
-# ConfigStore, where compose.py keeps them to the compose that asked.
-_COLLECTING: list[dict[str, dict]] = []
-
-
-def store_choice(group: str, name: str, node: dict) -> None:
-    """A file's config as the choice `group=name` of the compose under way: into the innermost collecting() (the
-    plain composer reads it from there, launcher/cache.py), else into Hydra's ConfigStore."""
-    if _COLLECTING:
-        _COLLECTING[-1][f"{group}/{name}"] = node
-        return
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(group=group, name=name, node=node)
-
-
-@contextlib.contextmanager
-def collecting():
-    """The choices store_choice is given inside this block, as {"group/name": node}, instead of Hydra's."""
-    stored: dict[str, dict] = {}
-    _COLLECTING.append(stored)
-    try:
-        yield stored
-    finally:
-        _COLLECTING.pop()
 
 
 def expand(overrides: list[str]) -> tuple[list[str], list[str]]:

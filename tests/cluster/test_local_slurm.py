@@ -135,10 +135,15 @@ def test_requeued_job_runs_again_with_restart_count(slurm_cluster, tmp_path):
     job = _sbatch(slurm_cluster, tmp_path, 'echo "run ${SLURM_RESTART_COUNT:-0}"; sleep 300',
                   "--requeue", "--open-mode=append")
     _wait_record(slurm_cluster, job, lambda r: r["JobState"] == "RUNNING")
+    # RUNNING is Slurm's state, not the script's: on a busy machine it has not echoed yet. Requeued before it does,
+    # the first run leaves no line (seen once in a loaded .ci/run).
+    output = tmp_path / f"slurm-{job}.out"
+    deadline = time.monotonic() + 30
+    while not (output.exists() and "run 0" in output.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     _run(slurm_cluster, "scontrol", "requeue", job)
     # A requeued job may start again only after AuthInfo=cred_expire (10 s here, 120 s by default).
     _wait_record(slurm_cluster, job, lambda r: r["JobState"] == "RUNNING" and r["Restarts"] == "1", timeout=30)
-    output = tmp_path / f"slurm-{job}.out"
     deadline = time.monotonic() + 5
     while "run 1" not in output.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
