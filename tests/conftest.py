@@ -131,6 +131,11 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError(f"{', '.join(unmarked)}: Slurm tests must be marked with `pytest.mark.slurm` in "
                                 f"their own file, where .ci/run's Slurm stream looks for them")
+    # The files that hold a long test first, each whole and in its order (a file's module fixtures are set up once):
+    # last in the collection, the README pipeline's 100 s ran at the end of one xdist worker while the other had
+    # nothing left to take.
+    holds_long = {item.path for item in items if item.get_closest_marker("long") is not None}
+    items.sort(key=lambda item: item.path not in holds_long)
 
 
 # Hydra reads, parses and wraps every file of a launch's defaults chain again for each compose (its
