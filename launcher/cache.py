@@ -129,12 +129,12 @@ def _without_hydra(overrides: list[str], warnings: list[str] | None = None) -> d
     choice (`training=@FILE`) is mapped as compose.py maps it, its choices kept here rather than in Hydra's
     ConfigStore; its warnings are added to `warnings` once the compose succeeds."""
     from launcher import plain_compose, plain_resolve
+    from launcher.file_choices import collecting, names_a_file
 
     stored: dict[str, dict] = {}
     file_warnings: list[str] = []
-    if any(o.partition("=")[2].startswith("@") for o in overrides):
+    if names_a_file(overrides):
         from launcher import nxdt_config
-        from launcher.file_choices import collecting
 
         with collecting() as stored:
             overrides, file_warnings = nxdt_config.expand(list(overrides))

@@ -8,6 +8,7 @@ import re
 from typing import Any, Callable
 
 from launcher.errors import UserError
+from launcher.file_choices import names_a_file
 from launcher.paths import CONFIG_GROUPS, conf_dir, group_choices
 from launcher.resolvers import register_resolvers
 
@@ -142,7 +143,7 @@ def compose(overrides: list[str], warnings: list[str] | None = None, trace: dict
     """_compose, with the choices an NxD Training or NeMo file (`training=@FILE`) stores in Hydra's ConfigStore kept
     for this compose alone: a later compose in the same process (autoconfig's trials, a test session) neither sees
     them nor loses the plain composer to them (plain_compose.registered_choices)."""
-    if not any(_value_text(o).startswith("@") for o in overrides):
+    if not names_a_file(overrides):
         return _compose(overrides, warnings, trace)
     from hydra.core.config_store import ConfigStore
 
@@ -175,7 +176,7 @@ def _compose(overrides: list[str], warnings: list[str] | None = None, trace: dic
     from launcher import targets
 
     register_resolvers()
-    if any(_value_text(o).startswith("@") for o in overrides):  # a file choice, perhaps: imported only for one
+    if names_a_file(overrides):  # a file choice, perhaps: imported only for one
         from launcher import nxdt_config
 
         overrides, file_warnings = nxdt_config.expand(list(overrides))

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import contextlib
 
+def names_a_file(overrides: list[str]) -> bool:
+    """Whether an override's value may be a file given as a choice (`training=@FILE`): then launcher/nxdt_config.py
+    maps it (nxdt_config.expand) before anything is composed."""
+    return any(o.partition("=")[2].startswith("@") for o in overrides)
+
+
 # Where store_choice puts a file's choices while a compose without Hydra reads them (collecting); none: Hydra's
 # ConfigStore, where compose.py keeps them to the compose that asked.
 _COLLECTING: list[dict[str, dict]] = []
