@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -185,7 +186,10 @@ def test_a_changed_conf_file_or_override_composes_again(launch, tmp_path):
 def test_a_file_changed_in_the_last_seconds_is_not_stored(launch, tmp_path):
     """Its mtime may not move on a second change within the file system's timestamp granularity."""
     launch.env["NXDT_CONF_DIR"] = str(conf := _conf_copy(tmp_path))
-    (conf / "cluster/slurm.yaml").touch()
+    # Stamped a minute ahead rather than touched: under load the launch may start more than launcher/cache.py's
+    # RACY_NS after a touch, and would rightly store the entry.
+    ahead = time.time_ns() + 60 * 10**9
+    os.utime(conf / "cluster/slurm.yaml", ns=(ahead, ahead))
     assert launch("stages=[training]", "cluster_type=slurm")["code"] == 0
     assert launch.entries() == []
 
