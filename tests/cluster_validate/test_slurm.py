@@ -67,7 +67,8 @@ def test_a_node_without_the_shared_file_system_is_named_and_excluded_next_time(s
     result = validate(slurm_cluster, tmp_path, "cluster.nodelist=[node1,node2]", f"python={python}",
                       "env_vars.HIDE_ON_NODE=node2", f"env_vars.HIDE_PATH={shared}", f"health.shared_paths=[{shared}]")
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr
-    assert "1 bad node(s): node2" in result.stdout and "cluster.exclude=[node2]" in result.stdout
+    assert "1 bad node(s): node2" in result.stdout and "cluster.exclude=[node2]" in result.stdout, \
+        result.stdout[-4000:] + result.stderr
 
     report = report_of(tmp_path)
     assert report["bad_nodes"] == ["node2"]
