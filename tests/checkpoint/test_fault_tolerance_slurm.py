@@ -1,8 +1,8 @@
 # Self-healing jobs on the real 3-node Slurm (docs/fault_tolerance.md): a 2-node training job of gpt3/tiny with a
 # checkpoint every 4 steps meets one injected fault (NXDT_INJECT_FAULT, runtime/schema/faults.py, in the submitting
 # environment, which sbatch passes on to every worker) and finishes by itself, with exactly the per-step losses of an
-# uninterrupted run of the same config (fp32, dp=2 over two nodes; the local executor runs the reference with the
-# same two workers):
+# uninterrupted run of the same config (fp32, dp=2 over two nodes; the reference is the local executor's rendering
+# of it, its two workers forked from the test):
 #   - a rank killed at step 10: the job restarts its workers on the same allocation, resuming from step 8 (or 4,
 #     where step 8's asynchronous save had not committed when the rank died);
 #   - a rank hung at step 10: the node's watchdog names rank, host and section once its step timeout (floor 10 s)
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.launch_helpers import counting_corpus, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -52,9 +52,12 @@ def test_dead_rank_hung_rank_and_bad_node_recover_by_themselves(slurm_cluster, t
     data = counting_corpus(tmp_path / "data")
     common = training_overrides(data, tmp_path / "unused", steps=STEPS, every=EVERY, extra=LAYOUT + TIMEOUTS)
     common = [o for o in common if not o.startswith("base_results_dir=")]
-    reference = nxdt("cluster_type=local", f"base_results_dir={tmp_path / 'reference'}", *common, cwd=tmp_path,
-                     timeout=300)
+    # The reference as the local executor renders it (--dry-run), its two ranks forked from this process
+    # (train_rendered): what is under test here is the Slurm jobs; a torchrun launch would only import torch again.
+    reference = nxdt("cluster_type=local", f"base_results_dir={tmp_path / 'reference'}", *common, "--dry-run",
+                     cwd=tmp_path, timeout=300)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    assert train_rendered(tmp_path / "reference" / "gpt3_tiny" / "training" / "training_config.yaml") == [0, 0]
     expected = dict(_losses_all(tmp_path / "reference" / "gpt3_tiny" / "training"))
     assert sorted(expected) == list(range(1, STEPS + 1))
 

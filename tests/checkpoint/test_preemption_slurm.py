@@ -1,8 +1,8 @@
 # The preemption test on the real 3-node Slurm: a training job submitted with a 1-minute time limit, far shorter
 # than its training, gets Slurm's time-limit warning (SIGUSR1, training.run.preemption_signal_s) in a real
 # allocation, commits a checkpoint, requeues itself, and a later allocation resumes it and finishes with exactly
-# the per-step losses of an uninterrupted run of the same config (fp32, CPU, dp=2 over two nodes; the local
-# executor runs the reference with the same two workers). A job that depends on it with afterok waits through
+# the per-step losses of an uninterrupted run of the same config (fp32, CPU, dp=2 over two nodes; the reference is
+# the local executor's rendering of it, its two workers forked from the test). A job that depends on it with afterok waits through
 # the requeues and runs once it completes.
 #
 # When the signal comes: slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends --signal's
@@ -53,7 +53,7 @@ import pytest
 
 from launcher.slurm import dependency_flag
 from runtime.checkpoint import committed_checkpoints, open_storage
-from tests.checkpoint.launch_helpers import counting_corpus, losses, training_overrides
+from tests.checkpoint.launch_helpers import counting_corpus, losses, train_rendered, training_overrides
 from tests.launcher.helpers import nxdt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -121,8 +121,12 @@ def _training(node_log: Path) -> bool:
 def test_time_limit_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_path):
     started = time.monotonic()
     data = counting_corpus(tmp_path / "data")
-    reference = nxdt("cluster_type=local", *_overrides(data, tmp_path / "reference"), cwd=tmp_path, timeout=300)
+    # The reference as the local executor renders it (--dry-run), its two ranks forked from this process
+    # (train_rendered): what is under test here is the Slurm job; a torchrun launch would only import torch again.
+    reference = nxdt("cluster_type=local", *_overrides(data, tmp_path / "reference"), "--dry-run", cwd=tmp_path,
+                     timeout=300)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    assert train_rendered(tmp_path / "reference" / "gpt3_tiny" / "training" / "training_config.yaml") == [0, 0]
 
     results = tmp_path / "requeued"
     launched = nxdt(
