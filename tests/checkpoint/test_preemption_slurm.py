@@ -14,7 +14,7 @@
 # and the requeued run had nothing left to resume. The Slurm run sleeps after each step (NXDT_STEP_PAUSE_S,
 # runtime/train.py) rather than computing longer: it used to train a wider model with 40 validations, which kept
 # two cores busy for minutes only to outlast the warning (and took longer the busier the machine was). A pause
-# changes no loss; the reference, run without it, trains the same 200 steps in seconds.
+# changes no loss; the reference, run without it, trains the same steps in seconds.
 #
 # Once one signal's checkpoint is committed and the job has requeued itself, the test raises the job's time
 # limit (scontrol update TimeLimit, as root: what an operator does for a requeued job that needs longer), so
@@ -39,7 +39,7 @@
 # `scontrol update StartTime=now` would skip that guard; the test keeps it, as a real cluster would.
 #
 # Length: the reference (seconds), the first allocation (up to its warning, 10-40 s), the requeue (~12 s) and
-# the rest of the 200 paused steps in one more allocation: about 2 minutes, most of it sleeping, on an idle
+# the rest of the 100 paused steps in one more allocation: about 2 minutes, most of it sleeping, on an idle
 # machine or a loaded one.
 #
 #   python -m pytest -q tests/checkpoint/test_preemption_slurm.py      # ~2 minutes
@@ -58,8 +58,9 @@ from tests.launcher.helpers import nxdt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# 200 steps with a 0.3 s pause after each: over a minute, more than the 10-40 s before the warning.
-STEPS, PAUSE_S = 200, 0.3
+# 100 steps with a 0.6 s pause after each: over a minute, more than the 10-40 s before the warning (it was 200
+# steps of 0.3 s: the same length, twice the training, in the Slurm run and in its reference).
+STEPS, PAUSE_S = 100, 0.6
 SIGNAL_S = 20
 # The limit once a signal's checkpoint is committed: the rest of the training, on a loaded machine too, well
 # before this limit's own warning.
