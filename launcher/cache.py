@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import placeholders
+from launcher.file_choices import is_file_choice
 from launcher.paths import conf_dir
 from launcher.plain_compose import Unsupported, registered_choices
 
@@ -296,7 +297,7 @@ def _inputs(overrides: list[str]) -> tuple[list, int] | None:
     for override in overrides:
         name, _, value = override.partition("=")
         name = name.lstrip("+~")
-        if name == "hydra" or name.startswith("hydra.") or value.startswith("@"):
+        if name == "hydra" or name.startswith("hydra.") or is_file_choice(value):
             return None
     if registered_choices():
         return None

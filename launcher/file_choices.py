@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import contextlib
 
+
+def is_file_choice(value: str) -> bool:
+    """Whether an override's value names a file given as a choice (`training=@FILE`)."""
+    return value.startswith("@")
+
+
 def names_a_file(overrides: list[str]) -> bool:
     """Whether an override's value may be a file given as a choice (`training=@FILE`): then launcher/nxdt_config.py
     maps it (nxdt_config.expand) before anything is composed."""
-    return any(o.partition("=")[2].startswith("@") for o in overrides)
+    return any(is_file_choice(o.partition("=")[2]) for o in overrides)
 
 
 # Where store_choice puts a file's choices while a compose without Hydra reads them (collecting); none: Hydra's

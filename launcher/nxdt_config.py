@@ -25,7 +25,7 @@ from typing import Any
 from launcher import config_file, nemo_config
 from launcher.nemo_config import longest_prefix
 from launcher.errors import UserError
-from launcher.file_choices import store_choice
+from launcher.file_choices import is_file_choice, store_choice
 from launcher.resolvers import register_resolvers
 from runtime.schema.families import ARCHITECTURES, HF_BASE, megatron_architecture, megatron_choices
 
@@ -298,10 +298,6 @@ class Mapping:
         digest = hashlib.sha256(repr(sorted(_flatten(self.training).items())).encode()).hexdigest()[:10]
         stem = re.sub(r"\W", "_", self.source.stem)  # a plain Hydra choice name, whatever the file is called
         return f"_imported_{stem}_{digest}"
-
-
-def is_file_choice(value: str) -> bool:
-    return value.startswith("@")
 
 
 def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
