@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.runtime_train.helpers import build_tokenizer, write_mmidx
-from tests.runtime_xla.harness import FAMILY, GPT_OSS, MOE, _config, _launch, _losses
+from tests.runtime_xla.harness import FAMILY, GPT_OSS, MOE, ONE_LAYER, _config, _launch, _losses
 
 
 @pytest.fixture(scope="package")
@@ -31,10 +31,12 @@ def data(tmp_path_factory):
 
 
 # The CPU references: each model at the XLA runs' global batch (GPT-OSS on the Llama reference's data, schedule and
-# sizes), one process, global batch 4 for the single-process tests and 8 for the two-process layouts.
+# sizes), one process, global batch 4 for the single-process tests and 8 for the two-process layouts (of one layer
+# as theirs, but for Llama's: harness.py LAYOUTS).
 CPU_REFERENCES = {
     "gpt": dict(arch="gpt"), "llama": dict(arch="llama", **FAMILY), "gpt_oss": dict(arch="llama", **GPT_OSS),
-    "gbs8": dict(gbs=8), "gbs8_llama": dict(gbs=8, arch="llama", **FAMILY), "gbs8_ep": dict(gbs=8, **MOE),
+    "gbs8": dict(gbs=8, **ONE_LAYER), "gbs8_llama": dict(gbs=8, arch="llama", **FAMILY),
+    "gbs8_ep": dict(gbs=8, **MOE, **ONE_LAYER),
 }
 
 

@@ -55,9 +55,9 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
     raw["trainer"].update(accelerator=accelerator, devices=devices, max_steps=STEPS, log_every_n_steps=1,
                           val_check_interval=EVERY, limit_val_batches=1,
                           gradient_clip_val=CLIP[model.get("architecture", arch), gbs])
-    raw["model"].update(encoder_seq_length=16, max_position_embeddings=16, num_layers=2, hidden_size=32,
-                        ffn_hidden_size=128, num_attention_heads=4, micro_batch_size=2, global_batch_size=gbs,
-                        make_vocab_size_divisible_by=16, **model)
+    raw["model"].update({**dict(encoder_seq_length=16, max_position_embeddings=16, num_layers=2, hidden_size=32,
+                                ffn_hidden_size=128, num_attention_heads=4, micro_batch_size=2, global_batch_size=gbs,
+                                make_vocab_size_divisible_by=16), **model})
     raw["model"]["data"].update(seq_length=16, splits_string="90,5,5", index_mapping_dir=str(data / f"index_{name}"))
     # eps 1e-4: the key bias has a mathematically zero gradient, and a small eps lets Adam amplify each backend's
     # own float noise in it (~1e-7) into sizeable, different updates; these tests compare compute, not noise.
@@ -74,8 +74,11 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
 # fast the machine code XLA:CPU makes of it runs (a step executes in under a second; compiling its graphs was
 # ~80 s of CPU per process). LLVM at -O0, and fusions emitted by the older elemental emitter instead of the MLIR
 # fusion emitters, compile the same HLO (the same ops, fp32, no fast-math either way) about 6x faster; the losses
-# still agree with the CPU run's to ~1e-7 relative (1 ulp; the asserts allow 1e-4).
-XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# still agree with the CPU run's to ~1e-7 relative (1 ulp; the asserts allow 1e-4). And each module is compiled
+# whole rather than split into parts for parallel code generation, which on 2 busy cores only adds the splitting:
+# the XLA tests measured 221 s of CPU against 253 s with the default split.
+XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+             "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def _launch(program: list[str], nproc: int = 1, extra_env: dict | None = None, *, ok: bool = True):
@@ -147,8 +150,14 @@ MOE = dict(arch="llama", num_query_groups=2,
 # the parallel layout kept on the old ones would be lost there: the sharding plan is kept by name); Mixtral's
 # experts over ep=2; each sequence split over cp=2 (ring attention's spelled-out block math, what Trainium compiles,
 # its K/V passes point to point, learned positions at the chunks' positions).
-LAYOUTS = {"dp": {}, "tp": dict(arch="llama", tensor_model_parallel_size=2, sequence_parallel=True, **FAMILY),
-           "ep": dict(expert_model_parallel_size=2, **MOE), "cp": dict(context_parallel_size=2)}
+# One layer where a second would only repeat the first's graph: XLA's compile time grows faster than the graph, and
+# the four layouts' compiles were most of the XLA tests' CPU (two layers: 142 s for the launch, one: 81 s). tp keeps
+# two, its sharding plan being kept by parameter name (a name mixed up between layers shows only with two). The
+# single-process runs, and every layout on the CPU (tests/runtime_parallel), have two or more.
+ONE_LAYER = dict(num_layers=1)
+LAYOUTS = {"dp": ONE_LAYER, "tp": dict(arch="llama", tensor_model_parallel_size=2, sequence_parallel=True, **FAMILY),
+           "ep": dict(expert_model_parallel_size=2, **MOE, **ONE_LAYER),
+           "cp": dict(context_parallel_size=2, **ONE_LAYER)}
 def _assert_matches(cpu: list[float], xla: list[float], what: str) -> None:
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):
