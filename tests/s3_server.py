@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 
 import pytest
 
-from tests.servers import stop, wait_for_port
+from tests.servers import free_port, stop, wait_for_port
 
 
 @dataclass
@@ -28,12 +27,6 @@ class FakeS3:
                             aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     server = shutil.which("moto_server") or shutil.which("moto_server", path=os.path.dirname(sys.executable))
@@ -41,7 +34,7 @@ def s3(tmp_path_factory):
         if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
             pytest.fail("CI is set but moto_server is missing (pip install 'moto[server]')", pytrace=False)
         pytest.skip("moto_server not installed (pip install 'moto[server]')")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT,

@@ -1,4 +1,5 @@
-"""Shared by the fixtures that start real servers on loopback (sshd, moto_server)."""
+"""Shared by the fixtures that start real servers on loopback (sshd, moto_server), and the tests that hand a
+process a port to listen on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, log: Path, name: str, timeout: float) -> None:

@@ -2,8 +2,8 @@
 # than its training, gets Slurm's time-limit warning (SIGUSR1, training.run.preemption_signal_s) in a real
 # allocation, commits a checkpoint, requeues itself, and a later allocation resumes it and finishes with exactly
 # the per-step losses of an uninterrupted run of the same config (fp32, CPU, dp=2 over two nodes; the reference is
-# the local executor's rendering of it, its two workers forked from the test). A job that depends on it with afterok waits through
-# the requeues and runs once it completes.
+# the local executor's rendering of it, its two workers forked from the test). A job that depends on it with
+# afterok waits through the requeues and runs once it completes.
 #
 # When the signal comes: slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends --signal's
 # warning at the first check that finds the job within sig_time + 30 s of its end (sbatch(1): "may be sent up

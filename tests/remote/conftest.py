@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from csp_tools.local_slurm import DEFAULT_ROOT, LocalSlurm
-from tests.servers import stop, wait_for_port
+from tests.servers import free_port, stop, wait_for_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -48,12 +47,6 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _keygen(path: Path) -> str:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "nxdt-test", "-f", str(path)], check=True)
     return " ".join(path.with_suffix(".pub").read_text().split()[:2])
@@ -72,7 +65,7 @@ def sshd(tmp_path_factory):
     host_public_key = _keygen(root / "host_ed25519")
     client_public_key = _keygen(root / "client_ed25519")
     (root / "authorized_keys").write_text(client_public_key + "\n")
-    port = _free_port()
+    port = free_port()
     known_hosts = root / "known_hosts"
     known_hosts.write_text(f"[127.0.0.1]:{port} {host_public_key}\n")
     slurm_conf = LocalSlurm(root=Path(os.environ.get("NXDT_SLURM_ROOT", DEFAULT_ROOT)).resolve()).conf_path

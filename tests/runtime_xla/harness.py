@@ -55,9 +55,9 @@ def _config(data, name, *, accelerator, devices=1, gbs=4, arch="gpt", **model):
     raw["trainer"].update(accelerator=accelerator, devices=devices, max_steps=STEPS, log_every_n_steps=1,
                           val_check_interval=EVERY, limit_val_batches=1,
                           gradient_clip_val=CLIP[model.get("architecture", arch), gbs])
-    raw["model"].update({**dict(encoder_seq_length=16, max_position_embeddings=16, num_layers=2, hidden_size=32,
-                                ffn_hidden_size=128, num_attention_heads=4, micro_batch_size=2, global_batch_size=gbs,
-                                make_vocab_size_divisible_by=16), **model})
+    raw["model"].update(dict(encoder_seq_length=16, max_position_embeddings=16, num_layers=2, hidden_size=32,
+                             ffn_hidden_size=128, num_attention_heads=4, micro_batch_size=2, global_batch_size=gbs,
+                             make_vocab_size_divisible_by=16), **model)  # a model key given overrides its size
     raw["model"]["data"].update(seq_length=16, splits_string="90,5,5", index_mapping_dir=str(data / f"index_{name}"))
     # eps 1e-4: the key bias has a mathematically zero gradient, and a small eps lets Adam amplify each backend's
     # own float noise in it (~1e-7) into sizeable, different updates; these tests compare compute, not noise.
@@ -158,6 +158,8 @@ ONE_LAYER = dict(num_layers=1)
 LAYOUTS = {"dp": ONE_LAYER, "tp": dict(arch="llama", tensor_model_parallel_size=2, sequence_parallel=True, **FAMILY),
            "ep": dict(expert_model_parallel_size=2, **MOE, **ONE_LAYER),
            "cp": dict(context_parallel_size=2, **ONE_LAYER)}
+
+
 def _assert_matches(cpu: list[float], xla: list[float], what: str) -> None:
     assert len(cpu) == len(xla) == STEPS
     for step, (a, b) in enumerate(zip(cpu, xla), start=1):

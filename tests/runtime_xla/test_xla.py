@@ -13,12 +13,11 @@ torchrun each process joins a world of its own: test_xla_backend_world_of_one_is
 refusing that. The multi-process tests therefore compute on the XLA device and run their collectives through gloo
 on host copies, each of which ends a graph: a step of theirs runs a fixed number of graphs, more than one."""
 
-import socket
-
 import pytest
 
 from tests.runtime_xla.harness import (EVERY, LAYOUTS, STEPS, _assert_fixed_graphs, _assert_matches, _config, _launch,
                                        _losses, _rows, skip_without_torch_xla)
+from tests.servers import free_port
 
 pytestmark = pytest.mark.xla
 skip_without_torch_xla()
@@ -59,11 +58,8 @@ def test_xla_backend_world_of_one_is_refused(data):
     and the world its backend joined: one process in rank 0's environment of a world of 2 shows it (a torchrun
     launch added its agent's and a second rank's torch-xla imports, ~15 s of CPU, to see the same line twice)."""
     config = _config(data, "xla_world", accelerator="neuron", devices=2, gbs=8)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = _launch(["-m", "runtime.train", "--config", str(config)], 1, torchrun_env, ok=False)
     assert result.returncode != 0
     assert "error: the launch started 2 processes (WORLD_SIZE) but the xla backend joined a world of 1" \
