@@ -58,8 +58,8 @@ RACY_NS = 2_000_000_000  # a file changed this recently may change again without
 
 # Resolvers whose result the key fixes: ours (launcher/resolvers.py; cwd is in the key, oc.env is recorded) and
 # OmegaConf's that read only the config. Not oc.create/oc.decode: they turn a string into interpolations.
-DETERMINISTIC = {"multiply", "divide_ceil", "divide_floor", "trained", "trained_here", "cwd", "oc.env", "oc.select",
-                 "oc.deprecated", "oc.dict.keys", "oc.dict.values"}
+DETERMINISTIC = {"multiply", "divide_ceil", "divide_floor", "trained", "trained_here", "cwd", "shared_dir", "oc.env",
+                 "oc.select", "oc.deprecated", "oc.dict.keys", "oc.dict.values"}
 RESOLVER_CALL = re.compile(r"\$\{\s*([\w.\-]+)\s*:")
 PLAIN = (str, int, float, bool, type(None))
 

@@ -65,6 +65,10 @@ EFA_INTERFACES = {"trn1": 8, "trn2": 16}
 
 DEFAULTS: dict[str, Any] = {
     "job_kind": "TrainJob",
+    "image": None,                    # the pods' image when `container` names none (the presets: AWS's Neuron DLC)
+    # Before the program, each pod pip-installs the runtime's requirements its image lacks (runtime_requirements):
+    # the Neuron DLC has torch, torch-xla and torch-neuronx but not, e.g., zstandard or schedulefree.
+    "install_requirements": True,
     "namespace": "default",
     "runtime": "torch-distributed",   # TrainJob: the ClusterTrainingRuntime it runs on
     "queue": None,                    # Kueue LocalQueue: the kueue.x-k8s.io/queue-name label
@@ -105,9 +109,11 @@ def problems(cfg: LaunchConfig) -> list[str]:
     k8s = settings(cfg)
     if k8s["job_kind"] not in KINDS:
         errors.append(f"cluster.k8s.job_kind: {k8s['job_kind']!r} is not one of {', '.join(KINDS)}")
-    if not cfg.container:
-        errors.append("container: cluster_type=k8s runs every stage in an image; set container=IMAGE "
-                      "(one with this project's runtime installed)")
+    if not image(cfg):
+        errors.append("container: cluster_type=k8s runs every stage in an image; set container=IMAGE (or "
+                      "cluster.k8s.image), one with torch for the stages' devices")
+    if not isinstance(k8s["install_requirements"], bool):
+        errors.append(f"cluster.k8s.install_requirements: {k8s['install_requirements']!r} must be true or false")
     for key in ("namespace", "runtime"):
         if not isinstance(k8s[key], str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", k8s[key]):
             errors.append(f"cluster.k8s.{key}: {k8s[key]!r} is not a Kubernetes name (lower-case letters, digits, "
@@ -144,6 +150,43 @@ def problems(cfg: LaunchConfig) -> list[str]:
             or not isinstance(ar["max_retry"], int) or ar["max_retry"] < 0:
         errors.append("cluster.k8s.auto_resume: enabled must be true or false and max_retry a whole number >= 0")
     return errors
+
+
+def image(cfg: LaunchConfig) -> str | None:
+    """The pods' image: `container`, else the preset's cluster.k8s.image."""
+    found = cfg.container or settings(cfg)["image"]
+    return str(found) if found else None
+
+
+def runtime_requirements() -> list[str]:
+    """What a pod installs before the program (cluster.k8s.install_requirements): the runtime extra's requirements of
+    this nxdt-launch (pyproject.toml), but torch, which the image brings built for its devices (Neuron, CUDA)."""
+    from importlib.metadata import requires
+
+    found = []
+    for line in requires("nxdt-launch") or []:
+        spec, _, marker = line.partition(";")
+        if re.search(r"""extra\s*==\s*["']runtime["']""", marker) and not re.match(r"torch\b", spec.strip()):
+            found.append(spec.strip().replace(" ", ""))
+    return found
+
+
+def code_dir(job: Job) -> Path:
+    """Where the launch puts this nxdt-launch's runtime/ and csp_tools/ for the stage's pods (launch.write), first on
+    their PYTHONPATH: beside the stage config, in the launch's own directory, so a running job keeps the code it was
+    submitted with."""
+    return (job.config_dir or job.results_dir) / "code"
+
+
+def mount_problems(cfg: LaunchConfig) -> list[str]:
+    """A launch (not a dry run) writes the stage configs and the code onto the shared volume, at the path the pods
+    see it at: it must be mounted here."""
+    mount = settings(cfg)["volume"]["mount_path"]
+    if isinstance(mount, str) and not os.path.isdir(mount):
+        return [f"cluster.k8s.volume.mount_path: {mount} is not mounted on this machine, and the pods read the run's "
+                f"files there; launch where the shared volume is mounted at {mount} (a login pod or an instance with "
+                f"FSx mounted), or use --dry-run"]
+    return []
 
 
 def job_problems(cfg: LaunchConfig, jobs: list[Job], produced_by: str) -> list[str]:
@@ -222,7 +265,7 @@ def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) 
     template = _environment().get_template(f"k8s/{kind.template}")
     return template.render(
         kind=kind, name=resource_name(job), namespace=k8s["namespace"], labels=labels, annotations=annotations,
-        job=job, image=str(cfg.container), env={"NXDT_K8S_OBJECT": resource_name(job)},
+        job=job, image=image(cfg), env={"NXDT_K8S_OBJECT": resource_name(job)},
         script=render(job, cfg, executor="k8s", produced_by=produced_by), runtime=k8s["runtime"],
         resources=resources(job, cfg), claim=k8s["volume"]["claim"], mount_path=k8s["volume"]["mount_path"],
         service_account=k8s["service_account"], auto_resume=k8s["auto_resume"], container_name=kind.container,

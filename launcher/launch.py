@@ -95,6 +95,10 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None,
                                          local=executor == "local")
     errors += neuron.problems(config) + remote.problems(config) + staging.problems(config) + k8s.problems(config)
+    # A k8s launch writes onto the pods' shared volume: a dry run without it renders elsewhere (below).
+    unmounted = k8s.mount_problems(config) if executor == "k8s" else []
+    if not dry_run:
+        errors = unmounted + errors
     if executor == "local" and config.container:
         errors.append("container: the local executor runs this machine's Python; set container=null "
                       "or use cluster_type=slurm")
@@ -115,6 +119,11 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     mirror = None
     if remote_settings:
         reason += f"; rendered under {remote.state_dir() / 'remote' / str(remote_settings['host'])}"
+    elif unmounted:  # a dry run of a k8s launch from a machine without the shared volume (a laptop)
+        mirror = dry_run_dir(str(config.run_name))
+        warnings.append(f"the shared volume ({k8s.settings(config)['volume']['mount_path']}) is not mounted here: this "
+                        f"dry run wrote its files under {mirror} (each at its path below that directory)")
+        reason += f"; rendered under {mirror}, the shared volume not being mounted here"
     elif errors := output_problems([("base_results_dir", config.run_dir),
                                     *((f"{job.stage}.run.results_dir", job.results_dir) for job in jobs)]):
         raise UserError(*errors)  # a remote launch writes into its local mirror, and the head node checks its own
@@ -273,6 +282,15 @@ def _makedirs(path: Path, made: list[Path]) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
+def _copy_code(target: Path) -> None:
+    """This nxdt-launch's runtime/ and csp_tools/ (render.CODE_PACKAGES) into `target`, for a k8s stage's pods."""
+    from launcher.render import CODE_PACKAGES, code_root
+
+    for package in CODE_PACKAGES:
+        shutil.copytree(Path(code_root()) / package, target / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
 def _write(plan: Plan, made: list[Path]) -> list[Path]:
     import yaml
 
@@ -298,6 +316,8 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
     for job in plan.jobs:
         if plan.executor == "k8s":  # the stage's Kubernetes object, its pods running the node script
             text = k8s.manifest(job, plan.config, produced_by=plan.produced_by)
+            if not plan.dry_run:  # the code the pods run, in the launch's directory on the shared volume
+                replace(plan.local_path(k8s.code_dir(job)), _copy_code)
         else:
             text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.

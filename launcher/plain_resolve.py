@@ -3,7 +3,7 @@ without importing it, for the forms conf/ uses:
 
 - `${a.b}` from the root, `${.b}` / `${..b}` from the node's own mapping and up;
 - `${name:arg,...}` for the resolvers of launcher/resolvers.py that the launch cache may store (multiply,
-  divide_ceil, divide_floor, cwd, trained, trained_here), their arguments words, numbers, true/false/null or
+  divide_ceil, divide_floor, cwd, trained, trained_here, shared_dir), their arguments words, numbers, true/false/null or
   interpolations;
 - a value that is one interpolation keeps the type of what it names; text around interpolations makes a string
   (each part as str() writes it).
@@ -72,7 +72,8 @@ class Resolver:
         from launcher.resolvers import FUNCTIONS
 
         self.cfg, self.tokens, self.handed = cfg, tokens, []
-        self.functions = {**FUNCTIONS, "trained": self._trained(False), "trained_here": self._trained(True)}
+        self.functions = {**FUNCTIONS, "trained": self._trained(False), "trained_here": self._trained(True),
+                          "shared_dir": self._shared_dir}
         self.depth = 0
 
     def container(self) -> dict:
@@ -161,6 +162,20 @@ class Resolver:
             return None if path is None else self.select(path)
 
         return read
+
+
+    def _shared_dir(self, name: Any) -> str:
+        from launcher.resolvers import shared_dir
+
+        def at(key: str) -> Any:
+            node: Any = self.cfg
+            for part in key.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    return None
+                node = node[part]
+            return self.select(key) if isinstance(node, str) else node
+
+        return shared_dir(str(name), at("cluster_type"), at("cluster.k8s.volume.mount_path"))
 
 
 def resolve(cfg: dict) -> dict:

@@ -161,18 +161,25 @@ def venv(cfg: LaunchConfig) -> str | None:
 
 
 def python(cfg: LaunchConfig | dict[str, Any]) -> str:
-    """The interpreter the scripts run: `python` when the launch names one; `python3` in a container (the
+    """The interpreter the scripts run: `python` when the launch names one; `python3` in a container or a k8s pod (the
     image's); the cluster's venv (cluster.venv) when it has one; `python3` on a remote head node, whose paths
     this machine cannot see; and only then the one running nxdt-launch, whose path the job can see as well
     (this machine, or a Slurm cluster whose venv is on the shared file system)."""
     cfg = typed(cfg)
     if cfg.python:
         return str(cfg.python)
-    if cfg.container:
+    if cfg.container or cfg.cluster_type == "k8s":
         return "python3"
     if venv(cfg):
         return f"{venv(cfg)}/bin/python"
     return "python3" if remote.settings(cfg) else sys.executable
+
+
+def _k8s_node(job: Job, cfg: LaunchConfig) -> dict[str, Any]:
+    from launcher import k8s
+
+    return {"code_dir": k8s.code_dir(job),
+            "requirements": k8s.runtime_requirements() if k8s.settings(cfg)["install_requirements"] else []}
 
 
 def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str) -> str:
@@ -183,6 +190,7 @@ def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produ
     # On Kubernetes the pod is the container (the manifest names the image): no Pyxis steps in the script.
     inside = container(job, cfg) if executor != "k8s" else None
     return template.render(
+        k8s=_k8s_node(job, cfg) if executor == "k8s" else None,
         neuron=neuron.script(job, cfg),
         fabric=neuron.fabric(job, cfg),
         container=inside,

@@ -62,6 +62,22 @@ def _trained_here(key: str, *, _root_):
     return None if path is None else OmegaConf.select(_root_, path)
 
 
+def shared_dir(name: str, cluster_type, mount_path) -> str:
+    """`${shared_dir:results}`: NAME on the file system every node of the cluster shares, as this machine sees it: the
+    launch's working directory (a Slurm head node's shared home or /fsx; this machine for a local launch), or on
+    cluster_type=k8s the mount path of the pods' shared volume (cluster.k8s.volume.mount_path), where the launch must
+    run as on a head node (docs/kubernetes.md). Shared by OmegaConf's resolver here and launcher/plain_resolve.py."""
+    root = mount_path if cluster_type == "k8s" and isinstance(mount_path, str) and mount_path else os.getcwd()
+    return f"{root.rstrip('/') or ''}/{name}"
+
+
+def _shared_dir(name: str, *, _root_):
+    from omegaconf import OmegaConf
+
+    return shared_dir(str(name), OmegaConf.select(_root_, "cluster_type"),
+                      OmegaConf.select(_root_, "cluster.k8s.volume.mount_path", default=None))
+
+
 def _env(key, *default):
     """OmegaConf's own ${oc.env:NAME[,DEFAULT]}, unchanged, noting which variable it read and what it held."""
     from omegaconf.resolvers.oc import env
@@ -96,6 +112,7 @@ FUNCTIONS = {
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    resolvers = {**FUNCTIONS, "trained": _trained, "trained_here": _trained_here, "oc.env": _env}
+    resolvers = {**FUNCTIONS, "trained": _trained, "trained_here": _trained_here, "shared_dir": _shared_dir,
+                 "oc.env": _env}
     for name, fn in resolvers.items():
         OmegaConf.register_new_resolver(name, fn, replace=True)

@@ -228,8 +228,9 @@ def follow(run_dir: Path, record: dict[str, Any], stage: str | None, write: Call
            poll_s: float | None = None) -> None:
     """Print the logs of `stage` (or all stages) as they grow, until that stage has ended and its output is
     printed whole. Stages that start later are picked up as their logs appear."""
-    local = record["executor"] == "local" and not record.get("remote")
-    poll_s = poll_s if poll_s is not None else (0.5 if local else 5.0)  # Slurm and SSH cost more to ask
+    local = not record.get("remote")  # the logs are files here (a k8s run's on the shared volume)
+    poll_s = poll_s if poll_s is not None else (0.5 if local and record["executor"] == "local" else 5.0)  # Slurm,
+    # the API server and SSH cost more to ask
     tails: dict[Path, _Tail] = {}
     shown: Path | None = None
     while True:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import yaml
@@ -104,12 +105,14 @@ LAUNCH = ["stages=[data_preparation,training]", "training=llama3/8b", "cluster_t
 @pytest.mark.parametrize("overrides,expected", [
     # The cluster.k8s rules, all at once: one line each.
     (["cluster=eks_trn2", "cluster.k8s.neuron_devices_per_node=32", "cluster.k8s.efa_per_node=17", "container=null",
-      "cluster.k8s.job_kind=MPIJob", "cluster.k8s.volume.claim=null", "cluster.k8s.queue='a b'"],
+      "cluster.k8s.image=null", "cluster.k8s.job_kind=MPIJob", "cluster.k8s.volume.claim=null",
+      "cluster.k8s.queue='a b'", "cluster.k8s.install_requirements=maybe"],
      ["cluster.k8s.neuron_devices_per_node: 32 is more than a trn2 node has (16)",
       "cluster.k8s.efa_per_node: 17 is more than a trn2 node has (16)",
       "container: cluster_type=k8s runs every stage in an image",
       "cluster.k8s.job_kind: 'MPIJob' is not one of TrainJob",
-      "cluster.k8s.volume: every pod reads and writes", "cluster.k8s.queue: 'a b' is not a label value"]),
+      "cluster.k8s.volume: every pod reads and writes", "cluster.k8s.queue: 'a b' is not a label value",
+      "cluster.k8s.install_requirements: 'maybe' must be true or false"]),
     # What the pods must see on the shared volume.
     (["cluster=eks_trn1", "training.trainer.devices=32", "base_results_dir=/elsewhere/results",
       "cluster.neuron.compile.cache=/scratch/cache"],
@@ -127,16 +130,47 @@ def test_config_rules_refuse_in_one_line_and_write_nothing(tmp_path, overrides, 
     assert not list(tmp_path.iterdir()), "a refused launch wrote files"
 
 
+# The issue's command, as written: the preset's image (AWS's Neuron DLC), results and data on the shared volume.
+DONE_WHEN = ["stages=[data_preparation,training]", "training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s",
+             "--dry-run"]
+
+
 def test_dry_run_prints_valid_manifests_in_stage_order_without_the_client(tmp_path, monkeypatch):
-    fsx = tmp_path / "fsx"
+    """From a machine without the shared volume (/fsx is not mounted here): the dry run renders under a directory of
+    its own, says so, and prints the manifests with the paths the pods see."""
+    assert not os.path.exists("/fsx")
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # any import of the client in the forked CLI fails
-    result = nxdt(*LAUNCH, "cluster=eks_trn2", f"base_results_dir={fsx}/results", f"data_dir={fsx}/data",
-                  f"cluster.k8s.volume.mount_path={fsx}", f"cluster.neuron.compile.cache={fsx}/cache",
-                  f"data_preparation.input.files=[{fsx}/data/raw.jsonl]", "--dry-run", cwd=tmp_path)
+    result = nxdt(*DONE_WHEN, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "the shared volume (/fsx) is not mounted here" in result.stdout and not os.path.exists("/fsx")
+    assert not list(tmp_path.iterdir())
     printed = result.stdout[result.stdout.index("---\n"):result.stdout.index("\nrun llama3")]
     documents = [d for d in yaml.safe_load_all(printed) if d]
     assert [(d["kind"], d["metadata"]["labels"]["nxdt.stage"]) for d in documents] == [
         ("TrainJob", "data_preparation"), ("TrainJob", "training")]
     for document in documents:
         assert k8s.schema_problems(yaml.safe_dump(document), document["metadata"]["labels"]["nxdt.stage"]) == []
+    # The recipe's layout (llama3/8b on trn2: one node of 64 workers, TP 8) and the instance's devices and EFA.
+    recipe = resolved("training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s")["training"]
+    trainer = documents[1]["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (recipe["trainer"]["num_nodes"],
+                                                                recipe["trainer"]["devices"])
+    assert trainer["resourcesPerNode"]["limits"] == {"aws.amazon.com/neuron": 16, "vpc.amazonaws.com/efa": 16}
+    assert trainer["image"].startswith("public.ecr.aws/neuron/pytorch-training-neuronx:")
+    config = yaml.safe_load(Path(documents[1]["metadata"]["annotations"]["nxdt.stage-config"].replace(
+        "/fsx", str(_mirror(result.stdout)) + "/fsx", 1)).read_text())
+    assert (config["model"]["tensor_model_parallel_size"], config["model"]["pipeline_model_parallel_size"]) == (
+        recipe["model"]["tensor_model_parallel_size"], recipe["model"]["pipeline_model_parallel_size"])
+    script = trainer["command"][2]
+    assert "/fsx/results/llama3_8b_trn2/training/launches/" in script and "'schedulefree>=1.4'" in script
+    assert f"--nnodes {trainer['numNodes']} " in script and "--nproc_per_node 64 " in script
+
+
+def test_a_launch_where_the_shared_volume_is_not_mounted_is_refused(tmp_path):
+    result = nxdt(*DONE_WHEN[:-1], cwd=tmp_path)  # the same command, not a dry run
+    assert refused(result, "cluster.k8s.volume.mount_path: /fsx is not mounted on this machine")
+    assert not list(tmp_path.iterdir()) and not os.path.exists("/fsx")
+
+
+def _mirror(stdout: str) -> Path:
+    return Path(stdout.split("wrote its files under ", 1)[1].split()[0])

@@ -11,13 +11,18 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from rich.console import Console
 
 from launcher import k8s, launch, records, runs
+
+from ..launcher.helpers import REPO
 
 pytestmark = pytest.mark.asyncio
 TRAINJOBS = "trainer.kubeflow.org/v1alpha1/trainjobs"
@@ -86,14 +91,38 @@ async def test_two_stages_run_in_order_and_status_logs_cancel_read_them(kmock, t
     run_dir = tmp_path / "fsx" / "results" / "k8srun"
     assert await asyncio.to_thread(_status, run_dir) == [("data_preparation", "PENDING"),
                                                          ("training", "PENDING (waits for the stage before it)")]
-    # The pod's log, where the node script tees it.
+    # The code the pods put first on PYTHONPATH (k8s.code_dir, in the manifest), copied into the launch's directory.
+    record = records.load(run_dir)
+    script = (run_dir / "data_preparation" / "data_preparation.k8s.yaml").read_text()
+    code = next(line.split("=", 1)[1].split("$")[0] for line in script.splitlines()
+                if "export PYTHONPATH=" in line)
+    assert code.startswith(str(run_dir / "data_preparation" / "launches"))
+    ours = sorted(str(f.relative_to(REPO)) for package in ("runtime", "csp_tools") for f in (REPO / package).rglob("*")
+                  if f.is_file() and "__pycache__" not in f.parts)
+    assert sorted(str(f.relative_to(code)) for f in Path(code).rglob("*") if f.is_file()) == ours
+    imported = subprocess.run([sys.executable, "-c", "import runtime, csp_tools; print(runtime.__file__)"],
+                              env={**os.environ, "PYTHONPATH": code}, capture_output=True, text=True, cwd=tmp_path)
+    assert imported.stdout.strip() == f"{code}/runtime/__init__.py", imported.stderr
+    # `nxdt-launch logs -f`: the pod's log as it grows, where the node script tees it, until the stage has ended.
+    printed: list[str] = []
+    following = asyncio.create_task(asyncio.to_thread(runs.follow, run_dir, record, "data_preparation",
+                                                      printed.append, 0.05))
     log = run_dir / "data_preparation" / "logs" / f"data_preparation_{first[2]}_node0.log"
     log.write_text("prepared 1 file\n")
+    deadline = time.monotonic() + 30
+    while not printed and time.monotonic() < deadline:  # printed while the stage runs
+        await asyncio.sleep(0.02)
+    assert printed == ["prepared 1 file\n"] and not following.done()
+    with log.open("a") as f:
+        f.write("wrote 2 shards\n")
     _finish(kmock, first, "Complete")
+    await asyncio.wait_for(following, 30)  # it ends with the stage, having printed the rest
+    assert printed == ["prepared 1 file\n", "wrote 2 shards\n"]
     second = await _created(kmock, "training")
     assert (await asyncio.to_thread(_status, run_dir))[0] == ("data_preparation", "COMPLETED (JobComplete)")
     record = records.load(run_dir)
-    assert [p.read_text() for p in runs.log_files(record, "data_preparation")] == ["prepared 1 file\n"]
+    assert [p.read_text() for p in runs.log_files(record, "data_preparation")] == [
+        "prepared 1 file\nwrote 2 shards\n"]
     said = await asyncio.to_thread(runs.cancel, record, run_dir, timeout_s=5)
     assert said == f"deleted trainjobs default/{second[2]}"
     code, printed = await asyncio.wait_for(started, 60)

@@ -5,6 +5,7 @@ whatever the plain composer does not reproduce it refuses (Unsupported), and the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,12 @@ def test_interpolations_resolve_as_omegaconf_resolves_them():
 
     register_resolvers()
     assert repr(plain_resolve.resolve(cfg)) == repr(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
+    # ${shared_dir:NAME}: the working directory's, or on k8s the shared volume's (its mount path an interpolation).
+    for kind in ("local", "k8s"):
+        cfg = {"cluster_type": kind, "root": "/fsx", "cluster": {"k8s": {"volume": {"mount_path": "${root}"}}},
+               "r": "${shared_dir:results}"}
+        assert plain_resolve.resolve(cfg)["r"] == OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)["r"] \
+            == ("/fsx/results" if kind == "k8s" else f"{os.getcwd()}/results")
 
 
 @pytest.mark.parametrize("value", ["${oc.env:HOME}", "${missing}", "${g}", "\\${x}", "${x", "${a}", "${ x }",
