@@ -266,7 +266,9 @@ def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) 
     return template.render(
         kind=kind, name=resource_name(job), namespace=k8s["namespace"], labels=labels, annotations=annotations,
         job=job, image=image(cfg), env={"NXDT_K8S_OBJECT": resource_name(job)},
-        script=render(job, cfg, executor="k8s", produced_by=produced_by), runtime=k8s["runtime"],
+        script=render(job, cfg, executor="k8s", produced_by=produced_by, k8s={
+            "code_dir": code_dir(job),
+            "requirements": runtime_requirements() if k8s["install_requirements"] else []}), runtime=k8s["runtime"],
         resources=resources(job, cfg), claim=k8s["volume"]["claim"], mount_path=k8s["volume"]["mount_path"],
         service_account=k8s["service_account"], auto_resume=k8s["auto_resume"], container_name=kind.container,
         hyperpod_health=k8s["job_kind"] != "TrainJob" and k8s["auto_resume"]["enabled"],

@@ -175,22 +175,17 @@ def python(cfg: LaunchConfig | dict[str, Any]) -> str:
     return "python3" if remote.settings(cfg) else sys.executable
 
 
-def _k8s_node(job: Job, cfg: LaunchConfig) -> dict[str, Any]:
-    from launcher import k8s
-
-    return {"code_dir": k8s.code_dir(job),
-            "requirements": k8s.runtime_requirements() if k8s.settings(cfg)["install_requirements"] else []}
-
-
-def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str) -> str:
+def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produced_by: str,
+           k8s: dict[str, Any] | None = None) -> str:
     """`cfg` is the resolved config as composed (S3 URLs and all); `job` comes from launch.build. For executor k8s,
-    the script every pod of the stage's manifest runs (launcher/k8s.py manifest)."""
+    the script every pod of the stage's manifest runs, `k8s` the pod's code_dir and requirements (launcher/k8s.py
+    manifest)."""
     cfg = typed(cfg)
     template = _environment().get_template(TEMPLATES[executor])
     # On Kubernetes the pod is the container (the manifest names the image): no Pyxis steps in the script.
     inside = container(job, cfg) if executor != "k8s" else None
     return template.render(
-        k8s=_k8s_node(job, cfg) if executor == "k8s" else None,
+        k8s=k8s,
         neuron=neuron.script(job, cfg),
         fabric=neuron.fabric(job, cfg),
         container=inside,

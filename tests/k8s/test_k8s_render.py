@@ -85,6 +85,9 @@ def test_a_neuron_stage_requests_the_instances_devices_and_efa():
     assert trn1["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"aws.amazon.com/neuron": 16}
     cpu = yaml.safe_load(_manifest(*CASES[5][::2]))
     assert "resourcesPerNode" not in cpu["spec"]["trainer"]
+    # An image that has the runtime's requirements: the pods install nothing.
+    assert " -m pip install " in _manifest(*CASES[0][::2])
+    assert " -m pip install " not in _manifest("training", [*CASES[0][2], "cluster.k8s.install_requirements=false"])
 
 
 def test_a_broken_manifest_is_named_by_the_schema():
