@@ -33,6 +33,10 @@ CASES = [
     ("training", "pytorchjob.hyperpod_eks", ["training=llama3/8b", "cluster=hyperpod_eks",
                                              "training.trainer.num_nodes=2", "cluster.k8s.job_kind=PyTorchJob"]),
     ("conversion", "trainjob.eks_trn2", ["training=llama3/8b", "cluster=eks_trn2"]),
+    ("evaluation", "trainjob.eks_trn2", ["training=llama3/8b", "cluster=eks_trn2"]),
+    ("fine_tuning", "trainjob.eks_trn2", ["fine_tuning=llama3/8b_trn2", "cluster=eks_trn2"]),
+    ("peft", "pytorchjob.eks_trn2", ["peft=llama3/8b_trn2", "cluster=eks_trn2", "cluster.k8s.job_kind=PyTorchJob"]),
+    ("alignment", "hyperpodpytorchjob.hyperpod_eks", ["alignment=llama3/8b_trn2", "cluster=hyperpod_eks"]),
 ]
 
 
@@ -42,8 +46,8 @@ def _manifest(stage: str, overrides: list[str]) -> str:
 
 @lru_cache(maxsize=None)  # each composition once per session (about a second each)
 def _rendered(stage: str, overrides: tuple[str, ...]) -> str:
-    cfg = resolved(*ON_FSX, *overrides, "cluster_type=k8s")
-    job = next(j for j in build({**cfg, "stages": [stage]}, dry_run=True) if j.stage == stage)
+    cfg = resolved(*ON_FSX, *overrides, "cluster_type=k8s", f"stages=[{stage}]")
+    job = next(j for j in build(cfg, dry_run=True) if j.stage == stage)
     return k8s.manifest(job, cfg, produced_by=f"nxdt-launch {' '.join(overrides)}")
 
 
