@@ -101,37 +101,11 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
             pending.append((chunk.position, chunk.too_long))
             yield (chunk,)
 
-    def take(result: EncodedChunk, position: int, too_long: list[tuple[int, int]]) -> None:
-        for number, size in too_long:
-            where = (f"{path}:{number}: a record of {size:,} bytes, longer than input.max_record_mb "
-                     f"({cfg.input.max_record_mb:g} MB)")
-            if cfg.input.on_long_record == "fail":
-                raise DataError(f"{where}; raise input.max_record_mb or set input.on_long_record: skip to skip "
-                                "such records")
-            tally.too_long += 1
-            if len(tally.too_long_examples) < _EXAMPLES:
-                tally.too_long_examples.append(where)
-                reporter.log(f"skipped {where}")
-        writer.add_documents(result.tokens, result.lengths)
-        tally.documents += result.documents
-        tally.tokens += int(result.tokens.size)
-        tally.text_bytes += result.text_bytes
-        tally.empty += result.empty
-        tally.bad += len(result.bad)
-        for number, why in result.bad:
-            where = f"{path}:{number}: {why}"
-            if cfg.input.on_bad_line == "fail":
-                raise DataError(f"{where}; fix the line or set input.on_bad_line: skip to skip such lines")
-            if len(tally.examples) < _EXAMPLES:
-                tally.examples.append(where)
-                reporter.log(f"skipped {where}")
-        reporter.update(position, tally.documents, tally.tokens, tally.text_bytes)
-
     try:
         # The reader raises DataError if the input ends early (a truncated .gz or .zst), after the chunks before
         # it were encoded: the except clauses below then discard everything, and no summary is written.
         for result in pool.map(encode_chunk, chunks(), ahead=2):
-            take(result, *pending.popleft())
+            _take(cfg, path, writer, tally, reporter, result, *pending.popleft())
         if tally.documents == 0:
             raise DataError(f"{path}: no tokens written ({tally.bad} bad lines, {tally.empty} empty documents, "
                             f"{tally.too_long} records over input.max_record_mb; text key {cfg.input.text_key!r}); "
@@ -170,6 +144,36 @@ def process_shard(cfg: StageConfig, shard: Shard, spec: EncoderSpec, expected: d
     if shard.is_url and cfg.download.remove_after_preprocess:
         os.unlink(path)
     return summary
+
+
+def _take(cfg: StageConfig, path: str, writer: IndexedDatasetWriter, tally: _Tally, reporter: Reporter,
+          result: EncodedChunk, position: int, too_long: list[tuple[int, int]]) -> None:
+    """One encoded chunk, in input order: its records too long and bad lines skipped (or failed on, as the
+    config says), its documents appended to the shard, its counts added to the tally and the progress."""
+    for number, size in too_long:
+        where = (f"{path}:{number}: a record of {size:,} bytes, longer than input.max_record_mb "
+                 f"({cfg.input.max_record_mb:g} MB)")
+        if cfg.input.on_long_record == "fail":
+            raise DataError(f"{where}; raise input.max_record_mb or set input.on_long_record: skip to skip "
+                            "such records")
+        tally.too_long += 1
+        if len(tally.too_long_examples) < _EXAMPLES:
+            tally.too_long_examples.append(where)
+            reporter.log(f"skipped {where}")
+    writer.add_documents(result.tokens, result.lengths)
+    tally.documents += result.documents
+    tally.tokens += int(result.tokens.size)
+    tally.text_bytes += result.text_bytes
+    tally.empty += result.empty
+    tally.bad += len(result.bad)
+    for number, why in result.bad:
+        where = f"{path}:{number}: {why}"
+        if cfg.input.on_bad_line == "fail":
+            raise DataError(f"{where}; fix the line or set input.on_bad_line: skip to skip such lines")
+        if len(tally.examples) < _EXAMPLES:
+            tally.examples.append(where)
+            reporter.log(f"skipped {where}")
+    reporter.update(position, tally.documents, tally.tokens, tally.text_bytes)
 
 
 def _discard(writer: IndexedDatasetWriter, *tmp_paths: Path) -> None:
