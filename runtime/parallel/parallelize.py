@@ -59,25 +59,7 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     shapes_only: return a meta model's shard still on the meta device (what the rank would hold, allocated by
     nothing: sizes at any scale); device and data_parallel must then be None.
     """
-    problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
-                                                 activation_checkpointing)]
-    problems += [RECOMPUTE_MODULES.problem("training.model.activations_checkpoint_recompute", name)
-                 for name in recompute_modules]
-    sizes = (topo.cp.size, 1) if context == "ring" else (1, topo.cp.size)
-    problems.append(context_window(model.cfg.layer_types, *sizes, "training."))  # no window in cp's attentions
-    if any(problems):
-        raise ValueError(next(p for p in problems if p))
-    recompute_modules = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
-    if topo.cp.size > 1 and any(isinstance(m, Attention) and m.sinks is not None for m in model.modules()):
-        raise ValueError(f"training.model.context_parallel_size: {topo.cp.size} with attention sinks "
-                         f"(model.architecture={model.cfg.architecture}): ring and Ulysses attention have no sink "
-                         "column; set context_parallel_size=1")
-    # A family's module that context parallelism's attentions do not cover names itself (its `no_context_parallel`).
-    unbuilt = next((m.no_context_parallel for m in model.modules() if getattr(m, "no_context_parallel", None)), None)
-    if topo.cp.size > 1 and unbuilt:
-        key = "context_parallel_size" if context == "ring" else "ulysses_parallel_size"
-        raise ValueError(f"training.model.{key}: {topo.cp.size} with {unbuilt} (model.architecture="
-                         f"{model.cfg.architecture}): not built under context parallelism; set {key}=1")
+    recompute_modules = _check_parallelize(model, topo, activation_checkpointing, recompute_modules, context)
     seed = model.cfg.seed
     rules = model.init_rules() if any(p.is_meta for p in model.parameters()) else None  # read unsharded
     plan = ShardingPlan(topo.tp.size)
@@ -114,6 +96,32 @@ def parallelize_model(model: CausalLM, topo: Topology, *, sequence_parallel: boo
     if data_parallel is not None:
         apply_data_parallel(model, topo, data_parallel)
     return model
+
+
+def _check_parallelize(model: CausalLM, topo: Topology, activation_checkpointing: str | None,
+                       recompute_modules: Sequence[str], context: str) -> list[str]:
+    """The ValueErrors parallelize_model's arguments can raise, before anything is changed; returns the
+    recompute_modules by their canonical names."""
+    problems = [CHECKPOINT_GRANULARITIES.problem("training.model.activations_checkpoint_granularity",
+                                                 activation_checkpointing)]
+    problems += [RECOMPUTE_MODULES.problem("training.model.activations_checkpoint_recompute", name)
+                 for name in recompute_modules]
+    sizes = (topo.cp.size, 1) if context == "ring" else (1, topo.cp.size)
+    problems.append(context_window(model.cfg.layer_types, *sizes, "training."))  # no window in cp's attentions
+    if any(problems):
+        raise ValueError(next(p for p in problems if p))
+    canonical = [RECOMPUTE_MODULES.canonical(name) for name in recompute_modules]
+    if topo.cp.size > 1 and any(isinstance(m, Attention) and m.sinks is not None for m in model.modules()):
+        raise ValueError(f"training.model.context_parallel_size: {topo.cp.size} with attention sinks "
+                         f"(model.architecture={model.cfg.architecture}): ring and Ulysses attention have no sink "
+                         "column; set context_parallel_size=1")
+    # A family's module that context parallelism's attentions do not cover names itself (its `no_context_parallel`).
+    unbuilt = next((m.no_context_parallel for m in model.modules() if getattr(m, "no_context_parallel", None)), None)
+    if topo.cp.size > 1 and unbuilt:
+        key = "context_parallel_size" if context == "ring" else "ulysses_parallel_size"
+        raise ValueError(f"training.model.{key}: {topo.cp.size} with {unbuilt} (model.architecture="
+                         f"{model.cfg.architecture}): not built under context parallelism; set {key}=1")
+    return canonical
 
 
 def check_tensor_parallel(cfg, tp: int) -> None:
