@@ -301,6 +301,33 @@ def _attempt_store(rank: int, world_size: int):
                                   attempt, agent_store=agent_store)
 
 
+def _xla_device() -> tuple[torch.device, str, dict]:
+    """trainer.accelerator 'neuron': torch-xla imported and set up (before any graph is compiled), and this
+    process's XLA device; (device, hardware, the torch_xla modules Device keeps)."""
+    # Every Python number an op takes becomes a graph input, never a constant: torch-xla inlines 0 and 1, so a
+    # learning rate decayed to 0 or an Adam bias correction that rounds to 1 (step 730 at beta2 0.95) would
+    # otherwise make a new step graph, compiled long after warm-up.
+    os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
+    try:  # torch-xla lives in its own environment; import it only when asked for
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process-group backend
+        import torch_xla.runtime as xr
+    except ImportError as error:
+        raise ValueError(
+            f"trainer.accelerator 'neuron' needs torch-xla (pip install torch-neuronx): {error}"
+        ) from None
+    # XLA's persistent compilation cache, where torch-xla's runtime supports it (TPU, GPU): before any graph is
+    # compiled. On Neuron the compiled graphs live in Neuron's own cache (NEURON_COMPILE_CACHE_URL, which the
+    # launcher's compile step fills); this one is XLA's, keyed by the same graph hashes.
+    if os.environ.get("NXDT_XLA_CACHE_DIR"):
+        xr.initialize_cache(os.environ["NXDT_XLA_CACHE_DIR"], readonly=False)
+    torch_device = torch_xla.device() if hasattr(torch_xla, "device") else xm.xla_device()
+    hardware = os.environ.get("NXDT_NEURON_HARDWARE", "trn1")
+    return torch_device, hardware, {"torch_xla": torch_xla, "xm": xm, "xr": xr, "met": met}
+
+
 def init_device(accelerator: str) -> Device:
     """Pick the device for `trainer.accelerator` and join the process group torchrun describes.
 
@@ -321,28 +348,7 @@ def init_device(accelerator: str) -> Device:
         torch.cuda.set_device(local_rank)
         torch_device, hardware = torch.device("cuda", local_rank), _cuda_hardware(local_rank)
     elif kind == "xla":
-        # Every Python number an op takes becomes a graph input, never a constant: torch-xla inlines 0 and 1, so a
-        # learning rate decayed to 0 or an Adam bias correction that rounds to 1 (step 730 at beta2 0.95) would
-        # otherwise make a new step graph, compiled long after warm-up.
-        os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
-        try:  # torch-xla lives in its own environment; import it only when asked for
-            import torch_xla
-            import torch_xla.core.xla_model as xm
-            import torch_xla.debug.metrics as met
-            import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" process-group backend
-            import torch_xla.runtime as xr
-        except ImportError as error:
-            raise ValueError(
-                f"trainer.accelerator 'neuron' needs torch-xla (pip install torch-neuronx): {error}"
-            ) from None
-        xla = {"torch_xla": torch_xla, "xm": xm, "xr": xr, "met": met}
-        # XLA's persistent compilation cache, where torch-xla's runtime supports it (TPU, GPU): before any graph is
-        # compiled. On Neuron the compiled graphs live in Neuron's own cache (NEURON_COMPILE_CACHE_URL, which the
-        # launcher's compile step fills); this one is XLA's, keyed by the same graph hashes.
-        if os.environ.get("NXDT_XLA_CACHE_DIR"):
-            xr.initialize_cache(os.environ["NXDT_XLA_CACHE_DIR"], readonly=False)
-        torch_device = torch_xla.device() if hasattr(torch_xla, "device") else xm.xla_device()
-        hardware = os.environ.get("NXDT_NEURON_HARDWARE", "trn1")
+        torch_device, hardware, xla = _xla_device()
     else:
         torch_device, hardware = torch.device("cpu"), "cpu"
 
