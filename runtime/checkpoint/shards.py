@@ -296,40 +296,7 @@ def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None
             state = {key: torch.zeros(span.stop - span.start, dtype=torch.float32) for key in keys}
         have = torch.zeros(len(keys), dtype=torch.float32)  # which of them the checkpoint has
         if source is not None:
-            offset = 0
-            for param in bucket.params:
-                local, n = names[id(param)], param.numel()
-                name = plan.full_name(local)
-                if not source.has(name, "value"):
-                    raise ValueError(f"checkpoint has no weights for {name}: it was saved from a different model")
-                saved, expected = source.full_shape(name, "value"), plan.full_shape(local, param)
-                if tuple(saved) != tuple(expected):
-                    raise ValueError(f"checkpoint holds {name} with shape {tuple(saved)} but this model's is "
-                                     f"{tuple(expected)}: the checkpoint was saved from a different model config")
-                target = Target.of(plan, local, param)
-                weights = {"value": (values[offset:offset + n], "value")}
-                lo, hi = max(offset, span.start), min(offset + n, span.stop)
-                outs = {}
-                for i, key in enumerate(keys if lo < hi else ()):
-                    dest = state[key][lo - span.start:hi - span.start]
-                    if with_optimizer and source.has(name, key):
-                        outs[key] = (dest, key)
-                        have[i] = 1
-                    elif key == "master":  # fp32 weights serve as the master copy of a bf16 run
-                        outs[key] = (dest, "value")
-                    else:
-                        dest.zero_()
-                if (lo, hi) == (offset, offset + n):  # one plan for the weights and the whole state
-                    source.fill(name, target, 0, n, {**weights, **outs})
-                else:
-                    source.fill(name, target, 0, n, weights)
-                    if outs:
-                        source.fill(name, target, lo - offset, hi - offset, outs)
-                offset += n
-            values[offset:].zero_()  # ZeRO-1 padding
-            for tensor in state.values():
-                tensor[max(0, offset - span.start):].zero_()
-            source.run()
+            _read_bucket(source, plan, names, bucket, keys, span, values, state, have, with_optimizer)
         if broadcast is not None:
             for tensor in (values, have, *state.values()):
                 broadcast(tensor, bucket.axis)
@@ -346,3 +313,44 @@ def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None
             else:
                 for tensor in optim_state.values():
                     tensor.zero_()
+
+
+def _read_bucket(source, plan: ShardingPlan, names: dict, bucket, keys: list[str], span: slice,
+                 values: torch.Tensor, state: dict, have: torch.Tensor, with_optimizer: bool) -> None:
+    """load_into's reads for one bucket: every parameter's weights into `values` (the bucket's padded flat
+    buffer) and its `keys` over the elements of `span` into `state`, checked against this model first; `have`
+    marks the keys the checkpoint has. What the checkpoint has nothing for, and the ZeRO-1 padding, are zeroed."""
+    offset = 0
+    for param in bucket.params:
+        local, n = names[id(param)], param.numel()
+        name = plan.full_name(local)
+        if not source.has(name, "value"):
+            raise ValueError(f"checkpoint has no weights for {name}: it was saved from a different model")
+        saved, expected = source.full_shape(name, "value"), plan.full_shape(local, param)
+        if tuple(saved) != tuple(expected):
+            raise ValueError(f"checkpoint holds {name} with shape {tuple(saved)} but this model's is "
+                             f"{tuple(expected)}: the checkpoint was saved from a different model config")
+        target = Target.of(plan, local, param)
+        weights = {"value": (values[offset:offset + n], "value")}
+        lo, hi = max(offset, span.start), min(offset + n, span.stop)
+        outs = {}
+        for i, key in enumerate(keys if lo < hi else ()):
+            dest = state[key][lo - span.start:hi - span.start]
+            if with_optimizer and source.has(name, key):
+                outs[key] = (dest, key)
+                have[i] = 1
+            elif key == "master":  # fp32 weights serve as the master copy of a bf16 run
+                outs[key] = (dest, "value")
+            else:
+                dest.zero_()
+        if (lo, hi) == (offset, offset + n):  # one plan for the weights and the whole state
+            source.fill(name, target, 0, n, {**weights, **outs})
+        else:
+            source.fill(name, target, 0, n, weights)
+            if outs:
+                source.fill(name, target, lo - offset, hi - offset, outs)
+        offset += n
+    values[offset:].zero_()  # ZeRO-1 padding
+    for tensor in state.values():
+        tensor[max(0, offset - span.start):].zero_()
+    source.run()
