@@ -11,7 +11,7 @@
 # data parallelism), each split over tensor parallelism like a dense SwiGLU
 # (gate_up (E/ep, h, 2f/tp), down (E/ep, f/tp, h)); the router is replicated.
 #
-# Long context (runtime/schema/rules.py "long context"): a context group of cp ranks (ring attention) or u ranks
+# Long context (runtime/schema/rules_layout.py "long context"): a context group of cp ranks (ring attention) or u ranks
 # (DeepSpeed-Ulysses) splits each sequence. Like expert parallelism it is carved out of data parallelism: dp still
 # counts every replica (gradients and ZeRO-1 go over all of them), while only dp / context ranks read distinct
 # samples; each rank holds seq / context tokens of each of its samples.

@@ -45,7 +45,7 @@ class ShardedOptimizer:
     optim_cfg: the `model.optim` section (an OptimConfig, a mapping, an AdamWConfig or any object with its
     attributes). Per bucket it keeps its library's per-element state for this rank's shard only (`state`, one
     {key: flat fp32 tensor} per bucket), so ZeRO-1 shards it; Adafactor's factored state is per whole
-    parameter (`factored`), which is why it refuses ZeRO-1 (runtime/schema/rules.py).
+    parameter (`factored`), which is why it refuses ZeRO-1 (runtime/schema/rules_optim.py).
     """
 
     def __init__(self, model: nn.Module, optim_cfg: Any):
