@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from csp_tools.cluster_validate import health, report
@@ -32,6 +32,24 @@ class NodeInfo:
     rank: int
     name: str
     address: str
+
+
+@dataclass
+class Findings:
+    """What the run has found, by node name: why a node fails (reasons), the deficits that did not repeat
+    (transient), its health checks and facts, and the busbw each phase measured for it."""
+    reasons: dict[str, list[str]]
+    transient: dict[str, list[str]] = field(default_factory=dict)
+    checks: dict[str, list[health.Check]] = field(default_factory=dict)
+    facts: dict[str, dict] = field(default_factory=dict)
+    busbw: dict[str, dict] = field(default_factory=dict)
+
+    def settle(self, found: Confirmation) -> None:
+        """The suspects a confirmation named fail; those it found transient pass, with a note."""
+        for name, why in found.named.items():
+            self.reasons[name].append(why)
+        for name, why in found.transient.items():
+            self.transient[name].append(why)
 
 
 class Coordinator:
@@ -178,10 +196,40 @@ class Coordinator:
                  f"{self.control.host}:{self.control.port}")
         nodes, missing = self._register()
         self.by_name = {n.name: n for n in nodes}
-        reasons: dict[str, list[str]] = {n.name: [] for n in nodes}
-        reasons.update({name: [why] for name, why in missing.items()})
+        found = Findings(reasons={n.name: [] for n in nodes})
+        found.reasons.update({name: [why] for name, why in missing.items()})
         self._serve_clock(nodes)
+        self._health(nodes, found)
 
+        types = sorted({f["instance_type"] for f in found.facts.values()}) or ["unknown"]
+        instance_type = types[0]
+        if len(types) > 1:
+            self.notes.append(f"mixed instance types {', '.join(types)}: thresholds of {instance_type} applied")
+        floors = cfg.floors_for(instance_type)
+        found.busbw = {n.name: {} for n in nodes}
+
+        good = [n.name for n in nodes if not found.reasons[n.name]]
+        if cfg.sweep.intra_node and cfg.devices > 1 and good:
+            self._intra_node(good, floors, found)
+        if cfg.accelerator == "neuron" and cfg.nccom_test.enabled != "false" and good:
+            self._nccom_test(good, found)
+        good = [n for n in good if not found.reasons[n]]
+        self._pairs(good, floors, found)
+        good = [n for n in good if not found.reasons[n]]
+        if cfg.sweep.all_nodes and len(good) >= 2:
+            self._all_nodes(good, floors, found)
+
+        data = self._report(started, nodes, missing, instance_type, floors, found)
+        path = report.write(data, cfg.results_dir)
+        self.log(report.verdict_text(data))
+        self.log(f"report: {path}")
+        self._finish(nodes)
+        return 0 if data["passed"] else 1
+
+    def _health(self, nodes: list[NodeInfo], found: Findings) -> None:
+        """Phase 3: each node's own checks (node 0 writes the shared-path markers they look for), its failed ones
+        run again; then versions and clocks compared across the nodes that answered."""
+        cfg = self.cfg
         token = secrets.token_hex(8)
         for path in cfg.health.shared_paths:
             try:
@@ -190,7 +238,7 @@ class Coordinator:
             except OSError:
                 pass  # node 0's own shared-path check reports it
         self.control.put("health/start", {"token": token})
-        checks, facts, offsets = {}, {}, {}
+        checks, facts, offsets = found.checks, found.facts, {}
         deadline = time.monotonic() + cfg.health.timeout_s * 4 + 60
         for node in nodes:
             got = self._get(f"health/{node.rank}", deadline)
@@ -200,7 +248,7 @@ class Coordinator:
             checks[node.name] = [health.Check(**c) for c in got["checks"]]
             facts[node.name], offsets[node.name] = got["facts"], tuple(got["clock"])
         # A node's own failed checks run again before they name it (node 0's markers are still there).
-        transient: dict[str, list[str]] = {name: [] for name in reasons}
+        found.transient = {name: [] for name in found.reasons}
         rechecked = confirm({(name, c.name): f"{c.name}: {c.detail}" for name in facts for c in checks[name]
                              if c.status == health.FAIL}, lambda keys: self._recheck_health(keys, checks))
         for name, check in health.compare_versions({n: f["versions"] for n, f in facts.items()}).items():
@@ -212,44 +260,43 @@ class Coordinator:
         for name, node_checks in checks.items():
             for c in node_checks:
                 if (name, c.name) in rechecked.transient:
-                    transient[name].append(rechecked.transient[(name, c.name)])
+                    found.transient[name].append(rechecked.transient[(name, c.name)])
                 elif c.status == health.FAIL:
-                    reasons[name].append(rechecked.named.get((name, c.name), f"{c.name}: {c.detail}"))
+                    found.reasons[name].append(rechecked.named.get((name, c.name), f"{c.name}: {c.detail}"))
 
-        types = sorted({f["instance_type"] for f in facts.values()}) or ["unknown"]
-        instance_type = types[0]
-        if len(types) > 1:
-            self.notes.append(f"mixed instance types {', '.join(types)}: thresholds of {instance_type} applied")
-        floors = cfg.floors_for(instance_type)
-        busbw: dict[str, dict] = {n.name: {} for n in nodes}
+    def _intra_node(self, good: list[str], floors, found: Findings) -> None:
+        """Phase 4: each good node alone, over its devices; the suspects measured again beside the fastest."""
+        cfg, busbw = self.cfg, found.busbw
+        tests = self.run_groups([(n,) for n in good], cfg.collectives.operations, "intra_node")
+        policy = Policy(self._floor(floors, "intra_node"), cfg.sweep.outlier_fraction)
+        verdicts = judge({t["group"][0]: (t["judged"]["busbw"] if t["judged"]["error"] is None else None)
+                          for t in tests}, policy)
+        suspects = {}
+        for t in tests:
+            name = t["group"][0]
+            busbw[name]["intra_node_busbw"] = t["judged"]["busbw"]
+            if not verdicts[name].passed:
+                suspects[name] = f"intra-node {t['judged']['error'] or verdicts[name].reason}"
+        healthy = sorted((n for n in verdicts if verdicts[n].passed),
+                         key=lambda n: -(busbw[n]["intra_node_busbw"] or 0.0))
+        found.settle(self._confirm_tests(
+            "intra_node", suspects, healthy, policy, size=1, operations=cfg.collectives.operations,
+            baseline=median_or_none(busbw[n]["intra_node_busbw"] for n in healthy)))
 
-        good = [n.name for n in nodes if not reasons[n.name]]
-        if cfg.sweep.intra_node and cfg.devices > 1 and good:
-            tests = self.run_groups([(n,) for n in good], cfg.collectives.operations, "intra_node")
-            policy = Policy(self._floor(floors, "intra_node"), cfg.sweep.outlier_fraction)
-            verdicts = judge({t["group"][0]: (t["judged"]["busbw"] if t["judged"]["error"] is None else None)
-                              for t in tests}, policy)
-            suspects = {}
-            for t in tests:
-                name = t["group"][0]
-                busbw[name]["intra_node_busbw"] = t["judged"]["busbw"]
-                if not verdicts[name].passed:
-                    suspects[name] = f"intra-node {t['judged']['error'] or verdicts[name].reason}"
-            healthy = sorted((n for n in verdicts if verdicts[n].passed),
-                             key=lambda n: -(busbw[n]["intra_node_busbw"] or 0.0))
-            self._settle(self._confirm_tests(
-                "intra_node", suspects, healthy, policy, size=1, operations=cfg.collectives.operations,
-                baseline=median_or_none(busbw[n]["intra_node_busbw"] for n in healthy)), reasons, transient)
-        if cfg.accelerator == "neuron" and cfg.nccom_test.enabled != "false" and good:
-            # auto: where nccom-test is installed; true: everywhere (a node without it then fails)
-            have = [n for n in good if cfg.nccom_test.enabled == "true" or facts[n]["tools"].get("nccom-test")]
-            tests = self.run_groups([(n,) for n in have], cfg.collectives.operations, "nccom-test", kind="nccom") \
-                if have else []
-            for t in tests:
-                if t["judged"]["error"]:
-                    reasons[t["group"][0]].append(f"nccom-test: {t['judged']['error']}")
-        good = [n for n in good if not reasons[n]]
+    def _nccom_test(self, good: list[str], found: Findings) -> None:
+        """Phase 4, on Neuron: nccom-test on each good node; a failure names the node."""
+        cfg = self.cfg
+        # auto: where nccom-test is installed; true: everywhere (a node without it then fails)
+        have = [n for n in good if cfg.nccom_test.enabled == "true" or found.facts[n]["tools"].get("nccom-test")]
+        tests = self.run_groups([(n,) for n in have], cfg.collectives.operations, "nccom-test", kind="nccom") \
+            if have else []
+        for t in tests:
+            if t["judged"]["error"]:
+                found.reasons[t["group"][0]].append(f"nccom-test: {t['judged']['error']}")
 
+    def _pairs(self, good: list[str], floors, found: Findings) -> None:
+        """Phase 5: sweep.pair_sweep over the good nodes; the suspects measured again beside the fastest."""
+        cfg, busbw = self.cfg, found.busbw
         policy = Policy(self._floor(floors, "pair") if len(good) > 1 else None, cfg.sweep.outlier_fraction,
                         cfg.sweep.max_rounds)
         swept = pair_sweep(good, self._measure("pair"), policy)
@@ -261,63 +308,55 @@ class Coordinator:
             if not verdict.passed:
                 suspects[name] = f"pairs: {verdict.reason}"
         healthy = sorted((n for n in good if swept.verdicts[n].passed), key=lambda n: -(busbw[n]["pair_busbw"] or 0.0))
-        self._settle(self._confirm_tests("pair", suspects, healthy, policy, size=2,
-                                         baseline=median_or_none(busbw[n]["pair_busbw"] for n in healthy)),
-                     reasons, transient)
-        good = [n for n in good if not reasons[n]]
+        found.settle(self._confirm_tests("pair", suspects, healthy, policy, size=2,
+                                         baseline=median_or_none(busbw[n]["pair_busbw"] for n in healthy)))
 
-        if cfg.sweep.all_nodes and len(good) >= 2:
-            floor = self._floor(floors, "all_nodes")
+    def _all_nodes(self, good: list[str], floors, found: Findings) -> None:
+        """Phase 6: one test over every good node; if it fails, sweep.bisect names the node."""
+        cfg = self.cfg
+        floor = self._floor(floors, "all_nodes")
 
-            def passes(m: Measurement) -> bool:
-                return m.ok and (floor is None or m.busbw >= floor)
+        def passes(m: Measurement) -> bool:
+            return m.ok and (floor is None or m.busbw >= floor)
 
-            (whole,) = self.run_groups([tuple(good)], cfg.collectives.operations, "all_nodes")
-            j = whole["judged"]
-            if not passes(Measurement(tuple(good), j["busbw"], j["error"])):
-                why = j["error"] or f"busbw {j['busbw']:.3g} GB/s is below the floor of {floor:g} GB/s"
-                self.notes.append(f"the test over all {len(good)} good nodes failed ({why}); bisecting")
-                found = bisect(tuple(good), self._measure("bisect"), passes, max_rounds=cfg.sweep.max_rounds)
-                self.notes += found.notes
-                # judged as the bisection judges (an error, the floor), so no relative reference is measured
-                self._settle(self._confirm_tests("bisect", {n: f"bisection: {why}" for n, why in found.named.items()},
-                                                 [n for n in good if n not in found.named], Policy(floor, 0.0),
-                                                 size=2), reasons, transient)
+        (whole,) = self.run_groups([tuple(good)], cfg.collectives.operations, "all_nodes")
+        j = whole["judged"]
+        if not passes(Measurement(tuple(good), j["busbw"], j["error"])):
+            why = j["error"] or f"busbw {j['busbw']:.3g} GB/s is below the floor of {floor:g} GB/s"
+            self.notes.append(f"the test over all {len(good)} good nodes failed ({why}); bisecting")
+            bisected = bisect(tuple(good), self._measure("bisect"), passes, max_rounds=cfg.sweep.max_rounds)
+            self.notes += bisected.notes
+            # judged as the bisection judges (an error, the floor), so no relative reference is measured
+            found.settle(self._confirm_tests("bisect", {n: f"bisection: {why}" for n, why in bisected.named.items()},
+                                             [n for n in good if n not in bisected.named], Policy(floor, 0.0),
+                                             size=2))
 
+    def _report(self, started: datetime, nodes: list[NodeInfo], missing: dict[str, str], instance_type: str,
+                floors, found: Findings) -> dict:
+        """The report's data: each node's verdict, the health checks and every test."""
+        cfg, reasons, checks = self.cfg, found.reasons, found.checks
         names = [n.name for n in nodes] + list(missing)
         verdicts = {name: {"passed": not reasons[name], "reasons": reasons[name],
-                           "transient": transient.get(name, []), **busbw.get(name, {})} for name in names}
+                           "transient": found.transient.get(name, []), **found.busbw.get(name, {})} for name in names}
         bad = sorted(name for name in names if reasons[name])
         health_json = {name: [c.to_json() for c in node_checks] for name, node_checks in checks.items()}
         shared = report.common_failures(health_json) if bad and len(bad) == len(names) else []
         if shared:
             self.notes.append(f"every node fails the same check ({'; '.join(shared)}): that is the configuration, "
                               f"not the nodes; fix it rather than excluding the whole cluster")
-        data = {
+        return {
             "version": 1, "created": started.isoformat(timespec="seconds"),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "passed": bool(nodes) and not bad, "backend": cfg.backend, "accelerator": cfg.accelerator,
             "devices_per_node": cfg.devices, "instance_type": instance_type, "sizes": self.sizes,
             "judged": {"operation": cfg.sweep.operation, "size": self.judge_size,
                        "floors": {k: getattr(floors, k) for k in ("intra_node", "pair", "all_nodes", "at_bytes")}},
-            "nodes": [{"rank": n.rank, "name": n.name, "address": n.address, **facts.get(n.name, {})}
+            "nodes": [{"rank": n.rank, "name": n.name, "address": n.address, **found.facts.get(n.name, {})}
                       for n in nodes],
             "health": health_json,
             "tests": self.tests, "verdicts": verdicts, "bad_nodes": bad, "notes": self.notes,
             "exclude_override": report.exclude_override([] if shared else bad, cfg.cluster_exclude),
         }
-        path = report.write(data, cfg.results_dir)
-        self.log(report.verdict_text(data))
-        self.log(f"report: {path}")
-        self._finish(nodes)
-        return 0 if data["passed"] else 1
-
-    @staticmethod
-    def _settle(found: Confirmation, reasons: dict[str, list[str]], transient: dict[str, list[str]]) -> None:
-        for name, why in found.named.items():
-            reasons[name].append(why)
-        for name, why in found.transient.items():
-            transient[name].append(why)
 
     def _finish(self, nodes: list[NodeInfo]) -> None:
         self.control.put(f"task/{self.seq}", {"kind": "exit"})

@@ -78,12 +78,12 @@ def _duration(seconds: float) -> str:
 
 def render(result, recipe: str, time_limit: str | None = None):
     """The estimate as rich renderables: a title line and three tables (device memory, host memory, time)."""
-    from rich.table import Table
+    return title_line(result, recipe), memory_table(result), host_table(result), time_table(result, time_limit)
 
-    from launcher.estimator.memory import PRECISION_BYTES
-    from runtime.schema.facts import PRECISION_POLICIES
 
-    shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
+def title_line(result, recipe: str) -> str:
+    """The recipe, its parameters and the layout on the nodes, in one line."""
+    shape, layout, hw = result.shape, result.layout, result.hardware
     vpp = f" (virtual {layout.vpp})" if layout.vpp > 1 else ""
     ep = f" · ep {layout.ep}" if layout.ep > 1 else ""
     # The context group is carved out of dp, as ep is: shown beside it, with the ranks that read distinct samples.
@@ -95,9 +95,20 @@ def render(result, recipe: str, time_limit: str | None = None):
     if shape.moe is not None:  # total holds every expert; a token runs only its top_k of them
         parameters += (f" ({_count(result.parameters.active)} active: top-{shape.moe.top_k} of "
                        f"{shape.moe.num_experts} experts in {shape.num_moe_layers} of {shape.num_layers} layers)")
-    title = (f"{recipe}: {parameters} on {layout.num_nodes} × {layout.devices_per_node} {hw.description} · "
-             f"tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp}{ep}{context} · micro-batch {layout.micro_batch_size} × "
-             f"{layout.num_micro_batches} · global batch {layout.global_batch_size} × seq {shape.seq_length}")
+    return (f"{recipe}: {parameters} on {layout.num_nodes} × {layout.devices_per_node} {hw.description} · "
+            f"tp {layout.tp} · pp {layout.pp}{vpp} · dp {layout.dp}{ep}{context} · "
+            f"micro-batch {layout.micro_batch_size} × "
+            f"{layout.num_micro_batches} · global batch {layout.global_batch_size} × seq {shape.seq_length}")
+
+
+def memory_table(result):
+    """Memory per device: each part of the stage's state and working set, then the total against the device's."""
+    from rich.table import Table
+
+    from launcher.estimator.memory import PRECISION_BYTES
+    from runtime.schema.facts import PRECISION_POLICIES
+
+    shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
     bytes_ = PRECISION_BYTES[layout.precision]
     sharded = f", ÷ dp {layout.dp} (ZeRO-1)" if layout.zero1 and layout.dp > 1 else ""
     if sharded and shape.moe is not None and layout.ep > 1:  # experts' state: over the ranks holding those experts
@@ -127,9 +138,14 @@ def render(result, recipe: str, time_limit: str | None = None):
     verdict = "[green]fits[/]" if result.fits else "[red]does not fit[/]"
     memory.add_row(f"[bold]total[/] vs {_gib(hw.usable_bytes)} usable of {_gib(hw.memory_bytes)}: {verdict}",
                    f"[bold]{_gib(mem.total)}[/]")
+    return memory
 
-    host = host_table(result)
 
+def time_table(result, time_limit: str | None = None):
+    """Time to train: FLOPs, the step time at the assumed MFU and by the layout model, and the jobs it takes."""
+    from rich.table import Table
+
+    shape, layout, hw = result.shape, result.layout, result.hardware
     time = Table(title=f"time (assumed MFU {result.mfu:.0%} of {hw.peak_tflops:g} TFLOP/s per device)",
                  title_justify="left")
     time.add_column("quantity")
@@ -156,7 +172,7 @@ def render(result, recipe: str, time_limit: str | None = None):
         jobs = math.ceil(result.days * 86400 / limit)
         time.add_row(f"run.time_limit {time_limit}", "enough" if jobs <= 1 else
                      f"{jobs} jobs (resubmit; exp_manager.resume_if_exists continues)")
-    return title, memory, host, time
+    return time
 
 
 def host_table(result):
