@@ -1,7 +1,7 @@
 # The layout grid of an autoconfig search: every combination of tensor, pipeline, virtual pipeline and context
 # parallel sizes, micro-batch size and activation checkpointing, kept when the schema's rules accept it
 # (runtime/schema, the same rules as at launch and on the node), the launch's memory check would not refuse it
-# (device and host memory, launcher/validate.py) and the memory estimate fits the device; ranked by the
+# (device and host memory, launcher/memory_fit.py) and the memory estimate fits the device; ranked by the
 # estimator's step time. Pure functions of the base training config and the search settings.
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from launcher import validate
+from launcher import memory_fit, validate
 from launcher.config import Cluster
 from launcher.errors import UserError
 from launcher.estimator import Estimate, estimate
@@ -145,7 +145,7 @@ def apply(training: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
 def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | None, mfu: float | None,
          vocab_size: int | None, cluster: Cluster, local: bool) -> list[Ranked]:
     """Launchable candidates first, fastest estimated step first; then the rejected ones with their reason: the
-    schema's rules reject the layout, the launch would refuse it for memory (validate.stage_memory_fit, the launch's
+    schema's rules reject the layout, the launch would refuse it for memory (memory_fit.stage_memory_fit, the launch's
     own rule, on `cluster`'s nodes, or this machine where the local executor runs it: `local`), or its estimate on
     `device` does not fit the device with the activations (stricter than the launch, which only warns there)."""
     ranked = []
@@ -157,7 +157,7 @@ def rank(base: dict[str, Any], candidates: list[Candidate], *, device: str | Non
             continue
         result = estimate(training, device=device, mfu=mfu, vocab_size=vocab_size,
                           neuron_hardware=cluster.neuron_hardware, node_memory_bytes=cluster.node_memory_bytes)
-        refusals, _ = validate.stage_memory_fit(training, "training", cluster, local=local, vocab_size=vocab_size)
+        refusals, _ = memory_fit.stage_memory_fit(training, "training", cluster, local=local, vocab_size=vocab_size)
         if refusals:
             # The line's figures; its fixes (other parallel sizes) are what the search tries anyway.
             ranked.append(Ranked(candidate, result, "refused at launch: " + refusals[0].split("; ")[0]))

@@ -1,6 +1,6 @@
 """The host-memory check each shipped recipe's own test runs on the config it has composed (tests/recipes/
 test_recipes.py, tests/launcher/test_fine_tuning_stages.py, tests/launcher/test_alignment_stages.py): the launch's
-rule (launcher/validate.py host_memory_fit) on the estimator's numbers, against the node memory of the recipe's
+rule (launcher/memory_fit.py host_memory_fit) on the estimator's numbers, against the node memory of the recipe's
 cluster, or for a CPU recipe a 64 GiB node (a Slurm node's memory is not this machine's; the recipe tests assume
 the same)."""
 
