@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import shlex
@@ -29,8 +30,8 @@ import torch
 from runtime.checkpoint.manager import CheckpointSaveFailed
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
-from runtime.data import DataParallelBatches, build_split_dataset
-from runtime.data.loader import end_of_document
+from runtime.data import DataParallelBatches
+from runtime.data.training import build_data
 from runtime.fault_tolerance.progress import Progress
 from runtime.fault_tolerance.recovery import Recovery
 from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
@@ -44,7 +45,6 @@ from runtime.models.lora import apply_lora
 from runtime.models.moe import step_stats
 from runtime.optim_schedule import LRSchedule
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
-from runtime.parallel.context import sequence_index
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
@@ -69,112 +69,6 @@ def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
     dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node,
                                  ep=cfg.parallel.ep, cp=cfg.parallel.context)
     return Topology.build(dims)
-
-
-def build_data(
-    cfg: TrainingConfig, topo: Topology, device: Device
-) -> tuple[DataParallelBatches, DataParallelBatches | None]:
-    """Train batches sized for max_steps, and the fixed validation batches (the same ones at every check)."""
-    if cfg.alignment is not None:
-        return build_preference_data(cfg, topo, device)
-    if cfg.sft is not None:
-        return build_sft_data(cfg, topo, device)
-    data, trainer = cfg.data, cfg.trainer
-    common = dict(
-        data_prefix=data.data_prefix,
-        splits_string=data.splits_string,
-        seq_length=data.seq_length,
-        seed=cfg.seed,
-        index_mapping_dir=data.index_mapping_dir,
-        # One builder per node: the index directory may be node-local; on a shared one the writes are atomic.
-        is_builder=device.local_rank == 0,
-        barrier=device.barrier,
-    )
-    train_set = build_split_dataset(split="train", num_samples=trainer.max_steps * data.global_batch_size, **common)
-    columns = None
-    if topo.cp.size > 1:  # long context: this rank's tokens of every sample its context group reads
-        columns = sequence_index(data.seq_length, topo.cp.rank, topo.cp.size, cfg.parallel.context_kind)
-    eod = end_of_document(data, cfg.tokenizer_path)
-    batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.data_rank, dp_size=topo.data_size, columns=columns, end_of_document=eod,
-                   vocab_size=cfg.model.vocab_size)
-    train = DataParallelBatches(train_set, **batches)
-    valid = None
-    if trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
-        valid_set = build_split_dataset(
-            split="valid", num_samples=trainer.limit_val_batches * data.global_batch_size, **common
-        )
-        valid = DataParallelBatches(valid_set, **batches)
-    return train, valid
-
-
-def build_sft_data(cfg: TrainingConfig, topo: Topology, device: Device
-                   ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
-    """Fine-tuning: chat records tokenized once (cached beside the data), packed into rows, read in epochs."""
-    from functools import partial
-
-    from runtime.sft.dataset import build_sft_dataset
-
-    sft, data = cfg.sft, cfg.data
-    build = partial(build_sft_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=data.seq_length,
-                    chat_template=sft.chat_template, packing=sft.packing, truncation=sft.truncation,
-                    **_cache_args(cfg, device))
-
-    def describe(stats: dict) -> str:
-        return (f"fine-tuning data: {stats.get('examples')} examples in {stats.get('rows')} rows of "
-                f"{data.seq_length} tokens ({'packed' if sft.packing else 'one per row'}; padding "
-                f"{stats.get('padding_fraction', 0):.1%}, truncated {stats.get('truncated', 0)}, dropped "
-                f"{stats.get('dropped', 0)})")
-
-    return _record_epochs(cfg, topo, device, build, describe)
-
-
-def build_preference_data(cfg: TrainingConfig, topo: Topology, device: Device
-                          ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
-    """Alignment: preference pairs tokenized once (cached beside the data), read in epochs; a sample is a pair."""
-    from functools import partial
-
-    from runtime.alignment.data import build_preference_dataset
-
-    alignment = cfg.alignment
-    build = partial(build_preference_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=cfg.data.seq_length,
-                    chat_template=cfg.sft.chat_template, max_prompt_length=alignment.max_prompt_length,
-                    truncation_mode=alignment.truncation_mode, limit_key=alignment.limit_key,
-                    identical_pairs=cfg.sft.identical_pairs, **_cache_args(cfg, device))
-
-    def describe(stats: dict) -> str:
-        return (f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
-                f"{stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)}), {alignment.strategy} with beta "
-                f"{alignment.beta}")
-
-    return _record_epochs(cfg, topo, device, build, describe)
-
-
-def _cache_args(cfg: TrainingConfig, device: Device) -> dict:
-    """Tokenized once per node, by local rank 0, into the cache beside the data (or index_mapping_dir)."""
-    return dict(cache_dir=cfg.data.index_mapping_dir, num_workers=max(cfg.data.num_workers, 1),
-                is_builder=device.local_rank == 0, barrier=device.barrier)
-
-
-def _record_epochs(cfg: TrainingConfig, topo: Topology, device: Device, build, describe
-                   ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
-    """The train files' samples (build(files)) read in seeded epochs for max_steps, and the validation files'
-    (the same samples at every check, in file order when they suffice)."""
-    from runtime.sft.dataset import epoch_samples
-
-    sft, data, trainer = cfg.sft, cfg.data, cfg.trainer
-    batches = dict(global_batch_size=data.global_batch_size, micro_batch_size=data.micro_batch_size,
-                   dp_rank=topo.data_rank, dp_size=topo.data_size)
-    rows = build(list(sft.train_files))
-    if device.is_main:
-        print(describe(rows.stats), flush=True)
-    train = DataParallelBatches(epoch_samples(rows, trainer.max_steps * data.global_batch_size, cfg.seed), **batches)
-    valid = None
-    if sft.validation_files and trainer.val_check_interval > 0 and trainer.limit_val_batches > 0:
-        valid_rows = build(list(sft.validation_files))
-        valid = DataParallelBatches(epoch_samples(valid_rows, trainer.limit_val_batches * data.global_batch_size,
-                                                  cfg.seed), **batches)
-    return train, valid
 
 
 def build_objective(cfg: TrainingConfig, model, optimizer, train: DataParallelBatches,
@@ -251,8 +145,31 @@ def train(cfg: TrainingConfig, device: Device, progress: Progress | None = None)
 
 
 def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None) -> None:
-    topo = build_topology(cfg, device)
-    device.manual_seed(cfg.seed)
+    run = _setup(cfg, device)
+    _loop(run, cfg, device, progress)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the step loop works with: built once by _setup, in the order the module's docstring gives."""
+
+    topo: Topology
+    model: torch.nn.Module
+    optimizer: ShardedAdamW
+    train_batches: DataParallelBatches
+    valid_batches: DataParallelBatches | None
+    objective: object
+    valid_objective: object
+    schedule: LRSchedule
+    metrics: MetricsLogger
+    checkpoints: TrainingCheckpoints
+    start_step: int
+    recovery: Recovery | None
+    watch: SignalWatch | None
+
+
+def build_model(cfg: TrainingConfig, topo: Topology, device: Device) -> torch.nn.Module:
+    """This rank's part of the model, parallelized, with its part of the starting weights and adapters."""
     # On the meta device: shapes only. parallelize_model materializes this rank's part alone (its TP slices, its
     # stage's layers, its experts, its adapters) and fills it with the starting weights' same part, if any.
     model = meta_model(cfg.model)
@@ -263,7 +180,7 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
         print(f"fine-tuning from {cfg.restore_from_path or 'random init'}: {trainable:,} of "
               f"{model.num_params():,} parameters train" + (f" (LoRA rank {cfg.lora.rank} on "
               f"{', '.join(cfg.lora.target_modules)})" if cfg.lora else ""), flush=True)
-    model = parallelize_model(
+    return parallelize_model(
         model,
         topo,
         sequence_parallel=cfg.parallel.sequence_parallel,
@@ -279,14 +196,10 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
         attention_kernels=flash_attention_kernels,
         starting_weights=starting_weights(cfg.restore_from_path),
     )
-    optimizer = ShardedAdamW(model, cfg.optim)
-    release_freed_host_memory()  # the materialized parameters data parallelism copied into its flat buffers
-    train_batches, valid_batches = build_data(cfg, topo, device)
-    objective, valid_objective = build_objective(cfg, model, optimizer, train_batches, valid_batches, topo, device)
-    sched = cfg.optim.sched
-    schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
-                          sched.min_lr)
 
+
+def build_metrics(cfg: TrainingConfig, topo: Topology, device: Device) -> MetricsLogger:
+    """metrics.jsonl and its sinks (rank 0 writes), and the run's opening line."""
     data = cfg.data
     # Only the main rank reports MFU; the others neither pay for a CPU's matmul probe nor disturb it.
     peak = peak_tflops(device.hardware) if device.is_main else None
@@ -312,6 +225,22 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
         if cfg.tensorboard:
             print(f"tensorboard: tensorboard --logdir {shlex.quote(os.path.join(cfg.results_dir, 'tensorboard'))}",
                   flush=True)
+    return metrics
+
+
+def _setup(cfg: TrainingConfig, device: Device) -> _Run:
+    """Topology, model, optimizer, data, objective, schedule, metrics, and the resumed checkpoint's step."""
+    topo = build_topology(cfg, device)
+    device.manual_seed(cfg.seed)
+    model = build_model(cfg, topo, device)
+    optimizer = ShardedAdamW(model, cfg.optim)
+    release_freed_host_memory()  # the materialized parameters data parallelism copied into its flat buffers
+    train_batches, valid_batches = build_data(cfg, topo, device)
+    objective, valid_objective = build_objective(cfg, model, optimizer, train_batches, valid_batches, topo, device)
+    sched = cfg.optim.sched
+    schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
+                          sched.min_lr)
+    metrics = build_metrics(cfg, topo, device)
 
     checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
                                       cfg.trainer.max_steps)
@@ -324,6 +253,15 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
         print(f"training {cfg.run_name}: the newest checkpoint is at step {start_step}, trainer.max_steps is "
               f"{cfg.trainer.max_steps}: nothing to train (raise training.trainer.max_steps to continue)", flush=True)
     watch = SignalWatch(device.torch_device) if cfg.checkpoint.save_on_signal and cfg.checkpoint.enabled else None
+    return _Run(topo, model, optimizer, train_batches, valid_batches, objective, valid_objective, schedule, metrics,
+                checkpoints, start_step, recovery, watch)
+
+
+def _loop(run: _Run, cfg: TrainingConfig, device: Device, progress: Progress | None) -> None:
+    """The steps from the resumed one to max_steps: each step's one graph and its one read, then its metrics,
+    validation, checkpoint and a signal's stop; the metric sinks and the signal watch closed however it ends."""
+    model, optimizer, topo, checkpoints, metrics, watch = (run.model, run.optimizer, run.topo, run.checkpoints,
+                                                           run.metrics, run.watch)
     # A sleep after each step, for a test that needs a run still training when another system acts (Slurm's
     # time-limit warning, tests/checkpoint/test_preemption_slurm.py) without keeping cores busy until then. It
     # changes no result; unset, nothing waits.
@@ -336,18 +274,18 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
     device.step_boundary()
     graphs = GraphAccounting(device, is_main=device.is_main)
     try:
-        for step in range(start_step, cfg.trainer.max_steps):
+        for step in range(run.start_step, cfg.trainer.max_steps):
             done = step + 1
             if progress is not None:  # the node's hang watchdog times each section (runtime/fault_tolerance)
                 progress.enter("data", done)
             started = time.perf_counter()
-            lr = schedule(step)
+            lr = run.schedule(step)
             with graphs.part("step", done):
-                micro_batches = _to_device(train_batches.next_batch(), device)
+                micro_batches = _to_device(run.train_batches.next_batch(), device)
                 if progress is not None:
                     progress.enter("step", done)
                 result = train_step(model, optimizer, micro_batches, topo, lr=lr,
-                                    clip=cfg.trainer.gradient_clip_val, objective=objective,
+                                    clip=cfg.trainer.gradient_clip_val, objective=run.objective,
                                     read_with=watch.flag() if watch is not None else None)
                 device.settle_views(views)  # XLA: the updated parameters, inside this step's graph
                 device.step_boundary()  # XLA: the step's one graph runs here
@@ -369,15 +307,15 @@ def _train(cfg: TrainingConfig, device: Device, progress: Progress | None = None
                 step_stats(model, report=False)
             metrics.record_step(done, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=elapsed,
                                 memory_gib=device.memory_gib(), extra=extra)
-            if recovery is not None and (event := recovery.after_step(done)) is not None:
+            if run.recovery is not None and (event := run.recovery.after_step(done)) is not None:
                 metrics.record_event(event)
-            if valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
-                                              or done == cfg.trainer.max_steps):
+            if run.valid_batches is not None and (done % cfg.trainer.val_check_interval == 0
+                                                  or done == cfg.trainer.max_steps):
                 if progress is not None:
                     progress.enter("validation", done)
                 with graphs.part("validation", done):
-                    val_loss, val_metrics = evaluate(model, optimizer, valid_batches, cfg.trainer.limit_val_batches,
-                                                     topo, device, valid_objective)
+                    val_loss, val_metrics = evaluate(model, optimizer, run.valid_batches,
+                                                     cfg.trainer.limit_val_batches, topo, device, run.valid_objective)
                 metrics.record_validation(done, val_loss, val_metrics)
             if progress is not None:
                 progress.enter("checkpoint", done)

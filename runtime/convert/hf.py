@@ -5,15 +5,14 @@
 # on disk; 5.x's fused in-memory Mixtral names (`mlp.experts.gate_up_proj`) import too.
 # Only renames, transposes, splits and concatenations touch the tensors (no arithmetic, no dtype change), so a
 # round trip is bitwise lossless. transformers is deliberately not imported: only its file format is needed.
+# Here: the whole state both ways (to_hf, from_hf) and the directories (save_hf_directory, load_hf_directory); where
+# each tensor lives is hf_layout.py's, and hf_slices.py reads a rank's slices of a directory.
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import json
 import math
 import os
 import pickle
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -23,167 +22,26 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+# The layout (hf_layout.py) and the sliced reader (hf_slices.py) are imported from here too, as they always were.
+from runtime.convert.hf_layout import (_BUFFER, VOCAB_ROWS, _check_names, _hf_shapes, _join, _read_json,  # noqa: F401
+                                       _Rule, _rules, _split, check_weight, pad_vocab, padded_rows, state_shapes,
+                                       unpadded_state)
+from runtime.convert.hf_slices import SlicedReader  # noqa: F401
 from runtime.io.files import replace_directory
 from runtime.schema.chat import chat_stop_ids, special_tokens, token_id
-from runtime.schema.families import architecture, export_family, family_for, family_of_model_type
+from runtime.schema.families import export_family, family_of_model_type
 from runtime.schema.model import ModelConfig, hf_model_keys, tokenizer_vocab_size
 from runtime.schema.safetensors_file import hf_weights_problems
-from runtime.models import meta_model
-
-# What a Hugging Face directory may hold besides weights: GPT-2's old causal-mask buffers (with or without OpenAI's
-# missing "transformer." prefix) and Llama's rotary inv_freq. Both readers drop them.
-_BUFFER = re.compile(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$|"
-                     r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-
-def check_weight(name: str, tensor, where) -> None:
-    """A starting weight is a floating-point tensor with finite values: anything else (an int64 tensor cast
-    silently, NaN or inf that only shows as a NaN loss steps later) is refused naming the tensor and its file."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{where}: {name} is a {type(tensor).__name__}, not a tensor; give a model's weights")
-    if not tensor.is_floating_point():
-        raise ValueError(f"{where}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}, not floating "
-                         f"point; these are not a model's weights (re-save them as float32/bfloat16)")
-    # By chunks of 16M values: a whole-tensor mask would add a byte per value to the reader's peak (an output head
-    # of 53248 x 16384 is 870 MB of mask), the bound every reader of weights keeps to.
-    count, first = 0, None
-    for chunk in tensor.reshape(-1).split(1 << 24):
-        bad = chunk[~torch.isfinite(chunk)]
-        count += bad.numel()
-        first = bad[0].item() if first is None and bad.numel() else first
-    if count:
-        raise ValueError(f"{where}: tensor {name} holds NaN or inf values ({count} of the {tensor.numel()} read, "
-                         f"first: {first}); these weights are damaged or diverged: use another copy")
 
 
 # Our GeluMLP uses the tanh approximation; HF spells that two ways with identical math.
 _SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    """One of our tensors and the HF tensor(s) holding the same values."""
-
-    ours: str
-    hf: tuple[str, ...]           # several names: our fused weight is their row-wise concatenation, in order
-    rows: tuple[int, ...] = ()    # the parts' row counts when len(hf) > 1
-    transpose: bool = False       # GPT-2's Conv1D stores (in, out), the transpose of nn.Linear
-    experts: int = 0              # ours stacks this many per-expert matrices on dim 0; HF stores each expert's
-                                  # parts separately, expert by expert (rows and transpose apply per expert)
-
-
-def _rules(cfg: ModelConfig) -> list[_Rule]:
-    """Every tensor of ours and the HF tensors holding it: the architecture's weight names (its registry entry's
-    `weights` module: weight_rules(cfg, _Rule, the Hugging Face family cfg is, for its own MoE names)), and the
-    output head unless it is tied."""
-    weights = importlib.import_module(architecture(cfg.architecture).weights)
-    rules = weights.weight_rules(cfg, _Rule, family_for(cfg))
-    if not cfg.share_embeddings_and_output_weights:
-        rules.append(_Rule("output.weight", ("lm_head.weight",)))
-    return rules
-
-
-def _split(rule: _Rule, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Our tensor -> its HF tensors in rule.hf's order, as views: per expert, transposed, then split by rows."""
-    parts = []
-    for matrix in tensor.unbind(0) if rule.experts else (tensor,):
-        matrix = matrix.t() if rule.transpose else matrix
-        parts += matrix.split(list(rule.rows)) if rule.rows else [matrix]
-    return parts
-
-
-def _join(rule: _Rule, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of _split: HF tensors in rule.hf's order -> our (contiguous unless a plain rename) tensor."""
-    per_matrix = len(rule.rows) or 1
-    matrices = []
-    for start in range(0, len(parts), per_matrix):
-        group = parts[start:start + per_matrix]
-        matrix = torch.cat(group) if len(group) > 1 else group[0]
-        matrices.append(matrix.t().contiguous() if rule.transpose else matrix)
-    return torch.stack(matrices) if rule.experts else matrices[0]
-
-
-def state_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    """Every full-state name and shape, from a model on the meta device (no memory, no init)."""
-    return {name: tensor.shape for name, tensor in meta_model(cfg).state_dict().items()}
-
-
-def _hf_shapes(rule: _Rule, shape: torch.Size) -> list[torch.Size]:
-    return [part.shape for part in _split(rule, torch.empty(shape, device="meta"))]  # one owner of the layout
-
-
 def _own(tensor: torch.Tensor) -> torch.Tensor:
     """Contiguous and alone in its storage: safetensors refuses tensors that share memory (split views)."""
     exclusive = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     return tensor if tensor.is_contiguous() and exclusive else tensor.clone(memory_format=torch.contiguous_format)
-
-
-# Our tensors with a row per vocabulary entry: a source's vocabulary padded by ModelConfig (unpadded_vocab_size)
-# gets zero rows here on load, and loses them again on export, so an export has exactly the source's shapes.
-VOCAB_ROWS = ("embed.word.weight", "output.weight")
-
-
-def pad_vocab(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A source's full state (its vocabulary's rows) -> cfg's padded rows, zero (a tied head stays the embedding)."""
-    if cfg.padding_from is None:
-        return state
-    padded: dict[int, torch.Tensor] = {}
-    out = dict(state)
-    for name in VOCAB_ROWS:
-        tensor = state.get(name)
-        if tensor is not None and tensor.shape[0] == cfg.padding_from:
-            if id(tensor) not in padded:
-                rows = tensor.new_zeros((cfg.vocab_size - cfg.padding_from, *tensor.shape[1:]))
-                padded[id(tensor)] = torch.cat([tensor, rows])
-            out[name] = padded[id(tensor)]
-    return out
-
-
-def padded_rows(read: Callable[[torch.Tensor], torch.Tensor], select: dict[int, torch.Tensor], cfg: ModelConfig,
-                name: str) -> torch.Tensor:
-    """A vocabulary matrix `name` of a model padding its source's rows, at `select` (dim 0 -> indices over cfg's
-    rows; none: all): the source's rows as read(indices) reads them, zeros for the padding."""
-    if set(select) - {0}:
-        raise ValueError(f"{name}: only rows of a padded vocabulary are selected, not dims {sorted(select)}")
-    index = select.get(0, torch.arange(cfg.vocab_size))
-    real = index < cfg.padding_from
-    if bool(real.any()):
-        block = read(index[real])
-    else:  # a shard of padding alone: one row read for the dtype and width
-        block = read(torch.zeros(1, dtype=torch.long))[:0]
-    out = block.new_zeros((index.numel(), *block.shape[1:]))
-    out[real] = block
-    return out
-
-
-class _Unpadded(Mapping):
-    """A (lazy) full state with its vocabulary rows cut to the source's: each tensor read when asked for."""
-
-    def __init__(self, state: Mapping[str, torch.Tensor], cfg: ModelConfig):
-        self._state, self._cfg = state, cfg
-        self.dtype = getattr(state, "dtype", None)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._state[name]
-        if name in VOCAB_ROWS and tensor.shape[0] == self._cfg.vocab_size:
-            return tensor[:self._cfg.padding_from]  # a view: the first rows of a row-major tensor are contiguous
-        return tensor
-
-    def __iter__(self):
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-
-def unpadded_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig
-                   ) -> tuple[Mapping[str, torch.Tensor], ModelConfig]:
-    """Our full state and config -> the source's (cfg.unpadded()): the padded vocabulary rows dropped, as export
-    writes them. A plain dict stays a dict (of views); a lazy mapping stays lazy."""
-    if cfg.padding_from is None:
-        return state, cfg
-    unpadded = _Unpadded(state, cfg)
-    return ({name: unpadded[name] for name in state} if isinstance(state, dict) else unpadded), cfg.unpadded()
 
 
 def to_hf(full_state: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
@@ -268,13 +126,6 @@ def _normalized_hf_state(hf_state: dict[str, torch.Tensor], model_type: str, tie
             raise ValueError("lm_head.weight differs from the token embedding although config.json "
                              "tie_word_embeddings is true")
     return state
-
-
-def _check_names(state: dict, expected: dict, what: str) -> None:
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{what} does not match the model config: missing {missing[:5]} "
-                         f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)")
 
 
 # ---- Directories: config.json, safetensors (sharded like transformers), tokenizer files ----
@@ -475,141 +326,6 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
                 state.update(checked(directory / file, load))
             return state
     raise AssertionError(f"{directory}: hf_weights_problems found weights that are not there")
-
-
-class SlicedReader:
-    """Our tensors, or any selection of them, read straight from a Hugging Face directory's safetensors files:
-    each HF part is opened lazily (safe_open) and only the rows or columns a selection needs are read, so a rank
-    reading its TP shard of a fused QKV reads its q, k and v rows and nothing else. `available` is False when the
-    directory is not this (reading only) path's case: .bin weights, or names other than transformers' current
-    on-disk ones (prefix-less GPT-2, 5.x's fused Mixtral experts); read_pretrained then loads it whole."""
-
-    def __init__(self, directory: str | os.PathLike, cfg: ModelConfig):
-        from safetensors import safe_open
-
-        self.directory, self.cfg = Path(directory), cfg
-        self._open, self._handles = safe_open, {}
-        self._rules = {rule.ours: rule for rule in _rules(cfg.unpadded())}  # the directory's rows, not our padding
-        self.files = self._files()
-        names = {name for rule in self._rules.values() for name in rule.hf}
-        self.available = self.files is not None and names <= set(self.files)
-
-    def _files(self) -> dict[str, Path] | None:
-        problems = hf_weights_problems(self.directory)  # headers only, before any tensor is read
-        if problems:
-            raise ValueError(f"{problems[0]}; re-download it or use a complete copy")
-        if (self.directory / "model.safetensors").is_file():
-            return {name: self.directory / "model.safetensors"
-                    for name in self._handle(self.directory / "model.safetensors").keys()}
-        if (self.directory / "model.safetensors.index.json").is_file():
-            index = _read_json(self.directory / "model.safetensors.index.json", "model.safetensors.index.json")
-            return {name: self.directory / file for name, file in index.get("weight_map", {}).items()}
-        return None
-
-    def _handle(self, file: Path):
-        if file not in self._handles:
-            try:
-                self._handles[file] = self._open(str(file), framework="pt", device="cpu")
-            except (SafetensorError, OSError) as error:
-                raise ValueError(f"{file}: not a readable safetensors file ({error})") from None
-        return self._handles[file]
-
-    def _slice(self, hf_name: str):
-        file = self.files[hf_name]
-        try:
-            return self._handle(file).get_slice(hf_name)
-        except SafetensorError:  # an index that places the tensor in a file that does not hold it
-            raise ValueError(f"{file}: has no tensor {hf_name}, which model.safetensors.index.json places there; "
-                             "re-download the model or use a complete copy") from None
-
-    def check(self) -> None:
-        """The directory holds exactly the HF tensors the config implies (as the whole read, from_hf, requires),
-        each of the shape it implies (from the headers alone)."""
-        tied = self.cfg.share_embeddings_and_output_weights
-        present = {n for n in self.files if not _BUFFER.match(n) and not (tied and n == "lm_head.weight")}
-        _check_names(present, {name for rule in self._rules.values() for name in rule.hf}, "holds a state that")
-        shapes = state_shapes(self.cfg.unpadded())
-        for ours, rule in self._rules.items():
-            for name, want in zip(rule.hf, _hf_shapes(rule, shapes[ours]), strict=True):
-                have = tuple(self._slice(name).get_shape())
-                if have != tuple(want):
-                    raise ValueError(f"holds {name} (our {ours}) with shape {have} but the model config makes "
-                                     f"{tuple(want)}")
-
-    def read(self, ours: str, select: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """Our tensor `ours` (a tied output head: the embedding) at `select` (dim -> full indices)."""
-        if ours == "output.weight" and self.cfg.share_embeddings_and_output_weights:
-            ours = "embed.word.weight"
-        rule, select = self._rules[ours], dict(select or {})
-        if ours in VOCAB_ROWS and self.cfg.padding_from is not None:
-            return padded_rows(lambda rows: self._matrix(rule, rule.hf, {0: rows}), select, self.cfg, ours)
-        per_matrix = len(rule.rows) or 1
-        if rule.experts:
-            experts = select.pop(0, torch.arange(rule.experts)).tolist()
-            select = {dim - 1: index for dim, index in select.items()}
-            return torch.stack([self._matrix(rule, rule.hf[e * per_matrix:(e + 1) * per_matrix], select)
-                                for e in experts])
-        return self._matrix(rule, rule.hf, select)
-
-    def _matrix(self, rule: _Rule, parts: tuple[str, ...], select: dict) -> torch.Tensor:
-        """One of our matrices (or vectors): the row-wise concatenation of `parts`, transposed if the rule says,
-        read at `select` (at most one dim, unless a plain rename)."""
-
-        def checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            check_weight(name, tensor, self.files[name])  # this rank's part: the ranks together check it all
-            return tensor
-
-        if len(parts) == 1 and not rule.transpose:  # a rename: the bounding box of every selected dim, then picked
-            part = self._slice(parts[0])
-            box = [slice(int(select[d].min()), int(select[d].max()) + 1) if d in select else slice(None)
-                   for d in range(len(part.get_shape()))]
-            block = checked(parts[0], part[tuple(box)])
-            for d, index in select.items():
-                block = block.index_select(d, index - box[d].start)
-            return block
-        if len(select) > 1:
-            raise ValueError(f"{rule.ours}: a selection along more than one dim of a matrix is not supported")
-        dim, index = next(iter(select.items())) if select else (None, None)
-        if dim is not None and rule.transpose:
-            dim = 1 - dim  # the dim of the stored (pre-transpose) matrix
-        pieces = []
-        if dim == 0:  # rows: each part gives the selected rows that fall in it
-            out, start = None, 0
-            for name, rows in zip(parts, rule.rows or (None,)):
-                part = self._slice(name)
-                rows = rows or part.get_shape()[0]
-                inside = torch.nonzero((index >= start) & (index < start + rows)).flatten()
-                if inside.numel():
-                    wanted = index[inside] - start
-                    lo, hi = int(wanted.min()), int(wanted.max()) + 1
-                    block = checked(name, part[lo:hi]).index_select(0, wanted - lo)
-                    if out is None:
-                        out = block.new_empty((index.numel(), *block.shape[1:]))
-                    out[inside] = block
-                start += rows
-            matrix = out
-        else:
-            for name in parts:
-                part = self._slice(name)
-                if dim == 1:
-                    lo, hi = int(index.min()), int(index.max()) + 1
-                    pieces.append(checked(name, part[:, lo:hi]).index_select(1, index - lo))
-                else:
-                    pieces.append(checked(name, part[:]))
-            matrix = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        return matrix.t().contiguous() if rule.transpose else matrix
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{what}: {str(path)!r} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{what}: {str(path)!r} is not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what}: {str(path)!r} does not hold a JSON object")
-    return data
 
 
 def _write_json(path: Path, data: dict) -> None:
