@@ -14,7 +14,7 @@ _EXPERTS = types.SimpleNamespace(MOE_WEIGHTS=("mlp.gate.weight", "mlp.experts.{e
 
 
 def weight_rules(cfg, rule, family=None) -> list:
-    """runtime/convert/hf.py's rules (`rule` is its _Rule) for every tensor but the untied output head."""
+    """runtime/convert/hf_layout.py's rules (`rule` is its _Rule) for every tensor but the untied output head."""
     latent, moe = cfg.latent_attention, cfg.moe
     names = [rule("embed.word.weight", ("model.embed_tokens.weight",))]
     attn = attention_names(latent)

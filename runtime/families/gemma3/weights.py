@@ -14,7 +14,7 @@ _RENAMES = (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_
 
 
 def weight_rules(cfg: ModelConfig, Rule, family=None) -> list:
-    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head (`family`:
+    """runtime/convert/hf_layout.py's rules (`Rule` is its _Rule) for every tensor but the untied output head (`family`:
     this one)."""
     fused = cfg.fused_segments()
     qkv_names, qkv_rows = zip(*fused["attn.qkv"])

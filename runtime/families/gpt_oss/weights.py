@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def weight_rules(cfg, rule, family=None) -> list:
-    """runtime/convert/hf.py's rules (`rule` is its _Rule) for every tensor but the untied output head (`family`:
+    """runtime/convert/hf_layout.py's rules (`rule` is its _Rule) for every tensor but the untied output head (`family`:
     this one)."""
     d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
     qkv_rows = (heads * d, kv * d, kv * d)

@@ -33,7 +33,7 @@ def decoder_config(cfg) -> dict[str, Any]:
 
 
 def weight_rules(cfg, Rule, family) -> list:
-    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head, under the
+    """runtime/convert/hf_layout.py's rules (`Rule` is its _Rule) for every tensor but the untied output head, under the
     Llama decoder's names; a sparse MoE layer's experts under `family`'s (its MOE_WEIGHTS). Our qkv rows are
     [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and both sides apply RoPE in the
     rotate-half layout, so q/k need no permutation."""

@@ -56,7 +56,7 @@ def normalized_state(state: dict) -> dict:
 
 
 def weight_rules(cfg, Rule, family=None) -> list:
-    """runtime/convert/hf.py's rules (`Rule` is its _Rule) for every tensor but the untied output head: GPT-2's
+    """runtime/convert/hf_layout.py's rules (`Rule` is its _Rule) for every tensor but the untied output head: GPT-2's
     Conv1D weights store (in, out), the transpose of our nn.Linear. (`family`: this one.)"""
     rules = [Rule("embed.word.weight", (EMBEDDING,)), Rule("embed.position.weight", ("transformer.wpe.weight",))]
     for i in range(cfg.num_layers):
