@@ -29,6 +29,8 @@ NOT_THE_COMPOSED_CONFIG = {
     "config.py": "the parse layer itself",
     "nxdt_config.py": "parses an NxD Training YAML file (training=@FILE) into our keys",
     "nemo_config.py": "parses a NeMo-Launcher YAML file (training=@FILE) into our keys",
+    "nxdt_mapping.py": "maps each key of an NxD Training YAML file (training=@FILE) into our keys (nxdt_config.py's)",
+    "nxdt_base.py": "fills in what an NxD Training YAML file leaves out, under our keys (nxdt_config.py's)",
     "resolvers.py": "OmegaConf resolvers, run by Hydra while it composes, before there is a config to parse",
     "targets.py": "edits the Hydra tree while it composes (which layout a recipe names for the cluster)",
     "plain_compose.py": "composes conf/ as Hydra does (a cache miss), before there is a config to parse",
