@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +49,16 @@ class SlurmCluster:
     def wait_job(self, job_id: int | str, timeout: float = 60.0) -> str:
         """Final state (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...) once the job left the queue."""
         return self.cluster.wait_job(job_id, timeout=timeout)
+
+    def wait_idle(self, timeout: float = 300.0) -> None:
+        """Until no job is queued, running or completing: a test about where Slurm places its tasks starts on free
+        nodes, not beside what an earlier test's jobs still hold."""
+        deadline = time.monotonic() + timeout
+        while (queue := subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env, capture_output=True,
+                                       text=True, check=True).stdout.strip()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster still holds jobs after {timeout:.0f}s: {queue}")
+            time.sleep(0.5)
 
     def job_info(self, job_id: int | str) -> list[dict[str, str]]:
         """`scontrol show job` fields, one dict per record (array tasks are separate records)."""

@@ -144,6 +144,7 @@ def test_pipeline_on_two_slurm_nodes(slurm_cluster, tmp_path, layout):
     # nodes shared, or pipelines interleaved on exclusive ones, Slurm may put both tasks on one node).
     steps = 4
     results = tmp_path / "results"
+    slurm_cluster.wait_idle()  # an earlier test's job still on a node would leave the array one node to run on
     result = nxdt(
         "cluster_type=slurm", f"cluster.partition={slurm_cluster.partition}", f"base_results_dir={results}",
         f"data_dir={tmp_path}/data", "training.trainer.num_nodes=2", *LAYOUTS[layout],
