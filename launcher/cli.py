@@ -24,6 +24,7 @@ from launcher.completion import complete_override, complete_run, complete_stage
 from launcher.errors import UserError
 from launcher.paths import CONFIG_GROUPS, group_choices
 from launcher.stages import TRAINER_STAGES
+from runtime.schema.facts import PREEMPTED_EXIT_CODE, USER_ERROR_EXIT_CODE
 
 
 def _console():
@@ -213,7 +214,6 @@ def launch(ctx: click.Context, overrides: tuple[str, ...], dry_run: bool) -> Non
     if not plan.dry_run and plan.executor == "local":
         code = steps.run_local(plan, scripts, record, console)
         from launcher import records
-        from runtime.schema.facts import PREEMPTED_EXIT_CODE
 
         if code != 0 and (cancelled := records.cancelled_stages(plan.run_dir, record)):
             # The training saved a checkpoint and stopped (runtime/preemption.py): the run resumes from it.
@@ -376,7 +376,7 @@ def run(argv: list[str]) -> int:
         if len(e.problems) > MAX_ERRORS:
             click.echo(f"error: ... and {len(e.problems) - MAX_ERRORS} more problems of the same input; fix the "
                        f"ones above and run it again", err=True)
-        return 2
+        return USER_ERROR_EXIT_CODE
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.UsageError as e:
@@ -389,10 +389,10 @@ def run(argv: list[str]) -> int:
         else:
             message = e.format_message()
         click.echo(f"error: {message} (see {command} --help)", err=True)
-        return 2
+        return USER_ERROR_EXIT_CODE
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}", err=True)
-        return 2
+        return USER_ERROR_EXIT_CODE
     except click.Abort:
         return 130
     return code if isinstance(code, int) else 0

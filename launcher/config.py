@@ -16,19 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from launcher.paths import group_choices
+from runtime.schema.stages import FINE_TUNING_STAGES, STAGES, TRAINER_STAGES  # noqa: F401 (the launcher's names)
 
-if TYPE_CHECKING:  # the schema is imported when a launch is parsed: tab completion reads STAGES from here
+if TYPE_CHECKING:  # the stage schemas are imported when a launch is parsed: tab completion imports this module
     from runtime.schema.evaluation import EvaluationConfig
     from runtime.schema.training_config import TrainerConfig
-
-STAGES = ("data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion", "evaluation")
-# Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job
-# (the same job shape, checkpoints, preemption and metrics).
-# fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or
-# LoRA); the trainer is told which with --stage, which names their keys.
-TRAINER_STAGES = ("training", "fine_tuning", "peft", "alignment")
-# The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
-FINE_TUNING_STAGES = ("fine_tuning", "peft", "alignment")
 
 # Keys of the cluster group that become #SBATCH lines, and the other keys the group may hold (checked by neuron.py,
 # remote.py, staging.py, validate.py).

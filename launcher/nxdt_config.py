@@ -34,6 +34,7 @@ from launcher.nxdt_keys import (ALIGNMENT_KEYS, DPO_RENAMED, IGNORED, IMPLIES, M
 from launcher.nxdt_mapping import FileKeys, Mapping, map_keys
 from launcher.resolvers import register_resolvers
 from runtime.schema.families import ARCHITECTURES
+from runtime.schema.stages import TRAINER_STAGES
 
 
 def load(path: str, group: str = "training") -> tuple[dict[str, Any], bool]:
@@ -248,7 +249,7 @@ def _hydra_value(value: Any) -> str:
 
 
 # The groups a file may be given to: the stages whose config is a training config.
-FILE_GROUPS = ("training", "fine_tuning", "peft", "alignment")
+FILE_GROUPS = TRAINER_STAGES
 
 
 def expand(overrides: list[str]) -> tuple[list[str], list[str]]:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from launcher.config import LaunchConfig
+from runtime.schema.stages import FINE_TUNING_STAGES, STAGE_PROGRAMS
 
 RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch[runtime]' "
            "(-c constraints.txt -e '.[runtime]' in a checkout)")
@@ -23,16 +24,16 @@ RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch
 EVAL = ("the eval extra: python3 -m pip install 'nxdt-launch[runtime,eval]' (-e '.[runtime,eval]' in a checkout), "
         "or keep to the loss and exact_match tasks")
 
-# What each stage's program imports whatever its config says.
-STAGE_MODULES = {
-    "data_preparation": ("numpy", "tokenizers"),
-    "training": ("torch", "numpy", "tokenizers"),
-    "fine_tuning": ("torch", "numpy", "tokenizers", "jinja2"),
-    "peft": ("torch", "numpy", "tokenizers", "jinja2"),
-    "alignment": ("torch", "numpy", "tokenizers", "jinja2"),
-    "conversion": ("torch", "safetensors"),
-    "evaluation": ("torch", "tokenizers"),
+# What each stage's program imports whatever its config says (runtime/schema/stages.py names the program); the
+# fine-tuning stages also render chat templates.
+PROGRAM_MODULES = {
+    "runtime.data_prep": ("numpy", "tokenizers"),
+    "runtime.train": ("torch", "numpy", "tokenizers"),
+    "runtime.convert": ("torch", "safetensors"),
+    "runtime.evaluate": ("torch", "tokenizers"),
 }
+STAGE_MODULES = {stage: PROGRAM_MODULES[program] + (("jinja2",) if stage in FINE_TUNING_STAGES else ())
+                 for stage, program in STAGE_PROGRAMS.items()}
 
 
 def importable(module: str) -> bool:

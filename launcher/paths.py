@@ -8,6 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime.schema.stages import STAGES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,8 +28,8 @@ def group_choices(group: str) -> list[str]:
     return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
 
 
-CONFIG_GROUPS = ("cluster", "data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion",
-                 "evaluation", "cluster_validation", "search_config")
+# Every stage is configured by the group of its name (runtime/schema/stages.py).
+CONFIG_GROUPS = ("cluster", *STAGES, "cluster_validation", "search_config")
 
 
 DRY_RUN_KEEP_S = 60  # an earlier dry run's directory younger than this may belong to a dry run still writing it

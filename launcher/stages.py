@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from launcher.config import FINE_TUNING_STAGES, STAGES, TRAINER_STAGES, LaunchConfig
+from launcher.config import LaunchConfig
 from launcher.job import Job
+from runtime.schema.stages import FINE_TUNING_STAGES, STAGE_PROGRAMS, STAGES, TRAINER_STAGES
 
-__all__ = ["FINE_TUNING_STAGES", "STAGES", "TRAINER_STAGES", "BUILDERS", "PROGRAMS"]  # the names live in config.py
+__all__ = ["FINE_TUNING_STAGES", "STAGES", "TRAINER_STAGES", "BUILDERS", "PROGRAMS"]  # the names live in the schema
+
+# The program each stage runs; a stage whose program is not in this checkout yet cannot be launched.
+PROGRAMS = STAGE_PROGRAMS
 
 
-def _job(cfg: LaunchConfig, stage: str, module: str, *args: str, **sizing) -> Job:
-    from runtime.schema.choices import DEFAULT_DEPENDENCY  # here: tab completion imports this module, not the schema
+def _job(cfg: LaunchConfig, stage: str, *args: str, **sizing) -> Job:
+    from runtime.schema.choices import DEFAULT_DEPENDENCY  # here: tab completion imports this module, not the choices
 
     section = cfg.stage(stage)
     results_dir = section.results_dir
@@ -20,7 +24,7 @@ def _job(cfg: LaunchConfig, stage: str, module: str, *args: str, **sizing) -> Jo
         stage=stage,
         run_name=cfg.run_name,
         results_dir=results_dir,
-        program=("-m", module, "--config", str(results_dir / f"{stage}_config.yaml"), *args),
+        program=("-m", PROGRAMS[stage], "--config", str(results_dir / f"{stage}_config.yaml"), *args),
         time_limit=str(section.run.time_limit),
         dependency=section.run.dependency or DEFAULT_DEPENDENCY,
         stage_config=section.section,
@@ -35,7 +39,7 @@ def data_preparation(cfg: LaunchConfig, *, tasks: int | None = None) -> Job:
     section = cfg.stage("data_preparation")
     tasks = tasks if tasks is not None else count_tasks(section.section)
     return _job(
-        cfg, "data_preparation", "runtime.data_prep",
+        cfg, "data_preparation",
         nodes=1, nproc_per_node=1, distributed=False,
         array_size=tasks, array_parallel=min(tasks, int(section.run.node_array_size or tasks)),
     )
@@ -52,7 +56,7 @@ def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
     fault_tolerance = parse_fault_tolerance(section.section, f"{stage}.")[0]
     # A recipe without the preemption keys gets a script that handles no signals (validate.py checks values).
     return _job(
-        cfg, stage, "runtime.train", *(() if stage == "training" else ("--stage", stage)),
+        cfg, stage, *(() if stage == "training" else ("--stage", stage)),
         nodes=trainer.num_nodes, nproc_per_node=trainer.devices, distributed=True, accelerator=trainer.accelerator,
         preemption_signal_s=int(run.preemption_signal_s or 0) or None,
         max_restarts=int(run.max_restarts or 0),
@@ -81,36 +85,18 @@ def alignment(cfg: LaunchConfig) -> Job:
 
 
 def conversion(cfg: LaunchConfig) -> Job:
-    return _job(cfg, "conversion", "runtime.convert", nodes=1, nproc_per_node=1, distributed=False)
+    return _job(cfg, "conversion", nodes=1, nproc_per_node=1, distributed=False)
 
 
 def evaluation(cfg: LaunchConfig) -> Job:
     evaluation = cfg.stage("evaluation").evaluation
     assert evaluation is not None, "evaluation: validated before any job is built"
     return _job(
-        cfg, "evaluation", "runtime.evaluate",
+        cfg, "evaluation",
         nodes=evaluation.num_nodes, nproc_per_node=evaluation.devices, distributed=True,
         accelerator=evaluation.accelerator,
     )
 
 
-BUILDERS: dict[str, Callable[[LaunchConfig], Job]] = {
-    "data_preparation": data_preparation,
-    "training": training,
-    "fine_tuning": fine_tuning,
-    "peft": peft,
-    "alignment": alignment,
-    "conversion": conversion,
-    "evaluation": evaluation,
-}
-
-# The program each stage runs; a stage whose program is not in this checkout yet cannot be launched.
-PROGRAMS = {
-    "data_preparation": "runtime.data_prep",
-    "training": "runtime.train",
-    "fine_tuning": "runtime.train",
-    "peft": "runtime.train",
-    "alignment": "runtime.train",
-    "conversion": "runtime.convert",
-    "evaluation": "runtime.evaluate",
-}
+# Each stage's job is built by the function above that bears its name.
+BUILDERS: dict[str, Callable[[LaunchConfig], Job]] = {stage: globals()[stage] for stage in STAGES}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from runtime.io.files import json_lines
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 
 PICTURE = "metrics.png"
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {plot_run(args.results_dir, args.output)}")
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     return 0
 
 

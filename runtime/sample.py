@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.evaluate.report import print_user_error
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 from runtime.schema.choices import ACCELERATORS, CHAT_TEMPLATES
 
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as error:
         if rank == 0:
             print_user_error(error)
-        return 2
+        return USER_ERROR_EXIT_CODE
     finally:
         if device is not None:
             shutdown(device)

@@ -49,6 +49,7 @@ from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
 from runtime.schema.facts import USER_ERROR_EXIT_CODE  # the job script's decider reads it too
+from runtime.schema.stages import TRAINER_STAGES
 from runtime.step import eval_result, train_step
 
 
@@ -394,7 +395,7 @@ def _one_line(error: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
-    parser.add_argument("--stage", default="training", choices=("training", "fine_tuning", "peft", "alignment"),
+    parser.add_argument("--stage", default="training", choices=TRAINER_STAGES,
                         help="the stage this config is (names its keys in errors); fine_tuning, peft and alignment "
                              "run here too")
     args = parser.parse_args(argv)

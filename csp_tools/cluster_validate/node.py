@@ -29,6 +29,7 @@ from datetime import timedelta
 
 from csp_tools.cluster_validate import config as config_module
 from csp_tools.cluster_validate import health, parsers
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 
 FOREVER_S = 7 * 24 * 3600.0  # agents wait for the coordinator's next task as long as the job lives
 
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, config_module.ConfigError) as error:
         for problem in getattr(error, "problems", [str(error)]):
             print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     ident = identity(args, cfg)
     pool = WorkerPool(cfg.accelerator, cfg.devices)
     pool.start()  # workers import torch while the health checks run
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 - torch raises a bare RuntimeError/DistNetworkError here
             print(f"error: cannot serve the control store on port {ident.coordinator[1]} ({error}); set "
                   f"cluster_validation.port to a free port", file=sys.stderr, flush=True)
-            return 2
+            return USER_ERROR_EXIT_CODE
         ident = Identity(ident.rank, ident.nodes, ident.name, (ident.coordinator[0], control.port), ident.hostnames)
         failure: list[BaseException] = []
 

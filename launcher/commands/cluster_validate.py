@@ -29,6 +29,7 @@ import click
 from launcher.commands import FiniteFloatRange
 from launcher.config import LaunchConfig, composed_run, parse_run, typed
 from launcher.errors import UserError, print_not_checked
+from launcher.paths import CONFIG_GROUPS
 from launcher.slurm import expand_hostlist, split_hostlist
 from runtime.schema import rules
 from runtime.schema.choices import DEFAULT_DEPENDENCY
@@ -38,9 +39,9 @@ STAGE = "cluster_validation"
 # What a dry run renders for `nodes: null` (every idle node) without asking Slurm: the fewest nodes the pair and
 # all-nodes tests run on.
 DRY_RUN_NODES = 2
+# The launch config's own keys and its groups: `KEY=...` for one of these is never a cluster_validation key.
 _TOP_LEVEL = ("stages", "cluster_type", "dry_run", "run_name", "base_results_dir", "data_dir", "launcher_scripts_path",
-              "env_vars", "container", "container_mounts", "python", "cluster", "data_preparation", "training",
-              "conversion", "evaluation", STAGE)
+              "env_vars", "container", "container_mounts", "python", *CONFIG_GROUPS)
 _GROUP_KEYS = ("run", "nodes", "accelerator", "devices", "instance_type", "port", "register_timeout_s",
                "task_timeout_s", "health", "collectives", "sweep", "nccom_test", "expected", "thresholds")
 

@@ -36,6 +36,7 @@ from runtime.io.files import no_room, no_room_line
 from runtime.models import ModelConfig
 from runtime.models.lora import merge_lora
 from runtime.schema.conversion import ConversionConfig, parse_conversion
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 from runtime.schema.training_config import LoraConfig
 
 # Written into every exported directory: what it was exported from, so that running the stage again knows
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         for line in getattr(error, "problems", None) or [" ".join(str(error).split())]:
             print(f"error: {line}", file=sys.stderr, flush=True)
-        return 2
+        return USER_ERROR_EXIT_CODE
     except OSError as error:
         if not no_room(error):
             raise

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from runtime.schema.data_preparation import DataError, UserError
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 
 
 def _load(path: str) -> dict:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         for error in errors:
             print(f"error: {error}", file=sys.stderr)
         if errors:
-            return 2
+            return USER_ERROR_EXIT_CODE
         if args.check:
             print("data_preparation config and inputs look fine")
             return 0
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         for line in err.problems:
             print(f"error: {line}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -46,6 +46,7 @@ from runtime.evaluate.tasks import load_task, write_normalized
 from runtime.io.files import atomic_write_bytes
 from runtime.metrics import format_duration
 from runtime.schema.evaluation import EvaluationConfig, TaskSpec, parse_evaluation
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 from runtime.schema.reader import ConfigErrors
 from runtime.step import eval_step
 
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as error:
         if rank == 0:
             print_user_error(error)
-        return 2
+        return USER_ERROR_EXIT_CODE
     finally:
         if device is not None:
             shutdown(device)

@@ -33,6 +33,7 @@ from runtime.io import s3
 from runtime.io.manifest import BLEND, INDEXED, OBJECT, mirror
 from runtime.io.s3 import split_url
 from runtime.schema.data_prefix import map_blend_prefixes
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 from runtime.schema.reader import ConfigErrors
 
 RECORDS = ".nxdt-staging"
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except (StagingError, ConfigErrors) as e:
         for problem in getattr(e, "problems", [str(e)]):  # a bad NXDT_S3_* value names its cluster.s3 key
             print(f"error: staging {args.direction}: {problem}", file=sys.stderr, flush=True)
-        return 2
+        return USER_ERROR_EXIT_CODE
     print(f"nxdt: staging {args.direction}: {moved} file(s) transferred", flush=True)
     return 0
 

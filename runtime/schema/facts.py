@@ -92,7 +92,9 @@ def checkpoint_staging_bytes(saved_bytes: float, *, state_on_host: bool) -> int:
 # "Temporary failure, try again" (sysexits.h EX_TEMPFAIL): training saved a checkpoint and stopped (runtime/
 # preemption.py); the job script requeues on it, the launcher reports "stopped at a checkpoint".
 PREEMPTED_EXIT_CODE = 75
-# A mistake in the config (runtime/train.py): a restart would only repeat it, so the job script stops.
+# A user's mistake (bad input: a config, an option, a file), after one `error: ...` line per problem: the exit code of
+# every entry point (nxdt-launch, each stage program, the python -m tools). A restart would only repeat it, so the
+# job script stops (runtime/fault_tolerance/attempts.py).
 USER_ERROR_EXIT_CODE = 2
 # A node failed its health or collective check (runtime/preflight.py): the job script checks every node.
 PREFLIGHT_EXIT_CODE = 3

@@ -26,6 +26,7 @@ from typing import Callable
 
 from runtime.io.files import atomic_write_bytes, atomic_write_json
 from runtime.schema.chat import BUILTIN_TEMPLATES
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 # ChatML (<|im_start|>role\ncontent<|im_end|>\n per message), written once, in runtime/schema/chat.py.
@@ -226,7 +227,7 @@ def demo_main(argv: list[str] | None, *, prog: str, description: str, write: Cal
                       seed=args.seed, vocab_size=args.vocab_size)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     print(f"{'wrote' if wrote else 'already written, nothing to do:'} {args.output_dir}")
     return 0
 
