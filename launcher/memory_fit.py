@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.config import Cluster, LaunchConfig
 from runtime.schema import rules
-from runtime.schema.training import parse_sizing
 
 if TYPE_CHECKING:
     from launcher.estimator.host import HostMemory
+    from runtime.schema.training_config import TrainerConfig
 
 
 def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool) -> tuple[list[str], list[str]]:
@@ -21,11 +21,12 @@ def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool) -> tu
     section = cfg.stage(stage)
     if section.trainer is None:
         return [], []
-    return stage_memory_fit(section.section, stage, cfg.cluster, local=local)
+    return stage_memory_fit(section.section, stage, cfg.cluster, local=local, trainer=section.trainer)
 
 
 def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, local: bool,
-                     vocab_size: int | None = None) -> tuple[list[str], list[str]]:
+                     vocab_size: int | None = None, trainer: TrainerConfig | None = None
+                     ) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a trainer stage's config (`section`, as composed) on `cluster`'s nodes, by the
     estimator: the launch's rule, which autoconfig ranks its layouts by too. Host memory per node (every trainer
     stage): the workers' shards, checkpoint staging, data and process overhead together need more than the node
@@ -36,13 +37,14 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     gradients and optimizer state (under LoRA the frozen weights alone) need more than the device has: an error;
     activations on top of that are a warning, as the estimator's activation model is an upper bound (NxD Training's
     published Llama 3 70B layout runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know
-    here (no tokenizer file, no `vocab_size`): not judged."""
-    result = _estimate(section, cluster, vocab_size, stage)
+    here (no tokenizer file, no `vocab_size`): not judged. `trainer`: the launch's reading of the stage's trainer
+    section (launcher/config.py), not read again."""
+    result = _estimate(section, cluster, vocab_size, stage, trainer)
     if result is None:
         return [], []
     # The vocabulary as the estimator read it (a tokenizer this launch's data_preparation would otherwise make is
     # not read by the schema): an absurd one is refused here even where no node memory is known to judge it by.
-    tokenizer = parse_sizing(section)[0].tokenizer_path
+    tokenizer = result.sizing.tokenizer_path
     if problem := rules.vocab_rows(result.shape.vocab_size, f"{stage}.model.tokenizer.model",
                                    repr(tokenizer) if tokenizer else "its tokenizer"):
         return [problem], []
@@ -73,7 +75,8 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     return errors, warnings
 
 
-def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None = None, stage: str = "training"):
+def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None = None, stage: str = "training",
+              trainer: TrainerConfig | None = None):
     """The estimator's reading of a trainer stage's config on the cluster's nodes; None where the estimator cannot
     size it here (no tokenizer file for the vocabulary)."""
     from launcher.errors import UserError
@@ -81,7 +84,7 @@ def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None 
 
     try:
         return estimate(section, neuron_hardware=cluster.neuron_hardware, node_memory_bytes=cluster.node_memory_bytes,
-                        vocab_size=vocab_size, stage=stage)
+                        vocab_size=vocab_size, stage=stage, trainer=trainer)
     except UserError:
         return None
 
@@ -90,7 +93,8 @@ def host_memory_note(cfg: LaunchConfig, stage: str) -> str | None:
     """What the launch prints for a trainer stage: host memory per node, by the estimator (as memory_fit judges
     it)."""
     section = cfg.stage(stage)
-    result = None if section.trainer is None else _estimate(section.section, cfg.cluster, stage=stage)
+    result = None if section.trainer is None else _estimate(section.section, cfg.cluster, stage=stage,
+                                                            trainer=section.trainer)
     return None if result is None else f"host memory per node ({stage}): {result.host.arithmetic(static=True)}"
 
 

@@ -13,6 +13,7 @@ from launcher import memory_fit, validate
 from launcher.config import Cluster
 from launcher.errors import UserError
 from launcher.estimator import Estimate, estimate
+from runtime.schema.parallel_dims import ParallelDims
 
 RECOMPUTE = {None: (None, []), "selective": ("selective", ["core_attention"]),
              "selective_mlp": ("selective", ["core_attention", "mlp"]), "full": ("full", [])}
@@ -119,7 +120,10 @@ def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layer
     def contexts(tp: int, pp: int) -> list[int]:
         if isinstance(cps, list):
             return [int(cp) for cp in cps]
-        dp = world // (int(tp) * int(pp)) if world % (int(tp) * int(pp)) == 0 else 1
+        try:  # the runtime's rank arithmetic: data parallelism is what tp and pp leave of the world
+            dp = ParallelDims.infer_dp(int(tp), int(pp), world).dp
+        except ValueError:
+            dp = 1  # the schema's rules reject the layout, whatever its context size
         return context_sizes(seq_length, dp)
 
     return [

@@ -10,6 +10,7 @@ The overrides are the launch's own (Hydra syntax, composed the same way); nothin
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import click
 
@@ -17,6 +18,9 @@ from launcher.commands import FiniteFloatRange
 from launcher.config import LaunchConfig
 from launcher.errors import UserError
 from runtime.schema.rules import slurm_seconds
+
+if TYPE_CHECKING:
+    from runtime.schema.training_config import SizingConfig
 
 GIB = 2**30
 
@@ -36,23 +40,27 @@ def _tokens(value: str | None) -> float | None:
     return tokens
 
 
-def compose_checked(overrides: list[str], vocab_size: int | None = None) -> LaunchConfig:
-    """The resolved launch config for these overrides, with the training layout's arithmetic checked."""
+def compose_checked(overrides: list[str], vocab_size: int | None = None
+                    ) -> tuple[LaunchConfig, SizingConfig | None]:
+    """The resolved launch config for these overrides, with the training layout's arithmetic checked, and the
+    schema's reading of what the training run is sized by (None where it has errors: estimate() names them)."""
     from launcher import validate
     from launcher.compose import compose, resolve
     from launcher.config import parse
-    from launcher.estimator.shapes import vocab_size_for
+    from launcher.estimator.shapes import vocab_for
+    from runtime.schema.training import parse_sizing
 
     cfg = parse(resolve(compose(overrides)))
     training = cfg.composed_section("training")
+    sizing, report = parse_sizing(training)  # read once: the vocabulary and the estimate
     try:
-        vocab = vocab_size_for(training, vocab_size)
+        vocab = vocab_for(sizing, vocab_size)
     except UserError:
         vocab = None  # estimate() says what it needs
     errors = validate.training(training, vocab_size=vocab) + validate.node_memory(cfg.cluster)
     if errors:
         raise UserError(*errors)
-    return cfg
+    return cfg, None if report.errors else sizing
 
 
 def _gib(value: float) -> str:
@@ -222,11 +230,11 @@ def command(overrides, device, tokens, mfu, vocab_size, node_memory_gib) -> None
     from launcher.estimator import estimate
 
     token_budget = _tokens(tokens)  # before composing: a mistyped option is named first, and quickly
-    cfg = compose_checked(list(overrides), vocab_size)
+    cfg, sizing = compose_checked(list(overrides), vocab_size)
     training = cfg.stage("training")  # a run mapping: the schema has checked the section
     result = estimate(training.section, device=device, tokens=token_budget, mfu=mfu, vocab_size=vocab_size,
                       node_memory_bytes=node_memory_gib * GIB if node_memory_gib else cfg.cluster.node_memory_bytes,
-                      neuron_hardware=cfg.cluster.neuron_hardware)
+                      neuron_hardware=cfg.cluster.neuron_hardware, sizing=sizing)
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("training=")), "training")
     title, memory, host, time = render(result, recipe, training.run.time_limit)
     # Pipes and logs are read later: do not fold at rich's default 80 columns there (as the launch table).

@@ -24,6 +24,7 @@ from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count
                                        shape_from_training, vocab_for)
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_lora, parse_sizing, parse_trainer
+from runtime.schema.training_config import SizingConfig, TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Estimate:
     tokens: float                # the token budget the time is for
     flops_per_token: float
     step: StepTime               # the layout-aware step-time model
+    # The schema's reading of the config it estimates (parse_sizing): the input, not part of the estimate.
+    sizing: SizingConfig = dataclasses.field(compare=False, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -58,19 +61,25 @@ class Estimate:
 
 def estimate(training: dict[str, Any], *, device: str | None = None, tokens: float | None = None,
              mfu: float | None = None, vocab_size: int | None = None, node_memory_bytes: float | None = None,
-             neuron_hardware: str | None = None, stage: str = "training") -> Estimate:
+             neuron_hardware: str | None = None, stage: str = "training", sizing: SizingConfig | None = None,
+             trainer: TrainerConfig | None = None) -> Estimate:
     """Estimate a resolved trainer stage's config (training, fine_tuning, peft or alignment: `stage`). The device is
     `device`, else the cluster's neuron.hardware (trn1 | trn2) for a neuron recipe, else detected from
     trainer.accelerator and trainer.devices. `tokens` defaults to the run's own budget, max_steps x global_batch_size
     x seq_length. `node_memory_bytes`: the node's host memory (cluster.node_memory_gib); None: the instance's
     documented memory (hardware.NODE_MEMORY_GIB), or for cpu this machine's. LoRA (model.peft) trains adapters over
     frozen weights; alignment's micro-batch of m pairs is 2m rows through the model (chosen, rejected), its
-    reference log-probabilities computed once before training by the same weights (no second model)."""
-    sizing, sizing_report = parse_sizing(training)  # the schema's reading of what the run is sized by
+    reference log-probabilities computed once before training by the same weights (no second model). `sizing` and
+    `trainer`: the schema's readings of `training` where the caller has them already (parse_sizing without errors,
+    parse_trainer), so the config is read once; read here otherwise."""
+    sizing_report = Report()
+    if sizing is None:
+        sizing, sizing_report = parse_sizing(training)  # the schema's reading of what the run is sized by
     shape = shape_from_training(sizing, vocab_for(sizing, vocab_size))
-    trainer, report = parse_trainer(training)  # the schema's reading, as the launch sizes the job by
     if trainer is None:
-        raise UserError(*report.errors)
+        trainer, report = parse_trainer(training)  # the schema's reading, as the launch sizes the job by
+        if trainer is None:
+            raise UserError(*report.errors)
     if sizing_report.errors:
         raise UserError(*sizing_report.errors)
     layout = layout_from_training(sizing, trainer)
@@ -91,7 +100,8 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     return Estimate(shape=shape, layout=layout, hardware=hardware, parameters=count_parameters(shape),
                     memory=peak_memory(shape, layout, kernels, lora=lora),
                     host=host_memory(shape, layout, hardware, kernels, lora=lora), mfu=mfu, tokens=float(tokens),
-                    flops_per_token=flops_per_token(shape), step=step_time(shape, layout, hardware, mfu))
+                    flops_per_token=flops_per_token(shape), step=step_time(shape, layout, hardware, mfu),
+                    sizing=sizing)
 
 
 __all__ = ["Estimate", "Hardware", "HostMemory", "Kernels", "Layout", "ModelShape", "ParameterCount", "StageMemory",

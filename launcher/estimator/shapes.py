@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +32,8 @@ from runtime.schema.sizes import (ModelShape, attention, expert_parameters, kv_h
                                   moe_block_parameters)
 from runtime.schema.training import parse_latent_attention, parse_moe  # the one reader of model.moe (dropless)
 from runtime.schema.training import model_shape_keys, parse_sizing
-from runtime.schema.training_config import SizingConfig, TrainerConfig
+from runtime.schema.parallel_dims import ParallelDims
+from runtime.schema.training_config import ParallelConfig, SizingConfig, TrainerConfig
 from runtime.schema.rules import padded_vocab_size as padded_vocab  # noqa: F401 (the estimator's name for it)
 
 
@@ -58,25 +60,39 @@ class Layout:
     def world_size(self) -> int:
         return self.num_nodes * self.devices_per_node
 
+    @functools.cached_property
+    def parallel(self) -> ParallelConfig:
+        """The layout as the schema types it (runtime/schema/training_config.py): what training reads."""
+        return ParallelConfig(tp=self.tp, pp=self.pp, virtual_pp=self.vpp, sequence_parallel=self.sequence_parallel,
+                              zero1=self.zero1, activation_checkpointing=self.recompute,
+                              recompute_modules=self.recompute_modules, ep=self.ep, cp=self.cp,
+                              ulysses=self.ulysses, pipeline_cuts=self.pipeline_cuts)
+
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """The rank layout as the runtime builds its process groups from it (runtime/schema/parallel_dims.py, the one
+        owner of dp and the groups carved out of it): data parallelism takes what tp and pp leave of the world."""
+        return ParallelDims.infer_dp(self.tp, self.pp, self.world_size, ep=self.ep, cp=self.context)
+
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.dims.dp
 
     @property
     def edp(self) -> int:
         """Expert-data-parallel size: the data-parallel ranks holding the same experts (whose expert gradients
         are reduced together, and over which ZeRO-1 shards the experts' optimizer state)."""
-        return self.dp // self.ep
+        return self.dims.edp
 
     @property
     def context(self) -> int:
         """The context group's size: the consecutive data-parallel ranks that split one sequence."""
-        return self.cp * self.ulysses
+        return self.parallel.context
 
     @property
     def batch_dp(self) -> int:
         """Data-parallel ranks that read distinct samples: the ranks of a context group share theirs."""
-        return self.dp // self.context
+        return self.dims.batch_dp
 
     def tokens_per_sample(self, seq_length: int) -> int:
         """Tokens of each sample one rank holds outside core attention (before sequence parallelism's split)."""
