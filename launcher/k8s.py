@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from launcher import neuron
 from launcher.config import LaunchConfig, typed
+from launcher.instances import NEURON_HARDWARE
 from launcher.job import Job
 from launcher.render import _environment, render
 
@@ -57,11 +58,11 @@ KINDS = {
                                "hyperpodpytorchjobs"),
 }
 
-# Per instance of each cluster.neuron.hardware, as AWS documents the instance types: Trainium chips (what the Neuron
-# device plugin counts as aws.amazon.com/neuron) and EFA interfaces (vpc.amazonaws.com/efa). trn1n.32xlarge has 16
-# EFA interfaces: set cluster.k8s.efa_per_node=16 there.
-NEURON_DEVICES = {"trn1": 16, "trn2": 16}       # trn1.32xlarge, trn2.48xlarge
-EFA_INTERFACES = {"trn1": 8, "trn2": 16}
+# Per instance of each cluster.neuron.hardware (launcher/instances.py): Trainium chips (what the Neuron device plugin
+# counts as aws.amazon.com/neuron) and EFA interfaces (vpc.amazonaws.com/efa). trn1n.32xlarge has twice trn1's EFA
+# interfaces: set cluster.k8s.efa_per_node there.
+NEURON_DEVICES = {name: device.instance.chips for name, device in NEURON_HARDWARE.items()}
+EFA_INTERFACES = {name: device.instance.efa_interfaces for name, device in NEURON_HARDWARE.items()}
 
 DEFAULTS: dict[str, Any] = {
     "job_kind": "TrainJob",

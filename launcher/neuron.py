@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config import Cluster, LaunchConfig, cut_to_steps, stage_inputs
+from launcher.instances import NEURON_HARDWARE, Device, at_logical_cores
 from launcher.job import Job
 from launcher.stages import TRAINER_STAGES
 from runtime.schema.training import parse_precision
@@ -45,23 +46,11 @@ PRECISION_ENV: dict[str, tuple[dict[str, str], str]] = {
 }
 
 
-@dataclass(frozen=True)
-class Hardware:
-    workers_per_node: int   # one worker per (logical) NeuronCore
-    logical_cores: int      # LNC: physical NeuronCores per logical one
-    target: str             # neuronx-cc --target
+# A node's hardware (workers_per_node: one worker per logical NeuronCore; logical_cores: LNC, physical NeuronCores
+# per logical one; target: neuronx-cc --target) is launcher/instances.py's record, by cluster.neuron.hardware.
+Hardware = Device
+HARDWARE = NEURON_HARDWARE
 
-
-# trn1n.32xlarge is trn1 silicon with twice the EFA bandwidth: same workers, same compiler target.
-HARDWARE = {
-    "trn1": Hardware(workers_per_node=32, logical_cores=1, target="trn1"),
-    "trn2": Hardware(workers_per_node=64, logical_cores=2, target="trn2"),
-}
-
-# torchrun's rendezvous port on Neuron clusters: 44000 + job id % 1000, inside the range the ParallelCluster
-# node script reserves (net.ipv4.ip_local_reserved_ports), so no outgoing connection can take it first.
-MASTER_PORT_BASE = 44000
-MASTER_PORT_SPAN = 1000
 # What neuron_parallel_compile prints once per node when every graph compiled; training starts only after it.
 COMPILE_SUMMARY = "Total failed compilations: 0"
 
@@ -123,7 +112,7 @@ def settings(cluster: Cluster) -> dict[str, Any]:
 
 
 # A trn2.48xlarge's physical NeuronCore-v3: the workers per node are these over the logical-core config.
-TRN2_PHYSICAL_CORES = 128
+TRN2_PHYSICAL_CORES = HARDWARE["trn2"].instance.physical_cores
 
 
 def hardware_of(neuron: dict[str, Any]) -> Hardware:
@@ -133,13 +122,12 @@ def hardware_of(neuron: dict[str, Any]) -> Hardware:
     lnc = neuron.get("lnc")
     if lnc is None or lnc == base.logical_cores or base.target != "trn2":
         return base
-    return Hardware(workers_per_node=TRN2_PHYSICAL_CORES // lnc, logical_cores=lnc, target=base.target)
+    return at_logical_cores(base, lnc)
 
 
 def estimator_device(neuron: dict[str, Any]) -> str:
     """The estimator's (and the runtime's peak-FLOPs) name of one worker's device: trn1, trn2 (LNC=2) or trn2-lnc1."""
-    hardware = hardware_of(neuron)
-    return "trn2-lnc1" if hardware.target == "trn2" and hardware.logical_cores == 1 else neuron["hardware"]
+    return hardware_of(neuron).name
 
 
 def runs_on_neuron(job: Job) -> bool:

@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import PurePosixPath
 from typing import Any
 
-from launcher import neuron, paths, remote, staging
+from launcher import instances, neuron, paths, remote, staging
 from launcher.config import SBATCH_KEYS, Cluster, LaunchConfig, typed
 from launcher.job import Job
 from launcher.paths import templates_dir
@@ -184,14 +184,17 @@ def render(job: Job, cfg: LaunchConfig | dict[str, Any], *, executor: str, produ
     template = _environment().get_template(TEMPLATES[executor])
     # On Kubernetes the pod is the container (the manifest names the image): no Pyxis steps in the script.
     inside = container(job, cfg) if executor != "k8s" else None
+    neuron_script = neuron.script(job, cfg)
     return template.render(
         k8s=k8s,
-        neuron=neuron.script(job, cfg),
+        neuron=neuron_script,
         fabric=neuron.fabric(job, cfg),
         container=inside,
         venv=venv(cfg),
-        master_port_base=neuron.MASTER_PORT_BASE,
-        master_port_span=neuron.MASTER_PORT_SPAN,
+        # torchrun's rendezvous port range on a Slurm node (Trainium nodes reserve theirs), and the port a pod's
+        # torchrun falls back to when the training operator sets none.
+        rendezvous=instances.NEURON_RENDEZVOUS if neuron_script else instances.SLURM_RENDEZVOUS,
+        torchrun_default_port=instances.TORCHRUN_DEFAULT_PORT,
         compile_summary=neuron.COMPILE_SUMMARY,
         staging=staging.for_job(job, cfg),
         job=job,

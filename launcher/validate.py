@@ -14,6 +14,7 @@ from typing import Any
 from launcher import remote, staging
 from launcher.config import (OTHER_CLUSTER_KEYS, SBATCH_KEYS, Cluster, LaunchConfig, Run, StageInputs,
                              stage_inputs, without_restore)
+from launcher.instances import INSTANCES
 # The memory checks live in launcher/memory_fit.py; callers import them from here too.
 from launcher.memory_fit import host_memory_fit, host_memory_note, memory_fit, stage_memory_fit  # noqa: F401
 from launcher.slurm import expand_hostlist, partition_nodes, split_hostlist
@@ -390,8 +391,9 @@ def _hostlist(value: Any, key: str) -> list[str]:
 def node_memory(section: Cluster) -> list[str]:
     """cluster.node_memory_gib: null or a positive number (nxdt-launch estimate checks it too)."""
     if section.node_memory_gib is not None and section.node_memory_bytes is None:
+        example = INSTANCES["trn1.32xlarge"]
         return [f"cluster.node_memory_gib: {section.node_memory_gib!r} must be a positive number, the host memory of "
-                "one node in GiB (e.g. 512 for trn1.32xlarge), or null for the instance's"]
+                f"one node in GiB (e.g. {example.host_memory_gib} for {example.name}), or null for the instance's"]
     return []
 
 

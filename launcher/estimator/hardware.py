@@ -8,10 +8,8 @@ import dataclasses
 import os
 
 from launcher.errors import UserError
+from launcher.instances import DEVICES, GIB, INSTANCES, Device
 from runtime.schema.facts import PEAK_TFLOPS  # the runtime's MFU divides by the same table
-
-GIB = 2**30
-GB = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,33 +37,22 @@ class Hardware:
         return self.memory_bytes * self.usable_fraction - self.process_overhead_bytes
 
 
-# trn1.32xlarge: 16 Trainium1 chips = 32 NeuronCore-v2, 512 GiB HBM (16 GiB per core), 800 Gbps EFA per node.
-# trn2.48xlarge at LNC=2 (two physical NeuronCore-v3 per logical core, the default for training): 16 Trainium2
-# chips x 4 logical cores = 64 workers; 96 GiB HBM per chip, 3.2 Tbps EFAv3 per node. H100/H200 SXM: 8 per node,
-# NVLink 900 GB/s (450 each way), 400 Gbps per GPU. Peak FLOP/s: runtime/schema/facts.py.
-# Host memory per instance, GiB, as AWS documents each instance type (trn1n is trn1 with more EFA; p4d is A100,
-# which the estimator has no device row for: set cluster.node_memory_gib=1152 there).
-NODE_MEMORY_GIB = {"trn1.32xlarge": 512, "trn1n.32xlarge": 512, "trn2.48xlarge": 2048, "p4d.24xlarge": 1152,
-                   "p5.48xlarge": 2048, "p5e.48xlarge": 2048}
+# The devices and their instances are launcher/instances.py's (memory, workers and links per node, host memory);
+# peak FLOP/s runtime/schema/facts.py's. What is the estimator's own: the MFU it assumes.
+DEFAULT_MFU = 0.40
+# Host memory per instance type, GiB (p4d is A100, which the estimator has no device row for: state
+# cluster.node_memory_gib there).
+NODE_MEMORY_GIB = {name: instance.host_memory_gib for name, instance in INSTANCES.items()}
 
 
-def _node(instance: str) -> dict:
-    return {"node": instance, "node_memory_bytes": NODE_MEMORY_GIB[instance] * GIB}
+def _estimated(device: Device) -> Hardware:
+    return Hardware(device.name, device.description, device.memory_bytes, PEAK_TFLOPS[device.name],
+                    device.workers_per_node, device.intra_node_gbps, device.inter_node_gbps, DEFAULT_MFU,
+                    process_overhead_bytes=device.process_overhead_bytes,
+                    node_memory_bytes=device.instance.host_memory_bytes, node=device.instance.name)
 
 
-HARDWARE: dict[str, Hardware] = {
-    "trn1": Hardware("trn1", "trn1.32xlarge NeuronCore-v2", 16 * GIB, PEAK_TFLOPS["trn1"], 32, 100.0, 100.0 / 32,
-                     0.40, process_overhead_bytes=0.5 * GIB, **_node("trn1.32xlarge")),
-    "trn2": Hardware("trn2", "trn2.48xlarge logical NeuronCore (LNC=2)", 24 * GIB, PEAK_TFLOPS["trn2"], 64, 200.0,
-                     400.0 / 64, 0.40, process_overhead_bytes=0.5 * GIB, **_node("trn2.48xlarge")),
-    # LNC=1: each physical NeuronCore-v3 a worker, with half a logical core's memory, compute and link.
-    "trn2-lnc1": Hardware("trn2-lnc1", "trn2.48xlarge physical NeuronCore (LNC=1)", 12 * GIB, PEAK_TFLOPS["trn2-lnc1"],
-                          128, 100.0, 400.0 / 128, 0.40, process_overhead_bytes=0.5 * GIB, **_node("trn2.48xlarge")),
-    "h100": Hardware("h100", "H100 SXM 80 GB", 80 * GB, PEAK_TFLOPS["h100"], 8, 360.0, 50.0, 0.40,
-                     process_overhead_bytes=1.0 * GIB, **_node("p5.48xlarge")),
-    "h200": Hardware("h200", "H200 SXM 141 GB", 141 * GB, PEAK_TFLOPS["h200"], 8, 360.0, 50.0, 0.40,
-                     process_overhead_bytes=1.0 * GIB, **_node("p5e.48xlarge")),
-}
+HARDWARE: dict[str, Hardware] = {name: _estimated(device) for name, device in DEVICES.items()}
 DEVICE_NAMES = (*HARDWARE, "cpu")
 
 # A CPU worker's achieved fp32 matmul rate varies tenfold between a laptop core and a server socket, so the peak
@@ -97,7 +84,8 @@ def detect(accelerator: str, devices_per_node: int) -> str:
     node at LNC=2, 128 one at LNC=1, other neuron counts trn1; gpu means H100 (say --device h200 for H200); cpu is
     cpu."""
     if accelerator == "neuron":
-        return {64: "trn2", 128: "trn2-lnc1"}.get(devices_per_node, "trn1")
+        return next((name for name, device in DEVICES.items()
+                     if device.target is not None and device.workers_per_node == devices_per_node), "trn1")
     if accelerator == "gpu":
         return "h100"
     return "cpu"
