@@ -12,7 +12,7 @@ import math
 import dataclasses
 
 from launcher.estimator.hardware import Hardware
-from launcher.estimator.memory import PRECISION_BYTES, kv_block_bytes
+from launcher.estimator.memory import GRAD_BYTES, PRECISION_BYTES, kv_block_bytes
 from launcher.estimator.shapes import (Layout, ModelShape, count_parameters, expert_parameters, kv_heads_per_rank,
                                        most_layers, stage_moe_layers)
 from runtime.schema import sizes
@@ -253,6 +253,6 @@ def _gradient_seconds(params: float, ranks: int, gbps: float, layout: Layout) ->
     """fp32 gradients all-reduced over `ranks`; under ZeRO-1 reduce-scattered, then the updated weights
     all-gathered at the parameter dtype."""
     if layout.zero1:
-        return (_ring_seconds(4 * params, ranks, gbps, all_reduce=False)
+        return (_ring_seconds(GRAD_BYTES * params, ranks, gbps, all_reduce=False)
                 + _ring_seconds(PRECISION_BYTES[layout.precision].param * params, ranks, gbps, all_reduce=False))
-    return _ring_seconds(4 * params, ranks, gbps, all_reduce=True)
+    return _ring_seconds(GRAD_BYTES * params, ranks, gbps, all_reduce=True)
