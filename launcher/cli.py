@@ -239,7 +239,7 @@ def _print_plan(console, plan, record) -> None:
     from launcher.validate import host_memory_note
 
     for job in plan.jobs:
-        if job.stage in TRAINER_STAGES and (note := host_memory_note(plan.config, job.stage)):
+        if job.stage in TRAINER_STAGES and (note := host_memory_note(plan.estimates.get(job.stage), job.stage)):
             console.print(escape(note), highlight=False)
 
 

@@ -46,6 +46,9 @@ class Plan:
     unchecked: list[str] = field(default_factory=list)  # what a dry run rendered without asking (the cluster's state)
     mirror: Path | None = None   # a dry run of a live run writes here (live.py), each file at its path below it
     launch_lock: Any = None      # a real launch's hold on its run (live.hold_launch), from write() to the process's end
+    # Each trainer stage's estimate, made by validate's memory check from the schema's one reading of the stage:
+    # what the plan table's host-memory line prints.
+    estimates: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
     def config(self) -> LaunchConfig:
@@ -92,8 +95,9 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
         raise UserError(live.refusal(str(config.run_name), found))
     executor, reason = choose_executor(str(config.cluster_type), (remote_settings or {}).get("host"))
     # A remote launch renders here for a file system it cannot see: missing inputs are warnings, as in a dry run.
+    estimates: dict[str, Any] = {}
     errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None,
-                                         local=executor == "local")
+                                         local=executor == "local", estimates=estimates)
     errors += neuron.problems(config) + remote.problems(config) + staging.problems(config) + k8s.problems(config)
     # A k8s launch writes onto the pods' shared volume: a dry run without it renders elsewhere (below).
     unmounted = k8s.mount_problems(config) if executor == "k8s" else []
@@ -138,7 +142,7 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
                         f"(each at its path below that directory), not into the run")
         reason += f"; rendered under {mirror}, the run being live"
     return Plan(cfg, executor, reason, jobs, file_warnings + warnings, produced_by, dry_run, remote_settings,
-                mirror=mirror)
+                mirror=mirror, estimates=estimates)
 
 
 def output_problems(targets: list[tuple[str, Path]]) -> list[str]:

@@ -11,21 +11,26 @@ from launcher.config import Cluster, LaunchConfig
 from runtime.schema import rules
 
 if TYPE_CHECKING:
+    from launcher.estimator import Estimate
     from launcher.estimator.host import HostMemory
-    from runtime.schema.training_config import TrainerConfig
+    from runtime.schema.training_config import SizingConfig, TrainerConfig
 
 
-def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool) -> tuple[list[str], list[str]]:
+def memory_fit(cfg: LaunchConfig, stage: str = "training", *, local: bool, sizing: SizingConfig | None = None,
+               keep: dict[str, Estimate] | None = None) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a trainer stage's layout against memory (stage_memory_fit), refused here rather than
-    after the queue wait. `local`: the local executor runs the workers on this machine."""
+    after the queue wait. `local`: the local executor runs the workers on this machine. `sizing`: the schema's
+    reading of the stage that validate made; `keep`: where the estimate is kept for the launch (host_memory_note)."""
     section = cfg.stage(stage)
     if section.trainer is None:
         return [], []
-    return stage_memory_fit(section.section, stage, cfg.cluster, local=local, trainer=section.trainer)
+    return stage_memory_fit(section.section, stage, cfg.cluster, local=local, trainer=section.trainer,
+                            sizing=sizing, keep=keep)
 
 
 def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, local: bool,
-                     vocab_size: int | None = None, trainer: TrainerConfig | None = None
+                     vocab_size: int | None = None, trainer: TrainerConfig | None = None,
+                     sizing: SizingConfig | None = None, keep: dict[str, Estimate] | None = None
                      ) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a trainer stage's config (`section`, as composed) on `cluster`'s nodes, by the
     estimator: the launch's rule, which autoconfig ranks its layouts by too. Host memory per node (every trainer
@@ -39,9 +44,11 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     published Llama 3 70B layout runs on trn1 and reads 18.6 of 13.9 GiB). A vocabulary the estimator cannot know
     here (no tokenizer file, no `vocab_size`): not judged. `trainer`: the launch's reading of the stage's trainer
     section (launcher/config.py), not read again."""
-    result = _estimate(section, cluster, vocab_size, stage, trainer)
+    result = _estimate(section, cluster, vocab_size, stage, trainer, sizing)
     if result is None:
         return [], []
+    if keep is not None:
+        keep[stage] = result
     # The vocabulary as the estimator read it (a tokenizer this launch's data_preparation would otherwise make is
     # not read by the schema): an absurd one is refused here even where no node memory is known to judge it by.
     tokenizer = result.sizing.tokenizer_path
@@ -76,7 +83,7 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
 
 
 def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None = None, stage: str = "training",
-              trainer: TrainerConfig | None = None):
+              trainer: TrainerConfig | None = None, sizing: SizingConfig | None = None):
     """The estimator's reading of a trainer stage's config on the cluster's nodes; None where the estimator cannot
     size it here (no tokenizer file for the vocabulary)."""
     from launcher.errors import UserError
@@ -84,17 +91,14 @@ def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None 
 
     try:
         return estimate(section, neuron_hardware=cluster.neuron_hardware, node_memory_bytes=cluster.node_memory_bytes,
-                        vocab_size=vocab_size, stage=stage, trainer=trainer)
+                        vocab_size=vocab_size, stage=stage, trainer=trainer, sizing=sizing)
     except UserError:
         return None
 
 
-def host_memory_note(cfg: LaunchConfig, stage: str) -> str | None:
-    """What the launch prints for a trainer stage: host memory per node, by the estimator (as memory_fit judges
-    it)."""
-    section = cfg.stage(stage)
-    result = None if section.trainer is None else _estimate(section.section, cfg.cluster, stage=stage,
-                                                            trainer=section.trainer)
+def host_memory_note(result: Estimate | None, stage: str) -> str | None:
+    """What the launch prints for a trainer stage: host memory per node, from the estimate memory_fit judged it by
+    (the launch's `estimates`)."""
     return None if result is None else f"host memory per node ({stage}): {result.host.arithmetic(static=True)}"
 
 

@@ -23,7 +23,8 @@ from runtime.schema import choices, rules
 from runtime.schema.conversion import parse_conversion
 from runtime.schema.evaluation import parse_evaluation
 from runtime.schema.s3 import parse_s3
-from runtime.schema.training import parse_training, too_long_paths
+from runtime.schema.training import parse_training, read_training, too_long_paths
+from runtime.schema.training_config import SizingConfig
 
 CLUSTER_TYPES = ("auto", "local", "slurm", "bcm", "k8s")
 
@@ -32,8 +33,10 @@ _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def problems(cfg: LaunchConfig, *, dry_run: bool, local: bool) -> tuple[list[str], list[str]]:
-    """`local`: the local executor runs the stages on this machine (its memory is a CPU node's, memory_fit)."""
+def problems(cfg: LaunchConfig, *, dry_run: bool, local: bool, estimates: dict[str, Any] | None = None
+             ) -> tuple[list[str], list[str]]:
+    """`local`: the local executor runs the stages on this machine (its memory is a CPU node's, memory_fit).
+    `estimates`: where each trainer stage's estimate (memory_fit's, from the schema's one reading) is kept."""
     warnings: list[str] = []
     errors = _top_level(cfg)
     if too_long := _too_long_paths(cfg):  # before anything below looks at one on the file system
@@ -49,21 +52,21 @@ def problems(cfg: LaunchConfig, *, dry_run: bool, local: bool) -> tuple[list[str
     if "training" in stages:
         # The runtime runs the same schema on the node. A dry run often renders on a laptop for a cluster whose
         # file system it cannot see: missing files are warnings there.
-        _, report = parse_training(cfg.stage("training").section, files="warn" if dry_run else "error",
-                                   prepared="data_preparation" in stages)
+        _, sizing, report = read_training(cfg.stage("training").section, files="warn" if dry_run else "error",
+                                          prepared="data_preparation" in stages)
         errors += report.errors
         warnings += report.warnings
         if not report.errors:
-            fit_errors, fit_warnings = memory_fit(cfg, local=local)
+            fit_errors, fit_warnings = memory_fit(cfg, local=local, sizing=sizing, keep=estimates)
             errors += fit_errors
             warnings += fit_warnings
         if "data_preparation" in stages:
             errors += _trains_on_prepared_data(cfg)
     for stage in FINE_TUNING_STAGES:
         if stage in stages:
-            stage_errors, stage_warnings = _fine_tuning(cfg, stage, stages, dry_run=dry_run)
+            stage_errors, stage_warnings, sizing = _fine_tuning(cfg, stage, stages, dry_run=dry_run)
             if not stage_errors:
-                fit_errors, fit_warnings = memory_fit(cfg, stage, local=local)
+                fit_errors, fit_warnings = memory_fit(cfg, stage, local=local, sizing=sizing, keep=estimates)
                 stage_errors += fit_errors
                 stage_warnings += fit_warnings
             errors += stage_errors
@@ -168,7 +171,7 @@ def _trains_on_prepared_data(cfg: LaunchConfig) -> list[str]:
 
 
 def _fine_tuning(cfg: LaunchConfig, stage: str, stages: list[str], *, dry_run: bool
-                 ) -> tuple[list[str], list[str]]:
+                 ) -> tuple[list[str], list[str], SizingConfig | None]:
     """The fine_tuning / peft / alignment stage config through the training schema (the trainer runs it with
     --stage), and which of them it is. Inputs this launch makes are not looked for: the data and tokenizer when this
     launch's data_preparation writes them, the starting weights when they are the checkpoints of a trainer stage that
@@ -179,8 +182,10 @@ def _fine_tuning(cfg: LaunchConfig, stage: str, stages: list[str], *, dry_run: b
     if any(_restores_from(cfg, s, inputs.restore_from_path) for s in earlier):
         # The checkpoints do not exist yet; the trainer checks them against the model when it loads them.
         section = without_restore(section)
-    _, report = parse_training(section, files="warn" if dry_run else "error", prepared=prepared, p=f"{stage}.")
-    return report.errors, report.warnings
+    _, sizing, report = read_training(section, files="warn" if dry_run else "error", prepared=prepared,
+                                      p=f"{stage}.")
+    # Without the earlier stage's checkpoints the estimator reads the model's shape from the YAML either way.
+    return report.errors, report.warnings, sizing
 
 
 def _inside(path: Any, directory: Any) -> bool:

@@ -42,7 +42,8 @@ from runtime.schema.training_run import (WANDB_KEYS, read_checkpoint, read_fault
 _wandb_kwargs = read_wandb_kwargs
 __all__ = ["FILE_MODES", "PATH_KEYS", "PREFIX", "WANDB_KEYS", "_wandb_kwargs", "is_remote", "model_shape_keys",
            "parse_fault_tolerance", "parse_latent_attention", "parse_lora", "parse_model", "parse_moe",
-           "parse_precision", "parse_rope_scaling", "parse_sizing", "parse_trainer", "parse_training", "saved_lora",
+           "parse_precision", "parse_rope_scaling", "parse_sizing", "parse_trainer", "parse_training",
+           "read_training", "saved_lora",
            "tokenizer_vocab", "too_long_paths"]
 
 PREFIX = "training."
@@ -75,6 +76,15 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     at: estimates of hypothetical layouts). prepared: this launch's data_preparation makes the tokenizer and the
     data, so those are not looked for (a model_config still is). vocab_size: the tokenizer's, when known.
     """
+    config, _, report = read_training(raw, files=files, prepared=prepared, p=p, vocab_size=vocab_size)
+    return config, report
+
+
+def read_training(raw: Any, *, files: str = "error", prepared: bool = False, p: str = PREFIX,
+                  vocab_size: int | None = None) -> tuple[TrainingConfig | None, SizingConfig | None, Report]:
+    """parse_training, and from the same reading what the estimator sizes the run by (the launch's one parse of
+    the layout: its memory check estimates from it). The sizing is None where a section could not be read; it is
+    there when a dry run stops short of the config for a missing file."""
     report = Report()
     root = Section(raw, p.rstrip("."), report)
     file_checks = Files(report, files, prepared)
@@ -86,16 +96,17 @@ def parse_training(raw: Any, *, files: str = "error", prepared: bool = False, p:
     for problem in too_long_paths(raw, p):
         report.error(problem)
     if report.errors:  # nothing below looks at a path no file system can hold
-        return None, report
+        return None, None, report
 
     read = _read(root, run, trainer_s, model_s, exp, precision_s, p=p, files=file_checks, vocab_size=vocab_size)
     if report.errors:  # the rules below need well-typed values
-        return None, report
+        return None, None, report
 
     _rules(read, p, file_checks, report)
+    sizing = None if report.errors else read.sizing(model_s)
     if report.errors or read.vocab is None or "hidden_size" not in read.shape:
-        return None, report  # a dry run without the tokenizer or model_config checks what it can, and stops here
-    return read.config(raw), report
+        return None, sizing, report  # a dry run without the tokenizer or model_config checks what it can, and stops
+    return read.config(raw), sizing, report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +134,15 @@ class _Read:
     wandb: bool | None
     plot: bool | None
     wandb_kwargs: dict
+
+    def sizing(self, model: Section) -> SizingConfig:
+        """What parse_sizing reads, from this reading: the batch sizes as the data section read them (read again,
+        quietly, where no data config was made, as for preference pairs)."""
+        micro, global_ = ((self.data.micro_batch_size, self.data.global_batch_size) if self.data is not None
+                          else read_batch(Section(model.data, "model", Report())))
+        return SizingConfig(model=dict(model.data), tokenizer_path=self.tokenizer_path, parallel=self.parallel,
+                            micro_batch_size=micro, global_batch_size=global_,
+                            precision=None if self.precision is None else PrecisionConfig(self.precision))
 
     def config(self, raw: Any) -> TrainingConfig:
         return TrainingConfig(

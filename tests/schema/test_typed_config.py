@@ -129,3 +129,29 @@ def build(cfg, job):
     assert sorted((line, key) for line, _, key in raw_reads(snippet)) == [
         (3, "num_nodes"), (3, "trainer"), (3, "training"), (4, "cluster"), (4, "partition")]
     assert {function for _, function, _ in raw_reads(snippet)} == {"build"}
+
+
+def test_a_launch_reads_each_trainer_stages_layout_once(monkeypatch, tmp_path):
+    """Followed from the CLI's plan through validation, the memory check and the plan table's host-memory line: the
+    schema's reader of tensor_model_parallel_size and the rest of the layout (read_parallel) runs once per trainer
+    stage, and the estimate the launch prints is the one its memory check judged."""
+    from launcher import launch
+    from launcher.memory_fit import host_memory_note
+    from runtime.schema import training, training_layout
+
+    calls = []
+    real = training_layout.read_parallel
+
+    def counted(model):
+        calls.append(model.path)
+        return real(model)
+
+    for module in (training, training_layout):
+        monkeypatch.setattr(module, "read_parallel", counted)
+    monkeypatch.chdir(tmp_path)
+    plan = launch.make_plan(["stages=[training,fine_tuning]", "training=llama3/8b", "fine_tuning=llama3/8b",
+                             "cluster=pcluster_trn1", "cluster_type=slurm"], dry_run=True, produced_by="test")
+    notes = [host_memory_note(plan.estimates.get(job.stage), job.stage) for job in plan.jobs]
+    assert sorted(calls) == ["fine_tuning.model", "training.model"]
+    # fine_tuning's Hugging Face weights are not on this machine: no vocabulary to estimate by, and no line.
+    assert set(plan.estimates) == {"training"} and notes[0].startswith("host memory per node (training): 32 workers")
