@@ -101,6 +101,7 @@ class Budget:
     limit: int                   # trials
     top_n: int
     unchecked: tuple[str, ...] = ()   # what a dry run sized the model without (a tokenizer not made yet)
+    shape: dict[str, Any] = dataclasses.field(default_factory=dict)  # the base recipe's model keys (model_shape)
 
 
 def _positive(settings: dict[str, Any], key: str, *, number: type = int, optional: bool = False) -> Any:
@@ -195,7 +196,8 @@ def read_budget(train: dict[str, Any], cfg: LaunchConfig, *, dry_run: bool = Fal
     if device is None:
         device = neuron if trainer.accelerator == "neuron" and neuron else detect(trainer.accelerator, devices)
     hardware = hardware_for(device, devices, cfg.cluster.node_memory_bytes)
-    seq = numbers["seq_length"] or int(model_shape(sizing)["encoder_seq_length"])
+    shape = model_shape(sizing)
+    seq = numbers["seq_length"] or int(shape["encoder_seq_length"])
     gbs = numbers["global_batch_size"] or sizing.global_batch_size
     if gbs is None:
         raise UserError(*sizing_report.errors)
@@ -206,7 +208,7 @@ def read_budget(train: dict[str, Any], cfg: LaunchConfig, *, dry_run: bool = Fal
         days=days, model_size=size * 1e9 if size else None, vocab=vocab, device=device, hardware=hardware,
         mfu=numbers["assumed_mfu"] or hardware.default_mfu, max_steps=numbers["max_steps_per_run"],
         minutes=numbers["max_minutes_per_run"], limit=numbers["limit_search_runs"], top_n=numbers["top_n"],
-        unchecked=tuple(unchecked),
+        unchecked=tuple(unchecked), shape=shape,
     )
 
 
@@ -251,7 +253,7 @@ def rank(overrides: list[str], *, dry_run: bool, console) -> Ranking:
     dry_run = dry_run or cfg.dry_run  # dry_run=true, as for a launch
     budget = read_budget(settings.train_settings, cfg, dry_run=dry_run)
     print_not_checked(budget.unchecked)
-    shape = model_shape(parse_sizing(cfg.composed_section("training"))[0])
+    shape = budget.shape  # read_budget's reading of the base recipe
     architecture = str(shape["architecture"])
     divisible = int(shape.get("make_vocab_size_divisible_by") or 128)
 
