@@ -161,15 +161,27 @@ def image(cfg: LaunchConfig) -> str | None:
 
 def runtime_requirements() -> list[str]:
     """What a pod installs before the program (cluster.k8s.install_requirements): the runtime extra's requirements of
-    this nxdt-launch (pyproject.toml), but torch, which the image brings built for its devices (Neuron, CUDA)."""
-    from importlib.metadata import requires
+    the code the launch copies (its pyproject.toml; an installed nxdt-launch's metadata where there is none), but
+    torch, which the image brings built for its devices (Neuron, CUDA)."""
+    import tomllib
 
-    found = []
-    for line in requires("nxdt-launch") or []:
-        spec, _, marker = line.partition(";")
-        if re.search(r"""extra\s*==\s*["']runtime["']""", marker) and not re.match(r"torch\b", spec.strip()):
-            found.append(spec.strip().replace(" ", ""))
-    return found
+    from launcher.errors import UserError
+    from launcher.render import code_root
+
+    pyproject = Path(code_root()) / "pyproject.toml"
+    if pyproject.is_file():
+        lines = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["runtime"]
+    else:
+        from importlib.metadata import PackageNotFoundError, requires
+
+        try:
+            lines = [spec for spec, _, marker in (r.partition(";") for r in requires("nxdt-launch") or [])
+                     if re.search(r"""extra\s*==\s*["']runtime["']""", marker)]
+        except PackageNotFoundError:
+            raise UserError("cluster.k8s.install_requirements: this nxdt-launch is neither a checkout nor installed, "
+                            "so the runtime's requirements are unknown; pip install nxdt-launch, or set "
+                            "cluster.k8s.install_requirements=false with an image that has them") from None
+    return [spec.strip().replace(" ", "") for spec in lines if not re.match(r"torch\b", spec.strip())]
 
 
 def code_dir(job: Job) -> Path:

@@ -316,12 +316,14 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         replace(here, lambda tmp: (tmp.write_text(text), tmp.chmod(mode)))
         plan.files.append((here, path, mode))
 
-    scripts = []
+    scripts, copied = [], set()
     for job in plan.jobs:
         if plan.executor == "k8s":  # the stage's Kubernetes object, its pods running the node script
             text = k8s.manifest(job, plan.config, produced_by=plan.produced_by)
-            if not plan.dry_run:  # the code the pods run, in the launch's directory on the shared volume
-                replace(plan.local_path(k8s.code_dir(job)), _copy_code)
+            code = plan.local_path(k8s.code_dir(job))
+            if not plan.dry_run and code not in copied:  # the code the pods run, in the launch's directory
+                replace(code, _copy_code)                  # (stages that share a results_dir share it)
+                copied.add(code)
         else:
             text = render(job, plan.config, executor=plan.executor, produced_by=plan.produced_by)
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.

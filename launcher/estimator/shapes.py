@@ -135,6 +135,11 @@ def shape_from_training(sizing: SizingConfig, vocab: int) -> ModelShape:
         model = model_shape_keys(sizing.model)  # with the keys a model_config (config.json) supplies
     except ValueError as error:
         raise UserError(f"{error}; the estimate needs the model's shape") from None
+    if unknown := [key for key in ("num_layers", "hidden_size", "num_attention_heads", "encoder_seq_length")
+                   if model.get(key) is None]:
+        # A model whose shape its config.json gives (restore_from_path) where that file is not on this machine.
+        raise UserError(f"training.model.{unknown[0]}: not set, and no config.json here supplies it; the estimate "
+                        f"needs the model's shape (give the model's directory or its keys)")
     heads = int(model["num_attention_heads"])
     seq = int(model["encoder_seq_length"])
     return ModelShape(

@@ -140,7 +140,8 @@ class _Read:
         quietly, where no data config was made, as for preference pairs)."""
         micro, global_ = ((self.data.micro_batch_size, self.data.global_batch_size) if self.data is not None
                           else read_batch(Section(model.data, "model", Report())))
-        return SizingConfig(model=dict(model.data), tokenizer_path=self.tokenizer_path, parallel=self.parallel,
+        tokenizer = model.section("tokenizer").raw("model", None)  # as written, as parse_sizing reads it
+        return SizingConfig(model=dict(model.data), tokenizer_path=str(tokenizer or ""), parallel=self.parallel,
                             micro_batch_size=micro, global_batch_size=global_,
                             precision=None if self.precision is None else PrecisionConfig(self.precision))
 

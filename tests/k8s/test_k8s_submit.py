@@ -24,7 +24,6 @@ from launcher import k8s, launch, records, runs
 
 from ..launcher.helpers import REPO
 
-pytestmark = pytest.mark.asyncio
 TRAINJOBS = "trainer.kubeflow.org/v1alpha1/trainjobs"
 
 
@@ -82,6 +81,7 @@ def _status(run_dir) -> list[tuple[str, str]]:
     return [(e["stage"], str(state)) for e, state in runs.stage_states(records.load(run_dir))]
 
 
+@pytest.mark.asyncio
 async def test_two_stages_run_in_order_and_status_logs_cancel_read_them(kmock, tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, kmock.url))
     started = asyncio.create_task(asyncio.to_thread(_launch_now, _launch(tmp_path)))
@@ -132,6 +132,7 @@ async def test_two_stages_run_in_order_and_status_logs_cancel_read_them(kmock, t
         ("data_preparation", first[2], 0), ("training", second[2], 1)]
 
 
+@pytest.mark.asyncio
 async def test_a_failed_stage_leaves_the_next_uncreated(kmock, tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, kmock.url))
     started = asyncio.create_task(asyncio.to_thread(_launch_now, _launch(tmp_path)))
@@ -143,3 +144,16 @@ async def test_a_failed_stage_leaves_the_next_uncreated(kmock, tmp_path, monkeyp
     assert await asyncio.to_thread(_status, tmp_path / "fsx" / "results" / "k8srun") == [
         ("data_preparation", "FAILED (JobFailed)"),
         ("training", "NOT RUN (an earlier stage failed or the run was cancelled)")]
+
+
+def test_stages_that_share_a_results_dir_share_the_code_copy(tmp_path):
+    """A real (not dry) k8s launch writes its files without the API server: two stages in one results directory get
+    one copy of the code, which both manifests name."""
+    plan = launch.make_plan([*_launch(tmp_path), "data_preparation.run.results_dir=${training.run.results_dir}"],
+                            dry_run=False, produced_by="nxdt-launch (test)")
+    try:
+        launch.write(plan)
+    finally:
+        plan.launch_lock.close()
+    codes = {k8s.code_dir(job) for job in plan.jobs}
+    assert len(codes) == 1 and (next(iter(codes)) / "runtime" / "train.py").is_file()

@@ -535,3 +535,14 @@ def test_sft_demo_is_one_task_that_writes_the_instruction_set(tmp_path):
     written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     assert run_task(cfg, 0, 1) is True  # already complete: nothing rewritten
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == written
+
+
+def test_a_model_whose_shape_is_not_here_is_not_estimated_and_not_a_traceback(tmp_path, monkeypatch):
+    """hf/sft_demo from a Hugging Face directory that is not on this machine, its tokenizer named by a known path:
+    the memory check cannot size the model (no config.json here) and says nothing, as the dry run goes on."""
+    from launcher import launch
+
+    monkeypatch.chdir(tmp_path)
+    plan = launch.make_plan(["stages=[fine_tuning]", "fine_tuning=hf/sft_demo",
+                             "fine_tuning.model.restore_from_path=/fsx/hf/qwen3-8b"], dry_run=True, produced_by="test")
+    assert [job.stage for job in plan.jobs] == ["fine_tuning"] and plan.estimates == {}
