@@ -159,10 +159,13 @@ def image(cfg: LaunchConfig) -> str | None:
     return str(found) if found else None
 
 
-def runtime_requirements() -> list[str]:
-    """What a pod installs before the program (cluster.k8s.install_requirements): the runtime extra's requirements of
-    the code the launch copies (its pyproject.toml; an installed nxdt-launch's metadata where there is none), but
-    torch, which the image brings built for its devices (Neuron, CUDA)."""
+# The packages a launch's stages may need beyond the runtime extra (launcher/packages.py names them by module), and
+# the extra of pyproject.toml that holds each (wandb is in none but the test extra: its name).
+EXTRA_OF_MODULE = {"lm_eval": "eval", "pyarrow": "parquet"}
+
+
+def _extras() -> dict[str, list[str]]:
+    """pyproject.toml's optional dependencies of the code the launch copies, or of the installed nxdt-launch."""
     import tomllib
 
     from launcher.errors import UserError
@@ -170,18 +173,37 @@ def runtime_requirements() -> list[str]:
 
     pyproject = Path(code_root()) / "pyproject.toml"
     if pyproject.is_file():
-        lines = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["runtime"]
-    else:
-        from importlib.metadata import PackageNotFoundError, requires
+        return tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    from importlib.metadata import PackageNotFoundError, requires
 
-        try:
-            lines = [spec for spec, _, marker in (r.partition(";") for r in requires("nxdt-launch") or [])
-                     if re.search(r"""extra\s*==\s*["']runtime["']""", marker)]
-        except PackageNotFoundError:
-            raise UserError("cluster.k8s.install_requirements: this nxdt-launch is neither a checkout nor installed, "
-                            "so the runtime's requirements are unknown; pip install nxdt-launch, or set "
-                            "cluster.k8s.install_requirements=false with an image that has them") from None
-    return [spec.strip().replace(" ", "") for spec in lines if not re.match(r"torch\b", spec.strip())]
+    try:
+        found: dict[str, list[str]] = {}
+        for line in requires("nxdt-launch") or []:
+            spec, _, marker = line.partition(";")
+            if extra := re.search(r"""extra\s*==\s*["'](\w+)["']""", marker):
+                found.setdefault(extra.group(1), []).append(spec)
+        return found
+    except PackageNotFoundError:
+        raise UserError("cluster.k8s.install_requirements: this nxdt-launch is neither a checkout nor installed, so "
+                        "the runtime's requirements are unknown; pip install nxdt-launch, or set "
+                        "cluster.k8s.install_requirements=false with an image that has them") from None
+
+
+def runtime_requirements(cfg: LaunchConfig) -> list[str]:
+    """What a pod installs before the program (cluster.k8s.install_requirements): the runtime extra's requirements of
+    the code the launch copies, but torch, which the image brings built for its devices (Neuron, CUDA); then what
+    this launch's stages need beyond it (lm-evaluation-harness for its tasks, pyarrow for parquet inputs, wandb for
+    its logger: launcher/packages.py)."""
+    from launcher.packages import needed
+
+    extras = _extras()
+    lines = [spec for spec in extras["runtime"] if not re.match(r"torch\b", spec.strip())]
+    for module in dict.fromkeys(module for module, _, _ in needed(cfg)):
+        if module in EXTRA_OF_MODULE:
+            lines += extras.get(EXTRA_OF_MODULE[module], [])
+        elif module == "wandb":
+            lines.append("wandb")
+    return [spec.strip().replace(" ", "") for spec in dict.fromkeys(lines)]
 
 
 def code_dir(job: Job) -> Path:
@@ -281,7 +303,8 @@ def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) 
         job=job, image=image(cfg), env={"NXDT_K8S_OBJECT": resource_name(job)},
         script=render(job, cfg, executor="k8s", produced_by=produced_by, k8s={
             "code_dir": code_dir(job),
-            "requirements": runtime_requirements() if k8s["install_requirements"] else []}), runtime=k8s["runtime"],
+            "requirements": runtime_requirements(cfg) if k8s["install_requirements"] else []}),
+        runtime=k8s["runtime"],
         resources=resources(job, cfg), claim=k8s["volume"]["claim"], mount_path=k8s["volume"]["mount_path"],
         service_account=k8s["service_account"], auto_resume=k8s["auto_resume"], container_name=kind.container,
         hyperpod_health=k8s["job_kind"] != "TrainJob" and k8s["auto_resume"]["enabled"],
