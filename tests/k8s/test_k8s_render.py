@@ -181,3 +181,39 @@ def test_a_launch_where_the_shared_volume_is_not_mounted_is_refused(tmp_path):
 
 def _mirror(stdout: str) -> Path:
     return Path(stdout.split("wrote its files under ", 1)[1].split()[0])
+
+
+def test_the_node_script_compiles_once_then_trains(tmp_path):
+    """The training pod's script, run by bash with FAKE `neuron_parallel_compile` and `python3` first on PATH (no
+    Neuron compiler or torch here): the compile step runs under the wrapper with the shortened config, its summary
+    line is checked, node 0 writes the marker, and the next start skips the step; a failed compile starts no
+    training."""
+    fsx, bin_dir, calls = tmp_path / "fsx", tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "neuron_parallel_compile").write_text(
+        f'#!/bin/bash\necho "compile $*" >> {calls}\necho "Total failed compilations: ${{FAILED:-0}}"\n')
+    (bin_dir / "python3").write_text(f'#!/bin/bash\necho "python3 $*" >> {calls}\n')
+    for fake in bin_dir.iterdir():
+        fake.chmod(0o755)
+    cfg = resolved(f"base_results_dir={fsx}/results", f"data_dir={fsx}/data", f"cluster.k8s.volume.mount_path={fsx}",
+                   "python=null", "training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s", "stages=[training]",
+                   "cluster.k8s.install_requirements=false")
+    job = build(cfg, dry_run=True)[0]
+    script = yaml.safe_load(k8s.manifest(job, cfg, produced_by="test"))["spec"]["trainer"]["command"][2]
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PET_NODE_RANK": "0", "NXDT_K8S_OBJECT": "obj"}
+
+    def start(**extra):
+        calls.unlink(missing_ok=True)
+        result = subprocess.run(["bash", "-c", script], env={**env, **extra}, capture_output=True, text=True)
+        return result, calls.read_text().splitlines() if calls.exists() else []
+
+    failed, ran = start(FAILED="2")
+    assert failed.returncode == 1 and len(ran) == 1 and ran[0].startswith("compile python3 -m runtime.torchrun")
+    assert "training_compile_config.yaml" in ran[0]
+    compiled, ran = start()
+    assert compiled.returncode == 0, compiled.stderr
+    assert [line.split()[0] for line in ran] == ["compile", "python3"] and "training_config.yaml" in ran[1]
+    again, ran = start()
+    assert again.returncode == 0 and [line.split()[0] for line in ran] == ["python3"]
+    assert "compile step skipped" in (fsx / "results" / "llama3_8b_trn2" / "training" / "logs" /
+                                      "training_obj_node0.log").read_text()
