@@ -22,7 +22,8 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from launcher import cache, k8s, live, neuron, packages, records, remote, runs, slurm, stages, staging, validate
+from launcher import (cache, k8s, k8s_pod, live, neuron, packages, records, remote, runs, slurm, stages, staging,
+                      validate)
 from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
@@ -320,7 +321,7 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
     for job in plan.jobs:
         if plan.executor == "k8s":  # the stage's Kubernetes object, its pods running the node script
             text = k8s.manifest(job, plan.config, produced_by=plan.produced_by)
-            code = plan.local_path(k8s.code_dir(job))
+            code = plan.local_path(k8s_pod.code_dir(job))
             if not plan.dry_run and code not in copied:  # the code the pods run, in the launch's directory
                 replace(code, _copy_code)                  # (stages that share a results_dir share it)
                 copied.add(code)

@@ -20,7 +20,7 @@ import pytest
 
 from rich.console import Console
 
-from launcher import k8s, launch, records, runs
+from launcher import k8s, k8s_pod, launch, records, runs
 
 from ..launcher.helpers import REPO
 
@@ -91,7 +91,7 @@ async def test_two_stages_run_in_order_and_status_logs_cancel_read_them(kmock, t
     run_dir = tmp_path / "fsx" / "results" / "k8srun"
     assert await asyncio.to_thread(_status, run_dir) == [("data_preparation", "PENDING"),
                                                          ("training", "PENDING (waits for the stage before it)")]
-    # The code the pods put first on PYTHONPATH (k8s.code_dir, in the manifest), copied into the launch's directory.
+    # The code the pods put first on PYTHONPATH (k8s_pod.code_dir, in the manifest), copied into the launch's directory.
     record = records.load(run_dir)
     script = (run_dir / "data_preparation" / "data_preparation.k8s.yaml").read_text()
     code = next(line.split("=", 1)[1].split("$")[0] for line in script.splitlines()
@@ -155,5 +155,5 @@ def test_stages_that_share_a_results_dir_share_the_code_copy(tmp_path):
         launch.write(plan)
     finally:
         plan.launch_lock.close()
-    codes = {k8s.code_dir(job) for job in plan.jobs}
+    codes = {k8s_pod.code_dir(job) for job in plan.jobs}
     assert len(codes) == 1 and (next(iter(codes)) / "runtime" / "train.py").is_file()
