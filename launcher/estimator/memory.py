@@ -342,7 +342,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
     layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
-    # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/models/llama.py; a folder
+    # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/families/llama/model.py; a
     # family may have one per layer type), so a device holds rotary_tables pairs whatever its number of layers.
     buffers += shape.rotary_tables * shape.max_position_embeddings * shape.rotary_dim * 2 * 4
     if first or last or rank is None:

@@ -1,8 +1,8 @@
 # Conversion between the runtime's full (unsharded) state dict and Hugging Face checkpoints of every supported
-# family (runtime/schema/families: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE): export a trained model to
-# HF tools, or start training from an HF model. The families' config.json mapping is theirs; the weight names here
-# are GPT-2's and the Llama decoder's, with each MoE family's expert names (MOE_WEIGHTS) as transformers saves them
-# on disk; 5.x's fused in-memory Mixtral names (`mlp.experts.gate_up_proj`) import too.
+# family (runtime/families, through the registry runtime/schema/families): export a trained model to HF tools, or
+# start training from an HF model. The families' config.json mapping and weight names are theirs (each
+# architecture's `weights` module, with each MoE family's expert names as transformers saves them on disk); a
+# family's older or fused in-memory names (its normalized_state) import too.
 # Only renames, transposes, splits and concatenations touch the tensors (no arithmetic, no dtype change), so a
 # round trip is bitwise lossless. transformers is deliberately not imported: only its file format is needed.
 # Here: the whole state both ways (to_hf, from_hf) and the directories (save_hf_directory, load_hf_directory); where

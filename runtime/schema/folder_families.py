@@ -12,8 +12,13 @@ _REGISTRY = "runtime.families"
 
 
 def folders() -> tuple[str, ...]:
-    """The folder families' names, each its `model.architecture`."""
+    """The folder families' names, each its `model.architecture`, in the order the choices are listed."""
     return importlib.import_module(_REGISTRY).FOLDERS
+
+
+def export_order() -> tuple[str, ...]:
+    """The same names in the order their Hugging Face families are tried for an export."""
+    return importlib.import_module(_REGISTRY).EXPORT_ORDER
 
 
 def folder_family(architecture: Any) -> ModuleType | None:
@@ -23,3 +28,9 @@ def folder_family(architecture: Any) -> ModuleType | None:
 
 def folder_family_modules() -> tuple[ModuleType, ...]:
     return tuple(folder_family(name) for name in folders())
+
+
+def hf_families(family: ModuleType) -> tuple[ModuleType, ...]:
+    """The Hugging Face families a folder family's network is (each a module of the same protocol): its VARIANTS,
+    then its own."""
+    return (*getattr(family, "VARIANTS", ()), family)

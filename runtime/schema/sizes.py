@@ -95,8 +95,8 @@ class ModelShape:
 
     @property
     def expert_ffn_hidden_size(self) -> int:
-        """Each expert's hidden units, as runtime/models/llama.py builds SparseMoE: moe.ffn_hidden_size, or the
-        dense MLP's size when it is null (a dense model: the dense size)."""
+        """Each expert's hidden units, as runtime/families/llama/model.py builds SparseMoE: moe.ffn_hidden_size, or
+        the dense MLP's size when it is null (a dense model: the dense size)."""
         return self.ffn_hidden_size if self.moe is None else self.moe.expert_size(self.ffn_hidden_size)
 
     @property

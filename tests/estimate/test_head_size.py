@@ -84,8 +84,8 @@ def test_estimate_reads_the_switches_from_the_training_config():
 
 
 def test_rope_tables_are_one_pair_per_device():
-    """runtime/models/llama.py shares one RotaryEmbedding among all layers: a device holds one fp32 cos and one sin
-    table of max_position_embeddings x head_dim, however many layers it has."""
+    """runtime/families/llama/model.py shares one RotaryEmbedding among all layers: a device holds one fp32 cos and one
+    sin table of max_position_embeddings x head_dim, however many layers it has."""
     tables = 40960 * 128 * 2 * 4
     assert stage_memory(QWEN3_32B, layout(), first=True, last=True).buffers == tables
     pipeline = layout(num_nodes=8, pp=4)

@@ -624,7 +624,7 @@ MEGATRON = {
     "megatron_mixtral_8x7b_dropless_config": ("training", "llama"),
     "megatron_llama2_7B_SFT_config": ("fine_tuning", "llama"),
 }
-# What each of our architectures is, in the megatron switches (runtime/models/gpt.py, llama.py):
+# What each of our architectures is, in the megatron switches (runtime/families/gpt, llama):
 # normalization, position_embedding_type, activation, has_bias.
 SWITCHES = {"gpt": ("layernorm", "learned_absolute", "gelu", True), "llama": ("rmsnorm", "rope", "swiglu", False)}
 # megatron_gpt_config.yaml is refused as published for its schedule (test below): the layout tests run it with

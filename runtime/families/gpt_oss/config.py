@@ -44,12 +44,12 @@ def model_keys(hf) -> dict[str, Any]:
     if hf.data.get("rope_scaling") is None and hf.data.get("rope_parameters") is None:
         absent["rope_parameters"] = _ROPE
     hf = HFConfig({**hf.data, **absent})
-    keys = decoder_keys(hf, theta=_THETA, eps=_EPS)
+    keys = decoder_keys(hf, ARCHITECTURE.name, theta=_THETA, eps=_EPS)
     layers = keys["num_layers"]
     layer_types = hf.get("layer_types", None)
     if layer_types is None:  # GptOssConfig's: sliding first, then alternating
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    keys.update(architecture=ARCHITECTURE.name, layer_types=list(layer_types))
+    keys["layer_types"] = list(layer_types)
     if "sliding_attention" in layer_types:
         keys["sliding_window"] = hf.count("sliding_window", _WINDOW)
     keys["moe"] = softmax_moe_keys(hf, top_k=4)

@@ -1,35 +1,22 @@
-# Model families: how a Hugging Face config.json of each model_type maps to our `model:` keys, and which
-# config.json an export of ours writes. One module per family (torchtitan keeps each model's definition and HF
-# mapping together). The families here are GPT-2's block or the Llama decoder with ModelConfig's switches (biases,
-# per-head norms, a head size of its own, RoPE scaling, MoE); each is a module with MODEL_TYPES, TIED_DEFAULT,
-# model_keys, exports, refusal and hf_config, listed in FAMILIES. A family added since is a folder of its own
-# (runtime/families, found through runtime/schema/folder_families.py) with the same protocol, listed here first
-# (docs/runtime.md, "Adding a model family"). Standard library only.
+# Model families: how a Hugging Face config.json of each model_type maps to our `model:` keys, which config.json an
+# export of ours writes, and what each `model.architecture` network is made of. Every family is a folder of its own
+# (runtime/families/<name>, found through runtime/schema/folder_families.py; docs/runtime.md, "Adding a model
+# family"): its __init__ is the protocol (MODEL_TYPES, TIED_DEFAULT, model_keys, exports, refusal, hf_config) with
+# ARCHITECTURE, and its VARIANTS are the other Hugging Face families of the same network. This registry imports no
+# family of its own; base.py (HFConfig) and decoder.py (the Llama decoder's keys) beside it are the families' shared
+# readers. Standard library only.
 from __future__ import annotations
 
 from types import ModuleType
 from typing import Any
 
-from runtime.schema.folder_families import folder_family_modules
-from runtime.schema.families import gpt2, llama, mixtral, qwen2, qwen3, qwen3_moe
+from runtime.schema.folder_families import export_order, folder_family, folder_family_modules, hf_families
 from runtime.schema.architecture import Architecture
 from runtime.schema.families.base import HFConfig
 
-BUILT_IN: tuple[Architecture, ...] = (
-    Architecture("gpt", network="runtime.models.gpt:GPTModel", weights="runtime.schema.families.gpt2",
-                 gated_mlp=False, rotary=False, biases=True, rms_norm=False, embedding_dropout=True, tied_default=True,
-                 megatron=(("layernorm", "learned_absolute", "gelu", True),),
-                 tiny_recipe="gpt3/tiny", sizes="GPT-3"),
-    Architecture("llama", network="runtime.models.llama:LlamaModel", weights="runtime.schema.families.decoder",
-                 gated_mlp=True, rotary=True, biases=False, rms_norm=True, embedding_dropout=False,
-                 tied_default=False, switches=("add_qkv_bias", "qk_layernorm", "rope_scaling"), moe=True,
-                 megatron=(("rmsnorm", "rope", "swiglu", False), ("rmsnorm", "rope", "fast-swiglu", False)),
-                 tiny_recipe="llama/tiny", sizes="Llama 3"),
-)
-# Every model.architecture: the two networks built from runtime/models' shared modules, then each folder family's
-# (runtime/families/<name>: its ARCHITECTURE).
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    *BUILT_IN, *(family.ARCHITECTURE for family in folder_family_modules()))}
+# Every model.architecture, each folder family's ARCHITECTURE (runtime/families/<name>).
+ARCHITECTURES: dict[str, Architecture] = {family.ARCHITECTURE.name: family.ARCHITECTURE
+                                          for family in folder_family_modules()}
 
 
 def architecture(name: Any) -> Architecture:
@@ -64,8 +51,9 @@ TOKENIZER_VOCABULARIES = {"llama3": 128256, "llama2": 32000, "gpt2": 50257, "qwe
 # A Hugging Face file (model.model_config decides the network) sits on the decoder's smallest recipe.
 HF_BASE = ARCHITECTURES["llama"]
 
-# In export order: the first whose exports(cfg) holds writes the config.json (folder families: runtime/families).
-FAMILIES: tuple[ModuleType, ...] = (*folder_family_modules(), gpt2, qwen3_moe, mixtral, qwen3, qwen2, llama)
+# In export order (runtime/families EXPORT_ORDER, each folder's VARIANTS before its own): the first whose exports(cfg)
+# holds writes the config.json.
+FAMILIES: tuple[ModuleType, ...] = tuple(hf for name in export_order() for hf in hf_families(folder_family(name)))
 HF_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.MODEL_TYPES)
 
 

@@ -1,5 +1,6 @@
-# The Llama decoder as config.json describes it, shared by the families built on it (Llama, Mistral, Qwen2,
-# Qwen3, Mixtral): RMSNorm, SwiGLU, grouped-query attention, RoPE. Each family module adds what sets it apart.
+# The Llama decoder as config.json describes it, shared by the families built on it (runtime/families: the Llama
+# decoder's own folder and those that reuse its shape keys or expert names): RMSNorm, SwiGLU, grouped-query
+# attention, RoPE. Each family adds what sets it apart; none is named here.
 from __future__ import annotations
 
 from typing import Any
@@ -7,12 +8,12 @@ from typing import Any
 from runtime.schema.families.base import HFConfig, rope_export
 
 
-def decoder_keys(hf: HFConfig, *, theta: float, eps: float) -> dict[str, Any]:
-    """Our `model:` keys for the decoder's shape, norms and RoPE; `theta` and `eps` are the defaults of the
-    family's transformers config class, which its loader applies to an absent key."""
+def decoder_keys(hf: HFConfig, architecture: str, *, theta: float, eps: float) -> dict[str, Any]:
+    """Our `model:` keys for the decoder's shape, norms and RoPE, for the caller's `model.architecture`; `theta` and
+    `eps` are the defaults of the family's transformers config class, which its loader applies to an absent key."""
     hf.require("hidden_act", ("silu",), "silu")
     hidden, heads = hf.count("hidden_size"), hf.count("num_attention_heads")
-    keys = {"architecture": "llama", "hidden_size": hidden, "num_layers": hf.count("num_hidden_layers"),
+    keys = {"architecture": architecture, "hidden_size": hidden, "num_layers": hf.count("num_hidden_layers"),
             "num_attention_heads": heads, "num_query_groups": hf.count("num_key_value_heads", heads),
             "ffn_hidden_size": hf.count("intermediate_size"),
             "layernorm_epsilon": float(hf.get("rms_norm_eps", eps)),
@@ -30,33 +31,6 @@ def decoder_config(cfg) -> dict[str, Any]:
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
             "attention_dropout": cfg.attention_dropout, **rope_export(cfg)}
-
-
-def weight_rules(cfg, Rule, family) -> list:
-    """runtime/convert/hf_layout.py's rules (`Rule` is its _Rule) for every tensor but the untied output head, under the
-    Llama decoder's names; a sparse MoE layer's experts under `family`'s (its MOE_WEIGHTS). Our qkv rows are
-    [Q (nh*d) | K (ng*d) | V (ng*d)] blocks, not interleaved per head, and both sides apply RoPE in the
-    rotate-half layout, so q/k need no permutation."""
-    fused = cfg.fused_segments()
-    qkv_names, qkv_rows = zip(*fused["attn.qkv"])
-    gate_up_rows = tuple(r for _, r in fused["mlp.gate_up"])
-    rules = [Rule("embed.word.weight", ("model.embed_tokens.weight",))]
-    for i in range(cfg.num_layers):
-        o, h = f"layers.{i}.", f"model.layers.{i}."
-        rules += [
-            Rule(o + "attn_norm.weight", (h + "input_layernorm.weight",)),
-            Rule(o + "attn.qkv.weight", tuple(f"{h}self_attn.{p}.weight" for p in qkv_names), qkv_rows),
-            Rule(o + "attn.proj.weight", (h + "self_attn.o_proj.weight",)),
-            Rule(o + "mlp_norm.weight", (h + "post_attention_layernorm.weight",))]
-        if cfg.add_qkv_bias:
-            rules.append(Rule(o + "attn.qkv.bias", tuple(f"{h}self_attn.{p}.bias" for p in qkv_names), qkv_rows))
-        if cfg.qk_layernorm:
-            rules += [Rule(o + "attn.q_norm.weight", (h + "self_attn.q_norm.weight",)),
-                      Rule(o + "attn.k_norm.weight", (h + "self_attn.k_norm.weight",))]
-        rules += moe_rules(cfg, Rule, family, o, h) if cfg.moe and cfg.moe.is_moe_layer(i) else [
-            Rule(o + "mlp.gate_up.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), gate_up_rows),
-            Rule(o + "mlp.down.weight", (h + "mlp.down_proj.weight",))]
-    return rules + [Rule("final_norm.weight", ("model.norm.weight",))]
 
 
 def moe_rules(cfg, Rule, family, o: str, h: str) -> list:

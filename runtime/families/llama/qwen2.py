@@ -1,18 +1,21 @@
 # Qwen2 / Qwen2.5 (Qwen2ForCausalLM): the Llama decoder with biases on q, k and v (none on the output
 # projection), RoPE theta 1e6 in the released models, the head tied in the small ones.
+# One of the llama folder's VARIANTS; the shared readers are imported where used (see __init__.py).
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.schema.families.base import HFConfig
-from runtime.schema.families.decoder import decoder_config, decoder_keys
+if TYPE_CHECKING:
+    from runtime.schema.families.base import HFConfig
 
 MODEL_TYPES = ("qwen2",)
 TIED_DEFAULT = False
 
 
 def model_keys(hf: HFConfig) -> dict[str, Any]:
-    keys = decoder_keys(hf, theta=10000.0, eps=1e-6)
+    from runtime.schema.families.decoder import decoder_keys
+
+    keys = decoder_keys(hf, "llama", theta=10000.0, eps=1e-6)
     hf.full_attention(keys["max_position_embeddings"])
     return {**keys, "add_qkv_bias": True}
 
@@ -26,5 +29,7 @@ def refusal(cfg) -> str | None:
 
 
 def hf_config(cfg) -> dict[str, Any]:
+    from runtime.schema.families.decoder import decoder_config
+
     return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
             "sliding_window": None, "max_window_layers": cfg.num_layers, **decoder_config(cfg)}

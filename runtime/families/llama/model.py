@@ -1,6 +1,6 @@
-# Llama style model: RMSNorm, rotary positions (theta = rotary_base, optionally scaled), SwiGLU MLP, grouped-query
-# attention, no biases (Qwen2: on q, k and v; Qwen3: RMSNorm on each query and key head), output head untied
-# unless share_embeddings_and_output_weights says otherwise. With model.moe it is Mixtral: a sparse MoE block
+# The Llama decoder's network: RMSNorm, rotary positions (theta = rotary_base, optionally scaled), SwiGLU MLP,
+# grouped-query attention, no biases (Qwen2: on q, k and v; Qwen3: RMSNorm on each query and key head), output head
+# untied unless share_embeddings_and_output_weights says otherwise. With model.moe it is Mixtral: a sparse MoE block
 # (runtime/models/moe.py) in place of the MLP of the MoE layers (moe.frequency or moe.layers); Qwen3-MoE's experts
 # have a size of their own (moe.ffn_hidden_size).
 from __future__ import annotations
@@ -38,3 +38,6 @@ class LlamaModel(CausalLM):
                          embed=Embeddings(cfg.vocab_size, H, max_positions=None, dropout=0.0),
                          layers=[block(i) for i in range(cfg.num_layers)],
                          final_norm=RMSNorm(H, eps))
+
+
+MODEL = LlamaModel  # what runtime/models builds for model.architecture=llama (and every variant here)

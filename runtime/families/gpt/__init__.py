@@ -1,10 +1,23 @@
-# GPT-2 (GPT2LMHeadModel): learned positions, LayerNorm, GELU (tanh), biases everywhere, Conv1D weights.
+# GPT: GPT-3's block as GPT-2 (GPT2LMHeadModel, model_type gpt2) has it, everything that knows it: learned positions,
+# LayerNorm, GELU (tanh), biases everywhere; the network (model.py), Hugging Face's Conv1D weight names both ways
+# (weights.py), and here config.json <-> our `model:` keys, the protocol of runtime/schema/families, with
+# ARCHITECTURE, its registry entry (runtime/schema/architecture.py). Standard library only: the launcher imports it
+# without torch.
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.schema.families.base import HFConfig
+from runtime.schema.architecture import Architecture
 
+if TYPE_CHECKING:
+    from runtime.schema.families.base import HFConfig
+
+# What the shared code asks of the network: one fc1/fc2 GELU MLP, a learned position table, biases on every linear
+# and norm, LayerNorms, dropout on the embeddings, a tied head; the NeMo / NxD megatron switches that name it.
+ARCHITECTURE = Architecture(
+    "gpt", network="runtime.families.gpt.model:MODEL", weights="runtime.families.gpt.weights", gated_mlp=False,
+    rotary=False, biases=True, rms_norm=False, embedding_dropout=True, tied_default=True,
+    megatron=(("layernorm", "learned_absolute", "gelu", True),), tiny_recipe="gpt3/tiny", sizes="GPT-3")
 MODEL_TYPES = ("gpt2",)
 TIED_DEFAULT = True
 EMBEDDING = "transformer.wte.weight"
@@ -19,7 +32,7 @@ def model_keys(hf: HFConfig) -> dict[str, Any]:
     hf.require("scale_attn_by_inverse_layer_idx", (False,), False)
     hf.require("add_cross_attention", (False,), False)
     hidden = hf.count("n_embd")
-    return {"architecture": "gpt", "hidden_size": hidden, "num_layers": hf.count("n_layer"),
+    return {"architecture": ARCHITECTURE.name, "hidden_size": hidden, "num_layers": hf.count("n_layer"),
             "num_attention_heads": hf.count("n_head"), "num_query_groups": None,
             "ffn_hidden_size": hf.count("n_inner", 4 * hidden),
             "layernorm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
@@ -27,7 +40,7 @@ def model_keys(hf: HFConfig) -> dict[str, Any]:
 
 
 def exports(cfg) -> bool:
-    return cfg.architecture == "gpt"
+    return cfg.architecture == ARCHITECTURE.name
 
 
 def refusal(cfg) -> str | None:
@@ -54,17 +67,3 @@ def normalized_state(state: dict) -> dict:
         return state
     return {(k if k == "lm_head.weight" else "transformer." + k): v for k, v in state.items()}
 
-
-def weight_rules(cfg, Rule, family=None) -> list:
-    """runtime/convert/hf_layout.py's rules (`Rule` is its _Rule) for every tensor but the untied output head: GPT-2's
-    Conv1D weights store (in, out), the transpose of our nn.Linear. (`family`: this one.)"""
-    rules = [Rule("embed.word.weight", (EMBEDDING,)), Rule("embed.position.weight", ("transformer.wpe.weight",))]
-    for i in range(cfg.num_layers):
-        o, h = f"layers.{i}.", f"transformer.h.{i}."
-        for ours, hf, linear in [("attn_norm", "ln_1", False), ("mlp_norm", "ln_2", False),
-                                 ("attn.qkv", "attn.c_attn", True), ("attn.proj", "attn.c_proj", True),
-                                 ("mlp.fc1", "mlp.c_fc", True), ("mlp.fc2", "mlp.c_proj", True)]:
-            rules += [Rule(o + ours + ".weight", (h + hf + ".weight",), transpose=linear),
-                      Rule(o + ours + ".bias", (h + hf + ".bias",))]
-    return rules + [Rule("final_norm.weight", ("transformer.ln_f.weight",)),
-                    Rule("final_norm.bias", ("transformer.ln_f.bias",))]

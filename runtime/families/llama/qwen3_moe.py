@@ -2,12 +2,13 @@
 # size of its own) with a sparse MoE block of many small experts (moe_intermediate_size) in the layers that
 # decoder_sparse_step and mlp_only_layers leave sparse; a softmax router whose top_k weights are renormalized only
 # with norm_topk_prob; dropless; no shared expert.
+# One of the llama folder's VARIANTS; the shared readers are imported where used (see __init__.py).
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.schema.families.base import HFConfig
-from runtime.schema.families.decoder import decoder_config, decoder_keys
+if TYPE_CHECKING:
+    from runtime.schema.families.base import HFConfig
 
 MODEL_TYPES = ("qwen3_moe",)
 TIED_DEFAULT = False
@@ -16,8 +17,10 @@ MOE_WEIGHTS = ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.exper
 
 
 def model_keys(hf: HFConfig) -> dict[str, Any]:
+    from runtime.schema.families.decoder import decoder_keys
+
     hf.require("attention_bias", (False,), False)
-    keys = decoder_keys(hf, theta=10000.0, eps=1e-6)
+    keys = decoder_keys(hf, "llama", theta=10000.0, eps=1e-6)
     if hf.data.get("head_dim") is None:
         keys["kv_channels"] = 128
     hf.full_attention(keys["max_position_embeddings"])
@@ -58,6 +61,8 @@ def refusal(cfg) -> str | None:
 
 
 def hf_config(cfg) -> dict[str, Any]:
+    from runtime.schema.families.decoder import decoder_config
+
     moe = cfg.moe
     sparse = set(moe.layers) if moe.layers is not None else set(range(cfg.num_layers))
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,

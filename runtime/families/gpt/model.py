@@ -1,4 +1,5 @@
-# GPT-3 style model: learned absolute positions, LayerNorm, GELU MLP, biases everywhere, optionally tied output.
+# GPT's network, GPT-3 style: learned absolute positions, LayerNorm, GELU MLP, biases everywhere, optionally tied
+# output.
 from __future__ import annotations
 
 from torch import nn
@@ -23,3 +24,6 @@ class GPTModel(CausalLM):
                                           dropout=cfg.hidden_dropout),
                          layers=[block() for _ in range(cfg.num_layers)],
                          final_norm=nn.LayerNorm(H, eps=eps))
+
+
+MODEL = GPTModel  # what runtime/models builds for model.architecture=gpt

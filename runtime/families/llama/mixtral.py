@@ -1,12 +1,13 @@
 # Mixtral (MixtralForCausalLM): the Llama decoder with a sparse MoE block in every layer; a softmax router over
 # all experts, the top_k renormalized, dropless.
+# One of the llama folder's VARIANTS; the shared readers are imported where used (see __init__.py).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.schema.families.base import HFConfig
-from runtime.schema.families.decoder import decoder_config, decoder_keys, softmax_moe_keys
+if TYPE_CHECKING:
+    from runtime.schema.families.base import HFConfig
 
 MODEL_TYPES = ("mixtral",)
 TIED_DEFAULT = False
@@ -17,7 +18,9 @@ MOE_WEIGHTS = ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.
 
 
 def model_keys(hf: HFConfig) -> dict[str, Any]:
-    keys = decoder_keys(hf, theta=1e6, eps=1e-5)
+    from runtime.schema.families.decoder import decoder_keys, softmax_moe_keys
+
+    keys = decoder_keys(hf, "llama", theta=1e6, eps=1e-5)
     hf.full_attention(keys["max_position_embeddings"])
     hf.require("router_jitter_noise", (0.0,), 0.0)  # training-time input noise our router does not add
     keys["moe"] = softmax_moe_keys(hf, top_k=2)
@@ -54,6 +57,8 @@ def refusal(cfg) -> str | None:
 
 
 def hf_config(cfg) -> dict[str, Any]:
+    from runtime.schema.families.decoder import decoder_config
+
     # output_router_logits false: transformers adds the load-balancing loss only when it is true, but the
     # coefficient is kept so that fine-tuning in transformers can switch it on with the value this model used.
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",

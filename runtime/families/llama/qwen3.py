@@ -1,19 +1,22 @@
 # Qwen3 dense (Qwen3ForCausalLM): the Llama decoder with an RMSNorm over each query and key head before RoPE
 # (q_norm, k_norm) and a head size set apart from hidden_size / heads (head_dim: 128 in every released size).
+# One of the llama folder's VARIANTS; the shared readers are imported where used (see __init__.py).
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.schema.families.base import HFConfig
-from runtime.schema.families.decoder import decoder_config, decoder_keys
+if TYPE_CHECKING:
+    from runtime.schema.families.base import HFConfig
 
 MODEL_TYPES = ("qwen3",)
 TIED_DEFAULT = False
 
 
 def model_keys(hf: HFConfig) -> dict[str, Any]:
+    from runtime.schema.families.decoder import decoder_keys
+
     hf.require("attention_bias", (False,), False)  # Qwen3 puts it on q, k, v and o alike
-    keys = decoder_keys(hf, theta=10000.0, eps=1e-6)
+    keys = decoder_keys(hf, "llama", theta=10000.0, eps=1e-6)
     if hf.data.get("head_dim") is None:  # the config class's default, not hidden / heads
         keys["kv_channels"] = 128
     hf.full_attention(keys["max_position_embeddings"])
@@ -32,6 +35,8 @@ def refusal(cfg) -> str | None:
 
 
 def hf_config(cfg) -> dict[str, Any]:
+    from runtime.schema.families.decoder import decoder_config
+
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
             "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers,
             **decoder_config(cfg)}
