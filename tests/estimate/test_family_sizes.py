@@ -160,6 +160,9 @@ GEMMA3_MULTIMODAL = {"4b": (_gemma3(34, 2560, 10240, 8, 4, 256, 262208), 4_300_0
                      "12b": (_gemma3(48, 3840, 15360, 16, 8, 256, 262208), 12_187_325_040),
                      "27b": (_gemma3(62, 5376, 21504, 32, 16, 128, 262208), 27_432_406_640)}
 SIGLIP = 416_866_032
+# The vision_config every Gemma 3 4B/12B/27B config.json carries: SigLIP so400m at 896 px, patch 14, no pooling head.
+GEMMA3_VISION = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+                 "image_size": 896, "patch_size": 14, "vision_use_head": False}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -175,6 +178,17 @@ def test_the_real_shapes_count_their_published_parameters(name):
 def test_gemma3_text_models_are_their_checkpoints_less_the_vision_tower(size):
     shape, published = GEMMA3_MULTIMODAL[size]
     assert count_parameters(shape).total + SIGLIP + 1152 * shape.hidden_size + 1152 == published
+
+
+def test_the_vision_tower_is_transformers_siglip_of_gemma3s_vision_config():
+    """SIGLIP above is no remembered figure: transformers' SiglipVisionModel built from that vision_config (on the meta
+    device, no weights) holds exactly that many parameters."""
+    import torch
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    with torch.device("meta"):
+        tower = SiglipVisionModel(SiglipVisionConfig(**GEMMA3_VISION))
+    assert sum(p.numel() for p in tower.parameters()) == SIGLIP
 
 
 def test_latent_attention_splits_by_head_and_keeps_its_latents_whole():
