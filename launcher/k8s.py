@@ -185,12 +185,10 @@ def job_problems(cfg: LaunchConfig, jobs: list[Job], produced_by: str) -> list[s
                if not _under(job.results_dir, str(cfg.base_results_dir))]
     if any(neuron.script(job, cfg) for job in jobs) and not neuron.cache_location(cfg).startswith("s3://"):
         shared.append(("cluster.neuron.compile.cache", neuron.cache_location(cfg)))
+    if any(staging.for_job(job, cfg) for job in jobs):  # the S3 mirror the pods read and write
+        shared.append(("cluster.staging.local_dir", cfg.cluster.staging_local_dir))
     errors = [f"{key}: {path} is not on the shared volume (cluster.k8s.volume.mount_path={mount}), so the pods "
               f"would not see it; put it under {mount}" for key, path in shared if not _under(path, mount)]
-    for job in jobs:
-        if staging.for_job(job, cfg):
-            errors.append(f"{job.stage}: its inputs are on S3, which cluster_type=k8s does not stage yet; copy them "
-                          f"to the shared volume ({mount}) and point data_dir there")
     if errors:
         return errors
     for job in jobs:

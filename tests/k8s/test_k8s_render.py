@@ -183,11 +183,10 @@ def _mirror(stdout: str) -> Path:
     return Path(stdout.split("wrote its files under ", 1)[1].split()[0])
 
 
-def test_the_node_script_compiles_once_then_trains(tmp_path):
-    """The training pod's script, run by bash with FAKE `neuron_parallel_compile` and `python3` first on PATH (no
-    Neuron compiler or torch here): the compile step runs under the wrapper with the shortened config, its summary
-    line is checked, node 0 writes the marker, and the next start skips the step; a failed compile starts no
-    training."""
+def _pod(tmp_path, *overrides):
+    """A training pod's script (llama3/8b on eks_trn2, its volume under tmp_path) and a way to run it with bash, FAKE
+    `neuron_parallel_compile` and `python3` first on PATH (no Neuron compiler or torch here): each records its
+    arguments, and the compile prints its summary line with $FAILED failures."""
     fsx, bin_dir, calls = tmp_path / "fsx", tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     (bin_dir / "neuron_parallel_compile").write_text(
@@ -197,15 +196,24 @@ def test_the_node_script_compiles_once_then_trains(tmp_path):
         fake.chmod(0o755)
     cfg = resolved(f"base_results_dir={fsx}/results", f"data_dir={fsx}/data", f"cluster.k8s.volume.mount_path={fsx}",
                    "python=null", "training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s", "stages=[training]",
-                   "cluster.k8s.install_requirements=false")
+                   "cluster.k8s.install_requirements=false", *overrides)
     job = build(cfg, dry_run=True)[0]
     script = yaml.safe_load(k8s.manifest(job, cfg, produced_by="test"))["spec"]["trainer"]["command"][2]
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PET_NODE_RANK": "0", "NXDT_K8S_OBJECT": "obj"}
 
     def start(**extra):
         calls.unlink(missing_ok=True)
-        result = subprocess.run(["bash", "-c", script], env={**env, **extra}, capture_output=True, text=True)
+        result = subprocess.run(["bash", "-c", script], env={**env, **extra}, capture_output=True, text=True,
+                                timeout=60)
         return result, calls.read_text().splitlines() if calls.exists() else []
+
+    return fsx, job, start
+
+
+def test_the_node_script_compiles_once_then_trains(tmp_path):
+    """The compile step runs under the wrapper with the shortened config, its summary line is checked, node 0 writes
+    the marker, and the next start skips the step; a failed compile starts no training."""
+    fsx, _, start = _pod(tmp_path)
 
     failed, ran = start(FAILED="2")
     assert failed.returncode == 1 and len(ran) == 1 and ran[0].startswith("compile python3 -m runtime.torchrun")
@@ -217,3 +225,28 @@ def test_the_node_script_compiles_once_then_trains(tmp_path):
     assert again.returncode == 0 and [line.split()[0] for line in ran] == ["python3"]
     assert "compile step skipped" in (fsx / "results" / "llama3_8b_trn2" / "training" / "logs" /
                                       "training_obj_node0.log").read_text()
+
+
+def test_inputs_on_s3_are_staged_by_node_0_before_and_after_the_program(tmp_path):
+    """data_dir on S3: node 0 pulls the stage's inputs into cluster.staging.local_dir on the volume before anything
+    else, marks it, and pushes the outputs once the program succeeded; another node waits for the mark, and neither
+    pulls nor pushes."""
+    fsx, job, start = _pod(tmp_path, "data_dir=s3://bucket/data", f"cluster.staging.local_dir={tmp_path}/fsx/staging")
+    manifest = str(job.results_dir / "training_staging.json")
+    node0, ran = start()
+    assert node0.returncode == 0, node0.stderr
+    assert [line.split()[:4] for line in ran] == [
+        ["python3", "-m", "runtime.io.staging", "pull"], ["compile", "python3", "-m", "runtime.torchrun"],
+        ["python3", "-m", "runtime.torchrun", "--nnodes"], ["python3", "-m", "runtime.io.staging", "push"]]
+    assert ran[0].endswith(manifest) and ran[-1].endswith(manifest)
+    assert (job.results_dir / ".staged-obj").exists()
+    node1, ran = start(PET_NODE_RANK="1")
+    assert node1.returncode == 0 and all("runtime.io.staging" not in line for line in ran), ran
+
+
+def test_the_staging_mirror_must_be_on_the_shared_volume(tmp_path):
+    fsx = tmp_path / "fsx"
+    result = nxdt(*LAUNCH, "cluster=eks_trn2", f"base_results_dir={fsx}/results", "data_dir=s3://bucket/data",
+                  f"cluster.k8s.volume.mount_path={fsx}", "cluster.staging.local_dir=/scratch/staging",
+                  "data_preparation.input.files=[s3://bucket/data/raw.jsonl]", "--dry-run", cwd=tmp_path)
+    assert refused(result, "cluster.staging.local_dir: /scratch/staging is not on the shared volume")
