@@ -22,7 +22,7 @@ from runtime.schema.rules_layout import (  # noqa: F401
     context_architecture,
 )
 from runtime.schema.rules_model import (  # noqa: F401
-    head_size, LLAMA_SWITCHES, FAMILY_SWITCHES, MODEL_SWITCHES, LAYER_TYPES, llama_switches, attention_layers,
+    head_size, MODEL_SWITCHES, LAYER_TYPES, llama_switches, attention_layers,
     context_window, rope_scaling, heads_groups, heads_tp, ffn_tp, kv_heads_tp, padded_vocab_size, vocab_tp,
     unpadded_vocab, positions, data_seq_length, DROPOUTS, dropout, MAX_VOCAB, vocab_rows, VOCAB_TENSORS,
     weights_vocab, tokenizer_fits,

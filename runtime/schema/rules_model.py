@@ -20,11 +20,11 @@ def head_size(hidden: int, heads: int, kv_channels: int | None, p: str) -> str |
     return None
 
 
-# The model keys only the Llama decoder computes.
-LLAMA_SWITCHES = ("add_qkv_bias", "qk_layernorm", "rope_scaling")
-# The model keys only the folder families that declare them compute (runtime/families, ARCHITECTURE.switches).
-FAMILY_SWITCHES = ("sliding_window", "layer_types", "local_rotary_base", "softmax_scale", "latent_attention")
-MODEL_SWITCHES = LLAMA_SWITCHES + FAMILY_SWITCHES
+# The ModelConfig keys beyond the common shape that only some architectures compute: each family's
+# ARCHITECTURE.switches (runtime/families/<name>), in the registry's order; model.moe aside (rules_moe.py judges it
+# by the registry's `moe`).
+MODEL_SWITCHES = tuple(dict.fromkeys(key for network in ARCHITECTURES.values() for key in network.switches
+                                     if key != "moe"))
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 

@@ -183,7 +183,7 @@ def _mirror(stdout: str) -> Path:
     return Path(stdout.split("wrote its files under ", 1)[1].split()[0])
 
 
-def _pod(tmp_path, *overrides):
+def _pod(tmp_path, *overrides, stage="training"):
     """A training pod's script (llama3/8b on eks_trn2, its volume under tmp_path) and a way to run it with bash, FAKE
     `neuron_parallel_compile` and `python3` first on PATH (no Neuron compiler or torch here): each records its
     arguments, and the compile prints its summary line with $FAILED failures."""
@@ -195,7 +195,7 @@ def _pod(tmp_path, *overrides):
     for fake in bin_dir.iterdir():
         fake.chmod(0o755)
     cfg = resolved(f"base_results_dir={fsx}/results", f"data_dir={fsx}/data", f"cluster.k8s.volume.mount_path={fsx}",
-                   "python=null", "training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s", "stages=[training]",
+                   "python=null", "training=llama3/8b", "cluster=eks_trn2", "cluster_type=k8s", f"stages=[{stage}]",
                    "cluster.k8s.install_requirements=false", *overrides)
     job = build(cfg, dry_run=True)[0]
     script = yaml.safe_load(k8s.manifest(job, cfg, produced_by="test"))["spec"]["trainer"]["command"][2]
@@ -227,21 +227,37 @@ def test_the_node_script_compiles_once_then_trains(tmp_path):
                                       "training_obj_node0.log").read_text()
 
 
-def test_inputs_on_s3_are_staged_by_node_0_before_and_after_the_program(tmp_path):
+def test_inputs_on_s3_are_staged_by_node_0_and_the_other_nodes_wait_for_it(tmp_path):
     """data_dir on S3: node 0 pulls the stage's inputs into cluster.staging.local_dir on the volume before anything
-    else, marks it, and pushes the outputs once the program succeeded; another node waits for the mark, and neither
-    pulls nor pushes."""
+    else and marks it; another node waits for the mark and pulls nothing, and gives up at once on node 0's failure
+    mark. Training pushes nothing back (its checkpoints go to S3 natively), so its torchrun stays the pod's process
+    (exec: the pod's SIGTERM reaches it)."""
     fsx, job, start = _pod(tmp_path, "data_dir=s3://bucket/data", f"cluster.staging.local_dir={tmp_path}/fsx/staging")
     manifest = str(job.results_dir / "training_staging.json")
+    marker = job.results_dir / ".staged-obj"
+    early, ran = start(PET_NODE_RANK="1", NXDT_K8S_WAIT_S="0")
+    assert early.returncode == 1 and ran == [] and "node 0 did not stage the inputs" in early.stdout + early.stderr
     node0, ran = start()
     assert node0.returncode == 0, node0.stderr
     assert [line.split()[:4] for line in ran] == [
         ["python3", "-m", "runtime.io.staging", "pull"], ["compile", "python3", "-m", "runtime.torchrun"],
-        ["python3", "-m", "runtime.torchrun", "--nnodes"], ["python3", "-m", "runtime.io.staging", "push"]]
-    assert ran[0].endswith(manifest) and ran[-1].endswith(manifest)
-    assert (job.results_dir / ".staged-obj").exists()
+        ["python3", "-m", "runtime.torchrun", "--nnodes"]]
+    assert ran[0].endswith(manifest) and marker.exists()
     node1, ran = start(PET_NODE_RANK="1")
     assert node1.returncode == 0 and all("runtime.io.staging" not in line for line in ran), ran
+    marker.unlink()
+    (job.results_dir / ".staged-obj.failed").touch()
+    failed, ran = start(PET_NODE_RANK="1")
+    assert failed.returncode == 1 and ran == []
+
+
+def test_a_stage_with_outputs_on_s3_pushes_them_after_the_program_succeeded(tmp_path):
+    fsx, job, start = _pod(tmp_path, "data_dir=s3://bucket/data", f"cluster.staging.local_dir={tmp_path}/fsx/staging",
+                           "data_preparation.input.files=[s3://bucket/data/raw.jsonl]", stage="data_preparation")
+    done, ran = start()
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[3] for line in ran if "runtime.io.staging" in line] == ["pull", "push"]
+    assert "runtime.io.staging" in ran[0] and "runtime.io.staging" in ran[-1] and len(ran) >= 3, ran
 
 
 def test_the_staging_mirror_must_be_on_the_shared_volume(tmp_path):
@@ -250,3 +266,17 @@ def test_the_staging_mirror_must_be_on_the_shared_volume(tmp_path):
                   f"cluster.k8s.volume.mount_path={fsx}", "cluster.staging.local_dir=/scratch/staging",
                   "data_preparation.input.files=[s3://bucket/data/raw.jsonl]", "--dry-run", cwd=tmp_path)
     assert refused(result, "cluster.staging.local_dir: /scratch/staging is not on the shared volume")
+
+
+def test_node_0_marks_the_graphs_compiled_only_when_every_node_compiled_them(tmp_path):
+    fsx, job, start = _pod(tmp_path, "training.trainer.num_nodes=2")
+    marker = next(fsx.rglob("nxdt-compiled"), None)
+    node1_log = job.log_dir / "training_obj_compile_node1.log"
+    node1_log.parent.mkdir(parents=True, exist_ok=True)
+    node1_log.write_text("Total failed compilations: 3\n")
+    failed_elsewhere, ran = start(NXDT_K8S_WAIT_S="0")
+    assert failed_elsewhere.returncode == 0 and [line.split()[0] for line in ran] == ["compile", "python3"]
+    assert marker is None and not list(fsx.rglob("nxdt-compiled/*"))  # node 1's failure: no marker
+    node1_log.write_text("Total failed compilations: 0\n")
+    compiled, ran = start(NXDT_K8S_WAIT_S="0")
+    assert compiled.returncode == 0 and len(list(fsx.rglob("nxdt-compiled/*"))) == 1
