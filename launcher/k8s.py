@@ -227,6 +227,12 @@ def resources(job: Job, cfg: LaunchConfig) -> dict[str, int]:
     return found
 
 
+def pods(job: Job) -> int:
+    """The stage object's pods: one per node, or for an array stage (data preparation) as many as its tasks may run
+    at once (run.node_array_size), each pod running every pods-th task as a Slurm array would run them in parallel."""
+    return (job.array_parallel or 1) if job.array_size else job.nodes
+
+
 def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) -> str:
     """The stage's object as YAML text; its pods run the node script (render.render for executor k8s)."""
     cfg = typed(cfg)
@@ -246,8 +252,8 @@ def manifest(job: Job, cfg: LaunchConfig | dict[str, Any], *, produced_by: str) 
     return template.render(
         kind=kind, name=resource_name(job), namespace=k8s["namespace"], labels=labels, annotations=annotations,
         job=job, image=image(cfg), env={"NXDT_K8S_OBJECT": resource_name(job)},
-        script=render(job, cfg, executor="k8s", produced_by=produced_by, k8s={
-            "code_dir": code_dir(job),
+        pods=pods(job), script=render(job, cfg, executor="k8s", produced_by=produced_by, k8s={
+            "code_dir": code_dir(job), "pods": pods(job),
             "requirements": runtime_requirements(cfg) if k8s["install_requirements"] else []}),
         runtime=k8s["runtime"],
         resources=resources(job, cfg), claim=k8s["volume"]["claim"], mount_path=k8s["volume"]["mount_path"],

@@ -280,3 +280,20 @@ def test_node_0_marks_the_graphs_compiled_only_when_every_node_compiled_them(tmp
     node1_log.write_text("Total failed compilations: 0\n")
     compiled, ran = start(NXDT_K8S_WAIT_S="0")
     assert compiled.returncode == 0 and len(list(fsx.rglob("nxdt-compiled/*"))) == 1
+
+
+def test_data_preparation_spreads_its_tasks_over_pods_and_node_0_pushes_after_all(tmp_path):
+    """Three array tasks, two at once (run.node_array_size=2): the object has two pods, pod 0 runs tasks 0 and 2,
+    pod 1 task 1; node 0 copies the outputs back to S3 only once pod 1 has marked its tasks done."""
+    files = "[" + ",".join(f"s3://bucket/raw/{i}.jsonl" for i in range(3)) + "]"
+    fsx, job, start = _pod(tmp_path, "data_dir=s3://bucket/data", f"cluster.staging.local_dir={tmp_path}/fsx/staging",
+                           f"data_preparation.input.files={files}", "data_preparation.run.node_array_size=2",
+                           stage="data_preparation")
+    assert (job.array_size, k8s.pods(job)) == (3, 2)
+    early, ran = start(NXDT_K8S_WAIT_S="0")  # pod 1 has not finished: no push
+    assert early.returncode == 1 and not any("push" in line for line in ran)
+    assert [line.split("--task-index ")[1].split()[0] for line in ran if "--task-index" in line] == ["0", "2"]
+    node1, ran = start(PET_NODE_RANK="1")
+    assert node1.returncode == 0 and [line.split("--task-index ")[1].split()[0] for line in ran] == ["1"]
+    node0, ran = start()
+    assert node0.returncode == 0 and "runtime.io.staging push" in ran[-1], ran
