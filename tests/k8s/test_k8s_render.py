@@ -271,13 +271,14 @@ def test_the_staging_mirror_must_be_on_the_shared_volume(tmp_path):
 def test_node_0_marks_the_graphs_compiled_only_when_every_node_compiled_them(tmp_path):
     fsx, job, start = _pod(tmp_path, "training.trainer.num_nodes=2")
     marker = next(fsx.rglob("nxdt-compiled"), None)
-    node1_log = job.log_dir / "training_obj_compile_node1.log"
-    node1_log.parent.mkdir(parents=True, exist_ok=True)
-    node1_log.write_text("Total failed compilations: 3\n")
+    node1_mark = job.log_dir / "training_obj_compile_node1.log.ok"  # what node 1's pod marks beside its log
+    node1_mark.parent.mkdir(parents=True, exist_ok=True)
+    node1_mark.with_name(node1_mark.name + ".failed").touch()
     failed_elsewhere, ran = start(NXDT_K8S_WAIT_S="0")
     assert failed_elsewhere.returncode == 0 and [line.split()[0] for line in ran] == ["compile", "python3"]
     assert marker is None and not list(fsx.rglob("nxdt-compiled/*"))  # node 1's failure: no marker
-    node1_log.write_text("Total failed compilations: 0\n")
+    node1_mark.with_name(node1_mark.name + ".failed").unlink()
+    node1_mark.touch()
     compiled, ran = start(NXDT_K8S_WAIT_S="0")
     assert compiled.returncode == 0 and len(list(fsx.rglob("nxdt-compiled/*"))) == 1
 
