@@ -41,6 +41,7 @@ class Run:
     node_array_size: Any = None      # data_preparation: array tasks at once
     preemption_signal_s: Any = None  # trainer stages: SIGUSR1 this long before time_limit
     max_restarts: Any = None
+    elastic: Any = None              # trainer stages: go on with fewer data-parallel replicas after a lost node
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ class Job:
     # the node's watchdog times the workers, and on Slurm the script restarts a failed attempt, checks its nodes and
     # requeues without a bad one (docs/fault_tolerance.md). None: none of that.
     fault_tolerance: Any = None
+    # run.elastic of a trainer stage: after a lost node with no spare, the script goes on with one node fewer (fewer
+    # data-parallel replicas, the same global batch; docs/fault_tolerance.md).
+    elastic: bool = False
     # Where this launch's stage config is written (launch.make_plan: <results_dir>/launches/<launch id>/): a name no
     # later launch writes, so a queued or running job reads what it was submitted with. None: the results directory
     # itself (a job rendered outside a launch, as the golden files are).
@@ -55,6 +58,25 @@ class Job:
     @property
     def tasks(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    @property
+    def spare_nodes(self) -> int:
+        """Nodes allocated beyond `nodes`, to take a lost node's place (fault_tolerance.spare_nodes)."""
+        return self.fault_tolerance.spare_nodes if self.fault_tolerance else 0
+
+    @property
+    def allocated_nodes(self) -> int:
+        return self.nodes + self.spare_nodes
+
+    @property
+    def peer_state_every(self) -> int:
+        """Every how many steps the workers refresh their state's copies in the peer stores (0: no stores)."""
+        return self.fault_tolerance.peer_state_every_n_steps if self.fault_tolerance else 0
+
+    @property
+    def moves_nodes(self) -> bool:
+        """Whether a restart may run the training step on other nodes (a spare's) or fewer (elastic)."""
+        return bool(self.fault_tolerance and (self.spare_nodes or self.elastic))
 
     @property
     def preemptible(self) -> bool:

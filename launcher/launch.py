@@ -119,7 +119,9 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     if executor == "k8s" and (errors := k8s.job_problems(config, jobs, produced_by)):
         raise UserError(*errors)  # the shared volume's rules, and each manifest against the vendored schemas
     if executor == "slurm" and jobs and (errors := validate.excluded_every_node(
-            config.cluster, max(job.nodes for job in jobs), ask_slurm=not dry_run and not remote_settings)):
+            config.cluster, max(job.allocated_nodes for job in jobs), ask_slurm=not dry_run and not remote_settings)):
+        raise UserError(*errors)
+    if executor != "slurm" and (errors := validate.slurm_recovery_only(jobs, executor)):
         raise UserError(*errors)
     mirror = None
     if remote_settings:

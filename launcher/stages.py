@@ -61,6 +61,7 @@ def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
         preemption_signal_s=int(run.preemption_signal_s or 0) or None,
         max_restarts=int(run.max_restarts or 0),
         fault_tolerance=fault_tolerance if fault_tolerance is not None and fault_tolerance.enabled else None,
+        elastic=bool(getattr(run, "elastic", False) or False),
     )
 
 

@@ -351,6 +351,20 @@ def _nodes(value: Any) -> list[str]:
         return []
 
 
+def slurm_recovery_only(jobs, executor: str) -> list[str]:
+    """Spare nodes, peer-held state and elastic shrinking are what the Slurm job script does after a failure; no
+    other executor restarts a run in place, so a key asking for them is refused there, not dropped."""
+    errors = []
+    for job in jobs:
+        asked = [key for key, on in (("fault_tolerance.spare_nodes", job.spare_nodes),
+                                     ("fault_tolerance.peer_state_every_n_steps", job.peer_state_every),
+                                     ("run.elastic", job.elastic)) if on]
+        errors += [f"{job.stage}.{key}: only the Slurm job script recovers in place (spare nodes, peer-held state, "
+                   f"elastic data parallelism); the {executor} executor cannot: unset it or use cluster_type=slurm"
+                   for key in asked]
+    return errors
+
+
 def excluded_every_node(section: Cluster, nodes_needed: int, *, ask_slurm: bool) -> list[str]:
     """cluster.exclude leaving fewer nodes than the largest job needs: of cluster.nodelist, and (`ask_slurm`, a real
     launch where sinfo answers) of the partition. A job that can never start would wait in the queue for ever."""

@@ -243,13 +243,15 @@ def _setup(cfg: TrainingConfig, device: Device) -> _Run:
                           sched.min_lr)
     metrics = build_metrics(cfg, topo, device)
 
+    ft = cfg.fault_tolerance
     checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
-                                      cfg.trainer.max_steps)
+                                      cfg.trainer.max_steps,
+                                      peer_every=ft.peer_state_every_n_steps if ft and ft.enabled else 0)
     checkpoints.check_room(str(cfg.results_dir))
     start_step = checkpoints.resume()
     # After a restart (the job script's, runtime/fault_tolerance/attempts.py): rank 0 records how long the fault took
     # to detect and recover from, and the time it cost, in metrics.jsonl and the run's attempt history.
-    recovery = Recovery.from_env(start_step) if device.is_main else None
+    recovery = Recovery.from_env(start_step, checkpoints.resumed) if device.is_main else None
     if start_step >= cfg.trainer.max_steps and device.is_main:
         print(f"training {cfg.run_name}: the newest checkpoint is at step {start_step}, trainer.max_steps is "
               f"{cfg.trainer.max_steps}: nothing to train (raise training.trainer.max_steps to continue)", flush=True)

@@ -161,11 +161,14 @@ class Checkpointer:
     def __init__(self, location: str, *, rank: int, world_size: int, token: str, keep_last: int | None = None,
                  async_save: bool = True, deferred_copy: bool = False, pin_memory: bool = False,
                  commit_timeout_s: float = 3600.0, ring_bytes: int | None = None,
-                 transfer: type[HostTransfer] | None = None, log: Callable[[str], None] | None = None):
+                 transfer: type[HostTransfer] | None = None, log: Callable[[str], None] | None = None,
+                 commit_by_all: bool = False):
         """deferred_copy: saves stream the live state (staging.py) through a ring of ring_bytes (default:
         runtime/schema/facts.py checkpoint_staging_bytes of what the rank saves); off, the old way: a whole host
         copy at the save, kept for the run (HostStaging). transfer: how bytes reach the host (default: the state's
-        device's, runtime/device.py checkpoint_transfer; a test stands one in on CPU)."""
+        device's, runtime/device.py checkpoint_transfer; a test stands one in on CPU). commit_by_all: every rank
+        commits once it sees every rank's done mark (the peer copies, peer.py), so that wait() returning on any rank
+        means the save is committed: a rank that dies after its next update leaves this save loadable."""
         self.storage = open_storage(location)
         self.location = str(location)
         self.rank, self.world_size, self.token = rank, world_size, token
@@ -181,6 +184,7 @@ class Checkpointer:
         self._staging = HostStaging(pin=pin_memory)
         self._ring_bytes, self._ring = ring_bytes, None
         self._transfer = transfer
+        self.commit_by_all = commit_by_all
 
     # ---- saving ------------------------------------------------------------------------------------------
 
@@ -290,7 +294,7 @@ class Checkpointer:
                 _put_config(self.storage, name, config)
             self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", json.dumps(digest).encode())
             written = time.perf_counter()
-            if self.rank == 0:
+            if self.rank == 0 or self.commit_by_all:
                 self._commit(name, meta)
             self.last_timings.update({"write_s": written - started, "total_s": time.perf_counter() - started})
             if self.rank == 0:

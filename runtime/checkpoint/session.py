@@ -2,6 +2,7 @@
 # optimizer shards (step, data position, RNG). train.py calls resume() once and after_step() every step.
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import sys
@@ -12,6 +13,7 @@ import torch
 from runtime.checkpoint.integrity import DamagedCheckpoint, check_checkpoint
 from runtime.checkpoint.loading import load_checkpoint
 from runtime.checkpoint.manager import Checkpointer, Committed, committed_checkpoints, resolve_checkpoint
+from runtime.checkpoint.peer import REGISTRY_ENV, SCHEME
 from runtime.checkpoint.shards import rank_pieces
 from runtime.parallel.data_parallel import data_parallel_of
 from runtime.config import CheckpointConfig
@@ -33,18 +35,28 @@ def _size(n: float) -> str:
 
 class TrainingCheckpoints:
     def __init__(self, cfg: CheckpointConfig, device, topo, model, optimizer, train_batches, raw_config: dict,
-                 max_steps: int):
+                 max_steps: int, peer_every: int = 0):
         self.cfg, self.device, self.topo = cfg, device, topo
         self.model, self.optimizer, self.batches = model, optimizer, train_batches
         self.raw_config, self.max_steps = raw_config, max_steps
         self.last_saved: int | None = None
+        self.resumed: dict | None = None  # where the state came from: source, step, seconds, bytes
         self.checkpointer = None
+        token = _shared_token(device) if cfg.enabled or peer_every else None
         if cfg.enabled:
             self.checkpointer = Checkpointer(
-                cfg.dirpath, rank=device.rank, world_size=device.world_size, token=_shared_token(device),
+                cfg.dirpath, rank=device.rank, world_size=device.world_size, token=token,
                 keep_last=cfg.save_top_k if cfg.save_top_k > 0 else None, async_save=cfg.async_save,
                 # Only host tensors can be copied on a background thread while the next step runs.
                 deferred_copy=device.defers_staging_copy, pin_memory=device.pins_host_memory, log=self._log)
+        # Peer-held state (fault_tolerance.peer_state_every_n_steps, runtime/checkpoint/peer.py): the same save into
+        # other nodes' memory every K steps, where the job script started the stores. One copy kept (and the one
+        # being written); every rank commits, so a refresh is loadable once the next update has begun anywhere.
+        self.peer, self.peer_every = None, peer_every
+        if peer_every and os.environ.get(REGISTRY_ENV):
+            self.peer = Checkpointer(SCHEME + os.environ[REGISTRY_ENV], rank=device.rank,
+                                     world_size=device.world_size, token=token, keep_last=1, async_save=True,
+                                     deferred_copy=False, log=lambda message: None, commit_by_all=True)
 
     def _log(self, message: str) -> None:
         if self.device.is_main:
@@ -125,9 +137,34 @@ class TrainingCheckpoints:
                                     f"above); remove them, or set exp_manager.resume_if_exists=false to start over")
         return None
 
+    def _find_peer(self) -> tuple[object, Committed] | None:
+        """The newest peer copy whose rank files all match their checksums, agreed by every rank; None when there is
+        none (the first attempt, or every copy lost): the disk's checkpoints are then the candidates."""
+        if self.peer is None:
+            return None
+        try:
+            candidates = list(reversed(committed_checkpoints(self.peer.storage)))
+        except OSError:  # no store announced itself: as without peer state
+            candidates = []
+        none = torch.tensor([0.0 if candidates else 1.0], device=self.device.torch_device)
+        if C.all_reduce_world(none).item():  # every rank resumes from the same place: the disk, if any rank saw none
+            return None
+        for checkpoint in candidates:
+            problem = check_checkpoint(self.peer.storage, checkpoint, (self.device.rank, self.device.world_size))
+            if problem is not None:
+                print(f"nxdt: peer copy {checkpoint.name} is damaged: {problem}; trying an older one",
+                      file=sys.stderr, flush=True)
+            damaged = torch.tensor([0.0 if problem is None else 1.0], device=self.device.torch_device)
+            if C.all_reduce_world(damaged).item() == 0:
+                return self.peer.storage, checkpoint
+        return None
+
     def resume(self) -> int:
-        """Load the checkpoint to resume from, if any; returns the step to continue from (0: from scratch)."""
-        found = self._find()
+        """Load the checkpoint to resume from, if any; returns the step to continue from (0: from scratch).
+        A peer copy first: it is at most peer_every steps old, and reading it reads no file."""
+        found = self._find_peer()
+        source = "peer" if found is not None else "disk"
+        found = found or self._find()
         if found is None:
             return 0
         storage, checkpoint = found
@@ -151,9 +188,15 @@ class TrainingCheckpoints:
         if info["same_world"] and "rng" in extra:
             torch.set_rng_state(extra["rng"]["torch"])
             self.device.set_rng_state(extra["rng"])
-        self.last_saved = int(extra["step"])
+        self.last_saved = int(extra["step"]) if source == "disk" else None
+        seconds = time.perf_counter() - started
+        self.resumed = {"source": source, "step": int(extra["step"]), "seconds": round(seconds, 3),
+                        "where": storage.root if source == "disk" else ",".join(
+                            s.node for s in storage.stores() if s.alive)}
         self._log(f"resumed from {storage.root}/{checkpoint.name} (step {extra['step']}, saved at "
-                  f"{checkpoint.layout}) in {time.perf_counter() - started:.2f} s")
+                  f"{checkpoint.layout}) in {seconds:.2f} s" + (
+                      f": peer copies in the memory of {self.resumed['where']}, no file read" if source == "peer"
+                      else ""))
         return int(extra["step"])
 
     # ---- save --------------------------------------------------------------------------------------------
@@ -170,6 +213,11 @@ class TrainingCheckpoints:
         self.last_saved = step
 
     def after_step(self, done: int) -> None:
+        if self.peer is not None and done % self.peer_every == 0 and done < self.max_steps:
+            self.peer.save(done, self.model, self.optimizer, self.topo, extra=self._extra(done), config=None)
+            # Written and committed before the next update changes the state: a failure after that update finds
+            # this step in the peers' memory, so at most the step it stopped in is trained again.
+            self.optimizer.add_pre_step_hook(self.peer.wait)
         every = self.cfg.every_n_train_steps
         if every and done % every == 0 and done < self.max_steps:
             self.save(done)
@@ -182,6 +230,8 @@ class TrainingCheckpoints:
         self.wait()
 
     def wait(self) -> None:
+        if self.peer is not None:
+            self.peer.wait()
         if self.checkpointer is not None:
             self.checkpointer.wait()
 

@@ -50,8 +50,12 @@ class RangeReader(Protocol):
 
 
 def open_storage(location: str | os.PathLike, s3_settings: S3Settings | None = None) -> Storage:
-    """A directory or s3://bucket/prefix. S3 settings: the job script's (cluster.s3) unless given."""
+    """A directory, s3://bucket/prefix or peer:<registry> (the job's peer stores). S3 settings: the job script's (cluster.s3) unless given."""
     location = str(location)
+    if location.startswith("peer:"):  # other nodes' host memory (peer.py)
+        from runtime.checkpoint.peer import PeerStorage
+
+        return PeerStorage(location)
     if s3.is_s3(location):
         return S3Storage(location, s3_settings)
     if "://" in location:

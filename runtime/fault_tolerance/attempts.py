@@ -49,8 +49,10 @@ def what_failed(attempt_dir: str, nodes: list[str], step_exit: int) -> dict:
                 "detected_at": first.get("ended_at", now)}
     silent = [n for n, r in reports.items() if r is None]
     if silent:
+        # The step it was lost in: the furthest any other node's workers got (their records say).
+        steps = [x.get("step") or 0 for r in reports.values() if r for x in r.get("records", [])]
         return {"cause": "lost node", "node": silent[0], "exit_code": step_exit, "fault_at": None,
-                "detected_at": now}
+                "detected_at": now, "step": max(steps) if steps else None}
     return {"cause": "exit", "node": None, "exit_code": step_exit, "fault_at": None, "detected_at": now}
 
 
@@ -131,7 +133,22 @@ def checked(args) -> str:
         excluded = sorted(set(args.excluded.split()) | set(bad))
         usable = args.usable.split()
         healthy = [n for n in usable if n not in excluded] if usable else None  # None: sinfo said nothing
-        if done >= args.requeues_on_failure:
+        # A restart in this allocation without the bad nodes: onto a spare one (fault_tolerance.spare_nodes), or,
+        # with none, on one node fewer (run.elastic: the launch checked that layout; one step down, no further).
+        in_allocation = [n for n in nodes if n not in excluded]
+        nodes_now = getattr(args, "nodes_now", 0) or args.min_nodes
+        restarts_left = args.attempt < args.in_job_restarts
+        if restarts_left and len(in_allocation) >= nodes_now:
+            action, record["exclude"] = "replace", excluded
+            line = (f"bad node(s): {named}; restarting on the allocation's healthy nodes "
+                    f"({', '.join(in_allocation[:nodes_now])}: a spare node took the bad one's place)")
+        elif (restarts_left and getattr(args, "elastic", False) and nodes_now == args.min_nodes
+              and len(in_allocation) >= nodes_now - 1 >= 1):
+            action, record["exclude"] = "shrink", excluded
+            record["nodes_now"] = nodes_now - 1
+            line = (f"bad node(s): {named}; no spare node: going on with {nodes_now - 1} of {args.min_nodes} nodes "
+                    f"(run.elastic): fewer data-parallel replicas, the same global batch")
+        elif done >= args.requeues_on_failure:
             action, line = "stop", (f"bad node(s): {named}; fault_tolerance.requeues_on_failure "
                                     f"({args.requeues_on_failure}) used up: launch again with cluster.exclude=[...]")
         elif healthy is not None and len(healthy) < args.min_nodes:
@@ -146,7 +163,11 @@ def checked(args) -> str:
     if transient:
         line += "; transient, not named: " + "; ".join(f"{n} ({why})" for n, why in transient.items())
     _say(f"nxdt: {args.stage} job {args.job} node checks: {line}")
-    return f"requeue {','.join(record['exclude'])}" if action == "requeue" else action
+    if action in ("requeue", "replace"):
+        return f"{action} {','.join(record['exclude'])}"
+    if action == "shrink":
+        return f"shrink {record['nodes_now']} {','.join(record['exclude'])}"
+    return action
 
 
 def _say(line: str) -> None:
@@ -167,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--same-node-failures", type=int, default=2)
     parser.add_argument("--requeues-on-failure", type=int, default=2)
     parser.add_argument("--min-nodes", type=int, default=1)
+    parser.add_argument("--nodes-now", type=int, default=0, help="the nodes the training step runs on now (0: "
+                                                                  "--min-nodes); below it after an elastic shrink")
+    parser.add_argument("--elastic", action="store_true", help="run.elastic: go on with fewer nodes when none is "
+                                                               "spare")
     parser.add_argument("--allocation", default="", help="the allocation's nodes, space-separated (scontrol show "
                                                          "hostnames, on the batch host)")
     parser.add_argument("--excluded", default="", help="the nodes the job excludes already, space-separated")

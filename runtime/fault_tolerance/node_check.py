@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Callable
 
-from runtime.fault_tolerance.progress import claim_fault
+from runtime.fault_tolerance.progress import allocation_tag, claim_fault
 from runtime.schema import faults
 
 FAIL = "fail"
@@ -29,10 +29,17 @@ def injected_unhealthy(node: str, results_dir: str) -> str | None:
     """Why this node's health check fails by injection, or None. The fault fires once per run, and holds for the
     rest of the allocation that found it: its marker names that job and requeue count."""
     fault, _ = faults.parse(os.environ.get(faults.ENV, ""))
-    if fault is None or fault.kind != "unhealthy" or fault.node != node:
+    if fault is None or fault.kind not in ("unhealthy", "lost") or fault.node != node:
         return None
-    here = f"{os.environ.get('SLURM_JOB_ID', '')}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-    first = claim_fault(os.path.join(results_dir, faults.FIRED), here)
+    here = allocation_tag()
+    marker = os.path.join(results_dir, faults.FIRED)
+    if fault.kind == "lost":  # bad from its loss on, in the allocation that lost it (progress.py _lose_node)
+        try:
+            with open(marker) as f:
+                return f"injected fault {faults.ENV}={fault}" if f.read().strip() == here else None
+        except OSError:
+            return None
+    first = claim_fault(marker, here)
     if first is not None and first != here:
         return None  # fired in an earlier allocation
     return f"injected fault {faults.ENV}={fault}"

@@ -16,6 +16,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -73,8 +74,9 @@ class Progress:
         self._section, self._step, self._since = section, step, now
         if self._fd is not None:
             self._write()
-        if self._fault is not None and self._fault.rank == self.rank and self._fault.step == step \
-                and self._fault.section == section:
+        fault = self._fault
+        if fault is not None and fault.step == step and fault.section == section and (
+                fault.rank == self.rank if fault.kind != "lost" else fault.node == node_name()):
             self._fire()
 
     def close(self, why: str = "shutdown") -> None:
@@ -98,6 +100,8 @@ class Progress:
 
     def _fire(self) -> None:
         fault, self._fault = self._fault, None
+        if fault.kind == "lost":
+            return _lose_node(fault, self._marker, self.rank)
         if claim_fault(self._marker) is not None:  # fired already, by another worker or an earlier attempt
             return
         say = f"nxdt: injected fault ({faults.ENV}={fault}): rank {self.rank} "
@@ -114,6 +118,37 @@ class Progress:
         sys.stderr.flush()
         while True:
             time.sleep(3600)
+
+
+def node_name() -> str:
+    """This node's name as Slurm knows it (the hostname elsewhere): what reports, stores and faults name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def allocation_tag() -> str:
+    """This allocation (job id and requeue count): what an injected bad node's marker holds."""
+    return f"{os.environ.get('SLURM_JOB_ID', '')}:{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def _lose_node(fault: faults.Fault, marker: str, rank: int) -> None:
+    """lost:node=NAME:step=S: every worker of that node ends as a node's loss ends it, with no word to anyone:
+    the node's peer store, this worker's torchrun and the worker itself killed. Once per run; the marker names
+    this allocation, whose node checks then fail on NAME (node_check.injected_unhealthy)."""
+    first = claim_fault(marker, allocation_tag())
+    if first is not None and first != allocation_tag():
+        return  # fired in an earlier allocation
+    sys.stderr.write(f"nxdt: injected fault ({faults.ENV}={fault}): rank {rank} on {fault.node}: the node is lost "
+                     f"as step {fault.step}'s save begins\n")
+    sys.stderr.flush()
+    registry = os.environ.get("NXDT_PEER_REGISTRY")
+    entry = os.path.join(registry, f"{fault.node}.json") if registry else None
+    try:
+        with open(entry) as f:
+            os.kill(int(json.load(f)["pid"]), signal.SIGKILL)
+    except (TypeError, OSError, ValueError, KeyError):
+        pass  # no peer store on this node
+    os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun: it reports nothing
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def claim_fault(marker: str, holder: str = "") -> str | None:

@@ -32,12 +32,13 @@ def append(path: str, record: dict) -> None:
 
 
 class Recovery:
-    def __init__(self, path: str, failure: dict, start_step: int):
+    def __init__(self, path: str, failure: dict, start_step: int, resumed: dict | None = None):
         self.path, self.failure, self.start_step = path, failure, start_step
+        self.resumed = resumed or {}
         self.first_step_at: float | None = None
 
     @classmethod
-    def from_env(cls, start_step: int) -> "Recovery | None":
+    def from_env(cls, start_step: int, resumed: dict | None = None) -> "Recovery | None":
         path = os.environ.get(HISTORY_ENV)
         if not path:
             return None
@@ -49,7 +50,7 @@ class Recovery:
                 pending = record
             elif record.get("event") == "recovered":
                 pending = None
-        return cls(path, pending, start_step) if pending else None
+        return cls(path, pending, start_step, resumed) if pending else None
 
     def after_step(self, done: int) -> dict | None:
         """The "recovered" record, once, at the first step past both the resume and the fault's step."""
@@ -64,6 +65,10 @@ class Recovery:
         event = {"event": "recovered", "step": done, "job": f.get("job"), "job_id": f.get("job_id"),
                  "slurm_restart": f.get("slurm_restart"), "attempt": f.get("attempt"), "cause": f.get("cause"),
                  "resumed_from_step": self.start_step, "at": now,
+                 # peer: the other nodes' memory (no file read); disk: the checkpoint directory; none: from scratch
+                 "state_from": self.resumed.get("source", "none"), "state_where": self.resumed.get("where"),
+                 "state_load_s": self.resumed.get("seconds"),
+                 "steps_redone": max(0, (f.get("step") or self.start_step) - self.start_step),
                  "time_to_detect_s": f.get("time_to_detect_s"),
                  "time_to_recover_s": round(self.first_step_at - f["detected_at"], 3),
                  "time_lost_s": None if f.get("fault_at") is None else round(now - f["fault_at"], 3)}

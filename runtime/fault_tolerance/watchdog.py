@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 from runtime.fault_tolerance import progress
+from runtime.fault_tolerance.progress import node_name  # noqa: F401 - torchrun and the checks import it here
 from runtime.io.files import atomic_write_bytes, atomic_write_json, publish_first, read_json, temp_name
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job script tells a hang from a worker's own exit by hang.json, not by it
@@ -78,10 +78,6 @@ class Timeouts:
         if learned <= self.floor_s:
             return self.floor_s, f"step_timeout_floor_s, above {self.factor:g} x its slowest recent {slowest[section]:.2f} s"
         return learned, f"{self.factor:g} x its slowest recent {section} {slowest[section]:.2f} s"
-
-
-def node_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _main_thread_frames(dump: str) -> list[str]:

@@ -8,6 +8,9 @@
 #                                                              compile, simulated): it goes on after 20 s
 #   NXDT_INJECT_FAULT=unhealthy:node=node2        node2's health checks fail (the training preflight, and the
 #                                                 node checks the job then runs)
+#   NXDT_INJECT_FAULT=lost:node=node2:step=12     node2 is lost as step 12's save begins (after its update): its
+#                                                 workers, their torchrun and its peer store are killed (SIGKILL),
+#                                                 and its health checks fail for the rest of the allocation
 #
 # A fault fires once per run: the worker that fires it creates <results_dir>/.nxdt_fault_fired first, and a
 # restarted or requeued job finds it there. An unhealthy node stays unhealthy for the rest of the allocation that
@@ -18,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENV = "NXDT_INJECT_FAULT"
-KINDS = ("exit", "hang", "sleep", "unhealthy")
+KINDS = ("exit", "hang", "sleep", "unhealthy", "lost")
 SECTIONS = ("data", "step", "validation", "checkpoint")  # where a worker reports progress (progress.py)
 FIRED = ".nxdt_fault_fired"
-_FORMS = ("exit:rank=R:step=S, hang:rank=R:step=S[:section=checkpoint], sleep:rank=R:step=S:seconds=N or "
-          "unhealthy:node=NAME")
+_FORMS = ("exit:rank=R:step=S, hang:rank=R:step=S[:section=checkpoint], sleep:rank=R:step=S:seconds=N, "
+          "unhealthy:node=NAME or lost:node=NAME:step=S")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Fault:
     def __str__(self) -> str:
         if self.kind == "unhealthy":
             return f"unhealthy:node={self.node}"
+        if self.kind == "lost":
+            return f"lost:node={self.node}:step={self.step}"
         text = f"{self.kind}:rank={self.rank}:step={self.step}"
         if self.section != "step":
             text += f":section={self.section}"
@@ -61,14 +66,20 @@ def parse(value: str) -> tuple[Fault | None, str | None]:
         if not sep or not text or name in args:
             return bad(f"{field!r} is not name=value (or repeats a name)")
         args[name] = text
-    allowed = {"unhealthy": {"node"}, "sleep": {"rank", "step", "section", "seconds"}}.get(
+    allowed = {"unhealthy": {"node"}, "lost": {"node", "step"}, "sleep": {"rank", "step", "section", "seconds"}}.get(
         kind, {"rank", "step", "section"})
-    required = {"unhealthy": {"node"}, "sleep": {"rank", "step", "seconds"}}.get(kind, {"rank", "step"})
+    required = {"unhealthy": {"node"}, "lost": {"node", "step"}, "sleep": {"rank", "step", "seconds"}}.get(
+        kind, {"rank", "step"})
     if set(args) - allowed or required - set(args):
         return bad(f"a {kind} fault takes {', '.join(sorted(required))}"
                    + (f" (and {', '.join(sorted(allowed - required))})" if allowed - required else ""))
     if kind == "unhealthy":
         return Fault(kind, node=args["node"]), None
+    if kind == "lost":
+        step = int(args["step"]) if args["step"].isdigit() else 0
+        if step < 1:
+            return bad("step is a whole number >= 1 (the first step is 1)")
+        return Fault(kind, step=step, section="checkpoint", node=args["node"]), None
     try:
         rank, step = int(args["rank"]), int(args["step"])
         seconds = float(args.get("seconds", 0))

@@ -124,6 +124,19 @@ def preemption_signal(signal_s: int, limit: str, p: str) -> str | None:
     return None
 
 
+def peer_state_interval(ft, checkpoint, p: str) -> str | None:
+    """The peer copies (fault_tolerance.peer_state_every_n_steps) are what a restart resumes from before the disk's
+    checkpoints: saved less often than those, a restart would go back further than the disk's newest."""
+    if ft is None or checkpoint is None or not ft.peer_state_every_n_steps:
+        return None
+    every = checkpoint.every_n_train_steps if checkpoint.enabled else 0
+    if every and ft.peer_state_every_n_steps > every:
+        return (f"{p}fault_tolerance.peer_state_every_n_steps: {ft.peer_state_every_n_steps} is more than "
+                f"exp_manager.checkpoint_callback_params.every_n_train_steps ({every}): the copies in the peers' "
+                f"memory would be older than the newest checkpoint on disk; use at most {every}")
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ names, paths
 # A run name is one directory name (NAME_MAX: 255 bytes on ext4, xfs and Lustre/FSx), and names are built from it:
 # autoconfig's trial runs are `<name>_NN_<layout tag>` directories (a tag is under 45 bytes), Slurm job names are

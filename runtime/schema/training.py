@@ -134,6 +134,7 @@ class _Read:
     wandb: bool | None
     plot: bool | None
     wandb_kwargs: dict
+    fault_tolerance: FaultToleranceConfig | None = None
 
     def sizing(self, model: Section) -> SizingConfig:
         """What parse_sizing reads, from this reading: the batch sizes as the data section read them (read again,
@@ -154,6 +155,7 @@ class _Read:
             tensorboard=self.tensorboard, wandb=self.wandb, wandb_kwargs=self.wandb_kwargs, plot=self.plot,
             checkpoint=self.checkpoint,
             raw=raw, restore_from_path=self.restore_from, sft=self.sft, lora=self.lora, alignment=self.alignment,
+            fault_tolerance=self.fault_tolerance,
         )
 
 
@@ -162,7 +164,7 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     """Each section in turn, every value typed and checked on its own (the report lists problems in this order)."""
     report = root.report
     read_run(run, p, report)
-    read_fault_tolerance(root.section("fault_tolerance"), report)
+    fault_tolerance = read_fault_tolerance(root.section("fault_tolerance"), report)
     trainer = read_trainer(trainer_s, p, report)
     shape, vocab, tokenizer_path = model_shape(model_s, p, report, files, vocab_size)
     parallel = read_parallel(model_s)
@@ -183,7 +185,8 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     return _Read(run=run, trainer=trainer, shape=shape, vocab=vocab, tokenizer_path=tokenizer_path, parallel=parallel,
                  packing_set=packing_set, sft=sft, data=data, alignment=alignment, lora=lora,
                  restore_from=restore_from, optim=optim, precision=precision, checkpoint=checkpoint, seed=seed,
-                 tensorboard=tensorboard, wandb=wandb, plot=plot, wandb_kwargs=wandb_kwargs)
+                 tensorboard=tensorboard, wandb=wandb, plot=plot, wandb_kwargs=wandb_kwargs,
+                 fault_tolerance=fault_tolerance)
 
 
 def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
@@ -200,6 +203,7 @@ def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
         preference_file_rules(report, p, read.alignment, read.sft, files, read.tokenizer_path, read.shape)
     tokenizer_rules(report, p, read.sft, read.data, read.tokenizer_path, files)
     optim_rules(report, p, read.optim, read.parallel)
+    report.error(rules.peer_state_interval(read.fault_tolerance, read.checkpoint, p))
 
 
 def parse_model(model_raw: Any, *, files: str = "error", p: str = PREFIX) -> tuple[ModelConfig | None, Report]:

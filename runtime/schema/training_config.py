@@ -39,6 +39,8 @@ class FaultToleranceConfig:
     in_job_restarts: int             # workers restarted in the same allocation
     requeues_on_failure: int         # the job requeued with its bad nodes excluded
     same_node_failures: int          # failures in a row on one node before every node is checked
+    peer_state_every_n_steps: int = 0  # 0: off; K: every K steps, a copy of each rank's state in other nodes' memory
+    spare_nodes: int = 0             # Slurm: nodes allocated beyond trainer.num_nodes, to replace a lost one
 
 
 @dataclass(frozen=True)
@@ -208,3 +210,4 @@ class TrainingConfig:
     lora: LoraConfig | None = None
     # The alignment stage (DPO / ORPO): sft then holds the preference files, read as pairs (runtime/alignment).
     alignment: AlignmentConfig | None = None
+    fault_tolerance: FaultToleranceConfig | None = None  # <stage>.fault_tolerance (the peer copies' interval)

@@ -33,6 +33,8 @@ def read_fault_tolerance(s: Section, report: Report) -> FaultToleranceConfig | N
         in_job_restarts=s.int("in_job_restarts", 3, minimum=0),
         requeues_on_failure=s.int("requeues_on_failure", 2, minimum=0),
         same_node_failures=s.int("same_node_failures", 2, minimum=1),
+        peer_state_every_n_steps=s.int("peer_state_every_n_steps", 0, minimum=0),
+        spare_nodes=s.int("spare_nodes", 0, minimum=0),
     )
     s.done()
     if any(v is None for k, v in values.items() if k != "step_timeout_s"):
