@@ -208,3 +208,6 @@ class TrainingConfig:
     lora: LoraConfig | None = None
     # The alignment stage (DPO / ORPO): sft then holds the preference files, read as pairs (runtime/alignment).
     alignment: AlignmentConfig | None = None
+    # run.elastic: after a lost node (no spare), the job script restarts the workers on the nodes left and says how
+    # many in NXDT_ACTIVE_NODES; data parallelism shrinks and the global batch stays (runtime/train.py).
+    elastic: bool = False
