@@ -32,6 +32,7 @@ from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
 from runtime.data import DataParallelBatches
 from runtime.data.training import build_data
+from runtime.fault_tolerance.elastic import ACTIVE_NODES_ENV, active_nodes, elastic_line
 from runtime.fault_tolerance.progress import Progress
 from runtime.fault_tolerance.recovery import Recovery
 from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
@@ -54,14 +55,15 @@ from runtime.step import eval_result, train_step
 
 
 def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
-    expected_world = cfg.trainer.num_nodes * cfg.trainer.devices
+    nodes = active_nodes(cfg)  # trainer.num_nodes, or fewer under run.elastic after a lost node
+    expected_world = nodes * cfg.trainer.devices
     if device.world_size != expected_world:
-        message = (f"trainer.num_nodes * trainer.devices = {expected_world} but {device.world_size} processes were "
-                   f"started")
+        counted = "trainer.num_nodes" if nodes == cfg.trainer.num_nodes else ACTIVE_NODES_ENV
+        message = f"{counted} * trainer.devices = {expected_world} but {device.world_size} processes were started"
         if "WORLD_SIZE" in os.environ:
             # A launch (torchrun, a job script): never a warning, a layout computed for another world trains
             # something else than what was asked for.
-            raise ValueError(f"{message}; start {expected_world} (torchrun --nnodes {cfg.trainer.num_nodes} "
+            raise ValueError(f"{message}; start {expected_world} (torchrun --nnodes {nodes} "
                              f"--nproc_per_node {cfg.trainer.devices}) or set trainer.devices / trainer.num_nodes "
                              "to what runs")
         if device.is_main:  # `python -m runtime.train` alone: a quick look at a config in one process
@@ -69,6 +71,10 @@ def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
     devices_per_node = cfg.trainer.devices if device.world_size == expected_world else None
     dims = ParallelDims.infer_dp(cfg.parallel.tp, cfg.parallel.pp, device.world_size, devices_per_node,
                                  ep=cfg.parallel.ep, cp=cfg.parallel.context)
+    if nodes < cfg.trainer.num_nodes:
+        line = elastic_line(cfg, nodes, dims)
+        if device.is_main:
+            print(line, flush=True)
     return Topology.build(dims)
 
 

@@ -18,6 +18,19 @@ def world_text(num_nodes: int, devices: int) -> str:
     return f"num_nodes × devices = {num_nodes} × {devices} = {num_nodes * devices}"
 
 
+def elastic_nodes(num_nodes: int, smaller: str | None, p: str) -> str | None:
+    """run.elastic: a job that loses a node and has no spare goes on with the nodes left, with fewer data-parallel
+    replicas over the same global batch. It needs a node to lose, and its layout must hold one node smaller too:
+    `smaller` is the first layout rule's line for num_nodes - 1 nodes (None: they all hold)."""
+    if num_nodes < 2:
+        return (f"{p}run.elastic: true needs trainer.num_nodes >= 2 (it is {num_nodes}): a one-node job has no node "
+                f"to go on without; set {p}run.elastic=false or train on more nodes")
+    if smaller is None:
+        return None
+    return (f"{p}run.elastic: true, but the layout breaks one node smaller (trainer.num_nodes - 1 = {num_nodes - 1} "
+            f"nodes, after a lost node): {smaller}; or set {p}run.elastic=false")
+
+
 def tp_within_node(tp: int, devices: int, p: str) -> str | None:
     """Tensor-parallel groups are consecutive ranks (runtime/parallel/dims.py) and talk inside every layer: a
     group must not cross a node."""

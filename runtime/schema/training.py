@@ -28,7 +28,7 @@ from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, D
 from runtime.schema.training_data import read_batch, read_data, read_sft_data, tokenizer_rules
 from runtime.schema.training_files import FILE_MODES, Files, is_remote
 from runtime.schema.training_hf import model_config_source, read_restore_from
-from runtime.schema.training_layout import context_rules, expert_rules, layout_rules, read_parallel
+from runtime.schema.training_layout import context_rules, elastic_rules, expert_rules, layout_rules, read_parallel
 from runtime.schema.training_model import (model_shape, read_seed, read_tokenizer_vocab, shape_rules,
                                            unknown_model_keys)
 from runtime.schema.training_model_parts import parse_latent_attention, parse_moe, parse_rope_scaling
@@ -115,6 +115,7 @@ class _Read:
     across sections check and the TrainingConfig is made of."""
 
     run: Section
+    elastic: bool | None  # run.elastic
     trainer: TrainerConfig | None
     shape: dict
     vocab: int | None
@@ -153,7 +154,7 @@ class _Read:
             precision=PrecisionConfig(self.precision), model=ModelConfig.from_model_section(self.shape, self.vocab),
             tokenizer_path=self.tokenizer_path, tokenizer_vocab_size=self.vocab, seed=self.seed,
             tensorboard=self.tensorboard, wandb=self.wandb, wandb_kwargs=self.wandb_kwargs, plot=self.plot,
-            checkpoint=self.checkpoint,
+            checkpoint=self.checkpoint, elastic=self.elastic,
             raw=raw, restore_from_path=self.restore_from, sft=self.sft, lora=self.lora, alignment=self.alignment,
             fault_tolerance=self.fault_tolerance,
         )
@@ -163,7 +164,7 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
           p: str, files: Files, vocab_size: int | None) -> _Read:
     """Each section in turn, every value typed and checked on its own (the report lists problems in this order)."""
     report = root.report
-    read_run(run, p, report)
+    elastic = read_run(run, p, report)
     fault_tolerance = read_fault_tolerance(root.section("fault_tolerance"), report)
     trainer = read_trainer(trainer_s, p, report)
     shape, vocab, tokenizer_path = model_shape(model_s, p, report, files, vocab_size)
@@ -182,20 +183,23 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     plot = exp.bool("create_metrics_plot", True)
     wandb_kwargs = read_wandb_kwargs(exp, p, report)
     unknown_model_keys(model_s, shape, report)
-    return _Read(run=run, trainer=trainer, shape=shape, vocab=vocab, tokenizer_path=tokenizer_path, parallel=parallel,
-                 packing_set=packing_set, sft=sft, data=data, alignment=alignment, lora=lora,
+    return _Read(run=run, elastic=elastic, trainer=trainer, shape=shape, vocab=vocab, tokenizer_path=tokenizer_path,
+                 parallel=parallel, packing_set=packing_set, sft=sft, data=data, alignment=alignment, lora=lora,
                  restore_from=restore_from, optim=optim, precision=precision, checkpoint=checkpoint, seed=seed,
                  tensorboard=tensorboard, wandb=wandb, plot=plot, wandb_kwargs=wandb_kwargs,
                  fault_tolerance=fault_tolerance)
 
 
 def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
-    """The rules across sections, on well-typed values: the layout against the world, the batch and the model, the
-    fine-tuning and alignment rules, the data's against the tokenizer, and the optimizer's."""
+    """The rules across sections, on well-typed values: the layout against the world (and under run.elastic against
+    the world one node smaller), the batch and the model, the fine-tuning and alignment rules, the data's against
+    the tokenizer, and the optimizer's."""
     layout_rules(report, p, read.trainer, read.parallel, read.data)
     shape_rules(report, p, read.shape, read.parallel, read.vocab)
     expert_rules(report, p, read.trainer, read.parallel, read.shape.get("moe"))
     context_rules(report, p, read.trainer, read.parallel, read.shape)
+    if read.elastic:
+        elastic_rules(report, p, read.trainer, read.parallel, read.data, read.shape)
     fine_tuning_rules(report, p, read.parallel, read.shape, read.sft if read.alignment is None else None, read.lora)
     if read.alignment is not None:
         alignment_rules(report, p, read.alignment, read.sft, read.parallel.context, read.packing_set,

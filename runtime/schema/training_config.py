@@ -211,3 +211,6 @@ class TrainingConfig:
     # The alignment stage (DPO / ORPO): sft then holds the preference files, read as pairs (runtime/alignment).
     alignment: AlignmentConfig | None = None
     fault_tolerance: FaultToleranceConfig | None = None  # <stage>.fault_tolerance (the peer copies' interval)
+    # run.elastic: after a lost node (no spare), the job script restarts the workers on the nodes left and says how
+    # many in NXDT_ACTIVE_NODES; data parallelism shrinks and the global batch stays (runtime/train.py).
+    elastic: bool = False

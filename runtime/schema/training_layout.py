@@ -1,6 +1,9 @@
 """The parallel layout in a training stage config (model.tensor_model_parallel_size and the other sizes,
-activation checkpointing, pipeline cuts), and its rules against the trainer's world, the batch and the model."""
+activation checkpointing, pipeline cuts), and its rules against the trainer's world (under run.elastic, one node
+smaller too), the batch and the model."""
 from __future__ import annotations
+
+import dataclasses
 
 from runtime.schema import choices as C
 from runtime.schema import rules
@@ -102,3 +105,21 @@ def context_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Para
     report.error(rules.context_architecture(moe.num_experts if moe is not None else None,
                                             shape.get("attention_dropout", 0.0) or 0.0, cp, ulysses, p))
     report.error(rules.context_window(shape.get("layer_types"), cp, ulysses, p))
+
+
+def elastic_rules(report: Report, p: str, trainer: TrainerConfig, parallel: ParallelConfig, data: DataConfig | None,
+                  shape: dict) -> None:
+    """run.elastic: the layout rules above (the world against tp x pp, the global batch, the context and expert
+    groups) run again for trainer.num_nodes - 1 nodes, where they hold for num_nodes (else they have said so)."""
+    def first_problem(num_nodes: int) -> str | None:
+        scratch = Report()
+        world = dataclasses.replace(trainer, num_nodes=num_nodes)
+        layout_rules(scratch, p, world, parallel, data)
+        expert_rules(scratch, p, world, parallel, shape.get("moe"))
+        context_rules(scratch, p, world, parallel, shape)
+        return scratch.errors[0] if scratch.errors else None
+
+    if trainer.num_nodes < 2:
+        report.error(rules.elastic_nodes(trainer.num_nodes, None, p))
+    elif first_problem(trainer.num_nodes) is None:
+        report.error(rules.elastic_nodes(trainer.num_nodes, first_problem(trainer.num_nodes - 1), p))

@@ -10,8 +10,10 @@ from runtime.schema.reader import Report, Section
 from runtime.schema.training_config import CheckpointConfig, FaultToleranceConfig, TrainerConfig
 
 
-def read_run(run: Section, p: str, report: Report) -> None:
-    """run.*: the job's own keys (the launcher renders them into #SBATCH lines; the runtime reads results_dir)."""
+def read_run(run: Section, p: str, report: Report) -> bool | None:
+    """run.*: the job's own keys (the launcher renders them into #SBATCH lines; the runtime reads results_dir).
+    Returns run.elastic (None if it is not a bool): whether the job goes on with fewer data-parallel replicas after
+    it loses a node and has no spare (its layout rule is training_layout.elastic_rules)."""
     report.error(rules.results_dir(run.raw("results_dir", None), p))
     limit = run.raw("time_limit", None)
     report.error(rules.time_limit(limit, p))
@@ -20,6 +22,7 @@ def read_run(run: Section, p: str, report: Report) -> None:
     if signal_s is not None:
         report.error(rules.preemption_signal(signal_s, "" if limit is None else str(limit), p))
     run.int("max_restarts", 0, minimum=0)
+    return run.bool("elastic", False)
 
 
 def read_fault_tolerance(s: Section, report: Report) -> FaultToleranceConfig | None:

@@ -39,6 +39,14 @@ CASES = [
     ([f"{T}devices=3", f"{M}tensor_model_parallel_size=1", f"{M}pipeline_model_parallel_size=2"],
      "training.trainer: num_nodes × devices = 1 × 3 = 3 is not divisible by tensor_model_parallel_size × "
      "pipeline_model_parallel_size = 1 × 2 = 2; change the node count or the parallel sizes"),
+    # run.elastic (issue 62): a node to lose, and the layout one node smaller (the same rules, for that world).
+    (["training.run.elastic=true"],
+     "training.run.elastic: true needs trainer.num_nodes >= 2 (it is 1): a one-node job has no node to go on "
+     "without; set training.run.elastic=false or train on more nodes"),
+    (["training.run.elastic=true", f"{T}num_nodes=3", f"{M}global_batch_size=24"],
+     "training.run.elastic: true, but the layout breaks one node smaller (trainer.num_nodes - 1 = 2 nodes, after a "
+     "lost node): training.model.global_batch_size: 24 is not divisible by micro_batch_size × data-parallel size = "
+     "4 × 4 = 16; use a multiple of 16; or set training.run.elastic=false"),
     ([f"{M}global_batch_size=10"],
      "training.model.global_batch_size: 10 is not divisible by micro_batch_size × data-parallel size = 4 × 2 = 8; "
      "use a multiple of 8"),
