@@ -99,7 +99,14 @@ def _estimate(section: dict[str, Any], cluster: Cluster, vocab_size: int | None 
 def host_memory_note(result: Estimate | None, stage: str) -> str | None:
     """What the launch prints for a trainer stage: host memory per node, from the estimate memory_fit judged it by
     (the launch's `estimates`)."""
-    return None if result is None else f"host memory per node ({stage}): {result.host.arithmetic(static=True)}"
+    if result is None:
+        return None
+    host = result.host
+    peer = "" if not host.peer_every else (
+        f"; peer-held state every {host.peer_every} step(s): {host.peer_store_per_node / 2**30:.2f} GiB per node in "
+        f"its peer store and {(host.peer - host.peer_store_per_node / host.workers) / 2**30:.2f} GiB per worker "
+        f"for its copy, counted above")
+    return f"host memory per node ({stage}): {host.arithmetic(static=True)}{peer}"
 
 
 def host_memory_fit(host: HostMemory, stage: str, *, on_cpu: bool, known: bool) -> tuple[list[str], list[str]]:

@@ -436,7 +436,11 @@ def attempt_history(entry: dict[str, Any]) -> list[str]:
             match = next((r for r in recovered if (r.get("attempt"), r.get("slurm_restart")) ==
                           (row.get("attempt"), row.get("slurm_restart"))), None)
             if match:
-                line += (f"; resumed from step {match.get('resumed_from_step')}, training again "
+                source = {"peer": f" from the peers' memory ({match.get('state_where')}, no file read)",
+                          "disk": " from the checkpoint on disk"}.get(match.get("state_from"), "")
+                redone = match.get("steps_redone")
+                line += (f"; resumed from step {match.get('resumed_from_step')}{source}"
+                         f"{f', {redone} step(s) trained again' if redone is not None else ''}, training again "
                          f"{_duration(match.get('time_to_recover_s') or 0)} after, "
                          f"{_duration(match.get('time_lost_s') or 0)} lost")
             lines.append(line)

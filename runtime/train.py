@@ -257,7 +257,7 @@ def _setup(cfg: TrainingConfig, device: Device) -> _Run:
     start_step = checkpoints.resume()
     # After a restart (the job script's, runtime/fault_tolerance/attempts.py): rank 0 records how long the fault took
     # to detect and recover from, and the time it cost, in metrics.jsonl and the run's attempt history.
-    recovery = Recovery.from_env(start_step, checkpoints.resumed) if device.is_main else None
+    recovery = Recovery.from_env(start_step, checkpoints.resumed, str(cfg.results_dir)) if device.is_main else None
     if start_step >= cfg.trainer.max_steps and device.is_main:
         print(f"training {cfg.run_name}: the newest checkpoint is at step {start_step}, trainer.max_steps is "
               f"{cfg.trainer.max_steps}: nothing to train (raise training.trainer.max_steps to continue)", flush=True)

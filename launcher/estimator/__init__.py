@@ -23,7 +23,7 @@ from launcher.estimator.memory import Kernels, StageMemory, peak_memory
 from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count_parameters, layout_from_training,
                                        shape_from_training, vocab_for)
 from runtime.schema.reader import Report, Section
-from runtime.schema.training import parse_lora, parse_sizing, parse_trainer
+from runtime.schema.training import parse_fault_tolerance, parse_lora, parse_sizing, parse_trainer
 from runtime.schema.training_config import SizingConfig, TrainerConfig
 
 
@@ -97,9 +97,11 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     kernels = Kernels.for_accelerator(shape, "cpu" if hardware.name == "cpu" else accelerator)
     # The schema's reading of model.peft: LoRA trains adapters over frozen weights (host memory counts that).
     lora = parse_lora(Section(sizing.model, "model", Report()), shape.architecture, "") is not None
+    ft = parse_fault_tolerance(training, "")[0]
+    peer_every = ft.peer_state_every_n_steps if ft is not None and ft.enabled else 0
     return Estimate(shape=shape, layout=layout, hardware=hardware, parameters=count_parameters(shape),
                     memory=peak_memory(shape, layout, kernels, lora=lora),
-                    host=host_memory(shape, layout, hardware, kernels, lora=lora), mfu=mfu, tokens=float(tokens),
+                    host=host_memory(shape, layout, hardware, kernels, lora=lora, peer_every=peer_every), mfu=mfu, tokens=float(tokens),
                     flops_per_token=flops_per_token(shape), step=step_time(shape, layout, hardware, mfu),
                     sizing=sizing)
 

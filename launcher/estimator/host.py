@@ -46,6 +46,9 @@ BATCH_COPIES = 2     # the stacked samples and the micro-batches cut from them
 USABLE_FRACTION = 0.9
 
 
+PEER_STORE_COPIES = 4  # per worker in its node's peer store: 2 nodes' copies x (kept + being written)
+
+
 @dataclasses.dataclass(frozen=True)
 class HostMemory:
     """Bytes of host memory per worker process, and per node (workers x that)."""
@@ -59,11 +62,20 @@ class HostMemory:
     node_memory_bytes: float     # the node's host memory
     node: str                    # where that figure comes from (the instance, this machine, cluster.node_memory_gib)
     usable_fraction: float = USABLE_FRACTION
+    # Peer-held state (fault_tolerance.peer_state_every_n_steps, runtime/checkpoint/peer.py), per worker: its host
+    # copy for the refresh, and its share of the node's peer store, which holds two copies of each worker's saved
+    # state (its own node's and the previous node's workers'), each twice (the kept one and the one being written).
+    peer: float = 0.0
+    peer_every: int = 0
+
+    @property
+    def peer_store_per_node(self) -> float:
+        return self.workers * self.peer * PEER_STORE_COPIES / (PEER_STORE_COPIES + 1)
 
     @property
     def static_per_worker(self) -> float:
         """What a worker holds whatever the activations: the part a launch refuses on."""
-        return self.shard_state + self.staging + self.data_loader + self.process
+        return self.shard_state + self.staging + self.data_loader + self.process + self.peer
 
     @property
     def per_worker(self) -> float:
@@ -100,7 +112,7 @@ def data_loader_bytes(shape: ModelShape, layout: Layout) -> float:
 
 
 def host_memory(shape: ModelShape, layout: Layout, hardware: Hardware, kernels: Kernels = Kernels(), *,
-                lora: bool = False) -> HostMemory:
+                lora: bool = False, peer_every: int = 0) -> HostMemory:
     """Host memory per node of `layout` on `hardware`'s nodes, for the worker that holds the most (the pipeline
     stage with the most state: the first holds the embedding, the last the output layer). `lora`: only adapters
     train (the frozen weights keep no gradients or optimizer state, and checkpoints hold the adapters)."""
@@ -118,4 +130,6 @@ def host_memory(shape: ModelShape, layout: Layout, hardware: Hardware, kernels: 
         working=held.total - held.static if on_cpu else 0.0,
         node_memory_bytes=hardware.node_memory_bytes,
         node=hardware.node,
+        peer=(PEER_STORE_COPIES + 1) * (held.weights + held.optimizer) if peer_every else 0.0,
+        peer_every=peer_every,
     )

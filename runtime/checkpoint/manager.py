@@ -95,6 +95,8 @@ def _committed(storage: Storage, name: str) -> Committed | None:
         return None
     try:
         meta = json.loads(storage.get_bytes(f"{name}/{COMMIT}"))
+    except FileNotFoundError:  # removed since: another rank's retention of an older one (peer copies, peer.py)
+        return None
     except ValueError:
         meta = None
     if not isinstance(meta, dict):  # found damaged when it is checked (integrity.check_checkpoint)

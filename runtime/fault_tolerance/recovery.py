@@ -31,14 +31,27 @@ def append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def last_logged_step(results_dir: str) -> int:
+    """The last step metrics.jsonl has a loss for (0: none): how far the run got before the fault."""
+    try:
+        with open(os.path.join(results_dir, "metrics.jsonl")) as f:
+            rows = json_lines(f.read())
+    except OSError:
+        return 0
+    return max((int(r["step"]) for r in rows if "loss" in r and "step" in r), default=0)
+
+
 class Recovery:
-    def __init__(self, path: str, failure: dict, start_step: int, resumed: dict | None = None):
+    def __init__(self, path: str, failure: dict, start_step: int, resumed: dict | None = None, furthest: int = 0):
         self.path, self.failure, self.start_step = path, failure, start_step
         self.resumed = resumed or {}
+        # The furthest step the run had reached: the fault's (a lost node reports none), or the last one logged.
+        self.furthest = max(failure.get("step") or 0, furthest)
         self.first_step_at: float | None = None
 
     @classmethod
-    def from_env(cls, start_step: int, resumed: dict | None = None) -> "Recovery | None":
+    def from_env(cls, start_step: int, resumed: dict | None = None, results_dir: str | None = None
+                 ) -> "Recovery | None":
         path = os.environ.get(HISTORY_ENV)
         if not path:
             return None
@@ -50,7 +63,9 @@ class Recovery:
                 pending = record
             elif record.get("event") == "recovered":
                 pending = None
-        return cls(path, pending, start_step, resumed) if pending else None
+        if not pending:
+            return None
+        return cls(path, pending, start_step, resumed, last_logged_step(results_dir) if results_dir else 0)
 
     def after_step(self, done: int) -> dict | None:
         """The "recovered" record, once, at the first step past both the resume and the fault's step."""
@@ -59,7 +74,7 @@ class Recovery:
         now = time.time()
         if self.first_step_at is None:
             self.first_step_at = now
-        if done < (self.failure.get("step") or 0):
+        if done < self.furthest:
             return None
         f = self.failure
         event = {"event": "recovered", "step": done, "job": f.get("job"), "job_id": f.get("job_id"),
@@ -68,7 +83,7 @@ class Recovery:
                  # peer: the other nodes' memory (no file read); disk: the checkpoint directory; none: from scratch
                  "state_from": self.resumed.get("source", "none"), "state_where": self.resumed.get("where"),
                  "state_load_s": self.resumed.get("seconds"),
-                 "steps_redone": max(0, (f.get("step") or self.start_step) - self.start_step),
+                 "fault_step": self.furthest, "steps_redone": max(0, self.furthest - self.start_step),
                  "time_to_detect_s": f.get("time_to_detect_s"),
                  "time_to_recover_s": round(self.first_step_at - f["detected_at"], 3),
                  "time_lost_s": None if f.get("fault_at") is None else round(now - f["fault_at"], 3)}
