@@ -109,6 +109,11 @@ CASES = [
      "training.model.attention_dropout: 0.1 with context_parallel_size 2: ring attention has no attention dropout"),
     (["training=llama/tiny", "training.model.context_parallel_size=2", "training.model.ulysses_parallel_size=2"],
      "training.model.ulysses_parallel_size: 2 together with context_parallel_size 2; split the sequence one way"),
+    # Recovery in place is the Slurm script's (issue 62): asked of another executor, refused rather than dropped.
+    (["training.fault_tolerance.spare_nodes=1"],
+     "training.fault_tolerance.spare_nodes: only the Slurm job script recovers in place (spare nodes, peer-held "
+     "state, elastic data parallelism); the local executor cannot: unset it or use cluster_type=slurm"),
+    (["env_vars.NXDT_INJECT_FAULT='lost:node=node2'"], "NXDT_INJECT_FAULT='lost:node=node2': a lost fault takes node, step"),
     # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
     (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
 ]

@@ -67,6 +67,10 @@ CASES = [
     # preemption: requeue on USR1 without asking Slurm for the signal; and no signal handling at all.
     ("training", "slurm_requeue_only", ["training.run.preemption_signal_s=0", "training.run.max_restarts=5"]),
     ("training", "slurm_no_preemption", ["training.run.preemption_signal_s=null", "training.run.max_restarts=0"]),
+    # Recovery in place (issue 62): the peer stores, a spare node, and one node fewer when none is left.
+    ("training", "slurm_peer_spare_elastic", ["training.trainer.num_nodes=2", "training.run.elastic=true",
+                                              "training.fault_tolerance.peer_state_every_n_steps=1",
+                                              "training.fault_tolerance.spare_nodes=1"]),
     # Fine-tuning runs the trainer like training (torchrun, preemption, requeue), naming its stage with --stage.
     ("fine_tuning", "local", []),
     ("peft", "slurm", ["peft.trainer.num_nodes=2", "cluster.partition=compute"]),

@@ -47,6 +47,12 @@ CASES = [
      "training.run.elastic: true, but the layout breaks one node smaller (trainer.num_nodes - 1 = 2 nodes, after a "
      "lost node): training.model.global_batch_size: 24 is not divisible by micro_batch_size × data-parallel size = "
      "4 × 4 = 16; use a multiple of 16; or set training.run.elastic=false"),
+    # Peer-held state (issue 62): the copies a restart resumes from first may not be older than the disk's.
+    (["training.fault_tolerance.peer_state_every_n_steps=20",
+      "training.exp_manager.checkpoint_callback_params.every_n_train_steps=10"],
+     "training.fault_tolerance.peer_state_every_n_steps: 20 is more than exp_manager.checkpoint_callback_params."
+     "every_n_train_steps (10): the copies in the peers' memory would be older than the newest checkpoint on disk; "
+     "use at most 10"),
     ([f"{M}global_batch_size=10"],
      "training.model.global_batch_size: 10 is not divisible by micro_batch_size × data-parallel size = 4 × 2 = 8; "
      "use a multiple of 8"),
