@@ -162,13 +162,16 @@ class TrainingCheckpoints:
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step to continue from (0: from scratch).
         A peer copy first: it is at most peer_every steps old, and reading it reads no file."""
+        disk = self.checkpointer.storage if self.checkpointer is not None else None
+        reads_before = disk.reads if disk is not None else 0
+        began = time.perf_counter()
         found = self._find_peer()
         source = "peer" if found is not None else "disk"
         found = found or self._find()
         if found is None:
             return 0
         storage, checkpoint = found
-        started = time.perf_counter()
+        started = time.perf_counter()  # found, every rank's share of its checksums verified
         dp = self.topo.dp
         share = self.cfg.load_on_one_replica and dp.size > 1
         device = self.device.torch_device
@@ -189,14 +192,18 @@ class TrainingCheckpoints:
             torch.set_rng_state(extra["rng"]["torch"])
             self.device.set_rng_state(extra["rng"])
         self.last_saved = int(extra["step"]) if source == "disk" else None
-        seconds = time.perf_counter() - started
+        seconds, checked = time.perf_counter() - began, started - began
+        reads = disk.reads - reads_before if disk is not None else 0
         self.resumed = {"source": source, "step": int(extra["step"]), "seconds": round(seconds, 3),
+                        "check_s": round(checked, 3),
+                        # requests to the checkpoint directory while resuming (0 from the peers: no file read)
+                        "disk_reads": reads if disk is not None else None,
                         "where": storage.root if source == "disk" else ",".join(
                             s.node for s in storage.stores() if s.alive)}
+        where = f": peer copies in the memory of {self.resumed['where']}" if source == "peer" else ""
         self._log(f"resumed from {storage.root}/{checkpoint.name} (step {extra['step']}, saved at "
-                  f"{checkpoint.layout}) in {seconds:.2f} s" + (
-                      f": peer copies in the memory of {self.resumed['where']}, no file read" if source == "peer"
-                      else ""))
+                  f"{checkpoint.layout}) in {seconds:.2f} s ({checked:.2f} s to find and verify it){where}"
+                  + (", no file read" if source == "peer" and not reads else ""))
         return int(extra["step"])
 
     # ---- save --------------------------------------------------------------------------------------------

@@ -114,6 +114,7 @@ class LocalStorage:
     def __init__(self, root: str):
         self.root = str(root)
         self._root = Path(root)
+        self.reads = 0  # objects read or looked up: a resume from the peers' memory asserts it read none here
         # Ranged reads from the page cache are memory copies plus block checksums: a few threads per rank.
         self.read_workers = max(2, min(8, os.cpu_count() or 2))
 
@@ -144,21 +145,26 @@ class LocalStorage:
         return str(temp_name(dest))
 
     def get_file(self, key: str, local_path: str) -> None:
+        self.reads += 1
         shutil.copyfile(self._path(key), local_path)
 
     def get_bytes(self, key: str) -> bytes:
+        self.reads += 1
         return self._path(key).read_bytes()
 
     def exists(self, key: str) -> bool:
+        self.reads += 1
         return self._path(key).exists()
 
     def list(self, prefix: str) -> list[str]:
+        self.reads += 1
         base = self._path(prefix)
         if not base.is_dir():
             return []
         return sorted(p.relative_to(self._root).as_posix() for p in base.rglob("*") if p.is_file())
 
     def list_dirs(self) -> list[str]:
+        self.reads += 1
         if not self._root.is_dir():
             return []
         return sorted(p.name for p in self._root.iterdir() if p.is_dir())
@@ -173,6 +179,7 @@ class LocalStorage:
         return str(self._path(key))
 
     def reader(self, key: str) -> _LocalReader:
+        self.reads += 1
         return _LocalReader(self._path(key))
 
 
@@ -188,6 +195,7 @@ class S3Storage:
         self.s3, self.transfer = s3.client(settings)  # None: from the job script's environment
         # Ranged GETs wait on the network: as many in flight as a managed transfer runs parts.
         self.read_workers = max(4, self.transfer.max_request_concurrency)
+        self.reads = 0  # requests that read or look up objects (as LocalStorage.reads)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -204,14 +212,17 @@ class S3Storage:
         return path
 
     def get_file(self, key: str, local_path: str) -> None:
+        self.reads += 1
         self.s3.download_file(self.bucket, self._key(key), local_path, Config=self.transfer)
 
     def get_bytes(self, key: str) -> bytes:
+        self.reads += 1
         return self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
+        self.reads += 1
         try:
             self.s3.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
@@ -221,6 +232,7 @@ class S3Storage:
             raise
 
     def _keys(self, prefix: str, delimiter: str | None = None):
+        self.reads += 1
         paginator = self.s3.get_paginator("list_objects_v2")
         full = self._key(prefix)
         kwargs = {"Bucket": self.bucket, "Prefix": full}

@@ -82,7 +82,7 @@ class Recovery:
                  "resumed_from_step": self.start_step, "at": now,
                  # peer: the other nodes' memory (no file read); disk: the checkpoint directory; none: from scratch
                  "state_from": self.resumed.get("source", "none"), "state_where": self.resumed.get("where"),
-                 "state_load_s": self.resumed.get("seconds"),
+                 "state_load_s": self.resumed.get("seconds"), "disk_reads": self.resumed.get("disk_reads"),
                  "fault_step": self.furthest, "steps_redone": max(0, self.furthest - self.start_step),
                  "time_to_detect_s": f.get("time_to_detect_s"),
                  "time_to_recover_s": round(self.first_step_at - f["detected_at"], 3),

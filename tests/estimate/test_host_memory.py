@@ -178,3 +178,17 @@ def test_nxd_sequential_move_factor_must_be_a_positive_integer(value, tmp_path):
     (line,) = refused(result, f"training=@{file}: trainer.sequential_move_factor: ")
     assert "must be a positive integer" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nxd.yaml"]
+
+
+def test_the_peer_copies_count_in_host_memory_and_are_stated_at_launch(tmp_path, recipe_data_dir):
+    """fault_tolerance.peer_state_every_n_steps (docs/fault_tolerance.md): per worker a host copy of its saved state
+    and its share of the node's peer store (two nodes' copies, each twice): the same layout that fits 160 GiB
+    without them does not with them, and on trn1's 512 GiB the launch states what they take."""
+    peer = "training.fault_tolerance.peer_state_every_n_steps=1"
+    (line,) = refused(_launch(tmp_path, recipe_data_dir, "cluster.node_memory_gib=160", peer, "--dry-run"),
+                      "training.model: host memory per node by the estimator: 32 workers × ")
+    assert "vs 144.0 GiB usable of 160 GiB" in line, line
+    fits = _launch(tmp_path, recipe_data_dir, peer, "--dry-run")
+    assert fits.returncode == 0, fits.stderr
+    note = " ".join(fits.stdout.split())
+    assert "peer-held state every 1 step(s): " in note and " GiB per node in its peer store and " in note, note
