@@ -88,10 +88,10 @@ def reward_to_hf(full_state: Mapping[str, torch.Tensor], cfg: ModelConfig, pad_t
 
 def save_reward_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
                              tokenizer_path: str | None = None, *, pad_token_id: int | None = None,
-                             overwrite: bool = False) -> Path:
+                             overwrite: bool = False, max_shard_bytes: int | None = None) -> Path:
     """A directory AutoModelForSequenceClassification loads: hf.py's (config.json, the body's safetensors,
     tokenizer files) with the score head in a safetensors file of its own and an index naming every tensor's file.
-    pad_token_id: None takes the tokenizer's pad token."""
+    pad_token_id: None takes the tokenizer's pad token. max_shard_bytes: hf.py's (None: its default)."""
     head = _head(full_state, cfg)
     dtype = getattr(full_state, "dtype", None) or full_state["embed.word.weight"].dtype
 
@@ -114,7 +114,9 @@ def save_reward_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str
         index_file.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
     body = dict(_Body(full_state)) if isinstance(full_state, dict) else _Body(full_state)  # a dict keeps its dtypes
-    return save_hf_directory(out_dir, body, _body_config(cfg), tokenizer_path, overwrite=overwrite, also=add_head)
+    sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    return save_hf_directory(out_dir, body, _body_config(cfg), tokenizer_path, overwrite=overwrite, also=add_head,
+                             **sharding)
 
 
 def _safetensors_header(path: Path) -> dict:

@@ -190,6 +190,13 @@ def test_export_loads_in_transformers_and_scores_as_ours(arch, hf_class, tmp_pat
     expected = trl_loss(theirs[:PAIRS], theirs[PAIRS:], CENTER)
     assert reference["losses"][0] == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert reference["metrics"][0]["reward_accuracy"] == (theirs[:PAIRS] > theirs[PAIRS:]).float().mean().item()
+    # A body in several safetensors files: the head joins their index.
+    sharded = save_reward_hf_directory(tmp_path / "sharded", reference["initial"], cfg, pad_token_id=PAD,
+                                       max_shard_bytes=20_000)
+    assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(sharded, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=rows).logits.squeeze(-1), theirs)
 
 
 # ---- layouts ----
