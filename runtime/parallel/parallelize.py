@@ -153,14 +153,17 @@ def apply_tensor_parallel(model: CausalLM, axis: AxisGroup, *, sequence_parallel
     for block in model.layers:
         _parallelize_block(block, axis, sp, rows)
 
-    if cfg.share_embeddings_and_output_weights:
-        # Same vocabulary rows as the embedding shard, so the tied weight stays one parameter.
-        model.output = L.ColumnParallelLinear(model.embed.word.weight, None, axis, sp,
-                                              {"weight": model.embed.word.placements["weight"]})
+    if hasattr(model.output, "parallelize"):  # a head of its own (a reward model's score) places itself
+        model.output.parallelize(axis, sp)
     else:
-        model.output = L.ColumnParallelLinear.from_linear(model.output, axis, sequence_parallel=sp)
-    model.loss_fn = L.VocabParallelCrossEntropy(axis, cfg.padding_from)
-    model.gather_vocab = L.GatherFromRegion(axis)
+        if cfg.share_embeddings_and_output_weights:
+            # Same vocabulary rows as the embedding shard, so the tied weight stays one parameter.
+            model.output = L.ColumnParallelLinear(model.embed.word.weight, None, axis, sp,
+                                                  {"weight": model.embed.word.placements["weight"]})
+        else:
+            model.output = L.ColumnParallelLinear.from_linear(model.output, axis, sequence_parallel=sp)
+        model.loss_fn = L.VocabParallelCrossEntropy(axis, cfg.padding_from)
+        model.gather_vocab = L.GatherFromRegion(axis)
     plan = ShardingPlan.collect(model, axis.size)
     for i, block in enumerate(model.layers):
         # Per-head query/key norms: one weight for all heads, each rank applying it to its own heads only (the
