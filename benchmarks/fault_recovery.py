@@ -146,8 +146,9 @@ def _projection(rows: list[dict]) -> None:
         return
     rate = {name: sum(r["state_bytes"] for r in rs) / sum(r["state_load_s"] for r in rs)
             for name, rs in (("disk", disk), ("peer", peer))}
-    fixed = min(r["time_to_recover_s"] - r["state_load_s"] - (r["steps_redone"] or 0) * (r["step_s"] or 0)
-                for r in rows if r["time_to_recover_s"] and r["state_load_s"])
+    # time to recover = the restart + the state's load + the first step: the restart is what remains.
+    fixed = min(r["time_to_recover_s"] - (r["state_load_s"] or 0) - (r["step_s"] or 0)
+                for r in rows if r["time_to_recover_s"])
     print(f"\nprojection (trn1): restart {fixed:.1f} s fixed, disk {rate['disk'] / 1e9:.2f} GB/s, peer "
           f"{rate['peer'] / 1e9:.2f} GB/s per node as measured here\n")
     print("| recipe | state per node (GiB) | step (s, estimator) | checkpoint every | disk: time lost (min) | "

@@ -243,8 +243,11 @@ class TrainingCheckpoints:
             self.checkpointer.wait()
 
     def wait_quietly(self) -> None:
-        """On the way out after an error: let a save in flight finish, but do not hide the first error."""
+        """On the way out after an error: let a save in flight finish, but do not hide the first error. A peer
+        copy in flight is left (its writer is a daemon thread): it lives in memory only, and after a rank's death its
+        commit would wait for that rank's done mark for as long as the commit timeout, holding up the restart."""
         try:
-            self.wait()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         except RuntimeError as error:
             print(f"nxdt: {error}", file=sys.stderr, flush=True)

@@ -42,11 +42,13 @@ def last_logged_step(results_dir: str) -> int:
 
 
 class Recovery:
-    def __init__(self, path: str, failure: dict, start_step: int, resumed: dict | None = None, furthest: int = 0):
+    def __init__(self, path: str, failure: dict, start_step: int, resumed: dict | None = None,
+                 last_logged: int = 0):
         self.path, self.failure, self.start_step = path, failure, start_step
         self.resumed = resumed or {}
-        # The furthest step the run had reached: the fault's (a lost node reports none), or the last one logged.
-        self.furthest = max(failure.get("step") or 0, furthest)
+        # The last step finished before the fault (logged), and the furthest any rank had begun: the fault's step.
+        self.last_logged = last_logged
+        self.furthest = max(failure.get("step") or 0, last_logged)
         self.first_step_at: float | None = None
 
     @classmethod
@@ -83,7 +85,8 @@ class Recovery:
                  # peer: the other nodes' memory (no file read); disk: the checkpoint directory; none: from scratch
                  "state_from": self.resumed.get("source", "none"), "state_where": self.resumed.get("where"),
                  "state_load_s": self.resumed.get("seconds"), "disk_reads": self.resumed.get("disk_reads"),
-                 "fault_step": self.furthest, "steps_redone": max(0, self.furthest - self.start_step),
+                 # steps finished (logged) before the fault and trained again
+                 "fault_step": self.furthest, "steps_redone": max(0, self.last_logged - self.start_step),
                  "time_to_detect_s": f.get("time_to_detect_s"),
                  "time_to_recover_s": round(self.first_step_at - f["detected_at"], 3),
                  "time_lost_s": None if f.get("fault_at") is None else round(now - f["fault_at"], 3)}
