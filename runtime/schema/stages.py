@@ -27,3 +27,5 @@ STAGES = tuple(STAGE_PROGRAMS)
 TRAINER_STAGES = tuple(stage for stage, program in STAGE_PROGRAMS.items() if program == TRAINER)
 # The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
 FINE_TUNING_STAGES = tuple(stage for stage in TRAINER_STAGES if stage != "training")
+# The trainer stages whose records are preference pairs (prompt, chosen, rejected), read alike.
+PAIR_STAGES = ("alignment", "rlhf_rm")

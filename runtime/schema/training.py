@@ -21,6 +21,7 @@ from typing import Any
 from runtime.schema import rules
 from runtime.schema.model import ModelConfig
 from runtime.schema.reader import Report, Section
+from runtime.schema.stages import PAIR_STAGES
 from runtime.schema.training_alignment import alignment_rules, preference_file_rules, read_stage_alignment
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
                                             LoraConfig, OptimConfig, ParallelConfig, PrecisionConfig,
@@ -34,8 +35,8 @@ from runtime.schema.training_model import (model_shape, read_seed, read_tokenize
                                            unknown_model_keys)
 from runtime.schema.training_model_parts import parse_latent_attention, parse_moe, parse_rope_scaling
 from runtime.schema.training_optim import optim_rules, read_optim
-from runtime.schema.training_reward import read_stage_reward, reward_rules
 from runtime.schema.training_peft import fine_tuning_rules, parse_lora, read_peft, saved_lora
+from runtime.schema.training_reward import read_stage_reward, reward_rules
 from runtime.schema.training_run import (WANDB_KEYS, read_checkpoint, read_fault_tolerance, read_precision, read_run,
                                          read_trainer, read_wandb_kwargs)
 
@@ -49,8 +50,6 @@ __all__ = ["FILE_MODES", "PATH_KEYS", "PREFIX", "WANDB_KEYS", "_wandb_kwargs", "
            "tokenizer_vocab", "too_long_paths"]
 
 PREFIX = "training."
-# The stages whose records are preference pairs (prompt, chosen, rejected).
-PAIR_STAGES = ("alignment", "rlhf_rm")
 
 # The stage's paths the launcher and the runtime look at on the file system (the data's are under data_dir, which
 # the launcher checks as a whole).
