@@ -110,3 +110,23 @@ def test_export_loads_in_transformers_and_scores_as_ours(trained):
     accuracy = (theirs[0::2] > theirs[1::2]).float().mean().item()  # test.jsonl's pairs, held out from training
     print(f"test.jsonl pairwise accuracy {accuracy:.3f} over {TEST_PAIRS} pairs")
     assert accuracy >= 0.8, accuracy  # measured 0.89 (64 pairs)
+
+
+def test_the_recipe_renders_the_trainer_and_is_sized_as_pairs(preference_data, tmp_path):  # noqa: F811
+    from launcher import launch
+    from launcher.estimator import estimate
+
+    plan = launch.make_plan([f"base_results_dir={tmp_path / 'results'}", f"data_dir={preference_data}",
+                             "cluster_type=slurm", "stages=[rlhf_rm,conversion]", "rlhf_rm=llama/tiny"],
+                            dry_run=True, produced_by="test")
+    assert plan.warnings == []
+    scripts = launch.write(plan)
+    assert "--stage rlhf_rm" in scripts[0].read_text()
+    stage = plan.cfg["rlhf_rm"]
+    assert stage["reward_model"]["center_rewards_coefficient"] is None  # TRL's default: no centering
+    # The conversion exports the reward model's checkpoints (the launch's last trainer stage).
+    assert plan.cfg["conversion"]["checkpoint_dir"] == str(tmp_path / "results" / "llama_tiny_rm" / "rlhf_rm" /
+                                                           "checkpoints")
+    # A pair is two rows through the model, as for alignment.
+    result = estimate(stage, vocab_size=512, node_memory_bytes=64 * 2**30, stage="rlhf_rm")
+    assert result.layout.micro_batch_size == 2 * stage["model"]["micro_batch_size"]
