@@ -11,6 +11,7 @@ The whole demo through the real CLI (data preparation, 100 steps, conversion) is
 measured at 82 s on 2 CPU cores (held-out accuracy 0.96 at step 25, 1.00 at 100), too long for every run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -130,3 +131,23 @@ def test_the_recipe_renders_the_trainer_and_is_sized_as_pairs(preference_data, t
     # A pair is two rows through the model, as for alignment.
     result = estimate(stage, vocab_size=512, node_memory_bytes=64 * 2**30, stage="rlhf_rm")
     assert result.layout.micro_batch_size == 2 * stage["model"]["micro_batch_size"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])  # an untied LM head, and one tied to the embedding
+def test_starting_weights_skip_the_lm_head_and_keep_the_seeded_score_head(arch, tmp_path):
+    from runtime.convert.hf import save_hf_directory
+    from runtime.finetune import load_pretrained
+    from runtime.models import build_model
+    from tests.runtime_parallel import harness as H
+
+    cfg = H.tiny_config(arch, num_layers=2)
+    source = build_model(dataclasses.replace(cfg, seed=cfg.seed + 1))  # other values than the reward model's seed
+    directory = save_hf_directory(tmp_path / "hf", source.state_dict(), cfg, None)
+    model = build_reward_model(cfg)
+    head = model.output.weight.detach().clone()
+    load_pretrained(model, str(directory), score_head=True)
+    assert torch.equal(model.output.weight, head) and model.output.weight.shape == (1, cfg.hidden_size)
+    theirs = source.state_dict()
+    for name, tensor in model.state_dict().items():
+        if name != "output.weight":
+            torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=0, msg=name)
