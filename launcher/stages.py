@@ -85,6 +85,12 @@ def alignment(cfg: LaunchConfig) -> Job:
     return _trainer_job(cfg, "alignment")
 
 
+def rlhf_rm(cfg: LaunchConfig) -> Job:
+    """A reward model (NeMo-Launcher's rlhf_rm: a scalar score head, TRL RewardTrainer's Bradley-Terry loss) from
+    model.restore_from_path on prompt/chosen/rejected pairs."""
+    return _trainer_job(cfg, "rlhf_rm")
+
+
 def conversion(cfg: LaunchConfig) -> Job:
     return _job(cfg, "conversion", nodes=1, nproc_per_node=1, distributed=False)
 

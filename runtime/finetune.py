@@ -9,6 +9,8 @@
 # checkpoint first rebuilds the base from restore_from_path, exactly as training did.
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -19,22 +21,27 @@ from runtime.schema.training_config import LoraConfig
 
 
 @torch.no_grad()
-def load_pretrained(model: nn.Module, path: str, plan: ShardingPlan | None = None) -> None:
+def load_pretrained(model: nn.Module, path: str, plan: ShardingPlan | None = None, *, score_head: bool = False
+                    ) -> None:
     """Copy the weights at `path` into `model`, in place: a built, unsharded model (plan None), or a rank's
     materialized shard of one (parallelize_model's starting_weights), each parameter from its own selection of
     the full tensor, one at a time (runtime/convert/pretrained.py read_selected). LoRA adapters keep their
-    initial values."""
+    initial values. score_head: `model` is a reward model (runtime/alignment/reward.py), whose output.weight is its
+    seeded score head, (1, hidden): the source's LM head (vocab, hidden), or its absence, is not looked at."""
     from runtime.convert.pretrained import read_selected  # deferred: conversion pulls safetensors
 
     plan = plan or ShardingPlan()
+    cfg = model.cfg
+    if score_head:  # read as a tied model, which has no head of its own to find or check
+        cfg = dataclasses.replace(cfg, share_embeddings_and_output_weights=True)
     params, targets = {}, {}
     for local, param in model.named_parameters():  # each parameter once, under its first name
         full = plan.full_name(local)
-        if is_adapter(full):
+        if is_adapter(full) or (score_head and full == "output.weight"):
             continue
         params[local] = param
         targets[local] = (full, plan.selection(local))  # a tied head: each source gives the embedding
-    for local, tensor in read_selected(path, model.cfg, targets):
+    for local, tensor in read_selected(path, cfg, targets):
         params[local].copy_(tensor)
 
 
@@ -70,11 +77,12 @@ def prepare_from_config(model: nn.Module, training: dict) -> nn.Module:
     return prepare_for_fine_tuning(model, restore_from_path=restore, lora=lora, seed=seed)
 
 
-def starting_weights(path: str | None):
-    """parallelize_model's starting_weights: each rank's part of the weights at `path` (None: none)."""
+def starting_weights(path: str | None, score_head: bool = False):
+    """parallelize_model's starting_weights: each rank's part of the weights at `path` (None: none); score_head:
+    a reward model's, whose head keeps its seeded values (load_pretrained)."""
     if not path:
         return None
-    return lambda model, plan: load_pretrained(model, str(path), plan)
+    return lambda model, plan: load_pretrained(model, str(path), plan, score_head=score_head)
 
 
 def checkpoint_start(training: dict):

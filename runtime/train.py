@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from runtime.alignment.reward import RewardObjective, meta_reward_model
 from runtime.checkpoint.manager import CheckpointSaveFailed
 from runtime.checkpoint.session import TrainingCheckpoints
 from runtime.config import TrainingConfig, load_training_config
@@ -82,6 +83,9 @@ def build_objective(cfg: TrainingConfig, model, optimizer, train: DataParallelBa
                     valid: DataParallelBatches | None, topo: Topology, device: Device):
     """The step's objective: the token mean, or the alignment stage's preference loss with its references
     (computed here, before any checkpoint is loaded: the model still holds the starting weights)."""
+    if cfg.reward_model is not None:  # rlhf_rm: TRL RewardTrainer's loss on the scores
+        objective = RewardObjective(cfg.reward_model.center_rewards_coefficient)
+        return objective, objective
     if cfg.alignment is None:
         return None, None
     from runtime.alignment.objective import PreferenceObjective
@@ -179,9 +183,11 @@ def build_model(cfg: TrainingConfig, topo: Topology, device: Device) -> torch.nn
     """This rank's part of the model, parallelized, with its part of the starting weights and adapters."""
     # On the meta device: shapes only. parallelize_model materializes this rank's part alone (its TP slices, its
     # stage's layers, its experts, its adapters) and fills it with the starting weights' same part, if any.
-    model = meta_model(cfg.model)
+    model = meta_model(cfg.model) if cfg.reward_model is None else meta_reward_model(cfg.model)
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, cfg.seed)
+        if cfg.reward_model is not None:
+            model.output.weight.requires_grad_(True)  # the score head trains beside the adapters
     if device.is_main and (cfg.restore_from_path or cfg.lora):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"fine-tuning from {cfg.restore_from_path or 'random init'}: {trainable:,} of "
@@ -201,7 +207,7 @@ def build_model(cfg: TrainingConfig, topo: Topology, device: Device) -> torch.nn
                                          overlap_param_gather=cfg.parallel.overlap_param_gather),
         context=cfg.parallel.context_kind,
         attention_kernels=flash_attention_kernels,
-        starting_weights=starting_weights(cfg.restore_from_path),
+        starting_weights=starting_weights(cfg.restore_from_path, score_head=cfg.reward_model is not None),
     )
 
 
@@ -215,7 +221,7 @@ def build_metrics(cfg: TrainingConfig, topo: Topology, device: Device) -> Metric
         is_main=device.is_main,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         # A preference pair is two rows through the model.
-        tokens_per_step=data.global_batch_size * data.seq_length * (2 if cfg.alignment else 1),
+        tokens_per_step=data.global_batch_size * data.seq_length * (2 if cfg.alignment or cfg.reward_model else 1),
         flops_per_token=model_flops_per_token(cfg.model, data.seq_length),
         num_devices=device.world_size,
         peak=peak,
@@ -404,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
     parser.add_argument("--stage", default="training", choices=TRAINER_STAGES,
-                        help="the stage this config is (names its keys in errors); fine_tuning, peft and alignment "
-                             "run here too")
+                        help="the stage this config is (names its keys in errors); fine_tuning, peft, alignment "
+                             "and rlhf_rm run here too")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0") or 0)
     try:

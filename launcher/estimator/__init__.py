@@ -22,6 +22,7 @@ from launcher.estimator.host import HostMemory, host_memory
 from launcher.estimator.memory import Kernels, StageMemory, peak_memory
 from launcher.estimator.shapes import (Layout, ModelShape, ParameterCount, count_parameters, layout_from_training,
                                        shape_from_training, vocab_for)
+from runtime.schema.stages import PAIR_STAGES
 from runtime.schema.reader import Report, Section
 from runtime.schema.training import parse_fault_tolerance, parse_lora, parse_sizing, parse_trainer
 from runtime.schema.training_config import SizingConfig, TrainerConfig
@@ -83,7 +84,7 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     if sizing_report.errors:
         raise UserError(*sizing_report.errors)
     layout = layout_from_training(sizing, trainer)
-    if stage == "alignment":
+    if stage in PAIR_STAGES:  # alignment and rlhf_rm: m pairs are 2m rows
         layout = dataclasses.replace(layout, micro_batch_size=2 * layout.micro_batch_size,
                                      global_batch_size=2 * layout.global_batch_size)
     accelerator = trainer.accelerator

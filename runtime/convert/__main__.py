@@ -31,8 +31,10 @@ from runtime.config import parse_model_config, tokenizer_vocab_size
 from runtime.convert.hf import load_hf_directory, save_hf_directory, state_shapes, to_hf
 from runtime.convert.peft import ADAPTER_DIR, adapters, check_peft_exportable, load_base, lora_of, save_adapter, \
     to_peft
+from runtime.convert.reward import is_reward_model, save_reward_hf_directory
 from runtime.io import ownership
 from runtime.io.files import no_room, no_room_line
+from runtime.alignment.reward import reward_config
 from runtime.models import ModelConfig
 from runtime.models.lora import merge_lora
 from runtime.schema.conversion import ConversionConfig, parse_conversion
@@ -54,6 +56,11 @@ def export(cfg: ConversionConfig) -> Path:
               "tokenizer": str(tokenizer)}
     where = f"checkpoint {storage.root}/{checkpoint.name}"
     lora = lora_of(training, where)
+    if is_reward_model(training) and (lora is not None or cfg.include_optimizer):
+        raise ValueError(f"{where} is a reward model's (the rlhf_rm stage's): its export is the merged "
+                         f"sequence-classification model only; set conversion.lora=merged and "
+                         f"conversion.include_optimizer=false" + (" (a LoRA reward model's export is not built: "
+                                                                  "train it without model.peft)" if lora else ""))
     if lora is None and cfg.lora != "merged":
         raise ValueError(f"conversion.lora={cfg.lora}: {where} is not a LoRA run's (its config.yaml has no "
                          f"model.peft.peft_scheme lora), so it has no adapter to export; set conversion.lora=merged")
@@ -81,6 +88,10 @@ def export(cfg: ConversionConfig) -> Path:
               + (f" (replacing the export of {previous['checkpoint']})" if previous else ""))
         return out
     with ranged_full_tensors(storage, checkpoint) as full:  # each tensor read by ranges when the writer asks
+        head = tuple(full.full_shape("output.weight", "value")) if full.has("output.weight", "value") else None
+        reward = is_reward_model(training, head, model_cfg.hidden_size)  # the rlhf_rm stage's score head
+        if reward:
+            model_cfg = reward_config(model_cfg)  # its head is a weight of its own
         names = set(state_shapes(model_cfg))
         tied = model_cfg.share_embeddings_and_output_weights
         missing = sorted(n for n in names if not full.has(n, "value") and not (tied and n in TIED))
@@ -94,7 +105,10 @@ def export(cfg: ConversionConfig) -> Path:
                 _export_moments(full, names, model_cfg, directory)
             (directory / PROVENANCE).write_text(json.dumps(source, indent=2) + "\n")
 
-        save_hf_directory(out, state, model_cfg, str(tokenizer), overwrite=True, also=finish)
+        if reward:
+            save_reward_hf_directory(out, state, model_cfg, str(tokenizer), overwrite=True, also=finish)
+        else:
+            save_hf_directory(out, state, model_cfg, str(tokenizer), overwrite=True, also=finish)
     replaced = f" (replacing the export of {previous['checkpoint']})" if previous else ""
     print(f"exported {storage.root}/{checkpoint.name} (step {checkpoint.step}, saved at {checkpoint.layout}) "
           f"to {out}{replaced}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -22,6 +22,13 @@ HEAD = "output.weight"  # the reward model's score head, (1, hidden)
 HF_HEAD = "score.weight"
 _HEAD_FILE = "model-score.safetensors"
 _BODY_FILE = "model-body.safetensors"  # a single-file body, renamed so that transformers reads the index
+
+
+def is_reward_model(training: Mapping, head_shape: tuple[int, ...] | None = None, hidden: int | None = None) -> bool:
+    """Whether a checkpoint is a reward model's (the rlhf_rm stage's): its recorded config has the reward_model
+    section, or (a config written without it) its output.weight is a score head, (1, hidden)."""
+    return isinstance(training.get("reward_model"), Mapping) or (head_shape is not None and
+                                                                 tuple(head_shape) == (1, hidden))
 
 
 def sequence_classification_architecture(causal_lm: str) -> str:
@@ -88,10 +95,12 @@ def reward_to_hf(full_state: Mapping[str, torch.Tensor], cfg: ModelConfig, pad_t
 
 def save_reward_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch.Tensor], cfg: ModelConfig,
                              tokenizer_path: str | None = None, *, pad_token_id: int | None = None,
-                             overwrite: bool = False, max_shard_bytes: int | None = None) -> Path:
+                             overwrite: bool = False, max_shard_bytes: int | None = None,
+                             also: Callable[[Path], None] | None = None) -> Path:
     """A directory AutoModelForSequenceClassification loads: hf.py's (config.json, the body's safetensors,
     tokenizer files) with the score head in a safetensors file of its own and an index naming every tensor's file.
-    pad_token_id: None takes the tokenizer's pad token. max_shard_bytes: hf.py's (None: its default)."""
+    pad_token_id: None takes the tokenizer's pad token. max_shard_bytes: hf.py's (None: its default). also: called
+    with the directory before it is put in place (as hf.py's), after the head is written."""
     head = _head(full_state, cfg)
     dtype = getattr(full_state, "dtype", None) or full_state["embed.word.weight"].dtype
 
@@ -112,6 +121,8 @@ def save_reward_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str
         index["weight_map"][HF_HEAD] = _HEAD_FILE
         index["metadata"]["total_size"] += head.numel() * dtype.itemsize
         index_file.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if also is not None:
+            also(directory)
 
     body = dict(_Body(full_state)) if isinstance(full_state, dict) else _Body(full_state)  # a dict keeps its dtypes
     sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}

@@ -18,7 +18,7 @@ def build_data(
     cfg: TrainingConfig, topo: Topology, device: Device
 ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
     """Train batches sized for max_steps, and the fixed validation batches (the same ones at every check)."""
-    if cfg.alignment is not None:
+    if cfg.alignment is not None or cfg.reward_model is not None:
         return build_preference_data(cfg, topo, device)
     if cfg.sft is not None:
         return build_sft_data(cfg, topo, device)
@@ -74,21 +74,24 @@ def build_sft_data(cfg: TrainingConfig, topo: Topology, device: Device
 
 def build_preference_data(cfg: TrainingConfig, topo: Topology, device: Device
                           ) -> tuple[DataParallelBatches, DataParallelBatches | None]:
-    """Alignment: preference pairs tokenized once (cached beside the data), read in epochs; a sample is a pair."""
+    """Alignment and the reward model (rlhf_rm): preference pairs tokenized once (cached beside the data), read in
+    epochs; a sample is a pair."""
     from functools import partial
 
     from runtime.alignment.data import build_preference_dataset
 
-    alignment = cfg.alignment
+    pairs = cfg.alignment or cfg.reward_model  # how each pair is cut (the same keys in both)
     build = partial(build_preference_dataset, tokenizer_path=cfg.tokenizer_path, seq_length=cfg.data.seq_length,
-                    chat_template=cfg.sft.chat_template, max_prompt_length=alignment.max_prompt_length,
-                    truncation_mode=alignment.truncation_mode, limit_key=alignment.limit_key,
+                    chat_template=cfg.sft.chat_template, max_prompt_length=pairs.max_prompt_length,
+                    truncation_mode=pairs.truncation_mode, limit_key=pairs.limit_key,
                     identical_pairs=cfg.sft.identical_pairs, **_cache_args(cfg, device))
+
+    alignment = cfg.alignment
+    trains = "a reward model" if alignment is None else f"{alignment.strategy} with beta {alignment.beta}"
 
     def describe(stats: dict) -> str:
         return (f"preference data: {stats.get('kept')} of {stats.get('pairs')} pairs (truncated "
-                f"{stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)}), {alignment.strategy} with beta "
-                f"{alignment.beta}")
+                f"{stats.get('truncated', 0)}, dropped {stats.get('dropped', 0)}), {trains}")
 
     return _record_epochs(cfg, topo, device, build, describe)
 

@@ -37,7 +37,7 @@ from runtime.schema.rules_optim import (  # noqa: F401
 from runtime.schema.rules_tuning import (  # noqa: F401
     lora_rank, lora_alpha, lora_dropout, lora_modules, lora_targets, lora_moe, document_reset, document_reset_eod,
     packing_context, stage_scheme, fine_tuning_data, preference_beta, prompt_limit, reference_source,
-    alignment_layout, alignment_stage,
+    alignment_layout, alignment_stage, reward_layout, reward_stage,
 )
 from runtime.schema.rules_storage import (  # noqa: F401
     endpoint_url, checkpoint_name, checkpoint_config, s3_uri, s3_bucket,

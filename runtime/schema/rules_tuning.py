@@ -173,3 +173,24 @@ def alignment_stage(stage: str, strategies: tuple[str, ...]) -> str | None:
         return (f"{stage}.model_alignment_strategy.{strategies[0]}: preference alignment runs in the alignment "
                 f"stage; use stages=[alignment] alignment=<recipe>, or remove model_alignment_strategy.{strategies[0]}")
     return None
+
+
+# ------------------------------------------------------------------------------------------------ reward model
+def reward_layout(context: int, packing: bool | None, p: str) -> str | None:
+    """The rlhf_rm stage scores each row at one position (its response's last token): no context parallelism."""
+    if context > 1:
+        return (f"{p}model.context_parallel_size: a context group of {context} ranks in the rlhf_rm stage: a reward "
+                f"model scores each row at its response's last token, which one rank holds; set "
+                f"context_parallel_size and ulysses_parallel_size to 1")
+    if packing:
+        return (f"{p}model.data.packing: true in the rlhf_rm stage: each pair is its own two rows (chosen and "
+                f"rejected side by side); remove model.data.packing or set it to false")
+    return None
+
+
+def reward_stage(stage: str, present: bool) -> str | None:
+    """The reward_model section belongs to the rlhf_rm stage, which reads it."""
+    if present and stage != "rlhf_rm":
+        return (f"{stage}.reward_model: a reward model trains in the rlhf_rm stage; use stages=[rlhf_rm] "
+                f"rlhf_rm=<recipe>, or remove {stage}.reward_model")
+    return None

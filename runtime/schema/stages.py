@@ -13,6 +13,7 @@ STAGE_PROGRAMS: dict[str, str] = {
     "fine_tuning": TRAINER,
     "peft": TRAINER,
     "alignment": TRAINER,
+    "rlhf_rm": TRAINER,
     "conversion": "runtime.convert",
     "evaluation": "runtime.evaluate",
 }
@@ -21,7 +22,10 @@ STAGES = tuple(STAGE_PROGRAMS)
 # Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job
 # (the same job shape, checkpoints, preemption and metrics).
 # fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or
-# LoRA); the trainer is told which with --stage, which names their keys.
+# LoRA), rlhf_rm a reward model on the same pairs (NeMo-Launcher's name); the trainer is told which with --stage,
+# which names their keys.
 TRAINER_STAGES = tuple(stage for stage, program in STAGE_PROGRAMS.items() if program == TRAINER)
 # The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
 FINE_TUNING_STAGES = tuple(stage for stage in TRAINER_STAGES if stage != "training")
+# The trainer stages whose records are preference pairs (prompt, chosen, rejected), read alike.
+PAIR_STAGES = ("alignment", "rlhf_rm")

@@ -21,10 +21,12 @@ from typing import Any
 from runtime.schema import rules
 from runtime.schema.model import ModelConfig
 from runtime.schema.reader import Report, Section
+from runtime.schema.stages import PAIR_STAGES
 from runtime.schema.training_alignment import alignment_rules, preference_file_rules, read_stage_alignment
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
                                             LoraConfig, OptimConfig, ParallelConfig, PrecisionConfig,
-                                            SFTDataConfig, SizingConfig, TrainerConfig, TrainingConfig)
+                                            RewardModelConfig, SFTDataConfig, SizingConfig, TrainerConfig,
+                                            TrainingConfig)
 from runtime.schema.training_data import read_batch, read_data, read_sft_data, tokenizer_rules
 from runtime.schema.training_files import FILE_MODES, Files, is_remote
 from runtime.schema.training_hf import model_config_source, read_restore_from
@@ -34,6 +36,7 @@ from runtime.schema.training_model import (model_shape, read_seed, read_tokenize
 from runtime.schema.training_model_parts import parse_latent_attention, parse_moe, parse_rope_scaling
 from runtime.schema.training_optim import optim_rules, read_optim
 from runtime.schema.training_peft import fine_tuning_rules, parse_lora, read_peft, saved_lora
+from runtime.schema.training_reward import read_stage_reward, reward_rules
 from runtime.schema.training_run import (WANDB_KEYS, read_checkpoint, read_fault_tolerance, read_precision, read_run,
                                          read_trainer, read_wandb_kwargs)
 
@@ -125,6 +128,7 @@ class _Read:
     sft: SFTDataConfig | None
     data: DataConfig | None
     alignment: AlignmentConfig | None
+    reward_model: RewardModelConfig | None
     lora: LoraConfig | None
     restore_from: str | None
     optim: OptimConfig | None
@@ -156,7 +160,7 @@ class _Read:
             tensorboard=self.tensorboard, wandb=self.wandb, wandb_kwargs=self.wandb_kwargs, plot=self.plot,
             checkpoint=self.checkpoint, elastic=self.elastic,
             raw=raw, restore_from_path=self.restore_from, sft=self.sft, lora=self.lora, alignment=self.alignment,
-            fault_tolerance=self.fault_tolerance,
+            reward_model=self.reward_model, fault_tolerance=self.fault_tolerance,
         )
 
 
@@ -170,9 +174,10 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     shape, vocab, tokenizer_path = model_shape(model_s, p, report, files, vocab_size)
     parallel = read_parallel(model_s)
     packing_set = model_s.section("data").raw("packing", None)
-    sft = read_sft_data(model_s, files, p, pairs=p.rstrip(".") == "alignment")
+    sft = read_sft_data(model_s, files, p, pairs=p.rstrip(".") in PAIR_STAGES)
     data = read_data(model_s, shape.get("encoder_seq_length"), files, p, sft_data=sft is not None)
     alignment, sft = read_stage_alignment(root, p, shape.get("encoder_seq_length"), sft, report)
+    reward_model, sft = read_stage_reward(root, p, shape.get("encoder_seq_length"), sft, report)
     lora = read_peft(model_s, shape, p)
     restore_from = read_restore_from(model_s, shape, files, p)
     optim = read_optim(model_s, trainer.max_steps if trainer else None, p)
@@ -184,7 +189,8 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     wandb_kwargs = read_wandb_kwargs(exp, p, report)
     unknown_model_keys(model_s, shape, report)
     return _Read(run=run, elastic=elastic, trainer=trainer, shape=shape, vocab=vocab, tokenizer_path=tokenizer_path,
-                 parallel=parallel, packing_set=packing_set, sft=sft, data=data, alignment=alignment, lora=lora,
+                 parallel=parallel, packing_set=packing_set, sft=sft, data=data, alignment=alignment,
+                 reward_model=reward_model, lora=lora,
                  restore_from=restore_from, optim=optim, precision=precision, checkpoint=checkpoint, seed=seed,
                  tensorboard=tensorboard, wandb=wandb, plot=plot, wandb_kwargs=wandb_kwargs,
                  fault_tolerance=fault_tolerance)
@@ -200,11 +206,15 @@ def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
     context_rules(report, p, read.trainer, read.parallel, read.shape)
     if read.elastic:
         elastic_rules(report, p, read.trainer, read.parallel, read.data, read.shape)
-    fine_tuning_rules(report, p, read.parallel, read.shape, read.sft if read.alignment is None else None, read.lora)
+    pairs = read.alignment or read.reward_model  # the preference files' reading (prompt limit, truncation)
+    fine_tuning_rules(report, p, read.parallel, read.shape, read.sft if pairs is None else None, read.lora)
     if read.alignment is not None:
         alignment_rules(report, p, read.alignment, read.sft, read.parallel.context, read.packing_set,
                         read.lora is not None)
-        preference_file_rules(report, p, read.alignment, read.sft, files, read.tokenizer_path, read.shape)
+    if read.reward_model is not None:
+        reward_rules(report, p, read.sft, read.parallel.context, read.packing_set)
+    if pairs is not None:
+        preference_file_rules(report, p, pairs, read.sft, files, read.tokenizer_path, read.shape)
     tokenizer_rules(report, p, read.sft, read.data, read.tokenizer_path, files)
     optim_rules(report, p, read.optim, read.parallel)
     report.error(rules.peer_state_interval(read.fault_tolerance, read.checkpoint, p))

@@ -8,7 +8,7 @@ from typing import Any
 from runtime.schema import choices as C
 from runtime.schema import preference_pairs, rules
 from runtime.schema.reader import REQUIRED, Report, Section
-from runtime.schema.training_config import AlignmentConfig, SFTDataConfig
+from runtime.schema.training_config import AlignmentConfig, RewardModelConfig, SFTDataConfig
 from runtime.schema.training_files import Files, is_remote
 
 
@@ -72,9 +72,10 @@ def alignment_rules(report: Report, p: str, alignment: AlignmentConfig, sft: SFT
         report.error(rules.reference_source(alignment.precompute_ref_log_probs, lora, p))
 
 
-def preference_file_rules(report: Report, p: str, alignment: AlignmentConfig, sft: SFTDataConfig | None,
-                          files: Files, tokenizer_path: str, shape: dict) -> None:
-    """Each preference file, tokenized as the stage will (when the files and the tokenizer are looked at here)."""
+def preference_file_rules(report: Report, p: str, alignment: AlignmentConfig | RewardModelConfig,
+                          sft: SFTDataConfig | None, files: Files, tokenizer_path: str, shape: dict) -> None:
+    """Each preference file, tokenized as the stage will (when the files and the tokenizer are looked at here);
+    the alignment and the rlhf_rm stages read them alike."""
     if sft is not None and files.inputs_checked and tokenizer_path and not is_remote(tokenizer_path) \
             and "encoder_seq_length" in shape:
         for name in sft.train_files + sft.validation_files:

@@ -128,6 +128,17 @@ class AlignmentConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """The rlhf_rm stage: a score head trained on preference pairs with TRL RewardTrainer's loss (the `reward_model`
+    section; the pairs are read as the alignment stage reads them)."""
+
+    center_rewards_coefficient: float | None  # TRL's: + coefficient * mean((r_c + r_r)^2); None or 0: none
+    max_prompt_length: int                    # prompt tokens kept when prompt + response is longer than a row
+    truncation_mode: str                      # keep_start | keep_end (choices.PROMPT_TRUNCATIONS)
+    limit_key = "reward_model.max_prompt_length"
+
+
+@dataclass(frozen=True)
 class SchedConfig:
     name: str
     warmup_steps: int
@@ -210,6 +221,8 @@ class TrainingConfig:
     lora: LoraConfig | None = None
     # The alignment stage (DPO / ORPO): sft then holds the preference files, read as pairs (runtime/alignment).
     alignment: AlignmentConfig | None = None
+    # The rlhf_rm stage (a reward model): sft holds the preference files, read as pairs, as for alignment.
+    reward_model: RewardModelConfig | None = None
     fault_tolerance: FaultToleranceConfig | None = None  # <stage>.fault_tolerance (the peer copies' interval)
     # run.elastic: after a lost node (no spare), the job script restarts the workers on the nodes left and says how
     # many in NXDT_ACTIVE_NODES; data parallelism shrinks and the global batch stays (runtime/train.py).

@@ -48,7 +48,9 @@ def _preference_demo_files(data: Path) -> None:
 
 
 def test_the_stage_sits_between_peft_and_conversion_and_the_default_pipeline_is_unchanged():
-    assert STAGES.index("alignment") == STAGES.index("peft") + 1 == STAGES.index("conversion") - 1
+    # The reward model (rlhf_rm) trains on the same pairs, after alignment.
+    assert STAGES.index("alignment") == STAGES.index("peft") + 1 == STAGES.index("rlhf_rm") - 1
+    assert STAGES.index("rlhf_rm") == STAGES.index("conversion") - 1
     cfg = resolved()
     assert cfg["stages"] == ["data_preparation", "training", "conversion", "evaluation"]
     assert cfg["alignment"]["run"]["name"] == "llama_tiny_dpo" and cfg["alignment"]["strategy"] == "dpo"

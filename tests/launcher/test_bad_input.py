@@ -7,6 +7,8 @@ import pytest
 
 from .helpers import nxdt, refused
 
+# The reward model's demo, its data made by the same launch (nothing to look for on disk).
+RLHF_RM = ["stages=[data_preparation,rlhf_rm]", "data_preparation=preference_demo"]
 CASES = [
     # (overrides, text the error line must contain)
     (["training.trainer.num_nodes=1", "training.trainer.devices=3", "training.model.tensor_model_parallel_size=2"],
@@ -116,6 +118,15 @@ CASES = [
     (["env_vars.NXDT_INJECT_FAULT='lost:node=node2'"], "NXDT_INJECT_FAULT='lost:node=node2': a lost fault takes node, step"),
     # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
     (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
+    # The reward model (rlhf_rm): one score a row, at the response's last token; TRL's key spelled as TRL spells it.
+    ([*RLHF_RM, "rlhf_rm.model.context_parallel_size=2"],
+     "rlhf_rm.model.context_parallel_size: a context group of 2 ranks in the rlhf_rm stage: a reward model scores "
+     "each row at its response's last token"),
+    ([*RLHF_RM, "rlhf_rm.reward_model.center_reward_coefficient=0.01"],
+     "unknown key 'rlhf_rm.reward_model.center_reward_coefficient': did you mean "
+     "'rlhf_rm.reward_model.center_rewards_coefficient'?"),
+    ([*RLHF_RM, "+rlhf_rm.reward_model.margin=1"], "rlhf_rm.reward_model.margin: unknown key; valid keys here: "
+     "center_rewards_coefficient, max_prompt_length, truncation_mode"),
 ]
 
 

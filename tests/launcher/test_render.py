@@ -77,6 +77,9 @@ CASES = [
     # Alignment (DPO, ORPO) is the trainer's job again, with --stage alignment.
     ("alignment", "local", []),
     ("alignment", "slurm", ["alignment.trainer.num_nodes=2", "cluster.partition=compute"]),
+    # The reward model (NeMo-Launcher's rlhf_rm) too, with --stage rlhf_rm.
+    ("rlhf_rm", "local", []),
+    ("rlhf_rm", "slurm", ["rlhf_rm.trainer.num_nodes=2", "cluster.partition=compute"]),
     ("conversion", "local", []),
     ("conversion", "slurm", []),
     ("evaluation", "local", []),
