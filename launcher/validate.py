@@ -92,7 +92,19 @@ def problems(cfg: LaunchConfig, *, dry_run: bool, local: bool, estimates: dict[s
         warnings += input_warnings
     errors += cluster(cfg.cluster)
     errors += injected_fault(cfg)
+    errors += _evaluates_a_reward_model(cfg.stages)
     return errors, warnings
+
+
+def _evaluates_a_reward_model(stages: list[str]) -> list[str]:
+    """The evaluation stage scores the launch's last trained model as a language model; a reward model (rlhf_rm)
+    has a score head instead of one, and its evaluation is the held-out pairwise accuracy it logs while training."""
+    trainers = [s for s in stages if s in TRAINER_STAGES]
+    if "evaluation" in stages and trainers and trainers[-1] == "rlhf_rm":
+        return ["stages: evaluation scores a language model, and rlhf_rm trains a reward model (its held-out pairwise "
+                "accuracy is val_reward_accuracy in metrics.jsonl); leave evaluation out of this launch, or "
+                "evaluate the policy in another one"]
+    return []
 
 
 def injected_fault(cfg: LaunchConfig) -> list[str]:

@@ -116,6 +116,7 @@ CASES = [
      "training.fault_tolerance.spare_nodes: only the Slurm job script recovers in place (spare nodes, peer-held "
      "state, elastic data parallelism); the local executor cannot: unset it or use cluster_type=slurm"),
     (["env_vars.NXDT_INJECT_FAULT='lost:node=node2'"], "NXDT_INJECT_FAULT='lost:node=node2': a lost fault takes node, step"),
+    (["stages=[rlhf_rm,evaluation]"], "stages: evaluation scores a language model, and rlhf_rm trains a reward model"),
     # The host names the local mirror of a remote launch's files: '..' would put them anywhere.
     (["cluster.remote.host=../../x"], "cluster.remote.host: '../../x' is not a host name or address"),
     # The reward model (rlhf_rm): one score a row, at the response's last token; TRL's key spelled as TRL spells it.
