@@ -12,8 +12,17 @@ completions, so a random policy has to earn some reward already. The tokenizer i
 task word, ':', the role names and the ChatML tokens are one token each, about 20 in all, so a random model
 (nearly uniform over its vocabulary) puts about 1/20 of its mass on the right first symbol, and
 runtime.rl.rewards:prefix_match gives partial credit for each right symbol from the start, so that first symbol
-alone already scores. Copying by position is what a 2-layer model learns in a few hundred updates. The prompts
-(num_symbols ** symbols_per_prompt of them) are combinations, so the held-out ones were never seen.
+alone already scores. The prompts (num_symbols ** symbols_per_prompt of them) are combinations, so the held-out ones
+were never seen: the model has to learn to copy by position, not to memorize answers.
+
+Measured (defaults but num_test 100; tests/rl/test_rl_demo.py runs the first 100 steps): a Llama of hidden 64, 2
+layers, 4 heads, 2 KV groups, ffn 128 from random init; GRPO with 32 prompts x 8 completions per step, temperature
+1, max_completion_length 4, beta 0, loss dapo, AdamW lr 1e-3 constant (betas 0.9/0.99, no weight decay), clip 1.0;
+one CPU thread, about 0.25 s a step. Greedy mean reward on 50 validation prompts, model seeds 0 / 1 / 2 / 3: step 0
+0.00 / 0.03 / 0.00 / 0.03, step 50 0.16 / 0.13 / 0.16 / 0.13, step 100 0.36 / 0.40 / 0.42 / 0.41, step 150
+0.71 / 0.70 / 1.00 / 1.00; on all 100 (another model seed) 1.00, every answer exact, at step 200. Higher rates
+collapse the policy early (every completion of a prompt the same, so no signal left): on 2-symbol prompts lr 2e-3
+stalled near 0.65 and 1e-2 near 0.05, where 1e-3 reached 1.00.
 """
 from __future__ import annotations
 
