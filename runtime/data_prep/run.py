@@ -6,14 +6,15 @@
     tokenize it with workers_per_node processes -> try to finalize (blend.txt, summary.json)
 
 input.source synthetic_instructions is one task that writes the fine-tuning demo (runtime/sft/synthetic.py);
-synthetic_preferences likewise writes the alignment demo's preference pairs (runtime/alignment/synthetic.py).
+synthetic_preferences likewise writes the alignment demo's preference pairs (runtime/alignment/synthetic.py),
+synthetic_prompts the rl demo's prompts with exact answers (runtime/rl/synthetic.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from runtime.data_prep import plan
-from runtime.schema.data_preparation import SYNTHETIC, SYNTHETIC_PREFERENCES, StageConfig, UserError
+from runtime.schema.data_preparation import SYNTHETIC, SYNTHETIC_PREFERENCES, SYNTHETIC_PROMPTS, StageConfig, UserError
 from runtime.data_prep.encode import EncoderSpec, init_worker
 from runtime.data_prep.finalize import try_finalize
 from runtime.io.files import sha256_file
@@ -75,15 +76,18 @@ def _run(cfg: StageConfig, task_index: int, num_tasks: int, reporter: Reporter) 
 
 
 # input.source -> the module whose write_demo writes it, and what its records are (runtime/sft/synthetic.py,
-# runtime/alignment/synthetic.py; their settings sections are named like the source).
+# runtime/alignment/synthetic.py, runtime/rl/synthetic.py; their settings sections are named like the source and
+# hold write_demo's keyword arguments).
 _SYNTHETIC_WRITERS = {SYNTHETIC: ("runtime.sft.synthetic", "records"),
-                      SYNTHETIC_PREFERENCES: ("runtime.alignment.synthetic", "pairs")}
+                      SYNTHETIC_PREFERENCES: ("runtime.alignment.synthetic", "pairs"),
+                      SYNTHETIC_PROMPTS: ("runtime.rl.synthetic", "prompts")}
 
 
 def _synthetic(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
-    """A demo the fine-tuning or alignment recipes read: train/valid/test.jsonl, tokenizer.json and
+    """A demo the fine-tuning, alignment or rl recipes read: train/valid/test.jsonl, tokenizer.json and
     tokenizer_config.json, summary.json in output_dir. Task 0 writes it; a second task (none is planned) would
     only race it."""
+    import dataclasses
     import importlib
 
     source = cfg.input.source
@@ -93,14 +97,14 @@ def _synthetic(cfg: StageConfig, task_index: int, reporter: Reporter) -> bool:
         return False
     settings = getattr(cfg, source)
     try:
-        wrote = importlib.import_module(module).write_demo(
-            cfg.output_dir, num_train=settings.num_train, num_valid=settings.num_valid, num_test=settings.num_test,
-            seed=settings.seed, vocab_size=settings.vocab_size)
+        wrote = importlib.import_module(module).write_demo(cfg.output_dir, **dataclasses.asdict(settings))
     except ValueError as error:  # parse_config checks the same bounds; named here should they ever differ
         raise UserError(f"{source}: {error}") from None
     counts = f"{settings.num_train} train, {settings.num_valid} valid, {settings.num_test} test {noun}"
-    reporter.log(f"{source}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, tokenizer of "
-                 f"{settings.vocab_size} tokens, seed {settings.seed} -> {cfg.output_dir}")
+    tokenizer = f"tokenizer of {settings.vocab_size} tokens" if hasattr(settings, "vocab_size") else \
+        f"word-level tokenizer of {settings.num_symbols} symbols"
+    reporter.log(f"{source}: {'wrote' if wrote else 'already complete, skipping:'} {counts}, {tokenizer}, seed "
+                 f"{settings.seed} -> {cfg.output_dir}")
     return True
 
 

@@ -28,6 +28,22 @@ def regex_match(completion: str, answer: str) -> float:
     return 1.0 if pattern.fullmatch(completion.strip()) else 0.0
 
 
+def prefix_match(completion: str, answer: str) -> float:
+    """Partial credit that is 1.0 only for an exact answer: the words (split on whitespace) the completion gets right
+    from the start, before its first wrong one, over the longer of the two word counts. 'c a f' for 'c a f' is 1.0,
+    'c a x' 2/3, 'c a f g' 3/4 (an extra word costs like a wrong one), 'x a f' 0. A random policy's first right word
+    already scores, which is what GRPO needs to start learning (runtime/rl/synthetic.py)."""
+    got, want = completion.split(), answer.split()
+    if not got and not want:
+        return 1.0
+    right = 0
+    for a, b in zip(got, want):
+        if a != b:
+            break
+        right += 1
+    return right / max(len(got), len(want))
+
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 

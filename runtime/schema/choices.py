@@ -70,7 +70,8 @@ PROMPT_TRUNCATIONS = Choices(("keep_start", "keep_end"))
 TASK_TYPES = Choices(("loss", "last_word", "multiple_choice", "perplexity", "synthetic_demo", "exact_match"))
 
 # The data_preparation stage.
-DATA_SOURCES = Choices(("demo", "files", "urls", "synthetic_instructions", "synthetic_preferences"))
+DATA_SOURCES = Choices(("demo", "files", "urls", "synthetic_instructions", "synthetic_preferences",
+                        "synthetic_prompts"))
 TOKENIZER_FORMATS = Choices(("huggingface", "sentencepiece"))   # data_preparation.tokenizer.library
 BAD_LINE_POLICIES = Choices(("skip", "fail"))
 TOKEN_DTYPES = Choices(("auto", "uint16", "int32", "int64"))

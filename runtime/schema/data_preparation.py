@@ -19,11 +19,13 @@ from runtime.schema.reader import ConfigErrors, Report, Section
 P = "data_preparation."
 # input.source: synthetic_instructions writes runtime/sft/synthetic.py's instruction demo (chat records and the
 # tokenizer the fine_tuning and peft stages read) instead of tokenizing a corpus; synthetic_preferences writes
-# runtime/alignment/synthetic.py's preference pairs (and tokenizer) for the alignment stage. Each has its own
-# settings section of the same name.
+# runtime/alignment/synthetic.py's preference pairs (and tokenizer) for the alignment stage; synthetic_prompts
+# writes runtime/rl/synthetic.py's prompts with exact answers (and a word-level tokenizer) for the rl stage. Each
+# has its own settings section of the same name.
 SYNTHETIC = "synthetic_instructions"
 SYNTHETIC_PREFERENCES = "synthetic_preferences"
-SYNTHETIC_SOURCES = (SYNTHETIC, SYNTHETIC_PREFERENCES)
+SYNTHETIC_PROMPTS = "synthetic_prompts"
+SYNTHETIC_SOURCES = (SYNTHETIC, SYNTHETIC_PREFERENCES, SYNTHETIC_PROMPTS)
 SOURCES = DATA_SOURCES
 
 
@@ -73,6 +75,19 @@ class SyntheticPreferencesConfig(SyntheticConfig):
 
     num_valid: int = 256
     num_test: int = 512
+
+
+@dataclass(frozen=True)
+class SyntheticPromptsConfig:
+    """runtime.rl.synthetic.write_demo's arguments (input.source: synthetic_prompts). Its tokenizer is word level:
+    no vocab_size to choose, the symbols are its vocabulary."""
+
+    num_train: int = 600
+    num_valid: int = 100
+    num_test: int = 200
+    seed: int = 1234
+    num_symbols: int = 10          # the letters a.. a prompt's symbols are drawn from (2..26)
+    symbols_per_prompt: int = 3    # num_symbols ** symbols_per_prompt distinct prompts
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,7 @@ class StageConfig:
     demo: DemoConfig = DemoConfig()
     synthetic_instructions: SyntheticConfig = SyntheticConfig()
     synthetic_preferences: SyntheticPreferencesConfig = SyntheticPreferencesConfig()
+    synthetic_prompts: SyntheticPromptsConfig = SyntheticPromptsConfig()
     chunk_mb: float = 1.0
     log_interval_s: float = 30.0
     max_array_tasks: int = 1000
@@ -188,6 +204,16 @@ def _synthetic(s: Section, defaults: SyntheticConfig) -> dict:
               for name in ("num_train", "num_valid", "num_test")}
     values.update(seed=s.int("seed", defaults.seed),
                   vocab_size=s.int("vocab_size", defaults.vocab_size, minimum=300))
+    s.done()
+    return values
+
+
+def _synthetic_prompts(s: Section) -> dict:
+    defaults = SyntheticPromptsConfig()
+    values = {name: s.int(name, getattr(defaults, name), minimum=1)
+              for name in ("num_train", "num_valid", "num_test", "symbols_per_prompt")}
+    values.update(seed=s.int("seed", defaults.seed),
+                  num_symbols=s.int("num_symbols", defaults.num_symbols, minimum=2, maximum=26))
     s.done()
     return values
 
@@ -268,6 +294,7 @@ def parse_config(data: Any) -> StageConfig:
     demo.done()
     synthetic = _synthetic(top.section(SYNTHETIC), SyntheticConfig())
     preferences = _synthetic(top.section(SYNTHETIC_PREFERENCES), SyntheticPreferencesConfig())
+    prompts = _synthetic_prompts(top.section(SYNTHETIC_PROMPTS))
     values = dict(output_dir=top.str("output_dir"), workers_per_node=top.int("workers_per_node", 1, minimum=1),
                   chunk_mb=top.float("chunk_mb", 1.0, above=0.0),
                   log_interval_s=top.float("log_interval_s", 30.0, above=0.0),
@@ -288,7 +315,8 @@ def parse_config(data: Any) -> StageConfig:
                        tokenizer=TokenizerConfig(train=TrainConfig(**train) if train else None, **tokenizer),
                        output=OutputConfig(**output), download=DownloadConfig(**download),
                        demo=DemoConfig(**demo_values), synthetic_instructions=SyntheticConfig(**synthetic),
-                       synthetic_preferences=SyntheticPreferencesConfig(**preferences), **values)
+                       synthetic_preferences=SyntheticPreferencesConfig(**preferences),
+                       synthetic_prompts=SyntheticPromptsConfig(**prompts), **values)
 
 
 def trained_vocab_size(cfg: StageConfig, tokenizer: str) -> int | None:

@@ -93,7 +93,7 @@ def test_check_inputs_passes_and_checks_weights(tmp_path, hf_tokenizer):
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"input": {"source": "file"}}, "data_preparation.input.source: 'file' is not one of demo, files, urls, synthetic_instructions, synthetic_preferences; did you mean 'files'?"),
+    ({"input": {"source": "file"}}, "data_preparation.input.source: 'file' is not one of demo, files, urls, synthetic_instructions, synthetic_preferences, synthetic_prompts; did you mean 'files'?"),
     ({"input": {"file_numbers": "0-x"}}, "input.file_numbers = '0-x': '0-x' is not a number"),
     ({"input": {"on_bad_line": "ignore"}}, "data_preparation.input.on_bad_line: 'ignore' is not one of skip, fail"),
     ({"input": {"on_long_record": "drop"}}, "data_preparation.input.on_long_record: 'drop' is not one of skip, fail"),
