@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from runtime.convert import from_hf  # noqa: E402
+from runtime.generate import generate  # noqa: E402
 from runtime.models import ModelConfig, build_model  # noqa: E402
 from runtime.parallel import (AdamWConfig, DataParallelConfig, ParallelDims, ShardedAdamW, Topology,  # noqa: E402
                               parallelize_model)
@@ -151,7 +152,17 @@ class OurSide:
         self.lengths |= {len(c) for c in batch.completions}
         generation = self.sample.seconds - generation_before
         self.steps.append({"total": end - start, "generation": generation, "rollout_rest": rolled - start - generation,
-                           "update": end - rolled, "reward": batch.table.rewards.mean().item()})
+                           "update": end - rolled, "reward": batch.table.rewards.mean().item(),
+                           "one_call": self.one_call(prompts, index)})
+
+    def one_call(self, prompts: list[list[int]], index: int) -> float:
+        """Seconds of generate() over all P x G rows in one call, as TRL generates (rollout() calls it once per
+        prompt, each call seeded by its prompt): not part of the step, it shows what the batching costs."""
+        rows = [p for p in prompts for _ in range(self.args.generations)]
+        start = time.perf_counter()
+        generate(self.model, rows, max_new_tokens=self.args.completion_length, temperature=1.0, seed=index,
+                 pad_id=self.args.vocab - 2, vocab_size=self.args.vocab - 1)
+        return time.perf_counter() - start
 
 
 def trl_trainer(hf_model, tokenizer, prompts: list[str], args, out_dir: str, ours: OurSide):
@@ -176,13 +187,14 @@ def trl_trainer(hf_model, tokenizer, prompts: list[str], args, out_dir: str, our
             self.start = 0.0
 
         def on_step_begin(self, args_, state, control, **kwargs):
-            self.generation_before = generate.seconds
+            self.before = (generate.seconds, rollout.seconds)
             self.start = time.perf_counter()
 
         def on_step_end(self, args_, state, control, **kwargs):
             total = time.perf_counter() - self.start
-            generation = generate.seconds - self.generation_before
-            self.steps.append({"total": total, "generation": generation, "rest": total - generation})
+            generation, rolled = generate.seconds - self.before[0], rollout.seconds - self.before[1]
+            self.steps.append({"total": total, "generation": generation, "rollout_rest": rolled - generation,
+                               "update": total - rolled})
             ours.step(len(self.steps) - 1)
 
     generate = Timed(hf_model.generate)
@@ -191,6 +203,9 @@ def trl_trainer(hf_model, tokenizer, prompts: list[str], args, out_dir: str, our
     trainer = GRPOTrainer(model=hf_model, reward_funcs=[trl_reward], args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                           callbacks=[callback])
+    # TRL's rollout: generation, rewards and advantages (the old log-probs too, when it needs them).
+    rollout = Timed(trainer._generate_and_score_completions)
+    trainer._generate_and_score_completions = rollout
     return trainer, callback
 
 
@@ -199,25 +214,23 @@ def median(steps: list[dict], key: str) -> float:
 
 
 def report(args, trl_steps: list[dict], ours: OurSide, trl_lengths: dict) -> None:
-    rows, our_steps = args.prompts * args.generations, ours.steps
-    trl_total, our_total = median(trl_steps, "total"), median(our_steps, "total")
-    paired = statistics.median(t["total"] / o["total"] for t, o in zip(trl_steps[1:], our_steps[1:]))
-    trl_rest = median(trl_steps, "rest")
-    our_rest = statistics.median(s["total"] - s["generation"] for s in our_steps[1:])
+    rows, sides = args.prompts * args.generations, {"ours (rollout + train_step)": ours.steps,
+                                                    "TRL GRPOTrainer": trl_steps}
     print(f"# completion lengths: ours {sorted(ours.lengths)}, TRL {trl_lengths}")
-    print(f"# mean reward of the timed steps: ours {statistics.mean(s['reward'] for s in our_steps[1:]):.3f}")
+    print(f"# mean reward of the timed steps, ours: {statistics.mean(s['reward'] for s in ours.steps[1:]):.3f}")
     print(f"# load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n")
-    print("| side | completions/s | s/step | generation s | rest of the step s | of which: rest of rollout s "
-          "| of which: update s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| ours (rollout + train_step) | {rows / our_total:.1f} | {our_total:.3f} | "
-          f"{median(our_steps, 'generation'):.3f} | {our_rest:.3f} | {median(our_steps, 'rollout_rest'):.3f} | "
-          f"{median(our_steps, 'update'):.3f} |")
-    print(f"| TRL GRPOTrainer | {rows / trl_total:.1f} | {trl_total:.3f} | {median(trl_steps, 'generation'):.3f} | "
-          f"{trl_rest:.3f} | | |")
-    print(f"\nours / TRL, completions/s: {trl_total / our_total:.2f} (paired, the median of the per-step ratios: "
-          f"{paired:.2f}); generation alone {median(trl_steps, 'generation') / median(our_steps, 'generation'):.2f}, "
-          f"the rest alone {trl_rest / our_rest:.2f}")
+    print("| side | completions/s | s/step | generation s | rest of the rollout s | update s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, steps in sides.items():
+        cells = " | ".join(f"{median(steps, key):.3f}" for key in ("total", "generation", "rollout_rest", "update"))
+        print(f"| {name} | {rows / median(steps, 'total'):.1f} | {cells} |")
+    ratio = {key: median(trl_steps, key) / median(ours.steps, key) for key in ("total", "generation", "update")}
+    paired = statistics.median(t["total"] / o["total"] for t, o in zip(trl_steps[1:], ours.steps[1:]))
+    print(f"\nours / TRL, completions/s: {ratio['total']:.2f} (paired, the median of the per-step ratios: "
+          f"{paired:.2f}); generation alone {ratio['generation']:.2f}, update alone {ratio['update']:.2f}")
+    one_call = median(ours.steps, "one_call")
+    print(f"ours' generate() over all {rows} rows in one call (not in the step): {one_call:.3f} s, "
+          f"{median(trl_steps, 'generation') / one_call:.2f}x TRL's generation speed")
 
 
 def parse_args() -> argparse.Namespace:
