@@ -108,10 +108,10 @@ def logits_gap(hf_model, model, ids: torch.Tensor) -> float:
 
 
 class Timed:
-    """A callable that adds its wall time to `seconds` (generation, on both sides)."""
+    """A callable that adds its wall time to `seconds` (generation on both sides, TRL's rollout)."""
 
     def __init__(self, fn):
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
+        self.fn, self.seconds = fn, 0.0
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
@@ -119,7 +119,6 @@ class Timed:
             return self.fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
-            self.calls += 1
 
 
 class OurSide:
@@ -187,25 +186,25 @@ def trl_trainer(hf_model, tokenizer, prompts: list[str], args, out_dir: str, our
             self.start = 0.0
 
         def on_step_begin(self, args_, state, control, **kwargs):
-            self.before = (generate.seconds, rollout.seconds)
+            self.before = (hf_generate.seconds, trl_rollout.seconds)
             self.start = time.perf_counter()
 
         def on_step_end(self, args_, state, control, **kwargs):
             total = time.perf_counter() - self.start
-            generation, rolled = generate.seconds - self.before[0], rollout.seconds - self.before[1]
+            generation, rolled = hf_generate.seconds - self.before[0], trl_rollout.seconds - self.before[1]
             self.steps.append({"total": total, "generation": generation, "rollout_rest": rolled - generation,
                                "update": total - rolled})
             ours.step(len(self.steps) - 1)
 
-    generate = Timed(hf_model.generate)
-    hf_model.generate = generate  # TRL calls the unwrapped model's generate (one process: the model itself)
+    hf_generate = Timed(hf_model.generate)
+    hf_model.generate = hf_generate  # TRL calls the unwrapped model's generate (one process: the model itself)
     callback = Interleave()
     trainer = GRPOTrainer(model=hf_model, reward_funcs=[trl_reward], args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                           callbacks=[callback])
     # TRL's rollout: generation, rewards and advantages (the old log-probs too, when it needs them).
-    rollout = Timed(trainer._generate_and_score_completions)
-    trainer._generate_and_score_completions = rollout
+    trl_rollout = Timed(trainer._generate_and_score_completions)
+    trainer._generate_and_score_completions = trl_rollout
     return trainer, callback
 
 
