@@ -55,7 +55,8 @@ def _demo_files(data: Path) -> None:
 
 
 def test_stages_are_in_order_and_the_default_pipeline_is_unchanged():
-    assert STAGES == ("data_preparation", "training", "fine_tuning", "peft", "alignment", "conversion", "evaluation")
+    assert STAGES == ("data_preparation", "training", "fine_tuning", "peft", "alignment", "rlhf_rm", "conversion",
+                      "evaluation")
     cfg = resolved()
     assert cfg["stages"] == ["data_preparation", "training", "conversion", "evaluation"]
     assert cfg["fine_tuning"]["run"]["name"] == "llama_tiny_sft" and cfg["peft"]["run"]["name"] == "llama_tiny_lora"

@@ -63,6 +63,7 @@ def configs(tmp_path_factory) -> dict:
                           micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH,
                           index_mapping_dir=str(root / f"cache_{kind}"), num_workers=1)
         fields = dict(data=data, trainer=trainer, seed=1234, tokenizer_path=str(root), sft=None, alignment=None,
+                      reward_model=None,
                       model=SimpleNamespace(vocab_size=512), parallel=SimpleNamespace(context_kind="ring"))
         return SimpleNamespace(**{**fields, **stage})
 
