@@ -155,8 +155,8 @@ class OurSide:
                            "one_call": self.one_call(prompts, index)})
 
     def one_call(self, prompts: list[list[int]], index: int) -> float:
-        """Seconds of generate() over all P x G rows in one call, as TRL generates (rollout() calls it once per
-        prompt, each call seeded by its prompt): not part of the step, it shows what the batching costs."""
+        """Seconds of generate() over all P x G rows in one call with one seed, as TRL generates (rollout() makes one
+        call too, each prompt's rows from their own generator): not part of the step, it shows what that costs."""
         rows = [p for p in prompts for _ in range(self.args.generations)]
         start = time.perf_counter()
         generate(self.model, rows, max_new_tokens=self.args.completion_length, temperature=1.0, seed=index,

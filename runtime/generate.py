@@ -20,14 +20,16 @@ class KVCache:
     """One attention layer's keys and values, preallocated to `max_length` positions.
 
     The buffers take their shape from the first update, (batch, max_length, ng, d) with ng the heads this rank
-    computes, so under tensor parallelism each rank caches only its share. update() returns the whole buffer
-    (not just the filled part): every decode step then has the same shapes (what XLA and CUDA graphs want), and
-    the SequenceLayout's mask is False over the positions not written yet. The buffers start at zero, because a
+    computes, so under tensor parallelism each rank caches only its share. update() returns the filled prefix,
+    so a decode step attends over the tokens so far, not the whole budget. With `fixed` (XLA) it returns the
+    whole buffer instead: every decode step then has the same shapes, hence one compiled graph, and the
+    SequenceLayout's mask is False over the positions not written yet. The buffers start at zero, because a
     masked key still meets a 0 weight in the softmax-times-values product and 0 * NaN would be NaN.
     """
 
-    def __init__(self, max_length: int):
+    def __init__(self, max_length: int, fixed: bool = False):
         self.max_length = max_length
+        self.fixed = fixed
         self.length = 0
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -43,15 +45,17 @@ class KVCache:
         self.k.index_copy_(1, index, k)
         self.v.index_copy_(1, index, v)
         self.length += T
-        return self.k, self.v  # (B, max_length, ng, d)
+        if self.fixed:
+            return self.k, self.v  # (B, max_length, ng, d)
+        return self.k[:, :self.length], self.v[:, :self.length]  # (B, length, ng, d)
 
 
 @contextmanager
-def kv_caches(model: nn.Module, max_length: int) -> Iterator[list[KVCache]]:
+def kv_caches(model: nn.Module, max_length: int, fixed: bool = False) -> Iterator[list[KVCache]]:
     """A fresh KVCache on every Attention of `model` for the duration of the block, removed afterwards (also on
     error), so the model is a plain model again outside it."""
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    caches = [KVCache(max_length) for _ in attentions]
+    caches = [KVCache(max_length, fixed) for _ in attentions]
     for attention, cache in zip(attentions, caches):
         attention.kv_cache = cache
     try:
@@ -92,7 +96,7 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_p: float) -> 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              stop_ids: Iterable[int] = (), temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             pad_id: int = 0, vocab_size: int | None = None,
+             group_seeds: Sequence[int] | None = None, pad_id: int = 0, vocab_size: int | None = None,
              finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
     """The new tokens of each prompt, without the stop token that ended it.
 
@@ -105,15 +109,19 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     temperature 0 is greedy (argmax; ties go to the lower id). Otherwise tokens are sampled from
     softmax(logits / temperature) cut to the top-p nucleus, on the CPU with a generator seeded by `seed`, so
     the draws are the same on every device and every tensor-parallel rank (which all hold the same gathered
-    logits) and the same seed gives the same tokens. vocab_size: only ids below it are generated (the model's
-    vocabulary is padded past the tokenizer's). Every rank of a tensor-parallel group must call this with the
-    same arguments. finished(row, tokens so far): True ends that row after its latest token (lm-eval's stop
-    strings, which the caller cuts the decoded text at).
+    logits) and the same seed gives the same tokens. group_seeds, instead of `seed`: one seed per group of
+    len(prompts) // len(group_seeds) consecutive rows, each group sampled from its own generator with the
+    draws generate() over that group's rows alone with its seed makes, so a group's tokens do not depend on the
+    rest of the batch (GRPO's G completions of a prompt, runtime/rl/rollout.py). vocab_size: only ids below it
+    are generated (the model's vocabulary is padded past the tokenizer's). Every rank of a tensor-parallel group
+    must call this with the same arguments. finished(row, tokens so far): True ends that row after its latest
+    token (lm-eval's stop strings, which the caller cuts the decoded text at).
     """
     check_generatable(model)
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     if not prompts:
         return []
+    generators = _generators(len(prompts), seed, group_seeds)
     max_positions = model.cfg.max_position_embeddings
     lengths = [len(p) for p in prompts]
     for number, length in enumerate(lengths):
@@ -124,33 +132,21 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     budgets = [min(max_new_tokens, max_positions - length + 1) for length in lengths]
     stops = set(stop_ids)
     device = next(model.parameters()).device
+    fixed = fixed_shapes(device)
     B, T0, steps = len(prompts), max(lengths), max(budgets)
     S = T0 + steps - 1                                          # the cache: prompts, then every token fed back
-    pads = torch.tensor([T0 - n for n in lengths])
-    ids = torch.full((B, T0), pad_id, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, T0 - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-    # (B, S): which cache positions hold real tokens; the decode positions open one per step.
-    valid = (torch.arange(S)[None, :] >= pads[:, None]) & (torch.arange(S)[None, :] < T0)
-    # Prefill: causal over real keys; a pad query sees only itself, so no row of the mask is empty (SDPA would
-    # give NaN, and a NaN key or value poisons even the queries that give it weight 0).
-    causal = torch.ones(T0, S, dtype=torch.bool).tril()
-    eye = torch.eye(T0, S, dtype=torch.bool)
-    mask = causal & (valid[:, None, :] | eye)                   # (B, T0, S)
-    positions = (torch.arange(T0)[None, :] - pads[:, None]).clamp(min=0)  # (B, T0)
+    ids, valid, layout = _prefill(prompts, pad_id, S if fixed else T0, S)
     lengths_t = torch.tensor(lengths)
-
-    generator = torch.Generator().manual_seed(seed)
     out: list[list[int]] = [[] for _ in prompts]
     active = [True] * B
     was_training = model.training
     model.eval()  # no dropout: greedy must be deterministic
     try:
-        with kv_caches(model, S):
-            layout = SequenceLayout(positions.to(device), mask.unsqueeze(1).to(device))
+        with kv_caches(model, S, fixed):
+            layout = SequenceLayout(layout.positions.to(device), layout.mask.to(device))
             logits = model(ids.to(device), layout=layout)[:, -1]                   # (B, V)
             for step in range(steps):
-                tokens = _choose(logits, temperature, top_p, generator, vocab_size)  # (B,) on CPU
+                tokens = _choose(logits, temperature, top_p, generators, vocab_size, active)  # (B,) on CPU
                 for row, token in enumerate(tokens.tolist()):
                     if not active[row]:
                         continue
@@ -165,25 +161,69 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
                 valid[:, T0 + step] = True  # finished rows keep a (harmless) token there too
                 # A finished row's position may run past the table: clamp it, nothing reads that row any more.
                 position = (lengths_t + step).clamp(max=max_positions - 1)[:, None]  # (B, 1)
-                layout = SequenceLayout(position.to(device), valid[:, None, None, :].to(device))  # (B, 1, 1, S)
+                keys = valid[:, :S if fixed else T0 + step + 1]  # the cache's keys after this token is written
+                layout = SequenceLayout(position.to(device), keys[:, None, None, :].to(device))  # (B, 1, 1, S)
                 logits = model(fed.to(device), layout=layout)[:, -1]
     finally:
         model.train(was_training)
     return out
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-            vocab_size: int | None) -> torch.Tensor:
-    """(B, V) logits -> (B,) next tokens on the CPU: argmax, or a top-p sample drawn from `generator`."""
+def fixed_shapes(device: torch.device) -> bool:
+    """Whether every decode step attends over the cache's whole length (one shape, so XLA compiles one graph)
+    rather than over the tokens so far (less work: CPU and CUDA). True everywhere for now: which devices compile
+    graphs is runtime/device.py's to say (the only module that branches on the device kind), not yet asked."""
+    return True
+
+
+def _generators(rows: int, seed: int, group_seeds: Sequence[int] | None) -> list[torch.Generator]:
+    """One CPU generator per group of rows: `seed`'s for all of them, or one per group_seeds entry."""
+    seeds = [seed] if group_seeds is None else list(group_seeds)
+    if not seeds or rows % len(seeds):
+        raise ValueError(f"group_seeds: {len(seeds)} seeds for {rows} prompts; give one seed per group of equally "
+                         "many consecutive prompts")
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def _prefill(prompts: Sequence[Sequence[int]], pad_id: int, width: int, S: int
+             ) -> tuple[torch.Tensor, torch.Tensor, SequenceLayout]:
+    """The left-padded (B, T0) prompt ids, the (B, S) cache positions holding real tokens (the decode positions
+    open one per step) and the prefill's layout over the first `width` cache positions (T0, or S for XLA)."""
+    lengths = [len(p) for p in prompts]
+    B, T0 = len(prompts), max(lengths)
+    pads = torch.tensor([T0 - n for n in lengths])
+    ids = torch.full((B, T0), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, T0 - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+    valid = (torch.arange(S)[None, :] >= pads[:, None]) & (torch.arange(S)[None, :] < T0)
+    # Causal over real keys; a pad query sees only itself, so no row of the mask is empty (SDPA would give NaN,
+    # and a NaN key or value poisons even the queries that give it weight 0).
+    causal = torch.ones(T0, width, dtype=torch.bool).tril()
+    eye = torch.eye(T0, width, dtype=torch.bool)
+    mask = causal & (valid[:, None, :width] | eye)              # (B, T0, width)
+    positions = (torch.arange(T0)[None, :] - pads[:, None]).clamp(min=0)  # (B, T0)
+    return ids, valid, SequenceLayout(positions, mask.unsqueeze(1))
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator],
+            vocab_size: int | None, active: list[bool]) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens on the CPU: argmax, or a top-p sample, each group of rows drawn from its
+    own generator (a group whose rows have all finished draws nothing; its row's tokens are then 0)."""
     logits = logits[:, :vocab_size].float().cpu()
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p >= 1.0:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    picked = torch.multinomial(sorted_probs, 1, generator=generator)              # (B, 1) in sorted order
-    return order.gather(-1, picked).squeeze(-1)
+    order = None
+    if top_p < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    picked = torch.zeros(probs.shape[0], 1, dtype=torch.long)  # in sorted order under top_p
+    size = probs.shape[0] // len(generators)
+    for group, generator in enumerate(generators):
+        rows = slice(group * size, (group + 1) * size)
+        if any(active[rows]):
+            # The same call on the same (size, V) block as generate() over these rows alone: the same draws.
+            picked[rows] = torch.multinomial(probs[rows], 1, generator=generator)
+    return (picked if order is None else order.gather(-1, picked)).squeeze(-1)

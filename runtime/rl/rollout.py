@@ -12,8 +12,9 @@
 # the pads after it, so a row scores as it would alone); the loss mask is on the completion's tokens up to and
 # including the stop token, and off on a truncated completion (no stop token) with mask_truncated_completions.
 #
-# Each prompt's G completions come from one generate() call seeded by (seed, the prompt's index in the data), so
-# they do not depend on how prompts are split over DP ranks or batched, and the same seed gives the same tokens.
+# All of this rank's prompts are sampled in one generate() call, each prompt's G completions drawing from their own
+# generator seeded by (seed, the prompt's index in the data), so they do not depend on how prompts are split over DP
+# ranks or batched, and the same seed gives the same tokens.
 # Generation needs the whole model on each rank (tensor parallelism is fine; pipeline parallelism is not).
 from __future__ import annotations
 
@@ -81,14 +82,16 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], answers: Sequenc
 def sample(model: nn.Module, prompts: Sequence[Sequence[int]], config: GRPOConfig, *, stops: set[int], seed: int,
            prompt_indices: Sequence[int], pad_id: int = 0, vocab_size: int | None = None) -> list[list[int]]:
     """G = num_generations completions per prompt, prompt after prompt (rows r*G .. r*G+G-1 are prompt r's), each
-    ending with its stop token when it has one; temperature 0 is greedy."""
-    out: list[list[int]] = []
+    ending with its stop token when it has one; temperature 0 is greedy. One generate() call over all the rows,
+    each prompt's G rows drawing from their own generator seeded by prompt_seed(seed, its index)."""
+    if len(prompts) != len(prompt_indices):
+        raise ValueError(f"sample: {len(prompts)} prompts but {len(prompt_indices)} prompt indices")
+    G = config.num_generations
     finished = (lambda row, tokens: tokens[-1] in stops) if stops else None  # keeps the stop token, unlike stop_ids
-    for prompt, index in zip(prompts, prompt_indices, strict=True):
-        out += generate(model, [prompt] * config.num_generations, max_new_tokens=config.max_completion_length,
-                        temperature=config.temperature, top_p=config.top_p, seed=prompt_seed(seed, index),
-                        pad_id=pad_id, vocab_size=vocab_size, finished=finished)
-    return out
+    return generate(model, [prompt for prompt in prompts for _ in range(G)],
+                    max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
+                    group_seeds=[prompt_seed(seed, index) for index in prompt_indices], pad_id=pad_id,
+                    vocab_size=vocab_size, finished=finished)
 
 
 def prompt_seed(seed: int, index: int) -> int:

@@ -147,3 +147,35 @@ def test_tensor_parallel_ranks_agree_with_one_process():
                                "lora")
     assert tp2["lora-greedy"] == generate(lora, PROMPTS, max_new_tokens=NEW)
     assert tp2["sequence_parallel"].startswith("generation does not support sequence parallelism")
+
+
+def test_group_seeds_sample_each_group_as_it_samples_alone():
+    """Two completions per prompt in one batch, each pair from its own seed, equal the pairs sampled by separate
+    calls; with stop ids, so groups end at different steps (and one drawing no more does not shift the others)."""
+    model = tiny("llama")
+    rows = [prompt for prompt in PROMPTS for _ in range(2)]
+    seeds = [101, 7, 55, 3]
+    for temperature, top_p, stops in [(1.0, 1.0, ()), (1.5, 0.9, {4, 9, 21, 33})]:
+        sample = dict(max_new_tokens=NEW, temperature=temperature, top_p=top_p, stop_ids=stops, vocab_size=40)
+        alone = [t for prompt, s in zip(PROMPTS, seeds) for t in generate(model, [prompt] * 2, seed=s, **sample)]
+        batched = generate(model, rows, group_seeds=seeds, **sample)
+        assert batched == alone
+        assert len({len(t) for t in batched}) > 1 or not stops  # rows really end at different steps
+        pairs = [alone[i:i + 2] for i in range(0, len(alone), 2)]
+        reordered = generate(model, rows[::-1], group_seeds=seeds[::-1], **sample)  # the groups in reverse
+        assert reordered == [t for pair in pairs[::-1] for t in pair]
+        assert generate(model, rows, group_seeds=seeds[::-1], **sample) != batched
+    with pytest.raises(ValueError, match="group_seeds: 3 seeds for 8 prompts"):
+        generate(model, rows, max_new_tokens=1, group_seeds=[1, 2, 3])
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_the_cache_over_the_tokens_so_far_or_whole_gives_the_same_tokens(monkeypatch, fixed):
+    """Decode steps attend over the cache's filled prefix, or over all of it (fixed shapes: XLA's one graph): the
+    same tokens either way, greedy and sampled, as re-running the full forward."""
+    model = tiny("llama")
+    monkeypatch.setattr("runtime.generate.fixed_shapes", lambda device: fixed)
+    assert generate(model, PROMPTS, max_new_tokens=NEW) == [full_forward_greedy(model, p, NEW) for p in PROMPTS]
+    sampled = dict(max_new_tokens=NEW, temperature=1.0, top_p=0.9)
+    assert [generate(model, [p], seed=5, **sampled)[0] for p in PROMPTS] == \
+        generate(model, PROMPTS, group_seeds=[5] * len(PROMPTS), **sampled)

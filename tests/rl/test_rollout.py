@@ -9,7 +9,8 @@ from runtime.models import build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, Topology, parallelize_model
 from runtime.rl.grpo import GRPOConfig
 from runtime.rl.rewards import exact_match
-from runtime.rl.rollout import build_rows, micro_batches, rollout
+from runtime.generate import generate
+from runtime.rl.rollout import build_rows, micro_batches, prompt_seed, rollout, sample
 from tests.runtime_parallel import harness as H
 from tests.runtime_parallel.dist_utils import run_distributed
 
@@ -96,6 +97,27 @@ def test_sampling_is_reproducible_and_greedy_groups_are_identical():
         assert len({tuple(c) for c in greedy["completions"][4 * group:4 * group + 4]}) == 1
     assert torch.equal(greedy["advantages"], torch.zeros(16))  # equal rewards: no signal
     assert greedy["metrics"]["frac_reward_zero_std"] == 1.0
+
+
+def test_a_prompts_completions_do_not_depend_on_the_order_or_split_of_the_batch():
+    """sample() draws all prompts in one generate() call; each prompt's G completions are those of generate() over
+    its G rows alone seeded by (seed, its index), whatever the other prompts, their order and the split."""
+    model = tiny_model(Topology.build(ParallelDims(tp=1, pp=1, dp=1, world_size=1)))
+    cfg = GRPOConfig(num_generations=4, max_completion_length=6, temperature=1.0, top_p=0.9)
+    G, seed = cfg.num_generations, 5
+
+    def per_prompt(indices: list[int]) -> dict[int, list]:
+        got = sample(model, [PROMPTS[i] for i in indices], cfg, stops=STOPS, seed=seed, prompt_indices=indices)
+        return {index: got[G * k:G * k + G] for k, index in enumerate(indices)}
+
+    whole = per_prompt([0, 1, 2, 3])
+    assert per_prompt([3, 1, 0, 2]) == whole
+    assert {**per_prompt([2]), **per_prompt([0, 3]), **per_prompt([1])} == whole
+    for index, completions in whole.items():  # the stop token kept, as the finished callback leaves it
+        alone = generate(model, [PROMPTS[index]] * G, max_new_tokens=6, temperature=1.0, top_p=0.9,
+                         seed=prompt_seed(seed, index), stop_ids=STOPS)
+        assert [c[:-1] if c[-1] in STOPS else c for c in completions] == alone
+    assert any(c[-1] in STOPS for group in whole.values() for c in group)
 
 
 def test_rows_mask_the_completion_through_its_stop_token():
