@@ -404,8 +404,20 @@ def training_progress(entry: dict[str, Any], *, window: int = 5) -> str | None:
         graphs = (f"; XLA: {last['xla_graphs_per_step']:g} graphs and {last['xla_transfers_per_step']:g} "
                   f"device-to-host transfers per step, {int(last.get('xla_recompiles') or 0)} recompiles after "
                   "warm-up")
-    return (f"step {step} of {max_steps} ({100 * step / max(max_steps, 1):.0f}%), loss {float(last['loss']):.4f}, "
-            f"about {_duration(left_s)} left at {recent[-1]:.2f} s/step{memory}{graphs}")
+    return (f"step {step} of {max_steps} ({100 * step / max(max_steps, 1):.0f}%), loss {float(last['loss']):.4f}"
+            f"{_rl_figures(last, runner.read_text(metrics))}, about {_duration(left_s)} left at {recent[-1]:.2f} s/step"
+            f"{memory}{graphs}")
+
+
+def _rl_figures(last: dict[str, Any], text: str) -> str:
+    """The rl stage's step figures (GRPO's reward, KL and completion length) and its latest held-out reward."""
+    shown = "".join(f", {name} {float(last[key]):.3f}" for key, name in (("reward", "reward"), ("kl", "KL"),
+                                                                          ("completion_length", "completion length"))
+                    if isinstance(last.get(key), (int, float)))
+    held_out = [r for r in json_lines(text) if isinstance(r.get("val_reward"), (int, float))]
+    if held_out:
+        shown += f", held-out reward {float(held_out[-1]['val_reward']):.3f} at step {held_out[-1].get('step')}"
+    return shown
 
 
 # --- what fault tolerance did (runtime/fault_tolerance/attempts.py writes the history) -----------------------------

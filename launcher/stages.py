@@ -91,6 +91,12 @@ def rlhf_rm(cfg: LaunchConfig) -> Job:
     return _trainer_job(cfg, "rlhf_rm")
 
 
+def rl(cfg: LaunchConfig) -> Job:
+    """GRPO (TRL's GRPOTrainer's objective) from model.restore_from_path or random init on {"prompt", "answer"}
+    records: each step samples completions from the policy, scores them with the grpo.reward function and trains."""
+    return _trainer_job(cfg, "rl")
+
+
 def conversion(cfg: LaunchConfig) -> Job:
     return _job(cfg, "conversion", nodes=1, nproc_per_node=1, distributed=False)
 

@@ -11,7 +11,7 @@ Which keys move data, per stage (anything else that is s3:// is refused, naming 
 | ---------------- | ---------------------------------------------------------- | --------------- | ----------------------- |
 | data_preparation | input.files, tokenizer.{model,vocab_file,merge_file}, tokenizer.train.files | output_dir | download.dir |
 | training         | model.tokenizer.model, model.data.data_prefix (blend file or prefixes) | -   | model.data.index_mapping_dir |
-| fine_tuning, peft, alignment, rlhf_rm | model.tokenizer.model, model.data.{train_ds,validation_ds}.file_names | - | -   |
+| fine_tuning, peft, alignment, rlhf_rm, rl | model.tokenizer.model, model.data.{train_ds,validation_ds}.file_names | - | -   |
 """
 
 from __future__ import annotations

@@ -198,12 +198,14 @@ class MetricsLogger:
         pace = self._steady_time / self._steady_steps if self._steady_steps else mean_step
         return f"{step}/{self.max_steps} (eta {format_duration(max(self.max_steps - step, 0) * pace)})"
 
-    def record_validation(self, step: int, val_loss: float, extra: dict[str, float] | None = None) -> None:
-        """extra: the objective's other figures (the alignment stage's rewards), written as val_<name>."""
+    def record_validation(self, step: int, val_loss: float | None, extra: dict[str, float] | None = None) -> None:
+        """extra: the objective's other figures (the alignment stage's rewards), written as val_<name>. val_loss
+        None: a validation without a loss (the rl stage's held-out reward)."""
         if self.is_main:
             values = {f"val_{k}": float(v) for k, v in (extra or {}).items()}
-            print(f"step {step} | val_loss {val_loss:.4f}" + _shown(values), flush=True)
-            self._write({"step": step, "val_loss": float(val_loss), **values})
+            loss = {} if val_loss is None else {"val_loss": float(val_loss)}
+            print(f"step {step}" + "".join(f" | {k} {v:.4f}" for k, v in loss.items()) + _shown(values), flush=True)
+            self._write({"step": step, **loss, **values})
 
     def record_event(self, event: dict) -> None:
         """A record of something that happened to the run (a recovery, runtime/fault_tolerance/recovery.py): in
@@ -239,7 +241,8 @@ class MetricsLogger:
 _NOT_CHARTED = ("step", "peak_tflops", "probe_tflops", "probe_size")
 
 # Figures worth a place on the console line besides the loss (the rest are in metrics.jsonl).
-_CONSOLE = ("reward_accuracy", "reward_margin", "val_reward_accuracy", "val_reward_margin")
+_CONSOLE = ("reward_accuracy", "reward_margin", "val_reward_accuracy", "val_reward_margin",
+            "reward", "kl", "completion_length", "val_reward", "val_exact")  # the rl stage's
 
 
 def _shown(values: dict | None) -> str:

@@ -1,4 +1,5 @@
-"""A picture of a training run: loss (and validation loss), learning rate and throughput against the step.
+"""A picture of a training run: loss (and validation loss), learning rate and throughput against the step; for the
+rl stage also its reward (rollouts' and held-out) and its KL and completion length.
 
     python -m runtime.plot results/gpt3_tiny/training          # writes results/gpt3_tiny/training/metrics.png
 
@@ -44,7 +45,9 @@ def plot_run(results_dir: str | Path, out: str | Path | None = None) -> Path:
     if not any("loss" in row for row in rows):
         raise ValueError(f"{results_dir / 'metrics.jsonl'} has no training step logged yet")
     out = Path(out) if out else results_dir / PICTURE
-    figure, (loss_ax, lr_ax, speed_ax) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    rl = any("reward" in row and "completion_length" in row for row in rows)  # the rl stage: its reward, KL, length
+    figure, axes = plt.subplots(5 if rl else 3, 1, figsize=(8, 15 if rl else 9), sharex=True)
+    loss_ax, lr_ax, speed_ax = axes[:3]
     loss_ax.plot(*_series(rows, "loss"), label="train loss")
     steps, values = _series(rows, "val_loss")
     if steps:
@@ -55,8 +58,10 @@ def plot_run(results_dir: str | Path, out: str | Path | None = None) -> Path:
     lr_ax.set_ylabel("learning rate")
     speed_ax.plot(*_series(rows, "tokens_per_s"))
     speed_ax.set_ylabel("tokens/s")
-    speed_ax.set_xlabel("step")
-    for ax in (loss_ax, lr_ax, speed_ax):
+    axes[-1].set_xlabel("step")
+    if rl:
+        _rl_panels(rows, axes[3], axes[4])
+    for ax in axes:
         ax.grid(alpha=0.3)
     figure.suptitle(results_dir.parent.name or str(results_dir))
     figure.tight_layout()
@@ -66,6 +71,23 @@ def plot_run(results_dir: str | Path, out: str | Path | None = None) -> Path:
     plt.close(figure)
     partial.replace(out)  # a reader (a browser, `plot` while training) never sees half a picture
     return out
+
+
+def _rl_panels(rows: list[dict], reward_ax, kl_ax) -> None:
+    """The rl stage's: the rollouts' mean reward and the held-out greedy one; the KL to the reference and the mean
+    completion length."""
+    reward_ax.plot(*_series(rows, "reward"), label="rollout reward")
+    steps, values = _series(rows, "val_reward")
+    if steps:
+        reward_ax.plot(steps, values, "o-", label="held-out greedy reward")
+    reward_ax.set_ylabel("reward")
+    reward_ax.legend()
+    kl_ax.plot(*_series(rows, "kl"), label="KL")
+    kl_ax.set_ylabel("KL")
+    length_ax = kl_ax.twinx()
+    length_ax.plot(*_series(rows, "completion_length"), color="tab:orange", label="completion length")
+    length_ax.set_ylabel("completion length (tokens)")
+    kl_ax.legend(handles=kl_ax.get_lines() + length_ax.get_lines())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Top
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
+from runtime.rl.trainer import HeldOut, build_rl
 from runtime.schema.facts import USER_ERROR_EXIT_CODE  # the job script's decider reads it too
 from runtime.schema.stages import TRAINER_STAGES
 from runtime.step import eval_result, train_step
@@ -116,10 +117,13 @@ def _to_device(micro_batches: list[MicroBatch], device: Device) -> list[MicroBat
     return [micro_batch.to(device.torch_device) for micro_batch in micro_batches]
 
 
-def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, topo: Topology, device: Device,
+def evaluate(model, optimizer, valid: DataParallelBatches | HeldOut, num_batches: int, topo: Topology, device: Device,
              objective=None) -> tuple[float, dict]:
     """The objective (mean per-token loss) over the first `num_batches` validation global batches (the same ones
-    every time, so successive values are comparable), over every data-parallel rank; and its other metrics."""
+    every time, so successive values are comparable), over every data-parallel rank; and its other metrics. The rl
+    stage's (HeldOut): its held-out prompts' greedy reward, and no loss."""
+    if isinstance(valid, HeldOut):
+        return None, valid.evaluate(model, optimizer)
     optimizer.eval()  # schedule-free: its averaged weights are the ones to evaluate; the next step switches back
     micro_batches = []
     for index in range(num_batches):
@@ -167,8 +171,8 @@ class _Run:
     topo: Topology
     model: torch.nn.Module
     optimizer: ShardedAdamW
-    train_batches: DataParallelBatches
-    valid_batches: DataParallelBatches | None
+    train_batches: DataParallelBatches  # or the rl stage's RolloutBatches
+    valid_batches: DataParallelBatches | HeldOut | None
     objective: object
     valid_objective: object
     schedule: LRSchedule
@@ -248,8 +252,13 @@ def _setup(cfg: TrainingConfig, device: Device) -> _Run:
     model = build_model(cfg, topo, device)
     optimizer = ShardedAdamW(model, cfg.optim)
     release_freed_host_memory()  # the materialized parameters data parallelism copied into its flat buffers
-    train_batches, valid_batches = build_data(cfg, topo, device)
-    objective, valid_objective = build_objective(cfg, model, optimizer, train_batches, valid_batches, topo, device)
+    if cfg.rl is not None:  # GRPO: rollouts of this model as it trains, and its held-out greedy reward
+        train_batches, valid_batches = build_rl(cfg, model, optimizer, topo, device, lambda: build_model(cfg, topo,
+                                                                                                         device))
+        objective, valid_objective = train_batches.objective, None
+    else:
+        train_batches, valid_batches = build_data(cfg, topo, device)
+        objective, valid_objective = build_objective(cfg, model, optimizer, train_batches, valid_batches, topo, device)
     sched = cfg.optim.sched
     schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
                           sched.min_lr)
@@ -313,7 +322,7 @@ def _loop(run: _Run, cfg: TrainingConfig, device: Device, progress: Progress | N
             logged = metrics.should_log(done)
             # The signal any rank had received when this step began, agreed inside the step and read with it.
             signum = (int(result.extra[0]) or None) if watch is not None and not device.trial_run else None
-            extra = dict(result.metrics)
+            extra = {**getattr(run.train_batches, "metrics", {}), **result.metrics}  # rl: the rollout's too
             if logged:
                 with graphs.part("logging", done):
                     extra.update(step_stats(model, report=True), **memory_peaks(device, cfg.trainer.devices))
@@ -410,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved training-stage YAML the launcher wrote")
     parser.add_argument("--stage", default="training", choices=TRAINER_STAGES,
-                        help="the stage this config is (names its keys in errors); fine_tuning, peft, alignment "
-                             "and rlhf_rm run here too")
+                        help="the stage this config is (names its keys in errors); fine_tuning, peft, alignment, "
+                             "rlhf_rm and rl run here too")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0") or 0)
     try:

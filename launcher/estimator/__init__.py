@@ -84,6 +84,8 @@ def estimate(training: dict[str, Any], *, device: str | None = None, tokens: flo
     if sizing_report.errors:
         raise UserError(*sizing_report.errors)
     layout = layout_from_training(sizing, trainer)
+    # rl: the batch sizes count completions, each a row through the model (its rollouts' forwards, generation and
+    # the optimizer step's, are not sized apart).
     if stage in PAIR_STAGES:  # alignment and rlhf_rm: m pairs are 2m rows
         layout = dataclasses.replace(layout, micro_batch_size=2 * layout.micro_batch_size,
                                      global_batch_size=2 * layout.global_batch_size)

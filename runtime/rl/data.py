@@ -1,10 +1,7 @@
 # The rl stage's prompts: {"prompt": ..., "answer": ...} records read and checked (read_prompts), rendered with the
 # chat template up to the generation prompt and tokenized once (load_prompts), and handed to the trainer a step's
 # worth at a time (PromptBatches), each DP rank its share.
-#
-# A prompt is a string (one user message) or a list of system/user/assistant messages ending with a user message,
-# as a preference pair's prompt (runtime/schema/records.py). The answer is what the reward compares a completion
-# with; a reward that needs none (needs_answer False) gets "" for a record without one.
+# The records' shape and reading: runtime/schema/prompts.py.
 #
 # Order: sample j of the run is prompt perm_e[j % n], e = j // n, with one permutation per epoch seeded by (seed, e)
 # (the fine-tuning loader's epochs, runtime/sft/dataset.py: epoch_samples); a step takes the next prompts_per_step
@@ -13,56 +10,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from runtime.schema.chat import ChatTokenizer
-from runtime.schema.records import Message, _messages, read_with
-
-SHAPE = '{"prompt": ..., "answer": ...}'
-FILES_KEY = "rl.data.train_files"
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    where: str                  # "file:line" (JSON lines) or "file:row N" (parquet), for error messages
-    prompt: list[Message]       # ends with a user message
-    answer: str
-
-
-def to_prompt_record(value: Any, where: str, needs_answer: bool = True) -> PromptRecord:
-    """One parsed record as a PromptRecord, or a one-line ValueError starting with `where`."""
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: a record must be a JSON object, not {type(value).__name__}; write {SHAPE}")
-    if "prompt" not in value:
-        raise ValueError(f"{where}: the record has no 'prompt' (keys: {', '.join(sorted(value)) or 'none'}); "
-                         f"a prompt record is {SHAPE}")
-    prompt = _messages(value["prompt"], where, "prompt", "user")
-    if prompt[-1]["role"] != "user":
-        raise ValueError(f"{where}: the prompt ends with a {prompt[-1]['role']} message; it must end with the user "
-                         "message the completion answers")
-    if "answer" not in value:
-        if needs_answer:
-            raise ValueError(f"{where}: the record has no 'answer' (keys: {', '.join(sorted(value))}), which the "
-                             f"reward compares completions with; add one ({SHAPE}) or remove the record")
-        return PromptRecord(where, prompt, "")
-    answer = value["answer"]
-    if not isinstance(answer, str):
-        raise ValueError(f"{where}: 'answer' is of type {type(answer).__name__}; write it as a string "
-                         f"(\"answer\": \"{answer}\")")
-    return PromptRecord(where, prompt, answer)
-
-
-def read_prompts(paths: Sequence[str | os.PathLike], needs_answer: bool = True,
-                 key: str = FILES_KEY) -> list[PromptRecord]:
-    """The records of every file, files in the order given; `key` names the setting in the error for none."""
-    if not paths:
-        raise ValueError(f"{key}: no prompt files; list .jsonl, .jsonl.gz or .parquet files of {SHAPE}")
-    return [record for path in paths
-            for record in read_with(path, lambda value, where: to_prompt_record(value, where, needs_answer),
-                                    what="prompt")]
+# The records' reading is the schema's, which a launch checks the files with (runtime/schema/prompts.py).
+from runtime.schema.prompts import FILES_KEY, SHAPE, PromptRecord, read_prompts, to_prompt_record  # noqa: F401
 
 
 class PromptSet(NamedTuple):

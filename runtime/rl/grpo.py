@@ -28,9 +28,10 @@ from typing import NamedTuple
 import torch
 
 from runtime.micro_batch import PreparedBatch
+from runtime.schema.choices import GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
+LOSS_TYPES = tuple(GRPO_LOSS_TYPES)          # the rl stage's config reads them (runtime/schema/training_rl.py)
+SCALE_REWARDS = tuple(GRPO_SCALE_REWARDS)
 # The statistics summed over a step's rows (indices into the vector each micro-batch returns).
 STATS = ("objective", "kl", "clipped_low", "clipped_high", "reward", "completion_length")
 # What TRL adds to the std before dividing by it, so a group whose rewards are all equal gets advantages of 0.

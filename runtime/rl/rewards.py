@@ -4,14 +4,13 @@
 # returns something that is no number, into one line naming the reward and the prompt.
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import re
-from typing import Callable, Sequence
+from typing import Sequence
 
-Reward = Callable[[str, str], float]
-
+# The loader is the schema's, which a launch checks rl.grpo.reward with (runtime/schema/prompts.py).
+from runtime.schema.prompts import Reward, load_reward, one_line as _one_line  # noqa: F401
 
 def exact_match(completion: str, answer: str) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, is the answer (also stripped), else 0.0."""
@@ -57,26 +56,6 @@ def last_number(completion: str, answer: str) -> float:
         return 0.0
 
 
-def load_reward(path: str) -> Reward:
-    """The function at `path`: 'module:name' or 'module.name'. ValueError, one line naming the path, when it cannot
-    be imported or is not callable."""
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"reward: {path!r} is not a dotted path; write 'module:function', e.g. "
-                         "'runtime.rl.rewards:exact_match'")
-    module_name, _, name = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not name:
-        raise ValueError(f"reward: {path!r} names no function; write 'module:function', e.g. "
-                         "'runtime.rl.rewards:exact_match'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # a user's module failing as it imports is the same mistake as a missing one
-        raise ValueError(f"reward: {path!r}: cannot import {module_name} ({_one_line(error)})") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"reward: {path!r}: {module_name} has no function {name!r}")
-    return function
-
-
 def score(reward: Reward, completions: Sequence[str], answers: Sequence[str], prompt_indices: Sequence[int],
           name: str | None = None) -> list[float]:
     """reward(completion, answer) of each completion. A reward that raises, or returns something that is no finite
@@ -92,8 +71,3 @@ def score(reward: Reward, completions: Sequence[str], answers: Sequence[str], pr
             raise ValueError(f"reward {name} returned {value!r} on prompt {index}; a reward is a finite number")
         out.append(float(value))
     return out
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -64,6 +64,9 @@ DPO_LOSS_TYPES = Choices(("sigmoid", "ipo"))
 # truncation_mode: keep_start cuts a prompt over the limit to its first tokens; keep_end never cuts the prompt's
 # end (next to the response), so a prompt over the limit is refused by name (preference_pairs.py).
 PROMPT_TRUNCATIONS = Choices(("keep_start", "keep_end"))
+# GRPO (the rl stage's grpo section, runtime/rl/grpo.py): TRL's loss normalizations and reward scalings.
+GRPO_LOSS_TYPES = Choices(("grpo", "bnpo", "dr_grpo", "dapo"))
+GRPO_SCALE_REWARDS = Choices(("group", "batch", "none"))
 
 # The evaluation stage's task types; a bare name is a built-in loss task over a split of the training data, or an
 # lm-eval task, group or tag (type lm_eval).

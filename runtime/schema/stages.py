@@ -14,6 +14,7 @@ STAGE_PROGRAMS: dict[str, str] = {
     "peft": TRAINER,
     "alignment": TRAINER,
     "rlhf_rm": TRAINER,
+    "rl": TRAINER,
     "conversion": "runtime.convert",
     "evaluation": "runtime.evaluate",
 }
@@ -22,8 +23,8 @@ STAGES = tuple(STAGE_PROGRAMS)
 # Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job
 # (the same job shape, checkpoints, preemption and metrics).
 # fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or
-# LoRA), rlhf_rm a reward model on the same pairs (NeMo-Launcher's name); the trainer is told which with --stage,
-# which names their keys.
+# LoRA), rlhf_rm a reward model on the same pairs (NeMo-Launcher's name), rl GRPO on prompts with a reward
+# function; the trainer is told which with --stage, which names their keys.
 TRAINER_STAGES = tuple(stage for stage, program in STAGE_PROGRAMS.items() if program == TRAINER)
 # The trainer stages that start from model.restore_from_path and read record files (model.data.train_ds).
 FINE_TUNING_STAGES = tuple(stage for stage in TRAINER_STAGES if stage != "training")

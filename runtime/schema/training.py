@@ -10,7 +10,8 @@
 # by its own module: training_run (run, trainer, fault_tolerance, precision, exp_manager), training_model (the
 # model's shape and tokenizer) with training_hf (its config.json and starting weights) and training_model_parts
 # (moe, rope_scaling, latent_attention), training_layout (the parallel layout), training_data, training_optim,
-# training_peft and training_alignment; training_files says what is looked at on the file system.
+# training_peft, training_alignment, training_reward and training_rl; training_files says what is looked at on the
+# file system.
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ from runtime.schema.stages import PAIR_STAGES
 from runtime.schema.training_alignment import alignment_rules, preference_file_rules, read_stage_alignment
 from runtime.schema.training_config import (AlignmentConfig, CheckpointConfig, DataConfig, FaultToleranceConfig,
                                             LoraConfig, OptimConfig, ParallelConfig, PrecisionConfig,
-                                            RewardModelConfig, SFTDataConfig, SizingConfig, TrainerConfig,
+                                            RewardModelConfig, RLConfig, SFTDataConfig, SizingConfig, TrainerConfig,
                                             TrainingConfig)
 from runtime.schema.training_data import read_batch, read_data, read_sft_data, tokenizer_rules
 from runtime.schema.training_files import FILE_MODES, Files, is_remote
@@ -37,6 +38,7 @@ from runtime.schema.training_model_parts import parse_latent_attention, parse_mo
 from runtime.schema.training_optim import optim_rules, read_optim
 from runtime.schema.training_peft import fine_tuning_rules, parse_lora, read_peft, saved_lora
 from runtime.schema.training_reward import read_stage_reward, reward_rules
+from runtime.schema.training_rl import read_stage_rl, rl_rules
 from runtime.schema.training_run import (WANDB_KEYS, read_checkpoint, read_fault_tolerance, read_precision, read_run,
                                          read_trainer, read_wandb_kwargs)
 
@@ -129,6 +131,7 @@ class _Read:
     data: DataConfig | None
     alignment: AlignmentConfig | None
     reward_model: RewardModelConfig | None
+    rl: RLConfig | None
     lora: LoraConfig | None
     restore_from: str | None
     optim: OptimConfig | None
@@ -160,7 +163,7 @@ class _Read:
             tensorboard=self.tensorboard, wandb=self.wandb, wandb_kwargs=self.wandb_kwargs, plot=self.plot,
             checkpoint=self.checkpoint, elastic=self.elastic,
             raw=raw, restore_from_path=self.restore_from, sft=self.sft, lora=self.lora, alignment=self.alignment,
-            reward_model=self.reward_model, fault_tolerance=self.fault_tolerance,
+            reward_model=self.reward_model, rl=self.rl, fault_tolerance=self.fault_tolerance,
         )
 
 
@@ -174,10 +177,11 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     shape, vocab, tokenizer_path = model_shape(model_s, p, report, files, vocab_size)
     parallel = read_parallel(model_s)
     packing_set = model_s.section("data").raw("packing", None)
-    sft = read_sft_data(model_s, files, p, pairs=p.rstrip(".") in PAIR_STAGES)
+    sft = read_sft_data(model_s, files, p, pairs=p.rstrip(".") in PAIR_STAGES, prompts=p.rstrip(".") == "rl")
     data = read_data(model_s, shape.get("encoder_seq_length"), files, p, sft_data=sft is not None)
     alignment, sft = read_stage_alignment(root, p, shape.get("encoder_seq_length"), sft, report)
     reward_model, sft = read_stage_reward(root, p, shape.get("encoder_seq_length"), sft, report)
+    rl, sft = read_stage_rl(root, p, shape.get("encoder_seq_length"), sft, data, report)
     lora = read_peft(model_s, shape, p)
     restore_from = read_restore_from(model_s, shape, files, p)
     optim = read_optim(model_s, trainer.max_steps if trainer else None, p)
@@ -190,7 +194,7 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     unknown_model_keys(model_s, shape, report)
     return _Read(run=run, elastic=elastic, trainer=trainer, shape=shape, vocab=vocab, tokenizer_path=tokenizer_path,
                  parallel=parallel, packing_set=packing_set, sft=sft, data=data, alignment=alignment,
-                 reward_model=reward_model, lora=lora,
+                 reward_model=reward_model, rl=rl, lora=lora,
                  restore_from=restore_from, optim=optim, precision=precision, checkpoint=checkpoint, seed=seed,
                  tensorboard=tensorboard, wandb=wandb, plot=plot, wandb_kwargs=wandb_kwargs,
                  fault_tolerance=fault_tolerance)
@@ -213,6 +217,8 @@ def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
                         read.lora is not None)
     if read.reward_model is not None:
         reward_rules(report, p, read.sft, read.parallel.context, read.packing_set)
+    if read.rl is not None:
+        rl_rules(report, p, read.rl, read.sft, read.trainer, read.parallel, read.packing_set, read.lora, files)
     if pairs is not None:
         preference_file_rules(report, p, pairs, read.sft, files, read.tokenizer_path, read.shape)
     tokenizer_rules(report, p, read.sft, read.data, read.tokenizer_path, files)

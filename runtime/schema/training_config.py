@@ -139,6 +139,26 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class RLConfig:
+    """The rl stage (GRPO): the `grpo` section, TRL GRPOConfig's keys (runtime/rl/grpo.py GRPOConfig takes `trl`)
+    and ours: the reward's dotted path and the prompt limit. Prompts per step: model.global_batch_size (which counts
+    completions) / num_generations."""
+
+    trl: dict                        # num_generations .. mask_truncated_completions, as GRPOConfig(**trl) takes them
+    reward: str                      # module:function
+    max_prompt_length: int           # prompt tokens (with the chat template); a longer prompt is an error
+    prompts_per_step: int
+
+    @property
+    def num_generations(self) -> int:
+        return self.trl["num_generations"]
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.trl["max_completion_length"]
+
+
+@dataclass(frozen=True)
 class SchedConfig:
     name: str
     warmup_steps: int
@@ -223,6 +243,8 @@ class TrainingConfig:
     alignment: AlignmentConfig | None = None
     # The rlhf_rm stage (a reward model): sft holds the preference files, read as pairs, as for alignment.
     reward_model: RewardModelConfig | None = None
+    # The rl stage (GRPO): sft holds the prompt files ({"prompt", "answer"} records, runtime/schema/prompts.py).
+    rl: RLConfig | None = None
     fault_tolerance: FaultToleranceConfig | None = None  # <stage>.fault_tolerance (the peer copies' interval)
     # run.elastic: after a lost node (no spare), the job script restarts the workers on the nodes left and says how
     # many in NXDT_ACTIVE_NODES; data parallelism shrinks and the global batch stays (runtime/train.py).

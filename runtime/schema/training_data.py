@@ -59,9 +59,11 @@ def read_data(model: Section, seq_length: int | None, files: Files, p: str, sft_
                       num_workers=workers, reset_documents=bool(reset[0] and reset[1]))
 
 
-def read_sft_data(model: Section, files: Files, p: str, pairs: bool = False) -> SFTDataConfig | None:
+def read_sft_data(model: Section, files: Files, p: str, pairs: bool = False, prompts: bool = False
+                  ) -> SFTDataConfig | None:
     """model.data.train_ds / validation_ds (NeMo's fine-tuning keys): chat or prompt/completion records, or with
-    `pairs` (the alignment stage) preference records: prompt, chosen, rejected."""
+    `pairs` (the alignment stage) preference records: prompt, chosen, rejected; with `prompts` (the rl stage) prompt
+    records, which training_rl checks against its reward."""
     data = model.section("data")
     data.choice("truncation", C.TRUNCATIONS, "right")  # read (marked seen) even for pretraining configs
     data.raw("packing", None), data.raw("chat_template", None), data.raw("validation_ds", None)
@@ -83,7 +85,7 @@ def read_sft_data(model: Section, files: Files, p: str, pairs: bool = False) -> 
             elif files.inputs_checked and not is_remote(name) and not Path(name).is_file():
                 files.problem(f"{section.key('file_names')}: {name} does not exist; run the data_preparation that "
                               f"writes it or fix the path")
-            elif files.inputs_checked and not is_remote(name):
+            elif files.inputs_checked and not is_remote(name) and not prompts:
                 model.report.error(records.launch_problem(name, section.key("file_names"), pairs))
         lists[split] = tuple(names)
     template = data.str("chat_template", None)

@@ -50,7 +50,8 @@ def _preference_demo_files(data: Path) -> None:
 def test_the_stage_sits_between_peft_and_conversion_and_the_default_pipeline_is_unchanged():
     # The reward model (rlhf_rm) trains on the same pairs, after alignment.
     assert STAGES.index("alignment") == STAGES.index("peft") + 1 == STAGES.index("rlhf_rm") - 1
-    assert STAGES.index("rlhf_rm") == STAGES.index("conversion") - 1
+    # GRPO (rl) after the reward model, before conversion.
+    assert STAGES.index("rlhf_rm") == STAGES.index("rl") - 1 == STAGES.index("conversion") - 2
     cfg = resolved()
     assert cfg["stages"] == ["data_preparation", "training", "conversion", "evaluation"]
     assert cfg["alignment"]["run"]["name"] == "llama_tiny_dpo" and cfg["alignment"]["strategy"] == "dpo"

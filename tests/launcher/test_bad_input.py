@@ -9,6 +9,8 @@ from .helpers import nxdt, refused
 
 # The reward model's demo, its data made by the same launch (nothing to look for on disk).
 RLHF_RM = ["stages=[data_preparation,rlhf_rm]", "data_preparation=preference_demo"]
+# The rl stage's demo (GRPO), its data made by the same launch.
+RL = ["stages=[data_preparation,rl]", "data_preparation=rl_demo"]
 CASES = [
     # (overrides, text the error line must contain)
     (["training.trainer.num_nodes=1", "training.trainer.devices=3", "training.model.tensor_model_parallel_size=2"],
@@ -128,6 +130,17 @@ CASES = [
      "'rlhf_rm.reward_model.center_rewards_coefficient'?"),
     ([*RLHF_RM, "+rlhf_rm.reward_model.margin=1"], "rlhf_rm.reward_model.margin: unknown key; valid keys here: "
      "center_rewards_coefficient, max_prompt_length, truncation_mode"),
+    # GRPO (rl): the reward is imported at launch; generation needs the whole model on each rank.
+    ([*RL, "rl.grpo.reward=no_such_module:score"],
+     "rl.grpo.reward: 'no_such_module:score': cannot import no_such_module (ModuleNotFoundError"),
+    ([*RL, "rl.model.pipeline_model_parallel_size=2"],
+     "rl.model.pipeline_model_parallel_size: 2 in the rl stage: generating completions needs the whole model on "
+     "each rank"),
+    ([*RL, "rl.model.global_batch_size=250"],
+     "rl.model.global_batch_size: 250 completions per step are not whole groups of grpo.num_generations 8"),
+    ([*RL, "+rl.grpo.reward_model=/models/rm"], "rl.grpo.reward_model: a reward model (an rlhf_rm export) as "
+     "GRPO's reward is not supported yet"),
+    ([*RL, "rl.grpo.loss_type=ppo"], "rl.grpo.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo"),
 ]
 
 
@@ -137,6 +150,23 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, overrides, expec
     refused(nxdt(f"base_results_dir={results}", "cluster_type=local", *overrides, cwd=tmp_path), expected)
     assert not results.exists(), "a rejected launch wrote files"
     assert not list(tmp_path.iterdir()), "a rejected launch wrote files"
+
+
+def test_rl_prompts_without_the_answer_the_reward_needs_are_named_by_file_and_line(tmp_path):
+    """The rl stage's local prompt files are read at launch as the job reads them (runtime/schema/prompts.py)."""
+    from runtime.rl.synthetic import write_demo
+
+    data = tmp_path / "data"
+    write_demo(data / "rl_demo", num_train=20, num_valid=5, num_test=5)
+    train = data / "rl_demo" / "train.jsonl"
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join([lines[0], '{"prompt": "repeat: a b c"}', *lines[2:]]) + "\n")
+    before = sorted(tmp_path.rglob("*"))
+    refused(nxdt(f"base_results_dir={tmp_path}/results", f"data_dir={data}", "cluster_type=local", "stages=[rl]",
+                 cwd=tmp_path),
+            f"rl.model.data.train_ds.file_names: {train}:2: the record has no 'answer' (keys: prompt), which the "
+            "reward compares completions with")
+    assert sorted(tmp_path.rglob("*")) == before, "a rejected launch wrote files"
 
 
 def test_missing_paths_are_warnings_in_a_dry_run(tmp_path):

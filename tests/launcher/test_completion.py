@@ -39,7 +39,7 @@ def test_zsh_completes_whole_key_value_words():
 def test_stages_complete_to_stage_names():
     assert complete("zsh", "nxdt-launch stages=", 1) == [
         "stages=[data_preparation]", "stages=[training]", "stages=[fine_tuning]", "stages=[peft]", "stages=[alignment]",
-        "stages=[rlhf_rm]", "stages=[conversion]", "stages=[evaluation]"]
+        "stages=[rlhf_rm]", "stages=[rl]", "stages=[conversion]", "stages=[evaluation]"]
     assert complete("bash", "nxdt-launch stages = [data_preparation,tr", 3) == ["[data_preparation,training]"]
 
 

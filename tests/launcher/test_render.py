@@ -80,6 +80,9 @@ CASES = [
     # The reward model (NeMo-Launcher's rlhf_rm) too, with --stage rlhf_rm.
     ("rlhf_rm", "local", []),
     ("rlhf_rm", "slurm", ["rlhf_rm.trainer.num_nodes=2", "cluster.partition=compute"]),
+    # GRPO (the rl stage) too, with --stage rl.
+    ("rl", "local", []),
+    ("rl", "slurm", ["rl.trainer.num_nodes=2", "cluster.partition=compute"]),
     ("conversion", "local", []),
     ("conversion", "slurm", []),
     ("evaluation", "local", []),

@@ -1,0 +1,78 @@
+# The rl stage inside the trainer (runtime/train.py): its train batches are RolloutBatches (each step's completions
+# sampled from the policy, the trainer's own model, as it is then), its objective their current GRPO objective, and
+# its validation the held-out prompts' greedy reward (HeldOut, logged as val_reward and val_exact, with no loss).
+# The reference of the KL term (grpo.beta > 0) is a frozen copy of the policy as it starts: built before any
+# checkpoint is loaded, so a resumed run keeps the same reference. RolloutBatches.state_dict (the prompts consumed)
+# is the checkpoint's data position, and each step's sampling is seeded by its number: a resume draws what the
+# uninterrupted run drew.
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from runtime.rl.data import PromptBatches, PromptSet, load_prompts
+from runtime.rl.grpo import GRPOConfig
+from runtime.rl.rewards import Reward, load_reward
+from runtime.rl.stage import RolloutBatches, greedy_reward
+from runtime.schema.chat import ChatTokenizer
+
+
+class HeldOut:
+    """The rl stage's validation: greedy completions of the first validation prompts and their mean reward. Every
+    rank computes the same figures (the same prompts, greedy decoding)."""
+
+    def __init__(self, prompts: PromptSet, *, reward: Reward, reward_name: str, chat: ChatTokenizer,
+                 max_new_tokens: int):
+        self.prompts, self.reward, self.reward_name = prompts, reward, reward_name
+        self.chat, self.max_new_tokens = chat, max_new_tokens
+
+    def evaluate(self, model: nn.Module, optimizer) -> dict[str, float]:
+        optimizer.eval()  # schedule-free: its averaged weights are the ones to evaluate; the next step switches back
+        figures = greedy_reward(model, self.prompts, reward=self.reward, chat=self.chat,
+                                max_new_tokens=self.max_new_tokens, reward_name=self.reward_name)
+        return {"reward": figures["eval_reward"], "exact": figures["eval_exact"]}
+
+
+def build_rl(cfg, model: nn.Module, optimizer, topo, device, build_model: Callable[[], nn.Module]
+             ) -> tuple[RolloutBatches, HeldOut | None]:
+    """The rl stage's train batches (whose .objective is the step's objective) and its validation (None without
+    validation prompts or checks). build_model builds another model like the policy, for the frozen reference."""
+    from runtime.step import autocast_for
+
+    rl, sft, stage = cfg.rl, cfg.sft, "rl.model.data"
+    chat = ChatTokenizer(cfg.tokenizer_path, sft.chat_template)
+    reward = load_reward(rl.reward)
+    needs_answer = getattr(reward, "needs_answer", True)  # a reward may say it reads no answer
+    train = load_prompts(sft.train_files, chat, needs_answer=needs_answer, max_prompt_length=rl.max_prompt_length,
+                         key=f"{stage}.train_ds.file_names")
+    config = GRPOConfig(**rl.trl)
+    reference = frozen_copy(model, build_model) if config.beta != 0 else None
+    batches = RolloutBatches(
+        PromptBatches(train, rl.prompts_per_step, seed=cfg.seed, dp_rank=topo.data_rank, dp_size=topo.data_size),
+        model, config=config, reward=reward, reward_name=rl.reward, chat=chat, topo=topo, seed=cfg.seed,
+        micro_batch_size=cfg.data.micro_batch_size, reference=reference,
+        autocast=lambda: autocast_for(optimizer, device.torch_device))
+    valid = None
+    if sft.validation_files and cfg.trainer.val_check_interval > 0 and cfg.trainer.limit_val_batches > 0:
+        prompts = load_prompts(sft.validation_files, chat, needs_answer=needs_answer,
+                               max_prompt_length=rl.max_prompt_length,
+                               limit=cfg.trainer.limit_val_batches * rl.prompts_per_step,
+                               key=f"{stage}.validation_ds.file_names")
+        valid = HeldOut(prompts, reward=reward, reward_name=rl.reward, chat=chat,
+                        max_new_tokens=rl.max_completion_length)
+    if device.is_main:
+        print(f"rl: {len(train)} training prompts, {rl.prompts_per_step} per step x {config.num_generations} "
+              f"completions, reward {rl.reward}" + (f", {len(valid.prompts)} held-out prompts" if valid else ""),
+              flush=True)
+    return batches, valid
+
+
+@torch.no_grad()
+def frozen_copy(model: nn.Module, build_model: Callable[[], nn.Module]) -> nn.Module:
+    """Another model like `model` (the same layout) holding its weights now, frozen, in eval mode."""
+    reference = build_model()
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    return reference.eval()

@@ -1,0 +1,132 @@
+"""The rl stage's part of a training stage config: the `grpo` section (TRL GRPOConfig's keys, with TRL 1.16's
+defaults, and ours: reward, reward_model, max_prompt_length), refused in any other stage, and its rules at launch:
+the reward imports, the prompt files hold the records it needs, the batch holds whole groups on every data-parallel
+rank, and the layout lets each rank generate alone.
+
+model.global_batch_size counts completions (rows through the model, as in every trainer stage), so prompts per step
+= global_batch_size / num_generations, and model.micro_batch_size is rows per micro-batch."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from runtime.schema import choices as C
+from runtime.schema.prompts import load_reward, read_prompts
+from runtime.schema.reader import Report, Section
+from runtime.schema.records import LAUNCH_SCAN_BYTES
+from runtime.schema.training_config import (DataConfig, LoraConfig, ParallelConfig, RLConfig, SFTDataConfig,
+                                            TrainerConfig)
+from runtime.schema.training_files import Files, is_remote
+
+STAGE = "rl"
+DEFAULT_REWARD = "runtime.rl.rewards:prefix_match"
+
+
+def read_stage_rl(root: Section, p: str, seq_length: int | None, sft: SFTDataConfig | None, data: DataConfig | None,
+                  report: Report) -> tuple[RLConfig | None, SFTDataConfig | None]:
+    """The rl stage's grpo section, and its prompt files' config (`sft`, never packed); any other stage with a grpo
+    section is refused."""
+    stage = p.rstrip(".")
+    if stage != STAGE:
+        if root.has("grpo"):
+            report.error(f"{stage}.grpo: GRPO trains in the rl stage; use stages=[rl] rl=<recipe>, or remove "
+                         f"{stage}.grpo")
+        return None, sft
+    g = root.section("grpo")
+    trl = dict(num_generations=g.int("num_generations", 8, minimum=1),
+               max_completion_length=g.int("max_completion_length", 512, minimum=1),
+               temperature=g.float("temperature", 1.0, minimum=0.0), top_p=g.float("top_p", 1.0, above=0.0),
+               beta=g.float("beta", 0.0, minimum=0.0), epsilon=g.float("epsilon", 0.2, minimum=0.0),
+               epsilon_high=g.float("epsilon_high", None, minimum=0.0), delta=g.float("delta", None),
+               loss_type=g.choice("loss_type", C.GRPO_LOSS_TYPES, "dapo"),
+               scale_rewards=g.choice("scale_rewards", C.GRPO_SCALE_REWARDS, "group"),
+               mask_truncated_completions=g.bool("mask_truncated_completions", False))
+    reward = g.str("reward", DEFAULT_REWARD)
+    completion = trl["max_completion_length"] or 0
+    limit = g.int("max_prompt_length", max((seq_length or 0) - completion, 1), minimum=1)
+    if g.raw("reward_model", None) is not None:
+        report.error(f"{g.key('reward_model')}: a reward model (an rlhf_rm export) as GRPO's reward is not supported "
+                     f"yet; remove it and name a reward function in {g.key('reward')} (module:function)")
+    g.done()
+    problems = _trl_problems(g, trl)
+    if limit is not None and seq_length and trl["max_completion_length"] and limit + completion > seq_length:
+        problems.append(f"{g.key('max_prompt_length')}: {limit} + max_completion_length {completion} = "
+                        f"{limit + completion} tokens is more than a row, model.encoder_seq_length {seq_length}; "
+                        f"lower them or raise encoder_seq_length")
+    if reward is not None:
+        try:
+            load_reward(reward)
+        except ValueError as error:
+            problems.append(f"{g.key('reward')}: {str(error).removeprefix('reward: ')}")
+    prompts = None
+    if data is not None and trl["num_generations"]:
+        prompts, rest = divmod(data.global_batch_size, trl["num_generations"])
+        if rest:
+            problems.append(f"{p}model.global_batch_size: {data.global_batch_size} completions per step are not whole "
+                            f"groups of grpo.num_generations {trl['num_generations']}; make it a multiple (prompts "
+                            f"per step = global_batch_size / num_generations)")
+    for problem in problems:
+        report.error(problem)
+    if sft is not None:
+        sft = dataclasses.replace(sft, packing=False)  # a row is one prompt and one completion
+    if problems or _unset(trl) or reward is None or limit is None or not prompts:
+        return None, sft
+    return RLConfig(trl=trl, reward=reward, max_prompt_length=limit, prompts_per_step=prompts), sft
+
+
+def _unset(trl: dict) -> bool:
+    """A None that is no valid value (epsilon_high and delta may be None: TRL's 'same as epsilon' and 'no cap')."""
+    return any(v is None for k, v in trl.items() if k not in ("epsilon_high", "delta"))
+
+
+def _trl_problems(g: Section, trl: dict) -> list[str]:
+    """The ranges runtime/rl/grpo.py GRPOConfig checks, named by key."""
+    problems = []
+    if trl["epsilon"] is not None and trl["epsilon"] >= 1:
+        problems.append(f"{g.key('epsilon')}: {trl['epsilon']} must be below 1 (the ratio is clipped to "
+                        f"[1 - epsilon, 1 + epsilon_high])")
+    upper = trl["epsilon"] if trl["epsilon_high"] is None else trl["epsilon_high"]
+    if trl["delta"] is not None and upper is not None and trl["delta"] <= 1 + upper:
+        problems.append(f"{g.key('delta')}: {trl['delta']} must be above 1 + epsilon_high ({1 + upper}), or null")
+    return problems
+
+
+def rl_rules(report: Report, p: str, rl: RLConfig, sft: SFTDataConfig | None, trainer: TrainerConfig,
+             parallel: ParallelConfig, packing_set: Any, lora: LoraConfig | None, files: Files) -> None:
+    """The layout (generation needs the whole model and whole sequences on each rank), whole prompts per
+    data-parallel rank, and the prompt files (local ones read here, as the job reads them)."""
+    if parallel.pp > 1:
+        report.error(f"{p}model.pipeline_model_parallel_size: {parallel.pp} in the rl stage: generating completions "
+                     f"needs the whole model on each rank; set it to 1 (tensor parallelism is fine)")
+    if parallel.context > 1 or parallel.sequence_parallel:
+        key = "sequence_parallel" if parallel.context == 1 else "context_parallel_size"
+        report.error(f"{p}model.{key}: the rl stage generates token by token, each rank its whole sequences; set "
+                     f"context_parallel_size and ulysses_parallel_size to 1 and sequence_parallel to false")
+    if packing_set:
+        report.error(f"{p}model.data.packing: true in the rl stage: each row is one prompt and one completion; "
+                     f"remove model.data.packing or set it to false")
+    if lora is not None:
+        report.error(f"{p}model.peft: LoRA in the rl stage is not supported yet (the reference would be the base "
+                     f"without adapters); set model.peft.peft_scheme=null to train every weight")
+    world = trainer.num_nodes * trainer.devices
+    if parallel.pp == 1 and world % parallel.tp == 0 and rl.prompts_per_step % (world // parallel.tp):
+        dp = world // parallel.tp
+        report.error(f"{p}model.global_batch_size: {rl.prompts_per_step} prompts per step (global_batch_size / "
+                     f"num_generations) do not divide among the {dp} data-parallel ranks; make global_batch_size a "
+                     f"multiple of num_generations x {dp}")
+    if sft is None:
+        report.error(f"{p}model.data.train_ds.file_names: missing; list the prompt files (.jsonl with prompt, "
+                     f"answer) to train on")
+    elif files.inputs_checked:
+        reward = load_reward(rl.reward)
+        needs_answer = getattr(reward, "needs_answer", True)  # a reward may say it reads no answer
+        for key, names in (("train_ds", sft.train_files), ("validation_ds", sft.validation_files)):
+            for name in names:
+                if is_remote(name) or not os.path.isfile(name) or name.endswith(".parquet") \
+                        or os.stat(name).st_size > LAUNCH_SCAN_BYTES:
+                    continue  # missing: read_sft_data says so; big or parquet: the job reads it before its first step
+                try:
+                    read_prompts([name], needs_answer)
+                except (OSError, ValueError) as error:
+                    report.error(f"{p}model.data.{key}.file_names: {' '.join(str(error).split())}")
