@@ -55,7 +55,7 @@ def _demo_files(data: Path) -> None:
 
 
 def test_stages_are_in_order_and_the_default_pipeline_is_unchanged():
-    assert STAGES == ("data_preparation", "training", "fine_tuning", "peft", "alignment", "rlhf_rm", "conversion",
+    assert STAGES == ("data_preparation", "training", "fine_tuning", "peft", "alignment", "rlhf_rm", "rl", "conversion",
                       "evaluation")
     cfg = resolved()
     assert cfg["stages"] == ["data_preparation", "training", "conversion", "evaluation"]
