@@ -1,6 +1,8 @@
-# Text generation from a CausalLM (runtime/models), tensor-parallel or not: a KV cache per attention layer and
-# `generate`, which prefills a batch of prompts and then decodes one token per step. It only calls the model's
-# forward with a SequenceLayout, so LoRA adapters and tensor parallelism need nothing special here.
+# Text generation from a CausalLM (runtime/models), tensor-parallel or not, whole or split into pipeline stages: a
+# KV cache per attention layer and `generate`, which prefills a batch of prompts and then decodes one token per step.
+# It only calls the model's forward with a SequenceLayout, so LoRA adapters and tensor parallelism need nothing
+# special here. Under pipeline parallelism every step runs through the stages in turn (PipelinedDecoding): each
+# stage caches only its own layers, the last one picks the tokens and broadcasts them to the others.
 #
 #     tokens = generate(model, [[5, 9, 2], [7]], max_new_tokens=32, stop_ids={3}, pad_id=0)   # greedy
 #     tokens = generate(model, prompts, max_new_tokens=32, stop_ids={3}, temperature=0.8, top_p=0.9, seed=7)
@@ -13,7 +15,11 @@ import torch
 from torch import nn
 
 from runtime.models.layers import Attention, RotaryEmbedding, SequenceLayout
-from runtime.models.transformer import CausalLM
+from runtime.models.transformer import CausalLM, Embeddings
+from runtime.parallel import collectives as C
+from runtime.parallel.pipeline.p2p import P2P
+from runtime.parallel.pipeline.stages import PipelineStageModel
+from runtime.parallel.topology import Topology
 
 
 class KVCache:
@@ -67,9 +73,9 @@ def kv_caches(model: nn.Module, max_length: int, fixed: bool = False) -> Iterato
 
 def check_generatable(model: nn.Module) -> None:
     """ValueError (one line) for the layouts generation does not support."""
-    if not isinstance(model, CausalLM):
-        raise ValueError(f"generation needs the whole model on each rank, not a {type(model).__name__}: load it "
-                         "with pipeline_model_parallel_size 1 (pipeline parallelism is not supported)")
+    if not isinstance(model, (CausalLM, PipelineStageModel)):
+        raise ValueError(f"generation needs a CausalLM (whole, or this rank's pipeline stage of one), not a "
+                         f"{type(model).__name__}")
     if any(getattr(m, "sequence_parallel", False) for m in model.modules()):
         raise ValueError("generation does not support sequence parallelism: load the model with "
                          "sequence_parallel false (tensor parallelism alone is fine)")
@@ -77,8 +83,7 @@ def check_generatable(model: nn.Module) -> None:
     if unbuilt:
         raise ValueError(f"generation: {unbuilt} (model.architecture={model.cfg.architecture}) has no KV cache here; "
                          "generate with transformers from the exported model")
-    if model.embed.positions is not None or any(isinstance(m, RotaryEmbedding) and m.positions is not None
-                                                for m in model.modules()):
+    if any(isinstance(m, (Embeddings, RotaryEmbedding)) and m.positions is not None for m in model.modules()):
         raise ValueError("generation does not support context parallelism: load the model with "
                          "context_parallel_size 1")
 
@@ -97,7 +102,8 @@ def check_settings(*, max_new_tokens: int, temperature: float, top_p: float) -> 
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              stop_ids: Iterable[int] = (), temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              group_seeds: Sequence[int] | None = None, pad_id: int = 0, vocab_size: int | None = None,
-             finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
+             finished: Callable[[int, list[int]], bool] | None = None,
+             topo: Topology | None = None) -> list[list[int]]:
     """The new tokens of each prompt, without the stop token that ended it.
 
     Prompts of different lengths run as one batch, left-padded with `pad_id`: the mask hides the pads from
@@ -113,15 +119,36 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     len(prompts) // len(group_seeds) consecutive rows, each group sampled from its own generator with the
     draws generate() over that group's rows alone with its seed makes, so a group's tokens do not depend on the
     rest of the batch (GRPO's G completions of a prompt, runtime/rl/rollout.py). vocab_size: only ids below it
-    are generated (the model's vocabulary is padded past the tokenizer's). Every rank of a tensor-parallel group
-    must call this with the same arguments. finished(row, tokens so far): True ends that row after its latest
-    token (lm-eval's stop strings, which the caller cuts the decoded text at).
+    are generated (the model's vocabulary is padded past the tokenizer's). Every rank of a tensor-parallel or
+    pipeline group must call this with the same arguments. finished(row, tokens so far): True ends that row after
+    its latest token (lm-eval's stop strings, which the caller cuts the decoded text at).
+
+    A pipeline stage (PipelineStageModel) decodes with the other stages of its pp group: `topo`'s, or when None
+    that of the topology the model's data parallelism was built with. The tokens are those of one process.
     """
     check_generatable(model)
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     if not prompts:
         return []
     generators = _generators(len(prompts), seed, group_seeds)
+
+    def choose(logits: torch.Tensor, active: list[bool]) -> torch.Tensor:
+        return _choose(logits, temperature, top_p, generators, vocab_size, active)
+
+    if isinstance(model, PipelineStageModel):
+        next_tokens = PipelinedDecoding(model, _pipeline_topology(model, topo), choose)
+    else:
+        def next_tokens(ids: torch.Tensor, layout: SequenceLayout, active: list[bool]) -> torch.Tensor:
+            return choose(model(ids, layout=layout)[:, -1], active)                    # (B, V) -> (B,)
+    return _decode(model, prompts, next_tokens, max_new_tokens=max_new_tokens, stops=set(stop_ids), pad_id=pad_id,
+                   finished=finished)
+
+
+def _decode(model: nn.Module, prompts: Sequence[Sequence[int]],
+            next_tokens: Callable[[torch.Tensor, SequenceLayout, list[bool]], torch.Tensor], *, max_new_tokens: int,
+            stops: set[int], pad_id: int, finished: Callable[[int, list[int]], bool] | None) -> list[list[int]]:
+    """generate()'s loop: prefill, then feed back each step's tokens (next_tokens(ids, layout, active) -> (B,) on
+    the CPU, the same on every rank) until every row has ended. Every rank keeps the same books from them."""
     max_positions = model.cfg.max_position_embeddings
     lengths = [len(p) for p in prompts]
     for number, length in enumerate(lengths):
@@ -130,7 +157,6 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
                              f"(the model's max_position_embeddings): shorten it")
     # Token j of a row is fed back at position length + j, which must exist, except for the last one.
     budgets = [min(max_new_tokens, max_positions - length + 1) for length in lengths]
-    stops = set(stop_ids)
     device = next(model.parameters()).device
     fixed = fixed_shapes(device)
     B, T0, steps = len(prompts), max(lengths), max(budgets)
@@ -144,9 +170,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
     try:
         with kv_caches(model, S, fixed):
             layout = SequenceLayout(layout.positions.to(device), layout.mask.to(device))
-            logits = model(ids.to(device), layout=layout)[:, -1]                   # (B, V)
+            tokens = next_tokens(ids.to(device), layout, active)                       # (B,) on CPU
             for step in range(steps):
-                tokens = _choose(logits, temperature, top_p, generators, vocab_size, active)  # (B,) on CPU
                 for row, token in enumerate(tokens.tolist()):
                     if not active[row]:
                         continue
@@ -163,10 +188,67 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_toke
                 position = (lengths_t + step).clamp(max=max_positions - 1)[:, None]  # (B, 1)
                 keys = valid[:, :S if fixed else T0 + step + 1]  # the cache's keys after this token is written
                 layout = SequenceLayout(position.to(device), keys[:, None, None, :].to(device))  # (B, 1, 1, S)
-                logits = model(fed.to(device), layout=layout)[:, -1]
+                tokens = next_tokens(fed.to(device), layout, active)
     finally:
         model.train(was_training)
     return out
+
+
+class PipelinedDecoding:
+    """One forward step of generation through the stages of a pp group: the first stage embeds the step's ids and
+    runs its layers (with their KV caches), each next stage receives the hidden states (B, T, H) and runs its own,
+    and the last applies the final norm and the head and picks the next tokens, which it broadcasts to every
+    stage, so all of them feed back the same tokens and end at the same step. With virtual stages a rank runs its
+    chunks in turn, the hidden states going round the ranks (chunk v of pp rank r is global stage v * pp + r).
+
+    Only the last stage picks tokens, so only its generators draw; the others' are never read. The sends of a
+    step are waited for at its end, before the broadcast every stage joins, so nothing is left in flight."""
+
+    def __init__(self, stage: PipelineStageModel, topo: Topology,
+                 choose: Callable[[torch.Tensor, list[bool]], torch.Tensor]):
+        assert topo.pp.size == stage.pp_size and topo.pp.rank == stage.pp_rank, (
+            f"the model is pipeline stage {stage.pp_rank} of {stage.pp_size}, the topology's pp group says "
+            f"{topo.pp.rank} of {topo.pp.size}")
+        self.stage, self.pp, self.choose = stage, topo.pp, choose
+        self.p2p = P2P(prev_rank=topo.prev_stage_rank, next_rank=topo.next_stage_rank)
+        first = next(stage.parameters())
+        self.dtype, self.device = first.dtype, first.device
+        self.steps = 0
+
+    def __call__(self, ids: torch.Tensor, layout: SequenceLayout, active: list[bool]) -> torch.Tensor:
+        """(B, T) ids of this step (every stage is given them) -> the (B,) next tokens on the CPU."""
+        B, T = ids.shape
+        tokens = torch.zeros(B, dtype=torch.long)
+        try:
+            for chunk in self.stage.chunks:
+                if chunk.is_first:
+                    x = ids
+                else:
+                    key = (self.steps, chunk.stage)
+                    self.p2p.post_activation(key, (B, T, self.stage.cfg.hidden_size), self.dtype, self.device)
+                    x = self.p2p.take(key)
+                out = chunk(x, None, layout)  # the last stage's (B, T, V) logits; else hidden states (B, T, H)
+                if chunk.is_last:
+                    tokens = self.choose(out[:, -1], active)
+                else:
+                    assert out.dtype == self.dtype, f"stage {chunk.stage} sends {out.dtype}, not {self.dtype}"
+                    self.p2p.send_activation(out)
+        finally:
+            self.p2p.finish()
+        self.steps += 1
+        shared = tokens.to(self.device)
+        C.broadcast(shared, self.pp, src_index=self.pp.size - 1)
+        return shared.cpu()
+
+
+def _pipeline_topology(stage: PipelineStageModel, topo: Topology | None) -> Topology:
+    """The topology a pipeline stage decodes in: `topo`, or the one its data parallelism holds."""
+    if topo is None:
+        topo = getattr(getattr(stage, "data_parallel", None), "topo", None)
+    if topo is None:
+        raise ValueError("generation from a pipeline stage needs its topology: pass topo= (the model has no data "
+                         "parallelism that holds one)")
+    return topo
 
 
 def fixed_shapes(device: torch.device) -> bool:
