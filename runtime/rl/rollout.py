@@ -15,7 +15,8 @@
 # All of this rank's prompts are sampled in one generate() call, each prompt's G completions drawing from their own
 # generator seeded by (seed, the prompt's index in the data), so they do not depend on how prompts are split over DP
 # ranks or batched, and the same seed gives the same tokens.
-# Generation needs the whole model on each rank (tensor parallelism is fine; pipeline parallelism is not).
+# Any layout generation runs under (runtime/generate.py): tensor, pipeline and data parallelism, each stage of a
+# pipeline generating the same completions.
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +58,7 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], answers: Sequenc
     stops = set(stop_ids)
     G = config.num_generations
     completions = sample(model, prompts, config, stops=stops, seed=seed, prompt_indices=prompt_indices,
-                         pad_id=pad_id, vocab_size=vocab_size)
+                         pad_id=pad_id, vocab_size=vocab_size, topo=topo)
     input_ids, labels, loss_mask, lengths, truncated = build_rows(prompts, completions, G, stops, pad_id,
                                                                   config.mask_truncated_completions)
     texts = [decode(c[:-1] if c and c[-1] in stops else c) for c in completions]
@@ -80,10 +81,12 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], answers: Sequenc
 
 
 def sample(model: nn.Module, prompts: Sequence[Sequence[int]], config: GRPOConfig, *, stops: set[int], seed: int,
-           prompt_indices: Sequence[int], pad_id: int = 0, vocab_size: int | None = None) -> list[list[int]]:
+           prompt_indices: Sequence[int], pad_id: int = 0, vocab_size: int | None = None,
+           topo: Topology | None = None) -> list[list[int]]:
     """G = num_generations completions per prompt, prompt after prompt (rows r*G .. r*G+G-1 are prompt r's), each
     ending with its stop token when it has one; temperature 0 is greedy. One generate() call over all the rows,
-    each prompt's G rows drawing from their own generator seeded by prompt_seed(seed, its index)."""
+    each prompt's G rows drawing from their own generator seeded by prompt_seed(seed, its index). topo: the
+    model's layout (needed for a pipeline stage without data parallelism; see generate())."""
     if len(prompts) != len(prompt_indices):
         raise ValueError(f"sample: {len(prompts)} prompts but {len(prompt_indices)} prompt indices")
     G = config.num_generations
@@ -91,7 +94,7 @@ def sample(model: nn.Module, prompts: Sequence[Sequence[int]], config: GRPOConfi
     return generate(model, [prompt for prompt in prompts for _ in range(G)],
                     max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
                     group_seeds=[prompt_seed(seed, index) for index in prompt_indices], pad_id=pad_id,
-                    vocab_size=vocab_size, finished=finished)
+                    vocab_size=vocab_size, finished=finished, topo=topo)
 
 
 def prompt_seed(seed: int, index: int) -> int:

@@ -1,5 +1,6 @@
-"""runtime/rl/rollout.py: the rows and masks it builds, greedy completions and log-probs under tensor parallelism
-and sampled ones under data parallelism (2 gloo ranks) equal to one process's, and seeded sampling reproducible."""
+"""runtime/rl/rollout.py: the rows and masks it builds, greedy completions and log-probs under tensor and pipeline
+parallelism and sampled ones under tensor, pipeline and data parallelism (2 gloo ranks) equal to one process's, and
+seeded sampling reproducible."""
 from __future__ import annotations
 
 import pytest
@@ -83,6 +84,25 @@ def test_tensor_and_data_parallel_rollouts_equal_one_process():
     for key in ("advantages", "rewards"):
         torch.testing.assert_close(torch.cat([h[key] for h in halves]), sampled[key], rtol=1e-6, atol=1e-6)
     assert halves[0]["metrics"] == pytest.approx(sampled["metrics"], rel=1e-6)
+
+
+def _pipeline_ranks() -> dict:
+    pp2 = Topology.build(ParallelDims(tp=1, pp=2, dp=1, world_size=2))  # the tiny llama's 2 layers, 1 per stage
+    return {"pp2-greedy": run(pp2, PROMPTS, [0, 1, 2, 3], 0.0), "pp2-sampled": run(pp2, PROMPTS, [0, 1, 2, 3], 1.0)}
+
+
+def test_pipeline_parallel_rollouts_equal_one_process():
+    """Both stages generate the completions one process does (the last stage picks them), and the rewards,
+    advantages and old and reference log-probs that follow are one process's too."""
+    ranks = run_distributed(_pipeline_ranks, world_size=2)
+    greedy, sampled = one_process(0.0), one_process(1.0)
+    for rank in ranks:
+        for name, expected in (("pp2-greedy", greedy), ("pp2-sampled", sampled)):
+            got = rank[name]
+            assert got["completions"] == expected["completions"] and got["texts"] == expected["texts"], name
+            for key in ("old", "ref", "advantages", "rewards", "mask"):
+                torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-6, msg=f"{name} {key}")
+            assert got["metrics"] == pytest.approx(expected["metrics"], rel=1e-6)
 
 
 def test_sampling_is_reproducible_and_greedy_groups_are_identical():
