@@ -94,11 +94,8 @@ def _trl_problems(g: Section, trl: dict) -> list[str]:
 
 def rl_rules(report: Report, p: str, rl: RLConfig, sft: SFTDataConfig | None, trainer: TrainerConfig,
              parallel: ParallelConfig, packing_set: Any, lora: LoraConfig | None, files: Files) -> None:
-    """The layout (generation needs the whole model and whole sequences on each rank), whole prompts per
-    data-parallel rank, and the prompt files (local ones read here, as the job reads them)."""
-    if parallel.pp > 1:
-        report.error(f"{p}model.pipeline_model_parallel_size: {parallel.pp} in the rl stage: generating completions "
-                     f"needs the whole model on each rank; set it to 1 (tensor parallelism is fine)")
+    """The layout (generation needs whole sequences on each rank), whole prompts per data-parallel rank, and the
+    prompt files (local ones read here, as the job reads them)."""
     if parallel.context > 1 or parallel.sequence_parallel:
         key = "sequence_parallel" if parallel.context == 1 else "context_parallel_size"
         report.error(f"{p}model.{key}: the rl stage generates token by token, each rank its whole sequences; set "
@@ -110,8 +107,9 @@ def rl_rules(report: Report, p: str, rl: RLConfig, sft: SFTDataConfig | None, tr
         report.error(f"{p}model.peft: LoRA in the rl stage is not supported yet (the reference would be the base "
                      f"without adapters); set model.peft.peft_scheme=null to train every weight")
     world = trainer.num_nodes * trainer.devices
-    if parallel.pp == 1 and world % parallel.tp == 0 and rl.prompts_per_step % (world // parallel.tp):
-        dp = world // parallel.tp
+    model_ranks = parallel.tp * parallel.pp
+    if world % model_ranks == 0 and rl.prompts_per_step % (world // model_ranks):
+        dp = world // model_ranks
         report.error(f"{p}model.global_batch_size: {rl.prompts_per_step} prompts per step (global_batch_size / "
                      f"num_generations) do not divide among the {dp} data-parallel ranks; make global_batch_size a "
                      f"multiple of num_generations x {dp}")

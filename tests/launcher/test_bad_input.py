@@ -130,12 +130,12 @@ CASES = [
      "'rlhf_rm.reward_model.center_rewards_coefficient'?"),
     ([*RLHF_RM, "+rlhf_rm.reward_model.margin=1"], "rlhf_rm.reward_model.margin: unknown key; valid keys here: "
      "center_rewards_coefficient, max_prompt_length, truncation_mode"),
-    # GRPO (rl): the reward is imported at launch; generation needs the whole model on each rank.
+    # GRPO (rl): the reward is imported at launch; whole prompts per data-parallel rank, pipeline stages or not.
     ([*RL, "rl.grpo.reward=no_such_module:score"],
      "rl.grpo.reward: 'no_such_module:score': cannot import no_such_module (ModuleNotFoundError"),
-    ([*RL, "rl.model.pipeline_model_parallel_size=2"],
-     "rl.model.pipeline_model_parallel_size: 2 in the rl stage: generating completions needs the whole model on "
-     "each rank"),
+    ([*RL, "rl.model.pipeline_model_parallel_size=2", "rl.trainer.devices=6"],
+     "rl.model.global_batch_size: 32 prompts per step (global_batch_size / num_generations) do not divide among "
+     "the 3 data-parallel ranks"),
     ([*RL, "rl.model.global_batch_size=250"],
      "rl.model.global_batch_size: 250 completions per step are not whole groups of grpo.num_generations 8"),
     ([*RL, "+rl.grpo.reward_model=/models/rm"], "rl.grpo.reward_model: a reward model (an rlhf_rm export) as "
