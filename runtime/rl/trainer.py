@@ -2,7 +2,8 @@
 # sampled from the policy, the trainer's own model, as it is then), its objective their current GRPO objective, and
 # its validation the held-out prompts' greedy reward (HeldOut, logged as val_reward and val_exact, with no loss).
 # The reference of the KL term (grpo.beta > 0) is a frozen copy of the policy as it starts: built before any
-# checkpoint is loaded, so a resumed run keeps the same reference. RolloutBatches.state_dict (the prompts consumed)
+# checkpoint is loaded, so a resumed run keeps the same reference. With grpo.reward_model the reward is a reward model
+# (runtime/rl/reward_model.py), built here beside the policy and bound to each prompt set's messages. RolloutBatches.state_dict (the prompts consumed)
 # is the checkpoint's data position, and each step's sampling is seeded by its number: a resume draws what the
 # uninterrupted run drew.
 from __future__ import annotations

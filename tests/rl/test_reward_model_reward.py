@@ -171,3 +171,23 @@ def test_a_launch_refuses_a_causal_lm_and_a_reward_model_of_another_vocabulary(s
     # The rlhf_rm run's checkpoints pass (a dry run renders the stage).
     result = _launch(work, f"+rl.grpo.reward_model={checkpoints}", "--dry-run")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_the_rl_stage_trains_and_validates_on_the_reward_models_scores(setup):
+    """rl=demo rendered with the reward model (two data-parallel ranks, each scoring its own rows): every step logs
+    the rollouts' mean score, and validation the held-out prompts' (runtime/rl/trainer.py build_rl)."""
+    from tests.checkpoint.launch_helpers import train_rendered
+
+    work, _, _, _, checkpoints, _ = setup
+    result = _launch(work, f"+rl.grpo.reward_model={checkpoints}", "rl.trainer.max_steps=2",
+                     "rl.trainer.val_check_interval=2", "rl.trainer.limit_val_batches=1", "rl.trainer.preflight=false",
+                     "rl.exp_manager.create_tensorboard_logger=false", "rl.exp_manager.create_metrics_plot=false",
+                     "rl.trainer.log_every_n_steps=1", "--dry-run")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    stage = work / "results" / "rl_demo" / "rl"
+    assert set(train_rendered(stage / "rl_config.yaml", "rl")) == {0}
+    rows = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in steps] == [1, 2] and all(row["reward_std"] > 0 for row in steps), steps
+    held_out = [row for row in rows if "val_reward" in row]
+    assert len(held_out) == 1 and np.isfinite(held_out[0]["val_reward"]), rows
