@@ -189,7 +189,7 @@ def reward_model_problem(path: str, key: str, vocab: int | None) -> str | None:
     another vocabulary than the rl stage's tokenizer's (`vocab`, None: not compared)."""
     try:
         _, head, theirs = recorded_reward_model(path)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, TypeError) as error:  # TypeError: a config.json value of the wrong type
         return f"{key}: {' '.join(str(error).split())}"
     if not head:
         return (f"{key}: {path} is not a reward model (no score head); train one with stages=[rlhf_rm], and point "
