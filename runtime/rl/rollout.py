@@ -31,7 +31,8 @@ from runtime.micro_batch import MicroBatch, PreparedBatch
 from runtime.parallel import collectives as C
 from runtime.parallel.topology import Topology
 from runtime.rl.grpo import GRPOConfig, RowTable, advantages
-from runtime.rl.rewards import Reward, score
+from runtime.rl.reward_model import ModelReward, rewards_of
+from runtime.rl.rewards import Reward
 
 
 class Rollout(NamedTuple):
@@ -48,7 +49,8 @@ class Rollout(NamedTuple):
 
 
 def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, config: GRPOConfig,
-            reward: Reward, decode: Callable[[list[int]], str], stop_ids: Iterable[int], topo: Topology, seed: int,
+            reward: Reward | ModelReward, decode: Callable[[list[int]], str], stop_ids: Iterable[int],
+            topo: Topology, seed: int,
             prompt_indices: Sequence[int], micro_batch_size: int, reference: nn.Module | None = None,
             pad_id: int = 0, vocab_size: int | None = None, reward_name: str | None = None,
             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Rollout:
@@ -65,7 +67,7 @@ def rollout(model: nn.Module, prompts: Sequence[Sequence[int]], answers: Sequenc
     rows_answers = [answers[row // G] for row in range(len(completions))]
     rows_indices = [prompt_indices[row // G] for row in range(len(completions))]
     device = next(model.parameters()).device
-    rewards = torch.tensor(score(reward, texts, rows_answers, rows_indices, reward_name), device=device)
+    rewards = torch.tensor(rewards_of(reward, texts, rows_answers, rows_indices, reward_name), device=device)
     everyone = _gather(torch.stack([rewards, truncated.to(device).float()]), topo)  # (2, N x dp), DP rank order
     advantage = advantages(everyone[0], G, config.scale_rewards)
     mine = slice(topo.dp.rank * len(completions), (topo.dp.rank + 1) * len(completions))

@@ -29,7 +29,8 @@ from runtime.micro_batch import MicroBatch, PreparedBatch
 from runtime.parallel.topology import Topology
 from runtime.rl.data import PromptBatches, PromptSet
 from runtime.rl.grpo import GRPOConfig, GRPOObjective
-from runtime.rl.rewards import Reward, score
+from runtime.rl.reward_model import ModelReward, rewards_of
+from runtime.rl.rewards import Reward
 from runtime.rl.rollout import Rollout, micro_batches, rollout
 from runtime.schema.chat import ChatTokenizer
 
@@ -75,8 +76,8 @@ class CurrentObjective:
 class RolloutBatches:
     """Each step's GRPO micro-batches, sampled from `model` as it is when next_batch() is called."""
 
-    def __init__(self, prompts: PromptBatches, model: nn.Module, *, config: GRPOConfig, reward: Reward,
-                 chat: ChatTokenizer, topo: Topology, seed: int, micro_batch_size: int,
+    def __init__(self, prompts: PromptBatches, model: nn.Module, *, config: GRPOConfig,
+                 reward: Reward | ModelReward, chat: ChatTokenizer, topo: Topology, seed: int, micro_batch_size: int,
                  reference: nn.Module | None = None, reward_name: str | None = None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         if config.beta != 0 and reference is None:
@@ -112,7 +113,8 @@ class RolloutBatches:
         self.prompts.load_state_dict(state)
 
 
-def greedy_reward(model: nn.Module, prompts: PromptSet, *, reward: Reward, chat: ChatTokenizer, max_new_tokens: int,
+def greedy_reward(model: nn.Module, prompts: PromptSet, *, reward: Reward | ModelReward, chat: ChatTokenizer,
+                  max_new_tokens: int,
                   limit: int | None = None, batch_size: int = 64, reward_name: str | None = None
                   ) -> dict[str, float]:
     """The held-out evaluation: greedy (temperature 0) completions of the first `limit` prompts, and their mean
@@ -125,6 +127,6 @@ def greedy_reward(model: nn.Module, prompts: PromptSet, *, reward: Reward, chat:
         completions = generate(model, batch, max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids,
                                pad_id=chat.pad_id, vocab_size=chat.tokenizer.get_vocab_size())
         texts += [decode_all(chat, c) for c in completions]
-    rewards = score(reward, texts, prompts.answers[:count], list(range(count)), reward_name)
+    rewards = rewards_of(reward, texts, prompts.answers[:count], list(range(count)), reward_name)
     return {"eval_reward": sum(rewards) / max(count, 1),
             "eval_exact": sum(r == 1.0 for r in rewards) / max(count, 1)}

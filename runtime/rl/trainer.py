@@ -2,7 +2,8 @@
 # sampled from the policy, the trainer's own model, as it is then), its objective their current GRPO objective, and
 # its validation the held-out prompts' greedy reward (HeldOut, logged as val_reward and val_exact, with no loss).
 # The reference of the KL term (grpo.beta > 0) is a frozen copy of the policy as it starts: built before any
-# checkpoint is loaded, so a resumed run keeps the same reference. RolloutBatches.state_dict (the prompts consumed)
+# checkpoint is loaded, so a resumed run keeps the same reference. With grpo.reward_model the reward is a reward model
+# (runtime/rl/reward_model.py), built here beside the policy and bound to each prompt set's messages. RolloutBatches.state_dict (the prompts consumed)
 # is the checkpoint's data position, and each step's sampling is seeded by its number: a resume draws what the
 # uninterrupted run drew.
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.rl.data import PromptBatches, PromptSet, load_prompts
+from runtime.rl.data import PromptBatches, PromptSet, load_prompts, read_prompts
 from runtime.rl.grpo import GRPOConfig
+from runtime.rl.reward_model import ModelReward, RewardModel, build_reward_model, reward_model_source
 from runtime.rl.rewards import Reward, load_reward
 from runtime.rl.stage import RolloutBatches, greedy_reward
 from runtime.schema.chat import ChatTokenizer
@@ -23,7 +25,7 @@ class HeldOut:
     """The rl stage's validation: greedy completions of the first validation prompts and their mean reward. Every
     rank computes the same figures (the same prompts, greedy decoding)."""
 
-    def __init__(self, prompts: PromptSet, *, reward: Reward, reward_name: str, chat: ChatTokenizer,
+    def __init__(self, prompts: PromptSet, *, reward: Reward | ModelReward, reward_name: str, chat: ChatTokenizer,
                  max_new_tokens: int):
         self.prompts, self.reward, self.reward_name = prompts, reward, reward_name
         self.chat, self.max_new_tokens = chat, max_new_tokens
@@ -43,7 +45,10 @@ def build_rl(cfg, model: nn.Module, optimizer, topo, device, build_model: Callab
 
     rl, sft, stage = cfg.rl, cfg.sft, "rl.model.data"
     chat = ChatTokenizer(cfg.tokenizer_path, sft.chat_template)
-    reward = load_reward(rl.reward)
+    autocast = lambda: autocast_for(optimizer, device.torch_device)  # noqa: E731
+    scorer = None if rl.reward_model is None else reward_scorer(cfg, chat, topo, device, autocast)
+    reward = load_reward(rl.reward) if scorer is None else scorer.reward(_messages(sft.train_files, None))
+    reward_name = rl.reward if scorer is None else rl.reward_model
     needs_answer = getattr(reward, "needs_answer", True)  # a reward may say it reads no answer
     train = load_prompts(sft.train_files, chat, needs_answer=needs_answer, max_prompt_length=rl.max_prompt_length,
                          key=f"{stage}.train_ds.file_names")
@@ -51,22 +56,34 @@ def build_rl(cfg, model: nn.Module, optimizer, topo, device, build_model: Callab
     reference = frozen_copy(model, build_model) if config.beta != 0 else None
     batches = RolloutBatches(
         PromptBatches(train, rl.prompts_per_step, seed=cfg.seed, dp_rank=topo.data_rank, dp_size=topo.data_size),
-        model, config=config, reward=reward, reward_name=rl.reward, chat=chat, topo=topo, seed=cfg.seed,
-        micro_batch_size=cfg.data.micro_batch_size, reference=reference,
-        autocast=lambda: autocast_for(optimizer, device.torch_device))
+        model, config=config, reward=reward, reward_name=reward_name, chat=chat, topo=topo, seed=cfg.seed,
+        micro_batch_size=cfg.data.micro_batch_size, reference=reference, autocast=autocast)
     valid = None
     if sft.validation_files and cfg.trainer.val_check_interval > 0 and cfg.trainer.limit_val_batches > 0:
+        limit = cfg.trainer.limit_val_batches * rl.prompts_per_step
         prompts = load_prompts(sft.validation_files, chat, needs_answer=needs_answer,
-                               max_prompt_length=rl.max_prompt_length,
-                               limit=cfg.trainer.limit_val_batches * rl.prompts_per_step,
+                               max_prompt_length=rl.max_prompt_length, limit=limit,
                                key=f"{stage}.validation_ds.file_names")
-        valid = HeldOut(prompts, reward=reward, reward_name=rl.reward, chat=chat,
+        held_out = reward if scorer is None else scorer.reward(_messages(sft.validation_files, limit))
+        valid = HeldOut(prompts, reward=held_out, reward_name=reward_name, chat=chat,
                         max_new_tokens=rl.max_completion_length)
     if device.is_main:
         print(f"rl: {len(train)} training prompts, {rl.prompts_per_step} per step x {config.num_generations} "
-              f"completions, reward {rl.reward}" + (f", {len(valid.prompts)} held-out prompts" if valid else ""),
-              flush=True)
+              f"completions, reward {'model ' if scorer else ''}{reward_name}"
+              + (f", {len(valid.prompts)} held-out prompts" if valid else ""), flush=True)
     return batches, valid
+
+
+def reward_scorer(cfg, chat: ChatTokenizer, topo, device, autocast) -> RewardModel:
+    """grpo.reward_model built beside the policy (its TP group), frozen (runtime/rl/reward_model.py)."""
+    source = reward_model_source(cfg.rl.reward_model, cfg.tokenizer_path, cfg.tokenizer_vocab_size)
+    model = build_reward_model(source, topo, device.torch_device)
+    return RewardModel(model, source, chat, micro_batch_size=cfg.data.micro_batch_size, autocast=autocast)
+
+
+def _messages(files, limit: int | None) -> list:
+    """The prompt records' messages, in the order load_prompts keeps them (a reward model renders them itself)."""
+    return [record.prompt for record in read_prompts(files, needs_answer=False)[:limit]]
 
 
 @torch.no_grad()

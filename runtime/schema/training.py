@@ -218,7 +218,8 @@ def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
     if read.reward_model is not None:
         reward_rules(report, p, read.sft, read.parallel.context, read.packing_set)
     if read.rl is not None:
-        rl_rules(report, p, read.rl, read.sft, read.trainer, read.parallel, read.packing_set, read.lora, files)
+        rl_rules(report, p, read.rl, read.sft, read.trainer, read.parallel, read.packing_set, read.lora, files,
+                 read.vocab)
     if pairs is not None:
         preference_file_rules(report, p, pairs, read.sft, files, read.tokenizer_path, read.shape)
     tokenizer_rules(report, p, read.sft, read.data, read.tokenizer_path, files)

@@ -148,6 +148,7 @@ class RLConfig:
     reward: str                      # module:function
     max_prompt_length: int           # prompt tokens (with the chat template); a longer prompt is an error
     prompts_per_step: int
+    reward_model: str | None = None  # a reward model (an rlhf_rm checkpoint or export) scoring instead of `reward`
 
     @property
     def num_generations(self) -> int:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from runtime.schema import choices as C
+from runtime.schema.model import read_hf_config
 from runtime.schema.prompts import load_reward, read_prompts
 from runtime.schema.reader import Report, Section
 from runtime.schema.records import LAUNCH_SCAN_BYTES
 from runtime.schema.training_config import (DataConfig, LoraConfig, ParallelConfig, RLConfig, SFTDataConfig,
                                             TrainerConfig)
 from runtime.schema.training_files import Files, is_remote
+from runtime.schema.training_model import model_shape
 
 STAGE = "rl"
 DEFAULT_REWARD = "runtime.rl.rewards:prefix_match"
@@ -42,19 +45,21 @@ def read_stage_rl(root: Section, p: str, seq_length: int | None, sft: SFTDataCon
                loss_type=g.choice("loss_type", C.GRPO_LOSS_TYPES, "dapo"),
                scale_rewards=g.choice("scale_rewards", C.GRPO_SCALE_REWARDS, "group"),
                mask_truncated_completions=g.bool("mask_truncated_completions", False))
+    reward_set = g.raw("reward", None) is not None
     reward = g.str("reward", DEFAULT_REWARD)
+    reward_model = g.str("reward_model", None)
     completion = trl["max_completion_length"] or 0
     limit = g.int("max_prompt_length", max((seq_length or 0) - completion, 1), minimum=1)
-    if g.raw("reward_model", None) is not None:
-        report.error(f"{g.key('reward_model')}: a reward model (an rlhf_rm export) as GRPO's reward is not supported "
-                     f"yet; remove it and name a reward function in {g.key('reward')} (module:function)")
     g.done()
     problems = _trl_problems(g, trl)
+    if reward_model is not None and reward_set:
+        problems.append(f"{g.key('reward_model')} and {g.key('reward')} are both set; GRPO scores with one: set "
+                        f"{g.key('reward')}=null to score with the reward model, or remove {g.key('reward_model')}")
     if limit is not None and seq_length and trl["max_completion_length"] and limit + completion > seq_length:
         problems.append(f"{g.key('max_prompt_length')}: {limit} + max_completion_length {completion} = "
                         f"{limit + completion} tokens is more than a row, model.encoder_seq_length {seq_length}; "
                         f"lower them or raise encoder_seq_length")
-    if reward is not None:
+    if reward is not None and reward_model is None:
         try:
             load_reward(reward)
         except ValueError as error:
@@ -72,7 +77,8 @@ def read_stage_rl(root: Section, p: str, seq_length: int | None, sft: SFTDataCon
         sft = dataclasses.replace(sft, packing=False)  # a row is one prompt and one completion
     if problems or _unset(trl) or reward is None or limit is None or not prompts:
         return None, sft
-    return RLConfig(trl=trl, reward=reward, max_prompt_length=limit, prompts_per_step=prompts), sft
+    return RLConfig(trl=trl, reward=reward, reward_model=reward_model, max_prompt_length=limit,
+                    prompts_per_step=prompts), sft
 
 
 def _unset(trl: dict) -> bool:
@@ -93,9 +99,11 @@ def _trl_problems(g: Section, trl: dict) -> list[str]:
 
 
 def rl_rules(report: Report, p: str, rl: RLConfig, sft: SFTDataConfig | None, trainer: TrainerConfig,
-             parallel: ParallelConfig, packing_set: Any, lora: LoraConfig | None, files: Files) -> None:
-    """The layout (generation needs whole sequences on each rank), whole prompts per data-parallel rank, and the
-    prompt files (local ones read here, as the job reads them)."""
+             parallel: ParallelConfig, packing_set: Any, lora: LoraConfig | None, files: Files,
+             vocab: int | None = None) -> None:
+    """The layout (generation needs whole sequences on each rank), whole prompts per data-parallel rank, the prompt
+    files (local ones read here, as the job reads them) and the reward model's recorded config (vocab: the rl
+    stage's tokenizer's vocabulary, None where unknown here)."""
     if parallel.context > 1 or parallel.sequence_parallel:
         key = "sequence_parallel" if parallel.context == 1 else "context_parallel_size"
         report.error(f"{p}model.{key}: the rl stage generates token by token, each rank its whole sequences; set "
@@ -116,9 +124,15 @@ def rl_rules(report: Report, p: str, rl: RLConfig, sft: SFTDataConfig | None, tr
     if sft is None:
         report.error(f"{p}model.data.train_ds.file_names: missing; list the prompt files (.jsonl with prompt, "
                      f"answer) to train on")
-    elif files.inputs_checked:
-        reward = load_reward(rl.reward)
-        needs_answer = getattr(reward, "needs_answer", True)  # a reward may say it reads no answer
+    if rl.reward_model is not None and files.inputs_checked and not is_remote(rl.reward_model):
+        if not os.path.exists(rl.reward_model):
+            files.problem(f"{p}grpo.reward_model: {rl.reward_model} does not exist; point it at an rlhf_rm run's "
+                          f"checkpoints or its Hugging Face export")
+        elif problem := reward_model_problem(rl.reward_model, f"{p}grpo.reward_model", vocab):
+            report.error(problem)
+    if sft is not None and files.inputs_checked:
+        # a reward model reads no answer; a reward function may say it reads none
+        needs_answer = rl.reward_model is None and getattr(load_reward(rl.reward), "needs_answer", True)
         for key, names in (("train_ds", sft.train_files), ("validation_ds", sft.validation_files)):
             for name in names:
                 if is_remote(name) or not os.path.isfile(name) or name.endswith(".parquet") \
@@ -128,3 +142,58 @@ def rl_rules(report: Report, p: str, rl: RLConfig, sft: SFTDataConfig | None, tr
                     read_prompts([name], needs_answer)
                 except (OSError, ValueError) as error:
                     report.error(f"{p}model.data.{key}.file_names: {' '.join(str(error).split())}")
+
+
+def recorded_reward_model(path: str) -> tuple[dict, bool, int | None]:
+    """A reward model's recorded config (a Hugging Face export's config.json, or the config.yaml of the newest
+    complete checkpoint under a checkpoint directory of ours, or of that checkpoint), whether it has a score head,
+    and its vocabulary (None where unknown here). Read without torch: the launch checks it. ValueError, one line."""
+    from runtime.schema.rules_storage import checkpoint_config
+
+    directory = Path(path)
+    if (directory / "config.json").is_file():
+        config = read_hf_config(str(directory))
+        head = str((config.get("architectures") or [""])[0]).endswith("ForSequenceClassification") \
+            and int(config.get("num_labels", len(config.get("id2label") or {}) or 2)) == 1
+        vocab = config.get("vocab_size")
+        return config, head, int(vocab) if isinstance(vocab, int) else None
+    step = directory if (directory / "COMMIT").is_file() else max(
+        (d for d in directory.glob("step_*") if (d / "COMMIT").is_file() and (d / "config.yaml").is_file()),
+        key=lambda d: d.name, default=None)  # step_{8 digits}.{token}: the name orders the steps
+    if step is None or not (step / "config.yaml").is_file():
+        raise ValueError(f"{path} is neither a Hugging Face directory (config.json) nor a complete checkpoint of "
+                         f"ours (a step_* directory with COMMIT and config.yaml)")
+    training, problem = checkpoint_config((step / "config.yaml").read_bytes(), str(step / "config.yaml"))
+    if problem:
+        raise ValueError(problem)
+    head = isinstance(training.get("reward_model"), dict)  # runtime/convert/reward.py is_reward_model, by config
+    return training, head, _recorded_vocab(training.get("model"))
+
+
+def _recorded_vocab(model_raw: Any) -> int | None:
+    """The vocabulary a recorded `model:` section sizes (its tokenizer's, or its config.json's), as the launch
+    sizes the rl stage's; None when its files are not here."""
+    report = Report()
+    try:
+        _, vocab, _ = model_shape(Section(dict(model_raw or {}), "model", report), "", report,
+                                  Files(report, "error"))
+    except (TypeError, ValueError):
+        return None
+    return None if report.errors else vocab
+
+
+def reward_model_problem(path: str, key: str, vocab: int | None) -> str | None:
+    """One line when the reward model at `path` cannot score the rl stage's completions: no reward model, or one of
+    another vocabulary than the rl stage's tokenizer's (`vocab`, None: not compared)."""
+    try:
+        _, head, theirs = recorded_reward_model(path)
+    except (OSError, ValueError, TypeError) as error:  # TypeError: a config.json value of the wrong type
+        return f"{key}: {' '.join(str(error).split())}"
+    if not head:
+        return (f"{key}: {path} is not a reward model (no score head); train one with stages=[rlhf_rm], and point "
+                f"{key} at its checkpoints or its Hugging Face export")
+    if vocab is not None and theirs is not None and theirs != vocab:
+        return (f"{key}: {path} is a reward model of another vocabulary: {theirs} tokens, but the rl stage's "
+                f"tokenizer (model.tokenizer.model) has {vocab}; train the reward model with the rl stage's "
+                f"tokenizer, or use the tokenizer it was trained with")
+    return None

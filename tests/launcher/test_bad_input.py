@@ -138,8 +138,8 @@ CASES = [
      "the 3 data-parallel ranks"),
     ([*RL, "rl.model.global_batch_size=250"],
      "rl.model.global_batch_size: 250 completions per step are not whole groups of grpo.num_generations 8"),
-    ([*RL, "+rl.grpo.reward_model=/models/rm"], "rl.grpo.reward_model: a reward model (an rlhf_rm export) as "
-     "GRPO's reward is not supported yet"),
+    ([*RL, "+rl.grpo.reward_model=/models/rm"], "rl.grpo.reward_model and rl.grpo.reward are both set; GRPO scores "
+     "with one: set rl.grpo.reward=null to score with the reward model"),
     ([*RL, "rl.grpo.loss_type=ppo"], "rl.grpo.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo"),
 ]
 
