@@ -94,7 +94,7 @@ def read_ppo(root: Section, algorithm: str | None, g: Section, trl: dict, proble
     is refused, and in a ppo run so are GRPO's own loss settings off their defaults (the grpo section's sampling,
     reward and prompt keys serve both)."""
     if algorithm != "ppo":
-        if root.has("ppo"):
+        if algorithm == "grpo" and root.has("ppo"):
             problems.append(f"{root.key('ppo')}: PPO's settings in a GRPO run; set {root.key('algorithm')}=ppo, or "
                             f"remove {root.key('ppo')}")
         return None
