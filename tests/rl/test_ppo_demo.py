@@ -50,7 +50,7 @@ def test_ppo_demo_the_held_out_reward_rises(trained):
     rows = _rows(stage)
     held_out = {row["step"]: row["val_reward"] for row in rows if "val_reward" in row}
     print("held-out greedy reward:", held_out)
-    # Measured: 0.18 at step 50, 0.51 at 100 (a random policy's is about 0.03).
+    # Measured: 0.185 at step 50, 0.382 at 100 (a random policy's is about 0.03).
     assert sorted(held_out) == [EVERY, STEPS] and held_out[STEPS] > 0.3 and held_out[STEPS] > held_out[EVERY] + 0.1
     steps = [row for row in rows if "loss" in row]
     assert [row["step"] for row in steps] == list(range(1, STEPS + 1))
