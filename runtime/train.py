@@ -268,6 +268,8 @@ def _setup(cfg: TrainingConfig, device: Device) -> _Run:
     checkpoints = TrainingCheckpoints(cfg.checkpoint, device, topo, model, optimizer, train_batches, cfg.raw,
                                       cfg.trainer.max_steps,
                                       peer_every=ft.peer_state_every_n_steps if ft and ft.enabled else 0)
+    if hasattr(train_batches, "with_critic"):  # rl's PPO: the critic's checkpoints, saved and resumed with these
+        checkpoints = train_batches.with_critic(checkpoints)
     checkpoints.check_room(str(cfg.results_dir))
     start_step = checkpoints.resume()
     # After a restart (the job script's, runtime/fault_tolerance/attempts.py): rank 0 records how long the fault took

@@ -15,6 +15,8 @@ from torch import nn
 
 from runtime.rl.data import PromptBatches, PromptSet, load_prompts, read_prompts
 from runtime.rl.grpo import GRPOConfig
+from runtime.rl.ppo import PPOConfig
+from runtime.rl.ppo_trainer import Critic, PPOBatches, build_critic
 from runtime.rl.reward_model import ModelReward, RewardModel, build_reward_model, reward_model_source
 from runtime.rl.rewards import Reward, load_reward
 from runtime.rl.stage import RolloutBatches, greedy_reward
@@ -53,11 +55,18 @@ def build_rl(cfg, model: nn.Module, optimizer, topo, device, build_model: Callab
     train = load_prompts(sft.train_files, chat, needs_answer=needs_answer, max_prompt_length=rl.max_prompt_length,
                          key=f"{stage}.train_ds.file_names")
     config = GRPOConfig(**rl.trl)
-    reference = frozen_copy(model, build_model) if config.beta != 0 else None
-    batches = RolloutBatches(
-        PromptBatches(train, rl.prompts_per_step, seed=cfg.seed, dp_rank=topo.data_rank, dp_size=topo.data_size),
-        model, config=config, reward=reward, reward_name=reward_name, chat=chat, topo=topo, seed=cfg.seed,
-        micro_batch_size=cfg.data.micro_batch_size, reference=reference, autocast=autocast)
+    prompt_batches = PromptBatches(train, rl.prompts_per_step, seed=cfg.seed, dp_rank=topo.data_rank,
+                                   dp_size=topo.data_size)
+    common = dict(reward=reward, reward_name=reward_name, chat=chat, topo=topo, seed=cfg.seed,
+                  micro_batch_size=cfg.data.micro_batch_size, autocast=autocast)
+    if rl.algorithm == "ppo":  # the policy's objective and the critic's step (runtime/rl/ppo_trainer.py)
+        ppo = PPOConfig(**rl.ppo)
+        reference = frozen_copy(model, build_model) if ppo.kl_coef != 0 else None
+        batches = PPOBatches(prompt_batches, model, ppo_critic(cfg, topo, device), sampling=config, config=ppo,
+                             reference=reference, **common)
+    else:
+        reference = frozen_copy(model, build_model) if config.beta != 0 else None
+        batches = RolloutBatches(prompt_batches, model, config=config, reference=reference, **common)
     valid = None
     if sft.validation_files and cfg.trainer.val_check_interval > 0 and cfg.trainer.limit_val_batches > 0:
         limit = cfg.trainer.limit_val_batches * rl.prompts_per_step
@@ -68,10 +77,23 @@ def build_rl(cfg, model: nn.Module, optimizer, topo, device, build_model: Callab
         valid = HeldOut(prompts, reward=held_out, reward_name=reward_name, chat=chat,
                         max_new_tokens=rl.max_completion_length)
     if device.is_main:
-        print(f"rl: {len(train)} training prompts, {rl.prompts_per_step} per step x {config.num_generations} "
+        print(f"rl ({rl.algorithm}): {len(train)} training prompts, {rl.prompts_per_step} per step x {config.num_generations} "
               f"completions, reward {'model ' if scorer else ''}{reward_name}"
               + (f", {len(valid.prompts)} held-out prompts" if valid else ""), flush=True)
     return batches, valid
+
+
+def ppo_critic(cfg, topo, device) -> Critic:
+    """PPO's critic (runtime/rl/ppo_trainer.py build_critic), its optimizer (the policy's settings) and the
+    policy's learning rate schedule."""
+    from runtime.optim_schedule import LRSchedule
+    from runtime.parallel import ShardedAdamW
+
+    model = build_critic(cfg, topo, device)
+    sched = cfg.optim.sched
+    schedule = LRSchedule(sched.name, cfg.optim.lr, sched.max_steps, sched.warmup_steps, sched.constant_steps,
+                          sched.min_lr)
+    return Critic(model, ShardedAdamW(model, cfg.optim), schedule, cfg.trainer.gradient_clip_val)
 
 
 def reward_scorer(cfg, chat: ChatTokenizer, topo, device, autocast) -> RewardModel:

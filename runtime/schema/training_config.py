@@ -149,6 +149,8 @@ class RLConfig:
     max_prompt_length: int           # prompt tokens (with the chat template); a longer prompt is an error
     prompts_per_step: int
     reward_model: str | None = None  # a reward model (an rlhf_rm checkpoint or export) scoring instead of `reward`
+    algorithm: str = "grpo"          # grpo | ppo (the ppo section: runtime/rl/ppo.py PPOConfig's keys)
+    ppo: dict | None = None
 
     @property
     def num_generations(self) -> int:

@@ -24,6 +24,11 @@ from runtime.schema.training_model import model_shape
 
 STAGE = "rl"
 DEFAULT_REWARD = "runtime.rl.rewards:prefix_match"
+ALGORITHMS = C.Choices(("grpo", "ppo"))
+KL_ESTIMATORS = C.Choices(("k1", "k3"))  # runtime/rl/ppo.py's
+# The grpo section's loss keys (TRL's defaults), which a ppo run must leave alone.
+GRPO_LOSS_DEFAULTS = {"beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "delta": None, "loss_type": "dapo",
+                      "scale_rewards": "group"}
 
 
 def read_stage_rl(root: Section, p: str, seq_length: int | None, sft: SFTDataConfig | None, data: DataConfig | None,
@@ -32,10 +37,12 @@ def read_stage_rl(root: Section, p: str, seq_length: int | None, sft: SFTDataCon
     section is refused."""
     stage = p.rstrip(".")
     if stage != STAGE:
-        if root.has("grpo"):
-            report.error(f"{stage}.grpo: GRPO trains in the rl stage; use stages=[rl] rl=<recipe>, or remove "
-                         f"{stage}.grpo")
+        for key in ("grpo", "ppo", "algorithm"):
+            if root.has(key):
+                report.error(f"{stage}.{key}: GRPO and PPO train in the rl stage; use stages=[rl] rl=<recipe>, or "
+                             f"remove {stage}.{key}")
         return None, sft
+    algorithm = root.choice("algorithm", ALGORITHMS, "grpo")
     g = root.section("grpo")
     trl = dict(num_generations=g.int("num_generations", 8, minimum=1),
                max_completion_length=g.int("max_completion_length", 512, minimum=1),
@@ -71,14 +78,42 @@ def read_stage_rl(root: Section, p: str, seq_length: int | None, sft: SFTDataCon
             problems.append(f"{p}model.global_batch_size: {data.global_batch_size} completions per step are not whole "
                             f"groups of grpo.num_generations {trl['num_generations']}; make it a multiple (prompts "
                             f"per step = global_batch_size / num_generations)")
+    ppo = read_ppo(root, algorithm, g, trl, problems)
     for problem in problems:
         report.error(problem)
     if sft is not None:
         sft = dataclasses.replace(sft, packing=False)  # a row is one prompt and one completion
-    if problems or _unset(trl) or reward is None or limit is None or not prompts:
+    if problems or _unset(trl) or reward is None or limit is None or not prompts or algorithm is None:
         return None, sft
     return RLConfig(trl=trl, reward=reward, reward_model=reward_model, max_prompt_length=limit,
-                    prompts_per_step=prompts), sft
+                    prompts_per_step=prompts, algorithm=algorithm, ppo=ppo), sft
+
+
+def read_ppo(root: Section, algorithm: str | None, g: Section, trl: dict, problems: list[str]) -> dict | None:
+    """The ppo section (TRL PPOConfig's keys, runtime/rl/ppo.py PPOConfig takes it) of a ppo run; in a grpo run it
+    is refused, and in a ppo run so are GRPO's own loss settings off their defaults (the grpo section's sampling,
+    reward and prompt keys serve both)."""
+    if algorithm != "ppo":
+        if algorithm == "grpo" and root.has("ppo"):
+            problems.append(f"{root.key('ppo')}: PPO's settings in a GRPO run; set {root.key('algorithm')}=ppo, or "
+                            f"remove {root.key('ppo')}")
+        return None
+    for key, default in GRPO_LOSS_DEFAULTS.items():
+        if trl.get(key) is not None and trl[key] != default:
+            problems.append(f"{g.key(key)}: {trl[key]} is a GRPO loss setting, which a ppo run does not use; remove "
+                            f"it or set it to {default} (PPO's settings are in {root.key('ppo')})")
+    s = root.section("ppo")
+    ppo = dict(kl_coef=s.float("kl_coef", 0.05, minimum=0.0), cliprange=s.float("cliprange", 0.2, minimum=0.0),
+               cliprange_value=s.float("cliprange_value", 0.2, minimum=0.0),
+               vf_coef=s.float("vf_coef", 0.1, minimum=0.0), gamma=s.float("gamma", 1.0, minimum=0.0),
+               lam=s.float("lam", 0.95, minimum=0.0), whiten_rewards=s.bool("whiten_rewards", False),
+               kl_estimator=s.choice("kl_estimator", KL_ESTIMATORS, "k1"),
+               num_ppo_epochs=s.int("num_ppo_epochs", 1, minimum=1))
+    s.done()
+    if ppo["num_ppo_epochs"] is not None and ppo["num_ppo_epochs"] > 1:
+        problems.append(f"{s.key('num_ppo_epochs')}: {ppo['num_ppo_epochs']} is not supported (one PPO update per "
+                        f"rollout); set {s.key('num_ppo_epochs')}=1")
+    return None if any(v is None for v in ppo.values()) else ppo
 
 
 def _unset(trl: dict) -> bool:

@@ -131,6 +131,13 @@ CASES = [
     ([*RLHF_RM, "+rlhf_rm.reward_model.margin=1"], "rlhf_rm.reward_model.margin: unknown key; valid keys here: "
      "center_rewards_coefficient, max_prompt_length, truncation_mode"),
     # GRPO (rl): the reward is imported at launch; whole prompts per data-parallel rank, pipeline stages or not.
+    # PPO (rl.algorithm=ppo): its own section, GRPO's loss keys left alone, one update per rollout.
+    ([*RL, "+rl.ppo.kl_coef=0.1"], "rl.ppo: PPO's settings in a GRPO run; set rl.algorithm=ppo, or remove rl.ppo"),
+    ([*RL, "rl=demo_ppo", "rl.grpo.beta=0.1"], "rl.grpo.beta: 0.1 is a GRPO loss setting, which a ppo run does not "
+     "use; remove it or set it to 0.0"),
+    ([*RL, "rl=demo_ppo", "+rl.ppo.kl_coeff=0.1"], "rl.ppo.kl_coeff: unknown key; did you mean 'kl_coef'?"),
+    ([*RL, "rl=demo_ppo", "rl.ppo.num_ppo_epochs=4"], "rl.ppo.num_ppo_epochs: 4 is not supported (one PPO update "
+     "per rollout); set rl.ppo.num_ppo_epochs=1"),
     ([*RL, "rl.grpo.reward=no_such_module:score"],
      "rl.grpo.reward: 'no_such_module:score': cannot import no_such_module (ModuleNotFoundError"),
     ([*RL, "rl.model.pipeline_model_parallel_size=2", "rl.trainer.devices=6"],
