@@ -157,8 +157,7 @@ class DataParallel:
         self.topo, self.precision = topo, get_precision(config.precision)
         stage = int(bool(config.zero1)) if config.zero_stage is None else config.zero_stage
         if stage not in (0, 1, 2) or (config.zero1 and stage == 0):
-            raise ValueError(f"zero_stage {config.zero_stage!r} with zero1={config.zero1}: give 0, 1 or 2 "
-                             "(zero1=True is stage 1)")
+            raise ValueError(f"zero_stage {config.zero_stage!r} with zero1={config.zero1}: 0, 1 or 2 (zero1 is 1)")
         self.zero_stage, self.zero1 = stage, stage >= 1  # zero1: the optimizer state is sharded
         self.overlap_param_gather = bool(config.overlap_param_gather)
         plan = plan_of(model)

@@ -73,7 +73,8 @@ def _checkpoints(directory: str) -> dict:
 
 
 def _two_ranks(directory: str) -> dict:
-    return {**H.run_suite(TWO_RANK_JOBS), "bytes": {(stage, n): _grad_bytes(stage, n) for stage in (1, 2) for n in (1, 2)},
+    return {**H.run_suite(TWO_RANK_JOBS),
+            "bytes": {(stage, n): _grad_bytes(stage, n) for stage in (1, 2) for n in (1, 2)},
             "checkpoints": _checkpoints(directory)}
 
 
