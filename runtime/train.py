@@ -207,6 +207,7 @@ def build_model(cfg: TrainingConfig, topo: Topology, device: Device) -> torch.nn
         pipeline_cuts=cfg.parallel.pipeline_cuts,
         device=device.torch_device,
         data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed,
+                                         zero_stage=cfg.parallel.stage,
                                          overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                                          overlap_param_gather=cfg.parallel.overlap_param_gather),
         context=cfg.parallel.context_kind,

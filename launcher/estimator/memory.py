@@ -2,8 +2,9 @@
 #
 # The accounting follows what runtime/ actually holds, so it can be checked against a measurement on CPU:
 #   weights      param dtype (fp32, or bf16 for bf16SR / mixed_precision*), every parameter of this device's stage
-#   gradients    fp32 always: data parallelism accumulates micro-batch gradients in an fp32 buffer
-#   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by dp under ZeRO-1
+#   gradients    fp32 always: data parallelism accumulates micro-batch gradients in an fp32 buffer; under ZeRO-2
+#                the rank's 1/dp shard of them (the full buffers exist only through backward: not counted)
+#   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by dp under ZeRO-1/2
 #   activations  what autograd keeps per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 #                Activation Recomputation in Large Transformer Models"), times the micro-batches in flight
 #   logits/loss  the output layer's (b, s, V/tp) logits and the cross entropy's fp32 working set, on the last stage
@@ -339,7 +340,10 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     bytes_ = PRECISION_BYTES[layout.precision]
     params = stage_parameters(shape, layout, first=first, last=last, rank=rank)
     experts = stage_expert_parameters(shape, layout, first=first, rank=rank)
-    dense_sharding, expert_sharding = (layout.dp, layout.edp) if layout.zero1 else (1, 1)
+    stage = layout.parallel.stage  # model.zero_stage, or zero1 as stage 1
+    dense_sharding, expert_sharding = (layout.dp, layout.edp) if stage >= 1 else (1, 1)
+    # ZeRO-2: each rank keeps its shard of the gradients too (the full buffers live only through backward).
+    grad_dense, grad_expert = (dense_sharding, expert_sharding) if stage == 2 else (1, 1)
     layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
     # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/families/llama/model.py; a
@@ -369,7 +373,7 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
         stage=name,
         parameters=params,
         weights=params * bytes_.param,
-        gradients=params * GRAD_BYTES,
+        gradients=GRAD_BYTES * ((params - experts) / grad_dense + experts / grad_expert),
         optimizer=(MOMENT_BYTES + bytes_.master) * ((params - experts) / dense_sharding + experts / expert_sharding),
         buffers=buffers,
         activations=activations,

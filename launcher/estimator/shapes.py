@@ -55,6 +55,7 @@ class Layout:
     cp: int = 1                  # context-parallel size: sequences split over cp consecutive dp ranks (ring)
     ulysses: int = 1             # Ulysses size: the same split, with head-split attention (one of cp, ulysses is 1)
     pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
+    zero_stage: int | None = None  # model.zero_stage (2: gradients sharded too); None: 1 if zero1 else 0
 
     @property
     def world_size(self) -> int:
@@ -66,7 +67,7 @@ class Layout:
         return ParallelConfig(tp=self.tp, pp=self.pp, virtual_pp=self.vpp, sequence_parallel=self.sequence_parallel,
                               zero1=self.zero1, activation_checkpointing=self.recompute,
                               recompute_modules=self.recompute_modules, ep=self.ep, cp=self.cp,
-                              ulysses=self.ulysses, pipeline_cuts=self.pipeline_cuts)
+                              ulysses=self.ulysses, pipeline_cuts=self.pipeline_cuts, zero_stage=self.zero_stage)
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
@@ -209,6 +210,7 @@ def layout_from_training(sizing: SizingConfig, trainer: TrainerConfig) -> Layout
         cp=parallel.cp,
         ulysses=parallel.ulysses,
         pipeline_cuts=parallel.pipeline_cuts,
+        zero_stage=parallel.zero_stage,
     )
 
 

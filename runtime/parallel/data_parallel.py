@@ -29,6 +29,11 @@
 # either way, so overlap on and off are bitwise equal. With ZeRO-1 the parameter all-gather of each bucket starts
 # when its update is written back and is waited on after the last bucket's update (overlap_param_gather).
 #
+# ZeRO-2 (zero_stage 2) is ZeRO-1 with the gradients kept sharded too: a bucket's full fp32 gradient buffer is
+# allocated when its first gradient of the step lands, accumulates every micro-batch (Megatron's choice, so the
+# sums are ZeRO-1's bit for bit), and is freed once its reduce-scatter has run (during the last backward with
+# overlap); only the rank's (shard,) gradient stays, and the optimizer, the norm and clipping read that.
+#
 # What the reduction needs to know about each parameter (sequence-parallel partial gradients, pipeline-tied
 # copies, how many ranks hold the same value for the global norm) comes from the model's ShardingPlan.
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch import nn
 
 from runtime.parallel import collectives as C
 from runtime.parallel.plan import plan_of
+from runtime.parallel.sparse_lookups import sparse_grads_work, split_tied_lookups
 from runtime.parallel.topology import AxisGroup, Topology
 from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
@@ -53,6 +59,7 @@ GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on gloo: it copies each reduce-scatt
 class DataParallelConfig:
     precision: "str | Precision" = "fp32"     # a runtime.precision name
     zero1: bool = False                        # shard master weights (and the optimizer's moments) over DP
+    zero_stage: int | None = None              # 0, 1, 2 (also the gradients: see the header); None: from zero1
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     seed: int = 0                              # stochastic-rounding noise, the same on every rank
     overlap_grad_reduce: bool = True           # start each bucket's reduction during backward (see the header)
@@ -91,8 +98,11 @@ class Segment:
     in_param: slice      # range in param.view(-1)
     in_shard: slice      # the same elements' range in the bucket's shard tensors
     norm_weight: float   # 1 / (number of ranks holding an identical copy of this gradient)
+    shard_grad: torch.Tensor | None = None  # ZeRO-2: the reduced gradient, a view of its bucket's grad_shard
 
     def grad(self) -> torch.Tensor:
+        if self.shard_grad is not None:
+            return self.shard_grad
         return self.main.value.view(-1)[self.in_param]
 
 
@@ -103,11 +113,14 @@ class Bucket:
     decay: bool                       # matrices (weight decay applies) or vectors: biases and norm weights
     param_buffer: torch.Tensor        # (padded,) param dtype; the params are views into it
     grad_buffer: torch.Tensor | None  # (padded,) fp32 when gradients must be flat; main grads are views into it
+                                      # (ZeRO-2: only from the bucket's first gradient to its reduce-scatter)
     shard: slice                      # the part of the buffers this rank owns and updates
     master: torch.Tensor | None       # (shard,) fp32 master weights; None when the params are themselves fp32
     segments: list[Segment]
     uses: int = 0                     # hooks per backward: one per parameter, two for a tied embedding
     deferred: bool = False            # holds a gradient summed over another group first: reduced after backward
+    grads_sharded: bool = False       # ZeRO-2 over more than one rank: grad_buffer lives only through backward
+    grad_shard: torch.Tensor | None = None  # then: (shard,) fp32, the reduced gradient, kept until the next one
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator | None:
@@ -142,10 +155,13 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, topo: Topology, config: DataParallelConfig):
         self.topo, self.precision = topo, get_precision(config.precision)
-        self.zero1 = bool(config.zero1)
+        stage = int(bool(config.zero1)) if config.zero_stage is None else config.zero_stage
+        if stage not in (0, 1, 2) or (config.zero1 and stage == 0):
+            raise ValueError(f"zero_stage {config.zero_stage!r} with zero1={config.zero1}: 0, 1 or 2 (zero1 is 1)")
+        self.zero_stage, self.zero1 = stage, stage >= 1  # zero1: the optimizer state is sharded
         self.overlap_param_gather = bool(config.overlap_param_gather)
         plan = plan_of(model)
-        self._aliases = _split_tied_lookups(model, sparse=_sparse_grads_work(next(model.parameters()).device))
+        self._aliases = split_tied_lookups(model, sparse=sparse_grads_work(next(model.parameters()).device))
         alias_ids = {id(alias) for alias, _ in self._aliases}
         # (name, parameter) for every parameter this owns, in model.parameters() order; aliases are skipped
         # (they share their owner's storage), so a tied embedding is owned under the name its owner has.
@@ -231,7 +247,10 @@ class DataParallel:
         dp_copies = 1 if self.zero1 else dp.size
 
         fp32 = torch.zeros(padded, dtype=torch.float32, device=device)
-        grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device) if self._flat_grads else None
+        # ZeRO-2: the full buffer only exists during a step's backward (_open_grads to _finish).
+        grads_sharded = self.zero_stage == 2 and dp.size > 1
+        grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device) if (
+            self._flat_grads and not grads_sharded) else None
         segments, offset = [], 0
         for p in params:
             n = p.numel()
@@ -257,10 +276,36 @@ class DataParallel:
             p.data = param_buffer[offset:offset + n].view(p.shape)  # the module keeps the same Parameter object
             p.grad = None
             offset += n
-        return Bucket(dp, params, decay, param_buffer, grad_buffer, shard, master, segments)
+        return Bucket(dp, params, decay, param_buffer, grad_buffer, shard, master, segments,
+                      grads_sharded=grads_sharded)
+
+    def _open_grads(self, bucket: Bucket) -> None:
+        """ZeRO-2: the bucket's full gradient buffer for this step, zeros (its padding too), main grads its views;
+        the last step's shard goes first."""
+        bucket.grad_shard = None
+        for seg in bucket.segments:
+            seg.shard_grad = None
+        bucket.grad_buffer = torch.zeros(bucket.param_buffer.numel(), dtype=torch.float32,
+                                         device=bucket.param_buffer.device)
+        offset = 0
+        for p in bucket.params:
+            self.main_grads[id(p)].buffer = bucket.grad_buffer[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+    def _close_grads(self, bucket: Bucket, shard: torch.Tensor | None) -> None:
+        """ZeRO-2, after the bucket's reduce-scatter: only the rank's shard is kept (the collective's own output,
+        or a copy of the slice it wrote in place); the full buffer goes."""
+        bucket.grad_shard = shard if shard is not None else bucket.grad_buffer[bucket.shard].clone()
+        for seg in bucket.segments:
+            seg.shard_grad = bucket.grad_shard[seg.in_shard]
+        bucket.grad_buffer = None
+        for p in bucket.params:
+            main = self.main_grads[id(p)]
+            main.buffer = main.value = None
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
-        """`param`'s fp32 gradient as the optimizer will read it."""
+        """`param`'s fp32 gradient as the optimizer will read it (ZeRO-2: None once its bucket is reduced; the
+        segments hold the rank's shard of it)."""
         return self.main_grads[id(param)].value
 
     # ---- the phases train_step runs, in order ---------------------------------------------------------------
@@ -284,6 +329,9 @@ class DataParallel:
             # Its bucket is already being reduced: adding now would race the collective reading the buffer.
             raise RuntimeError("a gradient arrived after its bucket's reduction started: the step ran more "
                                "backward passes than the micro-batches it announced to zero_grad")
+        bucket = self.buckets[index]
+        if bucket.grads_sharded and bucket.grad_buffer is None:
+            self._open_grads(bucket)
         _accumulate(main, param)
         if self._remaining is None:
             return
@@ -296,7 +344,7 @@ class DataParallel:
         if self._max_in_flight is not None and C.reduce_scatter_copies_input(bucket.axis):
             while len(self._pending) >= self._max_in_flight:
                 self._finish(self._pending.pop(0))
-        if self.zero1:
+        if self.zero1:  # ZeRO-2 as well: _finish then keeps the shard and lets the full buffer go
             # In place: into the rank's own slice of the buffer it reads (no shard-sized buffer per bucket).
             shard = None if C.in_place_shard_ok(bucket.grad_buffer, bucket.axis) else torch.empty_like(
                 bucket.grad_buffer[bucket.shard])
@@ -309,6 +357,10 @@ class DataParallel:
         """Finish the gradients: zeros for parameters no backward reached, sequence-parallel grads summed over
         TP, a pipeline-split tied embedding's grads summed over its first and last stage, then the sum over DP
         (per bucket)."""
+        started = set(self._early[:self._started])  # ZeRO-2: reduced during backward, their full buffers gone
+        for i, bucket in enumerate(self.buckets):
+            if bucket.grads_sharded and bucket.grad_buffer is None and i not in started:
+                self._open_grads(bucket)  # no gradient reached it this step
         for p in self.params:
             main = self.main_grads[id(p)]
             if not main.written:
@@ -339,11 +391,12 @@ class DataParallel:
             self._finish(entry)
         self._pending, self._started, self._remaining = [], len(self._early), None
 
-    @staticmethod
-    def _finish(entry: tuple[Bucket, C.Pending, torch.Tensor | None]) -> None:
+    def _finish(self, entry: tuple[Bucket, C.Pending, torch.Tensor | None]) -> None:
         bucket, pending, shard = entry
         pending.wait()
-        if shard is not None:
+        if bucket.grads_sharded:
+            self._close_grads(bucket, shard)
+        elif shard is not None:
             bucket.grad_buffer[bucket.shard].copy_(shard)
 
     def grad_norm(self) -> torch.Tensor:
@@ -403,37 +456,6 @@ class DataParallel:
     def load_sr_generator_state(self, state: torch.Tensor | None) -> None:
         if self._sr_generator is not None and state is not None:
             self._sr_generator.set_state(state)
-
-
-def _sparse_grads_work(device: torch.device) -> bool:
-    """Whether the device has sparse tensors (CPU and CUDA do; XLA does not): a probe, not a device name check."""
-    try:
-        # check_invariants given explicitly: left implicit, torch warns about it once per process
-        torch.sparse_coo_tensor(torch.zeros((1, 1), dtype=torch.long, device=device), torch.ones(1, device=device),
-                                (1,), check_invariants=False).coalesce()
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def _split_tied_lookups(model: nn.Module, *, sparse: bool) -> list[tuple[nn.Parameter, nn.Parameter]]:
-    """Turn on sparse gradients for embedding lookups where the device has them; give each tied one an alias
-    Parameter (see the header). Returns (alias, owner) pairs."""
-    users: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            users[id(param)] = users.get(id(param), 0) + 1
-    aliases = []
-    for module in model.modules():
-        if not isinstance(getattr(module, "sparse", None), bool):  # nn.Embedding, VocabParallelEmbedding
-            continue
-        module.sparse = sparse
-        weight = module.weight
-        if users[id(weight)] > 1 and weight.requires_grad:
-            alias = nn.Parameter(weight.detach())  # same storage
-            module.weight = alias
-            aliases.append((alias, weight))
-    return aliases
 
 
 def _accumulate(main: MainGrad, param: nn.Parameter) -> None:

@@ -31,6 +31,24 @@ def elastic_nodes(num_nodes: int, smaller: str | None, p: str) -> str | None:
             f"nodes, after a lost node): {smaller}; or set {p}run.elastic=false")
 
 
+ZERO_STAGES = (0, 1, 2)
+
+
+def zero_stage(stage: int | None, zero1: bool | None, p: str) -> str | None:
+    """model.zero_stage (Megatron-DeepSpeed's ZERO_STAGE): 0 plain data parallelism, 1 the optimizer state sharded
+    (what model.zero1: true means), 2 the gradients too. Both keys given must agree."""
+    if stage is None:
+        return None
+    if stage == 3:
+        return f"{p}model.zero_stage: ZeRO-3 is not built yet; use 2 or pipeline/tensor parallelism"
+    if stage not in ZERO_STAGES:
+        return f"{p}model.zero_stage: {stage} is not a ZeRO stage; use 0, 1 or 2"
+    if zero1 is not None and zero1 != (stage >= 1):
+        return (f"{p}model.zero1: {str(zero1).lower()} contradicts model.zero_stage {stage} (zero1: true is stage 1 "
+                f"and stage 2 shards the optimizer state too); drop model.zero1 or make them agree")
+    return None
+
+
 def tp_within_node(tp: int, devices: int, p: str) -> str | None:
     """Tensor-parallel groups are consecutive ranks (runtime/parallel/dims.py) and talk inside every layer: a
     group must not cross a node."""

@@ -58,6 +58,12 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True      # gradient buckets reduced during backward (runtime/parallel/data_parallel.py)
     overlap_param_gather: bool = True     # ZeRO-1's parameter all-gather overlapped with the optimizer's update
     pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
+    zero_stage: int | None = None         # model.zero_stage: 0, 1 (what zero1 means) or 2; None: 1 if zero1 else 0
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage: model.zero_stage, or model.zero1 read as stage 1."""
+        return int(self.zero1) if self.zero_stage is None else self.zero_stage
 
     @property
     def context(self) -> int:

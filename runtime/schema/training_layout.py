@@ -31,16 +31,21 @@ def read_parallel(model: Section) -> ParallelConfig | None:
         cp=model.int("context_parallel_size", 1, minimum=1),
         ulysses=model.int("ulysses_parallel_size", 1, minimum=1),
         sequence_parallel=model.bool("sequence_parallel", False),
-        zero1=model.bool("zero1", False),
         # Megatron-core's DDP names; NeMo's optim.overlap_grad_sync / overlap_param_sync map onto them.
         overlap_grad_reduce=model.bool("overlap_grad_reduce", True),  # as torch DDP and Megatron-core default
         overlap_param_gather=model.bool("overlap_param_gather", True),
     )
     vpp = model.int("virtual_pipeline_model_parallel_size", None, minimum=1)
+    # model.zero1 (NxD / NeMo) and model.zero_stage (Megatron-DeepSpeed): one setting, rules.zero_stage.
+    zero1, stage = model.bool("zero1", None), model.int("zero_stage", None)
+    problem = rules.zero_stage(stage, zero1, model.path.removesuffix("model"))
+    model.report.error(problem)
+    values["zero_stage"] = (stage if stage is not None else int(bool(zero1))) if problem is None else None
     granularity = model.choice("activations_checkpoint_granularity", C.CHECKPOINT_GRANULARITIES, None)
     cuts = _pipeline_cuts(model)
     if any(v is None for v in values.values()):
         return None
+    values["zero1"] = values["zero_stage"] >= 1
     return ParallelConfig(virtual_pp=vpp, activation_checkpointing=granularity,
                           recompute_modules=tuple(dict.fromkeys(modules)), pipeline_cuts=cuts, **values)
 

@@ -27,6 +27,7 @@ class L:
     pp: int = 1
     zero1: bool = False
     ep: int = 1
+    zero_stage: int | None = None  # DataParallelConfig.zero_stage (2: ZeRO-2); None: from zero1
     cp: int = 1  # context parallelism (ring), carved out of dp like ep
     cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
     num_layers: int = NUM_LAYERS
@@ -34,6 +35,7 @@ class L:
     def __str__(self) -> str:
         return (f"tp{self.tp}_pp{self.pp}" + (f"_ep{self.ep}" if self.ep > 1 else "") +
                 (f"_cp{self.cp}" if self.cp > 1 else "") + ("_zero1" if self.zero1 else "") +
+                (f"_zero_stage{self.zero_stage}" if self.zero_stage is not None else "") +
                 (f"_cuts{'-'.join(map(str, self.cuts))}" if self.cuts else "") +
                 (f"_layers{self.num_layers}" if self.num_layers != NUM_LAYERS else ""))
 
@@ -46,7 +48,7 @@ def build(arch: str, layout: L, seed: int):
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
                                        world_size=world, ep=layout.ep, cp=layout.cp))
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, pipeline_cuts=layout.cuts,
-                              data_parallel=DataParallelConfig("fp32", layout.zero1),
+                              data_parallel=DataParallelConfig("fp32", layout.zero1, zero_stage=layout.zero_stage),
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     return cfg, topo, model, optimizer

@@ -11,6 +11,7 @@ from launcher.estimator.hardware import HARDWARE
 from launcher.estimator.memory import (Kernels, in_flight_micro_batches, layer_activation_bytes, peak_memory,
                                       stage_memory)
 from launcher.estimator.shapes import Layout, ModelShape, count_parameters, layer_parameters, padded_vocab
+from tests.estimate.test_moe import MIXTRAL_8X7B
 from tests.launcher.helpers import resolved
 
 GPT3_175B = ModelShape("gpt", 96, 12288, 4 * 12288, 96, 96, padded_vocab(50257, 128), 2048, 2048, True)
@@ -65,6 +66,19 @@ def test_zero1_shards_only_the_optimizer_state():
     assert sharded.weights == plain.weights and sharded.gradients == plain.gradients
     assert sharded.optimizer == pytest.approx(plain.optimizer / 4)
     assert plain.optimizer == pytest.approx(plain.parameters * 12)  # fp32 master + two fp32 moments
+
+
+def test_zero2_shards_the_gradients_too():
+    zero1 = peak_memory(LLAMA3_70B, layout(num_nodes=32, tp=8, pp=8, zero1=True))    # dp = 4
+    zero2 = peak_memory(LLAMA3_70B, layout(num_nodes=32, tp=8, pp=8, zero1=True, zero_stage=2))
+    assert zero2.gradients == pytest.approx(zero1.gradients / 4) and zero2.optimizer == zero1.optimizer
+    assert zero2.weights == zero1.weights
+    moe = layout(num_nodes=4, tp=1, pp=1, ep=4, zero1=True)                          # dp 32, edp 8
+    moe_zero1, moe_zero2 = (peak_memory(MIXTRAL_8X7B, dataclasses.replace(moe, zero_stage=s)) for s in (1, 2))
+    assert moe_zero1.gradients == 4 * moe_zero1.parameters
+    # dense gradients over dp, experts' over the expert-data-parallel group
+    expected = 4 * ((moe_zero1.parameters - moe_zero1.expert_parameters) / 32 + moe_zero1.expert_parameters / 8)
+    assert moe_zero2.gradients == pytest.approx(expected)
 
 
 def test_pipeline_splits_parameters_and_holds_micro_batches_in_flight():

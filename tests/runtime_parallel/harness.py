@@ -78,6 +78,7 @@ class Layout:
     dp: int = 1
     sequence_parallel: bool = False
     zero1: bool = False
+    zero_stage: int | None = None  # DataParallelConfig.zero_stage (2: ZeRO-2); None: from zero1
     activation_checkpointing: str | None = None
     recompute_modules: tuple[str, ...] = ("core_attention",)
     precision: str = "fp32"
@@ -239,6 +240,7 @@ def train(cfg: ModelConfig, layout: Layout, steps: int = STEPS, clip: float = 1.
                               recompute_modules=layout.recompute_modules, context=layout.context_kind,
                               attention_kernels=flash_attention_kernels,
                               data_parallel=DataParallelConfig(layout.precision, layout.zero1,
+                                                                zero_stage=layout.zero_stage,
                                                                 bucket_numel=BUCKET_NUMEL))
     optimizer = ShardedAdamW(model, OPTIM)
     losses, norms, dropped = [], [], []

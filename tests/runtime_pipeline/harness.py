@@ -24,6 +24,7 @@ class PipelineLayout:
     vpp: int | None = None
     sequence_parallel: bool = False
     zero1: bool = False
+    zero_stage: int | None = None  # DataParallelConfig.zero_stage (2: ZeRO-2); None: from zero1
     schedule: str | None = None  # None: 1F1B, or interleaved with vpp
     ep: int = 1
     cp: int = 1  # context parallelism: like ep, carved out of the dp ranks (dp counts every replica here)
@@ -39,7 +40,8 @@ def train(arch: str, overrides: dict, layout: PipelineLayout, steps: int = H.STE
                                        ep=layout.ep, cp=layout.cp))
     model = parallelize_model(H.fine_tuning_model(cfg, fine_tuning), topo, sequence_parallel=layout.sequence_parallel,
                               virtual_pp=layout.vpp, pipeline_cuts=layout.cuts,
-                              data_parallel=DataParallelConfig("fp32", layout.zero1, bucket_numel=H.BUCKET_NUMEL),
+                              data_parallel=DataParallelConfig("fp32", layout.zero1, bucket_numel=H.BUCKET_NUMEL,
+                                                                zero_stage=layout.zero_stage),
                               attention_kernels=flash_attention_kernels)
     optimizer = ShardedAdamW(model, H.OPTIM)
     losses, norms = [], []
