@@ -36,14 +36,15 @@ ZERO_STAGES = (0, 1, 2)
 
 def zero_stage(stage: int | None, zero1: bool | None, p: str) -> str | None:
     """model.zero_stage (Megatron-DeepSpeed's ZERO_STAGE): 0 plain data parallelism, 1 the optimizer state sharded
-    (what model.zero1: true means), 2 the gradients too. Both keys given must agree."""
+    (what model.zero1: true means), 2 the gradients too. A stage raises what zero1: false (the recipes' default)
+    says; zero1: true with stage 0 asks for two things."""
     if stage is None:
         return None
     if stage == 3:
         return f"{p}model.zero_stage: ZeRO-3 is not built yet; use 2 or pipeline/tensor parallelism"
     if stage not in ZERO_STAGES:
         return f"{p}model.zero_stage: {stage} is not a ZeRO stage; use 0, 1 or 2"
-    if zero1 is not None and zero1 != (stage >= 1):
+    if zero1 and stage == 0:
         return (f"{p}model.zero1: {str(zero1).lower()} contradicts model.zero_stage {stage} (zero1: true is stage 1 "
                 f"and stage 2 shards the optimizer state too); drop model.zero1 or make them agree")
     return None

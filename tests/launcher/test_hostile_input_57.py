@@ -120,10 +120,10 @@ def test_an_error_line_quotes_a_bounded_excerpt_of_the_file(tmp_path, text, expe
 
 
 def test_a_key_added_under_the_model_section_that_nothing_reads_is_refused(tmp_path):
-    lines = _refused(nxdt("+training.model.zero_stage=3", "stages=[training]", f"base_results_dir={tmp_path}/results",
+    lines = _refused(nxdt("+training.model.zero_stages=3", "stages=[training]", f"base_results_dir={tmp_path}/results",
                           "cluster_type=local", "--dry-run", cwd=tmp_path),
-                     "training.model.zero_stage: unknown key; ", tmp_path)
-    assert "zero1" in lines[0] and len(lines) == 1, lines
+                     "training.model.zero_stages: unknown key; ", tmp_path)
+    assert "zero_stage" in lines[0] and len(lines) == 1, lines
 
 
 BROKEN_YAML = "model:\n  num_layers: [4, 6\n  hidden_size: 64\n"  # a flow sequence never closed: yaml's ScannerError

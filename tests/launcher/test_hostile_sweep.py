@@ -150,8 +150,8 @@ CASES = [
            setup=files(**{"configs/passwd": text}))
       for text, says in cases57.PLAIN_TEXTS for entry in (("training=@configs/passwd", "--dry-run"),
                                                           ("explain-config", "configs/passwd"))),
-    Case("a key added under a section the schema owns", "+training.model.zero_stage=3",
-         ("+training.model.zero_stage=3", *DRY), "training.model.zero_stage: unknown key; "),
+    Case("a key added under a section the schema owns", "+training.model.zero_stages=3",
+         ("+training.model.zero_stages=3", *DRY), "training.model.zero_stages: unknown key; "),
     Case("a checkpoint config.yaml that is not YAML", "damaged config.yaml at launch",
          (*TRAINING, "data_dir={data}"), "config.yaml: not valid YAML at line 3", setup=_damaged_checkpoint,
          untouched=("results/**/*",)),

@@ -22,7 +22,7 @@ CASES = [
     ([f"{M}optim.name=adafactor", f"{M}zero1=true"],
      "training.model.optim.name: adafactor factors whole 2-D parameters, so it cannot run with model.zero1; turn it "
      "off or choose adamw, adam, sgd or a schedule-free optimizer"),
-    ([f"+{M}zero_stage=0", f"{M}zero1=true"],
+    ([f"{M}zero_stage=0", f"{M}zero1=true"],
      "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1 and stage 2 shards the "
      "optimizer state too); drop model.zero1 or make them agree"),
     ([f"{M}optim.name=sgd", f"+{M}optim.nesterov=true"],
