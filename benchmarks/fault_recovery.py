@@ -50,10 +50,6 @@ FAULTS = ("none", "exit:rank=1:step=10", "hang:rank=1:step=10", "hang:rank=1:ste
           "unhealthy:node=node2")
 
 
-def _wait(cluster: LocalSlurm, job: str, timeout: float) -> str:
-    return cluster.wait_job(job, timeout=timeout)
-
-
 PEER_SHAPE = ("training.model.hidden_size=512", "training.model.num_layers=4", "training.model.encoder_seq_length=256",
               "training.model.num_attention_heads=8", "training.model.ffn_hidden_size=2048")
 PEER_CASES = ((10, 19, 24), (100, 99, 104))  # (checkpoint interval, fault step, steps)
@@ -193,21 +189,8 @@ def main() -> int:
             f"training.fault_tolerance.step_timeout_floor_s={args.step_floor:g}",
             f"training.fault_tolerance.setup_timeout_s={args.setup_timeout:g}",
             f"training.fault_tolerance.checkpoint_timeout_s={args.checkpoint_timeout:g}"))
-        submitted = time.monotonic()
-        launched = subprocess.run(["nxdt-launch", "cluster_type=slurm", f"cluster.partition={cluster.partition}",
-                                   *overrides], env={**env, "NXDT_INJECT_FAULT": "" if fault == "none" else fault},
-                                  cwd=work, capture_output=True, text=True)
-        if launched.returncode != 0:
-            print(launched.stdout + launched.stderr, file=sys.stderr)
-            return 1
-        job = str(json.loads((results / "gpt3_tiny" / "launch.json").read_text())["stages"][0]["job_id"])
-        state = _wait(cluster, job, timeout=900)
-        wall = time.monotonic() - submitted
-        training = results / "gpt3_tiny" / "training"
-        history_path = training / "logs" / "training_attempts.jsonl"
-        history = [json.loads(x) for x in history_path.read_text().splitlines()] if history_path.exists() else []
-        failed = next((r for r in history if r["event"] == "failed"), {})
-        recovered = next((r for r in history if r["event"] == "recovered"), {})
+        run = _submit(cluster, env, work, results, overrides, "" if fault == "none" else fault)
+        state, wall, failed, recovered = run["state"], run["wall_s"], run["failed"], run["recovered"]
         rows.append({"fault": fault, "state": state, "wall_s": round(wall, 1), "cause": failed.get("cause"),
                      "node": failed.get("node"), "section": failed.get("section"),
                      "time_to_detect_s": failed.get("time_to_detect_s"),

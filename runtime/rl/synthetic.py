@@ -36,6 +36,7 @@ from pathlib import Path
 
 from runtime.io.files import atomic_write_bytes, atomic_write_json
 from runtime.schema.facts import USER_ERROR_EXIT_CODE
+from runtime.sft.synthetic import already_written
 from runtime.sft.synthetic import SPECIAL_TOKENS, tokenizer_config
 
 TASK = "repeat"
@@ -97,7 +98,7 @@ def write_demo(output_dir: str | os.PathLike, *, num_train: int = 600, num_valid
     settings = {"num_train": num_train, "num_valid": num_valid, "num_test": num_test, "seed": seed,
                 "num_symbols": num_symbols, "symbols_per_prompt": symbols_per_prompt, "task": TASK}
     out = Path(output_dir)
-    if _already_written(out, settings):
+    if already_written(out, settings, FILES):
         return False
     splits = make_splits(num_train, num_valid, num_test, seed, num_symbols, symbols_per_prompt)
     (out / "summary.json").unlink(missing_ok=True)
@@ -114,13 +115,6 @@ def write_demo(output_dir: str | os.PathLike, *, num_train: int = 600, num_valid
     return True
 
 
-def _already_written(out: Path, settings: dict) -> bool:
-    try:
-        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    same = isinstance(summary, dict) and all(summary.get(k) == v for k, v in settings.items())
-    return same and all((out / f).is_file() for f in FILES)
 
 
 def _check(**values: int) -> None:

@@ -167,7 +167,7 @@ def write_demo_files(output_dir: str | os.PathLike, settings: dict, make_splits:
                          "+ some merges (the default is 512)")
     out = Path(output_dir)
     summary_path = out / "summary.json"
-    if _already_written(out, settings):
+    if already_written(out, settings, DEMO_FILES):
         return False
     summary_path.unlink(missing_ok=True)
     splits = make_splits()
@@ -185,13 +185,15 @@ def write_demo_files(output_dir: str | os.PathLike, settings: dict, make_splits:
     return True
 
 
-def _already_written(out: Path, settings: dict) -> bool:
+def already_written(out: Path, settings: dict, files) -> bool:
+    """A demo data set written before with the same settings (its summary.json says so) and every one of its files
+    there: a second data_preparation of it finds it done. The synthetic writers' shared rule."""
     try:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     same = isinstance(summary, dict) and all(summary.get(k) == v for k, v in settings.items())
-    return same and all((out / f).is_file() for f in DEMO_FILES)
+    return same and all((out / f).is_file() for f in files)
 
 
 def task_of(record: dict) -> str:
