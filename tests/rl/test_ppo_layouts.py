@@ -2,8 +2,8 @@
 rollout (tests/rl/fixed.py's completions and scores, fixed sampling and reference log-probs and critic values) made
 into the objectives' table by runtime/rl/ppo.py rollout_table (the trainer's code, whitening over the DP axis) and
 trained twice as the trainer does, the critic's value step then the policy's PPO step: the whitened advantages and
-the returns, every step's policy and value loss, metrics and grad norms within 1e-6 relative, and both models'
-weights after the two steps within 1e-6 of each tensor's size. Each dp2 rank holds one prompt's completions (of other
+the returns, every step's policy and value loss, metrics and grad norms within 1e-6 relative (or 1e-6 absolute: see
+FLOOR), and both models' weights after the two steps within 1e-6 of each tensor's size. Each dp2 rank holds one prompt's completions (of other
 lengths and scores than the other rank's), so only whitening with the global batch's mean and variance matches."""
 from __future__ import annotations
 
