@@ -132,6 +132,19 @@ class PPOTable(NamedTuple):
     completion_lengths: torch.Tensor
 
 
+def rollout_table(config: PPOConfig, scores: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor,
+                  values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, group=None) -> PPOTable:
+    """A rollout's (N,) scores and completion lengths, (N, T) sampling and reference log-probs, the critic's values
+    and the completion mask -> the objectives' table: per-token rewards, GAE, whitening over `group` (the DP axis:
+    every rank's rows, so the global batch's mean and variance)."""
+    kl = kl_terms(old_logps, ref_logps, mask, config.kl_estimator)
+    rewards = token_rewards(scores, kl, mask, config.kl_coef)
+    if config.whiten_rewards:
+        rewards = whiten(rewards, mask, shift_mean=False, group=group) * mask
+    advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
+    return PPOTable(whiten(advantages, mask, group=group) * mask, returns, old_logps, values, kl, scores, lengths)
+
+
 def _check_rows(batches: list[PreparedBatch]) -> list[PreparedBatch]:
     for batch in batches:
         if batch.pair_ids is None or batch.pair_ids.shape[0] != batch.input_ids.shape[0]:

@@ -26,8 +26,7 @@ from runtime.micro_batch import MicroBatch, PreparedBatch
 from runtime.parallel.topology import Topology
 from runtime.rl.data import PromptBatches
 from runtime.rl.grpo import GRPOConfig
-from runtime.rl.ppo import PPOConfig, PPOPolicyObjective, PPOTable, ValueObjective, gae, kl_terms, token_rewards, \
-    whiten
+from runtime.rl.ppo import PPOConfig, PPOPolicyObjective, PPOTable, ValueObjective, rollout_table
 from runtime.rl.reward_model import ModelReward, rewards_of
 from runtime.rl.rewards import Reward
 from runtime.rl.rollout import build_rows, sample, token_log_probs
@@ -148,14 +147,8 @@ class PPOBatches:
         old = token_log_probs(self.model, input_ids, labels, mask, **forward)
         ref = old if cfg.kl_coef == 0 else token_log_probs(self.reference, input_ids, labels, mask, **forward)
         values = critic_values(self.critic.model, input_ids, labels, mask, **forward)
-        kl = kl_terms(old, ref, mask, cfg.kl_estimator)
-        rewards = token_rewards(scores, kl, mask, cfg.kl_coef)
         dp = self.topo.dp
-        if cfg.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False, group=dp) * mask
-        advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-        table = PPOTable(whiten(advantages, mask, group=dp) * mask, returns, old, values, kl, scores,
-                         lengths.to(device))
+        table = rollout_table(cfg, scores, old, ref, values, mask, lengths.to(device), group=dp)
         ids = torch.arange(input_ids.shape[0], device=device)
         m = self.micro_batch_size
         batches = [MicroBatch(input_ids[i:i + m], labels[i:i + m], mask[i:i + m], None, ids[i:i + m])
