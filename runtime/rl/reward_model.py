@@ -31,7 +31,6 @@ from torch import nn
 
 from runtime.alignment.data import PreferenceDataset
 from runtime.alignment.reward import RewardObjective, meta_reward_model, whole_sequence_rows
-from runtime.convert.reward import HEAD as HEAD_NAME, HF_HEAD
 from runtime.micro_batch import PreparedBatch
 from runtime.parallel.topology import AxisGroup, Topology
 from runtime.rl.rewards import Reward, score
@@ -91,7 +90,10 @@ def build_reward_model(source: RewardModelSource, topo: Topology, device: torch.
 
 @torch.no_grad()
 def _load(model: nn.Module, plan, source: RewardModelSource) -> None:
-    """The decoder's weights, each rank its selection, then the score head whole."""
+    """The decoder's weights, each rank its selection, then the score head whole. (runtime.convert is imported
+    here, not at the top: the trainer imports this module, and its environment need not have safetensors.)"""
+    from runtime.convert.reward import HEAD as HEAD_NAME, HF_HEAD
+
     if source.hf:
         from safetensors import safe_open
 

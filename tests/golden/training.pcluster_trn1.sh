@@ -91,7 +91,7 @@ export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
 node_main() {
   # Compiled graphs of this model, one cache that every node shares (a shared directory or S3): a node that
   # replaces another finds them, and the compile step's marker speaks for every node.
-  export NEURON_COMPILE_CACHE_URL=/fsx/neuron-compile-cache/gpt-c7155cb08a5c
+  export NEURON_COMPILE_CACHE_URL=/fsx/neuron-compile-cache/gpt-d54ec13d0442
   local wrapper=()
   if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
   exec "${wrapper[@]}" "$PYTHON" -m runtime.torchrun \
@@ -106,7 +106,7 @@ export -f node_main
 # unless the marker says the cache already holds these graphs: it is written below once every node compiled
 # without a failure, and named by what the graphs depend on (launcher/neuron.py graph_key), so a requeue, a
 # restart or the next launch of the same model and layout skips the step.
-COMPILED_MARKER=/fsx/neuron-compile-cache/gpt-c7155cb08a5c/nxdt-compiled/34f5025597a731a7
+COMPILED_MARKER=/fsx/neuron-compile-cache/gpt-d54ec13d0442/nxdt-compiled/1b9bc1af304d5f4e
 if [ -e "$COMPILED_MARKER" ]; then
   echo "nxdt: training job $JOB_TAG restart $RESTART: compile step skipped, the cache holds these graphs ($COMPILED_MARKER)"
 else

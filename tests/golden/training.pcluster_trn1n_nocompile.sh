@@ -92,7 +92,7 @@ export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
 node_main() {
   # Compiled graphs of this model, one cache that every node shares (a shared directory or S3): a node that
   # replaces another finds them, and the compile step's marker speaks for every node.
-  export NEURON_COMPILE_CACHE_URL=s3://bucket/neuron-cache/gpt-7a32b7aee30d
+  export NEURON_COMPILE_CACHE_URL=s3://bucket/neuron-cache/gpt-39ceb3c1458a
   local wrapper=()
   if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
   exec "${wrapper[@]}" "$PYTHON" -m runtime.torchrun \

@@ -93,7 +93,7 @@ export STAGE_CONFIG=/results/gpt3_tiny/training/training_config.yaml
 node_main() {
   # Compiled graphs of this model, one cache that every node shares (a shared directory or S3): a node that
   # replaces another finds them, and the compile step's marker speaks for every node.
-  export NEURON_COMPILE_CACHE_URL=/fsx/neuron-compile-cache/gpt-7a32b7aee30d
+  export NEURON_COMPILE_CACHE_URL=/fsx/neuron-compile-cache/gpt-39ceb3c1458a
   local wrapper=()
   if [ "${NXDT_COMPILE:-0}" = 1 ]; then wrapper=(neuron_parallel_compile); fi
   exec "${wrapper[@]}" "$PYTHON" -m runtime.torchrun \
@@ -108,7 +108,7 @@ export -f node_main
 # unless the marker says the cache already holds these graphs: it is written below once every node compiled
 # without a failure, and named by what the graphs depend on (launcher/neuron.py graph_key), so a requeue, a
 # restart or the next launch of the same model and layout skips the step.
-COMPILED_MARKER=/fsx/neuron-compile-cache/gpt-7a32b7aee30d/nxdt-compiled/46c7d16e6e4c4d20
+COMPILED_MARKER=/fsx/neuron-compile-cache/gpt-39ceb3c1458a/nxdt-compiled/440e34c8cd80c39e
 if [ -e "$COMPILED_MARKER" ]; then
   echo "nxdt: training job $JOB_TAG restart $RESTART: compile step skipped, the cache holds these graphs ($COMPILED_MARKER)"
 else

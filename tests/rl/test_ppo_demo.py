@@ -7,32 +7,22 @@
   vf_loss, vf_grad_norm and values (each read from both models' weights as they are then)."""
 from __future__ import annotations
 
-import json
-
 import shutil
 
 import pytest
 
 from runtime.rl.synthetic import write_demo
 from tests.checkpoint.launch_helpers import train_rendered
-from tests.launcher.helpers import nxdt
+from tests.rl.test_rl_stage import _render as render
+from tests.rl.test_rl_stage import _rows
 
 STEPS, EVERY, RESUMED_TO = 100, 50, 60
 PER_STEP = ("reward", "kl", "completion_length", "clip_ratio", "vf_loss", "vf_grad_norm", "vf_clipfrac", "value")
 
 
 def _render(work, data, name: str, *overrides: str):
-    result = nxdt("cluster_type=local", "stages=[rl]", "rl=demo_ppo", f"data_dir={data}",
-                  f"base_results_dir={work}/{name}", "rl.trainer.log_every_n_steps=1", "rl.trainer.preflight=false",
-                  "rl.exp_manager.create_tensorboard_logger=false", "rl.exp_manager.create_metrics_plot=false",
-                  "rl.exp_manager.checkpoint_callback_params.save_top_k=-1",
-                  f"rl.trainer.val_check_interval={EVERY}", *overrides, "--dry-run", cwd=work)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return work / name / "rl_demo_ppo" / "rl"
-
-
-def _rows(stage_dir) -> list[dict]:
-    return [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
+    """rl=demo_ppo rendered as test_rl_stage.py renders rl=demo (validation every EVERY steps, both 50)."""
+    return render(work, data, name, *overrides, recipe="demo_ppo")
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,15 @@ STEPS, EVERY, RESUMED_TO = 100, 50, 60
 PER_STEP = ("reward", "reward_std", "kl", "completion_length", "clip_ratio", "frac_reward_zero_std")
 
 
-def _render(work, data, name: str, *overrides: str):
-    """rl=demo rendered for this machine (--dry-run) into work/NAME; returns the stage's results directory."""
-    result = nxdt("cluster_type=local", "stages=[rl]", "rl=demo", f"data_dir={data}",
+def _render(work, data, name: str, *overrides: str, recipe: str = "demo"):
+    """rl=RECIPE rendered for this machine (--dry-run) into work/NAME; returns the stage's results directory."""
+    result = nxdt("cluster_type=local", "stages=[rl]", f"rl={recipe}", f"data_dir={data}",
                   f"base_results_dir={work}/{name}", "rl.trainer.log_every_n_steps=1", "rl.trainer.preflight=false",
                   "rl.exp_manager.create_tensorboard_logger=false", "rl.exp_manager.create_metrics_plot=false",
                   "rl.exp_manager.checkpoint_callback_params.save_top_k=-1",
                   f"rl.trainer.val_check_interval={EVERY}", *overrides, "--dry-run", cwd=work)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return work / name / "rl_demo" / "rl"
+    return work / name / f"rl_{recipe}" / "rl"
 
 
 def _rows(stage_dir) -> list[dict]:
