@@ -32,11 +32,13 @@ def optimizer_options(name: str, momentum: float, dampening: float, nesterov: bo
 
 def optimizer_layout(name: str, zero1: bool, tp: int, ep: int, p: str) -> str | None:
     """Adafactor factors each weight's second moment into row and column statistics of the whole 2-D parameter
-    (and scales its step by the parameter's RMS): a flat ZeRO-1 shard, or a tensor- or expert-parallel slice,
-    would compute other statistics than one process does, so it runs on whole parameters only."""
+    (and scales its step by the parameter's RMS): a flat ZeRO-1 or ZeRO-2 shard (zero1 is true for either stage),
+    or a tensor- or expert-parallel slice, would compute other statistics than one process does, so it runs on
+    whole parameters only."""
     if name != "adafactor":
         return None
-    split = [key for key, on in (("model.zero1", zero1), ("model.tensor_model_parallel_size", tp > 1),
+    split = [key for key, on in (("model.zero1 / model.zero_stage >= 1", zero1),
+                                 ("model.tensor_model_parallel_size", tp > 1),
                                  ("model.expert_model_parallel_size", ep > 1)) if on]
     if not split:
         return None

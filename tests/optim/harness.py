@@ -1,5 +1,6 @@
 """Each model.optim.name on the runtime's sharded optimizer next to its library's own optimizer object on a plain
-copy of the same parameters, fed the same gradients: one process here, and under ZeRO-1 dp2 in gloo processes."""
+copy of the same parameters, fed the same gradients: one process here, and under ZeRO-1 and ZeRO-2 dp2 in gloo
+processes."""
 from __future__ import annotations
 
 import copy
@@ -40,10 +41,10 @@ def optim_cfg(case: str) -> dict:
     return {"lr": LRS[0], "weight_decay": WEIGHT_DECAY, **CASES[case][0]}
 
 
-def build(case: str, topo: Topology, zero1: bool = False, seed: int = 1234):
+def build(case: str, topo: Topology, zero1: bool = False, seed: int = 1234, zero_stage: int | None = None):
     model = build_model(H.tiny_config("gpt", seed=seed))
     reference = copy.deepcopy(model)
-    model = apply_data_parallel(model, topo, DataParallelConfig("fp32", zero1))
+    model = apply_data_parallel(model, topo, DataParallelConfig("fp32", zero1, zero_stage))
     return model, ShardedAdamW(model, optim_cfg(case)), reference
 
 
@@ -60,10 +61,19 @@ def _plain(name: str, plain: dict) -> str:
 
 
 def set_gradients(optimizer, grads: dict[str, torch.Tensor]) -> None:
-    """This step's gradients into data parallelism's main gradients (what the reduction would have left)."""
+    """This step's gradients into data parallelism's main gradients (what the reduction would have left; ZeRO-2:
+    the rank's shard of the bucket's gradient, as its reduce-scatter leaves it)."""
     dp = optimizer.data_parallel
     names = {id(p): name for name, p in dp.named_params}
     for bucket in dp.buckets:
+        if bucket.grads_sharded:
+            flat = torch.cat([grads[_plain(names[id(p)], grads)].reshape(-1) for p in bucket.params])
+            padded = torch.zeros(bucket.param_buffer.numel(), dtype=torch.float32, device=flat.device)
+            padded[:flat.numel()] = flat
+            bucket.grad_shard = padded[bucket.shard].clone()
+            for seg in bucket.segments:
+                seg.shard_grad = bucket.grad_shard[seg.in_shard]
+            continue
         for seg in bucket.segments:
             if seg.main.value is None:
                 seg.main.zeros(keep=False)
@@ -115,7 +125,8 @@ def max_difference(ours: dict, theirs: dict) -> float:
 
 def dp2_all_optimizers(directory: str) -> dict:
     """Every optimizer under ZeRO-1 dp2 (Adafactor under plain dp2: it refuses ZeRO-1) against its library on
-    one process; and for each elementwise one, a checkpoint saved after two steps (resharded by the test)."""
+    one process; and for each elementwise one, a checkpoint saved after two steps (resharded by the test); then
+    each elementwise one under ZeRO-2 dp2 (key "<case>-zero2"), no checkpoint."""
     import torch.distributed as dist
 
     from runtime.checkpoint import Checkpointer
@@ -132,4 +143,10 @@ def dp2_all_optimizers(directory: str) -> dict:
                 dist.barrier()
         saved = 1 if case in ELEMENTWISE else None  # the checkpoint moved schedule-free to its eval point and back
         out[case] = max_difference(weights(model), library_run(case, reference, switch_after=saved))
+    for case in ELEMENTWISE:
+        model, optimizer, reference = build(case, topo, zero_stage=2)
+        assert all(bucket.grads_sharded for bucket in optimizer.data_parallel.buckets)
+        for step in range(3):
+            step_ours(model, optimizer, step)
+        out[f"{case}-zero2"] = max_difference(weights(model), library_run(case, reference))
     return out

@@ -1,5 +1,5 @@
 """Each model.optim.name on one process equals its library's own optimizer (3 steps, weight decay, a decaying
-learning rate), and under ZeRO-1 dp2 too; checkpoints resume bitwise, and reshard across dp for the elementwise
+learning rate), and under ZeRO-1 and ZeRO-2 dp2 too; checkpoints resume bitwise, and reshard across dp for the elementwise
 ones; bad choices are refused in one line."""
 from __future__ import annotations
 
@@ -67,11 +67,13 @@ def test_checkpoint_resumes_bitwise(case, tmp_path):
     assert O.max_difference(O.weights(resumed), O.weights(model)) == 0.0, case
 
 
-def test_dp2_zero1_equals_one_process_and_checkpoints_reshard(tmp_path):
-    """One 2-rank run for all: every optimizer under ZeRO-1 dp2 against its library on one process; then each
-    elementwise one's dp2 ZeRO-1 checkpoint resumed here on one process continues as the uninterrupted run."""
+def test_dp2_zero1_and_zero2_equal_one_process_and_checkpoints_reshard(tmp_path):
+    """One 2-rank run for all: every optimizer under ZeRO-1 dp2, and every elementwise one under ZeRO-2 dp2 (the
+    optimizer reads the rank's gradient shard), against its library on one process; then each elementwise one's
+    dp2 ZeRO-1 checkpoint resumed here on one process continues as the uninterrupted run."""
     ranks = run_distributed(O.dp2_all_optimizers, 2, (str(tmp_path),))
-    for case in O.CASES:
+    assert set(ranks[0]) == set(O.CASES) | {f"{case}-zero2" for case in O.ELEMENTWISE}
+    for case in ranks[0]:
         assert max(rank[case] for rank in ranks) <= 1e-7, (case, ranks)
     topo = Topology.build(SOLO)
     for case in O.ELEMENTWISE:
@@ -146,12 +148,16 @@ def test_schedule_free_training_validates_saves_and_resumes_bitwise(tmp_path):
     assert all(torch.equal(weights[name], expected[name]) for name in weights)
 
 
+@pytest.mark.parametrize("zero", [{"zero1": True}, {"zero_stage": 1}, {"zero_stage": 2}])
+def test_adafactor_refuses_sharding_in_one_line(zero):
+    with pytest.raises(ValueError, match="^model.optim.name: adafactor factors whole 2-D parameters, so it cannot "
+                                         "run with model.zero1 / model.zero_stage >= 1; .*$") as caught:
+        O.build("adafactor", Topology.build(SOLO), **zero)
+    assert "\n" not in str(caught.value)
+
+
 def test_refusals_are_one_line(tmp_path):
     topo = Topology.build(SOLO)
-    with pytest.raises(ValueError, match="^model.optim.name: adafactor factors whole 2-D parameters, so it cannot "
-                                         "run with model.zero1; .*$") as caught:
-        O.build("adafactor", topo, zero1=True)
-    assert "\n" not in str(caught.value)
     model, optimizer, _ = O.build("adamw", topo)
     O.step_ours(model, optimizer, 0)
     Checkpointer(str(tmp_path), rank=0, world_size=1, token="0", async_save=False).save(

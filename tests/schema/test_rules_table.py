@@ -19,9 +19,9 @@ CASES = [
     ([f"{M}optim.name=lamb"],
      "training.model.optim.name: 'lamb' is not one of adamw, adam, sgd, adafactor, adamw_schedulefree, "
      "sgd_schedulefree (also accepted: adamw_fp32OptState, fused_adam, schedule_free_adamw, schedule_free_sgd)"),
-    ([f"{M}optim.name=adafactor", f"{M}zero1=true"],
-     "training.model.optim.name: adafactor factors whole 2-D parameters, so it cannot run with model.zero1; turn it "
-     "off or choose adamw, adam, sgd or a schedule-free optimizer"),
+    ([f"{M}optim.name=adafactor", f"{M}zero_stage=2"],
+     "training.model.optim.name: adafactor factors whole 2-D parameters, so it cannot run with model.zero1 / "
+     "model.zero_stage >= 1; turn it off or choose adamw, adam, sgd or a schedule-free optimizer"),
     ([f"{M}zero_stage=0", f"{M}zero1=true"],
      "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1 and stage 2 shards the "
      "optimizer state too); drop model.zero1 or make them agree"),
