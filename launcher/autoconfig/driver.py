@@ -39,6 +39,12 @@ def override(key: str, value: Any) -> str:
     return f"{key}={text(value)}"
 
 
+def layout_overrides(candidate: search.Candidate) -> list[str]:
+    """A candidate's settings as launch overrides; `++` (add or set) as not every recipe names model.zero_stage."""
+    return [override(f"{'++' if key == 'model.zero_stage' else ''}training.{key}", value)
+            for key, value in candidate.settings().items()]
+
+
 def split_overrides(overrides: list[str]) -> tuple[str, list[str], list[str]]:
     """(search config choice, search_config.* overrides, the launch's own overrides)."""
     choice, own, launch_overrides = DEFAULT_SEARCH, [], []
@@ -237,7 +243,7 @@ class Ranking:
                      "training.exp_manager.create_tensorboard_logger=false",
                      "training.exp_manager.resume_if_exists=false", "stages=[training]",
                      f"base_results_dir={self.settings.results_dir / 'runs'}"]
-        layout = [override(f"training.{key}", value) for key, value in item.candidate.settings().items()]
+        layout = layout_overrides(item.candidate)
         return run_name, [*self.recipe_overrides, *self.base_overrides, *layout, *short_run, f"run_name={run_name}",
                           f"training.run.name={run_name}"]
 
@@ -279,7 +285,7 @@ def rank(overrides: list[str], *, dry_run: bool, console) -> Ranking:
     # 2. The layouts, filtered and ranked by the estimator and by the launch's own memory check: the trials launch
     # as the search's own launch would (its cluster, and its executor: locally, this machine is the node).
     candidates = search.grid(settings.grid, nodes=budget.nodes, devices_per_node=budget.devices,
-                             num_layers=spec.num_layers, zero1_default=bool(base_parallel and base_parallel.zero1),
+                             num_layers=spec.num_layers, zero_stage_default=base_parallel.stage if base_parallel else 0,
                              seq_length=budget.seq_length)
     executor, _ = choose_executor(str(cfg.cluster_type))
     ranked = search.rank(base_training, candidates, device=budget.device, mfu=budget.mfu, vocab_size=budget.vocab,
@@ -344,7 +350,7 @@ def write_best_config(best: runner.Measurement, *, name: str, conf_root: Path, r
     base_results_dir still come from the launch that uses it), under <results_dir>/conf/training/autoconfig/."""
     from omegaconf import OmegaConf
 
-    layout = [override(f"training.{key}", value) for key, value in best.trial.ranked.candidate.settings().items()]
+    layout = layout_overrides(best.trial.ranked.candidate)
     cfg = compose([*recipe_overrides, *base_overrides, *layout, f"training.run.name={name}"])
     text = report.best_config_text(OmegaConf.to_yaml(cfg.training), name=name, best=best, tried=tried,
                                    conf_root=conf_root, command=command)

@@ -1,5 +1,5 @@
 # The layout grid of an autoconfig search: every combination of tensor, pipeline, virtual pipeline and context
-# parallel sizes, micro-batch size and activation checkpointing, kept when the schema's rules accept it
+# parallel sizes, micro-batch size, activation checkpointing and ZeRO stage, kept when the schema's rules accept it
 # (runtime/schema, the same rules as at launch and on the node), the launch's memory check would not refuse it
 # (device and host memory, launcher/memory_fit.py) and the memory estimate fits the device; ranked by the
 # estimator's step time. Pure functions of the base training config and the search settings.
@@ -31,7 +31,7 @@ class Candidate:
     micro_batch_size: int
     recompute: str | None        # a key of RECOMPUTE
     sequence_parallel: bool
-    zero1: bool
+    zero_stage: int              # model.zero_stage: 0, 1 (model.zero1) or 2 (the gradients sharded too)
     cp: int = 1                  # context_parallel_size: ranks of dp that split each sequence (ring attention)
 
     @property
@@ -39,7 +39,9 @@ class Candidate:
         """Short and filesystem-safe: names the candidate's run."""
         vpp = f"_vpp{self.vpp}" if self.vpp else ""
         cp = f"_cp{self.cp}" if self.cp > 1 else ""
-        return f"tp{self.tp}_pp{self.pp}{vpp}{cp}_mbs{self.micro_batch_size}_{self.recompute or 'norecompute'}"
+        zero = "_zero2" if self.zero_stage == 2 else ""  # stages 0 and 1 keep the names runs had before ZeRO-2
+        return (f"tp{self.tp}_pp{self.pp}{vpp}{cp}_mbs{self.micro_batch_size}_{self.recompute or 'norecompute'}"
+                f"{zero}")
 
     def settings(self) -> dict[str, Any]:
         """The candidate's keys under `training.`."""
@@ -51,7 +53,8 @@ class Candidate:
             "model.context_parallel_size": self.cp,
             "model.micro_batch_size": self.micro_batch_size,
             "model.sequence_parallel": self.sequence_parallel,
-            "model.zero1": self.zero1,
+            "model.zero1": self.zero_stage >= 1,  # agrees with the stage, whatever the recipe's zero1 says
+            "model.zero_stage": self.zero_stage,
             "model.activations_checkpoint_granularity": granularity,
             "model.activations_checkpoint_recompute": modules,
         }
@@ -95,11 +98,34 @@ def context_sizes(seq_length: int | None, dp: int) -> list[int]:
     return [cp for cp in _powers_of_two(dp) if dp % cp == 0 and seq_length % (2 * cp) == 0]
 
 
+def zero_stages(search: dict[str, Any], default: int) -> list[int]:
+    """search.zero_stage: `auto` (the recipe's stage, `default`) or a list of stages; the older search.zero1
+    (true/false: stage 1/0) is still read when zero_stage is auto."""
+    stages, zero1 = search.get("zero_stage", "auto"), search.get("zero1", "auto")
+    if stages in ("auto", None):
+        if zero1 in ("auto", None):
+            return [default]
+        if not isinstance(zero1, bool):
+            raise UserError(f"search_config.search.zero1: {zero1!r} must be true, false or auto; or search "
+                            f"ZeRO stages with search_config.search.zero_stage=[1,2]")
+        return [int(zero1)]
+    if zero1 not in ("auto", None):
+        raise UserError("search_config.search.zero1: set it or search_config.search.zero_stage, not both; drop "
+                        "zero1 (zero_stage [0] or [1] says the same)")
+    values = axis_values(search, "zero_stage", [default])
+    bad = [v for v in values if isinstance(v, bool) or v not in (0, 1, 2)]
+    if bad:
+        raise UserError(f"search_config.search.zero_stage: {bad[0]!r} is not a ZeRO stage; use a list of 0, 1 and 2, "
+                        f"e.g. search_config.search.zero_stage=[1,2]")
+    return [int(v) for v in values]
+
+
 def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layers: int,
-         zero1_default: bool, seq_length: int | None = None) -> list[Candidate]:
+         zero_stage_default: int, seq_length: int | None = None) -> list[Candidate]:
     """Every combination the search names. `auto`: tp in powers of two up to the devices per node, pp up to
     the layers (and the world), micro-batch 1..8, no virtual pipeline, each recompute mode, and context parallelism
-    only for a sequence of LONG_SEQUENCE tokens or more (see context_sizes). A given list of context sizes is tried
+    only for a sequence of LONG_SEQUENCE tokens or more (see context_sizes), and the recipe's ZeRO stage
+    (zero_stage_default; see zero_stages). A given list of context sizes is tried
     with every (tp, pp), and the schema's rules reject the sizes that do not divide that data-parallel size."""
     world = nodes * devices_per_node
     tps = axis_values(search, "tensor_parallel_sizes", _powers_of_two(devices_per_node))
@@ -115,7 +141,7 @@ def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layer
             raise UserError(f"search_config.search.activations_checkpoint: {mode!r} is not one of "
                             f"{', '.join('null' if m is None else m for m in RECOMPUTE)}")
     sequence_parallel = search.get("sequence_parallel", "auto")
-    zero1 = search.get("zero1", "auto")
+    stages = zero_stages(search, zero_stage_default)
 
     def contexts(tp: int, pp: int) -> list[int]:
         if isinstance(cps, list):
@@ -129,8 +155,9 @@ def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layer
     return [
         Candidate(tp=int(tp), pp=int(pp), vpp=int(vpp) if vpp else None, micro_batch_size=int(mbs), recompute=mode,
                   sequence_parallel=tp > 1 if sequence_parallel == "auto" else bool(sequence_parallel) and tp > 1,
-                  zero1=zero1_default if zero1 == "auto" else bool(zero1), cp=cp)
+                  zero_stage=stage, cp=cp)
         for tp in tps for pp in pps for cp in contexts(tp, pp) for vpp in vpps for mbs in mbss for mode in recomputes
+        for stage in stages
     ]
 
 

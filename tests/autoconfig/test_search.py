@@ -2,6 +2,7 @@
 the CSV's numeric order, and the CLI's dry run and user errors."""
 
 import csv
+import functools
 import json
 import re
 import types
@@ -65,7 +66,7 @@ def test_grid_is_filtered_by_validation_runtime_rules_and_memory():
     base["model"]["global_batch_size"] = 64
     candidates = search.grid({"tensor_parallel_sizes": [1, 2, 3, 4], "pipeline_parallel_sizes": [1],
                               "micro_batch_sizes": [4, 16], "activations_checkpoint": [None]},
-                             nodes=4, devices_per_node=2, num_layers=4, zero1_default=False)
+                             nodes=4, devices_per_node=2, num_layers=4, zero_stage_default=0)
     assert len(candidates) == 8
     ranked = search.rank(base, candidates, device="cpu", mfu=None, vocab_size=4096, cluster=_nodes(64), local=False)
     reasons = {(r.candidate.tp, r.candidate.micro_batch_size): r.rejected for r in ranked}
@@ -94,20 +95,20 @@ def test_context_parallel_sizes_are_searched_for_long_sequences():
     data-parallel size and split the sequence into 2·cp chunks; a given list is tried with every layout."""
     axes = {"tensor_parallel_sizes": [8, 32], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
             "activations_checkpoint": [None]}
-    short = search.grid(axes, nodes=4, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=8192)
+    short = search.grid(axes, nodes=4, devices_per_node=32, num_layers=32, zero_stage_default=1, seq_length=8192)
     assert {c.cp for c in short} == {1}
-    long = search.grid(axes, nodes=4, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=32768)
+    long = search.grid(axes, nodes=4, devices_per_node=32, num_layers=32, zero_stage_default=1, seq_length=32768)
     by_tp = {tp: sorted(c.cp for c in long if c.tp == tp) for tp in (8, 32)}
     assert by_tp == {8: [1, 2, 4, 8, 16], 32: [1, 2, 4]}  # dp 16 and 4
     assert search.context_sizes(24, 8) == [1] and search.context_sizes(16384 + 2, 8) == [1]  # 2·cp must divide seq
     given = search.grid({**axes, "context_parallel_sizes": [1, 3]}, nodes=4, devices_per_node=32, num_layers=32,
-                        zero1_default=True, seq_length=8192)
+                        zero_stage_default=1, seq_length=8192)
     assert sorted(c.cp for c in given) == [1, 1, 3, 3]
     candidate = next(c for c in long if c.cp == 4 and c.tp == 8)
     assert candidate.tag == "tp8_pp1_cp4_mbs1_norecompute"
     assert candidate.settings()["model.context_parallel_size"] == 4
     with pytest.raises(UserError, match="context_parallel_sizes"):
-        search.grid({"context_parallel_sizes": 2}, nodes=1, devices_per_node=2, num_layers=4, zero1_default=False)
+        search.grid({"context_parallel_sizes": 2}, nodes=1, devices_per_node=2, num_layers=4, zero_stage_default=0)
 
 
 def test_context_parallel_candidates_are_validated_and_ranked_by_the_estimate():
@@ -118,7 +119,7 @@ def test_context_parallel_candidates_are_validated_and_ranked_by_the_estimate():
     candidates = search.grid({"tensor_parallel_sizes": [8], "pipeline_parallel_sizes": [1],
                               "micro_batch_sizes": [1], "activations_checkpoint": [None, "selective_mlp"],
                               "context_parallel_sizes": [1, 2, 3, 4]},
-                             nodes=32, devices_per_node=32, num_layers=32, zero1_default=True, seq_length=32768)
+                             nodes=32, devices_per_node=32, num_layers=32, zero_stage_default=1, seq_length=32768)
     ranked = search.rank(base, candidates, device="trn1", mfu=None, vocab_size=128256,
                          cluster=parse_cluster(resolved("cluster=pcluster_trn1")["cluster"]), local=False)
     by_key = {(r.candidate.cp, r.candidate.recompute): r for r in ranked}
@@ -134,11 +135,48 @@ def test_context_parallel_candidates_are_validated_and_ranked_by_the_estimate():
 def test_bad_search_axes_are_user_errors():
     with pytest.raises(UserError, match="activations_checkpoint"):
         search.grid({"activations_checkpoint": ["sometimes"]}, nodes=1, devices_per_node=2, num_layers=4,
-                    zero1_default=False)
+                    zero_stage_default=0)
     with pytest.raises(UserError, match="tensor_parallel_sizes"):
-        search.grid({"tensor_parallel_sizes": 2}, nodes=1, devices_per_node=2, num_layers=4, zero1_default=False)
+        search.grid({"tensor_parallel_sizes": 2}, nodes=1, devices_per_node=2, num_layers=4, zero_stage_default=0)
     with pytest.raises(UserError, match="search_config.base_recipe"):
         driver.split_overrides(["training=llama3/8b"])
+
+
+def test_zero_stage_is_a_search_axis():
+    """search.zero_stage: auto keeps the recipe's stage (one per layout, as before); a list multiplies the grid;
+    the older search.zero1 still reads as stage 1 or 0. A stage writes model.zero_stage and a zero1 that agrees."""
+    axes = {"tensor_parallel_sizes": [1, 2], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
+            "activations_checkpoint": [None]}
+    grid = functools.partial(search.grid, nodes=4, devices_per_node=2, num_layers=4)
+    assert [c.zero_stage for c in grid(axes, zero_stage_default=1)] == [1, 1]
+    assert [c.zero_stage for c in grid({**axes, "zero1": False}, zero_stage_default=1)] == [0, 0]
+    assert [c.zero_stage for c in grid({**axes, "zero1": True, "zero_stage": "auto"}, zero_stage_default=0)] == [1, 1]
+    both = grid({**axes, "zero_stage": [1, 2]}, zero_stage_default=0)
+    assert [(c.tp, c.zero_stage) for c in both] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert both[1].settings()["model.zero_stage"] == 2 and both[1].settings()["model.zero1"] is True
+    assert search.Candidate(1, 1, None, 1, None, False, 0).settings()["model.zero1"] is False
+    assert both[1].tag == "tp1_pp1_mbs1_norecompute_zero2" and both[0].tag == "tp1_pp1_mbs1_norecompute"
+    assert "++training.model.zero_stage=2" in driver.layout_overrides(both[1])
+    for bad, message in [({"zero_stage": [3]}, "search_config.search.zero_stage: 3 is not a ZeRO stage"),
+                         ({"zero_stage": [1], "zero1": True}, "search_config.search.zero1: set it or"),
+                         ({"zero1": 2}, "search_config.search.zero1: 2 must be true, false or auto")]:
+        with pytest.raises(UserError, match=message):
+            grid({**axes, **bad}, zero_stage_default=0)
+
+
+def test_zero2_is_ranked_by_the_estimate_with_gradients_sharded():
+    """Stages 1 and 2 of the same layout at dp 8: both launchable, ZeRO-2's estimate holds less (its gradients at
+    1/dp), and a recipe without model.zero_stage takes the candidate's override."""
+    base = _tiny_base(num_nodes=4, devices=2)
+    candidates = search.grid({"tensor_parallel_sizes": [1], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
+                              "activations_checkpoint": [None], "zero_stage": [1, 2]},
+                             nodes=4, devices_per_node=2, num_layers=4, zero_stage_default=0)
+    ranked = search.rank(base, candidates, device="cpu", mfu=None, vocab_size=4096, cluster=_nodes(64), local=False)
+    by_stage = {r.candidate.zero_stage: r for r in ranked}
+    assert by_stage[1].rejected is None and by_stage[2].rejected is None
+    assert by_stage[2].estimate.memory.total < by_stage[1].estimate.memory.total
+    composed = resolved("training=llama3_1/8b", *driver.layout_overrides(candidates[1]))["training"]["model"]
+    assert (composed["zero_stage"], composed["zero1"]) == (2, True)
 
 
 @pytest.mark.parametrize("state, detail, log, reason", [
@@ -158,7 +196,7 @@ def test_failure_reasons(state, detail, log, reason):
 
 
 def _measurement(name, tokens_per_s, ok=True):
-    candidate = search.Candidate(1, 1, None, 2, None, False, False)
+    candidate = search.Candidate(1, 1, None, 2, None, False, 0)
     trial = runner.Trial(search.Ranked(candidate, None), name, [])
     return runner.Measurement(trial, ok, "" if ok else "OOM", 3, 1.0, tokens_per_s, 0.1, 0.5)
 
@@ -172,6 +210,7 @@ def test_csv_is_sorted_by_measured_throughput_as_numbers(tmp_path):
     assert [r["run_name"] for r in written] == ["b", "d", "a", "c"]  # a string sort would put 9.5 first
     assert [r["rank"] for r in written] == ["1", "2", "3", ""]
     assert written[-1]["status"] == "failed" and written[-1]["reason"] == "OOM"
+    assert {r["zero_stage"] for r in written} == {"0"}
 
 
 def test_overrides_are_hydra_syntax():
@@ -187,7 +226,7 @@ def test_failed_candidate_is_measured_with_its_reason(tmp_path):
     runtime refuses before it reads a token, so the data is the demo's shape written directly (no data preparation
     run), and one worker under torchrun is enough to fail the launch."""
     data_dir = demo_shaped_data(tmp_path / "data")
-    candidate = search.Candidate(1, 1, None, 4, None, False, False)
+    candidate = search.Candidate(1, 1, None, 4, None, False, 0)
     trial = runner.Trial(search.Ranked(candidate, None), "failing", [
         "training=gpt3/tiny", "stages=[training]", "cluster_type=local", f"data_dir={data_dir}",
         f"base_results_dir={tmp_path}", "run_name=failing", "training.trainer.accelerator=gpu",
@@ -207,7 +246,7 @@ def test_local_trial_is_stopped_at_its_time_limit(tmp_path):
     script.write_text("#!/bin/bash\nsleep 60\n")
     log_dir = tmp_path / "run" / "training" / "logs"
     log_dir.mkdir(parents=True)
-    trial = runner.Trial(search.Ranked(search.Candidate(1, 1, None, 1, None, False, False), None), "slow", [])
+    trial = runner.Trial(search.Ranked(search.Candidate(1, 1, None, 1, None, False, 0), None), "slow", [])
     trial.plan = types.SimpleNamespace(run_dir=tmp_path / "run", executor="local",
                                        config=parse({"training": {"run": {"results_dir": str(tmp_path / "run" /
                                                                                            "training")}}}))
