@@ -14,7 +14,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from runtime.device import flash_attention_kernels
 from runtime.models.lora import apply_lora, is_adapter
+from runtime.parallel import DataParallelConfig, parallelize_model
 from runtime.parallel.plan import ShardingPlan
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import LoraConfig
@@ -90,3 +92,25 @@ def checkpoint_start(training: dict):
     starting_weights: a LoRA run's base (its checkpoint holds the adapters only), else nothing."""
     restore, lora, _ = fine_tuning_of(training)
     return starting_weights(restore) if lora is not None else None
+
+
+def parallelize_as_configured(cfg, model: nn.Module, topo, device, starting) -> nn.Module:
+    """A trainer stage's model (cfg: its TrainingConfig), on the meta device, laid out as the config says and filled
+    by `starting` (starting_weights' callable, or None): the trainer's model, and the rl stage's critic, the same way."""
+    return parallelize_model(
+        model,
+        topo,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        recompute_modules=cfg.parallel.recompute_modules,
+        virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
+        pipeline_cuts=cfg.parallel.pipeline_cuts,
+        device=device.torch_device,
+        data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed,
+                                         zero_stage=cfg.parallel.stage,
+                                         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                                         overlap_param_gather=cfg.parallel.overlap_param_gather),
+        context=cfg.parallel.context_kind,
+        attention_kernels=flash_attention_kernels,
+        starting_weights=starting,
+    )

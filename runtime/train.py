@@ -36,8 +36,8 @@ from runtime.data.training import build_data
 from runtime.fault_tolerance.elastic import ACTIVE_NODES_ENV, active_nodes, elastic_line
 from runtime.fault_tolerance.progress import Progress
 from runtime.fault_tolerance.recovery import Recovery
-from runtime.device import Device, flash_attention_kernels, init_device, release_freed_host_memory, shutdown
-from runtime.finetune import starting_weights
+from runtime.device import Device, init_device, release_freed_host_memory, shutdown
+from runtime.finetune import parallelize_as_configured, starting_weights
 from runtime.graphs import GraphAccounting
 from runtime.io import run_lock
 from runtime.metrics import MetricsLogger, model_flops_per_token, peak_tflops
@@ -46,11 +46,10 @@ from runtime.models import meta_model
 from runtime.models.lora import apply_lora
 from runtime.models.moe import step_stats
 from runtime.optim_schedule import LRSchedule
-from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
+from runtime.parallel import ParallelDims, ShardedAdamW, Topology
 from runtime.parallel import collectives as C
 from runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch
 from runtime.preflight import PREFLIGHT_EXIT_CODE, PreflightError, preflight
-from runtime.rl.trainer import HeldOut, build_rl
 from runtime.schema.facts import USER_ERROR_EXIT_CODE  # the job script's decider reads it too
 from runtime.schema.stages import TRAINER_STAGES
 from runtime.step import eval_result, train_step
@@ -117,12 +116,12 @@ def _to_device(micro_batches: list[MicroBatch], device: Device) -> list[MicroBat
     return [micro_batch.to(device.torch_device) for micro_batch in micro_batches]
 
 
-def evaluate(model, optimizer, valid: DataParallelBatches | HeldOut, num_batches: int, topo: Topology, device: Device,
+def evaluate(model, optimizer, valid: DataParallelBatches, num_batches: int, topo: Topology, device: Device,
              objective=None) -> tuple[float, dict]:
     """The objective (mean per-token loss) over the first `num_batches` validation global batches (the same ones
     every time, so successive values are comparable), over every data-parallel rank; and its other metrics. The rl
     stage's (HeldOut): its held-out prompts' greedy reward, and no loss."""
-    if isinstance(valid, HeldOut):
+    if not hasattr(valid, "batch_at"):  # the rl stage's HeldOut (runtime/rl/trainer.py): it evaluates itself
         return None, valid.evaluate(model, optimizer)
     optimizer.eval()  # schedule-free: its averaged weights are the ones to evaluate; the next step switches back
     micro_batches = []
@@ -172,7 +171,7 @@ class _Run:
     model: torch.nn.Module
     optimizer: ShardedAdamW
     train_batches: DataParallelBatches  # or the rl stage's RolloutBatches
-    valid_batches: DataParallelBatches | HeldOut | None
+    valid_batches: DataParallelBatches | None  # or the rl stage's HeldOut (runtime/rl/trainer.py)
     objective: object
     valid_objective: object
     schedule: LRSchedule
@@ -197,23 +196,8 @@ def build_model(cfg: TrainingConfig, topo: Topology, device: Device) -> torch.nn
         print(f"fine-tuning from {cfg.restore_from_path or 'random init'}: {trainable:,} of "
               f"{model.num_params():,} parameters train" + (f" (LoRA rank {cfg.lora.rank} on "
               f"{', '.join(cfg.lora.target_modules)})" if cfg.lora else ""), flush=True)
-    return parallelize_model(
-        model,
-        topo,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
-        recompute_modules=cfg.parallel.recompute_modules,
-        virtual_pp=cfg.parallel.virtual_pp,  # pp > 1: this rank's pipeline stage (runtime/parallel/pipeline)
-        pipeline_cuts=cfg.parallel.pipeline_cuts,
-        device=device.torch_device,
-        data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed,
-                                         zero_stage=cfg.parallel.stage,
-                                         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                                         overlap_param_gather=cfg.parallel.overlap_param_gather),
-        context=cfg.parallel.context_kind,
-        attention_kernels=flash_attention_kernels,
-        starting_weights=starting_weights(cfg.restore_from_path, score_head=cfg.reward_model is not None),
-    )
+    return parallelize_as_configured(cfg, model, topo, device,
+                                     starting_weights(cfg.restore_from_path, score_head=cfg.reward_model is not None))
 
 
 def build_metrics(cfg: TrainingConfig, topo: Topology, device: Device) -> MetricsLogger:
@@ -254,6 +238,7 @@ def _setup(cfg: TrainingConfig, device: Device) -> _Run:
     optimizer = ShardedAdamW(model, cfg.optim)
     release_freed_host_memory()  # the materialized parameters data parallelism copied into its flat buffers
     if cfg.rl is not None:  # GRPO: rollouts of this model as it trains, and its held-out greedy reward
+        from runtime.rl.trainer import build_rl  # only this stage's runs import the rl package
         train_batches, valid_batches = build_rl(cfg, model, optimizer, topo, device, lambda: build_model(cfg, topo,
                                                                                                          device))
         objective, valid_objective = train_batches.objective, None

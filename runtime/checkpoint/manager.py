@@ -164,13 +164,13 @@ class Checkpointer:
                  async_save: bool = True, deferred_copy: bool = False, pin_memory: bool = False,
                  commit_timeout_s: float = 3600.0, ring_bytes: int | None = None,
                  transfer: type[HostTransfer] | None = None, log: Callable[[str], None] | None = None,
-                 commit_by_all: bool = False):
+                 await_commit: bool = False):
         """deferred_copy: saves stream the live state (staging.py) through a ring of ring_bytes (default:
         runtime/schema/facts.py checkpoint_staging_bytes of what the rank saves); off, the old way: a whole host
         copy at the save, kept for the run (HostStaging). transfer: how bytes reach the host (default: the state's
-        device's, runtime/device.py checkpoint_transfer; a test stands one in on CPU). commit_by_all: every rank
-        commits once it sees every rank's done mark (the peer copies, peer.py), so that wait() returning on any rank
-        means the save is committed: a rank that dies after its next update leaves this save loadable."""
+        device's, runtime/device.py checkpoint_transfer; a test stands one in on CPU). await_commit: every rank's
+        save ends once rank 0 has committed it (the peer copies, peer.py), so that wait() returning on any rank means
+        the save is committed: a rank that dies after its next update leaves this save loadable."""
         self.storage = open_storage(location)
         self.location = str(location)
         self.rank, self.world_size, self.token = rank, world_size, token
@@ -186,7 +186,7 @@ class Checkpointer:
         self._staging = HostStaging(pin=pin_memory)
         self._ring_bytes, self._ring = ring_bytes, None
         self._transfer = transfer
-        self.commit_by_all = commit_by_all
+        self.await_commit = await_commit
 
     # ---- saving ------------------------------------------------------------------------------------------
 
@@ -296,8 +296,10 @@ class Checkpointer:
                 _put_config(self.storage, name, config)
             self.storage.put_bytes(f"{name}/{_done_file(self.rank)}", json.dumps(digest).encode())
             written = time.perf_counter()
-            if self.rank == 0 or self.commit_by_all:
+            if self.rank == 0:
                 self._commit(name, meta)
+            elif self.await_commit:
+                self._await_commit(name)
             self.last_timings.update({"write_s": written - started, "total_s": time.perf_counter() - started})
             if self.rank == 0:
                 self.log(f"checkpoint {self.location}/{name} committed: {self.last_host_bytes / 2**30:.3f} GiB "
@@ -326,6 +328,15 @@ class Checkpointer:
         meta = {**meta, "committed_at": time.time(), "files": files}
         self.storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
         self._retain(name)
+
+    def _await_commit(self, name: str) -> None:
+        """Block until rank 0 has committed `name` (one small lookup per poll)."""
+        deadline, delay = time.monotonic() + self.commit_timeout_s, 0.01
+        while not self.storage.exists(f"{name}/{COMMIT}"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} was not committed within {self.commit_timeout_s:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
 
     def _retain(self, newest: str) -> None:
         committed = committed_checkpoints(self.storage)

@@ -2,9 +2,9 @@
 host memory instead of on a file system, so a restarted job resumes over the network from the last refreshed step.
 
 The stores are runtime/fault_tolerance/peer_store.py: one per node, for the job's whole life, each holding objects
-in its memory and serving them over HTTP. PeerStorage is the Storage (storage.py) the trainer saves through: the same rank files, done marks, commit marker
-and checksums as a checkpoint on disk (manager.py writes them, integrity.py checks them), so loading, resharding and
-the damaged-file checks are the disk checkpoint's. Each rank file goes to two stores: its own node's and the next
+in its memory and serving them over HTTP. PeerStorage is the Storage (storage.py) the trainer saves through: the
+same rank files, done marks, commit marker and checksums as a checkpoint on disk (manager.py writes them,
+integrity.py checks them), so loading, resharding and the damaged-file checks are the disk checkpoint's. Each rank file goes to two stores: its own node's and the next
 node's in the registry's order, so losing any one node loses no rank's state (the dead node's ranks find theirs on
 the next node; the others on their own). The small objects (done marks, config, commit marker) go to every store.
 A store that does not answer is dead for this client: writes skip it, reads and listings go to the others.
@@ -172,18 +172,6 @@ class PeerStorage:
         if found is None:
             raise FileNotFoundError(f"{self.root}/{key}")
         return _PeerReader(self, found[0], key, found[1])
-
-    def held_bytes(self) -> dict[str, int]:
-        """What each live store holds, by node (for the launch's and the metrics' lines)."""
-        held = {}
-        for store in self._live():
-            try:
-                status, body, _ = store.request("GET", "", query={"prefix": ""})
-            except StoreGone:
-                continue
-            if status == 200:
-                held[store.node] = json.loads(body)["bytes"]
-        return held
 
 
 class _PeerReader:

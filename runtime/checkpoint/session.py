@@ -51,12 +51,13 @@ class TrainingCheckpoints:
                 deferred_copy=device.defers_staging_copy, pin_memory=device.pins_host_memory, log=self._log)
         # Peer-held state (fault_tolerance.peer_state_every_n_steps, runtime/checkpoint/peer.py): the same save into
         # other nodes' memory every K steps, where the job script started the stores. One copy kept (and the one
-        # being written); every rank commits, so a refresh is loadable once the next update has begun anywhere.
+        # being written); every rank waits for rank 0's commit, so a refresh is loadable once the next update has
+        # begun anywhere.
         self.peer, self.peer_every = None, peer_every
         if peer_every and os.environ.get(REGISTRY_ENV):
             self.peer = Checkpointer(SCHEME + os.environ[REGISTRY_ENV], rank=device.rank,
                                      world_size=device.world_size, token=token, keep_last=1, async_save=True,
-                                     deferred_copy=False, log=lambda message: None, commit_by_all=True)
+                                     deferred_copy=False, log=lambda message: None, await_commit=True)
 
     def _log(self, message: str) -> None:
         if self.device.is_main:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runtime.convert.hf import save_hf_directory, to_hf
+from runtime.convert.hf import save_hf_directory
 from runtime.schema.model import ModelConfig
 
 HEAD = "output.weight"  # the reward model's score head, (1, hidden)
@@ -82,15 +82,6 @@ def _head(full_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> torch.Ten
     if tuple(head.shape) != (1, cfg.hidden_size):
         raise ValueError(f"{HEAD} is {tuple(head.shape)}, not a reward model's score head (1, {cfg.hidden_size})")
     return head
-
-
-def reward_to_hf(full_state: Mapping[str, torch.Tensor], cfg: ModelConfig, pad_token_id: int
-                 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Our reward model's full state -> (HF state dict, config.json dict), in memory."""
-    head = _head(full_state, cfg)
-    hf, config = to_hf(dict(_Body(full_state)), _body_config(cfg))
-    hf[HF_HEAD] = head.detach().clone()
-    return hf, _classifier_config(config, pad_token_id)
 
 
 def save_reward_hf_directory(out_dir: str | os.PathLike, full_state: Mapping[str, torch.Tensor], cfg: ModelConfig,

@@ -136,13 +136,13 @@ def checked(args) -> str:
         # A restart in this allocation without the bad nodes: onto a spare one (fault_tolerance.spare_nodes), or,
         # with none, on one node fewer (run.elastic: the launch checked that layout; one step down, no further).
         in_allocation = [n for n in nodes if n not in excluded]
-        nodes_now = getattr(args, "nodes_now", 0) or args.min_nodes
+        nodes_now = args.nodes_now or args.min_nodes
         restarts_left = args.attempt < args.in_job_restarts
         if restarts_left and len(in_allocation) >= nodes_now:
             action, record["exclude"] = "replace", excluded
             line = (f"bad node(s): {named}; restarting on the allocation's healthy nodes "
                     f"({', '.join(in_allocation[:nodes_now])}: a spare node took the bad one's place)")
-        elif (restarts_left and getattr(args, "elastic", False) and nodes_now == args.min_nodes
+        elif (restarts_left and args.elastic and nodes_now == args.min_nodes
               and len(in_allocation) >= nodes_now - 1 >= 1):
             action, record["exclude"] = "shrink", excluded
             record["nodes_now"] = nodes_now - 1

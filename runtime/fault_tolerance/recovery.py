@@ -12,6 +12,7 @@ import os
 import time
 
 from runtime.io.files import json_lines
+from runtime.plot import read_metrics  # metrics.jsonl's one reader
 
 HISTORY_ENV = "NXDT_ATTEMPTS_FILE"
 
@@ -34,11 +35,10 @@ def append(path: str, record: dict) -> None:
 def last_logged_step(results_dir: str) -> int:
     """The last step metrics.jsonl has a loss for (0: none): how far the run got before the fault."""
     try:
-        with open(os.path.join(results_dir, "metrics.jsonl")) as f:
-            rows = json_lines(f.read())
+        rows = read_metrics(results_dir)
     except OSError:
         return 0
-    return max((int(r["step"]) for r in rows if "loss" in r and "step" in r), default=0)
+    return max((row["step"] for row in rows if "loss" in row), default=0)
 
 
 class Recovery:

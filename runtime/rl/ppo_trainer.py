@@ -35,11 +35,9 @@ from runtime.schema.chat import ChatTokenizer
 
 
 def build_critic(cfg, topo: Topology, device) -> nn.Module:
-    """This rank's part of the critic, laid out as the policy (runtime/train.py build_model's settings)."""
+    """This rank's part of the critic, laid out as the policy (runtime/finetune.py parallelize_as_configured)."""
     from runtime.alignment.reward import meta_reward_model
-    from runtime.device import flash_attention_kernels
-    from runtime.finetune import starting_weights
-    from runtime.parallel import DataParallelConfig, parallelize_model
+    from runtime.finetune import parallelize_as_configured, starting_weights
     from runtime.rl import reward_model as rm
 
     if cfg.rl.reward_model is not None:
@@ -47,14 +45,7 @@ def build_critic(cfg, topo: Topology, device) -> nn.Module:
         meta, start = meta_reward_model(source.cfg), (lambda model, plan: rm._load(model, plan, source))
     else:
         meta, start = meta_reward_model(cfg.model), starting_weights(cfg.restore_from_path, score_head=True)
-    return parallelize_model(
-        meta, topo, sequence_parallel=False, activation_checkpointing=cfg.parallel.activation_checkpointing,
-        recompute_modules=cfg.parallel.recompute_modules, virtual_pp=cfg.parallel.virtual_pp,
-        pipeline_cuts=cfg.parallel.pipeline_cuts, device=device.torch_device,
-        data_parallel=DataParallelConfig(precision=cfg.precision.type, zero1=cfg.parallel.zero1, seed=cfg.seed,
-                                         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                                         overlap_param_gather=cfg.parallel.overlap_param_gather),
-        context=cfg.parallel.context_kind, attention_kernels=flash_attention_kernels, starting_weights=start)
+    return parallelize_as_configured(cfg, meta, topo, device, start)
 
 
 @torch.no_grad()
@@ -123,7 +114,8 @@ class PPOBatches:
         if config.kl_coef != 0 and reference is None:
             raise ValueError(f"ppo.kl_coef: {config.kl_coef} needs a reference model; none was given")
         self.prompts, self.model, self.critic, self.reference = prompts, model, critic, reference
-        self.sampling, self.config, self.reward, self.reward_name, self.chat = sampling, config, reward, reward_name, chat
+        self.sampling, self.config, self.chat = sampling, config, chat
+        self.reward, self.reward_name = reward, reward_name
         self.topo, self.seed, self.micro_batch_size, self.autocast = topo, int(seed), micro_batch_size, autocast
         self.objective = CurrentPPO()
         self.metrics: dict[str, float] = {}

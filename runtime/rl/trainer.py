@@ -3,9 +3,9 @@
 # its validation the held-out prompts' greedy reward (HeldOut, logged as val_reward and val_exact, with no loss).
 # The reference of the KL term (grpo.beta > 0) is a frozen copy of the policy as it starts: built before any
 # checkpoint is loaded, so a resumed run keeps the same reference. With grpo.reward_model the reward is a reward model
-# (runtime/rl/reward_model.py), built here beside the policy and bound to each prompt set's messages. RolloutBatches.state_dict (the prompts consumed)
-# is the checkpoint's data position, and each step's sampling is seeded by its number: a resume draws what the
-# uninterrupted run drew.
+# (runtime/rl/reward_model.py), built here beside the policy and bound to each prompt set's messages.
+# RolloutBatches.state_dict (the prompts consumed) is the checkpoint's data position, and each step's sampling is
+# seeded by its number: a resume draws what the uninterrupted run drew.
 from __future__ import annotations
 
 from typing import Callable
@@ -77,7 +77,8 @@ def build_rl(cfg, model: nn.Module, optimizer, topo, device, build_model: Callab
         valid = HeldOut(prompts, reward=held_out, reward_name=reward_name, chat=chat,
                         max_new_tokens=rl.max_completion_length)
     if device.is_main:
-        print(f"rl ({rl.algorithm}): {len(train)} training prompts, {rl.prompts_per_step} per step x {config.num_generations} "
+        print(f"rl ({rl.algorithm}): {len(train)} training prompts, {rl.prompts_per_step} per step x "
+              f"{config.num_generations} "
               f"completions, reward {'model ' if scorer else ''}{reward_name}"
               + (f", {len(valid.prompts)} held-out prompts" if valid else ""), flush=True)
     return batches, valid

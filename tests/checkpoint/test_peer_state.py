@@ -49,12 +49,12 @@ def _save(registry: str, layout: CH.L) -> dict:
     os.environ["SLURMD_NODENAME"] = NODES[dist.get_rank() // 2]
     cfg, topo, model, optimizer = CH.build("gpt", layout, seed=1234)
     peer = Checkpointer(SCHEME + registry, rank=dist.get_rank(), world_size=dist.get_world_size(), token="ab",
-                        keep_last=1, async_save=True, commit_by_all=True, log=lambda m: None)
+                        keep_last=1, async_save=True, await_commit=True, log=lambda m: None)
     for i in range(3):
         CH.step(cfg, topo, model, optimizer, i)
         if i >= 1:
             peer.save(i + 1, model, optimizer, topo, extra={"step": i + 1}, config=None)
-    peer.wait()  # committed, seen from this rank: commit_by_all
+    peer.wait()  # committed, seen from this rank: await_commit
     return {"next_loss": CH.step(cfg, topo, model, optimizer, 3),
             "holders": [s.node for s in peer.storage.holders()]}
 

@@ -22,7 +22,7 @@ def _args(tmp_path, attempt_dir, attempt=0, exit=1, **kw):
                            job="7_0", attempt=attempt, exit=exit, in_job_restarts=kw.get("restarts", 3),
                            same_node_failures=kw.get("same", 2), requeues_on_failure=2, min_nodes=2,
                            allocation="node1 node2", excluded=kw.get("excluded", ""),
-                           usable=kw.get("usable", "node1 node2 node3"))
+                           usable=kw.get("usable", "node1 node2 node3"), nodes_now=0, elastic=False)
 
 
 @pytest.fixture
