@@ -122,13 +122,9 @@ class TrainingCheckpoints:
         candidates = self._candidates()
         explicit = bool(self.cfg.resume_from_checkpoint)
         for storage, checkpoint in candidates:
-            problem = check_checkpoint(storage, checkpoint, (self.device.rank, self.device.world_size))
             where = f"{storage.root}/{checkpoint.name}"
-            if problem is not None:
-                then = "" if explicit else "; resuming from an older checkpoint instead"
-                print(f"nxdt: checkpoint {where} is damaged: {problem}{then}", file=sys.stderr, flush=True)
-            damaged = torch.tensor([0.0 if problem is None else 1.0], device=self.device.torch_device)
-            if C.all_reduce_world(damaged).item() == 0:
+            if self._intact(storage, checkpoint, f"checkpoint {where}",
+                            "" if explicit else "; resuming from an older checkpoint instead"):
                 return storage, checkpoint
             if explicit:
                 raise DamagedCheckpoint(f"exp_manager.resume_from_checkpoint: {where} is damaged (the file is named "
@@ -151,14 +147,18 @@ class TrainingCheckpoints:
         if C.all_reduce_world(none).item():  # every rank resumes from the same place: the disk, if any rank saw none
             return None
         for checkpoint in candidates:
-            problem = check_checkpoint(self.peer.storage, checkpoint, (self.device.rank, self.device.world_size))
-            if problem is not None:
-                print(f"nxdt: peer copy {checkpoint.name} is damaged: {problem}; trying an older one",
-                      file=sys.stderr, flush=True)
-            damaged = torch.tensor([0.0 if problem is None else 1.0], device=self.device.torch_device)
-            if C.all_reduce_world(damaged).item() == 0:
+            if self._intact(self.peer.storage, checkpoint, f"peer copy {checkpoint.name}", "; trying an older one"):
                 return self.peer.storage, checkpoint
         return None
+
+    def _intact(self, storage, checkpoint: Committed, what: str, then: str) -> bool:
+        """Every rank checks its share of the checkpoint's files against their checksums and names a damaged one;
+        intact when no rank found one (agreed, so every rank goes on to the same candidate)."""
+        problem = check_checkpoint(storage, checkpoint, (self.device.rank, self.device.world_size))
+        if problem is not None:
+            print(f"nxdt: {what} is damaged: {problem}{then}", file=sys.stderr, flush=True)
+        damaged = torch.tensor([0.0 if problem is None else 1.0], device=self.device.torch_device)
+        return C.all_reduce_world(damaged).item() == 0
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step to continue from (0: from scratch).

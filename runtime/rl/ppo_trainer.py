@@ -30,7 +30,7 @@ from runtime.rl.ppo import PPOConfig, PPOPolicyObjective, PPOTable, ValueObjecti
 from runtime.rl.reward_model import ModelReward, rewards_of
 from runtime.rl.rewards import Reward
 from runtime.rl.rollout import build_rows, sample, token_log_probs
-from runtime.rl.stage import decode_all, step_seed
+from runtime.rl.stage import CurrentObjective, decode_all, step_seed
 from runtime.schema.chat import ChatTokenizer
 
 
@@ -73,29 +73,6 @@ def critic_values(critic: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
         critic.train(was_training)
 
 
-class CurrentPPO:
-    """The policy objective of the latest rollout, behind one object the trainer holds for the whole run."""
-
-    num_stats = PPOPolicyObjective.num_stats
-
-    def __init__(self):
-        self.current: PPOPolicyObjective | None = None
-
-    def prepare(self, model, batches, topo):
-        if self.current is None:
-            raise RuntimeError("the PPO objective has no rollout yet: call next_batch() before the step")
-        return self.current.prepare(model, batches, topo)
-
-    def totals(self, batches):
-        return self.current.totals(batches)
-
-    def __call__(self, per_token, batch, totals):
-        return self.current(per_token, batch, totals)
-
-    def report(self, stats, totals):
-        return self.current.report(stats, totals)
-
-
 @dataclasses.dataclass
 class Critic:
     model: nn.Module
@@ -117,7 +94,7 @@ class PPOBatches:
         self.sampling, self.config, self.chat = sampling, config, chat
         self.reward, self.reward_name = reward, reward_name
         self.topo, self.seed, self.micro_batch_size, self.autocast = topo, int(seed), micro_batch_size, autocast
-        self.objective = CurrentPPO()
+        self.objective = CurrentObjective(PPOPolicyObjective.num_stats, "PPO")
         self.metrics: dict[str, float] = {}
 
     def next_batch(self) -> list[MicroBatch]:

@@ -47,17 +47,16 @@ def decode_all(chat: ChatTokenizer, ids: list[int]) -> str:
 
 
 class CurrentObjective:
-    """The GRPO objective of the latest rollout, behind one object the trainer holds for the whole run: each
-    next_batch() swaps in a GRPOObjective over that rollout's table."""
+    """The objective of the latest rollout (GRPO's, or PPO's policy objective), behind one object the trainer holds
+    for the whole run: each next_batch() swaps in one over that rollout's table."""
 
-    num_stats = GRPOObjective.num_stats
+    def __init__(self, num_stats: int = GRPOObjective.num_stats, name: str = "GRPO"):
+        self.num_stats, self.name = num_stats, name
+        self.current = None
 
-    def __init__(self):
-        self.current: GRPOObjective | None = None
-
-    def _objective(self) -> GRPOObjective:
+    def _objective(self):
         if self.current is None:
-            raise RuntimeError("the GRPO objective has no rollout yet: call next_batch() before the step")
+            raise RuntimeError(f"the {self.name} objective has no rollout yet: call next_batch() before the step")
         return self.current
 
     def prepare(self, model, batches: list[PreparedBatch], topo) -> list[PreparedBatch]:
