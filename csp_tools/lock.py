@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK = REPO / "constraints.txt"
-EXTRAS = ("runtime", "eval", "test")
+EXTRAS = ("runtime", "eval", "test", "torchtitan")
 PROJECT = "nxdt-launch"
 # The CPU build on this machine and in CI; the lock names it without its local label (+cpu), which `==` matches.
 TORCH = "2.13.0"
