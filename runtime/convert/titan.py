@@ -126,7 +126,7 @@ def _save_dcp(state: dict, out: Path) -> None:
 def read_dcp(path: str | Path) -> dict:
     """Every entry of a DCP checkpoint, by its flattened key (tensors whole, other values as saved)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
@@ -138,7 +138,7 @@ def read_dcp(path: str | Path) -> dict:
         state = {key: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
                  for key, m in meta.state_dict_metadata.items()}
         dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as error:  # noqa: BLE001 - a damaged file surfaces as several kinds of error
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a damaged file: several kinds of error
         raise ValueError(f"--dcp {path} cannot be read: {' '.join(str(error).split())[:200]}") from None
     return state
 

@@ -136,4 +136,4 @@ class TitanModel:
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.copy_(by_param[name])
-        return self.to_ours(self.model.state_dict())
+        return self.to_ours({k: v.detach().clone() for k, v in self.model.state_dict().items()})  # not views
