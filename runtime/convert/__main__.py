@@ -228,6 +228,11 @@ def _flat(keys: dict, prefix: str = "") -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["to-titan"], ["from-titan"]):  # checkpoints both ways with torchtitan (runtime/convert/titan.py)
+        from runtime.convert.titan import main as titan_main
+
+        return titan_main(argv)
     parser = argparse.ArgumentParser(prog="python -m runtime.convert", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved conversion-stage YAML the launcher wrote")
     args = parser.parse_args(argv)
