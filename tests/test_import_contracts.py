@@ -13,7 +13,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME = REPO / "runtime"
 # runtime/torchrun.py is torch's launch agent (torch.distributed.run), not a process-group user.
-DISTRIBUTED_OWNERS = {"runtime/parallel/collectives.py", "runtime/parallel/topology.py", "runtime/torchrun.py"}
+# runtime/convert/titan.py reads and writes torchtitan's checkpoints with torch.distributed.checkpoint as a file
+# format (no process group: no_dist=True), not as a process-group user either.
+DISTRIBUTED_OWNERS = {"runtime/parallel/collectives.py", "runtime/parallel/topology.py", "runtime/torchrun.py",
+                      "runtime/convert/titan.py"}
 DEVICE_KINDS = {"cpu", "cuda", "xla", "neuron", "gpu"}
 
 

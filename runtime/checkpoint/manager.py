@@ -358,23 +358,33 @@ class Checkpointer:
         return found[-1] if found else None
 
 
-def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict) -> str:
-    """A one-file checkpoint of unsharded weights (no optimizer state), e.g. imported from Hugging Face: any
-    layout resumes from it, with a fresh optimizer. Returns the checkpoint's location."""
+def write_full_checkpoint(location: str, step: int, full_state: dict[str, torch.Tensor], *, config: dict,
+                          moments: dict[str, dict[str, torch.Tensor]] | None = None, step_count: int = 0,
+                          extra: dict | None = None, source: str = "import") -> str:
+    """A one-file checkpoint of unsharded weights that any layout resumes from: imported from Hugging Face (no
+    optimizer state: a fresh optimizer), or from torchtitan with its moments ({exp_avg|exp_avg_sq: {name: full
+    tensor}}), the optimizer's step count and `extra` (step, data position). Returns the checkpoint's location."""
     storage = open_storage(location)
     name = f"step_{step:08d}.{secrets.token_hex(4)}"
-    pieces = {n: [{"dim": None, "index": None, "full_shape": tuple(t.shape), "shard_shape": tuple(t.shape),
-                   "start": 0, "value": t.detach().cpu().contiguous()}] for n, t in full_state.items()}
+
+    def piece(t: torch.Tensor) -> dict:
+        return {"dim": None, "index": None, "full_shape": tuple(t.shape), "shard_shape": tuple(t.shape), "start": 0}
+
+    pieces = {n: [{**piece(t), "value": t.detach().cpu().contiguous()}] for n, t in full_state.items()}
+    optim = {n: [{**piece(t), **{key: moments[key][n].detach().cpu().contiguous() for key in moments},
+                  "master": None}] for n, t in full_state.items()} if moments else {}
     layout = {"tp": 1, "pp": 1, "dp": 1, "zero1": False}
+    scalars = {"step": step_count if moments else 0, "sr_generator": None}
+    if moments:
+        scalars["optimizer"] = None  # written by another trainer: no optimizer name to check on resume
     try:
         digest = _put_rank_file(storage, f"{name}/{_rank_file(0)}", {
-            "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout,
-            "optim_scalars": {"step": 0, "sr_generator": None},
-            "extra": {"step": step, "data": {"consumed_samples": 0}}}, {"model": pieces, "optim": {}})
+            "format": FORMAT, "rank": 0, "world_size": 1, "step": step, "layout": layout, "optim_scalars": scalars,
+            "extra": extra or {"step": step, "data": {"consumed_samples": 0}}}, {"model": pieces, "optim": optim})
         _put_config(storage, name, config)
         storage.put_bytes(f"{name}/{_done_file(0)}", json.dumps(digest).encode())
         meta = {"format": FORMAT, "step": step, "world_size": 1, "layout": layout, "committed_at": time.time(),
-                "source": "import", "files": {_rank_file(0): digest}}
+                "source": source, "files": {_rank_file(0): digest}}
         storage.put_bytes(f"{name}/{COMMIT}", json.dumps(meta, indent=1).encode())
     except BaseException:  # a full disk, say: no uncommitted directory is left for the next reader to skip
         storage.delete_prefix(name)

@@ -27,10 +27,10 @@ import torch
 import yaml
 
 from runtime.checkpoint import full_tensors, read_config, read_rank_files, resolve_checkpoint
+from runtime.checkpoint.manager import write_full_checkpoint
 from runtime.config import parse_model_config
 from runtime.convert.hf_layout import state_shapes
 from runtime.convert.titan_model import TitanModel, titan_family
-from runtime.convert.titan_ours import write_checkpoint
 from runtime.schema.facts import USER_ERROR_EXIT_CODE
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -175,9 +175,9 @@ def from_titan(step_dir: str, config_path: str, checkpoint_dir: str, consumed: i
                              f"writes it): give the data position with --consumed-samples N")
         consumed = int(flat["dataloader.consumed_samples"])
     step = int(flat.get("train_state.step", step_count))
-    location = write_checkpoint(checkpoint_dir, step, weights, moments, step_count=step_count,
-                                extra={"step": step, "data": {"consumed_samples": consumed}},
-                                config={"model": model, "imported_from": str(step_dir)})
+    location = write_full_checkpoint(checkpoint_dir, step, weights, moments=moments, step_count=step_count,
+                                     extra={"step": step, "data": {"consumed_samples": consumed}},
+                                     config={"model": model, "imported_from": str(step_dir)}, source="torchtitan")
     print(f"converted torchtitan's {step_dir} ({family}, step {step}) to {location}; resume from it with "
           f"training.exp_manager.resume_from_checkpoint={location}")
     return location
