@@ -6,7 +6,7 @@
 #   shard_shape    that TP shard's shape
 #   start          where the piece begins in the shard, flattened (ZeRO-1 cuts a shard at any element)
 #   experts        for an expert-parallel shard, the experts (rows along dim 0 of the full tensor) it holds
-# and its values: `value` for weights (always whole shards), `master` and the optimizer's state keys
+# and its values: `value` for weights (whole shards; under ZeRO-3 each DP rank's range of them), `master` and the optimizer's state keys
 # (exp_avg/exp_avg_sq, momentum_buffer, z: runtime/parallel/optimizers.py) for optimizer state.
 # Pieces are written once per distinct value: weights by the first DP replica (the first expert-data-parallel
 # replica for experts), TP-replicated tensors by TP rank 0, optimizer state by every DP rank under ZeRO-1 (each
@@ -19,6 +19,7 @@
 # replicated KV head is not one, and a ZeRO-1 shard is a range of a flattened bucket, so the format is our own.
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import torch
@@ -65,11 +66,20 @@ def rank_pieces(dp: DataParallel, optimizer, topo, origins: dict | None = None) 
             origins[id(tensor)] = (base, first)
         return tensor
 
+    zero3 = [b for b in dp.buckets if b.param_shard is not None]  # no rank holds these weights whole
+    in_zero3 = {id(p) for b in zero3 for p in b.params}
     for name, param in dp.named_params:
         first_replica = (topo.edp if plan[name].expert else topo.dp).rank == 0
-        if first_replica and (first_tp or plan[name].sharded):
+        if first_replica and (first_tp or plan[name].sharded) and id(param) not in in_zero3:
             model_pieces.setdefault(plan.full_name(name), []).append(
                 {**_geometry(plan, name, param), "start": 0, "value": ranged(param.detach(), *in_buffer[id(param)])})
+    for bucket in zero3:  # each DP rank's range, as its optimizer state below
+        for seg in bucket.segments:
+            name = names[id(seg.param)]
+            if plan[name].sharded or first_tp:
+                model_pieces.setdefault(plan.full_name(name), []).append(
+                    {**_geometry(plan, name, seg.param), "start": seg.in_param.start,
+                     "value": ranged(bucket.param_shard[seg.in_shard], bucket.param_shard, seg.in_shard.start)})
     for bucket, state in zip(dp.buckets, optimizer.state):
         if not (bucket.axis.rank == 0 or dp.zero1):
             continue
@@ -275,6 +285,12 @@ def load_into(dp: DataParallel, optimizer, source, *, broadcast: Callable | None
     Without it every rank reads for itself: the whole bucket's weights and only its own shard of the optimizer
     state, straight into the live buffers when they are on the host.
     """
+    # ZeRO-3: the full buffers exist while they are read into; each rank keeps its shard of them after.
+    with dp.zero3.full_parameters(load=True) if dp.zero3 is not None else contextlib.nullcontext():
+        _load_into(dp, optimizer, source, broadcast, with_optimizer)
+
+
+def _load_into(dp: DataParallel, optimizer, source, broadcast: Callable | None, with_optimizer: bool) -> None:
     plan = dp.plan
     names = {id(p): name for name, p in dp.named_params}
     states = optimizer.state if optimizer is not None else [{} for _ in dp.buckets]

@@ -34,6 +34,9 @@
 # sums are ZeRO-1's bit for bit), and is freed once its reduce-scatter has run (during the last backward with
 # overlap); only the rank's (shard,) gradient stays, and the optimizer, the norm and clipping read that.
 #
+# ZeRO-3 (zero_stage 3) is ZeRO-2 with the parameters sharded too: runtime/parallel/zero3.py frees each bucket's
+# parameter buffer between uses and gathers it per unit (a block), which is why buckets are cut at unit boundaries.
+#
 # What the reduction needs to know about each parameter (sequence-parallel partial gradients, pipeline-tied
 # copies, how many ranks hold the same value for the global norm) comes from the model's ShardingPlan.
 from __future__ import annotations
@@ -49,6 +52,7 @@ from runtime.parallel import collectives as C
 from runtime.parallel.plan import plan_of
 from runtime.parallel.sparse_lookups import sparse_grads_work, split_tied_lookups
 from runtime.parallel.topology import AxisGroup, Topology
+from runtime.parallel.zero3 import Zero3, unit_index
 from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
@@ -59,7 +63,7 @@ GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on gloo: it copies each reduce-scatt
 class DataParallelConfig:
     precision: "str | Precision" = "fp32"     # a runtime.precision name
     zero1: bool = False                        # shard master weights (and the optimizer's moments) over DP
-    zero_stage: int | None = None              # 0, 1, 2 (also the gradients: see the header); None: from zero1
+    zero_stage: int | None = None              # 0, 1, 2 (also the gradients), 3 (and the parameters); None: zero1
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     seed: int = 0                              # stochastic-rounding noise, the same on every rank
     overlap_grad_reduce: bool = True           # start each bucket's reduction during backward (see the header)
@@ -121,6 +125,7 @@ class Bucket:
     deferred: bool = False            # holds a gradient summed over another group first: reduced after backward
     grads_sharded: bool = False       # ZeRO-2 over more than one rank: grad_buffer lives only through backward
     grad_shard: torch.Tensor | None = None  # then: (shard,) fp32, the reduced gradient, kept until the next one
+    param_shard: torch.Tensor | None = None  # ZeRO-3: (shard,) the rank's parameters; param_buffer only on demand
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator | None:
@@ -156,17 +161,15 @@ class DataParallel:
     def __init__(self, model: nn.Module, topo: Topology, config: DataParallelConfig):
         self.topo, self.precision = topo, get_precision(config.precision)
         stage = int(bool(config.zero1)) if config.zero_stage is None else config.zero_stage
-        if stage not in (0, 1, 2) or (config.zero1 and stage == 0):
-            raise ValueError(f"zero_stage {config.zero_stage!r} with zero1={config.zero1}: 0, 1 or 2 (zero1 is 1)")
+        if stage not in (0, 1, 2, 3) or (config.zero1 and stage == 0):
+            raise ValueError(f"zero_stage {config.zero_stage!r} with zero1={config.zero1}: 0 to 3 (zero1 is 1)")
         self.zero_stage, self.zero1 = stage, stage >= 1  # zero1: the optimizer state is sharded
-        self.overlap_param_gather = bool(config.overlap_param_gather)
-        plan = plan_of(model)
+        self.overlap_param_gather, plan = bool(config.overlap_param_gather), plan_of(model)
         self._aliases = split_tied_lookups(model, sparse=sparse_grads_work(next(model.parameters()).device))
-        alias_ids = {id(alias) for alias, _ in self._aliases}
         # (name, parameter) for every parameter this owns, in model.parameters() order; aliases are skipped
         # (they share their owner's storage), so a tied embedding is owned under the name its owner has.
         self.named_params = [(name, p) for name, p in model.named_parameters()
-                             if p.requires_grad and id(p) not in alias_ids]
+                             if p.requires_grad and id(p) not in {id(alias) for alias, _ in self._aliases}]
         if not self.named_params:
             raise ValueError("the model has no trainable parameters")
         # Frozen weights (a LoRA model's base) get no buffers, gradients or optimizer state; they only take the
@@ -207,11 +210,12 @@ class DataParallel:
         lookups = {id(module.weight) for module in model.modules() if isinstance(getattr(module, "sparse", None), bool)}
         lookups |= {id(owner) for _, owner in self._aliases}
         self.buckets: list[Bucket] = []
+        units = unit_index(model) if stage == 3 else {}  # ZeRO-3 gathers per unit: no bucket spans two
         for axis, group, decay in groups:
             ordered = list(reversed(group))
             layers = [p for p in ordered if id(p) not in lookups]
-            for chunk in _split(layers, config.bucket_numel) + _split([p for p in ordered if id(p) in lookups],
-                                                                       config.bucket_numel):
+            for chunk in _split(layers, config.bucket_numel, units) + _split(
+                    [p for p in ordered if id(p) in lookups], config.bucket_numel, units):
                 self.buckets.append(self._make_bucket(chunk, decay, names, axis))
         bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
         deferred = {id(p) for p in self._partial + self._pipeline_tied}
@@ -233,6 +237,7 @@ class DataParallel:
         self._started = 0                         # how many of self._early have started
         self._pending: list[tuple[Bucket, C.Pending, torch.Tensor | None]] = []  # started, not yet waited on
         self._gathers: list[C.Pending] = []
+        self.zero3 = Zero3(model, self, self._aliases) if stage == 3 else None
 
     def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str], dp: AxisGroup
                      ) -> Bucket:
@@ -248,7 +253,7 @@ class DataParallel:
 
         fp32 = torch.zeros(padded, dtype=torch.float32, device=device)
         # ZeRO-2: the full buffer only exists during a step's backward (_open_grads to _finish).
-        grads_sharded = self.zero_stage == 2 and dp.size > 1
+        grads_sharded = self.zero_stage >= 2 and dp.size > 1
         grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device) if (
             self._flat_grads and not grads_sharded) else None
         segments, offset = [], 0
@@ -357,6 +362,8 @@ class DataParallel:
         """Finish the gradients: zeros for parameters no backward reached, sequence-parallel grads summed over
         TP, a pipeline-split tied embedding's grads summed over its first and last stage, then the sum over DP
         (per bucket)."""
+        if self.zero3 is not None:
+            self.zero3.release_all()  # every backward has run: no parameter is needed before the next forward
         started = set(self._early[:self._started])  # ZeRO-2: reduced during backward, their full buffers gone
         for i, bucket in enumerate(self.buckets):
             if bucket.grads_sharded and bucket.grad_buffer is None and i not in started:
@@ -423,7 +430,7 @@ class DataParallel:
         if self.precision.needs_rounding:
             for param, weight in zip(self._shard_params(bucket), weights):
                 param.copy_(self._round(weight))
-        if self.zero1 and bucket.axis.size > 1:
+        if self.zero1 and bucket.axis.size > 1 and bucket.param_shard is None:  # ZeRO-3: gathered on demand
             shard = bucket.param_buffer[bucket.shard]
             in_place = C.in_place_shard_ok(bucket.param_buffer, bucket.axis)
             self._gathers.append(C.start_all_gather_flat(bucket.param_buffer, shard if in_place else shard.clone(),
@@ -443,7 +450,8 @@ class DataParallel:
         return self.params + [alias for alias, _ in self._aliases]
 
     def _shard_params(self, bucket: Bucket) -> list[torch.Tensor]:
-        return [bucket.param_buffer[bucket.shard][seg.in_shard] for seg in bucket.segments]
+        shard = bucket.param_shard if bucket.param_shard is not None else bucket.param_buffer[bucket.shard]
+        return [shard[seg.in_shard] for seg in bucket.segments]
 
     def _round(self, weights: torch.Tensor) -> torch.Tensor:
         if self.precision.stochastic_rounding:
@@ -477,10 +485,10 @@ def _accumulate(main: MainGrad, param: nn.Parameter) -> None:
     main.written = True
 
 
-def _split(params: list[nn.Parameter], max_numel: int) -> list[list[nn.Parameter]]:
+def _split(params: list[nn.Parameter], max_numel: int, units: dict[int, int]) -> list[list[nn.Parameter]]:
     chunks, current, size = [], [], 0
     for p in params:
-        if current and size + p.numel() > max_numel:
+        if current and (size + p.numel() > max_numel or units.get(id(p)) != units.get(id(current[-1]))):
             chunks.append(current)
             current, size = [], 0
         current.append(p)

@@ -8,10 +8,16 @@ from torch import nn
 from runtime.parallel import collectives as C
 from runtime.parallel.plan import plan_of
 from runtime.parallel.topology import Topology
+from runtime.parallel.zero3 import full_parameters
 
 
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+    with full_parameters(model):  # ZeRO-3: gathered over DP for the duration
+        return _gather_full_state_dict(model, topo)
+
+
+def _gather_full_state_dict(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
     """Every parameter under its unsharded name and shape, on every TP rank (collective over TP, and over EP for
     experts).
 

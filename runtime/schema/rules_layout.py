@@ -31,22 +31,21 @@ def elastic_nodes(num_nodes: int, smaller: str | None, p: str) -> str | None:
             f"nodes, after a lost node): {smaller}; or set {p}run.elastic=false")
 
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def zero_stage(stage: int | None, zero1: bool | None, p: str) -> str | None:
     """model.zero_stage (Megatron-DeepSpeed's ZERO_STAGE): 0 plain data parallelism, 1 the optimizer state sharded
-    (what model.zero1: true means), 2 the gradients too. A stage raises what zero1: false (the recipes' default)
-    says; zero1: true with stage 0 asks for two things."""
+    (what model.zero1: true means), 2 the gradients too, 3 the parameters too (FSDP: gathered per block,
+    runtime/parallel/zero3.py). A stage raises what zero1: false (the recipes' default) says; zero1: true with
+    stage 0 asks for two things."""
     if stage is None:
         return None
-    if stage == 3:
-        return f"{p}model.zero_stage: ZeRO-3 is not built yet; use 2 or pipeline/tensor parallelism"
     if stage not in ZERO_STAGES:
-        return f"{p}model.zero_stage: {stage} is not a ZeRO stage; use 0, 1 or 2"
+        return f"{p}model.zero_stage: {stage} is not a ZeRO stage; use 0, 1, 2 or 3"
     if zero1 and stage == 0:
         return (f"{p}model.zero1: {str(zero1).lower()} contradicts model.zero_stage {stage} (zero1: true is stage 1 "
-                f"and stage 2 shards the optimizer state too); drop model.zero1 or make them agree")
+                f"and stages 2 and 3 shard the optimizer state too); drop model.zero1 or make them agree")
     return None
 
 

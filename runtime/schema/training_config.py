@@ -58,7 +58,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True      # gradient buckets reduced during backward (runtime/parallel/data_parallel.py)
     overlap_param_gather: bool = True     # ZeRO-1's parameter all-gather overlapped with the optimizer's update
     pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
-    zero_stage: int | None = None         # model.zero_stage: 0, 1 (what zero1 means) or 2; None: 1 if zero1 else 0
+    zero_stage: int | None = None         # model.zero_stage: 0, 1 (what zero1 means), 2 or 3; None: zero1 as 0/1
 
     @property
     def stage(self) -> int:

@@ -148,8 +148,7 @@ CASES = [
     ([*RL, "+rl.grpo.reward_model=/models/rm"], "rl.grpo.reward_model and rl.grpo.reward are both set; GRPO scores "
      "with one: set rl.grpo.reward=null to score with the reward model"),
     ([*RL, "rl.grpo.loss_type=ppo"], "rl.grpo.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo"),
-    (["training.model.zero_stage=3"],
-     "training.model.zero_stage: ZeRO-3 is not built yet; use 2 or pipeline/tensor parallelism"),
+    (["training.model.zero_stage=4"], "training.model.zero_stage: 4 is not a ZeRO stage; use 0, 1, 2 or 3"),
     (["training.model.zero_stage=0", "training.model.zero1=true"],
      "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1"),
     (["training.model.zero_stage=1.5"], "training.model.zero_stage: 1.5 is not an integer"),

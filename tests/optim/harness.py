@@ -4,6 +4,7 @@ processes."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import schedulefree
 import torch
@@ -11,6 +12,7 @@ import torch
 from runtime.checkpoint.reshard import TIED
 from runtime.models import build_model
 from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, apply_data_parallel
+from runtime.parallel.zero3 import full_parameters
 from tests.runtime_parallel import harness as H
 
 WEIGHT_DECAY = 0.1
@@ -126,7 +128,7 @@ def max_difference(ours: dict, theirs: dict) -> float:
 def dp2_all_optimizers(directory: str) -> dict:
     """Every optimizer under ZeRO-1 dp2 (Adafactor under plain dp2: it refuses ZeRO-1) against its library on
     one process; and for each elementwise one, a checkpoint saved after two steps (resharded by the test); then
-    each elementwise one under ZeRO-2 dp2 (key "<case>-zero2"), no checkpoint."""
+    each elementwise one under ZeRO-2 and ZeRO-3 dp2 (keys "<case>-zero2", "<case>-zero3"), no checkpoint."""
     import torch.distributed as dist
 
     from runtime.checkpoint import Checkpointer
@@ -143,10 +145,11 @@ def dp2_all_optimizers(directory: str) -> dict:
                 dist.barrier()
         saved = 1 if case in ELEMENTWISE else None  # the checkpoint moved schedule-free to its eval point and back
         out[case] = max_difference(weights(model), library_run(case, reference, switch_after=saved))
-    for case in ELEMENTWISE:
-        model, optimizer, reference = build(case, topo, zero_stage=2)
+    for case, stage in itertools.product(ELEMENTWISE, (2, 3)):
+        model, optimizer, reference = build(case, topo, zero_stage=stage)
         assert all(bucket.grads_sharded for bucket in optimizer.data_parallel.buckets)
         for step in range(3):
             step_ours(model, optimizer, step)
-        out[f"{case}-zero2"] = max_difference(weights(model), library_run(case, reference))
+        with full_parameters(model):  # ZeRO-3: the weights exist only as shards between forwards
+            out[f"{case}-zero{stage}"] = max_difference(weights(model), library_run(case, reference))
     return out

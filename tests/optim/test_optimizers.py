@@ -67,12 +67,13 @@ def test_checkpoint_resumes_bitwise(case, tmp_path):
     assert O.max_difference(O.weights(resumed), O.weights(model)) == 0.0, case
 
 
-def test_dp2_zero1_and_zero2_equal_one_process_and_checkpoints_reshard(tmp_path):
-    """One 2-rank run for all: every optimizer under ZeRO-1 dp2, and every elementwise one under ZeRO-2 dp2 (the
-    optimizer reads the rank's gradient shard), against its library on one process; then each elementwise one's
+def test_dp2_zero1_2_and_3_equal_one_process_and_checkpoints_reshard(tmp_path):
+    """One 2-rank run for all: every optimizer under ZeRO-1 dp2, and every elementwise one under ZeRO-2 and ZeRO-3
+    dp2 (the optimizer reads the rank's gradient shard; ZeRO-3: and writes its parameter shard), against its library
+    on one process; then each elementwise one's
     dp2 ZeRO-1 checkpoint resumed here on one process continues as the uninterrupted run."""
     ranks = run_distributed(O.dp2_all_optimizers, 2, (str(tmp_path),))
-    assert set(ranks[0]) == set(O.CASES) | {f"{case}-zero2" for case in O.ELEMENTWISE}
+    assert set(ranks[0]) == set(O.CASES) | {f"{case}-zero{stage}" for case in O.ELEMENTWISE for stage in (2, 3)}
     for case in ranks[0]:
         assert max(rank[case] for rank in ranks) <= 1e-7, (case, ranks)
     topo = Topology.build(SOLO)

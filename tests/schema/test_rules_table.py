@@ -23,8 +23,9 @@ CASES = [
      "training.model.optim.name: adafactor factors whole 2-D parameters, so it cannot run with model.zero1 / "
      "model.zero_stage >= 1; turn it off or choose adamw, adam, sgd or a schedule-free optimizer"),
     ([f"{M}zero_stage=0", f"{M}zero1=true"],
-     "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1 and stage 2 shards the "
-     "optimizer state too); drop model.zero1 or make them agree"),
+     "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1 and stages 2 and 3 shard "
+     "the optimizer state too); drop model.zero1 or make them agree"),
+    ([f"{M}zero_stage=4"], "training.model.zero_stage: 4 is not a ZeRO stage; use 0, 1, 2 or 3"),
     ([f"{M}optim.name=sgd", f"+{M}optim.nesterov=true"],
      "training.model.optim.nesterov: Nesterov momentum needs model.optim.momentum > 0 and model.optim.dampening 0 "
      "(momentum 0.0, dampening 0.0)"),
