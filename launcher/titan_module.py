@@ -6,6 +6,7 @@ The context is plain JSON-able data (launcher/titan.py builds it from a validate
 None leaves torchtitan's default in place (the module lists those keys in a closing comment)."""
 from __future__ import annotations
 
+import textwrap
 from functools import lru_cache
 from typing import Any
 
@@ -34,6 +35,13 @@ SECTIONS = (
     ("comm", "comm", "CommConfig", ("init_timeout_seconds", "train_timeout_seconds")),
     ("training", "debug", "DebugConfig", ("seed", "deterministic")),
 )
+# Values the launch does not choose, and why (the module shows the why above its section).
+FIXED = {"parallelism": [("spmd_backend", "partial_dtensor")], "checkpoint": [("last_save_model_only", False)]}
+NOTES = {
+    "parallelism": "spmd_backend: torchtitan's default (spmd_types) hands FSDP plain tensors, which torch 2.13's "
+                   "fully_shard refuses; DTensor on the model-parallel axes is the path that trains.",
+    "checkpoint": "last_save_model_only=False: the last checkpoint resumes like any other, as our runtime's do.",
+}
 REQUIRED = ("family", "model", "parallelism", "training", "optimizer", "lr_scheduler", "checkpoint",
             "activation_checkpoint", "compile", "data", "dump_folder", "metrics", "comm")
 
@@ -65,10 +73,8 @@ def render_module(ctx: dict[str, Any]) -> str:
     sections = []
     for source, field, class_name, keys in SECTIONS:
         fields = _given(ctx[source], keys, source, defaults)
-        if field == "checkpoint":
-            # Our runtime's last checkpoint resumes like any other; torchtitan's default keeps only the model.
-            fields.append(("last_save_model_only", False))
-        sections.append((field, class_name, fields))
+        fields += FIXED.get(field, [])
+        sections.append((field, class_name, fields, textwrap.wrap(NOTES.get(field, ""), 100)))
     training, data, optimizer = ctx["training"], ctx["data"], ctx["optimizer"]
     dataloader = [("blend", [(float(weight), str(prefix)) for weight, prefix in data["blend"]])]
     dataloader += _given(data, ("seed", "splits_string", "index_dir"), "data", defaults)
