@@ -1,10 +1,12 @@
 """Train with torchtitan from a job module that launcher/titan_module.py rendered:
 
     torchrun --nproc-per-node 2 -m runtime.titan.train --job results/launch/training_titan_job.py
-    torchrun --nproc-per-node 2 -m runtime.titan.train --job job.py --training.steps 20 --checkpoint.interval 5
+    torchrun --nproc-per-node 2 -m runtime.titan.train --job job.py --training.steps 20 --dataloader.steps 20
 
 The module is imported from its path and handed to torchtitan's own entry point (torchtitan/train.py main()) as
-`--module <it> --config nxdt_job`; every other argument is torchtitan's (tyro flags `--section.key value`).
+`--module <it> --config nxdt_job`; every other argument is torchtitan's (tyro flags `--section.key value`). The
+dataloader sizes its sample index (hence the shuffle) by dataloader.steps and dataloader.global_batch_size: change
+them with training.steps and training.global_batch_size, or the samples are not our runtime's.
 """
 from __future__ import annotations
 
@@ -36,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", required=True, help="the job module (training_titan_job.py in the launch dir)")
     args, overrides = parser.parse_known_args(argv)
-    try:
-        import torchtitan.train
-    except ImportError as error:
-        print(f"runtime.titan.train: torchtitan is not installed ({error}); {INSTALL}", file=sys.stderr)
-        return 2
     if not Path(args.job).is_file():
         print(f"runtime.titan.train: --job: no file {args.job}; launch the training stage to render it",
               file=sys.stderr)
+        return 2
+    try:
+        import torchtitan.train
+    except ImportError as error:
+        print(f"runtime.titan.train: torchtitan cannot be imported ({error}); {INSTALL}", file=sys.stderr)
         return 2
     try:
         load_job(args.job)

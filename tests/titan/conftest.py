@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is the optional extra nxdt-launch[torchtitan]")
-
 REPO = Path(__file__).resolve().parents[2]
 SHIM_SITE = Path(__file__).resolve().parent / "shim_site"
 VOCAB = 128

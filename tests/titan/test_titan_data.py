@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest.importorskip("torchtitan", reason="torchtitan is the optional extra nxdt-launch[torchtitan]")
+
 from runtime.data.loader import DataParallelBatches, build_split_dataset
 from runtime.titan.data import MegatronDataLoader
 from tests.titan.conftest import SEQ_LEN

@@ -5,6 +5,10 @@ parallelism trains. The job module is rendered from a hand-written context by la
 import math
 import shutil
 
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is the optional extra nxdt-launch[torchtitan]")
+
 from tests.titan.conftest import context, losses, run_titan, write_job
 
 FSDP = {"data_parallel_shard_degree": 2}
