@@ -3,7 +3,8 @@ templates/torchtitan/job.py.j2. Pure and torch-free: the same context always giv
 written here. Every value reaches the module through repr(), so a path or a name is a Python literal, never code.
 
 The context is plain JSON-able data (launcher/titan.py builds it from a validated training config); a value of
-None leaves torchtitan's default in place (the module lists those keys in a closing comment)."""
+None leaves torchtitan's default in place (the module lists those keys in a closing comment). Besides contract 1's
+keys it reads an optional `launch` (the launch's name) for the module's first line."""
 from __future__ import annotations
 
 import textwrap
@@ -79,16 +80,20 @@ def render_module(ctx: dict[str, Any]) -> str:
     dataloader = [("blend", [(float(weight), str(prefix)) for weight, prefix in data["blend"]])]
     dataloader += _given(data, ("seed", "splits_string", "index_dir"), "data", defaults)
     dataloader += [("global_batch_size", training["global_batch_size"]), ("steps", training["steps"])]
-    optimizer_kwargs = {"lr": optimizer["lr"], "betas": (optimizer["beta1"], optimizer["beta2"]),
-                        "eps": optimizer["eps"], "weight_decay": optimizer["weight_decay"]}
+    optimizer_kwargs = {"lr": optimizer.get("lr"), "eps": optimizer.get("eps"),
+                        "weight_decay": optimizer.get("weight_decay")}
+    if optimizer.get("beta1") is not None and optimizer.get("beta2") is not None:
+        optimizer_kwargs["betas"] = (optimizer["beta1"], optimizer["beta2"])
     model = [(key, value) for key, value in ctx["model"].items() if value is not None]
     return _environment().get_template(TEMPLATE).render(
         launch=ctx.get("launch") or f"writing to {ctx['dump_folder']}",
         family=ctx["family"], model=model, vocab_size=ctx["model"]["vocab_size"], dataloader=dataloader,
         optimizer_name=optimizer.get("name") or "AdamW",
-        optimizer_kwargs={k: v for k, v in optimizer_kwargs.items() if v is not None and v != (None, None)},
+        optimizer_kwargs={key: value for key, value in optimizer_kwargs.items() if value is not None},
         sections=sections, activation_checkpoint=ACTIVATION_CHECKPOINT[ctx["activation_checkpoint"]],
-        dump_folder=ctx["dump_folder"], defaults=defaults,
+        dump_folder=ctx["dump_folder"],
+        defaults=textwrap.wrap("Left to torchtitan's defaults (the launch gave no value): " + ", ".join(defaults) + ".",
+                               110) if defaults else [],
     )
 
 

@@ -3,7 +3,9 @@ Trainer.Config, every value the context's, by repr); runtime/titan/model.py buil
 torchtitan's builders; runtime.titan.train refuses a missing torchtitan or job in one line, exit 2."""
 import ast
 import copy
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,21 @@ def ctx(**sections) -> dict:
     for section, values in sections.items():
         value[section].update(values)
     return value
+
+
+GOLDEN = Path(__file__).parent / "golden" / "training_titan_job.py.golden"
+
+
+def test_the_module_matches_its_golden_file():
+    """Changes to the job module only on purpose: NXDT_UPDATE_GOLDEN=1 rewrites the golden file (then review it)."""
+    value = ctx()
+    value["data"]["blend"] = [[2.0, "/data/wiki_text_document"], [1.0, "/data/code_text_document"]]
+    text = render_module(value)
+    if os.environ.get("NXDT_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert GOLDEN.exists(), f"no golden file {GOLDEN.name}: run with NXDT_UPDATE_GOLDEN=1 and review it"
+    assert text.splitlines() == GOLDEN.read_text().splitlines()
 
 
 def test_the_module_is_readable_python_whose_values_are_the_contexts():
@@ -39,7 +56,7 @@ def test_the_module_is_readable_python_whose_values_are_the_contexts():
     assert ast.literal_eval(keywords["norm_eps"]) == 1e-5 and ast.literal_eval(keywords["seed"]) == 1234
     assert ast.unparse(keywords["activation_checkpoint"]) == "None"
     # None in the context: torchtitan's default, named in the closing comment and not passed.
-    assert "decay_ratio" not in keywords and "lr_scheduler.decay_ratio" in text.splitlines()[-1]
+    assert "decay_ratio" not in keywords and "lr_scheduler.decay_ratio" in text.split("# Left to torchtitan")[1]
 
 
 @pytest.mark.parametrize("choice, code", [("full", "FullAC.Config()"), ("selective", "SelectiveAC.Config()")])
