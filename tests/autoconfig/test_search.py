@@ -157,7 +157,7 @@ def test_zero_stage_is_a_search_axis():
     assert search.Candidate(1, 1, None, 1, None, False, 0).settings()["model.zero1"] is False
     assert both[1].tag == "tp1_pp1_mbs1_norecompute_zero2" and both[0].tag == "tp1_pp1_mbs1_norecompute"
     assert "++training.model.zero_stage=2" in driver.layout_overrides(both[1])
-    for bad, message in [({"zero_stage": [3]}, "search_config.search.zero_stage: 3 is not a ZeRO stage"),
+    for bad, message in [({"zero_stage": [4]}, "search_config.search.zero_stage: 4 is not a ZeRO stage"),
                          ({"zero_stage": [1], "zero1": True}, "search_config.search.zero1: set it or"),
                          ({"zero1": 2}, "search_config.search.zero1: 2 must be true, false or auto")]:
         with pytest.raises(UserError, match=message):
