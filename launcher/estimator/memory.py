@@ -5,7 +5,10 @@
 #                under ZeRO-3 the rank's 1/S shard of them plus two gathered units (the one computing and the one
 #                prefetched: 2 x the largest unit, shapes.largest_unit_parameters), LoRA's frozen bases whole
 #   gradients    fp32 always: data parallelism accumulates micro-batch gradients in an fp32 buffer; under ZeRO-2/3
-#                the rank's 1/S shard of them (the full buffers exist only through backward: not counted)
+#                the rank's 1/S shard of them when a step is one micro-batch (the full buffers then exist only
+#                through backward, bucket by bucket: not counted). With gradient accumulation the full buffers
+#                stay from the first micro-batch's backward to the last one's reduce-scatter (runtime/parallel/
+#                data_parallel.py, Megatron's choice: ZeRO-1's sums bit for bit), so they are counted whole.
 #   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by S under ZeRO-1/2/3
 # S is the shard group: all of dp, or model.data_parallel_shard_degree ranks of it (hybrid sharding: the state
 # sharded within each group, replicated across the dp / S groups); the experts' over their expert-data-parallel
@@ -390,10 +393,12 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
 def sharded_state(layout: Layout, params: int, experts: int, unit: int) -> dict[str, float]:
     """Weights, gradients and optimizer state of a device holding `params` parameters (`experts` of them the
     experts') at the layout's ZeRO stage: stage >= 1 divides the optimizer state by the shard group (S: dp, or
-    model.data_parallel_shard_degree), >= 2 the gradients too, 3 the weights too, plus two gathered units of `unit`
-    parameters each (the one computing and the next, prefetched). Experts' state divides by their own shard group."""
+    model.data_parallel_shard_degree), >= 2 the gradients too (one micro-batch a step: accumulation keeps them whole,
+    see the header), 3 the weights too, plus two gathered units of `unit` parameters each (the one computing and the
+    next, prefetched). Experts' state divides by their own shard group."""
     bytes_ = PRECISION_BYTES[layout.precision]
     stage = layout.parallel.stage  # model.zero_stage, or zero1 as stage 1
+    grads_from = 2 if layout.num_micro_batches <= 1 else 4  # 4: no stage shards accumulating gradients
 
     def per_rank(at_stage: int) -> float:  # parameters' worth this rank holds of a term sharded from `at_stage` on
         if stage < at_stage:
@@ -401,7 +406,7 @@ def sharded_state(layout: Layout, params: int, experts: int, unit: int) -> dict[
         return (params - experts) / layout.shard + experts / layout.expert_shard
 
     gathered = 2.0 * unit * bytes_.param if stage == 3 and max(layout.shard, layout.expert_shard) > 1 else 0.0
-    return {"weights": per_rank(3) * bytes_.param + gathered, "gradients": GRAD_BYTES * per_rank(2),
+    return {"weights": per_rank(3) * bytes_.param + gathered, "gradients": GRAD_BYTES * per_rank(grads_from),
             "optimizer": (MOMENT_BYTES + bytes_.master) * per_rank(1), "gathered": gathered,
             "full_weights": float(params * bytes_.param)}
 

@@ -166,8 +166,9 @@ def test_zero_stage_is_a_search_axis():
 
 def test_zero2_is_ranked_by_the_estimate_with_gradients_sharded():
     """Stages 1 and 2 of the same layout at dp 8: both launchable, ZeRO-2's estimate holds less (its gradients at
-    1/dp), and a recipe without model.zero_stage takes the candidate's override."""
+    1/dp: one micro-batch a step), and a recipe without model.zero_stage takes the candidate's override."""
     base = _tiny_base(num_nodes=4, devices=2)
+    base["model"]["global_batch_size"] = 8
     candidates = search.grid({"tensor_parallel_sizes": [1], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
                               "activations_checkpoint": [None], "zero_stage": [1, 2]},
                              nodes=4, devices_per_node=2, num_layers=4, zero_stage_default=0)
@@ -198,9 +199,11 @@ def test_zero3_and_the_shard_group_are_search_axes():
 
 def test_only_zero3_fits_a_model_whose_weights_fill_the_device():
     """Llama 3.1 8B on two trn1 nodes at tp 1 (dp 64, 16 GiB NeuronCores): its bf16 weights alone (15 GiB) leave no
-    room at ZeRO-1 or 2; ZeRO-3 holds 1/64 of them and two gathered units (the 128k embedding, twice)."""
+    room at ZeRO-1 or 2; ZeRO-3 holds 1/64 of them and two gathered units (the 128k embedding, twice).
+    Gradients sharded needs one micro-batch a step (memory.py); with accumulation none of the three fits."""
     base = resolved("training=llama3_1/8b")["training"]
     base["trainer"].update(num_nodes=2, devices=32)
+    base["model"]["global_batch_size"] = 64  # one micro-batch a step: accumulation would keep fp32 gradients whole
     candidates = search.grid({"tensor_parallel_sizes": [1], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
                               "activations_checkpoint": ["full"], "zero_stage": [1, 2, 3]},
                              nodes=2, devices_per_node=32, num_layers=32, zero_stage_default=1)

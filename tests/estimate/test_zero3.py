@@ -17,8 +17,9 @@ from tests.estimate.test_estimator import GPT3_175B, LLAMA3_70B, layout
 from tests.launcher.helpers import resolved
 
 H100 = HARDWARE["h100"]
-# 8 nodes of 8, tp 8: dp 8 over nodes (tp x dp = 64 > 8 devices per node: inter-node bandwidth).
-DP8 = layout(num_nodes=8, tp=8, zero1=True)
+# 8 nodes of 8, tp 8: dp 8 over nodes (tp x dp = 64 > 8 devices per node: inter-node bandwidth); one micro-batch a
+# step (ZeRO-2/3 shard the gradients only then: accumulation keeps the full buffers).
+DP8 = layout(num_nodes=8, tp=8, zero1=True, global_batch_size=8)
 
 
 def _at(stage: int, base=DP8, **changes):
@@ -37,6 +38,8 @@ def test_zero3_shards_the_weights_and_holds_two_gathered_units():
     assert zero2.weights == 2 * params
     assert zero2.total - zero3.total == pytest.approx(2 * params * 7 / 8 - 4 * unit)
     assert zero3.total < zero2.total
+    accumulating = peak_memory(LLAMA3_70B, _at(3, global_batch_size=64))  # 8 micro-batches: gradients whole
+    assert accumulating.gradients == 4 * params and accumulating.optimizer == zero3.optimizer
 
 
 def test_one_data_parallel_rank_holds_the_same_at_every_stage():
@@ -54,18 +57,18 @@ def _dense_per_device(shape, base) -> float:
 def test_zero3_gathers_forward_and_backward_of_every_micro_batch():
     """2 x micro-batches ring all-gathers of the weights at bf16 over dp, on top of ZeRO-2's reduce-scatter and
     all-gather; full recompute gathers nothing more (backward's gather serves the rebuilt forward)."""
-    zero2, zero3 = (step_time(LLAMA3_70B, _at(s), H100, 0.4) for s in (2, 3))
-    m, gbps = DP8.num_micro_batches, H100.inter_node_gbps * 1e9
-    assert m == 8
+    m, gbps = 8, H100.inter_node_gbps * 1e9
+    zero2, zero3 = (step_time(LLAMA3_70B, _at(s, global_batch_size=8 * m), H100, 0.4) for s in (2, 3))
     params = _dense_per_device(LLAMA3_70B, DP8)
     one_gather = 7 / 8 * 2 * params / gbps
     assert zero3.param_gather_s == pytest.approx(2 * m * one_gather)
     assert zero3.data_parallel_s == pytest.approx(zero2.data_parallel_s - one_gather + 2 * m * one_gather)
     assert zero2.param_gather_s == 0.0
-    recomputed = step_time(LLAMA3_70B, _at(3, recompute="full"), H100, 0.4)
+    assert step_time(LLAMA3_70B, _at(3), H100, 0.4).param_gather_s == pytest.approx(2 * one_gather)  # m = 1
+    recomputed = step_time(LLAMA3_70B, _at(3, recompute="full", global_batch_size=8 * m), H100, 0.4)
     assert recomputed.param_gather_s == zero3.param_gather_s
     # Grows with the weights: GPT-3 175B against Llama 3 70B, in proportion to their parameters per device.
-    bigger = step_time(GPT3_175B, _at(3), H100, 0.4)
+    bigger = step_time(GPT3_175B, _at(3, global_batch_size=8 * m), H100, 0.4)
     assert bigger.param_gather_s / zero3.param_gather_s == pytest.approx(
         _dense_per_device(GPT3_175B, DP8) / params)
 
@@ -82,7 +85,7 @@ def test_hybrid_sharding_divides_by_the_shard_group_and_all_reduces_across_repli
     step = step_time(LLAMA3_70B, hybrid, H100, 0.4)
     p, gbps = _dense_per_device(LLAMA3_70B, DP8), H100.inter_node_gbps * 1e9
     reduce_scatter, replicas = 3 / 4 * 4 * p / gbps, 2 * (1 / 2) * 4 * p / 4 / gbps
-    gathers = 2 * 8 * 3 / 4 * 2 * p / gbps
+    gathers = 2 * 1 * 3 / 4 * 2 * p / gbps  # forward and backward of the step's one micro-batch
     assert step.param_gather_s == pytest.approx(gathers)
     assert step.data_parallel_s == pytest.approx(reduce_scatter + replicas + gathers)
     # Shard groups inside a node (tp 1, groups of 8 on 8-device nodes) use the node's links, the replicas not.
