@@ -40,8 +40,10 @@ def override(key: str, value: Any) -> str:
 
 
 def layout_overrides(candidate: search.Candidate) -> list[str]:
-    """A candidate's settings as launch overrides; `++` (add or set) as not every recipe names model.zero_stage."""
-    return [override(f"{'++' if key == 'model.zero_stage' else ''}training.{key}", value)
+    """A candidate's settings as launch overrides; `++` (add or set) as not every recipe names model.zero_stage
+    or model.data_parallel_shard_degree."""
+    added = ("model.zero_stage", "model.data_parallel_shard_degree")
+    return [override(f"{'++' if key in added else ''}training.{key}", value)
             for key, value in candidate.settings().items()]
 
 

@@ -1,8 +1,8 @@
 # The layout grid of an autoconfig search: every combination of tensor, pipeline, virtual pipeline and context
-# parallel sizes, micro-batch size, activation checkpointing and ZeRO stage, kept when the schema's rules accept it
-# (runtime/schema, the same rules as at launch and on the node), the launch's memory check would not refuse it
-# (device and host memory, launcher/memory_fit.py) and the memory estimate fits the device; ranked by the
-# estimator's step time. Pure functions of the base training config and the search settings.
+# parallel sizes, micro-batch size, activation checkpointing, ZeRO stage and shard group (hybrid sharding), kept
+# when the schema's rules accept it (runtime/schema, the same rules as at launch and on the node), the launch's
+# memory check would not refuse it (device and host memory, launcher/memory_fit.py) and the memory estimate fits
+# the device; ranked by the estimator's step time. Pure functions of the base training config and the search settings.
 from __future__ import annotations
 
 import copy
@@ -31,21 +31,24 @@ class Candidate:
     micro_batch_size: int
     recompute: str | None        # a key of RECOMPUTE
     sequence_parallel: bool
-    zero_stage: int              # model.zero_stage: 0, 1 (model.zero1) or 2 (the gradients sharded too)
+    zero_stage: int              # model.zero_stage: 0, 1 (model.zero1), 2 (gradients sharded too), 3 (parameters too)
     cp: int = 1                  # context_parallel_size: ranks of dp that split each sequence (ring attention)
+    shard_degree: int | None = None  # model.data_parallel_shard_degree (hybrid sharding); None: the recipe's
 
     @property
     def tag(self) -> str:
         """Short and filesystem-safe: names the candidate's run."""
         vpp = f"_vpp{self.vpp}" if self.vpp else ""
         cp = f"_cp{self.cp}" if self.cp > 1 else ""
-        zero = "_zero2" if self.zero_stage == 2 else ""  # stages 0 and 1 keep the names runs had before ZeRO-2
+        zero = f"_zero{self.zero_stage}" if self.zero_stage >= 2 else ""  # 0 and 1 keep the names they had
+        shard = f"_shard{self.shard_degree}" if self.shard_degree else ""
         return (f"tp{self.tp}_pp{self.pp}{vpp}{cp}_mbs{self.micro_batch_size}_{self.recompute or 'norecompute'}"
-                f"{zero}")
+                f"{zero}{shard}")
 
     def settings(self) -> dict[str, Any]:
         """The candidate's keys under `training.`."""
         granularity, modules = RECOMPUTE[self.recompute]
+        shard = {} if self.shard_degree is None else {"model.data_parallel_shard_degree": self.shard_degree}
         return {
             "model.tensor_model_parallel_size": self.tp,
             "model.pipeline_model_parallel_size": self.pp,
@@ -57,6 +60,7 @@ class Candidate:
             "model.zero_stage": self.zero_stage,
             "model.activations_checkpoint_granularity": granularity,
             "model.activations_checkpoint_recompute": modules,
+            **shard,
         }
 
 
@@ -113,11 +117,23 @@ def zero_stages(search: dict[str, Any], default: int) -> list[int]:
         raise UserError("search_config.search.zero1: set it or search_config.search.zero_stage, not both; drop "
                         "zero1 (zero_stage [0] or [1] says the same)")
     values = axis_values(search, "zero_stage", [default])
-    bad = [v for v in values if isinstance(v, bool) or v not in (0, 1, 2)]
+    bad = [v for v in values if isinstance(v, bool) or v not in (0, 1, 2, 3)]
     if bad:
-        raise UserError(f"search_config.search.zero_stage: {bad[0]!r} is not a ZeRO stage; use a list of 0, 1 and 2, "
-                        f"e.g. search_config.search.zero_stage=[1,2]")
+        raise UserError(f"search_config.search.zero_stage: {bad[0]!r} is not a ZeRO stage; use a list of 0, 1, 2 "
+                        f"and 3, e.g. search_config.search.zero_stage=[1,2,3]")
     return [int(v) for v in values]
+
+
+def shard_degrees(search: dict[str, Any]) -> list[int | None]:
+    """search.data_parallel_shard_degree: `auto` (the recipe's own) or a list of shard group sizes, null meaning
+    all of dp. A size that does not divide a layout's dp is left to the schema's rules, which reject that layout."""
+    values = axis_values(search, "data_parallel_shard_degree", [None])
+    bad = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1)]
+    if bad:
+        raise UserError(f"search_config.search.data_parallel_shard_degree: {bad[0]!r} is not a shard group size; "
+                        f"use a list of positive integers or null (all of dp), e.g. "
+                        f"search_config.search.data_parallel_shard_degree=[null,8]")
+    return values
 
 
 def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layers: int,
@@ -125,7 +141,8 @@ def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layer
     """Every combination the search names. `auto`: tp in powers of two up to the devices per node, pp up to
     the layers (and the world), micro-batch 1..8, no virtual pipeline, each recompute mode, and context parallelism
     only for a sequence of LONG_SEQUENCE tokens or more (see context_sizes), and the recipe's ZeRO stage
-    (zero_stage_default; see zero_stages). A given list of context sizes is tried
+    (zero_stage_default; see zero_stages) with the recipe's shard group (a given list of shard degrees is tried
+    with every stage from 1, stage 0 shards nothing). A given list of context sizes is tried
     with every (tp, pp), and the schema's rules reject the sizes that do not divide that data-parallel size."""
     world = nodes * devices_per_node
     tps = axis_values(search, "tensor_parallel_sizes", _powers_of_two(devices_per_node))
@@ -142,6 +159,7 @@ def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layer
                             f"{', '.join('null' if m is None else m for m in RECOMPUTE)}")
     sequence_parallel = search.get("sequence_parallel", "auto")
     stages = zero_stages(search, zero_stage_default)
+    shards = shard_degrees(search)
 
     def contexts(tp: int, pp: int) -> list[int]:
         if isinstance(cps, list):
@@ -155,9 +173,9 @@ def grid(search: dict[str, Any], *, nodes: int, devices_per_node: int, num_layer
     return [
         Candidate(tp=int(tp), pp=int(pp), vpp=int(vpp) if vpp else None, micro_batch_size=int(mbs), recompute=mode,
                   sequence_parallel=tp > 1 if sequence_parallel == "auto" else bool(sequence_parallel) and tp > 1,
-                  zero_stage=stage, cp=cp)
+                  zero_stage=stage, cp=cp, shard_degree=shard)
         for tp in tps for pp in pps for cp in contexts(tp, pp) for vpp in vpps for mbs in mbss for mode in recomputes
-        for stage in stages
+        for stage in stages for shard in (shards if stage >= 1 else [None])
     ]
 
 

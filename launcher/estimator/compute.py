@@ -4,7 +4,8 @@
 # parallelism adds the token exchanges (all-to-all) to the step and moves the experts' gradient reduction to the
 # expert-data-parallel group. Long context adds the context group's exchanges (ring K/V passes, less what they
 # overlap with attention, or Ulysses' all-to-alls) and leaves gradient reduction over every data-parallel rank; each
-# rank's matrix multiplies, TP and PP messages act on its seq / context tokens.
+# rank's matrix multiplies, TP and PP messages act on its seq / context tokens. ZeRO-3 adds its parameter
+# all-gathers (data_parallel_seconds), hybrid sharding an all-reduce of each shard across the replicas.
 from __future__ import annotations
 
 import math
@@ -65,11 +66,12 @@ class StepTime:
     compute_s: float            # forward + backward (+ recompute) at the assumed efficiency
     bubble_s: float             # pipeline fill and drain
     tensor_parallel_s: float    # activations all-reduced (or gathered/scattered) inside each layer
-    data_parallel_s: float      # gradient reduction (+ ZeRO-1 parameter all-gather) after backward
+    data_parallel_s: float      # gradient reduction (+ ZeRO-1/2's parameter all-gather, ZeRO-3's gathers)
     pipeline_s: float           # activations sent between stages
     model_flops: float          # per step, all devices
     expert_parallel_s: float = 0.0  # MoE tokens sent to their experts' ranks and back (all-to-all), ep > 1
     context_parallel_s: float = 0.0  # ring K/V passes (cp > 1) or Ulysses' all-to-alls (ulysses > 1)
+    param_gather_s: float = 0.0  # of data_parallel_s, ZeRO-3's per-unit parameter all-gathers
 
     @property
     def total_s(self) -> float:
@@ -233,10 +235,9 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
     all_experts = shape.num_moe_layers * shape.moe.num_experts * expert_parameters(shape) if shape.moe else 0
     dense = (count_parameters(shape).total - all_experts) / (layout.tp * p)
     experts = all_experts / (layout.tp * layout.ep * p)
-    crosses_nodes = layout.tp * layout.dp > layout.devices_per_node
-    dp_gbps = hardware.inter_node_gbps if crosses_nodes else hardware.intra_node_gbps
-    data_parallel = sum(_gradient_seconds(params, ranks, dp_gbps, layout)
-                        for params, ranks in ((dense, layout.dp), (experts, layout.edp)))
+    groups = ((dense, layout.dp, layout.shard), (experts, layout.edp, layout.expert_shard))
+    traffic = [data_parallel_seconds(params, ranks, shard, hardware, layout) for params, ranks, shard in groups]
+    data_parallel, gathers = sum(t[0] for t in traffic), sum(t[1] for t in traffic)
 
     pipeline = 0.0
     if p > 1:
@@ -246,13 +247,37 @@ def step_time(shape: ModelShape, layout: Layout, hardware: Hardware, mfu: float)
         pipeline = 2 * m * v * micro_activation / shard / (stage_gbps * 1e9)
     return StepTime(compute, bubble, tensor_parallel, data_parallel, pipeline, model_flops,
                     expert_parallel_seconds(shape, layout, hardware),
-                    context_parallel_seconds(shape, layout, hardware, mfu))
+                    context_parallel_seconds(shape, layout, hardware, mfu), gathers)
 
 
-def _gradient_seconds(params: float, ranks: int, gbps: float, layout: Layout) -> float:
-    """fp32 gradients all-reduced over `ranks`; under ZeRO-1 reduce-scattered, then the updated weights
-    all-gathered at the parameter dtype."""
-    if layout.zero1:
-        return (_ring_seconds(GRAD_BYTES * params, ranks, gbps, all_reduce=False)
-                + _ring_seconds(PRECISION_BYTES[layout.precision].param * params, ranks, gbps, all_reduce=False))
-    return _ring_seconds(GRAD_BYTES * params, ranks, gbps, all_reduce=True)
+def data_parallel_seconds(params: float, ranks: int, shard: int, hardware: Hardware,
+                          layout: Layout) -> tuple[float, float]:
+    """(the step's data-parallel seconds for `params` parameters per device replicated over `ranks`, of them
+    ZeRO-3's parameter gathers). ZeRO-0: the fp32 gradients all-reduced over `ranks`. ZeRO-1/2/3 with a shard group
+    of `shard` ranks (all of them, or model.data_parallel_shard_degree: hybrid sharding): reduce-scattered in the
+    group, then each rank's 1/shard all-reduced across the ranks / shard replicas holding the same shard; ZeRO-1/2
+    then all-gather the updated weights in the group at the parameter dtype once; ZeRO-3 instead gathers every
+    unit in forward and again in backward of every micro-batch (2 x micro-batches x the weights; activation
+    recompute reuses backward's gather: runtime/parallel/zero3.py), counted as exposed like the rest although the
+    next unit's gather is prefetched. A shard group is layout.shard consecutive data-parallel ranks (the experts'
+    ones ep apart inside them), tp x that global ranks: inside a node while that fits one; the replicas and ZeRO-0's
+    group span all of dp."""
+    if ranks <= 1 or params <= 0:
+        return 0.0, 0.0
+    stage, param_bytes = layout.parallel.stage, PRECISION_BYTES[layout.precision].param
+
+    def gbps(dp_ranks: int) -> float:  # a group spanning `dp_ranks` consecutive data-parallel ranks
+        return hardware.inter_node_gbps if layout.tp * dp_ranks > layout.devices_per_node else \
+            hardware.intra_node_gbps
+
+    if stage == 0:
+        return _ring_seconds(GRAD_BYTES * params, ranks, gbps(layout.dp), all_reduce=True), 0.0
+    shard = max(1, min(shard, ranks))
+    in_group = gbps(layout.shard)
+    reduce = (_ring_seconds(GRAD_BYTES * params, shard, in_group, all_reduce=False)
+              + _ring_seconds(GRAD_BYTES * params / shard, ranks // shard, gbps(layout.dp), all_reduce=True))
+    gather = _ring_seconds(param_bytes * params, shard, in_group, all_reduce=False)
+    if stage == 3:
+        gathers = 2 * layout.num_micro_batches * gather
+        return reduce + gathers, gathers
+    return reduce + gather, 0.0

@@ -2,11 +2,13 @@
 # host memory, and each holds only its own shard of the model there (the runtime builds the model on the meta
 # device and materializes each rank's own slices: docs/runtime.md). Per worker:
 #   shard state   the rank's weights, gradients, optimizer moments (+ fp32 master weights where the precision keeps
-#                 them; ZeRO-1 divides the optimizer's by dp) and RoPE tables, as memory.py counts them for the
+#                 them; ZeRO-1/2/3 divide them by the shard group as memory.py says, ZeRO-3's two gathered units
+#                 included) and RoPE tables, as memory.py counts them for the
 #                 device: that is what start-up materializes on the host before moving it to the device, and on
 #                 CPU it stays there for the whole run, with the activations beside it (`working`)
 #   staging       the async checkpoint's host memory beside the state, for a rank that saves both weights and
-#                 moments (data-parallel rank 0; without ZeRO-1 only it saves the moments): the ring the save
+#                 moments (data-parallel rank 0; without ZeRO-1 only it saves the moments; under ZeRO-3 each rank
+#                 its own weight range, not the gathered units): the ring the save
 #                 streams the state through, 1/4 of what the rank saves (at most 2 GiB) on an accelerator and 1/16
 #                 (at most 256 MiB) on CPU, which writes the state in place (runtime/schema/facts.py
 #                 checkpoint_staging_bytes, the rule the runtime sizes it by)
@@ -120,16 +122,17 @@ def host_memory(shape: ModelShape, layout: Layout, hardware: Hardware, kernels: 
     stages = pipeline_stages(shape, layout, kernels, lora=lora)
     # On CPU the device estimate is host memory: its peak stage; elsewhere the stage with the most state.
     held: StageMemory = max(stages, key=lambda s: s.total if on_cpu else s.static)
+    saved = held.weights - held.gathered + held.optimizer  # what the rank's checkpoint holds
     return HostMemory(
         workers=layout.devices_per_node,
         stage=held.stage,
         shard_state=held.static,
-        staging=0.0 if lora else checkpoint_staging_bytes(held.weights + held.optimizer, state_on_host=on_cpu),
+        staging=0.0 if lora else checkpoint_staging_bytes(saved, state_on_host=on_cpu),
         data_loader=data_loader_bytes(shape, layout),
         process=PROCESS_OVERHEAD_BYTES,
         working=held.total - held.static if on_cpu else 0.0,
         node_memory_bytes=hardware.node_memory_bytes,
         node=hardware.node,
-        peer=(PEER_STORE_COPIES + 1) * (held.weights + held.optimizer) if peer_every else 0.0,
+        peer=(PEER_STORE_COPIES + 1) * saved if peer_every else 0.0,
         peer_every=peer_every,
     )

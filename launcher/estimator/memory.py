@@ -1,10 +1,18 @@
 # Memory per device for a training config, as pure arithmetic over the model shape and the parallel layout.
 #
 # The accounting follows what runtime/ actually holds, so it can be checked against a measurement on CPU:
-#   weights      param dtype (fp32, or bf16 for bf16SR / mixed_precision*), every parameter of this device's stage
-#   gradients    fp32 always: data parallelism accumulates micro-batch gradients in an fp32 buffer; under ZeRO-2
-#                the rank's 1/dp shard of them (the full buffers exist only through backward: not counted)
-#   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by dp under ZeRO-1/2
+#   weights      param dtype (fp32, or bf16 for bf16SR / mixed_precision*), every parameter of this device's stage;
+#                under ZeRO-3 the rank's 1/S shard of them plus two gathered units (the one computing and the one
+#                prefetched: 2 x the largest unit, shapes.largest_unit_parameters), LoRA's frozen bases whole
+#   gradients    fp32 always: data parallelism accumulates micro-batch gradients in an fp32 buffer; under ZeRO-2/3
+#                the rank's 1/S shard of them when a step is one micro-batch (the full buffers then exist only
+#                through backward, bucket by bucket: not counted). With gradient accumulation the full buffers
+#                stay from the first micro-batch's backward to the last one's reduce-scatter (runtime/parallel/
+#                data_parallel.py, Megatron's choice: ZeRO-1's sums bit for bit), so they are counted whole.
+#   optimizer    Adam's two fp32 moments (+ fp32 master weights under mixed_precision*), divided by S under ZeRO-1/2/3
+# S is the shard group: all of dp, or model.data_parallel_shard_degree ranks of it (hybrid sharding: the state
+# sharded within each group, replicated across the dp / S groups); the experts' over their expert-data-parallel
+# ranks inside the group (Layout.shard, Layout.expert_shard). One shard group (S = 1) holds what ZeRO-0 does.
 #   activations  what autograd keeps per transformer layer and micro-batch (Korthikanti et al. 2022, "Reducing
 #                Activation Recomputation in Large Transformer Models"), times the micro-batches in flight
 #   logits/loss  the output layer's (b, s, V/tp) logits and the cross entropy's fp32 working set, on the last stage
@@ -41,8 +49,9 @@ import math
 
 import dataclasses
 
-from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, layer_parameters, rank_layers,
-                                       stage_expert_parameters, stage_moe_layers, stage_parameters, stage_rank)
+from launcher.estimator.shapes import (Layout, ModelShape, kv_heads_per_rank, largest_unit_parameters,
+                                       layer_parameters, rank_layers, stage_expert_parameters, stage_moe_layers,
+                                       stage_parameters, stage_rank)
 from runtime.schema.sizes import arithmetic_of
 from runtime.schema.facts import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, PRECISION_POLICIES, PrecisionPolicy
 
@@ -85,6 +94,8 @@ class StageMemory:
     backward: float              # one layer's backward: its gradients, and under full recompute its activations
     in_flight: float             # micro-batches whose activations this stage holds at once
     expert_parameters: int = 0   # of `parameters`, the experts' (ZeRO-1 shards their state over dp / ep ranks)
+    gathered: float = 0.0        # of `weights`, ZeRO-3's gathered units in flight (two of the largest)
+    full_weights: float = 0.0    # every parameter of the stage at the param dtype (ZeRO-3 holds `weights` of it)
 
     @property
     def static(self) -> float:
@@ -340,10 +351,6 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     bytes_ = PRECISION_BYTES[layout.precision]
     params = stage_parameters(shape, layout, first=first, last=last, rank=rank)
     experts = stage_expert_parameters(shape, layout, first=first, rank=rank)
-    stage = layout.parallel.stage  # model.zero_stage, or zero1 as stage 1
-    dense_sharding, expert_sharding = (layout.dp, layout.edp) if stage >= 1 else (1, 1)
-    # ZeRO-2: each rank keeps its shard of the gradients too (the full buffers live only through backward).
-    grad_dense, grad_expert = (dense_sharding, expert_sharding) if stage == 2 else (1, 1)
     layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
     buffers = 0.0
     # fp32 cos and sin tables: one RoPE module serves every layer of the model (runtime/families/llama/model.py; a
@@ -369,12 +376,11 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
                    + (layer_activation_bytes(shape, rebuilt, kernels, moe=moe) if layout.recompute == "full" else 0)
                    for moe in kinds)
     name = "only" if first and last else "first" if first else "last" if last else f"rank {rank}"
+    unit = largest_unit_parameters(shape, layout, first=first, last=last, rank=rank)
     return StageMemory(
         stage=name,
         parameters=params,
-        weights=params * bytes_.param,
-        gradients=GRAD_BYTES * ((params - experts) / grad_dense + experts / grad_expert),
-        optimizer=(MOMENT_BYTES + bytes_.master) * ((params - experts) / dense_sharding + experts / expert_sharding),
+        **sharded_state(layout, params, experts, unit),
         buffers=buffers,
         activations=activations,
         logits=loss_bytes(shape, layout) if last else 0.0,
@@ -384,10 +390,32 @@ def stage_memory(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
     )
 
 
+def sharded_state(layout: Layout, params: int, experts: int, unit: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of a device holding `params` parameters (`experts` of them the
+    experts') at the layout's ZeRO stage: stage >= 1 divides the optimizer state by the shard group (S: dp, or
+    model.data_parallel_shard_degree), >= 2 the gradients too (one micro-batch a step: accumulation keeps them whole,
+    see the header), 3 the weights too, plus two gathered units of `unit` parameters each (the one computing and the
+    next, prefetched). Experts' state divides by their own shard group."""
+    bytes_ = PRECISION_BYTES[layout.precision]
+    stage = layout.parallel.stage  # model.zero_stage, or zero1 as stage 1
+    grads_from = 2 if layout.num_micro_batches <= 1 else 4  # 4: no stage shards accumulating gradients
+
+    def per_rank(at_stage: int) -> float:  # parameters' worth this rank holds of a term sharded from `at_stage` on
+        if stage < at_stage:
+            return float(params)
+        return (params - experts) / layout.shard + experts / layout.expert_shard
+
+    gathered = 2.0 * unit * bytes_.param if stage == 3 and max(layout.shard, layout.expert_shard) > 1 else 0.0
+    return {"weights": per_rank(3) * bytes_.param + gathered, "gradients": GRAD_BYTES * per_rank(grads_from),
+            "optimizer": (MOMENT_BYTES + bytes_.master) * per_rank(1), "gathered": gathered,
+            "full_weights": float(params * bytes_.param)}
+
+
 def frozen_weights(stage: StageMemory) -> StageMemory:
-    """A stage under LoRA (model.peft): the frozen weights keep no gradients and no optimizer state; the adapters'
-    (rank x (in + out) per adapted projection, a few MiB) are left out."""
-    return dataclasses.replace(stage, gradients=0.0, optimizer=0.0)
+    """A stage under LoRA (model.peft): the frozen weights keep no gradients and no optimizer state, and stay whole
+    under ZeRO-3 (they have no bucket to shard); the adapters' (rank x (in + out) per adapted projection, a few MiB)
+    are left out."""
+    return dataclasses.replace(stage, weights=stage.full_weights, gathered=0.0, gradients=0.0, optimizer=0.0)
 
 
 def pipeline_stages(shape: ModelShape, layout: Layout, kernels: Kernels = Kernels(), *,

@@ -55,7 +55,8 @@ class Layout:
     cp: int = 1                  # context-parallel size: sequences split over cp consecutive dp ranks (ring)
     ulysses: int = 1             # Ulysses size: the same split, with head-split attention (one of cp, ulysses is 1)
     pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
-    zero_stage: int | None = None  # model.zero_stage (2: gradients sharded too); None: 1 if zero1 else 0
+    zero_stage: int | None = None  # model.zero_stage (2: gradients, 3: parameters sharded too); None: zero1 as 0/1
+    shard_degree: int | None = None  # model.data_parallel_shard_degree (hybrid sharding); None: all of dp
 
     @property
     def world_size(self) -> int:
@@ -84,6 +85,18 @@ class Layout:
         """Expert-data-parallel size: the data-parallel ranks holding the same experts (whose expert gradients
         are reduced together, and over which ZeRO-1 shards the experts' optimizer state)."""
         return self.dims.edp
+
+    @property
+    def shard(self) -> int:
+        """The ranks ZeRO shards over (stages 1 to 3): groups of model.data_parallel_shard_degree consecutive
+        data-parallel ranks (hybrid sharding: replicated across the dp / shard groups), all of dp when null."""
+        return max(1, min(self.shard_degree or self.dp, self.dp))
+
+    @property
+    def expert_shard(self) -> int:
+        """The ranks the experts' state is sharded over: the expert-data-parallel ranks (ep apart) inside one
+        shard group, edp x shard / dp of them (all of edp when the shard group is all of dp)."""
+        return max(1, self.edp * self.shard // self.dp)
 
     @property
     def context(self) -> int:
@@ -211,7 +224,17 @@ def layout_from_training(sizing: SizingConfig, trainer: TrainerConfig) -> Layout
         ulysses=parallel.ulysses,
         pipeline_cuts=parallel.pipeline_cuts,
         zero_stage=parallel.zero_stage,
+        shard_degree=shard_degree_of(sizing),
     )
+
+
+def shard_degree_of(sizing: SizingConfig) -> int | None:
+    """model.data_parallel_shard_degree (hybrid sharding), as the schema types it where it does, else the key as
+    written (an integer, or null for all of dp). Anything else is left to the schema's rules, which name the key."""
+    value = getattr(sizing.parallel, "data_parallel_shard_degree", None)
+    if value is None:
+        value = sizing.model.get("data_parallel_shard_degree")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 # ---- parameter counts ---------------------------------------------------------------------------------------
@@ -324,3 +347,22 @@ def stage_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bo
         if not shape.tied_embeddings or not first:
             params += shape.vocab_size // t * h
     return params
+
+
+def largest_unit_parameters(shape: ModelShape, layout: Layout, *, first: bool, last: bool,
+                            rank: int | None = None) -> int:
+    """Parameters of the largest unit ZeRO-3 gathers whole on one device of a pipeline stage
+    (runtime/parallel/zero3.py find_units): a transformer block (an MoE block with its E / ep experts), or one of
+    the modules outside the blocks, the embedding (with learned positions) on the first stage, the output head on
+    the last (a tied head is the embedding's own buffer where both are on one stage). A tp-th of each, as held."""
+    h, t = shape.hidden_size, layout.tp
+    moe_layers = stage_moe_layers(shape, layout, first=first, rank=rank)
+    layers = len(rank_layers(shape, layout, stage_rank(layout, first, rank)))
+    units = [layer_parameters(shape, t)] if layers > moe_layers else []
+    if moe_layers:
+        units.append(layer_parameters(shape, t, moe=True, ep=layout.ep))
+    if first:
+        units.append(shape.vocab_size // t * h + (shape.max_position_embeddings * h if shape.learned_positions else 0))
+    if last and (not shape.tied_embeddings or not first):
+        units.append(shape.vocab_size // t * h)
+    return max(units, default=0)

@@ -157,7 +157,7 @@ def test_zero_stage_is_a_search_axis():
     assert search.Candidate(1, 1, None, 1, None, False, 0).settings()["model.zero1"] is False
     assert both[1].tag == "tp1_pp1_mbs1_norecompute_zero2" and both[0].tag == "tp1_pp1_mbs1_norecompute"
     assert "++training.model.zero_stage=2" in driver.layout_overrides(both[1])
-    for bad, message in [({"zero_stage": [3]}, "search_config.search.zero_stage: 3 is not a ZeRO stage"),
+    for bad, message in [({"zero_stage": [4]}, "search_config.search.zero_stage: 4 is not a ZeRO stage"),
                          ({"zero_stage": [1], "zero1": True}, "search_config.search.zero1: set it or"),
                          ({"zero1": 2}, "search_config.search.zero1: 2 must be true, false or auto")]:
         with pytest.raises(UserError, match=message):
@@ -166,8 +166,9 @@ def test_zero_stage_is_a_search_axis():
 
 def test_zero2_is_ranked_by_the_estimate_with_gradients_sharded():
     """Stages 1 and 2 of the same layout at dp 8: both launchable, ZeRO-2's estimate holds less (its gradients at
-    1/dp), and a recipe without model.zero_stage takes the candidate's override."""
+    1/dp: one micro-batch a step), and a recipe without model.zero_stage takes the candidate's override."""
     base = _tiny_base(num_nodes=4, devices=2)
+    base["model"]["global_batch_size"] = 8
     candidates = search.grid({"tensor_parallel_sizes": [1], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
                               "activations_checkpoint": [None], "zero_stage": [1, 2]},
                              nodes=4, devices_per_node=2, num_layers=4, zero_stage_default=0)
@@ -177,6 +178,43 @@ def test_zero2_is_ranked_by_the_estimate_with_gradients_sharded():
     assert by_stage[2].estimate.memory.total < by_stage[1].estimate.memory.total
     composed = resolved("training=llama3_1/8b", *driver.layout_overrides(candidates[1]))["training"]["model"]
     assert (composed["zero_stage"], composed["zero1"]) == (2, True)
+
+
+def test_zero3_and_the_shard_group_are_search_axes():
+    """Stage 3 joins the stages; a list of shard degrees multiplies the stages from 1 (stage 0 shards nothing),
+    null keeping the recipe's; a shard degree is written with ++ (not every recipe names it) and named in the tag."""
+    axes = {"tensor_parallel_sizes": [1], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
+            "activations_checkpoint": [None], "zero_stage": [0, 3], "data_parallel_shard_degree": [None, 2]}
+    grid = search.grid(axes, nodes=4, devices_per_node=2, num_layers=4, zero_stage_default=1)
+    assert [(c.zero_stage, c.shard_degree) for c in grid] == [(0, None), (3, None), (3, 2)]
+    assert [c.tag for c in grid] == ["tp1_pp1_mbs1_norecompute", "tp1_pp1_mbs1_norecompute_zero3",
+                                     "tp1_pp1_mbs1_norecompute_zero3_shard2"]
+    assert "model.data_parallel_shard_degree" not in grid[1].settings()
+    assert "++training.model.data_parallel_shard_degree=2" in driver.layout_overrides(grid[2])
+    assert "++training.model.zero_stage=3" in driver.layout_overrides(grid[2])
+    with pytest.raises(UserError, match="search_config.search.data_parallel_shard_degree: 0 is not a shard group"):
+        search.grid({**axes, "data_parallel_shard_degree": [0]}, nodes=4, devices_per_node=2, num_layers=4,
+                    zero_stage_default=1)
+
+
+def test_only_zero3_fits_a_model_whose_weights_fill_the_device():
+    """Llama 3.1 8B on two trn1 nodes at tp 1 (dp 64, 16 GiB NeuronCores): its bf16 weights alone (15 GiB) leave no
+    room at ZeRO-1 or 2; ZeRO-3 holds 1/64 of them and two gathered units (the 128k embedding, twice).
+    Gradients sharded needs one micro-batch a step (memory.py); with accumulation none of the three fits."""
+    base = resolved("training=llama3_1/8b")["training"]
+    base["trainer"].update(num_nodes=2, devices=32)
+    base["model"]["global_batch_size"] = 64  # one micro-batch a step: accumulation would keep fp32 gradients whole
+    candidates = search.grid({"tensor_parallel_sizes": [1], "pipeline_parallel_sizes": [1], "micro_batch_sizes": [1],
+                              "activations_checkpoint": ["full"], "zero_stage": [1, 2, 3]},
+                             nodes=2, devices_per_node=32, num_layers=32, zero_stage_default=1)
+    ranked = search.rank(base, candidates, device="trn1", mfu=None, vocab_size=None, cluster=parse_cluster({}),
+                         local=False)
+    assert [(r.candidate.zero_stage, r.rejected is None) for r in ranked] == [(3, True), (1, False), (2, False)]
+    best = ranked[0].estimate
+    params = best.memory.parameters
+    assert params == 8_030_261_248 and best.memory.gathered == 2 * 2 * 128256 * 4096
+    assert best.memory.weights == pytest.approx(2 * params / 64 + best.memory.gathered)
+    assert best.step.param_gather_s > 0 and ranked[2].estimate.memory.weights == 2 * params
 
 
 @pytest.mark.parametrize("state, detail, log, reason", [

@@ -69,11 +69,15 @@ def test_zero1_shards_only_the_optimizer_state():
 
 
 def test_zero2_shards_the_gradients_too():
-    zero1 = peak_memory(LLAMA3_70B, layout(num_nodes=32, tp=8, pp=8, zero1=True))    # dp = 4
-    zero2 = peak_memory(LLAMA3_70B, layout(num_nodes=32, tp=8, pp=8, zero1=True, zero_stage=2))
+    """Where a step is one micro-batch: with accumulation the full buffers stay through the step (memory.py)."""
+    one = layout(num_nodes=32, tp=8, pp=8, zero1=True, global_batch_size=4)           # dp = 4, one micro-batch
+    zero1 = peak_memory(LLAMA3_70B, one)
+    zero2 = peak_memory(LLAMA3_70B, dataclasses.replace(one, zero_stage=2))
     assert zero2.gradients == pytest.approx(zero1.gradients / 4) and zero2.optimizer == zero1.optimizer
     assert zero2.weights == zero1.weights
-    moe = layout(num_nodes=4, tp=1, pp=1, ep=4, zero1=True)                          # dp 32, edp 8
+    accumulating = peak_memory(LLAMA3_70B, dataclasses.replace(one, zero_stage=2, global_batch_size=64))
+    assert accumulating.gradients == 4 * accumulating.parameters  # the peak stage's, whole
+    moe = layout(num_nodes=4, tp=1, pp=1, ep=4, zero1=True, global_batch_size=32)   # dp 32, edp 8
     moe_zero1, moe_zero2 = (peak_memory(MIXTRAL_8X7B, dataclasses.replace(moe, zero_stage=s)) for s in (1, 2))
     assert moe_zero1.gradients == 4 * moe_zero1.parameters
     # dense gradients over dp, experts' over the expert-data-parallel group
