@@ -71,7 +71,9 @@ def stage_memory_fit(section: dict[str, Any], stage: str, cluster: Cluster, *, l
     if memory.static > usable:
         # LoRA's frozen weights keep no gradients or optimizer state (zero1 would shard nothing).
         state, zero1 = (("weights (frozen under LoRA)", "") if memory.optimizer == 0 else
-                        ("weights, gradients and optimizer state", ", or set zero1=true"))
+                        ("weights, gradients and optimizer state",
+                         ", or shard them over data parallelism: zero_stage=1 (optimizer state), 2 (and gradients) "
+                         "or 3 (and weights)"))
         errors.append(f"{stage}.model: {state} need {memory.static / gib:.1f} GiB per device by the estimator, more "
                       f"than {where}; raise tensor_model_parallel_size or pipeline_model_parallel_size{zero1} "
                       f"{fixes}")

@@ -118,9 +118,11 @@ def memory_table(result):
 
     shape, layout, hw, mem = result.shape, result.layout, result.hardware, result.memory
     bytes_ = PRECISION_BYTES[layout.precision]
-    sharded = f", ÷ dp {layout.dp} (ZeRO-1)" if layout.zero1 and layout.dp > 1 else ""
+    stage = layout.zero_stage if layout.zero_stage is not None else int(bool(layout.zero1))
+    group = f"shard group {layout.shard} of dp {layout.dp}" if layout.shard < layout.dp else f"dp {layout.dp}"
+    sharded = f", ÷ {group} (ZeRO-{stage})" if stage and layout.shard > 1 else ""
     if sharded and shape.moe is not None and layout.ep > 1:  # experts' state: over the ranks holding those experts
-        sharded = f", ÷ dp {layout.dp}, experts' ÷ dp/ep {layout.edp} (ZeRO-1)"
+        sharded = f", ÷ {group}, experts' ÷ {layout.expert_shard} (ZeRO-{stage})"
     recompute = layout.recompute or "no"
     if layout.recompute == "selective":
         recompute += " (" + ", ".join(layout.recompute_modules) + ")"

@@ -221,7 +221,7 @@ def test_estimate_command_shows_the_expert_layout():
     out = " ".join(result.stdout.split())
     assert "tp 2 · pp 4 (virtual 8) · dp 8 · ep 4" in out
     assert "weights (bf16, 2 of 8 experts (ep 4))" in out
-    assert "÷ dp 8, experts' ÷ dp/ep 2 (ZeRO-1)" in out
+    assert "÷ dp 8, experts' ÷ 2 (ZeRO-1)" in out
     assert "+ ep all-to-all" in out
 
 

@@ -313,7 +313,8 @@ DEVICE_MEMORY = [
     ("fine_tuning", "llama3/70b", "pipeline_model_parallel_size=1",
      "fine_tuning.model: weights, gradients and optimizer state need 16.3 GiB per device by the estimator, more than "
      "the 13.9 GiB usable on trn1.32xlarge NeuronCore-v2; raise tensor_model_parallel_size or "
-     "pipeline_model_parallel_size, or set zero1=true"),
+     "pipeline_model_parallel_size, or shard them over data parallelism: zero_stage=1 (optimizer state), 2 (and "
+     "gradients) or 3 (and weights)"),
     ("peft", "llama3/70b", "pipeline_model_parallel_size=1",
      "peft.model: weights (frozen under LoRA) need 16.4 GiB per device by the estimator"),
     ("alignment", "llama3/8b", "tensor_model_parallel_size=2",
