@@ -32,6 +32,19 @@ PRECISIONS = {"fp32": "float32", "mixed_precision": "bfloat16", "autocast": "bfl
 OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 DECAY = {"CosineAnnealing": "cosine", "LinearAnnealing": "linear", "Constant": "linear"}
 USE_NXDT = "or set training.runtime=nxdt"
+UNKNOWN_SHAPE = ("training.model: the model's shape is not known here (model.model_config's config.json is not on "
+                 "this machine), so the torchtitan job cannot be generated; give its path")
+
+
+# What our llama architecture can hold and neither torchtitan family has, read from the typed model (a config.json
+# sets these as well as the YAML): the key, and whether the model asks for it.
+_MODEL_EXTRAS = (("moe", lambda m: m.moe is not None), ("rope_scaling", lambda m: m.rope_scaling is not None),
+                 ("add_qkv_bias", lambda m: m.add_qkv_bias),
+                 ("latent_attention", lambda m: m.latent_attention is not None),
+                 ("sliding_window", lambda m: m.sliding_window is not None or m.layer_types is not None),
+                 ("softmax_scale", lambda m: m.softmax_scale is not None),
+                 *((key, lambda m, key=key: getattr(m, key) > 0)
+                   for key in ("hidden_dropout", "attention_dropout", "ffn_dropout")))
 
 
 def family(model: ModelConfig) -> tuple[str | None, str]:
@@ -40,12 +53,28 @@ def family(model: ModelConfig) -> tuple[str | None, str]:
         return None, (f"training.model.architecture: {model.architecture} has no torchtitan counterpart here; the "
                       f"families both runtimes share are {' and '.join(FAMILIES)} (architecture llama at Llama 3 or "
                       f"Qwen3 shapes): choose such a recipe (training=llama3/8b, qwen3/...) {USE_NXDT}")
+    for key, asks in _MODEL_EXTRAS:
+        if asks(model):
+            value = getattr(model, key)
+            shown = value if isinstance(value, (bool, int, float)) else "set (by the YAML or config.json)"
+            return None, f"training.model.{key}: {shown}; {KEYS['model.' + key].why}"
     if model.qk_layernorm:
         return "qwen3", ""
     if model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
         return None, (f"training.model.kv_channels: {model.kv_channels} without qk_layernorm is neither Llama 3 "
                       f"(heads of hidden_size / num_attention_heads) nor Qwen3; unset it {USE_NXDT}")
     return "llama3", ""
+
+
+def once_per_key(lines: list[str]) -> list[str]:
+    """The first line about each key (a key set in the YAML is named by its value and by the model it makes)."""
+    seen, kept = set(), []
+    for line in lines:
+        key = line.split(":", 1)[0]
+        if key not in seen:
+            seen.add(key)
+            kept.append(line)
+    return kept
 
 
 def data_parallel(config: TrainingConfig) -> dict[str, int]:
@@ -236,9 +265,8 @@ def problems(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
     if config is not None:
         errors += value_problems(config)
     elif not parse_errors:
-        errors.append("training.model: the model's shape is not known here (model.model_config's config.json is "
-                      "not on this machine), so the torchtitan job cannot be generated; give its path")
-    return errors, named
+        errors.append(UNKNOWN_SHAPE)
+    return once_per_key(errors), named
 
 
 def module_text(section: dict[str, Any]) -> str:
@@ -249,3 +277,42 @@ def module_text(section: dict[str, Any]) -> str:
     config, vocab_known, errors = typed_config(section)
     assert config is not None, f"validated before any file is written: {errors}"
     return render_module(context(config, vocab_known=vocab_known))
+
+
+def _at(ctx: dict[str, Any] | None, dotted: str) -> Any:
+    node: Any = ctx
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def explain(section: dict[str, Any]) -> tuple[list[tuple[str, Any, str]], list[str], list[str]]:
+    """(rows, refused, named) of a training stage config, key by key: what each becomes in the torchtitan job
+    (the context's key and value), or its fate and why (launcher/titan_keys.py); refused holds one line per key or
+    value the job cannot take, named the keys set to what has no effect there. explain-config --runtime torchtitan
+    prints it; a launch checks the same (problems)."""
+    from launcher.nxdt_keys import flatten
+
+    flat = flatten(section)
+    refused, named_line = key_problems(flat)
+    config, vocab_known, errors = typed_config(section)
+    ctx = context(config, vocab_known=vocab_known) if config is not None and not family(config.model)[1] else None
+    refused = once_per_key(refused + (value_problems(config) if config is not None else errors or [UNKNOWN_SHAPE]))
+    rows = []
+    for key, value in flat.items():
+        entry = key_of(key)
+        if entry is None:
+            text = "refused: no torchtitan counterpart" if asks_for_more(entry, value) else "unused (empty)"
+        elif entry.fate == "maps":
+            shown = _at(ctx, entry.titan) if entry.titan else None
+            text = f"{entry.titan}" + (f" = {shown!r}" if shown is not None and not isinstance(shown, dict) else "")
+            text += f" ({entry.why})" if entry.why else ""
+        elif entry.fate in ("named", "refused") and not asks_for_more(entry, value):
+            text = f"{entry.fate} if set; at its default here: {entry.why}"
+        else:
+            text = f"{entry.fate}: {entry.why}"
+        rows.append((f"training.{key}", value, text))
+    named = [key for key, value in flat.items() if (e := key_of(key)) is not None and e.fate == "named"
+             and asks_for_more(e, value)]
+    assert bool(named) == bool(named_line)
+    return rows, refused, named
