@@ -336,7 +336,7 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
-        if titan.runs_torchtitan(job.stage_config) and job.stage == "training":  # its program (contract 2)
+        if job.stage == "training" and stages.runs_torchtitan(job.stage_config):  # its program (contract 2)
             put(stages.titan_module_path(job), titan.module_text(job.stage_config))
         if job.config_dir is not None and plan.remote is None:
             # <stage>_config.yaml: the newest launch's config, where a user (and NeMo-Launcher's habit) looks for it.

@@ -57,7 +57,7 @@ def job_python_is_ours(cfg: LaunchConfig) -> bool:
 
 def needed(cfg: LaunchConfig) -> list[tuple[str, str, str]]:
     """(module, the key or stage that needs it, how to get it) for every stage this launch runs."""
-    from launcher.titan import runs_torchtitan
+    from launcher.stages import runs_torchtitan
 
     wants: list[tuple[str, str, str]] = []
     titan = "training" in cfg.stages and "training" in cfg.sections and \

@@ -70,19 +70,25 @@ def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
 def training(cfg: LaunchConfig) -> Job:
     """Our trainer, or with training.runtime=torchtitan torchtitan's on the module the launch writes beside the stage
     config (launcher/titan.py): the same job otherwise, run by the same scripts."""
-    from launcher.titan import runs_torchtitan
-
     job = _trainer_job(cfg, "training")
     if not runs_torchtitan(job.stage_config):
         return job
     return dataclasses.replace(job, program=("-m", TITAN_PROGRAM, "--job", str(titan_module_path(job))))
 
 
-def titan_module_path(job: Job) -> Path:
-    """Where a torchtitan job's generated module lies: beside its stage config (contract 2)."""
-    from launcher.titan import MODULE_NAME
+# The generated module of a torchtitan job (launcher/titan.py), written beside the stage config (contract 2).
+TITAN_MODULE = "training_titan_job.py"
 
-    return job.config_path.with_name(MODULE_NAME)
+
+def runs_torchtitan(stage_config: dict) -> bool:
+    """training.runtime=torchtitan, as the schema reads it."""
+    from runtime.schema.training import parse_runtime
+
+    return parse_runtime(stage_config)[0] == "torchtitan"
+
+
+def titan_module_path(job: Job) -> Path:
+    return job.config_path.with_name(TITAN_MODULE)
 
 
 def fine_tuning(cfg: LaunchConfig) -> Job:

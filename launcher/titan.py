@@ -21,13 +21,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from launcher.config import LaunchConfig
+from launcher.config import LaunchConfig, stage_inputs
+from launcher.stages import runs_torchtitan
 from launcher.titan_keys import KEYS, asks_for_more, key_of
+from runtime.schema.families import TORCHTITAN_MODELS, torchtitan_model
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import TrainingConfig
 
-FAMILIES = ("llama3", "qwen3")
-MODULE_NAME = "training_titan_job.py"  # beside the stage config in the launch directory (contract 2)
+FAMILIES = tuple(TORCHTITAN_MODELS.values())
 PRECISIONS = {"fp32": "float32", "mixed_precision": "bfloat16", "autocast": "bfloat16"}
 OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 DECAY = {"CosineAnnealing": "cosine", "LinearAnnealing": "linear", "Constant": "linear"}
@@ -48,22 +49,22 @@ _MODEL_EXTRAS = (("moe", lambda m: m.moe is not None), ("rope_scaling", lambda m
 
 
 def family(model: ModelConfig) -> tuple[str | None, str]:
-    """(llama3 | qwen3 | None, why not): torchtitan 0.3's Llama 3 and dense Qwen3 at our model's shape."""
-    if model.architecture != "llama":
-        return None, (f"training.model.architecture: {model.architecture} has no torchtitan counterpart here; the "
-                      f"families both runtimes share are {' and '.join(FAMILIES)} (architecture llama at Llama 3 or "
-                      f"Qwen3 shapes): choose such a recipe (training=llama3/8b, qwen3/...) {USE_NXDT}")
+    """(torchtitan's model, or None and why not): torchtitan 0.3's Llama 3 and dense Qwen3 at our model's shape (the
+    registry's TORCHTITAN_MODELS), without what neither has (_MODEL_EXTRAS)."""
     for key, asks in _MODEL_EXTRAS:
         if asks(model):
             value = getattr(model, key)
             shown = value if isinstance(value, (bool, int, float)) else "set (by the YAML or config.json)"
             return None, f"training.model.{key}: {shown}; {KEYS['model.' + key].why}"
-    if model.qk_layernorm:
-        return "qwen3", ""
-    if model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
-        return None, (f"training.model.kv_channels: {model.kv_channels} without qk_layernorm is neither Llama 3 "
-                      f"(heads of hidden_size / num_attention_heads) nor Qwen3; unset it {USE_NXDT}")
-    return "llama3", ""
+    name = torchtitan_model(model)
+    if name is None:
+        return None, (f"training.model.architecture: {model.architecture} has no torchtitan counterpart here; the "
+                      f"families both runtimes share are {' and '.join(FAMILIES)} (Llama 3 and dense Qwen3 shapes): "
+                      f"choose such a recipe (training=llama3/8b, training=qwen3/8b) {USE_NXDT}")
+    if not model.qk_layernorm and model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
+        return None, (f"training.model.kv_channels: {model.kv_channels} without qk_layernorm: torchtitan's Llama 3 "
+                      f"heads are hidden_size / num_attention_heads; unset it {USE_NXDT}")
+    return name, ""
 
 
 def once_per_key(lines: list[str]) -> list[str]:
@@ -87,8 +88,8 @@ def data_parallel(config: TrainingConfig) -> dict[str, int]:
     return {"data_parallel_replicate_degree": dp // shard, "data_parallel_shard_degree": shard}
 
 
-def _model(model: ModelConfig, name: str, vocab_known: bool) -> dict[str, Any]:
-    qwen3 = name == "qwen3"
+def _model(model: ModelConfig, vocab_known: bool) -> dict[str, Any]:
+    qk_norm = model.qk_layernorm  # Qwen3's: its own head size, q/k norms
     return {
         "dim": model.hidden_size, "n_layers": model.num_layers, "n_heads": model.num_attention_heads,
         "n_kv_heads": model.kv_heads, "hidden_dim": model.ffn_hidden_size,
@@ -97,7 +98,7 @@ def _model(model: ModelConfig, name: str, vocab_known: bool) -> dict[str, Any]:
         "vocab_size": model.vocab_size if vocab_known else None,
         "rope_theta": model.rotary_base, "norm_eps": model.layernorm_epsilon,
         "max_seq_len": model.max_position_embeddings,
-        "head_dim": model.head_dim if qwen3 else None, "qk_norm": True if qwen3 else None,
+        "head_dim": model.head_dim if qk_norm else None, "qk_norm": True if qk_norm else None,
         "tie_embeddings": model.share_embeddings_and_output_weights,
     }
 
@@ -137,7 +138,7 @@ def context(config: TrainingConfig, *, vocab_known: bool = True) -> dict[str, An
     ft = config.fault_tolerance
     return {
         "family": name,
-        "model": _model(config.model, name, vocab_known),
+        "model": _model(config.model, vocab_known),
         "parallelism": {
             **dp, "tensor_parallel_degree": layout.tp, "pipeline_parallel_degree": layout.pp,
             "pipeline_parallel_schedule": "1F1B" if piped else None,
@@ -228,26 +229,24 @@ def target_problems(cfg: LaunchConfig) -> list[str]:
     return []
 
 
-def runs_torchtitan(section: Any) -> bool:
-    return isinstance(section, dict) and section.get("runtime") == "torchtitan"
-
-
 def typed_config(section: dict[str, Any]) -> tuple[TrainingConfig | None, bool, list[str]]:
     """(the stage's validated config, whether its vocabulary is known here, errors). Without the tokenizer (made by
     this launch's data_preparation, or on a cluster's file system) the vocabulary stands in at a size every layout
     takes, and the context says None for it."""
     from runtime.schema.training import parse_training, tokenizer_vocab
 
-    path = str(((section.get("model") or {}).get("tokenizer") or {}).get("model") or "")
+    inputs = stage_inputs(section)
+    path = str(inputs.tokenizer or "")
     vocab = tokenizer_vocab(path, files="warn")[0] if path and Path(path).is_file() else None
-    stand_in = None
-    if vocab is None:
-        model = section.get("model") or {}
-        divisor = model.get("make_vocab_size_divisible_by") or 128
-        stand_in = math.lcm(int(divisor), int(model.get("tensor_model_parallel_size") or 1))
-    config, report = parse_training(section, files="warn", prepared=True, vocab_size=vocab or stand_in)
-    return config, vocab is not None or (config is not None and config.model.unpadded_vocab_size is not None), \
-        report.errors
+    if vocab is None:  # the least vocabulary every layout takes: one padding multiple, divisible by tp
+        model = inputs.model_without_data
+        sizes = (model.get("make_vocab_size_divisible_by") or 128, model.get("tensor_model_parallel_size") or 1)
+        vocab_tp = tuple(size if isinstance(size, int) and size > 0 else 1 for size in sizes)  # the schema judges
+    config, report = parse_training(section, files="warn", prepared=True,
+                                    vocab_size=vocab or math.lcm(*vocab_tp))
+    # A config.json's vocab_size is the model's whatever the tokenizer (unpadded_vocab_size records it).
+    known = vocab is not None or (config is not None and config.model.unpadded_vocab_size is not None)
+    return config, known, report.errors
 
 
 def problems(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
@@ -270,7 +269,7 @@ def problems(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
 
 
 def module_text(section: dict[str, Any]) -> str:
-    """The generated module's text for the stage config (launch.py writes it as MODULE_NAME in the launch
+    """The generated module's text for the stage config (launch.py writes it as stages.TITAN_MODULE in the launch
     directory). titan_module is imported here, when a torchtitan job is written, and not before."""
     from launcher.titan_module import render_module
 

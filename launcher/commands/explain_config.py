@@ -53,12 +53,13 @@ def titan_explained(file: str, stage: str, overrides: list[str]) -> tuple[list, 
     """(rows, refused, named) of launcher/titan.py explain for the file's training stage as a launch composes it;
     a file of another stage is refused in one line (torchtitan pretrains only)."""
     from launcher import cache, titan
+    from launcher.config import parse
 
     if stage != "training":
         return [], [f"{stage}=@{file}: torchtitan runs the training stage (pretraining) only; this file configures "
                     f"{stage}, which runs on nxdt-launch's own runtime"], []
     cfg, _ = cache.resolved([f"training=@{file}", "stages=[training]", "training.runtime=torchtitan", *overrides])
-    return titan.explain(cfg["training"])
+    return titan.explain(parse(cfg).stage("training").section)
 
 
 def _torchtitan(console, file: str, stage: str, overrides: list[str]) -> None:
