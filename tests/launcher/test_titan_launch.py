@@ -128,3 +128,14 @@ def test_the_key_table_names_every_key_of_the_headline_recipe():
     flat = flatten(resolved("stages=[training]", *HEADLINE)["training"])
     assert [key for key in flat if key_of(key) is None] == []
     assert Path(titan.__file__).name == "titan.py"
+
+
+def test_an_eks_trn2_pod_runs_the_same_program_under_torchneuron():
+    from launcher import k8s
+    from launcher.config import parse
+
+    cfg = resolved(*HEADLINE, "cluster=eks_trn2", "cluster_type=k8s")
+    job = next(j for j in build({**cfg, "stages": ["training"]}) if j.stage == "training")
+    manifest = k8s.manifest(job, parse(cfg), produced_by="test")
+    assert "-m runtime.titan.train --job" in manifest and "NEURON_LOGICAL_NC_CONFIG=2" in manifest
+    assert "neuron_parallel_compile" not in manifest and "XLA_USE_BF16" not in manifest
