@@ -10,9 +10,10 @@ ZeRO-2 shard less than FSDP (optimizer state, gradients); what is trained is the
 
 The learning rate: NeMo's schedule (runtime/optim_schedule.py) warms up over warmup_steps + 1 steps and decays over
 the rest; torchtitan's (torchtitan/components/optimizer/lr_scheduler.py) warms up over its warmup_steps, then holds
-one "virtual" step before its decay. With warmup_steps + 1 the warmups are equal step for step, and the decay runs
-one step behind NeMo's (equal when warmup_steps is 0); NeMo's constant_steps (a final hold at min_lr) has no
-counterpart and is refused.
+one "virtual" step before its decay. With warmup_steps + 1 the warmups are equal step for step, and torchtitan's
+decay starts one step later and ends at the same step: its rate lies between ours at the step and ours a step before
+(equal throughout when warmup_steps is 0; tests/launcher/test_titan_launch.py runs both). NeMo's constant_steps (a
+final hold at min_lr) has no counterpart and is refused.
 """
 
 from __future__ import annotations

@@ -186,7 +186,8 @@ KEYS: dict[str, Key] = {
                                     "Constant: min_lr_factor 1"),
     "model.optim.sched.warmup_steps": _maps("lr_scheduler.warmup_steps", "+1: NeMo's warmup reaches lr at step "
                                             "warmup_steps, torchtitan's one step before its own; its decay then "
-                                            "starts one step later (its 'virtual last step')"),
+                                            "starts a step later (its 'virtual last step') and ends at the same "
+                                            "step"),
     "model.optim.sched.min_lr": _maps("lr_scheduler.min_lr_factor", "min_lr / lr"),
     "model.optim.sched.max_steps": _maps("training.steps", "must equal trainer.max_steps"),
     "model.optim.sched.constant_steps": _refused(

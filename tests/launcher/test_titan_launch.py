@@ -139,3 +139,36 @@ def test_an_eks_trn2_pod_runs_the_same_program_under_torchneuron():
     manifest = k8s.manifest(job, parse(cfg), produced_by="test")
     assert "-m runtime.titan.train --job" in manifest and "NEURON_LOGICAL_NC_CONFIG=2" in manifest
     assert "neuron_parallel_compile" not in manifest and "XLA_USE_BF16" not in manifest
+
+
+@pytest.mark.parametrize("name,warmup,min_lr", [("CosineAnnealing", 0, 1e-4), ("LinearAnnealing", 0, 0.0),
+                                                ("CosineAnnealing", 7, 1e-4), ("LinearAnnealing", 7, 0.0),
+                                                ("Constant", 5, 0.0)])
+def test_the_mapped_schedule_against_torchtitans_own(name, warmup, min_lr):
+    """Our schedule (NeMo's) and torchtitan's LRSchedulersContainer built from the context's lr_scheduler, step by
+    step: the same warmup, the same decay without one, and with one a decay that starts a step later and ends at the
+    same step, so that its rate is never above ours a step before nor below ours at the step."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchtitan")
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    from runtime.optim_schedule import LRSchedule
+
+    lr, steps = 1e-3, 40
+    ours = LRSchedule(name, lr=lr, max_steps=steps, warmup_steps=warmup, min_lr=min_lr)
+    cfg = resolved("stages=[training]", *HEADLINE, f"training.trainer.max_steps={steps}",
+                   f"training.model.optim.sched.name={name}", f"training.model.optim.sched.warmup_steps={warmup}",
+                   f"training.model.optim.sched.min_lr={min_lr}", f"training.model.optim.lr={lr}")
+    config, report = parse_training(cfg["training"], files="skip", vocab_size=LLAMA3_VOCAB)
+    assert config is not None, report.errors
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    theirs = LRSchedulersContainer.Config(**titan.context(config)["lr_scheduler"]).build(
+        optimizers=[optimizer], training_steps=steps)
+    for step in range(steps):
+        rate = theirs.schedulers[0].get_last_lr()[0]  # the rate torchtitan's step `step` uses
+        if step <= warmup or not warmup:
+            assert rate == pytest.approx(ours(step), rel=1e-12, abs=1e-15), step
+        else:
+            assert ours(step) - 1e-15 <= rate <= ours(step - 1) + 1e-15, step
+        optimizer.step()
+        theirs.step()
