@@ -172,3 +172,18 @@ def test_the_mapped_schedule_against_torchtitans_own(name, warmup, min_lr):
             assert ours(step) - 1e-15 <= rate <= ours(step - 1) + 1e-15, step
         optimizer.step()
         theirs.step()
+
+
+def test_a_dry_run_plan_names_what_has_no_effect_in_one_line(tmp_path, recipe_data_dir):
+    """The plan of the headline command (its files are written by launch.write, with launcher/titan_module.py):
+    the job reads its module from the launch's own directory, and the keys that do nothing there are one warning."""
+    from launcher import launch
+
+    plan = launch.make_plan(["stages=[training]", *HEADLINE, f"data_dir={recipe_data_dir}",
+                             f"base_results_dir={tmp_path}/results", "cluster_type=slurm"],
+                            dry_run=True, produced_by="test")
+    (job,) = plan.jobs
+    assert job.program[-1] == str(job.config_path.with_name("training_titan_job.py"))
+    assert "/launches/" in job.program[-1]
+    named = [w for w in plan.warnings if w.startswith("training.runtime=torchtitan: no effect in the torchtitan job")]
+    assert len(named) == 1 and "trainer.val_check_interval" in named[0] and "model.init_method_std" in named[0]
