@@ -94,9 +94,10 @@ def _model(model: ModelConfig, vocab_known: bool) -> dict[str, Any]:
     return {
         "dim": model.hidden_size, "n_layers": model.num_layers, "n_heads": model.num_attention_heads,
         "n_kv_heads": model.kv_heads, "hidden_dim": model.ffn_hidden_size,
-        # The padded vocabulary (make_vocab_size_divisible_by), as our embedding has it; None where the tokenizer is
-        # not here yet (made by this launch's data_preparation): the job reads it then.
-        "vocab_size": model.vocab_size if vocab_known else None,
+        # Our embedding's rows but the ones we pad a source model with (a config.json's vocab_size is torchtitan's:
+        # it pads nothing), as checkpoint conversion builds torchtitan's model (runtime/convert/titan_model.py); None
+        # where the tokenizer is not here yet (made by this launch's data_preparation): the job reads it then.
+        "vocab_size": (model.padding_from or model.vocab_size) if vocab_known else None,
         "rope_theta": model.rotary_base, "norm_eps": model.layernorm_epsilon,
         "max_seq_len": model.max_position_embeddings,
         "head_dim": model.head_dim if qk_norm else None, "qk_norm": True if qk_norm else None,
