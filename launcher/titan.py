@@ -139,6 +139,7 @@ def context(config: TrainingConfig, *, vocab_known: bool = True) -> dict[str, An
     steps = config.trainer.max_steps
     ft = config.fault_tolerance
     return {
+        "launch": config.run_name,  # launcher/titan_module.py's optional first-line name
         "family": name,
         "model": _model(config.model, vocab_known),
         "parallelism": {
