@@ -34,7 +34,9 @@ PROGRAM_MODULES = {
     "runtime.train": ("torch", "numpy", "tokenizers"),
     "runtime.convert": ("torch", "safetensors"),
     "runtime.evaluate": ("torch", "tokenizers"),
-    TITAN_PROGRAM: ("torch", "torchtitan"),  # training.runtime=torchtitan (launcher/titan.py)
+    # training.runtime=torchtitan (launcher/titan.py); torchtitan's model package imports triton, which CUDA torch
+    # ships and CPU torch does not (the torchtitan extra installs it).
+    TITAN_PROGRAM: ("torch", "torchtitan", "triton"),
 }
 STAGE_MODULES = {stage: PROGRAM_MODULES[program] + (("jinja2",) if stage in FINE_TUNING_STAGES else ())
                  for stage, program in STAGE_PROGRAMS.items()}
