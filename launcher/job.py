@@ -46,10 +46,13 @@ class Job:
         return (self.config_dir or self.results_dir) / f"{self.stage}_config.yaml"
 
     def in_launch(self, launch_id: str) -> "Job":
-        """This job with its config under the launch's own directory, and its program reading it from there."""
+        """This job with its config under the launch's own directory, and its program reading it from there (and
+        any other file the launch writes beside it: a torchtitan job's generated module)."""
         moved = dataclasses.replace(self, config_dir=self.results_dir / "launches" / launch_id)
-        old, new = str(self.config_path), str(moved.config_path)
-        return dataclasses.replace(moved, program=tuple(new if arg == old else arg for arg in self.program))
+        old, new = self.config_path.parent, moved.config_path.parent
+        program = tuple(str(new / Path(arg).name) if Path(arg).parent == old and arg.endswith((".yaml", ".py"))
+                        else arg for arg in self.program)
+        return dataclasses.replace(moved, program=program)
 
     @property
     def log_dir(self) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from launcher import (cache, k8s, k8s_pod, live, neuron, packages, records, remote, runs, slurm, stages, staging,
-                      validate)
+                      titan, validate)
 from launcher.config import LaunchConfig, parse, shape, typed
 from launcher.errors import UserError
 from launcher.job import Job
@@ -100,6 +100,10 @@ def make_plan(overrides: list[str], *, dry_run: bool, produced_by: str) -> Plan:
     errors, warnings = validate.problems(config, dry_run=dry_run or remote_settings is not None,
                                          local=executor == "local", estimates=estimates)
     errors += neuron.problems(config) + remote.problems(config) + staging.problems(config) + k8s.problems(config)
+    if not errors:  # training.runtime=torchtitan: what it cannot take, on a config the schema has read
+        titan_errors, titan_warnings = titan.problems(config)
+        errors += titan_errors
+        warnings += titan_warnings
     # A k8s launch writes onto the pods' shared volume: a dry run without it renders elsewhere (below).
     unmounted = k8s.mount_problems(config) if executor == "k8s" else []
     if not dry_run:
@@ -332,6 +336,8 @@ def _write(plan: Plan, made: list[Path]) -> list[Path]:
         # Slurm opens #SBATCH --output before the script runs: the log directory must exist at submit time.
         _makedirs(plan.local_path(job.log_dir), made)
         put(job.config_path, yaml.safe_dump(job.stage_config, sort_keys=False))
+        if job.stage == "training" and stages.runs_torchtitan(job.stage_config):  # its program (contract 2)
+            put(stages.titan_module_path(job), titan.module_text(job.stage_config))
         if job.config_dir is not None and plan.remote is None:
             # <stage>_config.yaml: the newest launch's config, where a user (and NeMo-Launcher's habit) looks for it.
             target = job.config_path.relative_to(job.results_dir)

@@ -31,6 +31,7 @@ from launcher.config import Cluster, LaunchConfig, cut_to_steps, stage_inputs
 from launcher.instances import NEURON_HARDWARE, Device, at_logical_cores
 from launcher.job import Job
 from launcher.stages import TRAINER_STAGES
+from runtime.schema.stages import TITAN_PROGRAM
 from runtime.schema.training import parse_precision
 
 PRECISION_ENV: dict[str, tuple[dict[str, str], str]] = {
@@ -101,6 +102,7 @@ class NeuronScript:
     env: dict[str, str]             # exported once, after the fabric's and before the cluster's and launch's env_vars
     cache_url: str                  # NEURON_COMPILE_CACHE_URL: one cache per model, shared by every node
     compile: CompileStep | None
+    torchneuron: bool = False       # a torchtitan job: TorchNeuron's environment (torchneuron_env), no XLA settings
 
 
 def settings(cluster: Cluster) -> dict[str, Any]:
@@ -196,12 +198,35 @@ def compile_config(job: Job, steps: int) -> dict[str, Any]:
     return cut_to_steps(job.stage_config, steps, str(job.results_dir / "compile"))
 
 
+def torchneuron_env(neuron: dict[str, Any]) -> dict[str, str]:
+    """A torchtitan job's environment on Trainium (TorchNeuron, the native PyTorch backend: Trn2 and Trn3; Trn1 has
+    none, launcher/titan.py refuses it). What each variable is, and where it comes from:
+    - the `neuron` device: nothing to set; torchtitan takes torch's available accelerator (torchtitan/tools/utils.py
+      get_device_info), which TorchNeuron registers;
+    - NEURON_LOGICAL_NC_CONFIG: the logical NeuronCore config (LNC=2: two physical cores per worker on trn2), the
+      Neuron runtime's setting that script() exports for our runtime too, by cluster.neuron.lnc;
+    - NEURON_COMPILE_CACHE_URL (exported by the job script's node_main, NeuronScript.cache_url): the Neuron
+      persistent compile cache, shared by every node;
+    - MALLOC_ARENA_MAX: glibc's, bounding the host memory of many threads per worker (cluster.neuron).
+    None of the torch-xla settings (XLA_*, NEURON_CC_FLAGS' precision flags: the precision is torchtitan's
+    mixed_precision_param) and no neuron_parallel_compile step: those are torch-xla's."""
+    hardware = hardware_of(neuron)
+    env = {"MALLOC_ARENA_MAX": str(neuron["malloc_arena_max"])}
+    if hardware.logical_cores > 1 or hardware.target == "trn2":
+        env["NEURON_LOGICAL_NC_CONFIG"] = str(hardware.logical_cores)
+    return env
+
+
 def script(job: Job, cfg: LaunchConfig) -> NeuronScript | None:
     """The Neuron parts of this job's script, or None when the stage does not run on Neuron."""
     if not runs_on_neuron(job):
         return None
     neuron = settings(cfg.cluster)
     hardware = hardware_of(neuron)
+    if job.program[1:2] == (TITAN_PROGRAM,):  # training.runtime=torchtitan (launcher/stages.py)
+        return NeuronScript(hardware=neuron["hardware"], env=torchneuron_env(neuron),
+                            cache_url=f"{cache_location(cfg)}/{model_key(job.stage_config)}", compile=None,
+                            torchneuron=True)
     precision, _ = parse_precision(job.stage_config, f"{job.stage}.")  # validate.py has refused a bad one
     precision_env, precision_flags = PRECISION_ENV[precision.type]
 

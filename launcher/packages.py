@@ -16,10 +16,13 @@ import sys
 from pathlib import Path
 
 from launcher.config import LaunchConfig
-from runtime.schema.stages import FINE_TUNING_STAGES, STAGE_PROGRAMS
+from runtime.schema.stages import FINE_TUNING_STAGES, STAGE_PROGRAMS, TITAN_PROGRAM
 
 RUNTIME = ("the runtime extra: python3 -m pip install torch==2.13.0 'nxdt-launch[runtime]' "
            "(-c constraints.txt -e '.[runtime]' in a checkout)")
+
+TORCHTITAN = ("the torchtitan extra: python3 -m pip install 'nxdt-launch[torchtitan]' (-e '.[torchtitan]' in a "
+              "checkout), or set training.runtime=nxdt")
 
 EVAL = ("the eval extra: python3 -m pip install 'nxdt-launch[runtime,eval]' (-e '.[runtime,eval]' in a checkout), "
         "or keep to the loss and exact_match tasks")
@@ -31,6 +34,9 @@ PROGRAM_MODULES = {
     "runtime.train": ("torch", "numpy", "tokenizers"),
     "runtime.convert": ("torch", "safetensors"),
     "runtime.evaluate": ("torch", "tokenizers"),
+    # training.runtime=torchtitan (launcher/titan.py); torchtitan's model package imports triton, which CUDA torch
+    # ships and CPU torch does not (the torchtitan extra installs it).
+    TITAN_PROGRAM: ("torch", "torchtitan", "triton"),
 }
 STAGE_MODULES = {stage: PROGRAM_MODULES[program] + (("jinja2",) if stage in FINE_TUNING_STAGES else ())
                  for stage, program in STAGE_PROGRAMS.items()}
@@ -53,10 +59,17 @@ def job_python_is_ours(cfg: LaunchConfig) -> bool:
 
 def needed(cfg: LaunchConfig) -> list[tuple[str, str, str]]:
     """(module, the key or stage that needs it, how to get it) for every stage this launch runs."""
+    from launcher.stages import runs_torchtitan
+
     wants: list[tuple[str, str, str]] = []
+    titan = "training" in cfg.stages and "training" in cfg.sections and \
+        runs_torchtitan(cfg.stage("training").section)
     for stage in cfg.stages:
+        if stage == "training" and titan:  # torchtitan's job: its program's packages, none of our loggers'
+            wants += [(module, "training.runtime: torchtitan", TORCHTITAN) for module in PROGRAM_MODULES[TITAN_PROGRAM]]
+            continue
         wants += [(module, f"stages: {stage}", RUNTIME) for module in STAGE_MODULES.get(stage, ())]
-    if "training" in cfg.stages:
+    if "training" in cfg.stages and not titan:
         inputs = cfg.stage("training").inputs
         key = "training.exp_manager."
         if inputs.wandb:

@@ -3,11 +3,13 @@ on disk to size itself (data preparation counts its input shards; nothing is fet
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Callable
 
 from launcher.config import LaunchConfig
 from launcher.job import Job
-from runtime.schema.stages import FINE_TUNING_STAGES, STAGE_PROGRAMS, STAGES, TRAINER_STAGES
+from runtime.schema.stages import FINE_TUNING_STAGES, STAGE_PROGRAMS, STAGES, TITAN_PROGRAM, TRAINER_STAGES
 
 __all__ = ["FINE_TUNING_STAGES", "STAGES", "TRAINER_STAGES", "BUILDERS", "PROGRAMS"]  # the names live in the schema
 
@@ -66,7 +68,27 @@ def _trainer_job(cfg: LaunchConfig, stage: str) -> Job:
 
 
 def training(cfg: LaunchConfig) -> Job:
-    return _trainer_job(cfg, "training")
+    """Our trainer, or with training.runtime=torchtitan torchtitan's on the module the launch writes beside the stage
+    config (launcher/titan.py): the same job otherwise, run by the same scripts."""
+    job = _trainer_job(cfg, "training")
+    if not runs_torchtitan(job.stage_config):
+        return job
+    return dataclasses.replace(job, program=("-m", TITAN_PROGRAM, "--job", str(titan_module_path(job))))
+
+
+# The generated module of a torchtitan job (launcher/titan.py), written beside the stage config (contract 2).
+TITAN_MODULE = "training_titan_job.py"
+
+
+def runs_torchtitan(stage_config: dict) -> bool:
+    """training.runtime=torchtitan, as the schema reads it."""
+    from runtime.schema.training import parse_runtime
+
+    return parse_runtime(stage_config)[0] == "torchtitan"
+
+
+def titan_module_path(job: Job) -> Path:
+    return job.config_path.with_name(TITAN_MODULE)
 
 
 def fine_tuning(cfg: LaunchConfig) -> Job:

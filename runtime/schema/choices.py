@@ -12,6 +12,10 @@ ARCHITECTURES = Choices(tuple(_ARCHITECTURES))  # runtime/schema/families, the r
 # launch.
 ROPE_SCALING_TYPES = Choices(("llama3", "linear", "yarn"))
 ACCELERATORS = Choices(("cpu", "gpu", "neuron"))
+# training.runtime: what trains a training stage. nxdt is this project's runtime (runtime.train: torch-xla on
+# Trainium, torch on CPU and GPU); torchtitan is torchtitan 0.3's Trainer on a module generated from the same keys
+# (launcher/titan.py maps them; docs/torchtitan.md says when to use which).
+RUNTIMES = Choices(("nxdt", "torchtitan"))
 # NxD Training's precision.type names; 'manual' (each flag set by hand) has no counterpart here.
 PRECISION_TYPES = Choices(("fp32", "bf16SR", "mixed_precision", "mixed_precisionSR", "autocast"))
 # model.optim.name: runtime/parallel/optimizers.py steps each with its library (torch's Adam/AdamW/SGD/Adafactor,

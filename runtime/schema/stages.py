@@ -20,6 +20,9 @@ STAGE_PROGRAMS: dict[str, str] = {
 }
 
 STAGES = tuple(STAGE_PROGRAMS)
+# The training stage's program under training.runtime=torchtitan (python -m runtime.titan.train --job MODULE): it
+# hands the module the launcher generated (launcher/titan.py) to torchtitan's own Trainer.
+TITAN_PROGRAM = "runtime.titan.train"
 # Stages that run the trainer (runtime.train): one config schema (runtime/schema/training.py), one kind of job
 # (the same job shape, checkpoints, preemption and metrics).
 # fine_tuning is full-parameter SFT, peft is LoRA, alignment is DPO or ORPO on preference pairs (full-parameter or

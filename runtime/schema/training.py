@@ -40,14 +40,14 @@ from runtime.schema.training_peft import fine_tuning_rules, parse_lora, read_pef
 from runtime.schema.training_reward import read_stage_reward, reward_rules
 from runtime.schema.training_rl import read_stage_rl, rl_rules
 from runtime.schema.training_run import (WANDB_KEYS, read_checkpoint, read_fault_tolerance, read_precision, read_run,
-                                         read_trainer, read_wandb_kwargs)
+                                         read_runtime, read_trainer, read_wandb_kwargs)
 
 # The names imported from here (by the launcher, the runtime and the tests), each defined where its section is read;
 # _wandb_kwargs is read_wandb_kwargs under the name tests/runtime_train/test_metrics.py imports.
 _wandb_kwargs = read_wandb_kwargs
 __all__ = ["FILE_MODES", "PATH_KEYS", "PREFIX", "WANDB_KEYS", "_wandb_kwargs", "is_remote", "model_shape_keys",
            "parse_fault_tolerance", "parse_latent_attention", "parse_lora", "parse_model", "parse_moe",
-           "parse_precision", "parse_rope_scaling", "parse_sizing", "parse_trainer", "parse_training",
+           "parse_precision", "parse_rope_scaling", "parse_runtime", "parse_sizing", "parse_trainer", "parse_training",
            "read_training", "saved_lora",
            "tokenizer_vocab", "too_long_paths"]
 
@@ -143,6 +143,7 @@ class _Read:
     plot: bool | None
     wandb_kwargs: dict
     fault_tolerance: FaultToleranceConfig | None = None
+    runtime: str | None = "nxdt"
 
     def sizing(self, model: Section) -> SizingConfig:
         """What parse_sizing reads, from this reading: the batch sizes as the data section read them (read again,
@@ -163,7 +164,7 @@ class _Read:
             tensorboard=self.tensorboard, wandb=self.wandb, wandb_kwargs=self.wandb_kwargs, plot=self.plot,
             checkpoint=self.checkpoint, elastic=self.elastic,
             raw=raw, restore_from_path=self.restore_from, sft=self.sft, lora=self.lora, alignment=self.alignment,
-            reward_model=self.reward_model, rl=self.rl, fault_tolerance=self.fault_tolerance,
+            reward_model=self.reward_model, rl=self.rl, fault_tolerance=self.fault_tolerance, runtime=self.runtime,
         )
 
 
@@ -172,6 +173,7 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
     """Each section in turn, every value typed and checked on its own (the report lists problems in this order)."""
     report = root.report
     elastic = read_run(run, p, report)
+    runtime = read_runtime(root, p)
     fault_tolerance = read_fault_tolerance(root.section("fault_tolerance"), report)
     trainer = read_trainer(trainer_s, p, report)
     shape, vocab, tokenizer_path = model_shape(model_s, p, report, files, vocab_size)
@@ -197,7 +199,7 @@ def _read(root: Section, run: Section, trainer_s: Section, model_s: Section, exp
                  reward_model=reward_model, rl=rl, lora=lora,
                  restore_from=restore_from, optim=optim, precision=precision, checkpoint=checkpoint, seed=seed,
                  tensorboard=tensorboard, wandb=wandb, plot=plot, wandb_kwargs=wandb_kwargs,
-                 fault_tolerance=fault_tolerance)
+                 fault_tolerance=fault_tolerance, runtime=runtime)
 
 
 def _rules(read: _Read, p: str, files: Files, report: Report) -> None:
@@ -272,6 +274,13 @@ def parse_sizing(raw: Any, p: str = PREFIX) -> tuple[SizingConfig, Report]:
     return SizingConfig(model=dict(model.data), tokenizer_path=str(tokenizer or ""), parallel=read_parallel(model),
                         micro_batch_size=micro, global_batch_size=global_,
                         precision=None if precision is None else PrecisionConfig(precision)), report
+
+
+def parse_runtime(raw: Any, p: str = PREFIX) -> tuple[str | None, Report]:
+    """Only <stage>.runtime of a trainer stage's config `raw` (the launcher builds the stage's job by it: which
+    program runs); parse_training reads it the same way."""
+    report = Report()
+    return read_runtime(Section(raw, p.rstrip("."), report), p), report
 
 
 def parse_precision(raw: Any, p: str = PREFIX) -> tuple[PrecisionConfig | None, Report]:

@@ -258,3 +258,5 @@ class TrainingConfig:
     # run.elastic: after a lost node (no spare), the job script restarts the workers on the nodes left and says how
     # many in NXDT_ACTIVE_NODES; data parallelism shrinks and the global batch stays (runtime/train.py).
     elastic: bool = False
+    # training.runtime (choices.RUNTIMES): torchtitan trains the stage instead (launcher/titan.py).
+    runtime: str = "nxdt"

@@ -25,6 +25,18 @@ def read_run(run: Section, p: str, report: Report) -> bool | None:
     return run.bool("elastic", False)
 
 
+def read_runtime(root: Section, p: str) -> str | None:
+    """<stage>.runtime: which runtime trains the stage. torchtitan pretrains only: the fine-tuning, alignment and rl
+    stages are this project's runtime's alone (launcher/titan.py maps the training stage's keys)."""
+    runtime = root.choice("runtime", C.RUNTIMES, "nxdt")
+    stage = p.rstrip(".")
+    if runtime == "torchtitan" and stage != "training":
+        root.report.error(f"{p}runtime: torchtitan runs the training stage (pretraining) only; {stage} runs on "
+                          f"nxdt-launch's own runtime: unset {p}runtime or set it to nxdt")
+        return None
+    return runtime
+
+
 def read_fault_tolerance(s: Section, report: Report) -> FaultToleranceConfig | None:
     values = dict(
         enabled=s.bool("enabled", True),

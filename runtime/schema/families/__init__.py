@@ -73,6 +73,18 @@ def import_keys(hf_config: dict) -> tuple[dict[str, Any], bool]:
     return family.model_keys(hf), family.TIED_DEFAULT
 
 
+# The families torchtitan 0.3 builds as we build them (issue 60, docs/torchtitan.md): our Hugging Face family (its
+# folder module's name) -> torchtitan's model (torchtitan.models.<name>). A model of another family runs on our
+# runtime only: launcher/titan.py refuses it at launch.
+TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3"}
+
+
+def torchtitan_model(cfg) -> str | None:
+    """torchtitan's model for `cfg`'s family (TORCHTITAN_MODELS), or None when torchtitan has none of it."""
+    family = family_for(cfg)
+    return TORCHTITAN_MODELS.get(family.__name__.rsplit(".", 1)[-1]) if family is not None else None
+
+
 def family_for(cfg) -> ModuleType | None:
     """The family whose config.json and weight names `cfg` has (what an export writes and an import reads)."""
     return next((f for f in FAMILIES if f.exports(cfg)), None)
@@ -91,5 +103,5 @@ def export_family(cfg) -> ModuleType:
 
 __all__ = ["ARCHITECTURES", "Architecture", "FAMILIES", "HF_MODEL_TYPES", "HFConfig", "architecture", "export_family",
            "family_for", "family_of_model_type", "import_keys", "known_architecture", "megatron_architecture",
-           "megatron_choices", "HF_BASE",
-           "TOKENIZER_VOCABULARIES"]
+           "megatron_choices", "HF_BASE", "TORCHTITAN_MODELS",
+           "TOKENIZER_VOCABULARIES", "torchtitan_model"]
