@@ -25,11 +25,12 @@ from typing import Any
 from launcher.config import LaunchConfig, stage_inputs
 from launcher.stages import runs_torchtitan
 from launcher.titan_keys import KEYS, asks_for_more, key_of
-from runtime.schema.families import TORCHTITAN_MODELS, torchtitan_model
+from runtime.schema.families import TORCHTITAN_MODELS
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import TrainingConfig
+from runtime.titan.shape import titan_model, titan_shape
 
-FAMILIES = tuple(TORCHTITAN_MODELS.values())
+FAMILIES = tuple(sorted(TORCHTITAN_MODELS.values()))
 PRECISIONS = {"fp32": "float32", "mixed_precision": "bfloat16", "autocast": "bfloat16"}
 OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 DECAY = {"CosineAnnealing": "cosine", "LinearAnnealing": "linear", "Constant": "linear"}
@@ -38,34 +39,9 @@ UNKNOWN_SHAPE = ("training.model: the model's shape is not known here (model.mod
                  "this machine), so the torchtitan job cannot be generated; give its path")
 
 
-# What our llama architecture can hold and neither torchtitan family has, read from the typed model (a config.json
-# sets these as well as the YAML): the key, and whether the model asks for it.
-_MODEL_EXTRAS = (("moe", lambda m: m.moe is not None), ("rope_scaling", lambda m: m.rope_scaling is not None),
-                 ("add_qkv_bias", lambda m: m.add_qkv_bias),
-                 ("latent_attention", lambda m: m.latent_attention is not None),
-                 ("sliding_window", lambda m: m.sliding_window is not None or m.layer_types is not None),
-                 ("softmax_scale", lambda m: m.softmax_scale is not None),
-                 *((key, lambda m, key=key: getattr(m, key) > 0)
-                   for key in ("hidden_dropout", "attention_dropout", "ffn_dropout")))
-
-
 def family(model: ModelConfig) -> tuple[str | None, str]:
-    """(torchtitan's model, or None and why not): torchtitan 0.3's Llama 3 and dense Qwen3 at our model's shape (the
-    registry's TORCHTITAN_MODELS), without what neither has (_MODEL_EXTRAS)."""
-    for key, asks in _MODEL_EXTRAS:
-        if asks(model):
-            value = getattr(model, key)
-            shown = value if isinstance(value, (bool, int, float)) else "set (by the YAML or config.json)"
-            return None, f"training.model.{key}: {shown}; {KEYS['model.' + key].why}"
-    name = torchtitan_model(model)
-    if name is None:
-        return None, (f"training.model.architecture: {model.architecture} has no torchtitan counterpart here; the "
-                      f"families both runtimes share are {' and '.join(FAMILIES)} (Llama 3 and dense Qwen3 shapes): "
-                      f"choose such a recipe (training=llama3/8b, training=qwen3/8b) {USE_NXDT}")
-    if not model.qk_layernorm and model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
-        return None, (f"training.model.kv_channels: {model.kv_channels} without qk_layernorm: torchtitan's Llama 3 "
-                      f"heads are hidden_size / num_attention_heads; unset it {USE_NXDT}")
-    return name, ""
+    """(torchtitan's model, or None and why not), as runtime/titan/shape.py judges it, with this table's reasons."""
+    return titan_model(model, why=lambda key: KEYS["model." + key].why)
 
 
 def once_per_key(lines: list[str]) -> list[str]:
@@ -87,22 +63,6 @@ def data_parallel(config: TrainingConfig) -> dict[str, int]:
     per_node = trainer.devices // inner if trainer.devices % inner == 0 else 0
     shard = per_node if 1 < per_node < dp and dp % per_node == 0 else dp
     return {"data_parallel_replicate_degree": dp // shard, "data_parallel_shard_degree": shard}
-
-
-def _model(model: ModelConfig, vocab_known: bool) -> dict[str, Any]:
-    qk_norm = model.qk_layernorm  # Qwen3's: its own head size, q/k norms
-    return {
-        "dim": model.hidden_size, "n_layers": model.num_layers, "n_heads": model.num_attention_heads,
-        "n_kv_heads": model.kv_heads, "hidden_dim": model.ffn_hidden_size,
-        # Our embedding's rows but the ones we pad a source model with (a config.json's vocab_size is torchtitan's:
-        # it pads nothing), as checkpoint conversion builds torchtitan's model (runtime/convert/titan_model.py); None
-        # where the tokenizer is not here yet (made by this launch's data_preparation): the job reads it then.
-        "vocab_size": (model.padding_from or model.vocab_size) if vocab_known else None,
-        "rope_theta": model.rotary_base, "norm_eps": model.layernorm_epsilon,
-        "max_seq_len": model.max_position_embeddings,
-        "head_dim": model.head_dim if qk_norm else None, "qk_norm": True if qk_norm else None,
-        "tie_embeddings": model.share_embeddings_and_output_weights,
-    }
 
 
 def _schedule(config: TrainingConfig) -> dict[str, Any]:
@@ -129,7 +89,7 @@ def _blend(data_prefix: Any) -> list[list[Any]]:
         return [[1.0, str(data_prefix)]]
 
 
-def context(config: TrainingConfig, *, vocab_known: bool = True) -> dict[str, Any]:
+def context(config: TrainingConfig, *, vocabulary: dict[str, Any] | None = None) -> dict[str, Any]:
     """The generated module's context (contract 1): every value torchtitan-native, None where its default applies.
     `config` is the stage's validated config; problems() has refused what has no counterpart."""
     name, _ = family(config.model)
@@ -141,7 +101,9 @@ def context(config: TrainingConfig, *, vocab_known: bool = True) -> dict[str, An
     return {
         "launch": config.run_name,  # launcher/titan_module.py's optional first-line name
         "family": name,
-        "model": _model(config.model, vocab_known),
+        "model": titan_shape(config.model, vocab_known=vocabulary is None),
+        # Where the vocabulary is not known here, the job reads it from the tokenizer and pads it as our runtime.
+        "vocabulary": vocabulary,
         "parallelism": {
             **dp, "tensor_parallel_degree": layout.tp, "pipeline_parallel_degree": layout.pp,
             "pipeline_parallel_schedule": "1F1B" if piped else None,
@@ -232,24 +194,25 @@ def target_problems(cfg: LaunchConfig) -> list[str]:
     return []
 
 
-def typed_config(section: dict[str, Any]) -> tuple[TrainingConfig | None, bool, list[str]]:
-    """(the stage's validated config, whether its vocabulary is known here, errors). Without the tokenizer (made by
-    this launch's data_preparation, or on a cluster's file system) the vocabulary stands in at a size every layout
-    takes, and the context says None for it."""
+def typed_config(section: dict[str, Any]) -> tuple[TrainingConfig | None, dict[str, Any] | None, list[str]]:
+    """(the stage's validated config, the vocabulary the job must read where it is not known here, errors). Without
+    the tokenizer (made by this launch's data_preparation, or on a cluster's file system) the vocabulary stands in at
+    a size every layout takes, and the job reads the tokenizer's, padded to make_vocab_size_divisible_by:
+    {"tokenizer": path, "divisible_by": N} (None when the vocabulary is known here)."""
     from runtime.schema.training import parse_training, tokenizer_vocab
 
     inputs = stage_inputs(section)
     path = str(inputs.tokenizer or "")
     vocab = tokenizer_vocab(path, files="warn")[0] if path and Path(path).is_file() else None
-    if vocab is None:  # the least vocabulary every layout takes: one padding multiple, divisible by tp
-        model = inputs.model_without_data
-        sizes = (model.get("make_vocab_size_divisible_by") or 128, model.get("tensor_model_parallel_size") or 1)
-        vocab_tp = tuple(size if isinstance(size, int) and size > 0 else 1 for size in sizes)  # the schema judges
+    model = inputs.model_without_data
+    divisible_by, tp = (size if isinstance(size, int) and size > 0 else 1  # the schema judges other values
+                        for size in (model.get("make_vocab_size_divisible_by") or 128,
+                                     model.get("tensor_model_parallel_size") or 1))
     config, report = parse_training(section, files="warn", prepared=True,
-                                    vocab_size=vocab or math.lcm(*vocab_tp))
+                                    vocab_size=vocab or math.lcm(divisible_by, tp))
     # A config.json's vocab_size is the model's whatever the tokenizer (unpadded_vocab_size records it).
     known = vocab is not None or (config is not None and config.model.unpadded_vocab_size is not None)
-    return config, known, report.errors
+    return config, None if known else {"tokenizer": path, "divisible_by": divisible_by}, report.errors
 
 
 def problems(cfg: LaunchConfig) -> tuple[list[str], list[str]]:
@@ -276,9 +239,9 @@ def module_text(section: dict[str, Any]) -> str:
     directory). titan_module is imported here, when a torchtitan job is written, and not before."""
     from launcher.titan_module import render_module
 
-    config, vocab_known, errors = typed_config(section)
+    config, vocabulary, errors = typed_config(section)
     assert config is not None, f"validated before any file is written: {errors}"
-    return render_module(context(config, vocab_known=vocab_known))
+    return render_module(context(config, vocabulary=vocabulary))
 
 
 def _at(ctx: dict[str, Any] | None, dotted: str) -> Any:
@@ -297,8 +260,8 @@ def explain(section: dict[str, Any]) -> tuple[list[tuple[str, Any, str]], list[s
 
     flat = flatten(section)
     refused, named_line = key_problems(flat)
-    config, vocab_known, errors = typed_config(section)
-    ctx = context(config, vocab_known=vocab_known) if config is not None and not family(config.model)[1] else None
+    config, vocabulary, errors = typed_config(section)
+    ctx = context(config, vocabulary=vocabulary) if config is not None and not family(config.model)[1] else None
     refused = once_per_key(refused + (value_problems(config) if config is not None else errors or [UNKNOWN_SHAPE]))
     rows = []
     for key, value in flat.items():

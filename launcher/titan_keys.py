@@ -156,7 +156,8 @@ KEYS: dict[str, Key] = {
     "model.attention_dropout": _refused(f"torchtitan's models have no dropout; set it to 0 {USE_NXDT}", 0),
     "model.ffn_dropout": _refused(f"torchtitan's models have no dropout; set it to 0 {USE_NXDT}", 0),
     "model.add_qkv_bias": _refused("biases on q, k and v (Qwen2) are in neither torchtitan family " + USE_NXDT, False),
-    "model.rope_scaling": _refused(f"the context carries no RoPE scaling (Llama 3.1+); unset it {USE_NXDT}"),
+    "model.rope_scaling": _maps("model.rope_scaling", "Llama 3.1's (rope_type llama3) as torchtitan's llama scaling; "
+                                "another type, or any on Qwen3, is refused: unset it " + USE_NXDT),
     "model.moe": _refused(f"the torchtitan families here are dense; {USE_NXDT}"),
     "model.latent_attention": _refused(f"latent attention is DeepSeek's; {USE_NXDT}"),
     "model.sliding_window": _refused(f"no sliding-window attention in llama3 / qwen3; {USE_NXDT}"),

@@ -4,7 +4,8 @@ written here. Every value reaches the module through repr(), so a path or a name
 
 The context is plain JSON-able data (launcher/titan.py builds it from a validated training config); a value of
 None leaves torchtitan's default in place (the module lists those keys in a closing comment). Besides contract 1's
-keys it reads an optional `launch` (the launch's name) for the module's first line."""
+keys it reads an optional `launch` (the launch's name) for the module's first line, and an optional `vocabulary`
+({"tokenizer": path, "divisible_by": N}) where model.vocab_size is None: the job reads the tokenizer's size then."""
 from __future__ import annotations
 
 import textwrap
@@ -12,9 +13,10 @@ from functools import lru_cache
 from typing import Any
 
 from launcher.paths import templates_dir
+from runtime.schema.families import TORCHTITAN_MODELS
 
 TEMPLATE = "torchtitan/job.py.j2"
-FAMILIES = ("llama3", "qwen3")
+FAMILIES = tuple(sorted(TORCHTITAN_MODELS.values()))
 ACTIVATION_CHECKPOINT = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}
 
 # (ctx section, Trainer.Config field, its class in the module, the ctx keys it takes). The training section's
@@ -84,10 +86,14 @@ def render_module(ctx: dict[str, Any]) -> str:
                         "weight_decay": optimizer.get("weight_decay")}
     if optimizer.get("beta1") is not None and optimizer.get("beta2") is not None:
         optimizer_kwargs["betas"] = (optimizer["beta1"], optimizer["beta2"])
-    model = [(key, value) for key, value in ctx["model"].items() if value is not None]
+    model = [(key, value) for key, value in ctx["model"].items() if value is not None and key != "vocab_size"]
+    vocabulary = ctx.get("vocabulary")  # {"tokenizer", "divisible_by"} where the launch did not know the vocabulary
+    if (ctx["model"]["vocab_size"] is None) == (vocabulary is None):
+        raise ValueError("torchtitan job context: give model.vocab_size or vocabulary (the tokenizer to read it from)")
     return _environment().get_template(TEMPLATE).render(
         launch=ctx.get("launch") or f"writing to {ctx['dump_folder']}",
-        family=ctx["family"], model=model, vocab_size=ctx["model"]["vocab_size"], dataloader=dataloader,
+        family=ctx["family"], model=model, vocab_size=ctx["model"]["vocab_size"], vocabulary=vocabulary,
+        dataloader=dataloader,
         optimizer_name=optimizer.get("name") or "AdamW",
         optimizer_kwargs={key: value for key, value in optimizer_kwargs.items() if value is not None},
         sections=sections, activation_checkpoint=ACTIVATION_CHECKPOINT[ctx["activation_checkpoint"]],
@@ -112,7 +118,7 @@ def _check_keys(ctx: dict[str, Any]) -> None:
     """ValueError naming a key of a section that the module would silently drop."""
     allowed: dict[str, set[str]] = {
         "model": {"dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size", "rope_theta", "norm_eps",
-                  "max_seq_len", "head_dim", "qk_norm", "tie_embeddings"},
+                  "max_seq_len", "head_dim", "qk_norm", "tie_embeddings", "rope_scaling"},
         "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay"},
         "data": {"blend", "seed", "splits_string", "index_dir"},
     }

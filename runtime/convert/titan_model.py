@@ -11,88 +11,38 @@ import torch
 
 from runtime.convert.hf import from_hf, to_hf
 from runtime.convert.hf_layout import pad_vocab
-from runtime.schema.families import export_family
+from runtime.schema.families import TORCHTITAN_MODELS
 from runtime.schema.model import ModelConfig
-
-FAMILIES = ("llama3", "qwen3")
-
+from runtime.titan.shape import titan_model, titan_shape
 
 def titan_family(cfg: ModelConfig, where: str) -> str:
-    """llama3 or qwen3 for a model torchtitan builds exactly; ValueError naming what is not (contract 4, TITAN.md)."""
-    try:
-        name = export_family(cfg).__name__.rsplit(".", 1)[-1]
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
-    scaling = cfg.rope_scaling.rope_type if cfg.rope_scaling is not None else None
-    if name == "llama" and scaling in (None, "llama3") and cfg.kv_channels in (None, cfg.head_dim):
-        return "llama3"
-    if name == "qwen3" and scaling is None:
-        return "qwen3"
-    raise ValueError(f"{where}: a {name} model{f' with rope_scaling {scaling}' if scaling else ''} is not one "
-                     f"torchtitan's families here build; conversion to and from torchtitan covers {', '.join(FAMILIES)}"
-                     f" (dense)")
+    """torchtitan's model for ours (runtime/titan/shape.py judges it); ValueError naming why there is none."""
+    name, why = titan_model(cfg, p=f"{where}: model.")
+    if name is None:
+        raise ValueError(f"{why} (conversion to and from torchtitan covers "
+                         f"{', '.join(TORCHTITAN_MODELS.values())}, dense)")
+    return name
 
 
-def titan_model_config(cfg: ModelConfig, family: str, attn_backend: str = "flex"):
-    """torchtitan's model config with our model's shapes, built by its own layer builders (those of its registry's
-    flavors), RMSNorm eps set to ours (its builders fix it per family)."""
-    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+def titan_model_spec(cfg: ModelConfig, family: str, attn_backend: str = "flex"):
+    """torchtitan's ModelSpec with our model's shape (runtime/titan/model.py, the one builder of it)."""
+    from runtime.titan.model import model_spec
 
-    vocab = cfg.padding_from or cfg.vocab_size  # the source's rows: torchtitan does not pad the vocabulary
-    shape = dict(n_layers=cfg.num_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
-                 n_kv_heads=cfg.kv_heads, hidden_dim=cfg.ffn_hidden_size, attn_backend=attn_backend)
-    rope = dict(dim=cfg.head_dim, max_seq_len=cfg.max_position_embeddings, theta=cfg.rotary_base)
-    if family == "llama3":
-        from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
-
-        scaling = cfg.rope_scaling
-        if scaling is not None:  # Llama 3.1's, with Hugging Face's keys
-            rope.update(scaling="llama", scaling_factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-                        high_freq_factor=scaling.high_freq_factor,
-                        original_max_position_embeddings=scaling.original_max_position_embeddings)
-        layers, model = _build_llama3_layers(**shape, rope=ComplexRoPE.Config(**rope)), Llama3Model
-    else:
-        from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers
-
-        layers = _build_qwen3_layers(**shape, head_dim=cfg.head_dim, rope=CosSinRoPE.Config(**rope))
-        model = Qwen3Model
-    config = model.Config(
-        dim=cfg.hidden_size, vocab_size=vocab, enable_weight_tying=cfg.share_embeddings_and_output_weights,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=cfg.hidden_size),
-        norm=RMSNorm.Config(normalized_shape=cfg.hidden_size),
-        lm_head=Linear.Config(in_features=cfg.hidden_size, out_features=vocab), layers=layers)
-    _set_eps(config, cfg.layernorm_epsilon, RMSNorm.Config, set())
-    return config
-
-
-def _set_eps(node, eps: float, norm_type: type, seen: set) -> None:
-    if id(node) in seen:
-        return
-    seen.add(id(node))
-    if isinstance(node, norm_type):
-        node.eps = eps
-    elif isinstance(node, (list, tuple)):
-        for item in node:
-            _set_eps(item, eps, norm_type, seen)
-    elif hasattr(node, "__dataclass_fields__"):
-        for name in node.__dataclass_fields__:
-            _set_eps(getattr(node, name, None), eps, norm_type, seen)
+    shape = {k: v for k, v in titan_shape(cfg).items() if v is not None}
+    return model_spec(family, **shape, attn_backend=attn_backend)
 
 
 class TitanModel:
     """torchtitan's model for `cfg` on the CPU (fp32) and its state dict adapter: the keys both ways."""
 
     def __init__(self, cfg: ModelConfig, family: str):
-        from torchtitan.models.llama3 import Llama3StateDictAdapter
-        from torchtitan.models.qwen3 import Qwen3StateDictAdapter
-
         self.cfg, self.family = cfg, family
-        self.config = titan_model_config(cfg, family)
+        spec = titan_model_spec(cfg, family)
+        self.config = spec.model
         with torch.device("meta"):
             model = self.config.build()
         self.model = model.to_empty(device="cpu")
-        adapter = Llama3StateDictAdapter if family == "llama3" else Qwen3StateDictAdapter
-        self.adapter = adapter(self.config, None)
+        self.adapter = spec.state_dict_adapter(self.config, None)
 
     def state_keys(self) -> dict[str, torch.Size]:
         """The model keys torchtitan's checkpoints hold (its state dict: q/k/v split) and their shapes."""

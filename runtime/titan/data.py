@@ -54,7 +54,11 @@ class MegatronDataLoader(BaseDataLoader):
                  seq_len: int, local_batch_size: int, **kwargs):
         if not config.blend:
             raise ValueError("dataloader.blend: no data; give (weight, prefix) pairs of prepared .bin/.idx data")
-        data_prefix = [part for weight, prefix in config.blend for part in (weight, prefix)]
+        data_prefix: str | list = [part for weight, prefix in config.blend for part in (weight, prefix)]
+        if len(config.blend) == 1 and float(config.blend[0][0]) == 1.0:
+            # One path: a prefix, or a blend file the launch could not read yet (its data_preparation writes it),
+            # which our dataset reads as model.data.data_prefix reads either.
+            data_prefix = str(config.blend[0][1])
         # Every rank builds the index it needs: the cache files are written atomically (runtime/data/gpt_dataset.py),
         # and no process group is needed for a barrier.
         dataset = build_split_dataset(data_prefix, config.splits_string, "train",

@@ -49,9 +49,20 @@ def test_the_headline_context_matches_golden():
 
 def test_without_the_tokenizer_the_context_leaves_the_vocabulary_to_the_job():
     """A dry run away from the cluster, or data_preparation in the same launch: no tokenizer here."""
-    config, vocab_known, errors = titan.typed_config(resolved("stages=[training]", *HEADLINE)["training"])
-    assert config is not None and not errors and not vocab_known
-    assert titan.context(config, vocab_known=vocab_known)["model"]["vocab_size"] is None
+    config, vocabulary, errors = titan.typed_config(resolved("stages=[training]", *HEADLINE)["training"])
+    assert config is not None and not errors and vocabulary == {"tokenizer": "/data/llama3/tokenizer.json",
+                                                                "divisible_by": 128}, vocabulary
+    ctx = titan.context(config, vocabulary=vocabulary)
+    assert ctx["model"]["vocab_size"] is None and ctx["vocabulary"] == vocabulary
+
+
+def test_the_headline_module_matches_golden():
+    """The generated module of the headline command as the launch writes it: here, without the cluster's tokenizer,
+    the job reads the vocabulary from it at start."""
+    text = titan.module_text(resolved("stages=[training]", *HEADLINE)["training"])
+    compile(text, "training_titan_job.py", "exec")  # valid Python, whatever the values
+    assert "tensor_parallel_degree=" in text and "vocab = vocab_size('/data/llama3/tokenizer.json', 128)" in text
+    _golden("training_titan_job.llama3_8b.pcluster_trn2.py", text)
 
 
 def test_the_headline_sbatch_matches_golden():

@@ -37,6 +37,7 @@ NOT_THE_COMPOSED_CONFIG = {
     "plain_resolve.py": "resolves that composed tree's interpolations as OmegaConf does, before it is parsed",
     "pcluster.py": "composes and reads conf/pcluster/, the ParallelCluster config, not a launch",
     "records.py": "reads and writes our own launch records (JSON)",
+    "titan_module.py": "renders the torchtitan job module from its own context (launcher/titan.py builds it)",
     "runs.py": "reads our own launch records (status, logs, cancel)",
     "completion.py": "click's parameters (--results-dir) while completing a run name",
 }

@@ -30,6 +30,8 @@ ARCHITECTURE = Architecture(
 # an export; each exports() holds for its own combination of the switches only.
 VARIANTS = (qwen3_moe, mixtral, qwen3, qwen2)
 MODEL_TYPES = ("llama", "mistral")
+# torchtitan 0.3's model of this network at Llama 3 shapes (training.runtime=torchtitan; runtime/families/llama/titan.py).
+TORCHTITAN = "llama3"
 TIED_DEFAULT = False
 
 

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from runtime.schema.families.base import HFConfig
 
 MODEL_TYPES = ("qwen3",)
+TORCHTITAN = "qwen3"  # torchtitan 0.3's dense Qwen3 (runtime/families/llama/titan.py builds it)
 TIED_DEFAULT = False
 
 

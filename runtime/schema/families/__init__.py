@@ -73,16 +73,27 @@ def import_keys(hf_config: dict) -> tuple[dict[str, Any], bool]:
     return family.model_keys(hf), family.TIED_DEFAULT
 
 
-# The families torchtitan 0.3 builds as we build them (issue 60, docs/torchtitan.md): our Hugging Face family (its
-# folder module's name) -> torchtitan's model (torchtitan.models.<name>). A model of another family runs on our
-# runtime only: launcher/titan.py refuses it at launch.
-TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3"}
+# The families torchtitan 0.3 builds as we build them (docs/torchtitan.md): a family module's TORCHTITAN names
+# torchtitan's model (torchtitan.models.<name>), built by its folder's titan.py. A model of another family runs on our
+# runtime only: launcher/titan.py refuses it at launch, checkpoint conversion refuses it too.
+TORCHTITAN_MODELS: dict[str, str] = {family.__name__.rsplit(".", 1)[-1]: family.TORCHTITAN
+                                     for family in FAMILIES if getattr(family, "TORCHTITAN", None)}
 
 
 def torchtitan_model(cfg) -> str | None:
     """torchtitan's model for `cfg`'s family (TORCHTITAN_MODELS), or None when torchtitan has none of it."""
     family = family_for(cfg)
-    return TORCHTITAN_MODELS.get(family.__name__.rsplit(".", 1)[-1]) if family is not None else None
+    return getattr(family, "TORCHTITAN", None) if family is not None else None
+
+
+def torchtitan_builder(name: str) -> str:
+    """The module that builds torchtitan's model `name` (a TORCHTITAN_MODELS value): the titan.py of the folder of
+    the family that names it (runtime/families/<folder>/titan.py)."""
+    for family in FAMILIES:
+        if getattr(family, "TORCHTITAN", None) == name:
+            return ".".join(family.__name__.split(".")[:3]) + ".titan"
+    raise ValueError(f"family: {name!r} is not one torchtitan trains here; choose one of "
+                     f"{', '.join(TORCHTITAN_MODELS.values())}")
 
 
 def family_for(cfg) -> ModuleType | None:
@@ -104,4 +115,4 @@ def export_family(cfg) -> ModuleType:
 __all__ = ["ARCHITECTURES", "Architecture", "FAMILIES", "HF_MODEL_TYPES", "HFConfig", "architecture", "export_family",
            "family_for", "family_of_model_type", "import_keys", "known_architecture", "megatron_architecture",
            "megatron_choices", "HF_BASE", "TORCHTITAN_MODELS",
-           "TOKENIZER_VOCABULARIES", "torchtitan_model"]
+           "TOKENIZER_VOCABULARIES", "torchtitan_builder", "torchtitan_model"]
