@@ -4,6 +4,7 @@ Both sides train 2 ranks (torchrun, gloo, one thread each) on the same Megatron 
 shape, global batch, micro-batch and sequence length, fp32, gradient clipping 1.0, AdamW:
 
 - dp2: our ZeRO-1 data parallelism (model.zero1=true) against torchtitan's FSDP (data_parallel_shard_degree 2);
+- dp2-keep: the same, torchtitan's FSDP with fsdp_reshard_after_forward=never (no all-gathers in the backward);
 - tp2: our tensor parallelism against torchtitan's (tensor_parallel_degree 2).
 
 torchtitan runs the job module launcher/titan_module.py renders, under the test-only FAKE accelerator of
@@ -34,9 +35,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-LAYOUTS = {  # name -> (our model keys, torchtitan's parallelism keys)
-    "dp2": ({"zero1": True}, {"data_parallel_shard_degree": 2}),
-    "tp2": ({"tensor_model_parallel_size": 2}, {"tensor_parallel_degree": 2}),
+LAYOUTS = {  # name -> (our model keys, torchtitan's parallelism keys, torchtitan's CLI overrides)
+    "dp2": ({"zero1": True}, {"data_parallel_shard_degree": 2}, ()),
+    # FSDP keeping each layer's gathered weights from its forward to its backward: half the per-layer all-gathers
+    # (FSDP's memory saving given up), to show what its collectives cost on this machine.
+    "dp2-keep": ({"zero1": True}, {"data_parallel_shard_degree": 2},
+                 ("--parallelism.fsdp_reshard_after_forward", "never")),
+    "tp2": ({"tensor_model_parallel_size": 2}, {"tensor_parallel_degree": 2}, ()),
 }
 
 
@@ -105,10 +110,10 @@ def run_ours(config: Path) -> None:
         raise SystemExit(f"our runtime failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
-def run_titan(job: Path) -> None:
+def run_titan(job: Path, overrides: tuple[str, ...]) -> None:
     from tests.titan.conftest import run_titan as run
 
-    run(job, 2, timeout=600)  # the FAKE accelerator of tests/titan/cpu_shim.py in torchrun's workers
+    run(job, 2, *overrides, timeout=600)  # the FAKE accelerator of tests/titan/cpu_shim.py in torchrun's workers
 
 
 def step_times(results: Path, warmup: int) -> list[float]:
@@ -116,11 +121,11 @@ def step_times(results: Path, warmup: int) -> list[float]:
     return [row["step_time_s"] for row in rows if "loss" in row and row["step"] > warmup]
 
 
-def measure(root: Path, blend: list[list], args) -> dict[str, dict[str, list[float]]]:
-    """layout -> {"ours": [s/step...], "torchtitan": [...]} over every round."""
-    times: dict[str, dict[str, list[float]]] = {}
+def measure(root: Path, blend: list[list], args) -> dict[str, dict[str, list[list[float]]]]:
+    """layout -> {"ours": [[s/step...] of each round], "torchtitan": [...]}."""
+    times: dict[str, dict[str, list[list[float]]]] = {}
     for layout in args.layouts:
-        ours_keys, titan_keys = LAYOUTS[layout]
+        ours_keys, titan_keys, overrides = LAYOUTS[layout]
         times[layout] = {"ours": [], "torchtitan": []}
         for round_ in range(args.rounds):
             for side in ("ours", "torchtitan"):
@@ -128,9 +133,9 @@ def measure(root: Path, blend: list[list], args) -> dict[str, dict[str, list[flo
                 if side == "ours":
                     run_ours(our_config(root, name, blend, args, ours_keys))
                 else:
-                    run_titan(titan_job(root, name, blend, args, titan_keys))
+                    run_titan(titan_job(root, name, blend, args, titan_keys), overrides)
                 got = step_times(root / name, args.warmup)
-                times[layout][side] += got
+                times[layout][side].append(got)
                 print(f"{name}: median {statistics.median(got):.3f} s/step over {len(got)} steps "
                       f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)
     return times
@@ -141,12 +146,16 @@ def report(times: dict, args) -> None:
     print(f"\nhidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), ffn {args.ffn}, "
           f"vocab {args.vocab}, seq {args.seq}, global batch {args.global_batch} (micro {args.micro_batch}), fp32, "
           f"2 ranks; medians of steps {args.warmup + 1}..{args.steps} x {args.rounds} round(s)")
-    print("| layout | ours s/step | torchtitan s/step | ours tokens/s | torchtitan tokens/s | torchtitan / ours |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| layout | ours s/step | torchtitan s/step | ours tokens/s | torchtitan tokens/s | torchtitan / ours | "
+          "each round's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for layout, sides in times.items():
-        ours, titan = statistics.median(sides["ours"]), statistics.median(sides["torchtitan"])
+        ours, titan = (statistics.median([t for got in sides[side] for t in got]) for side in ("ours", "torchtitan"))
+        # A round's two runs are back to back, so their ratio carries less of the machine's changing load.
+        rounds = ", ".join(f"{statistics.median(t) / statistics.median(o):.2f}"
+                           for o, t in zip(sides["ours"], sides["torchtitan"]))
         print(f"| {layout} | {ours:.3f} | {titan:.3f} | {tokens / ours:,.0f} | {tokens / titan:,.0f} | "
-              f"**{titan / ours:.2f}** |")
+              f"**{titan / ours:.2f}** | {rounds} |")
 
 
 def main(argv: list[str] | None = None) -> int:
