@@ -15,6 +15,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from runtime.schema.facts import USER_ERROR_EXIT_CODE
+
 JOB_MODULE = "nxdt_titan_job"  # the name the job module is imported under; torchtitan's ConfigManager finds it so
 INSTALL = "pip install 'nxdt-launch[torchtitan]'"
 
@@ -41,17 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.job).is_file():
         print(f"runtime.titan.train: --job: no file {args.job}; launch the training stage to render it",
               file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     try:
         import torchtitan.train
     except ImportError as error:
         print(f"runtime.titan.train: torchtitan cannot be imported ({error}); {INSTALL}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     try:
         load_job(args.job)
     except ValueError as error:
         print(f"runtime.titan.train: {error}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     # torchtitan's main() reads sys.argv (its ConfigManager parses --module/--config and the tyro overrides).
     sys.argv = [sys.argv[0], "--module", JOB_MODULE, "--config", "nxdt_job", *overrides]
     torchtitan.train.main()
