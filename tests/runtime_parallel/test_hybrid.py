@@ -88,3 +88,10 @@ def test_hybrid_zero3_checkpoint_resumes_at_zero1_dp2(four_ranks):
     for rank in resumed:  # another dp: another reduction order, so within float rounding
         assert rank["one_replica"]["next_loss"] == pytest.approx(ranks[0]["saved"]["next_loss"], rel=1e-6)
         assert rank["one_replica"]["optimizer_step"] == CH.STEPS
+
+
+def test_shard_degree_rule_names_the_group_it_does_not_divide():
+    from runtime.schema import rules
+    assert rules.shard_degree(None, 0, 4, 4, "") is None and rules.shard_degree(2, 3, 8, 4, "") is None
+    assert "expert-data-parallel ranks (data-parallel 8 / expert_model_parallel_size 4)" in rules.shard_degree(
+        4, 1, 8, 2, "")
