@@ -31,7 +31,8 @@ CASES = [
      "neuron) cannot; use model.zero_stage 1 or 2"),
     ([f"+{M}data_parallel_shard_degree=2"],
      "training.model.data_parallel_shard_degree: 2 shards the optimizer state, gradients or parameters, which "
-     "model.zero_stage 0 does not; set model.zero_stage to 1, 2 or 3, or training.model.data_parallel_shard_degree=null"),
+     "model.zero_stage 0 does not; set model.zero_stage to 1, 2 or 3, or "
+     "training.model.data_parallel_shard_degree=null"),
     ([f"+{M}data_parallel_shard_degree=3", f"{M}zero_stage=3"],
      "training.model.data_parallel_shard_degree: 3 does not divide the 2 data-parallel ranks; use a divisor of 2 "
      "(the devices per node keep each shard group inside a node)"),
