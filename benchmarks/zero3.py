@@ -1,12 +1,18 @@
-"""Per-rank peak memory and step time of ZeRO-1, ZeRO-2, ZeRO-3 (runtime/parallel/zero3.py) and torch's FSDP2
-(`fully_shard`, per block and at the root) on one Llama, 4 ranks on CPU (gloo), fp32, AdamW.
+"""Per-rank peak memory and step time of ZeRO-1, ZeRO-2, ZeRO-3 (runtime/parallel/zero3.py), hybrid ZeRO-3 (shard
+degree 2: two pairs of ranks, each pair holding a replica) and torch's FSDP2 (`fully_shard`, per block and at the
+root) on one Llama, 4 ranks on CPU (gloo), fp32, AdamW.
 
-Each rank is its own process; the parent samples every worker's VmHWM (the kernel's peak RSS) from /proc, from
-outside, and reports the largest. "fixed" is the same process with no model (torch, gloo, the world joined): the
-part of every figure that is not the model. The issue's bound for ZeRO-3:
-    peak <= (own shard of params + grads + AdamW's two moments) x 1.25 + largest gathered block + fixed.
+Every mode builds the model on the meta device, as runtime/train.py does at recipe sizes: ours through
+parallelize_model (at tp 1 a rank materializes the whole model once, bucket by bucket copied into the flat buffers
+and, at ZeRO-3, cut to its shard), FSDP2 by fully_shard on the meta model, then to_empty and an init of its local
+shards. Each rank is its own process; the parent samples every worker's VmHWM (the kernel's peak RSS) from /proc,
+from outside, and reports the largest. "fixed" is the same process with no model (torch, gloo, the world joined and
+its groups built, the runtime and FSDP2 imported): the part of every figure that is not the model. Step time: one
+warm-up step, then the median of the rest. The issue's bound, per mode:
+    peak <= (own shard of params + grads + AdamW's two moments) x 1.25 + largest gathered unit + fixed
+(what a rank keeps whole is counted whole: ZeRO-1 keeps params and grads, ZeRO-2 the params).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python3 benchmarks/zero3.py [--hidden 1024 --layers 12 ...]
+    PYTHONPATH=$PWD python3 benchmarks/zero3.py [--hidden 768 --layers 12 --steps 4 ...]
 """
 from __future__ import annotations
 
@@ -14,11 +20,17 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 
-MODES = ("fixed", "zero1", "zero2", "zero3", "fsdp2")
+# glibc's mmap threshold for every worker (unless the environment sets one): by default it rises to 32 MB after the
+# first large frees, so later tensors come from the heap and freed ones stay in the process; RSS then measures the
+# allocator's retention, not what a mode holds (at 87M ZeRO-3 read 1.62 GiB without it, 0.87 GiB with it).
+MMAP_THRESHOLD = 65536
+# mode: (ZeRO stage, shard degree); fsdp2 and fixed are not ours
+MODES = {"fixed": None, "zero1": (1, None), "zero2": (2, None), "zero3": (3, None), "hybrid": (3, 2), "fsdp2": None}
 
 
 def _config(args):
@@ -28,62 +40,84 @@ def _config(args):
                        max_position_embeddings=args.seq, rotary_base=10000.0)
 
 
-def _batches(args, rank: int, step: int):
+def _batch(args, rank: int, step: int):
     import torch
     g = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, args.vocab, (args.micro, args.seq + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _fsdp2(args, world: int):
+    """FSDP2 built as it is at scale: fully_shard on the meta model, then each rank's shards allocated and drawn."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from runtime.models import meta_model
+    model = meta_model(_config(args))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local()
+            local.fill_(1.0) if param.dim() == 1 else local.normal_(0.0, 0.02)  # norm weights 1, matrices drawn
+        for module in model.modules():
+            if list(module.buffers(recurse=False)) and not list(module.parameters(recurse=False)):
+                module.reset_parameters()  # the rotary tables
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(inputs, labels):
+        loss = model(inputs, labels)
+        (loss if loss.dim() == 0 else loss.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _ours(args, world: int, stage: int, degree: int | None):
+    import torch
+    from runtime.device import flash_attention_kernels
+    from runtime.models import meta_model
+    from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
+    from runtime.step import train_step
+    topo = Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world), degree)
+    model = parallelize_model(meta_model(_config(args)), topo, attention_kernels=flash_attention_kernels,
+                              data_parallel=DataParallelConfig("fp32", zero_stage=stage))
+    optimizer = ShardedAdamW(model, {"lr": 1e-4})
+
+    def step(inputs, labels):
+        mask = torch.ones_like(labels, dtype=torch.float32)
+        train_step(model, optimizer, [(inputs, labels, mask)], topo, lr=1e-4, clip=1.0)
+    return step
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+    # What every mode loads, imported by each (the fixed part too): the runtime and FSDP2's DTensor machinery.
+    import torch.distributed.fsdp  # noqa: F401
+    import runtime.parallel  # noqa: F401
+    import runtime.step  # noqa: F401
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"mode": args.mode}
-    if args.mode != "fixed":
-        from runtime.models import build_model
-        cfg = _config(args)
+    if args.mode == "fixed":  # no model, but the process groups a mode builds: hybrid's sub-groups and a mesh
+        from torch.distributed.device_mesh import init_device_mesh
+        from runtime.parallel import ParallelDims, Topology
+        Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world), 2)
+        init_device_mesh("cpu", (world,))
+    else:
+        step = _fsdp2(args, world) if args.mode == "fsdp2" else _ours(args, world, *MODES[args.mode])
         times = []
-        if args.mode == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            model = build_model(cfg)
-            mesh = init_device_mesh("cpu", (world,))
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            for step in range(args.steps):
-                started = time.perf_counter()
-                inputs, labels = _batches(args, rank, step)
-                loss = model(inputs, labels)
-                loss = loss if loss.dim() == 0 else loss.mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                times.append(time.perf_counter() - started)
-        else:
-            from runtime.device import flash_attention_kernels
-            from runtime.parallel import DataParallelConfig, ParallelDims, ShardedAdamW, Topology, parallelize_model
-            from runtime.step import train_step
-            topo = Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world))
-            stage = int(args.mode[-1])
-            model = parallelize_model(build_model(cfg), topo, attention_kernels=flash_attention_kernels,
-                                      data_parallel=DataParallelConfig("fp32", zero_stage=stage))
-            optimizer = ShardedAdamW(model, {"lr": 1e-4})
-            for step in range(args.steps):
-                started = time.perf_counter()
-                inputs, labels = _batches(args, rank, step)
-                mask = torch.ones_like(labels, dtype=torch.float32)
-                train_step(model, optimizer, [(inputs, labels, mask)], topo, lr=1e-4, clip=1.0)
-                times.append(time.perf_counter() - started)
-        out["step_s"] = min(times[1:]) if len(times) > 1 else times[0]
-        block = sum(p.numel() for p in build_model(_config(argparse.Namespace(**{**vars(args), "layers": 1})))
-                    .layers[0].parameters())
-        out.update(params=sum(p.numel() for p in build_model(cfg).parameters()) if rank == 0 else None,
-                   block=block)
+        for index in range(args.steps):
+            dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's
+            started = time.perf_counter()
+            step(*_batch(args, rank, index))
+            times.append(time.perf_counter() - started)
+        out["step_s"] = statistics.median(times[1:])  # the first step warms up (allocator, first gathers)
     dist.barrier()
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -107,8 +141,9 @@ def run_mode(args, mode: str) -> dict:
         port = s.getsockname()[1]
     procs = []
     for rank in range(args.world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **os.environ, "RANK": str(rank),
+               "WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, __file__, "--worker", "--mode", mode] + args.passthrough
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     peaks = [0] * args.world
@@ -116,34 +151,63 @@ def run_mode(args, mode: str) -> dict:
         for i, p in enumerate(procs):
             peaks[i] = max(peaks[i], _hwm(p.pid))
         time.sleep(0.05)
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{mode}: a worker failed (exit codes {[p.returncode for p in procs]})")
     lines = procs[0].stdout.read().splitlines()
     result = next(json.loads(line[7:]) for line in lines if line.startswith("RESULT "))
     result["peak_rss"] = max(peaks)
     return result
 
 
+def sizes(args) -> tuple[int, int]:
+    """(parameters, the largest ZeRO-3 unit's parameters), from the meta model."""
+    from runtime.models import meta_model
+    from runtime.parallel.zero3 import find_units
+    model = meta_model(_config(args))
+    units = find_units(model)
+    return sum(p.numel() for p in model.parameters()), max(sum(p.numel() for p in ps) for _, ps in units)
+
+
+def bound(mode: str, params: int, unit: int, fixed: int, world: int) -> float:
+    """(own shard of params + grads + 2 moments) x 1.25 + the largest gathered unit + fixed, in bytes (fp32)."""
+    shard = {"zero1": (1, 1, world), "zero2": (1, world, world), "zero3": (world, world, world),
+             "hybrid": (2, 2, 2), "fsdp2": (world, world, world)}[mode]
+    own = params * 4 * (1 / shard[0] + 1 / shard[1] + 2 / shard[2])
+    return own * 1.25 + 4 * unit + fixed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     for key, default in (("hidden", 768), ("layers", 12), ("heads", 12), ("ffn", 2048), ("vocab", 8192),
-                         ("seq", 128), ("micro", 1), ("steps", 3), ("world", 4)):
+                         ("seq", 128), ("micro", 1), ("steps", 4), ("world", 4)):
         parser.add_argument(f"--{key}", type=int, default=default)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--mode", default=None)
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    args.passthrough = [a for k, v in vars(args).items() if k not in ("worker", "mode") for a in (f"--{k}", str(v))]
-    results = {mode: run_mode(args, mode) for mode in MODES}
+    args.passthrough = [a for k, v in vars(args).items() if k not in ("worker", "mode", "modes")
+                        for a in (f"--{k}", str(v))]
+    began = time.perf_counter()
+    results = {mode: run_mode(args, mode) for mode in args.modes.split(",")}
+    params, unit = sizes(args)
     fixed, gib = results["fixed"]["peak_rss"], 2 ** 30
-    params, block, world = results["zero3"]["params"], results["zero3"]["block"], args.world
-    bound = 4 * params / world * 4 * 1.25 + 4 * block + fixed  # (params + grads + 2 moments) / world, fp32
+    fsdp2 = results.get("fsdp2", {}).get("step_s")
+    print(f"Llama {params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "
+          f"largest unit {unit / 1e6:.1f}M, {args.world} ranks, fixed part {fixed / gib:.2f} GiB")
+    print("| mode | peak RSS GiB | bound GiB | holds | step s | step / FSDP2 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for mode, r in results.items():
-        print(f"{mode:6s} peak RSS {r['peak_rss'] / gib:6.2f} GiB" +
-              (f"  step {r['step_s']:6.2f} s" if "step_s" in r else ""))
-    print(f"model {params / 1e6:.0f}M params, largest block {block / 1e6:.1f}M; ZeRO-3 bound "
-          f"{bound / gib:.2f} GiB: {'holds' if results['zero3']['peak_rss'] <= bound else 'exceeded'}; "
-          f"step time ZeRO-3 / FSDP2 = {results['zero3']['step_s'] / results['fsdp2']['step_s']:.2f}")
+        if mode == "fixed":
+            continue
+        limit = bound(mode, params, unit, fixed, args.world)
+        r.update(bound=limit, holds=r["peak_rss"] <= limit)
+        ratio = f"{r['step_s'] / fsdp2:.2f}" if fsdp2 else "-"
+        print(f"| {mode} | {r['peak_rss'] / gib:.2f} | {limit / gib:.2f} | {'yes' if r['holds'] else 'no'} | "
+              f"{r['step_s']:.2f} | {ratio} |")
+    print(f"wall time {time.perf_counter() - began:.0f} s")
     print(json.dumps({m: {k: v for k, v in r.items() if k != "mode"} for m, r in results.items()}))
     return 0
 

@@ -76,7 +76,7 @@ def build_topology(cfg: TrainingConfig, device: Device) -> Topology:
         line = elastic_line(cfg, nodes, dims)
         if device.is_main:
             print(line, flush=True)
-    return Topology.build(dims)
+    return Topology.build(dims, cfg.parallel.shard_degree)  # model.data_parallel_shard_degree: hybrid
 
 
 def build_objective(cfg: TrainingConfig, model, optimizer, train: DataParallelBatches,

@@ -10,7 +10,7 @@
 # (exp_avg/exp_avg_sq, momentum_buffer, z: runtime/parallel/optimizers.py) for optimizer state.
 # Pieces are written once per distinct value: weights by the first DP replica (the first expert-data-parallel
 # replica for experts), TP-replicated tensors by TP rank 0, optimizer state by every DP rank under ZeRO-1 (each
-# holds different elements) and by the first otherwise.
+# holds different elements; hybrid sharding: every rank of the first replica group) and by the first otherwise.
 #
 # Loading fills each bucket from a source: reshard.RangedSource reads from the rank files only the byte ranges
 # this rank now holds (that is the reshard: nothing in the format depends on the saving layout); FullTensors
@@ -73,7 +73,9 @@ def rank_pieces(dp: DataParallel, optimizer, topo, origins: dict | None = None) 
         if first_replica and (first_tp or plan[name].sharded) and id(param) not in in_zero3:
             model_pieces.setdefault(plan.full_name(name), []).append(
                 {**_geometry(plan, name, param), "start": 0, "value": ranged(param.detach(), *in_buffer[id(param)])})
-    for bucket in zero3:  # each DP rank's range, as its optimizer state below
+    for bucket in zero3:  # each DP rank's range, as its optimizer state below (hybrid: the first replica's)
+        if bucket.replica_axis.rank != 0:
+            continue
         for seg in bucket.segments:
             name = names[id(seg.param)]
             if plan[name].sharded or first_tp:
@@ -81,7 +83,7 @@ def rank_pieces(dp: DataParallel, optimizer, topo, origins: dict | None = None) 
                     {**_geometry(plan, name, seg.param), "start": seg.in_param.start,
                      "value": ranged(bucket.param_shard[seg.in_shard], bucket.param_shard, seg.in_shard.start)})
     for bucket, state in zip(dp.buckets, optimizer.state):
-        if not (bucket.axis.rank == 0 or dp.zero1):
+        if not (bucket.axis.rank == 0 or dp.zero1) or bucket.replica_axis.rank != 0:
             continue
         for seg in bucket.segments:
             name = names[id(seg.param)]

@@ -37,6 +37,11 @@
 # ZeRO-3 (zero_stage 3) is ZeRO-2 with the parameters sharded too: runtime/parallel/zero3.py frees each bucket's
 # parameter buffer between uses and gathers it per unit (a block), which is why buckets are cut at unit boundaries.
 #
+# Hybrid sharding (model.data_parallel_shard_degree N, torchtitan's HSDP): every ZeRO stage shards within the
+# bucket's shard group (N consecutive dp or edp ranks, a node's when N is its devices: Topology.shard_axes) instead
+# of the whole group; a gradient is reduce-scattered there, then the shard all-reduced over the replica group (the
+# ranks holding the same shard), and parameters are all-gathered within the shard group only.
+#
 # What the reduction needs to know about each parameter (sequence-parallel partial gradients, pipeline-tied
 # copies, how many ranks hold the same value for the global norm) comes from the model's ShardingPlan.
 from __future__ import annotations
@@ -49,6 +54,7 @@ import torch
 from torch import nn
 
 from runtime.parallel import collectives as C
+from runtime.parallel.buckets import Bucket, MainGrad, Segment, accumulate
 from runtime.parallel.plan import plan_of
 from runtime.parallel.sparse_lookups import sparse_grads_work, split_tied_lookups
 from runtime.parallel.topology import AxisGroup, Topology
@@ -68,64 +74,6 @@ class DataParallelConfig:
     seed: int = 0                              # stochastic-rounding noise, the same on every rank
     overlap_grad_reduce: bool = True           # start each bucket's reduction during backward (see the header)
     overlap_param_gather: bool = True          # ZeRO-1: all-gather bucket k while bucket k + 1 is updated
-
-
-class MainGrad:
-    """One parameter's fp32 gradient, accumulated over the micro-batches of a step."""
-
-    __slots__ = ("shape", "device", "buffer", "value", "written")
-
-    def __init__(self, param: nn.Parameter, buffer: torch.Tensor | None):
-        self.shape, self.device = param.shape, param.device
-        self.buffer = buffer        # a view of the bucket's flat grad buffer, or None (see the header)
-        self.value = buffer         # what the optimizer reads; autograd's own tensor when there is no buffer
-                                    # (None from zero_grad until the backward writes it)
-        self.written = False        # False: the next gradient overwrites instead of adding
-
-    def zeros(self, *, keep: bool) -> None:
-        """Start from zeros; keep: allocate the missing buffer for good (sparse rows accumulate into it every
-        step) rather than for this step only."""
-        buffer = self.buffer
-        if buffer is None:
-            buffer = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-            if keep:
-                self.buffer = buffer
-        self.value = buffer.zero_()
-
-
-@dataclasses.dataclass
-class Segment:
-    """The part of one parameter inside this rank's shard of a bucket."""
-
-    param: nn.Parameter
-    main: MainGrad
-    in_param: slice      # range in param.view(-1)
-    in_shard: slice      # the same elements' range in the bucket's shard tensors
-    norm_weight: float   # 1 / (number of ranks holding an identical copy of this gradient)
-    shard_grad: torch.Tensor | None = None  # ZeRO-2: the reduced gradient, a view of its bucket's grad_shard
-
-    def grad(self) -> torch.Tensor:
-        if self.shard_grad is not None:
-            return self.shard_grad
-        return self.main.value.view(-1)[self.in_param]
-
-
-@dataclasses.dataclass
-class Bucket:
-    axis: AxisGroup                   # the ranks holding the same parameters: dp, or edp for experts
-    params: list[nn.Parameter]
-    decay: bool                       # matrices (weight decay applies) or vectors: biases and norm weights
-    param_buffer: torch.Tensor        # (padded,) param dtype; the params are views into it
-    grad_buffer: torch.Tensor | None  # (padded,) fp32 when gradients must be flat; main grads are views into it
-                                      # (ZeRO-2: only from the bucket's first gradient to its reduce-scatter)
-    shard: slice                      # the part of the buffers this rank owns and updates
-    master: torch.Tensor | None       # (shard,) fp32 master weights; None when the params are themselves fp32
-    segments: list[Segment]
-    uses: int = 0                     # hooks per backward: one per parameter, two for a tied embedding
-    deferred: bool = False            # holds a gradient summed over another group first: reduced after backward
-    grads_sharded: bool = False       # ZeRO-2 over more than one rank: grad_buffer lives only through backward
-    grad_shard: torch.Tensor | None = None  # then: (shard,) fp32, the reduced gradient, kept until the next one
-    param_shard: torch.Tensor | None = None  # ZeRO-3: (shard,) the rank's parameters; param_buffer only on demand
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator | None:
@@ -216,7 +164,7 @@ class DataParallel:
             layers = [p for p in ordered if id(p) not in lookups]
             for chunk in _split(layers, config.bucket_numel, units) + _split(
                     [p for p in ordered if id(p) in lookups], config.bucket_numel, units):
-                self.buckets.append(self._make_bucket(chunk, decay, names, axis))
+                self.buckets.append(self._make_bucket(chunk, decay, names, axis, *topo.shard_axes(axis)))
         bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
         deferred = {id(p) for p in self._partial + self._pipeline_tied}
         for bucket in self.buckets:
@@ -239,21 +187,25 @@ class DataParallel:
         self._gathers: list[C.Pending] = []
         self.zero3 = Zero3(model, self, self._aliases) if stage == 3 else None
 
-    def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str], dp: AxisGroup
-                     ) -> Bucket:
+    def _make_bucket(self, params: list[nn.Parameter], decay: bool, names: dict[int, str], dp: AxisGroup,
+                     shard_axis: AxisGroup, replica_axis: AxisGroup) -> Bucket:
         device = params[0].device
         numel = sum(p.numel() for p in params)
-        padded = math.ceil(numel / dp.size) * dp.size if self.zero1 else numel
-        shard_size = padded // dp.size if self.zero1 else padded
-        start = dp.rank * shard_size if self.zero1 else 0
+        cut = shard_axis  # ZeRO's shards: over dp (edp), or hybrid's shard group
+        if not self.zero1 and shard_axis.size < dp.size:
+            raise ValueError("hybrid sharding (a shard degree below dp) needs zero_stage >= 1: stage 0 shards nothing")
+        padded = math.ceil(numel / cut.size) * cut.size if self.zero1 else numel
+        shard_size = padded // cut.size if self.zero1 else padded
+        start = cut.rank * shard_size if self.zero1 else 0
         shard = slice(start, start + shard_size)
         # Identical copies of a gradient across the world: TP replicas, and DP replicas unless each DP rank
-        # owns a disjoint shard (ZeRO-1). The global norm sums squares / copies over every rank.
-        dp_copies = 1 if self.zero1 else dp.size
+        # owns a disjoint shard (ZeRO-1; hybrid: one copy per replica group). The global norm sums squares / copies
+        # over every rank.
+        dp_copies = replica_axis.size if self.zero1 else dp.size
 
         fp32 = torch.zeros(padded, dtype=torch.float32, device=device)
         # ZeRO-2: the full buffer only exists during a step's backward (_open_grads to _finish).
-        grads_sharded = self.zero_stage >= 2 and dp.size > 1
+        grads_sharded = self.zero_stage >= 2 and cut.size > 1
         grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device) if (
             self._flat_grads and not grads_sharded) else None
         segments, offset = [], 0
@@ -281,8 +233,8 @@ class DataParallel:
             p.data = param_buffer[offset:offset + n].view(p.shape)  # the module keeps the same Parameter object
             p.grad = None
             offset += n
-        return Bucket(dp, params, decay, param_buffer, grad_buffer, shard, master, segments,
-                      grads_sharded=grads_sharded)
+        return Bucket(dp, shard_axis, replica_axis, params, decay, param_buffer, grad_buffer, shard, master,
+                      segments, grads_sharded=grads_sharded)
 
     def _open_grads(self, bucket: Bucket) -> None:
         """ZeRO-2: the bucket's full gradient buffer for this step, zeros (its padding too), main grads its views;
@@ -337,7 +289,7 @@ class DataParallel:
         bucket = self.buckets[index]
         if bucket.grads_sharded and bucket.grad_buffer is None:
             self._open_grads(bucket)
-        _accumulate(main, param)
+        accumulate(main, param)
         if self._remaining is None:
             return
         self._remaining[index] -= 1
@@ -346,15 +298,18 @@ class DataParallel:
             self._started += 1
 
     def _start(self, bucket: Bucket) -> None:
-        if self._max_in_flight is not None and C.reduce_scatter_copies_input(bucket.axis):
+        cut = bucket.shard_axis
+        if self._max_in_flight is not None and C.reduce_scatter_copies_input(cut):
             while len(self._pending) >= self._max_in_flight:
                 self._finish(self._pending.pop(0))
-        if self.zero1:  # ZeRO-2 as well: _finish then keeps the shard and lets the full buffer go
+        if self.zero1 and cut.size > 1:  # ZeRO-2 as well: _finish then keeps the shard and lets the full buffer go
             # In place: into the rank's own slice of the buffer it reads (no shard-sized buffer per bucket).
-            shard = None if C.in_place_shard_ok(bucket.grad_buffer, bucket.axis) else torch.empty_like(
+            shard = None if C.in_place_shard_ok(bucket.grad_buffer, cut) else torch.empty_like(
                 bucket.grad_buffer[bucket.shard])
             out = bucket.grad_buffer[bucket.shard] if shard is None else shard
-            self._pending.append((bucket, C.start_reduce_scatter_flat(out, bucket.grad_buffer, bucket.axis), shard))
+            self._pending.append((bucket, C.start_reduce_scatter_flat(out, bucket.grad_buffer, cut), shard))
+        elif self.zero1:  # hybrid with shard groups of one: plain replication over the replica group
+            self._pending.append((bucket, C.start_all_reduce(bucket.grad_buffer, bucket.replica_axis), None))
         else:
             self._pending.append((bucket, C.start_all_reduce(bucket.grad_buffer, bucket.axis), None))
 
@@ -401,6 +356,10 @@ class DataParallel:
     def _finish(self, entry: tuple[Bucket, C.Pending, torch.Tensor | None]) -> None:
         bucket, pending, shard = entry
         pending.wait()
+        if bucket.replica_axis.size > 1 and bucket.shard_axis.size > 1:
+            # Hybrid: the shard group's sum, summed again over the replicas holding the same shard (waited on
+            # here, not overlapped: a second collective on the same shard).
+            C.all_reduce(bucket.grad_buffer[bucket.shard] if shard is None else shard, bucket.replica_axis)
         if bucket.grads_sharded:
             self._close_grads(bucket, shard)
         elif shard is not None:
@@ -430,11 +389,12 @@ class DataParallel:
         if self.precision.needs_rounding:
             for param, weight in zip(self._shard_params(bucket), weights):
                 param.copy_(self._round(weight))
-        if self.zero1 and bucket.axis.size > 1 and bucket.param_shard is None:  # ZeRO-3: gathered on demand
+        cut = bucket.shard_axis
+        if self.zero1 and cut.size > 1 and bucket.param_shard is None:  # ZeRO-3: gathered on demand
             shard = bucket.param_buffer[bucket.shard]
-            in_place = C.in_place_shard_ok(bucket.param_buffer, bucket.axis)
+            in_place = C.in_place_shard_ok(bucket.param_buffer, cut)
             self._gathers.append(C.start_all_gather_flat(bucket.param_buffer, shard if in_place else shard.clone(),
-                                                         bucket.axis))
+                                                         cut))
             if not self.overlap_param_gather:
                 self.finish_write_back()
 
@@ -464,25 +424,6 @@ class DataParallel:
     def load_sr_generator_state(self, state: torch.Tensor | None) -> None:
         if self._sr_generator is not None and state is not None:
             self._sr_generator.set_state(state)
-
-
-def _accumulate(main: MainGrad, param: nn.Parameter) -> None:
-    # Runs once per backward after autograd has summed this parameter's gradient, then drops .grad so the next
-    # micro-batch starts from nothing (and bf16 gradients never accumulate in bf16). An alias's hook gets its
-    # owner's MainGrad.
-    grad = param.grad
-    param.grad = None
-    if grad.is_sparse:  # embedding rows: add them into a dense fp32 buffer, kept across steps
-        if not main.written:
-            main.zeros(keep=True)
-        main.value.index_add_(0, grad._indices()[0], grad._values().to(torch.float32))
-    elif main.written:
-        main.value.add_(grad)
-    elif main.buffer is not None:
-        main.value = main.buffer.copy_(grad)
-    else:
-        main.value = grad  # already fp32 and no flat buffer needed: keep autograd's tensor
-    main.written = True
 
 
 def _split(params: list[nn.Parameter], max_numel: int, units: dict[int, int]) -> list[list[nn.Parameter]]:

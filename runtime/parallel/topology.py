@@ -179,17 +179,38 @@ class Topology:
     # The context group, carved out of dp too: the ranks that split each sequence (ring attention or Ulysses).
     # A group of one without it.
     cp: AxisGroup | None = None
+    # Hybrid sharding (model.data_parallel_shard_degree, torchtitan's HSDP): ZeRO shards within groups of that many
+    # consecutive dp (edp) ranks and replicates across them; the replica group is the ranks holding the same
+    # shard. Without it the shard group is dp (edp) itself and the replica group is one rank.
+    dp_shard: AxisGroup | None = None
+    dp_replica: AxisGroup | None = None
+    edp_shard: AxisGroup | None = None
+    edp_replica: AxisGroup | None = None
 
     def __post_init__(self) -> None:
-        for axis in ("ep", "cp"):
+        one = AxisGroup(rank=0, size=1, ranks=(self.rank,), group=None)
+        for axis in ("ep", "cp", "dp_replica"):
             if getattr(self, axis) is None:
-                object.__setattr__(self, axis, AxisGroup(rank=0, size=1, ranks=(self.rank,), group=None))
-        if self.edp is None:
+                object.__setattr__(self, axis, one)
+        if self.dp_shard is None:
+            object.__setattr__(self, "dp_shard", self.dp)
+        if self.edp is None:  # no expert parallelism: the experts' groups are dp's
             object.__setattr__(self, "edp", self.dp)
+            object.__setattr__(self, "edp_shard", self.dp_shard)
+            object.__setattr__(self, "edp_replica", self.dp_replica)
+        if self.edp_shard is None:
+            object.__setattr__(self, "edp_shard", self.edp)
+        if self.edp_replica is None:
+            object.__setattr__(self, "edp_replica", one)
+
+    def shard_axes(self, axis: AxisGroup) -> tuple[AxisGroup, AxisGroup]:
+        """(shard group, replica group) of `axis`, this topology's dp or edp."""
+        return (self.edp_shard, self.edp_replica) if axis is self.edp else (self.dp_shard, self.dp_replica)
 
     @classmethod
-    def build(cls, dims: ParallelDims) -> "Topology":
-        """Create every tp/dp/pp group (all ranks must call this, in the same order) and keep this rank's."""
+    def build(cls, dims: ParallelDims, shard_degree: int | None = None) -> "Topology":
+        """Create every tp/dp/pp group (all ranks must call this, in the same order) and keep this rank's.
+        shard_degree: hybrid sharding's shard group size (None: all of dp)."""
         if not dist.is_available() or not dist.is_initialized():
             if dims.world_size != 1:
                 raise ValueError(f"Topology.build needs torch.distributed initialized for world_size "
@@ -216,10 +237,15 @@ class Topology:
                 if rank in ends:
                     mine["embedding"] = _register(AxisGroup(rank=ends.index(rank), size=2, ranks=tuple(ends),
                                                           group=group))
+        for name, ranks in _hybrid_groups(dims, shard_degree):
+            group = dist.new_group(ranks) if len(ranks) < dims.world_size else dist.group.WORLD
+            if rank in ranks:
+                mine[name] = _register(AxisGroup(rank=ranks.index(rank), size=len(ranks), ranks=tuple(ranks),
+                                                 group=group))
         return cls(dims=dims, rank=rank, **mine)
 
     @classmethod
-    def offline(cls, dims: ParallelDims, rank: int) -> "Topology":
+    def offline(cls, dims: ParallelDims, rank: int, shard_degree: int | None = None) -> "Topology":
         """Rank `rank`'s place in `dims` with no process groups: enough to shard a model on the meta device and
         see what that rank would hold (sizes, tests) without starting the other ranks. Collectives fail on it."""
         coords = {**rank_coords(rank, dims), **expert_coords(rank, dims), **context_coords(rank, dims)}
@@ -227,6 +253,9 @@ class Topology:
         for axis in AXES + (EXPERT_AXES if dims.ep > 1 else ()) + ((CONTEXT_AXIS,) if dims.cp > 1 else ()):
             ranks = next(r for r in rank_groups(dims, axis) if rank in r)
             mine[axis] = AxisGroup(rank=coords[axis], size=len(ranks), ranks=tuple(ranks), group=None)
+        for name, ranks in _hybrid_groups(dims, shard_degree):
+            if rank in ranks:
+                mine[name] = AxisGroup(rank=ranks.index(rank), size=len(ranks), ranks=tuple(ranks), group=None)
         return cls(dims=dims, rank=rank, **mine)
 
     @property
@@ -258,3 +287,29 @@ class Topology:
         cp = f", cp={self.cp.rank}/{self.cp.size}" if self.cp.size > 1 else ""
         return (f"Topology(rank={self.rank}, tp={self.tp.rank}/{self.tp.size}, dp={self.dp.rank}/{self.dp.size}, "
                 f"pp={self.pp.rank}/{self.pp.size}{ep}{cp})")
+
+
+def hybrid_groups(ranks: list[int], degree: int) -> tuple[list[list[int]], list[list[int]]]:
+    """One dp (or edp) group's ranks, in axis order, cut for hybrid sharding: (shard groups, replica groups).
+    A shard group is `degree` consecutive ranks of the axis (dp ranks are consecutive up to tp: with tp x degree
+    dividing the devices per node, a shard group is node-local, torchrun numbering ranks node by node); a replica
+    group is the ranks at the same place of every shard group."""
+    if degree < 1 or len(ranks) % degree:
+        raise ValueError(f"model.data_parallel_shard_degree: {degree} must divide the group's {len(ranks)} ranks")
+    shards = [ranks[i:i + degree] for i in range(0, len(ranks), degree)]
+    return shards, [ranks[i::degree] for i in range(degree)]
+
+
+def _hybrid_groups(dims: ParallelDims, degree: int | None) -> list[tuple[str, list[int]]]:
+    """Every hybrid sub-group to create, in one order on every rank: (dp_shard, dp_replica, edp_shard or
+    edp_replica, its ranks). None, or a degree equal to the group size: nothing to create (and no edp groups of
+    their own without expert parallelism: edp is dp)."""
+    out = []
+    for axis in ("dp", "edp"):
+        size = dims.dp if axis == "dp" else dims.edp
+        if degree is None or degree == size or (axis == "edp" and dims.ep == 1):
+            continue
+        for ranks in rank_groups(dims, axis):
+            shards, replicas = hybrid_groups(ranks, degree)
+            out += [(f"{axis}_shard", group) for group in shards] + [(f"{axis}_replica", group) for group in replicas]
+    return out

@@ -88,7 +88,7 @@ class Zero3:
 
     def __init__(self, model: nn.Module, dp, aliases: list[tuple[nn.Parameter, nn.Parameter]]):
         self.dp = dp
-        self.managed = [b for b in dp.buckets if b.axis.size > 1]  # a group of one has nothing to shard
+        self.managed = [b for b in dp.buckets if b.shard_axis.size > 1]  # a group of one has nothing to shard
         for bucket in self.managed:
             bucket.param_shard = bucket.param_buffer[bucket.shard].clone()
         self._count = {id(b): 0 for b in self.managed}         # units holding each bucket now
@@ -120,7 +120,7 @@ class Zero3:
             return
         buffer = bucket.param_buffer
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        self._pending[id(bucket)] = C.start_all_gather_flat(buffer, bucket.param_shard, bucket.axis)
+        self._pending[id(bucket)] = C.start_all_gather_flat(buffer, bucket.param_shard, bucket.shard_axis)
 
     def _ready(self, bucket) -> None:
         self._start(bucket)

@@ -19,7 +19,7 @@ import re
 from runtime.schema.rules_layout import (  # noqa: F401
     world_divisible, world_text, elastic_nodes, tp_within_node, global_batch, interleaved_micro_batches, virtual_needs_pipeline,
     layers_split, stage_layers, CONTEXT_KEYS, context_kind, context_layout, context_sequence, ulysses_heads,
-    context_architecture, ZERO_STAGES, zero_stage,
+    context_architecture, ZERO_STAGES, zero_stage, zero3_on_xla, shard_degree,
 )
 from runtime.schema.rules_model import (  # noqa: F401
     head_size, MODEL_SWITCHES, LAYER_TYPES, llama_switches, attention_layers,

@@ -49,6 +49,36 @@ def zero_stage(stage: int | None, zero1: bool | None, p: str) -> str | None:
     return None
 
 
+def zero3_on_xla(stage: int, accelerator: str, p: str) -> str | None:
+    """ZeRO-3 frees each bucket's parameter storage between uses by resizing it (runtime/parallel/zero3.py); XLA
+    tensors (Neuron's torch-xla) have no storage to resize."""
+    if stage == 3 and accelerator == "neuron":
+        return (f"{p}model.zero_stage: 3 frees parameter storage between uses, which XLA devices (trainer.accelerator "
+                f"neuron) cannot; use model.zero_stage 1 or 2")
+    return None
+
+
+def shard_degree(degree: int | None, stage: int, dp: int, edp: int, p: str) -> str | None:
+    """model.data_parallel_shard_degree (torchtitan's name; hybrid sharding, runtime/parallel/topology.py): ZeRO
+    shards within groups of that many consecutive data-parallel ranks (a node's, when it is the devices per node)
+    and replicates across them; experts likewise within their expert-data-parallel group. null: all of dp."""
+    key = f"{p}model.data_parallel_shard_degree"
+    if degree is None:
+        return None
+    if degree < 1:
+        return f"{key}: {degree} must be >= 1 (or null: shard over all {dp} data-parallel ranks)"
+    if stage < 1:
+        return (f"{key}: {degree} shards the optimizer state, gradients or parameters, which model.zero_stage 0 "
+                f"does not; set model.zero_stage to 1, 2 or 3, or {key}=null")
+    if dp % degree:
+        return (f"{key}: {degree} does not divide the {dp} data-parallel ranks; use a divisor of {dp} (the devices "
+                f"per node keep each shard group inside a node)")
+    if edp % degree:
+        return (f"{key}: {degree} does not divide the {edp} expert-data-parallel ranks (data-parallel {dp} / "
+                f"expert_model_parallel_size {dp // edp}); use a divisor of {edp}")
+    return None
+
+
 def tp_within_node(tp: int, devices: int, p: str) -> str | None:
     """Tensor-parallel groups are consecutive ranks (runtime/parallel/dims.py) and talk inside every layer: a
     group must not cross a node."""

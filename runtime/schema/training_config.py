@@ -59,6 +59,7 @@ class ParallelConfig:
     overlap_param_gather: bool = True     # ZeRO-1's parameter all-gather overlapped with the optimizer's update
     pipeline_cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
     zero_stage: int | None = None         # model.zero_stage: 0, 1 (what zero1 means), 2 or 3; None: zero1 as 0/1
+    shard_degree: int | None = None       # model.data_parallel_shard_degree: hybrid sharding's group; None: all dp
 
     @property
     def stage(self) -> int:

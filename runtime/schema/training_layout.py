@@ -43,9 +43,10 @@ def read_parallel(model: Section) -> ParallelConfig | None:
     values["zero_stage"] = (stage if stage is not None else int(bool(zero1))) if problem is None else None
     granularity = model.choice("activations_checkpoint_granularity", C.CHECKPOINT_GRANULARITIES, None)
     cuts = _pipeline_cuts(model)
+    shard_degree = model.int("data_parallel_shard_degree", None)  # torchtitan's name; hybrid: rules.shard_degree
     if any(v is None for v in values.values()):
         return None
-    values["zero1"] = values["zero_stage"] >= 1
+    values["zero1"], values["shard_degree"] = values["zero_stage"] >= 1, shard_degree
     return ParallelConfig(virtual_pp=vpp, activation_checkpointing=granularity,
                           recompute_modules=tuple(dict.fromkeys(modules)), pipeline_cuts=cuts, **values)
 
@@ -73,6 +74,10 @@ def layout_rules(report: Report, p: str, trainer: TrainerConfig, parallel: Paral
     report.error(rules.world_divisible(world, rules.world_text(trainer.num_nodes, trainer.devices), tp, pp, p))
     report.error(rules.tp_within_node(tp, trainer.devices, p))
     report.error(rules.virtual_needs_pipeline(vpp, pp, p))
+    report.error(rules.zero3_on_xla(parallel.stage, trainer.accelerator, p))
+    if world % (tp * pp) == 0 and world // (tp * pp) % parallel.ep == 0:  # otherwise the expert rules say so
+        dp = world // (tp * pp)
+        report.error(rules.shard_degree(parallel.shard_degree, parallel.stage, dp, dp // parallel.ep, p))
     if data is None or world % (tp * pp):
         return
     dp = world // (tp * pp)

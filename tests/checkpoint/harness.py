@@ -31,13 +31,15 @@ class L:
     cp: int = 1  # context parallelism (ring), carved out of dp like ep
     cuts: tuple[int, ...] | None = None  # model.pipeline_cuts: each stage's last layer but the last's
     num_layers: int = NUM_LAYERS
+    shard_degree: int | None = None  # hybrid sharding: ZeRO's shard group size (None: all of dp)
 
     def __str__(self) -> str:
         return (f"tp{self.tp}_pp{self.pp}" + (f"_ep{self.ep}" if self.ep > 1 else "") +
                 (f"_cp{self.cp}" if self.cp > 1 else "") + ("_zero1" if self.zero1 else "") +
                 (f"_zero_stage{self.zero_stage}" if self.zero_stage is not None else "") +
                 (f"_cuts{'-'.join(map(str, self.cuts))}" if self.cuts else "") +
-                (f"_layers{self.num_layers}" if self.num_layers != NUM_LAYERS else ""))
+                (f"_layers{self.num_layers}" if self.num_layers != NUM_LAYERS else "") +
+                (f"_shard{self.shard_degree}" if self.shard_degree else ""))
 
 
 def build(arch: str, layout: L, seed: int):
@@ -46,7 +48,7 @@ def build(arch: str, layout: L, seed: int):
            H.tiny_config(arch, num_layers=layout.num_layers, seed=seed))
     world = dist.get_world_size()
     topo = Topology.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=world // (layout.tp * layout.pp),
-                                       world_size=world, ep=layout.ep, cp=layout.cp))
+                                       world_size=world, ep=layout.ep, cp=layout.cp), layout.shard_degree)
     model = parallelize_model(build_model(cfg), topo, sequence_parallel=False, pipeline_cuts=layout.cuts,
                               data_parallel=DataParallelConfig("fp32", layout.zero1, zero_stage=layout.zero_stage),
                               attention_kernels=flash_attention_kernels)

@@ -152,6 +152,13 @@ CASES = [
     (["training.model.zero_stage=0", "training.model.zero1=true"],
      "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1"),
     (["training.model.zero_stage=1.5"], "training.model.zero_stage: 1.5 is not an integer"),
+    (["training.model.zero_stage=3", "training.trainer.accelerator=neuron"],
+     "training.model.zero_stage: 3 frees parameter storage between uses, which XLA devices"),
+    (["+training.model.data_parallel_shard_degree=2"],
+     "training.model.data_parallel_shard_degree: 2 shards the optimizer state, gradients or parameters, which "
+     "model.zero_stage 0 does not"),
+    (["+training.model.data_parallel_shard_degree=4", "training.model.zero_stage=1"],
+     "training.model.data_parallel_shard_degree: 4 does not divide the"),
 ]
 
 

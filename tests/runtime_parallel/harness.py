@@ -86,6 +86,7 @@ class Layout:
     cp: int = 1        # context parallelism (ring attention); like ep, carved out of the dp ranks below...
     ulysses: int = 1   # ...or Ulysses. Unlike ep, `dp` here counts distinct samples (Megatron's dp): the world
                        # is tp x dp x cp x ulysses (x pp in the pipeline tests).
+    shard_degree: int | None = None  # hybrid sharding: ZeRO's shard group size (None: all of dp)
 
     @property
     def context(self) -> int:
@@ -159,7 +160,7 @@ def micro_batches_for(step: int, vocab: int, topo: Topology, context_kind: str =
 def make_topology(layout: Layout) -> Topology:
     dp = layout.dp * layout.context
     return Topology.build(ParallelDims(tp=layout.tp, pp=1, dp=dp, world_size=layout.tp * dp, ep=layout.ep,
-                                       cp=layout.context))
+                                       cp=layout.context), layout.shard_degree)
 
 
 LORA = LoraConfig(rank=4, alpha=32.0, dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",

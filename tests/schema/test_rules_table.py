@@ -26,6 +26,16 @@ CASES = [
      "training.model.zero1: true contradicts model.zero_stage 0 (zero1: true is stage 1 and stages 2 and 3 shard "
      "the optimizer state too); drop model.zero1 or make them agree"),
     ([f"{M}zero_stage=4"], "training.model.zero_stage: 4 is not a ZeRO stage; use 0, 1, 2 or 3"),
+    ([f"{M}zero_stage=3", f"{T}accelerator=neuron"],
+     "training.model.zero_stage: 3 frees parameter storage between uses, which XLA devices (trainer.accelerator "
+     "neuron) cannot; use model.zero_stage 1 or 2"),
+    ([f"+{M}data_parallel_shard_degree=2"],
+     "training.model.data_parallel_shard_degree: 2 shards the optimizer state, gradients or parameters, which "
+     "model.zero_stage 0 does not; set model.zero_stage to 1, 2 or 3, or "
+     "training.model.data_parallel_shard_degree=null"),
+    ([f"+{M}data_parallel_shard_degree=3", f"{M}zero_stage=3"],
+     "training.model.data_parallel_shard_degree: 3 does not divide the 2 data-parallel ranks; use a divisor of 2 "
+     "(the devices per node keep each shard group inside a node)"),
     ([f"{M}optim.name=sgd", f"+{M}optim.nesterov=true"],
      "training.model.optim.nesterov: Nesterov momentum needs model.optim.momentum > 0 and model.optim.dampening 0 "
      "(momentum 0.0, dampening 0.0)"),
