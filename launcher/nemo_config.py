@@ -105,6 +105,18 @@ def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) ->
             keep("model.optim.name", "adamw")
             keep("model.zero1", True)
             row(key, value, "training.model.optim.name = 'adamw' and training.model.zero1 = True")
+        elif key == "model.fsdp":
+            stage = _fsdp_stage(flat) if value else None
+            if value and stage is None:
+                refuse("model.fsdp_sharding_strategy", f"{flat.get('model.fsdp_sharding_strategy')!r} is not one of "
+                       f"NeMo's FSDP strategies; use full, grad or hybrid")
+                continue
+            if stage is not None:
+                keep("model.zero_stage", stage)
+                if flat.get("model.fsdp_sharding_strategy") == "hybrid":  # sharded within a node, replicated across
+                    keep("model.data_parallel_shard_degree", _node_dp(flat))
+            row(key, value, f"training.model.zero_stage = {stage} (ZeRO-{stage}; docs/runtime.md, ZeRO stages)"
+                if stage is not None else "ignored: plain data parallelism (the default)")
         elif key == "model.resume_from_checkpoint":
             keep("exp_manager.resume_from_checkpoint", value)
             row(key, value, "training.exp_manager.resume_from_checkpoint")
@@ -333,3 +345,19 @@ def longest_prefix(key: str, table) -> str | None:
         if ".".join(parts[:i]) in table:
             return ".".join(parts[:i])
     return None
+
+
+# NeMo's FSDP strategies (model.fsdp_sharding_strategy) as our ZeRO stages: `full` shards the weights (ZeRO-3),
+# `grad` the gradients and optimizer state (ZeRO-2), `hybrid` the weights within a node, replicated across nodes.
+FSDP_STAGES = {"full": 3, "grad": 2, "hybrid": 3}
+
+
+def _fsdp_stage(flat: dict[str, Any]) -> int | None:
+    return FSDP_STAGES.get(flat.get("model.fsdp_sharding_strategy", "full"))
+
+
+def _node_dp(flat: dict[str, Any]) -> int:
+    """A node's data-parallel ranks: its devices over the tensor-parallel size (NeMo's hybrid shards within one)."""
+    devices = flat.get("trainer.devices") or 1
+    tp = flat.get("model.tensor_model_parallel_size") or 1
+    return max(1, int(devices) // int(tp))

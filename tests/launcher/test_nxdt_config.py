@@ -826,3 +826,16 @@ def test_relative_compile_cache_goes_under_base_results_dir(name, cache, tmp_pat
     # The user's own choice on the same command line wins.
     plan, _ = _training(tmp_path, f"training=@{FIXTURES / name}.yaml", "cluster.neuron.compile.cache=/fsx/cache")
     assert plan.cfg["cluster"]["neuron"]["compile"]["cache"] == "/fsx/cache"
+
+
+@pytest.mark.parametrize("strategy, stage, shard", [("full", 3, None), ("grad", 2, None), ("hybrid", 3, 8)])
+def test_nemo_fsdp_becomes_our_zero_stage(tmp_path, recipe_data_dir, strategy, stage, shard):
+    """NeMo's model.fsdp with its sharding strategy: full shards the weights (ZeRO-3), grad the gradients and
+    optimizer state (ZeRO-2), hybrid the weights within a node's 8 data-parallel ranks (TP 1), replicated across."""
+    source = edited_copy(NEMO_5B, tmp_path, {"  fsdp: False": "  fsdp: True",
+                                             "fsdp_sharding_strategy: 'full'": f"fsdp_sharding_strategy: '{strategy}'"})
+    plan = launch.make_plan(["stages=[training]", "cluster_type=slurm", f"base_results_dir={tmp_path}/r",
+                             f"data_dir={recipe_data_dir}", f"training=@{source}", *HF_TOKENIZER],
+                            dry_run=True, produced_by="test")
+    model = plan.cfg["training"]["model"]
+    assert model["zero_stage"] == stage and model.get("data_parallel_shard_degree") == shard, model
