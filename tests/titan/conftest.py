@@ -78,11 +78,17 @@ def write_job(ctx: dict, path: Path) -> Path:
     return path
 
 
+def shim_env() -> dict[str, str]:
+    """What loads the fake accelerator in every Python process started with it (torchrun's workers): the switch,
+    and shim_site (its sitecustomize.py) ahead of this checkout on PYTHONPATH."""
+    return {"NXDT_TITAN_CPU_SHIM": "1",
+            "PYTHONPATH": os.pathsep.join([str(SHIM_SITE), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_titan(job: Path, nproc: int, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc -m runtime.titan.train --job job overrides` on CPU with the fake
     accelerator; AssertionError with its output when it fails."""
-    env = dict(os.environ, NXDT_TITAN_CPU_SHIM="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(SHIM_SITE), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", **shim_env())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "runtime.titan.train", "--job", str(job), *overrides]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
