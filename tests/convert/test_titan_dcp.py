@@ -3,13 +3,15 @@
 - ours -> DCP -> ours is bitwise: weights, Adam moments, the optimizer step, the step and the data position, from
   checkpoints saved at tp1, tp2 and pp2 (two gloo ranks);
 - torchtitan's own CheckpointManager loads the DCP into its model, optimizer container, LambdaLR and a dataloader
-  holding {"consumed_samples": N}; torchtitan's model then computes our runtime's logits (fp32, <= 1e-5 relative)
-  with its default FlexAttention and block-causal mask, on the CPU, unpatched;
+  holding {"consumed_samples": N}; torchtitan's model computes our runtime's logits (fp32, <= 1e-5 relative) on the
+  weights converted from every source (llama3 and qwen3, tp1, tp2, pp2) and with Llama 3.1's RoPE scaling, with its
+  default FlexAttention and block-causal mask, on the CPU, unpatched;
 - bad inputs (another family, a checkpoint not matching the named model config, a missing or corrupt DCP): one
   `error:` line, exit 2, nothing written.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -62,6 +64,45 @@ def test_ours_to_dcp_and_back_is_bitwise(tmp_path, family, tp, pp):
     assert flat["train_state.step"] == 2 and flat["lr_scheduler.last_epoch"] == 2
     assert flat["dataloader.consumed_samples"] == TH.CONSUMED
     assert flat["optimizer.state.layers.0.attention.qkv_linear.wqkv.weight.step"].item() == 2
+    # torchtitan's own model on the converted weights computes our logits, whatever layout saved them.
+    cfg = TH.model_config(family)
+    titan = _initialized(TitanModel(cfg, titan_family(cfg, "test")))
+    titan.model.load_state_dict({key: flat[key] for key in titan.state_keys()})
+    _same_logits(cfg, titan.model, {n: t for (n, k), t in before[0].items() if k == "value"})
+
+
+def _initialized(titan: TitanModel) -> TitanModel:
+    """Its buffers (the RoPE cache) computed; init_states also draws weights, which the caller then replaces."""
+    with torch.no_grad():
+        titan.model.init_states(buffer_device=torch.device("cpu"))
+    return titan
+
+
+def _same_logits(cfg, titan_model, ours: dict) -> None:
+    """torchtitan's model (FlexAttention, its block-causal mask over positions 0..L-1: one causal block per row, as
+    ours) and ours on the same weights and tokens: logits equal within 1e-5 relative (fp32)."""
+    runtime = build_model(cfg).eval()
+    runtime.load_state_dict({n: ours[n] for n in runtime.state_dict()})
+    ids = torch.randint(0, TH.VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        expected = runtime(ids).float()
+        got = titan_model.eval()(ids, positions, titan_model.get_attention_masks(positions))
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+def test_llama31_rope_scaling_gives_our_logits():
+    """Llama 3.1's RoPE scaling (rope_type llama3) is torchtitan's "llama" scaling: a context of 16 over an original 4
+    stretches every wavelength class, and the logits still agree."""
+    from runtime.schema.model import RopeScaling
+
+    cfg = dataclasses.replace(TH.model_config("llama3"), rope_scaling=RopeScaling(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=4))
+    torch.manual_seed(0)
+    ours = {n: t.detach().clone() for n, t in build_model(cfg).state_dict().items()}
+    titan = _initialized(TitanModel(cfg, titan_family(cfg, "test")))
+    titan.model.load_state_dict(titan.checkpoint_state(ours))
+    _same_logits(cfg, titan.model, ours)
 
 
 class _Data(Stateful):
