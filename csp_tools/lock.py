@@ -32,7 +32,8 @@ HEADER = f"""\
 # The versions the test suite passed with (csp_tools/lock.py). Every install reads it:
 #   {SYNC}
 # Renew it on purpose, then run the suite: python3 -m csp_tools.lock renew
-# Nodes that take torch from elsewhere (torch-neuronx, the XLA test venv) drop the torch line.
+# Nodes that take torch from elsewhere (torch-neuronx, the XLA test venv) drop the torch line, and the triton line
+# with it (torchtitan's, for torch 2.13; another torch pins its own).
 """
 
 

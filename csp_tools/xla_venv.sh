@@ -6,8 +6,10 @@
 set -euo pipefail
 VENV="${NXDT_XLA_VENV:-$HOME/.cache/nxdt/xla-venv}"
 LOCK="$(cd "$(dirname "$0")/.." && pwd)/constraints.txt"
-# The rest at constraints.txt's versions (csp_tools/lock.py), less its torch: this venv's torch is 2.9's.
-WANT="torch==2.9.1 torch-xla==2.9.0 lock:$(grep -v -i '^torch==' "$LOCK" | sha256sum | cut -c1-16)"
+# The rest at constraints.txt's versions (csp_tools/lock.py), less its torch and triton: this venv's torch is 2.9's,
+# which pins its own triton (the lock's is torchtitan's, for torch 2.13).
+OWN='^(torch|triton)=='
+WANT="torch==2.9.1 torch-xla==2.9.0 lock:$(grep -v -i -E "$OWN" "$LOCK" | sha256sum | cut -c1-16)"
 STAMP="$VENV/.nxdt-packages"
 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
@@ -16,7 +18,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   mkdir -p "$(dirname "$VENV")"
   uv venv -q "$VENV" --python 3.11 >&2
   # uv resolves and installs the CUDA build of torch in about a minute; pip takes several.
-  grep -v -i '^torch==' "$LOCK" > "$VENV.constraints"
+  grep -v -i -E "$OWN" "$LOCK" > "$VENV.constraints"
   VIRTUAL_ENV="$VENV" uv pip install -q -c "$VENV.constraints" torch==2.9.1 torch-xla==2.9.0 \
     numpy pyyaml omegaconf tokenizers tensorboard pytest >&2
   echo "$WANT" > "$STAMP"

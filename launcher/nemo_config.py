@@ -106,17 +106,7 @@ def map_keys(flat: dict[str, Any], ours: set[str], put, row, error, warn_key) ->
             keep("model.zero1", True)
             row(key, value, "training.model.optim.name = 'adamw' and training.model.zero1 = True")
         elif key == "model.fsdp":
-            stage = _fsdp_stage(flat) if value else None
-            if value and stage is None:
-                refuse("model.fsdp_sharding_strategy", f"{flat.get('model.fsdp_sharding_strategy')!r} is not one of "
-                       f"NeMo's FSDP strategies; use full, grad or hybrid")
-                continue
-            if stage is not None:
-                keep("model.zero_stage", stage)
-                if flat.get("model.fsdp_sharding_strategy") == "hybrid":  # sharded within a node, replicated across
-                    keep("model.data_parallel_shard_degree", _node_dp(flat))
-            row(key, value, f"training.model.zero_stage = {stage} (ZeRO-{stage}; docs/runtime.md, ZeRO stages)"
-                if stage is not None else "ignored: plain data parallelism (the default)")
+            _fsdp(flat, value, keep, refuse, row)
         elif key == "model.resume_from_checkpoint":
             keep("exp_manager.resume_from_checkpoint", value)
             row(key, value, "training.exp_manager.resume_from_checkpoint")
@@ -352,8 +342,20 @@ def longest_prefix(key: str, table) -> str | None:
 FSDP_STAGES = {"full": 3, "grad": 2, "hybrid": 3}
 
 
-def _fsdp_stage(flat: dict[str, Any]) -> int | None:
-    return FSDP_STAGES.get(flat.get("model.fsdp_sharding_strategy", "full"))
+def _fsdp(flat: dict[str, Any], value: Any, keep, refuse, row) -> None:
+    """model.fsdp (with model.fsdp_sharding_strategy) as model.zero_stage, and a node's shard group for hybrid."""
+    strategy = flat.get("model.fsdp_sharding_strategy", "full")
+    stage = FSDP_STAGES.get(strategy) if value else None
+    if value and stage is None:
+        refuse("model.fsdp_sharding_strategy", f"{strategy!r} is not one of NeMo's FSDP strategies; use full, grad "
+                                               f"or hybrid")
+        return
+    if stage is not None:
+        keep("model.zero_stage", stage)
+        if strategy == "hybrid":  # sharded within a node, replicated across nodes
+            keep("model.data_parallel_shard_degree", _node_dp(flat))
+    row("model.fsdp", value, f"training.model.zero_stage = {stage} (ZeRO-{stage}; docs/runtime.md, ZeRO stages)"
+        if stage is not None else "ignored: plain data parallelism (the default)")
 
 
 def _node_dp(flat: dict[str, Any]) -> int:

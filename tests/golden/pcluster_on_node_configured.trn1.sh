@@ -83,11 +83,11 @@ case "$PROJECT" in
 esac
 "$PYTHON_FOR_VENV" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
-# A checkout's constraints.txt holds the versions its test suite passed with (csp_tools/lock.py); its torch line is
-# dropped: the Neuron packages bring their own torch.
+# A checkout's constraints.txt holds the versions its test suite passed with (csp_tools/lock.py); its torch and
+# triton lines are dropped: the Neuron packages bring their own torch, which pins its own triton.
 LOCK=()
 if [ -f "$PROJECT/constraints.txt" ]; then
-  grep -v -i '^torch==' "$PROJECT/constraints.txt" > "$VENV/constraints.txt"
+  grep -v -i -E '^(torch|triton)==' "$PROJECT/constraints.txt" > "$VENV/constraints.txt"
   LOCK=(-c "$VENV/constraints.txt")
 fi
 if [ "$ROLE" = head ]; then

@@ -96,13 +96,13 @@ def test_a_relative_venv_is_refused():
 @pytest.mark.parametrize("role", ["compute", "head"])
 def test_a_checkouts_locked_versions_reach_the_nodes_venv_without_its_torch(role, tmp_path):
     """Section 4 of the real node script, run with a stand-in interpreter whose venv's pip records what it is asked
-    (a fake: pip would reach the network): the checkout's constraints.txt is passed, less its torch line (the
-    Neuron packages bring their own)."""
+    (a fake: pip would reach the network): the checkout's constraints.txt is passed, less its torch and triton lines
+    (the Neuron packages bring their own torch, which pins its own triton)."""
     text = _script()
     section = text[text.index("# 4. This project"):]
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    (checkout / "constraints.txt").write_text("# lock\nPyYAML==6.0.4\ntorch==2.13.0\nTorch==2.13.0\n")
+    (checkout / "constraints.txt").write_text("# lock\nPyYAML==6.0.4\ntorch==2.13.0\nTorch==2.13.0\ntriton==3.9.0\n")
     fake = tmp_path / "python3.11"
     fake.write_text('#!/bin/bash\n[ "$1 $2" = "-m venv" ] || exit 9\nmkdir -p "$3/bin"\n'
                     'printf \'#!/bin/bash\\necho "$*" >> "%s"\\n\' "$3/pip.log" > "$3/bin/pip"\n'
