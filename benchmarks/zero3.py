@@ -17,6 +17,7 @@ warm-up step, then the median of the rest. The issue's bound, per mode:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -53,9 +54,12 @@ def _fsdp2(args, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from runtime.models import meta_model
+    from runtime.parallel.parallelize import checkpoint_module
     model = meta_model(_config(args))
     mesh = init_device_mesh("cpu", (world,))
     for block in model.layers:
+        if args.checkpoint == "full":
+            checkpoint_module(block)  # what parallelize_model does for ours
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
@@ -84,13 +88,58 @@ def _ours(args, world: int, stage: int, degree: int | None):
     from runtime.step import train_step
     topo = Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world), degree)
     model = parallelize_model(meta_model(_config(args)), topo, attention_kernels=flash_attention_kernels,
-                              data_parallel=DataParallelConfig("fp32", zero_stage=stage))
+                              activation_checkpointing=args.checkpoint or None, data_parallel=DataParallelConfig("fp32", zero_stage=stage))
     optimizer = ShardedAdamW(model, {"lr": 1e-4})
 
     def step(inputs, labels):
         mask = torch.ones_like(labels, dtype=torch.float32)
         train_step(model, optimizer, [(inputs, labels, mask)], topo, lr=1e-4, clip=1.0)
+    step.model = model
     return step
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def probe(model) -> list[tuple]:
+    """Installs recorders on one ZeRO-3 rank: at every unit hook and every reduction start / finish, (event, VmRSS,
+    gathered parameter bytes, open full-gradient bytes, reductions in flight, live saved-activation bytes).
+    Returns the list the next step fills."""
+    import torch
+    dp, events = model.data_parallel, []
+    zero3, saved = dp.zero3, {}
+
+    def record(name):
+        gathered = sum(b.param_buffer.untyped_storage().nbytes() for b in zero3.managed)
+        grads = sum(b.grad_buffer.nbytes for b in dp.buckets if b.grad_buffer is not None)
+        events.append((name, _rss(), gathered, grads, len(dp._pending), sum(saved.values())))
+
+    def wrap(owner, attr, label):
+        inner = getattr(owner, attr)
+
+        def call(*args):
+            out = inner(*args)
+            which = args[0] if isinstance(args[0], int) else next(
+                (i for i, u in enumerate(zero3.units) if u is args[0]), "")
+            record(f"{label} {which}")
+            return out
+        setattr(owner, attr, call)
+    for attr, label in (("_before_forward", "fwd pre"), ("_after_forward", "fwd post"),
+                        ("_before_backward", "bwd pre"), ("_release", "free")):
+        wrap(zero3, attr, label)
+    wrap(dp, "_start", "reduce start")
+    wrap(dp, "_finish", "reduce done")
+
+    def pack(t):
+        storage = t.untyped_storage()  # a weight's storage moves each gather: compared at the time
+        if storage.nbytes() and storage.data_ptr() not in {b.param_buffer.untyped_storage().data_ptr()
+                                                           for b in dp.buckets}:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    model.register_forward_pre_hook(lambda *_: events.clear() or saved.clear() or record("step begins"))
+    return events, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def worker(args) -> None:
@@ -111,12 +160,17 @@ def worker(args) -> None:
         init_device_mesh("cpu", (world,))
     else:
         step = _fsdp2(args, world) if args.mode == "fsdp2" else _ours(args, world, *MODES[args.mode])
-        times = []
+        times, events = [], None
         for index in range(args.steps):
             dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's
             started = time.perf_counter()
-            step(*_batch(args, rank, index))
+            with hooks if events is not None else contextlib.nullcontext():
+                step(*_batch(args, rank, index))
             times.append(time.perf_counter() - started)
+            if args.probe and index == 0:
+                events, hooks = probe(step.model)
+        if events:
+            out["events"] = events
         out["step_s"] = statistics.median(times[1:])  # the first step warms up (allocator, first gathers)
     dist.barrier()
     if rank == 0:
@@ -176,21 +230,38 @@ def bound(mode: str, params: int, unit: int, fixed: int, world: int) -> float:
     return own * 1.25 + 4 * unit + fixed
 
 
+def print_probe(events: list) -> None:
+    """The probe's events, in MiB over the rank's RSS when the step's forward begins."""
+    base, mib = events[0][1], 2 ** 20
+    print("| event | RSS over step start | gathered params | full grad buffers | reductions in flight | saved |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, rss, gathered, grads, pending, saved in events:
+        print(f"| {name} | {(rss - base) / mib:.0f} | {gathered / mib:.0f} | {grads / mib:.0f} | {pending} | "
+              f"{saved / mib:.0f} |")
+    print(f"peak over step start: {(max(e[1] for e in events) - base) / mib:.0f} MiB")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     for key, default in (("hidden", 768), ("layers", 12), ("heads", 12), ("ffn", 2048), ("vocab", 8192),
                          ("seq", 128), ("micro", 1), ("steps", 4), ("world", 4)):
         parser.add_argument(f"--{key}", type=int, default=default)
+    parser.add_argument("--checkpoint", default="full", choices=("full", ""),
+                        help="activation checkpointing of every block ('': none)")
     parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--probe", action="store_true", help="one ZeRO-3 rank's memory at every hook of step 2")
     parser.add_argument("--mode", default=None)
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    args.passthrough = [a for k, v in vars(args).items() if k not in ("worker", "mode", "modes")
-                        for a in (f"--{k}", str(v))]
+    args.passthrough = [a for k, v in vars(args).items() if k not in ("worker", "mode", "modes", "probe")
+                        for a in (f"--{k}", str(v))] + (["--probe"] if args.probe else [])
     began = time.perf_counter()
+    if args.probe:
+        print_probe(run_mode(args, "zero3")["events"])
+        return 0
     results = {mode: run_mode(args, mode) for mode in args.modes.split(",")}
     params, unit = sizes(args)
     fixed, gib = results["fixed"]["peak_rss"], 2 ** 30

@@ -63,6 +63,7 @@ from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
 GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on gloo: it copies each reduce-scatter's input while it runs
+GLOO_SHARDED_GRADS_IN_FLIGHT = 1   # ZeRO-2/3 on gloo: each in flight also holds a full gradient buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,11 @@ class DataParallel:
         # oldest is waited on first, in the order every rank starts them): with every bucket in flight that copy
         # is a second set of gradients. Not under a pipeline: a rank waiting inside its backward could hold up the
         # stage its data-parallel peer's pipeline waits on.
-        self._max_in_flight = GLOO_REDUCTIONS_IN_FLIGHT if self.zero1 and topo.pp.size == 1 else None
+        # ZeRO-2/3: one at a time, as each also keeps its bucket's full gradient buffer alive until it finishes
+        # (measured at ZeRO-3, 87M, a unit a bucket: two in flight peaked 1 bucket + 1 gloo copy higher, and the
+        # next unit's backward still overlaps the one in flight).
+        in_flight = GLOO_SHARDED_GRADS_IN_FLIGHT if stage >= 2 else GLOO_REDUCTIONS_IN_FLIGHT
+        self._max_in_flight = in_flight if self.zero1 and topo.pp.size == 1 else None
         self.main_grads: dict[int, MainGrad] = {}
         self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
         self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
