@@ -94,8 +94,27 @@ def _ours(args, world: int, stage: int, degree: int | None):
     def step(inputs, labels):
         mask = torch.ones_like(labels, dtype=torch.float32)
         train_step(model, optimizer, [(inputs, labels, mask)], topo, lr=1e-4, clip=1.0)
-    step.model = model
+    step.model, step.optimizer = model, optimizer
     return step
+
+
+def _self_hwm() -> int:
+    return _hwm(os.getpid())
+
+
+def _memory() -> dict:
+    """This process now: peak RSS, RSS, and the bytes of every tensor storage Python can reach (each once)."""
+    import gc
+    import torch
+    storages = {}
+    for obj in gc.get_objects():
+        try:  # DTensors and other wrappers have no storage of their own: their local tensors are counted
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:
+            pass
+    return {"hwm": _self_hwm(), "rss": _rss(), "tensors": sum(storages.values())}
 
 
 def _rss() -> int:
@@ -103,7 +122,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def probe(model) -> list[tuple]:
+def probe(model, optimizer) -> list[tuple]:
     """Installs recorders on one ZeRO-3 rank: at every unit hook and every reduction start / finish, (event, VmRSS,
     gathered parameter bytes, open full-gradient bytes, reductions in flight, live saved-activation bytes).
     Returns the list the next step fills."""
@@ -114,14 +133,17 @@ def probe(model) -> list[tuple]:
     def record(name):
         gathered = sum(b.param_buffer.untyped_storage().nbytes() for b in zero3.managed)
         grads = sum(b.grad_buffer.nbytes for b in dp.buckets if b.grad_buffer is not None)
-        events.append((name, _rss(), gathered, grads, len(dp._pending), sum(saved.values())))
+        peak = _self_hwm()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the kernel's peak RSS starts again from the current RSS: each event's peak is its own
+        events.append((name, _rss(), peak, gathered, grads, len(dp._pending), sum(saved.values())))
 
     def wrap(owner, attr, label):
         inner = getattr(owner, attr)
 
-        def call(*args):
-            out = inner(*args)
-            which = args[0] if isinstance(args[0], int) else next(
+        def call(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            which = "" if not args else args[0] if isinstance(args[0], int) else next(
                 (i for i, u in enumerate(zero3.units) if u is args[0]), "")
             record(f"{label} {which}")
             return out
@@ -131,6 +153,8 @@ def probe(model) -> list[tuple]:
         wrap(zero3, attr, label)
     wrap(dp, "_start", "reduce start")
     wrap(dp, "_finish", "reduce done")
+    for owner, attr in ((dp, "reduce_gradients"), (optimizer, "clip_grad_norm"), (optimizer, "step")):
+        wrap(owner, attr, attr)
 
     def pack(t):
         storage = t.untyped_storage()  # a weight's storage moves each gather: compared at the time
@@ -138,7 +162,8 @@ def probe(model) -> list[tuple]:
                                                            for b in dp.buckets}:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
-    model.register_forward_pre_hook(lambda *_: events.clear() or saved.clear() or record("step begins"))
+    model.register_forward_pre_hook(lambda *_: saved.clear() or record("step begins"))
+    record("between steps")
     return events, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
@@ -153,22 +178,29 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"mode": args.mode}
-    if args.mode == "fixed":  # no model, but the process groups a mode builds: hybrid's sub-groups and a mesh
-        from torch.distributed.device_mesh import init_device_mesh
+    if args.mode == "fixed":
+        # No model of this size, but everything a mode's step loads: the process groups (hybrid's sub-groups and a
+        # mesh), and two steps of ZeRO-3 and of FSDP2 on a tiny Llama. The first step maps code and runtime
+        # buffers that stay (at 87M a ZeRO-3 rank held 135 MiB more RSS after it than its tensors: libtriton.so
+        # alone 71 MiB, more of libtorch_cpu.so, the allocator's and the libraries' own buffers).
         from runtime.parallel import ParallelDims, Topology
         Topology.build(ParallelDims(tp=1, pp=1, dp=world, world_size=world), 2)
-        init_device_mesh("cpu", (world,))
+        tiny = argparse.Namespace(**{**vars(args), "hidden": 64, "layers": 2, "heads": 4, "ffn": 128, "vocab": 256})
+        for step in (_ours(tiny, world, 3, None), _fsdp2(tiny, world)):
+            for index in range(2):
+                step(*_batch(tiny, rank, index))
     else:
         step = _fsdp2(args, world) if args.mode == "fsdp2" else _ours(args, world, *MODES[args.mode])
-        times, events = [], None
+        times, events, out["after"] = [], None, {"build": _memory()}
         for index in range(args.steps):
             dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's
             started = time.perf_counter()
             with hooks if events is not None else contextlib.nullcontext():
                 step(*_batch(args, rank, index))
             times.append(time.perf_counter() - started)
+            out["after"][f"step {index + 1}"] = _memory()
             if args.probe and index == 0:
-                events, hooks = probe(step.model)
+                events, hooks = probe(step.model, step.optimizer)
         if events:
             out["events"] = events
         out["step_s"] = statistics.median(times[1:])  # the first step warms up (allocator, first gathers)
@@ -231,14 +263,15 @@ def bound(mode: str, params: int, unit: int, fixed: int, world: int) -> float:
 
 
 def print_probe(events: list) -> None:
-    """The probe's events, in MiB over the rank's RSS when the step's forward begins."""
+    """The probe's events: RSS, and the peak since the event before, in MiB over the RSS between steps."""
     base, mib = events[0][1], 2 ** 20
-    print("| event | RSS over step start | gathered params | full grad buffers | reductions in flight | saved |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, rss, gathered, grads, pending, saved in events:
-        print(f"| {name} | {(rss - base) / mib:.0f} | {gathered / mib:.0f} | {grads / mib:.0f} | {pending} | "
-              f"{saved / mib:.0f} |")
-    print(f"peak over step start: {(max(e[1] for e in events) - base) / mib:.0f} MiB")
+    print(f"RSS between steps {base / mib:.0f} MiB")
+    print("| event | RSS | peak since the last | gathered params | full grad buffers | reductions in flight | saved |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, rss, peak, gathered, grads, pending, saved in events:
+        print(f"| {name} | {(rss - base) / mib:.0f} | {(peak - base) / mib:.0f} | {gathered / mib:.0f} | "
+              f"{grads / mib:.0f} | {pending} | {saved / mib:.0f} |")
+    print(f"peak over between steps: {(max(e[2] for e in events) - base) / mib:.0f} MiB")
 
 
 def main(argv=None) -> int:
