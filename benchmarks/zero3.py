@@ -6,9 +6,10 @@ Every mode builds the model on the meta device, as runtime/train.py does at reci
 parallelize_model (at tp 1 a rank materializes the whole model once, bucket by bucket copied into the flat buffers
 and, at ZeRO-3, cut to its shard), FSDP2 by fully_shard on the meta model, then to_empty and an init of its local
 shards. Each rank is its own process; the parent samples every worker's VmHWM (the kernel's peak RSS) from /proc,
-from outside, and reports the largest. "fixed" is the same process with no model (torch, gloo, the world joined and
-its groups built, the runtime and FSDP2 imported): the part of every figure that is not the model. Step time: one
-warm-up step, then the median of the rest. The issue's bound, per mode:
+from outside, and reports the largest. "fixed" is the same process without this model but after two steps of
+ZeRO-3 and of FSDP2 on a tiny one (torch, gloo, the groups, and the code and buffers a first step maps for good):
+the part of every figure that is not the model. Every block is activation-checkpointed unless --checkpoint '' (the
+bound below has no activation term). Step time: one warm-up step, then the median of the rest. The issue's bound:
     peak <= (own shard of params + grads + AdamW's two moments) x 1.25 + largest gathered unit + fixed
 (what a rank keeps whole is counted whole: ZeRO-1 keeps params and grads, ZeRO-2 the params).
 
