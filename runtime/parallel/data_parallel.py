@@ -63,6 +63,9 @@ from runtime.precision import Precision, get_precision, stochastic_round_to_bf16
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # ~160 MB of fp32 grads: few collectives, but not one huge blocking one
 GLOO_REDUCTIONS_IN_FLIGHT = 2      # ZeRO-1 on gloo: it copies each reduce-scatter's input while it runs
+# ZeRO-2/3 on gloo: each reduction in flight also keeps its bucket's full gradient buffer, and the next bucket's
+# backward still overlaps the one in flight (at 87M ZeRO-3 two in flight peaked 40 MiB higher: benchmarks/README.md)
+GLOO_SHARDED_GRADS_IN_FLIGHT = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +140,11 @@ class DataParallel:
         # reduce-scatter into the rank's own slice of the buffer it reads, the all-gather from the rank's own slice
         # of the buffer it fills. No shard-sized copy per bucket while they are in flight (with overlap, every
         # bucket's at once: 1/dp of the model, twice).
-        # Where a reduce-scatter copies its whole input while it runs (gloo), at most this many run at once (the
-        # oldest is waited on first, in the order every rank starts them): with every bucket in flight that copy
-        # is a second set of gradients. Not under a pipeline: a rank waiting inside its backward could hold up the
-        # stage its data-parallel peer's pipeline waits on.
-        self._max_in_flight = GLOO_REDUCTIONS_IN_FLIGHT if self.zero1 and topo.pp.size == 1 else None
+        # Where a reduce-scatter copies its whole input while it runs (gloo), at most this many run at once (oldest
+        # waited on first, in the order every rank starts them; ZeRO-2/3: one, see GLOO_SHARDED_GRADS_IN_FLIGHT).
+        # Not under a pipeline: a rank waiting inside its backward could hold up the stage its peer's waits on.
+        in_flight = GLOO_SHARDED_GRADS_IN_FLIGHT if stage >= 2 else GLOO_REDUCTIONS_IN_FLIGHT
+        self._max_in_flight = in_flight if self.zero1 and topo.pp.size == 1 else None
         self.main_grads: dict[int, MainGrad] = {}
         self._partial = [p for p in self.params if plan[names[id(p)]].partial_grad]
         self._pipeline_tied = [p for p in self.params if plan[names[id(p)]].pipeline_tied]
