@@ -1,7 +1,7 @@
 """ZeRO-3 (DataParallelConfig.zero_stage=3: parameters sharded over DP and gathered per block,
 runtime/parallel/zero3.py): training equals one process (fp32, losses within 1e-6 relative) for GPT, Llama and an
-MoE at dp2, dp4, dp2 x tp2 (sequence parallel), dp2 x pp2 (1F1B and interleaved) and dp2 x ep2, with activation
-checkpointing (full and selective) and LoRA; bf16 with fp32 master weights equals ZeRO-1 bit for bit; between
+MoE at dp2, dp4, dp2 x tp2 (sequence parallel), dp2 x pp2 (1F1B and interleaved), dp2 x ep2 and under context
+parallelism (cp2 ring, dp2 x Ulysses 2), with activation checkpointing (full and selective) and LoRA; bf16 with fp32 master weights equals ZeRO-1 bit for bit; between
 uses no bucket holds its parameters; and checkpoints move between ZeRO-3 and ZeRO-1 under other layouts
 (save at ZeRO-3 dp4, resume at ZeRO-1 dp2 x tp2, and the reverse). One spawn per world size.
 """
@@ -27,6 +27,8 @@ TWO_RANK_JOBS = {
     "gpt-dp2-zero3-selective-recompute": ("gpt", {}, L(dp=2, zero_stage=3, activation_checkpointing="selective",
                                                       recompute_modules=("core_attention", "mlp"))),
     "llama-dp2-zero3-lora": ("llama", {"fine_tuning": "lora"}, L(dp=2, zero_stage=3)),
+    # Context parallelism: the ring's two ranks hold one sample's halves, and shard the weights between them.
+    "llama-cp2-zero3": ("llama", {}, L(cp=2, zero_stage=3)),
 }
 BF16_JOBS = {f"llama-dp2-zero{stage}-bf16": ("llama", {}, L(dp=2, zero_stage=stage, precision="mixed_precision"))
              for stage in (1, 3)}
@@ -34,6 +36,7 @@ FOUR_RANK_JOBS = {
     "llama-dp4-zero3": ("llama", {}, L(dp=4, zero_stage=3)),
     "gpt-tp2-dp2-sp-zero3": ("gpt", {}, L(tp=2, dp=2, sequence_parallel=True, zero_stage=3)),
     "mixtral-dp4-ep2-zero3": ("llama", {"moe": MOE}, L(dp=4, ep=2, zero_stage=3)),
+    "gpt-dp2-ulysses2-zero3": ("gpt", {}, L(dp=2, ulysses=2, zero_stage=3)),
 }
 PIPELINE_JOBS = {  # a tied embedding (GPT) on the first and last stage, each stage gathering only its own blocks
     "gpt-pp2-dp2-zero3": ("gpt", {}, P.PipelineLayout(pp=2, dp=2, zero_stage=3)),
