@@ -25,16 +25,12 @@ from typing import Any
 from launcher.config import LaunchConfig, stage_inputs
 from launcher.stages import runs_torchtitan
 from launcher.titan_keys import KEYS, asks_for_more, key_of
-from runtime.schema.families import TORCHTITAN_MODELS
 from runtime.schema.model import ModelConfig
 from runtime.schema.training_config import TrainingConfig
-from runtime.titan.shape import titan_model, titan_shape
+from runtime.titan.shape import OPTIMIZERS, USE_NXDT, titan_model, titan_shape
 
-FAMILIES = tuple(sorted(TORCHTITAN_MODELS.values()))
 PRECISIONS = {"fp32": "float32", "mixed_precision": "bfloat16", "autocast": "bfloat16"}
-OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 DECAY = {"CosineAnnealing": "cosine", "LinearAnnealing": "linear", "Constant": "linear"}
-USE_NXDT = "or set training.runtime=nxdt"
 UNKNOWN_SHAPE = ("training.model: the model's shape is not known here (model.model_config's config.json is not on "
                  "this machine), so the torchtitan job cannot be generated; give its path")
 
@@ -56,12 +52,13 @@ def once_per_key(lines: list[str]) -> list[str]:
 
 
 def data_parallel(config: TrainingConfig) -> dict[str, int]:
-    """The data-parallel degrees (see the top): shard within a node, replicate across nodes."""
+    """The data-parallel degrees (see the top): model.data_parallel_shard_degree where the recipe sets it (the
+    schema has checked it divides dp), else shard within a node and replicate across nodes."""
     layout, trainer = config.parallel, config.trainer
     inner = layout.tp * layout.context
     dp = trainer.num_nodes * trainer.devices // (inner * layout.pp)
     per_node = trainer.devices // inner if trainer.devices % inner == 0 else 0
-    shard = per_node if 1 < per_node < dp and dp % per_node == 0 else dp
+    shard = layout.shard_degree or (per_node if 1 < per_node < dp and dp % per_node == 0 else dp)
     return {"data_parallel_replicate_degree": dp // shard, "data_parallel_shard_degree": shard}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-USE_NXDT = "or set training.runtime=nxdt"
+from runtime.titan.shape import USE_NXDT
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,8 @@ KEYS: dict[str, Key] = {
     "model.zero1": _maps("parallelism.data_parallel_shard_degree", "FSDP within a node, replicated across nodes"),
     "model.zero_stage": _maps("parallelism.data_parallel_shard_degree", "FSDP within a node, replicated across "
                               "nodes"),
+    "model.data_parallel_shard_degree": _maps("parallelism.data_parallel_shard_degree", "the same key: FSDP in "
+                                              "groups of that many, replicated across them"),
     "model.overlap_grad_reduce": _quiet("FSDP overlaps its reductions itself"),
     "model.overlap_param_gather": _quiet("FSDP overlaps its gathers itself"),
     "model.activations_checkpoint_granularity": _maps("activation_checkpoint"),

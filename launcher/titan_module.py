@@ -13,10 +13,9 @@ from functools import lru_cache
 from typing import Any
 
 from launcher.paths import templates_dir
-from runtime.schema.families import TORCHTITAN_MODELS
+from runtime.schema.families import torchtitan_builder
 
 TEMPLATE = "torchtitan/job.py.j2"
-FAMILIES = tuple(sorted(TORCHTITAN_MODELS.values()))
 ACTIVATION_CHECKPOINT = {"none": "None", "full": "FullAC.Config()", "selective": "SelectiveAC.Config()"}
 
 # (ctx section, Trainer.Config field, its class in the module, the ctx keys it takes). The training section's
@@ -66,8 +65,7 @@ def render_module(ctx: dict[str, Any]) -> str:
     missing = [key for key in REQUIRED if key not in ctx]
     if missing:
         raise ValueError(f"torchtitan job context: missing {', '.join(missing)}")
-    if ctx["family"] not in FAMILIES:
-        raise ValueError(f"family: {ctx['family']!r} is not one torchtitan trains here; choose one of {FAMILIES}")
+    torchtitan_builder(ctx["family"])  # ValueError naming the models torchtitan trains here
     if ctx["activation_checkpoint"] not in ACTIVATION_CHECKPOINT:
         raise ValueError(f"activation_checkpoint: {ctx['activation_checkpoint']!r}; choose one of "
                          f"{tuple(ACTIVATION_CHECKPOINT)}")

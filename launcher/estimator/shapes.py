@@ -68,7 +68,8 @@ class Layout:
         return ParallelConfig(tp=self.tp, pp=self.pp, virtual_pp=self.vpp, sequence_parallel=self.sequence_parallel,
                               zero1=self.zero1, activation_checkpointing=self.recompute,
                               recompute_modules=self.recompute_modules, ep=self.ep, cp=self.cp,
-                              ulysses=self.ulysses, pipeline_cuts=self.pipeline_cuts, zero_stage=self.zero_stage)
+                              ulysses=self.ulysses, pipeline_cuts=self.pipeline_cuts, zero_stage=self.zero_stage,
+                              shard_degree=self.shard_degree)
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
@@ -224,17 +225,8 @@ def layout_from_training(sizing: SizingConfig, trainer: TrainerConfig) -> Layout
         ulysses=parallel.ulysses,
         pipeline_cuts=parallel.pipeline_cuts,
         zero_stage=parallel.zero_stage,
-        shard_degree=shard_degree_of(sizing),
+        shard_degree=parallel.shard_degree,
     )
-
-
-def shard_degree_of(sizing: SizingConfig) -> int | None:
-    """model.data_parallel_shard_degree (hybrid sharding), as the schema types it where it does, else the key as
-    written (an integer, or null for all of dp). Anything else is left to the schema's rules, which name the key."""
-    value = getattr(sizing.parallel, "data_parallel_shard_degree", None)
-    if value is None:
-        value = sizing.model.get("data_parallel_shard_degree")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 # ---- parameter counts ---------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ from runtime.config import parse_model_config
 from runtime.convert.hf_layout import state_shapes
 from runtime.convert.titan_model import TitanModel, titan_family
 from runtime.schema.facts import USER_ERROR_EXIT_CODE
+from runtime.titan.shape import OPTIMIZERS
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}  # ours (model.optim.name) -> torchtitan's
 
 
 def to_titan(location: str, folder: str, implementation: str = "fused") -> Path:

@@ -164,10 +164,8 @@ def _tokens(totals) -> torch.Tensor | float:
     return tokens.clamp(min=1.0) if isinstance(tokens, torch.Tensor) else max(tokens, 1.0)
 
 
-class PPOPolicyObjective:
-    """The policy's clipped ratio objective over micro-batches whose pair_ids are row ids into `table`."""
-
-    num_stats = len(POLICY_STATS)
+class _OverTable:
+    """An objective over micro-batches whose pair_ids are row ids into the rollout's `table`."""
 
     def __init__(self, config: PPOConfig, table: PPOTable):
         self.config, self.table = config, table
@@ -177,6 +175,12 @@ class PPOPolicyObjective:
 
     def totals(self, batches: list[PreparedBatch]) -> torch.Tensor:
         return _totals(batches)
+
+
+class PPOPolicyObjective(_OverTable):
+    """The policy's clipped ratio objective over micro-batches whose pair_ids are row ids into `table`."""
+
+    num_stats = len(POLICY_STATS)
 
     def __call__(self, per_token: torch.Tensor, batch: PreparedBatch, totals) -> tuple[torch.Tensor, torch.Tensor]:
         table, ids, mask = self.table, batch.pair_ids, batch.loss_mask
@@ -201,20 +205,11 @@ class PPOPolicyObjective:
             "completion_length": s["completion_length"] / rows, "clip_ratio": s["clipped"] / tokens}
 
 
-class ValueObjective:
+class ValueObjective(_OverTable):
     """The critic's clipped value objective (times vf_coef) over the same micro-batches; per_token is the critic's
     per-position value (a score-head model's output, runtime/alignment/reward.py PositionScores)."""
 
     num_stats = len(VALUE_STATS)
-
-    def __init__(self, config: PPOConfig, table: PPOTable):
-        self.config, self.table = config, table
-
-    def prepare(self, model, batches: list[PreparedBatch], topo) -> list[PreparedBatch]:
-        return _check_rows(batches)
-
-    def totals(self, batches: list[PreparedBatch]) -> torch.Tensor:
-        return _totals(batches)
 
     def __call__(self, values: torch.Tensor, batch: PreparedBatch, totals) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, table, ids, mask = self.config, self.table, batch.pair_ids, batch.loss_mask

@@ -23,7 +23,9 @@ EXTRAS = (
     ("softmax_scale", lambda m: m.softmax_scale is not None),
     *((key, lambda m, key=key: getattr(m, key) > 0) for key in ("hidden_dropout", "attention_dropout", "ffn_dropout")),
 )
-USE_NXDT = "or set training.runtime=nxdt"
+USE_NXDT = "or set training.runtime=nxdt"  # the end of every line that refuses something to torchtitan
+# Our optimizers torchtitan has (model.optim.name -> its optimizer_name): what a launch maps and a conversion carries.
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 
 
 def titan_model(model: ModelConfig, p: str = "training.model.",

@@ -80,6 +80,13 @@ def test_data_parallelism_shards_within_a_node_and_replicates_across_nodes():
     cfg = resolved("stages=[training]", *HEADLINE, "training.trainer.num_nodes=4")
     config, _ = parse_training(cfg["training"], files="skip", vocab_size=LLAMA3_VOCAB)
     assert titan.data_parallel(config) == {"data_parallel_replicate_degree": 4, "data_parallel_shard_degree": 4}
+    # Our hybrid-sharding key is torchtitan's own: where the recipe sets it, the job shards in groups of that many.
+    cfg = resolved("stages=[training]", *HEADLINE, "training.trainer.num_nodes=4",
+                   "+training.model.data_parallel_shard_degree=8", "training.model.zero_stage=1")
+    config, report = parse_training(cfg["training"], files="skip", vocab_size=LLAMA3_VOCAB)
+    assert config is not None, report.errors
+    assert titan.data_parallel(config) == {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": 8}
+    assert titan.key_problems({"model.data_parallel_shard_degree": 8})[0] == []
 
 
 @pytest.fixture

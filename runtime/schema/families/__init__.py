@@ -93,7 +93,7 @@ def torchtitan_builder(name: str) -> str:
         if getattr(family, "TORCHTITAN", None) == name:
             return ".".join(family.__name__.split(".")[:3]) + ".titan"
     raise ValueError(f"family: {name!r} is not one torchtitan trains here; choose one of "
-                     f"{', '.join(TORCHTITAN_MODELS.values())}")
+                     f"{', '.join(sorted(TORCHTITAN_MODELS.values()))}")
 
 
 def family_for(cfg) -> ModuleType | None:
