@@ -118,7 +118,10 @@ def _save_dcp(state: dict, out: Path) -> None:
     partial = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
     try:
         dcp.save(state, checkpoint_id=str(partial), no_dist=True)
-        os.rename(partial, out)
+        try:
+            os.rename(partial, out)
+        except OSError:  # another conversion wrote the same step meanwhile: its files stay, ours go
+            raise ValueError(f"{out} appeared while this conversion wrote; choose another --folder or remove it")
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
